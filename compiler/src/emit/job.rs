@@ -1,0 +1,193 @@
+//! The resolved-job listing: a schedule with every default, preset and unit made explicit, its
+//! cluster, and its model layer by layer with tensor shapes and exact parameter counts.
+//!
+//! Repeated layers (`block[0]` … `block[31]`) print once as `block[0..31]`. Bytes print as exact
+//! integers, rates in base units (bytes/s, FLOP/s, seconds), so the listing shows precisely what
+//! later stages receive.
+
+use crate::job::*;
+use std::fmt::Write;
+
+/// Renders one job.
+pub fn emit_job(job: &Job) -> String {
+    let mut out = String::new();
+    schedule(&mut out, job);
+    out.push('\n');
+    cluster(&mut out, &job.cluster);
+    out.push('\n');
+    model(&mut out, &job.model);
+    out
+}
+
+/// `1 node`, `4 nodes`.
+pub fn plural(n: u64, word: &str) -> String {
+    format!("{n} {word}{}", if n == 1 { "" } else { "s" })
+}
+
+/// `1234567` → `1,234,567`.
+pub fn thousands(n: u64) -> String {
+    let digits = n.to_string();
+    let mut out = String::with_capacity(digits.len() + digits.len() / 3);
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
+
+fn schedule(out: &mut String, job: &Job) {
+    let s = &job.schedule;
+    let _ = writeln!(out, "schedule {}", s.name);
+    let mut row = |k: &str, v: String| {
+        let _ = writeln!(out, "  {k:<22} {v}");
+    };
+    row("model", job.model.name.clone());
+    row("cluster", job.cluster.name.clone());
+    row("preset", s.preset.clone().unwrap_or_else(|| "none".into()));
+    row("ranks", format!("{} = {} nodes x {} GPUs per node", job.ranks(), s.nodes, s.gpus_per_node));
+    row("micro_steps", s.micro_steps.to_string());
+    let mesh = |m: Mesh| format!("{m} ({})", m.size());
+    row(
+        "shard",
+        format!("params {}  grads {}  optimizer {}", mesh(s.shard.params), mesh(s.shard.grads), mesh(s.shard.optimizer)),
+    );
+    row(
+        "reshard_after_forward",
+        match s.reshard_after_forward {
+            ReshardAfterForward::True => "true".into(),
+            ReshardAfterForward::False => "false".into(),
+            ReshardAfterForward::Node { secondary } => format!("node (secondary shard over {secondary} GPUs)"),
+        },
+    );
+    row("grad_sync", s.grad_sync.name().to_string());
+    row("all_gather", s.all_gather.name().to_string());
+    let cap = s.prefetch.max_live.map_or("unlimited".into(), |b| format!("{b} B"));
+    row("prefetch", format!("forward {}  backward {}  max_live {cap}", s.prefetch.forward, s.prefetch.backward));
+    row("buckets", format!("gather {} B  reduce {} B", s.buckets.gather, s.buckets.reduce));
+    row("recompute", s.recompute.name().to_string());
+    row("streams", s.streams.name().to_string());
+    let refresh = match s.overlap.refresh {
+        Refresh::Overlap(b) => b.to_string(),
+        Refresh::NextForward => "next_forward".into(),
+    };
+    row(
+        "overlap",
+        format!("gather {}  reduce {}  sync {}  refresh {refresh}", s.overlap.gather, s.overlap.reduce, s.overlap.sync),
+    );
+    let t = &s.train;
+    let data = t.data.as_ref().map_or("built-in".into(), |p| p.display().to_string());
+    let clip = t.clip.map_or("off".into(), |c| c.to_string());
+    row("train", format!("steps {}  lr {}  seed {}  data {data}  clip {clip}", t.steps, t.lr, t.seed));
+}
+
+fn cluster(out: &mut String, c: &Cluster) {
+    let _ = writeln!(
+        out,
+        "cluster {}: {} nodes x {} GPUs, gpu_memory {} B, peak_flops {} FLOP/s, efficiency {}",
+        c.name, c.nodes, c.gpus_per_node, c.gpu_memory, c.peak_flops, c.efficiency
+    );
+    for (name, l) in [("intra_node", c.intra_node), ("inter_node", c.inter_node)] {
+        let _ = writeln!(out, "  {name}  bandwidth {} B/s  latency {} s", l.bandwidth, l.latency);
+    }
+    for m in &c.measured {
+        let points: Vec<String> = m.points.iter().map(|(s, b)| format!("{s} B = {b} B/s")).collect();
+        let _ = writeln!(out, "  measured {} {}: {}", m.collective.name(), m.mesh, points.join("; "));
+    }
+}
+
+fn model(out: &mut String, m: &Model) {
+    let _ = writeln!(
+        out,
+        "model {}: dtype {}, grad_dtype {}, optimizer {}, seq_len {}, micro_batch {}",
+        m.name,
+        m.dtype.name(),
+        m.grad_dtype.name(),
+        m.optimizer.name(),
+        m.seq_len,
+        m.micro_batch
+    );
+    let _ = writeln!(out, "  parameters {} in {} layers", thousands(m.parameters()), m.layers.len());
+    let mut i = 0;
+    while i < m.layers.len() {
+        let run = repeated_run(&m.layers[i..]);
+        let first = &m.layers[i];
+        let name = match run {
+            1 => first.name.clone(),
+            n => format!("{}..{}]", first.name.trim_end_matches(']'), index_of(&m.layers[i + n - 1].name).unwrap_or(0)),
+        };
+        let count = if run > 1 { format!("{run} x ") } else { String::new() };
+        let each = if run > 1 { " each" } else { "" };
+        let _ = writeln!(out, "  {name}  {count}{}  {} params{each}", describe(&first.kind), thousands(first.params));
+        for t in &first.tensors {
+            let _ = writeln!(out, "    {:<18} {:?}", t.name, t.shape);
+        }
+        i += run;
+    }
+}
+
+/// How many layers from the start of `layers` are repetitions `base[k]`, `base[k+1]`, … of one kind.
+fn repeated_run(layers: &[Layer]) -> usize {
+    let Some(start) = index_of(&layers[0].name) else { return 1 };
+    let base = base_of(&layers[0].name);
+    layers
+        .iter()
+        .enumerate()
+        .take_while(|(k, l)| {
+            l.kind == layers[0].kind && base_of(&l.name) == base && index_of(&l.name) == Some(start + *k as u64)
+        })
+        .count()
+}
+
+fn base_of(name: &str) -> &str {
+    name.split('[').next().unwrap_or(name)
+}
+
+fn index_of(name: &str) -> Option<u64> {
+    name.strip_suffix(']')?.rsplit_once('[')?.1.parse().ok()
+}
+
+fn describe(kind: &LayerKind) -> String {
+    let lower = |d: &dyn std::fmt::Debug| format!("{d:?}").to_lowercase();
+    match kind {
+        LayerKind::Embedding { vocab, hidden, positions } => {
+            format!("embedding(vocab {vocab}, hidden {hidden}, positions {})", lower(positions))
+        }
+        LayerKind::Transformer(t) => format!(
+            "transformer(hidden {}, heads {}, kv_heads {}, ffn {}, norm {}, act {}, bias {}, attention {})",
+            t.hidden,
+            t.heads,
+            t.kv_heads,
+            t.ffn,
+            lower(&t.norm),
+            lower(&t.act),
+            t.bias,
+            lower(&t.attention)
+        ),
+        LayerKind::Mlp(m) => format!(
+            "mlp(hidden {}, ffn {}, act {}, bias {}, norm {})",
+            m.hidden,
+            m.ffn,
+            lower(&m.act),
+            m.bias,
+            lower(&m.norm)
+        ),
+        LayerKind::LmHead { hidden, vocab, norm, tied } => {
+            format!("lm_head(hidden {hidden}, vocab {vocab}, norm {}, tied {tied})", lower(norm))
+        }
+        LayerKind::Dense { params, flops_per_token, activation_bytes_per_token } => format!(
+            "dense(params {params}, flops_per_token {flops_per_token}, activation_bytes_per_token {activation_bytes_per_token})"
+        ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn thousands_separators() {
+        assert_eq!(super::thousands(6_738_415_616), "6,738,415,616");
+        assert_eq!(super::thousands(999), "999");
+        assert_eq!(super::thousands(1000), "1,000");
+    }
+}

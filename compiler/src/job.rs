@@ -1,0 +1,421 @@
+//! The resolved job description: what semantic analysis hands to lowering.
+//!
+//! A [`Job`] is one schedule with its model and cluster, every default filled in, every preset
+//! expanded, every unit converted (bytes as exact integers, bandwidth in bytes per second, time in
+//! seconds, compute in FLOP/s) and every rule of `dsl.md` already checked. Later stages never see
+//! syntax and never re-check the language's rules. Models carry exact per-layer parameter counts and
+//! the tensor shapes the runtime names (`runtime.md`, "Tensor names").
+
+use std::fmt;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Dtype {
+    Bf16,
+    Fp16,
+    Fp32,
+}
+
+impl Dtype {
+    pub const NAMES: [&'static str; 3] = ["bf16", "fp16", "fp32"];
+
+    pub fn bytes(self) -> u64 {
+        match self {
+            Dtype::Bf16 | Dtype::Fp16 => 2,
+            Dtype::Fp32 => 4,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        Self::NAMES[self as usize]
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Optimizer {
+    Adam,
+    AdamW,
+    Sgd,
+}
+
+impl Optimizer {
+    pub const NAMES: [&'static str; 3] = ["adam", "adamw", "sgd"];
+
+    /// fp32 optimizer-state bytes per parameter: master, m and v for Adam (ZeRO's K = 12).
+    pub fn state_bytes_per_param(self) -> u64 {
+        match self {
+            Optimizer::Adam | Optimizer::AdamW => 12,
+            Optimizer::Sgd => 4,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        Self::NAMES[self as usize]
+    }
+}
+
+/// A link class of the cluster: bandwidth in bytes per second, latency in seconds.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Link {
+    pub bandwidth: f64,
+    pub latency: f64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Collective {
+    AllGather,
+    ReduceScatter,
+    AllReduce,
+    Broadcast,
+}
+
+impl Collective {
+    pub const NAMES: [&'static str; 4] = ["all_gather", "reduce_scatter", "all_reduce", "broadcast"];
+
+    pub fn name(self) -> &'static str {
+        Self::NAMES[self as usize]
+    }
+}
+
+/// A sharding mesh `intra x inter`: `intra` GPUs within each node times `inter` nodes (AMSP's s⁰ × s¹).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Mesh {
+    pub intra: u32,
+    pub inter: u32,
+}
+
+impl Mesh {
+    pub const NONE: Mesh = Mesh { intra: 1, inter: 1 };
+
+    /// Ranks the tensor is split over.
+    pub fn size(self) -> u64 {
+        u64::from(self.intra) * u64::from(self.inter)
+    }
+
+    /// True when `self` divides `other` in both dimensions (the nesting rule).
+    pub fn divides(self, other: Mesh) -> bool {
+        other.intra % self.intra == 0 && other.inter % self.inter == 0
+    }
+}
+
+impl fmt::Display for Mesh {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} x {}", self.intra, self.inter)
+    }
+}
+
+/// A `measured` table: algorithm bandwidth (bytes/s) by payload size (bytes), sizes increasing.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MeasuredTable {
+    pub collective: Collective,
+    pub mesh: Mesh,
+    pub points: Vec<(u64, f64)>,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct Cluster {
+    pub name: String,
+    pub nodes: u32,
+    pub gpus_per_node: u32,
+    pub gpu_memory: u64,
+    /// Dense peak FLOP/s of one GPU at the model's dtype.
+    pub peak_flops: f64,
+    pub efficiency: f64,
+    pub intra_node: Link,
+    pub inter_node: Link,
+    pub measured: Vec<MeasuredTable>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Positions {
+    Learned,
+    Rope,
+    None,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Norm {
+    LayerNorm,
+    RmsNorm,
+}
+
+impl Norm {
+    /// Parameters of one norm over `hidden` features (gain, plus bias for layer norm).
+    pub fn params(self, hidden: u64) -> u64 {
+        match self {
+            Norm::LayerNorm => 2 * hidden,
+            Norm::RmsNorm => hidden,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Activation {
+    Gelu,
+    SwiGlu,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Attention {
+    Flash,
+    Naive,
+}
+
+/// The MLP half of a transformer (also the `mlp` layer kind).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct MlpSpec {
+    pub hidden: u64,
+    pub ffn: u64,
+    pub act: Activation,
+    pub bias: bool,
+    pub norm: Norm,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct TransformerSpec {
+    pub hidden: u64,
+    pub heads: u64,
+    pub kv_heads: u64,
+    pub ffn: u64,
+    pub norm: Norm,
+    pub act: Activation,
+    pub bias: bool,
+    pub attention: Attention,
+}
+
+impl TransformerSpec {
+    pub fn head_dim(&self) -> u64 {
+        self.hidden / self.heads
+    }
+
+    /// Width of the key (and of the value) projection: hidden · kv_heads / heads.
+    pub fn kv_dim(&self) -> u64 {
+        self.head_dim() * self.kv_heads
+    }
+
+    pub fn mlp(&self) -> MlpSpec {
+        MlpSpec { hidden: self.hidden, ffn: self.ffn, act: self.act, bias: self.bias, norm: self.norm }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum LayerKind {
+    Embedding { vocab: u64, hidden: u64, positions: Positions },
+    Transformer(TransformerSpec),
+    Mlp(MlpSpec),
+    LmHead { hidden: u64, vocab: u64, norm: Norm, tied: bool },
+    /// An opaque layer for planning: parameters, forward FLOPs per token and activation bytes per token.
+    Dense { params: u64, flops_per_token: f64, activation_bytes_per_token: u64 },
+}
+
+impl LayerKind {
+    pub fn name(&self) -> &'static str {
+        match self {
+            LayerKind::Embedding { .. } => "embedding",
+            LayerKind::Transformer(_) => "transformer",
+            LayerKind::Mlp(_) => "mlp",
+            LayerKind::LmHead { .. } => "lm_head",
+            LayerKind::Dense { .. } => "dense",
+        }
+    }
+
+    /// The hidden width this layer consumes and produces (`None` for opaque layers).
+    pub fn hidden(&self) -> Option<u64> {
+        match *self {
+            LayerKind::Embedding { hidden, .. } | LayerKind::LmHead { hidden, .. } => Some(hidden),
+            LayerKind::Transformer(t) => Some(t.hidden),
+            LayerKind::Mlp(m) => Some(m.hidden),
+            LayerKind::Dense { .. } => None,
+        }
+    }
+}
+
+/// One named weight tensor of a layer; matrices are [out, in] like a PyTorch `Linear`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TensorSpec {
+    pub name: String,
+    pub shape: Vec<u64>,
+}
+
+impl TensorSpec {
+    pub fn elements(&self) -> u64 {
+        self.shape.iter().product()
+    }
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct Layer {
+    /// The name as written, with the index for repeated layers: `block[3]`.
+    pub name: String,
+    pub kind: LayerKind,
+    /// The layer's weights in the order they are flattened into its parameter buffer (empty for `dense`).
+    pub tensors: Vec<TensorSpec>,
+    /// Exact parameter count P_l (the sum of the tensors, or the declared count for `dense`).
+    pub params: u64,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct Model {
+    pub name: String,
+    pub dtype: Dtype,
+    pub grad_dtype: Dtype,
+    pub optimizer: Optimizer,
+    pub seq_len: u64,
+    pub micro_batch: u64,
+    pub layers: Vec<Layer>,
+}
+
+impl Model {
+    /// Ψ, the total parameter count (saturating: semantic analysis bounds real models far below).
+    pub fn parameters(&self) -> u64 {
+        self.layers.iter().fold(0u64, |acc, l| acc.saturating_add(l.params))
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ReshardAfterForward {
+    /// Release gathered parameters after forward, gather again for backward.
+    True,
+    /// Keep them until the layer's backward.
+    False,
+    /// ZeRO++ hpZ: keep a secondary shard of 1/`secondary` within each node for backward.
+    Node { secondary: u32 },
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum GradSync {
+    TwoHop,
+    Flat,
+}
+
+impl GradSync {
+    /// The keyword as written in `.sched` files.
+    pub fn name(self) -> &'static str {
+        ["two_hop", "flat"][self as usize]
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum AllGatherAlgo {
+    Flat,
+    Hierarchical,
+}
+
+impl AllGatherAlgo {
+    /// The keyword as written in `.sched` files.
+    pub fn name(self) -> &'static str {
+        ["flat", "hierarchical"][self as usize]
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Recompute {
+    None,
+    Full,
+}
+
+impl Recompute {
+    /// The keyword as written in `.sched` files.
+    pub fn name(self) -> &'static str {
+        ["none", "full"][self as usize]
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Streams {
+    Single,
+    PerRole,
+    PerLink,
+}
+
+impl Streams {
+    /// The keyword as written in `.sched` files.
+    pub fn name(self) -> &'static str {
+        ["single", "per_role", "per_link"][self as usize]
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Refresh {
+    /// On the sync stream (`true`) or the compute stream (`false`), right after the update.
+    Overlap(bool),
+    /// Deferred to just before each layer's first forward of the next step.
+    NextForward,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Shard {
+    pub params: Mesh,
+    pub grads: Mesh,
+    pub optimizer: Mesh,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Prefetch {
+    pub forward: u32,
+    pub backward: u32,
+    /// Cap on gathered parameter bytes alive at once; `None` is unlimited.
+    pub max_live: Option<u64>,
+}
+
+/// Coalescing limits in bytes; 0 is off.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Buckets {
+    pub gather: u64,
+    pub reduce: u64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Overlap {
+    pub gather: bool,
+    pub reduce: bool,
+    pub sync: bool,
+    pub refresh: Refresh,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct Train {
+    pub steps: u64,
+    pub lr: f64,
+    pub seed: u64,
+    /// The corpus, resolved relative to the schedule's file; `None` is the built-in corpus.
+    pub data: Option<PathBuf>,
+    /// Global gradient-norm limit; `None` is off.
+    pub clip: Option<f64>,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct Schedule {
+    pub name: String,
+    /// The preset as written (`mics(partition = 8)`), for display; its effects are already applied.
+    pub preset: Option<String>,
+    pub nodes: u32,
+    pub gpus_per_node: u32,
+    pub micro_steps: u32,
+    pub shard: Shard,
+    pub reshard_after_forward: ReshardAfterForward,
+    pub grad_sync: GradSync,
+    pub all_gather: AllGatherAlgo,
+    pub prefetch: Prefetch,
+    pub buckets: Buckets,
+    pub recompute: Recompute,
+    pub streams: Streams,
+    pub overlap: Overlap,
+    pub train: Train,
+}
+
+/// One training job: a schedule with the model and cluster it names.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Job {
+    pub schedule: Schedule,
+    pub model: Arc<Model>,
+    pub cluster: Arc<Cluster>,
+}
+
+impl Job {
+    /// dp = G × N, the ranks used.
+    pub fn ranks(&self) -> u64 {
+        u64::from(self.schedule.gpus_per_node) * u64::from(self.schedule.nodes)
+    }
+}

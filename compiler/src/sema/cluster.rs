@@ -1,0 +1,157 @@
+//! Resolving `cluster` blocks: sizes, memory, peak compute, links and measured tables.
+//!
+//! Every key is required but `efficiency` (default 0.75) and `measured` tables; link latencies are
+//! required too, because a simulator that silently assumes zero latency misleads.
+
+use super::values::*;
+use super::Ctx;
+use crate::job::{Cluster, Collective, Link, MeasuredTable, Mesh};
+use sched_grammar::ast::{BlockItem, Measured, Nested, ValueKind};
+use sched_grammar::diag::Diagnostic;
+
+const KEYS: &[(&str, Shape)] = &[
+    ("nodes", Shape::Value),
+    ("gpus_per_node", Shape::Value),
+    ("gpu_memory", Shape::Value),
+    ("peak_flops", Shape::Value),
+    ("efficiency", Shape::Value),
+    ("intra_node", Shape::Block),
+    ("inter_node", Shape::Block),
+];
+
+const LINK_KEYS: &[(&str, Shape)] = &[("bandwidth", Shape::Value), ("latency", Shape::Value)];
+
+/// Most nodes or GPUs per node a cluster may declare (keeps rank arithmetic far from overflow).
+pub(crate) const MAX_COUNT: u64 = 1 << 20;
+
+pub(crate) fn resolve(ctx: &mut Ctx, item: &BlockItem) -> Option<Cluster> {
+    let what = format!("cluster `{}`", item.name.name);
+    let r = BlockReader::new(ctx, &what, &item.body.entries, KEYS, Extras { measured: true, ..Extras::default() });
+    let nodes = r.required(ctx, "nodes", &item.name, &what, "4").and_then(|v| expect_int(ctx, v, 1, MAX_COUNT, "`nodes`"));
+    let gpus = r
+        .required(ctx, "gpus_per_node", &item.name, &what, "8")
+        .and_then(|v| expect_int(ctx, v, 1, MAX_COUNT, "`gpus_per_node`"));
+    let memory = r.required(ctx, "gpu_memory", &item.name, &what, "80 GiB").and_then(|v| expect_bytes(ctx, v));
+    let peak = r
+        .required(ctx, "peak_flops", &item.name, &what, "312 TFLOPS")
+        .and_then(|v| expect_quantity(ctx, v, UnitKind::Compute));
+    let efficiency = match r.value("efficiency") {
+        None => Some(0.75),
+        Some(v) => expect_number(ctx, v).and_then(|e| {
+            if e > 0.0 && e <= 1.0 {
+                Some(e)
+            } else {
+                ctx.error(
+                    Diagnostic::error(format!("`efficiency` must be in (0, 1], found {e}")).at(v.span, "out of range"),
+                );
+                None
+            }
+        }),
+    };
+    let intra = link(ctx, &r, "intra_node", item, &what);
+    let inter = link(ctx, &r, "inter_node", item, &what);
+    let measured: Vec<Option<MeasuredTable>> = r.measured.iter().map(|m| measured_table(ctx, m)).collect();
+    for (t, m) in measured.iter().zip(&r.measured) {
+        let (Some(t), Some(n), Some(g)) = (t, nodes, gpus) else { continue };
+        if u64::from(t.mesh.intra) > g || u64::from(t.mesh.inter) > n {
+            ctx.error(
+                Diagnostic::error(format!("measured mesh {} does not fit a cluster of {n} nodes x {g} GPUs", t.mesh))
+                    .at(m.mesh.span, "mesh larger than the cluster"),
+            );
+        }
+    }
+    if let Some(p) = peak.filter(|p| *p <= 0.0) {
+        ctx.error(Diagnostic::error(format!("`peak_flops` must be positive, found {p}")).at(item.name.span, "here"));
+        return None;
+    }
+    Some(Cluster {
+        name: item.name.name.clone(),
+        nodes: nodes? as u32,
+        gpus_per_node: gpus? as u32,
+        gpu_memory: memory?,
+        peak_flops: peak?,
+        efficiency: efficiency?,
+        intra_node: intra?,
+        inter_node: inter?,
+        measured: measured.into_iter().collect::<Option<Vec<_>>>()?,
+    })
+}
+
+fn link(ctx: &mut Ctx, r: &BlockReader, key: &str, item: &BlockItem, what: &str) -> Option<Link> {
+    let Some(block) = r.block(key) else {
+        ctx.error(
+            Diagnostic::error(format!("{what} is missing `{key}`"))
+                .at(item.name.span, format!("`{key}` is required here"))
+                .note(format!("add `{key} {{ bandwidth = 200 GB/s  latency = 5 us }}`")),
+        );
+        return None;
+    };
+    link_block(ctx, block)
+}
+
+fn link_block(ctx: &mut Ctx, block: &Nested) -> Option<Link> {
+    let what = format!("`{}`", block.key.name);
+    let r = BlockReader::for_nested(ctx, &what, block, LINK_KEYS);
+    let bw = r
+        .required(ctx, "bandwidth", &block.key, &what, "200 GB/s")
+        .and_then(|v| expect_quantity(ctx, v, UnitKind::Bandwidth));
+    let lat = r.required(ctx, "latency", &block.key, &what, "5 us").and_then(|v| expect_quantity(ctx, v, UnitKind::Time));
+    if let Some(b) = bw.filter(|b| *b <= 0.0) {
+        ctx.error(Diagnostic::error(format!("bandwidth must be positive, found {b} B/s")).at(block.key.span, "here"));
+        return None;
+    }
+    if let Some(l) = lat.filter(|l| *l < 0.0) {
+        ctx.error(Diagnostic::error(format!("latency cannot be negative, found {l} s")).at(block.key.span, "here"));
+        return None;
+    }
+    Some(Link { bandwidth: bw?, latency: lat? })
+}
+
+fn measured_table(ctx: &mut Ctx, m: &Measured) -> Option<MeasuredTable> {
+    let collective = choice(ctx, &m.collective, &Collective::NAMES, "collective");
+    let mesh = match &m.mesh.kind {
+        ValueKind::Mesh(lit) => match (lit.a.value(), lit.b.value()) {
+            (Some(a), Some(b)) if (1..=MAX_COUNT).contains(&a) && (1..=MAX_COUNT).contains(&b) => {
+                Some(Mesh { intra: a as u32, inter: b as u32 })
+            }
+            _ => {
+                ctx.error(Diagnostic::error("mesh factors must be between 1 and 2^20").at(m.mesh.span, "out of range"));
+                None
+            }
+        },
+        _ => {
+            ctx.error(
+                Diagnostic::error(format!("expected a mesh such as `8 x 2`, found {}", m.mesh.kind.describe()))
+                    .at(m.mesh.span, "a measured table names its mesh as `a x b`"),
+            );
+            None
+        }
+    };
+    let mut points = Vec::with_capacity(m.points.len());
+    for p in &m.points {
+        let size = bytes(ctx, &p.size);
+        let bw = quantity(ctx, &p.bandwidth, UnitKind::Bandwidth);
+        if let (Some(s), Some(b)) = (size, bw) {
+            if b <= 0.0 || s == 0 {
+                ctx.error(Diagnostic::error("a measured point needs a positive size and bandwidth").at(p.span, "here"));
+            } else if let Some(&(prev, _)) = points.last().filter(|(prev, _)| *prev >= s) {
+                ctx.error(
+                    Diagnostic::error(format!("measured sizes must increase: {s} bytes follows {prev} bytes"))
+                        .at(p.size.span, "not larger than the point before"),
+                );
+            } else {
+                points.push((s, b));
+            }
+        }
+    }
+    if m.points.is_empty() {
+        ctx.error(Diagnostic::error("a measured table needs at least one point").at(m.span, "empty table"));
+        return None;
+    }
+    let table = MeasuredTable { collective: collective_of(collective?), mesh: mesh?, points };
+    (table.points.len() == m.points.len()).then_some(table)
+}
+
+fn collective_of(i: usize) -> Collective {
+    [Collective::AllGather, Collective::ReduceScatter, Collective::AllReduce, Collective::Broadcast][i]
+}

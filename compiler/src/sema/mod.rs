@@ -1,0 +1,275 @@
+//! Semantic analysis: from `.sched` files to resolved [`Job`]s.
+//!
+//! One analysis starts at a root file and owns everything reachable from it:
+//! 1. **Load**: parse the root and, depth first, every file it imports (paths relative to the importing
+//!    file). A file reached twice is loaded once; a file reached again while it is still being
+//!    loaded is an import cycle, reported with the whole chain.
+//! 2. **Index**: every item of every loaded file goes into one namespace per kind (imports are
+//!    transitive, like C includes). An unknown item kind or two items of one kind and name are
+//!    errors; the latter points at both.
+//! 3. **Resolve**: clusters, then models (layers expanded, tensor shapes and exact parameter counts),
+//!    then schedules (presets expanded, explicit keys overriding, meshes laid out, every rule of
+//!    `dsl.md` checked) into [`Job`]s.
+//!
+//! Errors never stop the analysis early: every error and warning of every file is collected, sorted
+//! by position, and returned with whatever resolved cleanly. A file with syntax errors is not
+//! analysed further, so its broken items cause no knock-on errors.
+
+mod cluster;
+mod model;
+mod schedule;
+mod values;
+
+use crate::job::{Cluster, Job, Model};
+use sched_grammar::ast::{self, Item};
+use sched_grammar::diag::{did_you_mean, Diagnostic, FileId, SourceMap, Span};
+use std::collections::HashMap;
+use std::path::{Component, Path, PathBuf};
+use std::sync::Arc;
+
+/// Where source files come from: the file system, or memory (tests, fuzzing).
+pub trait Loader {
+    fn read(&self, path: &Path) -> std::io::Result<String>;
+}
+
+/// Reads files from disk.
+pub struct FsLoader;
+
+impl Loader for FsLoader {
+    fn read(&self, path: &Path) -> std::io::Result<String> {
+        std::fs::read_to_string(path)
+    }
+}
+
+/// Files held in memory, keyed by their normalised path.
+#[derive(Default)]
+pub struct MemLoader {
+    pub files: HashMap<PathBuf, String>,
+}
+
+impl MemLoader {
+    pub fn with(mut self, path: &str, text: &str) -> Self {
+        self.files.insert(normalize(Path::new(path)), text.to_string());
+        self
+    }
+}
+
+impl Loader for MemLoader {
+    fn read(&self, path: &Path) -> std::io::Result<String> {
+        self.files.get(&normalize(path)).cloned().ok_or_else(|| std::io::ErrorKind::NotFound.into())
+    }
+}
+
+/// The root file itself could not be read: a fault outside the input (exit status 2).
+#[derive(Debug)]
+pub struct ReadError {
+    pub path: PathBuf,
+    pub error: std::io::Error,
+}
+
+impl std::fmt::Display for ReadError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "cannot read {}: {}", self.path.display(), self.error)
+    }
+}
+
+impl std::error::Error for ReadError {}
+
+/// Collected diagnostics of one analysis.
+#[derive(Default)]
+pub(crate) struct Ctx {
+    diags: Vec<Diagnostic>,
+}
+
+impl Ctx {
+    pub fn error(&mut self, d: Diagnostic) {
+        self.diags.push(d);
+    }
+
+    pub fn warn(&mut self, d: Diagnostic) {
+        self.diags.push(d);
+    }
+}
+
+/// The outcome of analysing one root file.
+pub struct Analysis {
+    pub sources: SourceMap,
+    /// Every error and warning, sorted by file and position.
+    pub diagnostics: Vec<Diagnostic>,
+    pub clusters: Vec<Arc<Cluster>>,
+    pub models: Vec<Arc<Model>>,
+    /// Schedules defined in the root file, in source order (imported files' schedules are checked
+    /// but not listed here).
+    pub jobs: Vec<Job>,
+}
+
+impl Analysis {
+    pub fn has_errors(&self) -> bool {
+        self.diagnostics.iter().any(|d| d.is_error())
+    }
+
+    /// The diagnostics rendered as plain text.
+    pub fn render(&self) -> String {
+        self.sources.render(&self.diagnostics)
+    }
+
+    /// The job to act on: the one named, or the only one. Lists the choices otherwise.
+    pub fn select(&self, name: Option<&str>) -> Result<&Job, String> {
+        let names = || self.jobs.iter().map(|j| j.schedule.name.as_str()).collect::<Vec<_>>().join(", ");
+        match name {
+            Some(n) => self.jobs.iter().find(|j| j.schedule.name == n).ok_or_else(|| {
+                let hint = did_you_mean(n, self.jobs.iter().map(|j| j.schedule.name.as_str()))
+                    .map(|s| format!("; did you mean `{s}`?"))
+                    .unwrap_or_default();
+                format!("no schedule `{n}` in this file{hint} (it has: {})", names())
+            }),
+            None => match self.jobs.as_slice() {
+                [one] => Ok(one),
+                [] => Err("this file defines no schedule".to_string()),
+                _ => Err(format!("this file defines several schedules; pick one with --schedule NAME: {}", names())),
+            },
+        }
+    }
+}
+
+/// Analyses `root` and everything it imports.
+pub fn analyze(root: &Path, loader: &dyn Loader) -> Result<Analysis, ReadError> {
+    let text = loader.read(root).map_err(|error| ReadError { path: root.to_path_buf(), error })?;
+    let mut sources = SourceMap::new();
+    let mut ctx = Ctx::default();
+    let root_id = sources.add(root.display().to_string(), normalize(root), text);
+    let mut files = Files { loader, asts: HashMap::new(), stack: vec![], syntax_errors: false };
+    files.load(&mut sources, &mut ctx, root_id);
+
+    let mut analysis = Analysis { sources, diagnostics: vec![], clusters: vec![], models: vec![], jobs: vec![] };
+    if !files.syntax_errors {
+        resolve(&mut ctx, &mut analysis, &files.asts, root_id);
+    }
+    ctx.diags.sort_by_key(|d| d.primary_span().map(|s| (s.file, s.start)));
+    analysis.diagnostics = ctx.diags;
+    Ok(analysis)
+}
+
+/// The import graph walk.
+struct Files<'l> {
+    loader: &'l dyn Loader,
+    asts: HashMap<FileId, ast::File>,
+    /// Files being loaded, with the import that led to each (for cycle reports).
+    stack: Vec<(FileId, Option<Span>)>,
+    syntax_errors: bool,
+}
+
+impl Files<'_> {
+    fn load(&mut self, sources: &mut SourceMap, ctx: &mut Ctx, id: FileId) {
+        let parsed = sched_grammar::parse(id, &sources.get(id).text);
+        self.syntax_errors |= !parsed.errors.is_empty();
+        parsed.errors.into_iter().for_each(|e| ctx.error(e));
+        let dir = sources.get(id).path.parent().map(Path::to_path_buf).unwrap_or_default();
+        for item in &parsed.file.items {
+            let Item::Import(imp) = item else { continue };
+            let path = normalize(&dir.join(&imp.path.value));
+            if let Some(pos) = self.stack.iter().position(|(f, _)| sources.get(*f).path == path) {
+                ctx.error(cycle_error(sources, &self.stack[pos..], imp.span));
+                continue;
+            }
+            if sources.find(&path).is_some() {
+                continue; // already loaded through another import
+            }
+            match self.loader.read(&path) {
+                Ok(text) => {
+                    let child = sources.add(display_path(&path), &path, text);
+                    self.stack.push((id, Some(imp.span)));
+                    self.load(sources, ctx, child);
+                    self.stack.pop();
+                }
+                Err(e) => ctx.error(
+                    Diagnostic::error(format!("cannot import `{}`: {e}", imp.path.value))
+                        .at(imp.path.span, format!("looked for {}", display_path(&path))),
+                ),
+            }
+        }
+        self.asts.insert(id, parsed.file);
+    }
+}
+
+fn cycle_error(sources: &SourceMap, chain: &[(FileId, Option<Span>)], closing: Span) -> Diagnostic {
+    let mut names: Vec<&str> = chain.iter().map(|(f, _)| sources.get(*f).name.as_str()).collect();
+    names.push(&sources.get(chain[0].0).name);
+    let mut d = Diagnostic::error(format!("import cycle: {}", names.join(" → "))).at(closing, "this import closes the cycle");
+    for (_, span) in chain.iter().skip(1) {
+        if let Some(s) = span {
+            d = d.also(*s, "imported here");
+        }
+    }
+    d
+}
+
+/// Lexically normalises a path (removes `.` and resolves `..` against earlier components).
+fn normalize(path: &Path) -> PathBuf {
+    let mut out = PathBuf::new();
+    for c in path.components() {
+        match c {
+            Component::CurDir => {}
+            Component::ParentDir if matches!(out.components().next_back(), Some(Component::Normal(_))) => {
+                out.pop();
+            }
+            c => out.push(c.as_os_str()),
+        }
+    }
+    out
+}
+
+fn display_path(path: &Path) -> String {
+    path.display().to_string()
+}
+
+const ITEM_KINDS: [&str; 3] = ["cluster", "model", "schedule"];
+
+/// Builds the namespaces and resolves every item.
+fn resolve(ctx: &mut Ctx, out: &mut Analysis, asts: &HashMap<FileId, ast::File>, root: FileId) {
+    let mut ids: Vec<&FileId> = asts.keys().collect();
+    ids.sort();
+    let mut items: [Vec<&ast::BlockItem>; 3] = Default::default();
+    for id in ids {
+        for item in &asts[id].items {
+            let Item::Block(b) = item else { continue };
+            if let Some(k) = values::choice(ctx, &b.kind, &ITEM_KINDS, "item kind") {
+                let same = items[k].iter().find(|o| o.name.name == b.name.name);
+                match same {
+                    Some(first) => ctx.error(
+                        Diagnostic::error(format!("{} `{}` is defined twice", ITEM_KINDS[k], b.name.name))
+                            .at(b.name.span, "defined again here")
+                            .also(first.name.span, "first defined here"),
+                    ),
+                    None => items[k].push(b),
+                }
+            }
+        }
+    }
+    let [clusters, models, schedules] = items;
+    let clusters: Vec<(&ast::BlockItem, Option<Arc<Cluster>>)> =
+        clusters.into_iter().map(|c| (c, cluster::resolve(ctx, c).map(Arc::new))).collect();
+    let models: Vec<(&ast::BlockItem, Option<Arc<Model>>)> =
+        models.into_iter().map(|m| (m, model::resolve(ctx, m).map(Arc::new))).collect();
+    let env = schedule::Env { clusters: &clusters, models: &models, sources: &out.sources };
+    for s in schedules {
+        if let Some(job) = schedule::resolve(ctx, &env, s) {
+            if s.span.file == root {
+                out.jobs.push(job);
+            }
+        }
+    }
+    out.clusters = clusters.into_iter().filter_map(|(_, c)| c).collect();
+    out.models = models.into_iter().filter_map(|(_, m)| m).collect();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn paths_normalise() {
+        assert_eq!(normalize(Path::new("a/./b/../c.sched")), PathBuf::from("a/c.sched"));
+        assert_eq!(normalize(Path::new("../x/../y")), PathBuf::from("../y"));
+    }
+}

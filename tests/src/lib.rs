@@ -1,0 +1,1 @@
+//! Workspace integration and snapshot tests live in `tests/tests/`; this library is empty.
