@@ -1,0 +1,281 @@
+//! `schedc`: the command line of the schedule compiler (`shared/spec/cli.md`).
+//!
+//! Exit status: 0 success (warnings allowed), 1 errors in the input or a failed check, 2 any other
+//! failure (a file that cannot be read or written). Results go to stdout, diagnostics to stderr.
+
+use clap::{Parser, Subcommand};
+use codespan_reporting::term::termcolor::{ColorChoice, StandardStream};
+use schedc::emit::job::{emit_job, thousands};
+use schedc::{analyze, Analysis, FsLoader};
+use std::io::{IsTerminal, Write};
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+#[derive(Parser)]
+#[command(name = "schedc", version, about = "Compile, check and format sharded data-parallel training schedules")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Parse, resolve imports and validate; print one line per schedule with its ranks and parameters.
+    Check {
+        #[arg(required = true)]
+        files: Vec<PathBuf>,
+        /// Also print each resolved job: every default, preset and unit made explicit, layer by layer.
+        #[arg(long)]
+        resolved: bool,
+    },
+    /// Lower a schedule to a stream program, plan its memory, verify it, and write it out.
+    Compile {
+        file: PathBuf,
+        /// Which schedule, when the file defines several.
+        #[arg(long)]
+        schedule: Option<String>,
+        /// Output file (default: NAME.plan.json for plans, stdout for listings and stats).
+        #[arg(short, long)]
+        output: Option<PathBuf>,
+        /// What to write.
+        #[arg(long, value_enum, default_value = "plan")]
+        emit: Emit,
+    },
+    /// Re-run every proof of the lowering spec on a plan file.
+    Verify { plan: PathBuf },
+    /// Rewrite files in canonical layout, keeping comments.
+    Fmt {
+        #[arg(required = true)]
+        files: Vec<PathBuf>,
+        /// Only report files that are not formatted (exit 1 if any); change nothing.
+        #[arg(long)]
+        check: bool,
+    },
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum Emit {
+    Plan,
+    Listing,
+    Stats,
+}
+
+/// Outcome of a command: the worst status seen.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Status {
+    Ok = 0,
+    BadInput = 1,
+    Fault = 2,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let status = match cli.command {
+        Command::Check { files, resolved } => files.iter().map(|f| check(f, resolved)).max(),
+        Command::Fmt { files, check } => files.iter().map(|f| fmt(f, check)).max(),
+        Command::Compile { file, schedule, output, emit } => Some(compile(&file, schedule.as_deref(), output, emit)),
+        Command::Verify { plan } => Some(verify(&plan)),
+    };
+    ExitCode::from(status.unwrap_or(Status::Ok) as u8)
+}
+
+fn stderr() -> StandardStream {
+    let choice = if std::io::stderr().is_terminal() { ColorChoice::Auto } else { ColorChoice::Never };
+    StandardStream::stderr(choice)
+}
+
+fn report(analysis: &Analysis) {
+    analysis.sources.emit(&mut stderr(), &analysis.diagnostics);
+}
+
+fn check(file: &Path, resolved: bool) -> Status {
+    let analysis = match analyze(file, &FsLoader) {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return Status::Fault;
+        }
+    };
+    report(&analysis);
+    if analysis.has_errors() {
+        return Status::BadInput;
+    }
+    let mut out = std::io::stdout().lock();
+    for job in &analysis.jobs {
+        let s = &job.schedule;
+        let _ = writeln!(
+            out,
+            "{}: {} ranks ({} x {}), model {} with {} parameters, cluster {}",
+            s.name,
+            job.ranks(),
+            plural(s.nodes, "node"),
+            plural(s.gpus_per_node, "GPU"),
+            job.model.name,
+            thousands(job.model.parameters()),
+            job.cluster.name
+        );
+        if resolved {
+            let _ = writeln!(out, "\n{}", emit_job(job));
+        }
+    }
+    if analysis.jobs.is_empty() {
+        let models: Vec<&str> = analysis.models.iter().map(|m| m.name.as_str()).collect();
+        let clusters: Vec<&str> = analysis.clusters.iter().map(|c| c.name.as_str()).collect();
+        let _ = writeln!(
+            out,
+            "{}: no schedule (models: {}; clusters: {})",
+            file.display(),
+            if models.is_empty() { "none".into() } else { models.join(", ") },
+            if clusters.is_empty() { "none".into() } else { clusters.join(", ") }
+        );
+    }
+    Status::Ok
+}
+
+fn compile(file: &Path, schedule: Option<&str>, output: Option<PathBuf>, emit: Emit) -> Status {
+    let analysis = match analyze(file, &FsLoader) {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return Status::Fault;
+        }
+    };
+    report(&analysis);
+    if analysis.has_errors() {
+        return Status::BadInput;
+    }
+    let job = match analysis.select(schedule) {
+        Ok(j) => j,
+        Err(e) => {
+            eprintln!("error: {}: {e}", file.display());
+            return Status::BadInput;
+        }
+    };
+    let (program, info) = match schedc::compile(job) {
+        Ok(x) => x,
+        Err(schedc::CompileError::Lower(e)) => {
+            eprintln!("error: schedule `{}` cannot be lowered: {e}", job.schedule.name);
+            return Status::BadInput;
+        }
+        Err(schedc::CompileError::Verify(program, errors)) => {
+            eprintln!("error: the compiled program for `{}` fails verification ({} errors):\n", job.schedule.name, errors.len());
+            eprint!("{}", schedc::verify::render_context(&program, &errors[..errors.len().min(20)], 3));
+            return Status::Fault;
+        }
+    };
+    let text = match emit {
+        Emit::Plan => {
+            let ctx = schedc::verify_ctx(job);
+            let plan = schedc::emit::plan::emit_plan(&program, ctx.shard, ctx.secondary);
+            serde_json::to_string(&plan).expect("plans serialise") + "\n"
+        }
+        Emit::Listing => schedc::emit::listing::emit_listing(&program),
+        Emit::Stats => serde_json::to_string_pretty(&schedc::emit::stats::emit_stats(job, &program, &info)).expect("stats serialise") + "\n",
+    };
+    let target = match (output, emit) {
+        (Some(o), _) => o,
+        (None, Emit::Plan) => PathBuf::from(format!("{}.plan.json", job.schedule.name)),
+        (None, _) => {
+            print!("{text}");
+            return Status::Ok;
+        }
+    };
+    match write_atomically(&target, &text) {
+        Ok(()) => {
+            eprintln!("wrote {}", target.display());
+            Status::Ok
+        }
+        Err(e) => {
+            eprintln!("error: cannot write {}: {e}", target.display());
+            Status::Fault
+        }
+    }
+}
+
+fn verify(path: &Path) -> Status {
+    let text = match std::fs::read_to_string(path) {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("error: cannot read {}: {e}", path.display());
+            return Status::Fault;
+        }
+    };
+    let plan = match schedc::emit::plan::read_plan(&text) {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!("error: {}: {e}", path.display());
+            return Status::BadInput;
+        }
+    };
+    let ctx = schedc::verify::Ctx { shard: plan.shard, secondary: plan.secondary };
+    match schedc::verify::verify(&plan.program, ctx) {
+        Ok(_) => {
+            let p = &plan.program;
+            println!(
+                "{}: verified: {} ops on {} streams, {} buffers, {} events, arena {} B per rank",
+                path.display(),
+                p.ops.len(),
+                p.streams.len(),
+                p.buffers.len(),
+                p.events.len(),
+                thousands(p.arena_bytes)
+            );
+            Status::Ok
+        }
+        Err(errors) => {
+            eprintln!("error: {} fails verification ({} errors):\n", path.display(), errors.len());
+            eprint!("{}", schedc::verify::render_context(&plan.program, &errors[..errors.len().min(20)], 3));
+            Status::BadInput
+        }
+    }
+}
+
+fn plural(n: u32, word: &str) -> String {
+    format!("{n} {word}{}", if n == 1 { "" } else { "s" })
+}
+
+fn fmt(file: &Path, check_only: bool) -> Status {
+    let text = match std::fs::read_to_string(file) {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("error: cannot read {}: {e}", file.display());
+            return Status::Fault;
+        }
+    };
+    let mut sources = sched_grammar::SourceMap::new();
+    let id = sources.add(file.display().to_string(), file, text);
+    let parsed = sched_grammar::parse(id, &sources.get(id).text);
+    if !parsed.errors.is_empty() {
+        sources.emit(&mut stderr(), &parsed.errors);
+        return Status::BadInput;
+    }
+    let text = &sources.get(id).text;
+    let formatted = sched_grammar::fmt::format(text, &parsed.file);
+    if formatted == *text {
+        return Status::Ok;
+    }
+    if check_only {
+        println!("{}: not formatted", file.display());
+        return Status::BadInput;
+    }
+    match write_atomically(file, &formatted) {
+        Ok(()) => Status::Ok,
+        Err(e) => {
+            eprintln!("error: cannot write {}: {e}", file.display());
+            Status::Fault
+        }
+    }
+}
+
+/// Writes through a temporary file in the same directory and renames it over `path`, so a failure
+/// never leaves a half-written file.
+fn write_atomically(path: &Path, text: &str) -> std::io::Result<()> {
+    let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let tmp = dir.join(format!(".{name}.schedc-fmt.tmp"));
+    let result = std::fs::write(&tmp, text).and_then(|()| std::fs::rename(&tmp, path));
+    if result.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    result
+}

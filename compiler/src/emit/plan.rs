@@ -1,0 +1,438 @@
+//! The plan file (`cli.md`, "The plan file"): JSON, versioned, the contract between `schedc`,
+//! `schedrun` and other tools. [`emit_plan`] writes a program; [`read_plan`] reads one back into a
+//! [`Program`] for `schedc verify`, refusing anything malformed with a message that says where.
+//!
+//! Beyond the required fields the file carries the shard meshes and hpZ's secondary size (so a
+//! reader can evaluate rank-dependent offsets), each op's role, and each region's shard index and
+//! stride where its offset depends on the rank.
+
+use crate::ir::*;
+use crate::job::{Collective, Dtype, Mesh, Shard};
+use cranelift_entity::EntityRef;
+use serde::{Deserialize, Serialize};
+
+pub const FORMAT: &str = "sched-plan";
+pub const VERSION: u32 = 1;
+
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PlanFile {
+    pub format: String,
+    pub version: u32,
+    pub schedule: String,
+    pub ranks: u32,
+    pub nodes: u32,
+    pub gpus_per_node: u32,
+    pub micro_steps: u32,
+    pub arena_bytes: u64,
+    pub shard: ShardFile,
+    pub secondary: Option<u32>,
+    pub layers: Vec<LayerFile>,
+    pub communicators: Vec<CommFile>,
+    pub buffers: Vec<BufferFile>,
+    pub events: u32,
+    pub streams: Vec<StreamFile>,
+}
+
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ShardFile {
+    pub params: [u32; 2],
+    pub grads: [u32; 2],
+    pub optimizer: [u32; 2],
+}
+
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LayerFile {
+    pub name: String,
+    pub params: u64,
+    pub padded: u64,
+}
+
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CommFile {
+    pub id: u32,
+    pub name: String,
+    pub scope: String,
+    pub groups: Vec<Vec<u32>>,
+}
+
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BufferFile {
+    pub id: u32,
+    pub name: String,
+    pub kind: String,
+    pub bytes: u64,
+    pub dtype: String,
+    pub offset: u64,
+    pub persistent: bool,
+    pub layer: Option<u32>,
+}
+
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StreamFile {
+    pub name: String,
+    pub ops: Vec<OpFile>,
+}
+
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RegionFile {
+    pub buffer: u32,
+    pub offset: u64,
+    pub bytes: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub index: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stride: Option<u64>,
+}
+
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CollectiveFile {
+    pub kind: String,
+    pub communicator: u32,
+    pub dtype: String,
+    pub count: u64,
+    pub input: RegionFile,
+    pub output: RegionFile,
+}
+
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OpFile {
+    pub id: u32,
+    pub kind: String,
+    pub role: String,
+    pub layer: Option<String>,
+    pub micro_step: Option<u32>,
+    pub reads: Vec<RegionFile>,
+    pub writes: Vec<RegionFile>,
+    pub wait: Vec<u32>,
+    pub record: Option<u32>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub ops: Vec<CollectiveFile>,
+}
+
+const KINDS: [(BufferKind, &str); 9] = [
+    (BufferKind::ParamShard, "param_shard"),
+    (BufferKind::GradShard, "grad_shard"),
+    (BufferKind::OptimizerShard, "optimizer_shard"),
+    (BufferKind::Gathered, "gathered"),
+    (BufferKind::Secondary, "secondary"),
+    (BufferKind::Staging, "staging"),
+    (BufferKind::FullGrad, "full_grad"),
+    (BufferKind::Activation, "activation"),
+    (BufferKind::Hidden, "hidden"),
+];
+const ROLES: [(OpRole, &str); 5] = [
+    (OpRole::Compute, "compute"),
+    (OpRole::Gather, "gather"),
+    (OpRole::Reduce, "reduce"),
+    (OpRole::Sync, "sync"),
+    (OpRole::Refresh, "refresh"),
+];
+const STREAM_ROLES: [StreamRole; 6] =
+    [StreamRole::Compute, StreamRole::Gather, StreamRole::Reduce, StreamRole::Sync, StreamRole::Intra, StreamRole::Inter];
+const SCOPES: [Scope; 3] = [Scope::Intra, Scope::Inter, Scope::Mixed];
+const COMPUTE: [ComputeKind; 7] = [
+    ComputeKind::Forward,
+    ComputeKind::Recompute,
+    ComputeKind::Backward,
+    ComputeKind::Loss,
+    ComputeKind::Update,
+    ComputeKind::Accumulate,
+    ComputeKind::Copy,
+];
+const INDICES: [ShardIndex; 7] = [
+    ShardIndex::Param,
+    ShardIndex::Grad,
+    ShardIndex::Optimizer,
+    ShardIndex::ParamLocal,
+    ShardIndex::OptimizerInParam,
+    ShardIndex::OptimizerInGrad,
+    ShardIndex::Secondary,
+];
+
+/// Writes a program as a plan file.
+pub fn emit_plan(p: &Program, shard: Shard, secondary: Option<u32>) -> PlanFile {
+    let mesh = |m: Mesh| [m.intra, m.inter];
+    PlanFile {
+        format: FORMAT.to_string(),
+        version: VERSION,
+        schedule: p.schedule.clone(),
+        ranks: p.ranks,
+        nodes: p.nodes,
+        gpus_per_node: p.gpus_per_node,
+        micro_steps: p.micro_steps,
+        arena_bytes: p.arena_bytes,
+        shard: ShardFile { params: mesh(shard.params), grads: mesh(shard.grads), optimizer: mesh(shard.optimizer) },
+        secondary,
+        layers: p.layers.values().map(|l| LayerFile { name: l.name.clone(), params: l.params, padded: l.padded }).collect(),
+        communicators: p
+            .comms
+            .iter()
+            .map(|(id, c)| CommFile { id: id.as_u32(), name: c.name.clone(), scope: c.scope.name().into(), groups: c.groups.clone() })
+            .collect(),
+        buffers: p
+            .buffers
+            .iter()
+            .map(|(id, b)| BufferFile {
+                id: id.as_u32(),
+                name: b.name.clone(),
+                kind: KINDS.iter().find(|k| k.0 == b.kind).map(|k| k.1).unwrap_or_default().into(),
+                bytes: b.bytes,
+                dtype: b.dtype.name().into(),
+                offset: b.offset,
+                persistent: b.kind.is_persistent(),
+                layer: b.layer.map(|l| l.as_u32()),
+            })
+            .collect(),
+        events: p.events.len() as u32,
+        streams: p
+            .streams
+            .iter()
+            .map(|(sid, s)| StreamFile {
+                name: s.role.name().into(),
+                ops: p.ops.iter().filter(|(_, o)| o.stream == sid).map(|(id, o)| op_file(p, id, o)).collect(),
+            })
+            .collect(),
+    }
+}
+
+fn region_file(r: &Region) -> RegionFile {
+    match r.offset {
+        Offset::Fixed(o) => RegionFile { buffer: r.buffer.as_u32(), offset: o, bytes: r.bytes, index: None, stride: None },
+        Offset::Shard { index, base, stride } => RegionFile {
+            buffer: r.buffer.as_u32(),
+            offset: base,
+            bytes: r.bytes,
+            index: Some(crate::emit::listing::index_name(index).into()),
+            stride: Some(stride),
+        },
+    }
+}
+
+fn op_file(p: &Program, id: OpId, o: &Op) -> OpFile {
+    let coll = |c: &CollectiveOp| CollectiveFile {
+        kind: c.kind.name().into(),
+        communicator: c.comm.as_u32(),
+        dtype: c.dtype.name().into(),
+        count: c.count,
+        input: region_file(&c.input),
+        output: region_file(&c.output),
+    };
+    OpFile {
+        id: id.as_u32(),
+        kind: o.kind_name().into(),
+        role: ROLES.iter().find(|r| r.0 == o.role).map(|r| r.1).unwrap_or_default().into(),
+        layer: o.layer.map(|l| p.layers[l].name.clone()),
+        micro_step: o.micro_step,
+        reads: o.reads.iter().map(region_file).collect(),
+        writes: o.writes.iter().map(region_file).collect(),
+        wait: o.wait.iter().map(|e| e.as_u32()).collect(),
+        record: o.record.map(|e| e.as_u32()),
+        ops: o.collectives().iter().map(coll).collect(),
+    }
+}
+
+/// A plan as read back: the program and the facts needed to evaluate it.
+pub struct ReadPlan {
+    pub program: Program,
+    pub shard: Shard,
+    pub secondary: Option<u32>,
+}
+
+/// Parses plan JSON; every refusal says what and where.
+pub fn read_plan(text: &str) -> Result<ReadPlan, String> {
+    let head: serde_json::Value = serde_json::from_str(text).map_err(|e| format!("not a plan file: {e}"))?;
+    if head.get("format").and_then(|f| f.as_str()) != Some(FORMAT) {
+        return Err(format!("not a plan file: `format` must be \"{FORMAT}\""));
+    }
+    match head.get("version").and_then(|v| v.as_u64()) {
+        Some(v) if v == u64::from(VERSION) => {}
+        Some(v) => return Err(format!("plan format version {v} is not supported (this schedc reads version {VERSION})")),
+        None => return Err("not a plan file: `version` is missing".into()),
+    }
+    let f: PlanFile = serde_json::from_value(head).map_err(|e| format!("malformed plan: {e}"))?;
+    from_file(f)
+}
+
+fn from_file(f: PlanFile) -> Result<ReadPlan, String> {
+    let mesh = |m: [u32; 2], what: &str| {
+        if m[0] == 0 || m[1] == 0 {
+            Err(format!("shard.{what} has a zero factor"))
+        } else {
+            Ok(Mesh { intra: m[0], inter: m[1] })
+        }
+    };
+    let shard =
+        Shard { params: mesh(f.shard.params, "params")?, grads: mesh(f.shard.grads, "grads")?, optimizer: mesh(f.shard.optimizer, "optimizer")? };
+    let mut p = Program {
+        schedule: f.schedule,
+        ranks: f.ranks,
+        nodes: f.nodes,
+        gpus_per_node: f.gpus_per_node,
+        micro_steps: f.micro_steps,
+        arena_bytes: f.arena_bytes,
+        ..Program::default()
+    };
+    for l in f.layers {
+        p.layers.push(LayerInfo { name: l.name, params: l.params, padded: l.padded });
+    }
+    for (i, c) in f.communicators.into_iter().enumerate() {
+        if c.id as usize != i {
+            return Err(format!("communicator {i} has id {}: ids must be 0, 1, 2, … in order", c.id));
+        }
+        let scope = *SCOPES.iter().find(|s| s.name() == c.scope).ok_or(format!("comm{i}: unknown scope `{}`", c.scope))?;
+        if c.groups.is_empty() || c.groups.iter().any(|g| g.is_empty()) {
+            return Err(format!("comm{i}: a communicator needs non-empty groups"));
+        }
+        p.comms.push(Communicator { name: c.name, groups: c.groups, scope });
+    }
+    for (i, b) in f.buffers.into_iter().enumerate() {
+        if b.id as usize != i {
+            return Err(format!("buffer {i} has id {}: ids must be 0, 1, 2, … in order", b.id));
+        }
+        let kind = KINDS.iter().find(|k| k.1 == b.kind).ok_or(format!("buf{i}: unknown kind `{}`", b.kind))?.0;
+        let layer = match b.layer {
+            Some(l) if l as usize >= p.layers.len() => return Err(format!("buf{i}: layer {l} does not exist")),
+            l => l.map(LayerId::from_u32),
+        };
+        p.buffers.push(Buffer { name: b.name, kind, dtype: dtype(&b.dtype, &format!("buf{i}"))?, bytes: b.bytes, layer, offset: b.offset });
+    }
+    for _ in 0..f.events {
+        p.events.push(Event { recorder: OpId::new(0) });
+    }
+    // Ops come grouped by stream; their ids give the issue order.
+    let total: usize = f.streams.iter().map(|s| s.ops.len()).sum();
+    let mut slots: Vec<Option<Op>> = vec![None; total];
+    for (si, s) in f.streams.into_iter().enumerate() {
+        let role = *STREAM_ROLES.iter().find(|r| r.name() == s.name).ok_or(format!("stream {si}: unknown name `{}`", s.name))?;
+        let sid = p.streams.push(Stream { role });
+        if let Some(w) = s.ops.windows(2).find(|w| w[0].id >= w[1].id) {
+            return Err(format!(
+                "stream {} lists op{} before op{}: a stream runs its ops in issue order (ascending ids)",
+                s.name, w[0].id, w[1].id
+            ));
+        }
+        for o in s.ops {
+            let id = o.id as usize;
+            if id >= total || slots[id].is_some() {
+                return Err(format!("op{id} on stream {}: op ids must be 0 … {} and each used once", s.name, total - 1));
+            }
+            slots[id] = Some(op_from(&p, sid, o)?);
+        }
+    }
+    for (i, o) in slots.into_iter().enumerate() {
+        let o = o.ok_or(format!("op{i} is missing"))?;
+        if let Some(e) = o.record {
+            p.events[e].recorder = OpId::new(i);
+        }
+        p.ops.push(o);
+    }
+    let mut recorded = vec![false; p.events.len()];
+    for o in p.ops.values() {
+        if let Some(e) = o.record {
+            if std::mem::replace(&mut recorded[e.index()], true) {
+                return Err(format!("{e} is recorded by two ops"));
+            }
+        }
+    }
+    if let Some(e) = recorded.iter().position(|r| !r) {
+        return Err(format!("ev{e} is never recorded"));
+    }
+    Ok(ReadPlan { program: p, shard, secondary: f.secondary })
+}
+
+fn dtype(name: &str, what: &str) -> Result<Dtype, String> {
+    match name {
+        "bf16" => Ok(Dtype::Bf16),
+        "fp16" => Ok(Dtype::Fp16),
+        "fp32" => Ok(Dtype::Fp32),
+        _ => Err(format!("{what}: unknown dtype `{name}`")),
+    }
+}
+
+fn region_from(p: &Program, r: RegionFile, what: &str) -> Result<Region, String> {
+    if r.buffer as usize >= p.buffers.len() {
+        return Err(format!("{what}: buffer {} does not exist", r.buffer));
+    }
+    let offset = match (r.index, r.stride) {
+        (None, None) => Offset::Fixed(r.offset),
+        (Some(i), Some(stride)) => {
+            let index = *INDICES
+                .iter()
+                .find(|x| crate::emit::listing::index_name(**x) == i)
+                .ok_or(format!("{what}: unknown shard index `{i}`"))?;
+            Offset::Shard { index, base: r.offset, stride }
+        }
+        _ => return Err(format!("{what}: a rank-dependent region needs both `index` and `stride`")),
+    };
+    Ok(Region { buffer: BufferId::from_u32(r.buffer), offset, bytes: r.bytes })
+}
+
+fn op_from(p: &Program, stream: StreamId, o: OpFile) -> Result<Op, String> {
+    let what = format!("op{}", o.id);
+    let role = ROLES.iter().find(|r| r.1 == o.role).ok_or(format!("{what}: unknown role `{}`", o.role))?.0;
+    let layer = match &o.layer {
+        None => None,
+        Some(name) => Some(
+            p.layers.iter().find(|(_, l)| &l.name == name).map(|(id, _)| id).ok_or(format!("{what}: unknown layer `{name}`"))?,
+        ),
+    };
+    let mut collectives = vec![];
+    for c in o.ops {
+        let kind = Collective::NAMES
+            .iter()
+            .position(|n| *n == c.kind)
+            .map(|i| [Collective::AllGather, Collective::ReduceScatter, Collective::AllReduce, Collective::Broadcast][i])
+            .ok_or(format!("{what}: unknown collective `{}`", c.kind))?;
+        if c.communicator as usize >= p.comms.len() {
+            return Err(format!("{what}: communicator {} does not exist", c.communicator));
+        }
+        collectives.push(CollectiveOp {
+            kind,
+            comm: CommId::from_u32(c.communicator),
+            dtype: dtype(&c.dtype, &what)?,
+            count: c.count,
+            input: region_from(p, c.input, &what)?,
+            output: region_from(p, c.output, &what)?,
+        });
+    }
+    let kind = match o.kind.as_str() {
+        "group" if collectives.len() > 1 => OpKind::Group(collectives),
+        k if Collective::NAMES.contains(&k) && collectives.len() == 1 && collectives[0].kind.name() == k => {
+            OpKind::Collective(collectives.pop().expect("one"))
+        }
+        k => {
+            let c = COMPUTE.iter().find(|c| Op::compute_name(**c) == k).ok_or(format!("{what}: unknown or malformed kind `{k}`"))?;
+            if !collectives.is_empty() {
+                return Err(format!("{what}: a `{k}` op holds no collectives"));
+            }
+            OpKind::Compute(*c)
+        }
+    };
+    let ev = |e: u32| {
+        if (e as usize) < p.events.len() {
+            Ok(EventId::from_u32(e))
+        } else {
+            Err(format!("{what}: event {e} does not exist"))
+        }
+    };
+    Ok(Op {
+        kind,
+        role,
+        stream,
+        layer,
+        micro_step: o.micro_step,
+        reads: o.reads.into_iter().map(|r| region_from(p, r, &what)).collect::<Result<_, _>>()?,
+        writes: o.writes.into_iter().map(|r| region_from(p, r, &what)).collect::<Result<_, _>>()?,
+        wait: o.wait.into_iter().map(ev).collect::<Result<_, _>>()?,
+        record: o.record.map(ev).transpose()?,
+    })
+}

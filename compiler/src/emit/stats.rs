@@ -1,0 +1,176 @@
+//! `--emit stats` (`cli.md`): exact per-rank memory, collectives and traffic of one step.
+//!
+//! - Memory: persistent shards by kind; `activations` (saved activations and hidden states) and
+//!   `buffers` (gathered parameters, secondary copies, full gradients, staging) are the most bytes
+//!   of each kind whose issue-order lifetimes contain one op; `peak` is the arena size.
+//! - Collectives: one entry per (kind, group size, scope); a coalesced group counts each of its
+//!   collectives. Ring algorithms: a member sends (p−1)/p of the payload for all-gather,
+//!   reduce-scatter and broadcast, 2·(p−1)/p for all-reduce.
+//! - Traffic: each group's ring visits its members node by node (sorted by node, then local
+//!   index); every step each member sends one chunk (payload / p) to the next, for p−1 steps
+//!   (2·(p−1) for all-reduce). An edge between two GPUs of one node is intra-node traffic, any other
+//!   edge leaves the node. Totals over all groups are divided by the number of GPUs (intra) and of
+//!   nodes (inter).
+
+use crate::ir::*;
+use crate::job::{Collective, Job};
+use crate::verify::PlanInfo;
+use cranelift_entity::EntityRef;
+use serde::Serialize;
+use std::collections::BTreeMap;
+
+#[derive(Serialize)]
+pub struct Stats {
+    pub schedule: String,
+    pub model: String,
+    pub cluster: String,
+    pub ranks: u32,
+    pub nodes: u32,
+    pub gpus_per_node: u32,
+    pub micro_steps: u32,
+    pub parameters: u64,
+    pub memory_per_rank: Memory,
+    pub collectives_per_step: Vec<CollectiveStats>,
+    pub traffic_per_step: Traffic,
+    /// Transient bytes the plan places (`peak` minus persistent state) over the least any plan
+    /// could place (the most transient bytes alive at once): 1.0 is a perfect plan.
+    pub plan_tightness: f64,
+}
+
+#[derive(Serialize)]
+pub struct Memory {
+    pub params: u64,
+    pub grads: u64,
+    pub optimizer: u64,
+    pub activations: u64,
+    pub buffers: u64,
+    pub peak: u64,
+}
+
+#[derive(Serialize)]
+pub struct CollectiveStats {
+    pub kind: &'static str,
+    pub group_size: u32,
+    pub scope: &'static str,
+    pub calls: u64,
+    pub payload_bytes: u64,
+    pub sent_bytes_per_rank: u64,
+}
+
+#[derive(Serialize)]
+pub struct Traffic {
+    pub intra_node_bytes_per_gpu: u64,
+    pub inter_node_bytes_per_node: u64,
+}
+
+pub fn emit_stats(job: &Job, p: &Program, info: &PlanInfo) -> Stats {
+    let persistent = |k: BufferKind| p.buffers.values().filter(|b| b.kind == k).map(|b| b.bytes).sum::<u64>();
+    let (params, grads, optimizer) =
+        (persistent(BufferKind::ParamShard), persistent(BufferKind::GradShard), persistent(BufferKind::OptimizerShard));
+    let activations = max_live(p, |k| matches!(k, BufferKind::Activation | BufferKind::Hidden));
+    let buffers = max_live(p, |k| {
+        matches!(k, BufferKind::Gathered | BufferKind::Secondary | BufferKind::Staging | BufferKind::FullGrad)
+    });
+    let transient_placed = p.arena_bytes.saturating_sub(params + grads + optimizer);
+    let mut entries: BTreeMap<(&'static str, u32, Scope), CollectiveStats> = BTreeMap::new();
+    let (mut intra, mut inter) = (0u128, 0u128);
+    for op in p.ops.values() {
+        for c in op.collectives() {
+            let comm = &p.comms[c.comm];
+            let gs = comm.group_size();
+            let payload = c.count * c.dtype.bytes();
+            let steps = steps(c.kind, gs);
+            let e = entries.entry((c.kind.name(), gs, comm.scope)).or_insert(CollectiveStats {
+                kind: c.kind.name(),
+                group_size: gs,
+                scope: comm.scope.name(),
+                calls: 0,
+                payload_bytes: 0,
+                sent_bytes_per_rank: 0,
+            });
+            e.calls += 1;
+            e.payload_bytes += payload;
+            e.sent_bytes_per_rank += payload / u64::from(gs) * steps;
+            let (i, o) = ring_edges(p, comm);
+            let chunk = u128::from(payload / u64::from(gs)) * u128::from(steps);
+            intra += chunk * i;
+            inter += chunk * o;
+        }
+    }
+    let s = &job.schedule;
+    Stats {
+        schedule: s.name.clone(),
+        model: job.model.name.clone(),
+        cluster: job.cluster.name.clone(),
+        ranks: p.ranks,
+        nodes: p.nodes,
+        gpus_per_node: p.gpus_per_node,
+        micro_steps: p.micro_steps,
+        parameters: job.model.parameters(),
+        memory_per_rank: Memory { params, grads, optimizer, activations, buffers, peak: p.arena_bytes },
+        collectives_per_step: entries.into_values().collect(),
+        traffic_per_step: Traffic {
+            intra_node_bytes_per_gpu: (intra / u128::from(p.ranks)) as u64,
+            inter_node_bytes_per_node: (inter / u128::from(p.nodes)) as u64,
+        },
+        plan_tightness: if info.live_bound == 0 { 1.0 } else { transient_placed as f64 / info.live_bound as f64 },
+    }
+}
+
+/// Ring steps a member sends a chunk in.
+fn steps(kind: Collective, group: u32) -> u64 {
+    let p = u64::from(group);
+    match kind {
+        Collective::AllReduce => 2 * (p - 1),
+        _ => p - 1,
+    }
+}
+
+/// Intra-node and inter-node edges of all of a communicator's rings, laid out node by node.
+fn ring_edges(p: &Program, comm: &Communicator) -> (u128, u128) {
+    let node = |r: u32| r / p.gpus_per_node;
+    let (mut intra, mut inter) = (0, 0);
+    for g in &comm.groups {
+        if g.len() < 2 {
+            continue;
+        }
+        let mut ring = g.clone();
+        ring.sort_unstable();
+        for (i, &r) in ring.iter().enumerate() {
+            let next = ring[(i + 1) % ring.len()];
+            if node(r) == node(next) {
+                intra += 1;
+            } else {
+                inter += 1;
+            }
+        }
+    }
+    (intra, inter)
+}
+
+/// The most bytes of buffers of the selected kinds whose issue-order lifetimes contain one op.
+fn max_live(p: &Program, kind: impl Fn(BufferKind) -> bool) -> u64 {
+    let mut first = vec![usize::MAX; p.buffers.len()];
+    let mut last = vec![0; p.buffers.len()];
+    for (id, op) in p.ops.iter() {
+        for r in op.reads.iter().chain(&op.writes) {
+            let b = r.buffer.index();
+            first[b] = first[b].min(id.index());
+            last[b] = last[b].max(id.index());
+        }
+    }
+    let mut delta = vec![0i128; p.ops.len() + 1];
+    for (id, b) in p.buffers.iter() {
+        let i = id.index();
+        if kind(b.kind) && first[i] != usize::MAX {
+            delta[first[i]] += i128::from(b.bytes);
+            delta[last[i] + 1] -= i128::from(b.bytes);
+        }
+    }
+    let (mut live, mut best) = (0i128, 0i128);
+    for d in delta {
+        live += d;
+        best = best.max(live);
+    }
+    best as u64
+}

@@ -1,0 +1,163 @@
+//! Rank arithmetic: groups of a mesh, positions, nested shard indices, communicator groups.
+//!
+//! Rank `r = node·G + local`. For a mesh `a x b`, a rank's group is the block of `b` consecutive
+//! nodes and `a` consecutive local indices it falls in, and its position is `(node mod b)·a +
+//! (local mod a)`. Shard indices are built from positions so that they nest (optimizer shard ⊂ grad
+//! shard ⊂ param shard); every communicator's member order is derived from the same indices, so
+//! chunk `j` of a collective always belongs to the member whose shard is chunk `j`.
+
+use super::{Scope, ShardIndex};
+use crate::job::{Mesh, Shard};
+
+/// The ranks of a schedule and its sharding factors.
+#[derive(Clone, Copy, Debug)]
+pub struct Layout {
+    pub gpus_per_node: u32,
+    pub nodes: u32,
+    pub shard: Shard,
+    /// hpZ: GPUs of a node sharing one secondary copy of the parameters.
+    pub secondary: Option<u32>,
+}
+
+impl Layout {
+    pub fn ranks(&self) -> u32 {
+        self.gpus_per_node * self.nodes
+    }
+
+    pub fn node(&self, r: u32) -> u32 {
+        r / self.gpus_per_node
+    }
+
+    pub fn local(&self, r: u32) -> u32 {
+        r % self.gpus_per_node
+    }
+
+    fn rank(&self, node: u32, local: u32) -> u32 {
+        node * self.gpus_per_node + local
+    }
+
+    /// Position of `r` in its group of `m`.
+    pub fn position(&self, m: Mesh, r: u32) -> u32 {
+        (self.node(r) % m.inter) * m.intra + self.local(r) % m.intra
+    }
+
+    /// The ranks of `r`'s group of `m`, in position order.
+    pub fn group(&self, m: Mesh, r: u32) -> Vec<u32> {
+        let (n0, l0) = (self.node(r) / m.inter * m.inter, self.local(r) / m.intra * m.intra);
+        (0..m.inter).flat_map(|dn| (0..m.intra).map(move |dl| (dn, dl))).map(|(dn, dl)| self.rank(n0 + dn, l0 + dl)).collect()
+    }
+
+    /// Index of `r`'s `inner` subgroup within its `outer` group (inner divides outer), node by node.
+    pub fn subgroup(&self, inner: Mesh, outer: Mesh, r: u32) -> u32 {
+        let dn = (self.node(r) % outer.inter) / inner.inter;
+        let dl = (self.local(r) % outer.intra) / inner.intra;
+        dn * (outer.intra / inner.intra) + dl
+    }
+
+    /// The shard index `idx` of rank `r` (see the IR module doc).
+    pub fn index(&self, idx: ShardIndex, r: u32) -> u64 {
+        let Shard { params: p, grads: g, optimizer: o } = self.shard;
+        let param = u64::from(self.position(p, r));
+        let sub_g = u64::from(self.subgroup(p, g, r));
+        let sub_os = u64::from(self.subgroup(g, o, r));
+        let grad = param * (g.size() / p.size()) + sub_g;
+        match idx {
+            ShardIndex::Param => param,
+            ShardIndex::Grad => grad,
+            ShardIndex::Optimizer => grad * (o.size() / g.size()) + sub_os,
+            ShardIndex::OptimizerInParam => sub_g * (o.size() / g.size()) + sub_os,
+            ShardIndex::OptimizerInGrad => sub_os,
+            ShardIndex::ParamLocal => u64::from(self.local(r) % p.intra),
+            ShardIndex::Secondary => u64::from(self.local(r) % self.secondary.unwrap_or(1)),
+        }
+    }
+
+    /// Partitions all ranks into groups by `key`, each group ordered by `order`.
+    pub fn groups_by(&self, key: impl Fn(u32) -> u64, order: impl Fn(u32) -> u64) -> Vec<Vec<u32>> {
+        let mut keyed: Vec<(u64, u64, u32)> = (0..self.ranks()).map(|r| (key(r), order(r), r)).collect();
+        keyed.sort_unstable();
+        let mut groups: Vec<Vec<u32>> = vec![];
+        let mut last = None;
+        for (k, _, r) in keyed {
+            if last != Some(k) {
+                groups.push(vec![]);
+                last = Some(k);
+            }
+            groups.last_mut().expect("pushed above").push(r);
+        }
+        groups.sort_unstable_by_key(|g| g[0]);
+        groups
+    }
+
+    /// A key identifying `r`'s group of mesh `m`.
+    pub fn group_key(&self, m: Mesh, r: u32) -> u64 {
+        u64::from(self.node(r) / m.inter) << 32 | u64::from(self.local(r) / m.intra)
+    }
+
+    /// Where the groups lie: all members on one node, every member on its own node, or mixed.
+    pub fn scope(&self, groups: &[Vec<u32>]) -> Scope {
+        let g = &groups[0];
+        let mut nodes: Vec<u32> = g.iter().map(|&r| self.node(r)).collect();
+        nodes.sort_unstable();
+        nodes.dedup();
+        if nodes.len() == 1 {
+            Scope::Intra
+        } else if nodes.len() == g.len() {
+            Scope::Inter
+        } else {
+            Scope::Mixed
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn layout(g: u32, n: u32, p: (u32, u32), gr: (u32, u32), o: (u32, u32)) -> Layout {
+        let m = |(a, b)| Mesh { intra: a, inter: b };
+        Layout { gpus_per_node: g, nodes: n, shard: Shard { params: m(p), grads: m(gr), optimizer: m(o) }, secondary: None }
+    }
+
+    /// Every rank's optimizer shard lies inside its grad shard, which lies inside its param shard,
+    /// and within each group the indices are a permutation.
+    #[test]
+    fn shard_indices_nest_and_cover() {
+        for l in [
+            layout(8, 4, (1, 1), (1, 1), (8, 4)),
+            layout(8, 4, (2, 1), (4, 2), (8, 4)),
+            layout(4, 4, (2, 1), (2, 2), (4, 4)),
+            layout(8, 2, (8, 1), (8, 2), (8, 2)),
+            layout(4, 8, (1, 2), (2, 2), (4, 8)),
+        ] {
+            let Shard { params: p, grads: g, optimizer: o } = l.shard;
+            for r in 0..l.ranks() {
+                let (ip, ig, io) =
+                    (l.index(ShardIndex::Param, r), l.index(ShardIndex::Grad, r), l.index(ShardIndex::Optimizer, r));
+                assert_eq!(ig / (g.size() / p.size()), ip, "grad shard inside param shard");
+                assert_eq!(io / (o.size() / g.size()), ig, "optimizer shard inside grad shard");
+                assert_eq!(io % (o.size() / p.size()), l.index(ShardIndex::OptimizerInParam, r));
+            }
+            for (m, idx) in [(p, ShardIndex::Param), (g, ShardIndex::Grad), (o, ShardIndex::Optimizer)] {
+                for r in 0..l.ranks() {
+                    let mut seen: Vec<u64> = l.group(m, r).iter().map(|&q| l.index(idx, q)).collect();
+                    seen.sort_unstable();
+                    assert_eq!(seen, (0..m.size()).collect::<Vec<_>>());
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn groups_and_scopes() {
+        let l = layout(4, 2, (2, 2), (2, 2), (2, 2));
+        assert_eq!(l.group(l.shard.params, 5), vec![0, 1, 4, 5]);
+        let groups = l.groups_by(|r| l.group_key(l.shard.params, r), |r| u64::from(l.position(l.shard.params, r)));
+        assert_eq!(groups, vec![vec![0, 1, 4, 5], vec![2, 3, 6, 7]]);
+        assert_eq!(l.scope(&groups), Scope::Mixed);
+        let by_node = l.groups_by(|r| u64::from(l.node(r)), u64::from);
+        assert_eq!(l.scope(&by_node), Scope::Intra);
+        let by_local = l.groups_by(|r| u64::from(l.local(r)), u64::from);
+        assert_eq!(l.scope(&by_local), Scope::Inter);
+    }
+}

@@ -1,0 +1,352 @@
+//! The stream program: what a compiled schedule is.
+//!
+//! # Execution model
+//!
+//! One [`Program`] serves every rank (SPMD). It describes **one optimizer step**: `micro_steps`
+//! forward/backward passes, then the boundary synchronisation, the optimizer update and the
+//! parameter refresh. The host runs the step by walking [`Program::ops`] in order, the **issue
+//! order**, and enqueueing each op on its stream; the same order on every rank. At the end of a step
+//! the host joins all streams before the next step starts (the step boundary).
+//!
+//! - **Streams** ([`StreamId`]) execute their ops in issue order, one at a time, like CUDA streams.
+//! - **Events** ([`EventId`]): an op may `record` one event, signalled when the op completes, and
+//!   `wait` on events recorded by ops earlier in the issue order; its stream does not start the op
+//!   before those events are signalled (cuStreamWaitEvent). Waits are the only cross-stream
+//!   ordering: **happens-before** is the transitive closure of stream order and waits, plus, across
+//!   ranks, collective completion.
+//! - **Collectives** name a communicator ([`CommId`]). A communicator partitions the ranks into
+//!   groups, each with a member order; a rank uses the group it belongs to. A collective completes on
+//!   every member once every member has reached it. Chunk `j` of an all-gather's output or a
+//!   reduce-scatter's input belongs to member `j`. A `Group` op issues several collectives as one
+//!   coalesced call (NCCL group semantics).
+//! - **Buffers** ([`BufferId`]) are per-rank byte ranges at a fixed `offset` in the rank's arena,
+//!   the same on every rank. Persistent buffers (parameter, gradient and optimizer shards) live
+//!   across steps; transient ones live from the first op that writes them to the last op that reads
+//!   or writes them (an asynchronous collective counts until it completes). Two buffers may share
+//!   bytes only when every access to one happens-before every access to the other.
+//! - **Regions** ([`Region`]) are what ops read and write: a byte range of one buffer, whose offset
+//!   may depend on the rank through its shard index (see [`Offset`]).
+//!
+//! # What makes an op ready
+//!
+//! An op starts on its stream when the op before it on that stream has completed and every event it
+//! waits on has been recorded. A collective additionally completes only when all members of its group
+//! have started it. Nothing else orders anything: a missing wait is a race.
+//!
+//! # Shard layout
+//!
+//! Layer `l`'s parameters are one flat vector of `padded` elements (P_l rounded up to a multiple of
+//! s_os). For a mesh `a x b` the **group** of a rank is the ranks whose node is in the same block of
+//! `b` consecutive nodes and whose local index is in the same block of `a` consecutive local indices;
+//! its **position** in the group is `(node mod b)·a + (local mod a)` (node by node). Shard indices
+//! nest so that optimizer shard ⊂ grad shard ⊂ param shard (lowering spec §1):
+//! `param = pos_p`, `grad = param·(s_g/s_p) + sub_g`, `optimizer = grad·(s_os/s_g) + sub_os`, where
+//! `sub_g` is the index of the rank's s_p-subgroup inside its s_g group and `sub_os` that of its
+//! s_g-subgroup inside its s_os group. [`layout`] computes them; collectives' member orders follow.
+
+pub mod layout;
+
+use crate::job::{Collective as CollectiveKind, Dtype};
+use cranelift_entity::{entity_impl, PrimaryMap};
+
+/// An op, in issue order.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct OpId(u32);
+entity_impl!(OpId, "op");
+
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct BufferId(u32);
+entity_impl!(BufferId, "buf");
+
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct StreamId(u32);
+entity_impl!(StreamId, "stream");
+
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct EventId(u32);
+entity_impl!(EventId, "ev");
+
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct CommId(u32);
+entity_impl!(CommId, "comm");
+
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct LayerId(u32);
+entity_impl!(LayerId, "layer");
+
+/// A compiled step.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Program {
+    pub schedule: String,
+    pub ranks: u32,
+    pub nodes: u32,
+    pub gpus_per_node: u32,
+    pub micro_steps: u32,
+    pub layers: PrimaryMap<LayerId, LayerInfo>,
+    pub streams: PrimaryMap<StreamId, Stream>,
+    pub comms: PrimaryMap<CommId, Communicator>,
+    pub buffers: PrimaryMap<BufferId, Buffer>,
+    pub events: PrimaryMap<EventId, Event>,
+    /// Every op, in issue order.
+    pub ops: PrimaryMap<OpId, Op>,
+    /// Bytes of each rank's arena (the memory plan's peak).
+    pub arena_bytes: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LayerInfo {
+    pub name: String,
+    /// P_l, the parameter count.
+    pub params: u64,
+    /// P_l rounded up to a multiple of s_os.
+    pub padded: u64,
+}
+
+/// What a stream is for; decides which ops the lowering puts on it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum StreamRole {
+    Compute,
+    Gather,
+    Reduce,
+    Sync,
+    Intra,
+    Inter,
+}
+
+impl StreamRole {
+    pub fn name(self) -> &'static str {
+        match self {
+            StreamRole::Compute => "compute",
+            StreamRole::Gather => "gather",
+            StreamRole::Reduce => "reduce",
+            StreamRole::Sync => "sync",
+            StreamRole::Intra => "intra",
+            StreamRole::Inter => "inter",
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Stream {
+    pub role: StreamRole,
+}
+
+/// Where a communicator's groups lie (lowering spec §1).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Scope {
+    Intra,
+    Inter,
+    Mixed,
+}
+
+impl Scope {
+    pub fn name(self) -> &'static str {
+        match self {
+            Scope::Intra => "intra",
+            Scope::Inter => "inter",
+            Scope::Mixed => "mixed",
+        }
+    }
+}
+
+/// A set of disjoint groups covering every rank, each listed in member order.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Communicator {
+    /// What the groups are, for listings: `params 8 x 2`, `replicas of optimizer shard`.
+    pub name: String,
+    pub groups: Vec<Vec<u32>>,
+    pub scope: Scope,
+}
+
+impl Communicator {
+    pub fn group_size(&self) -> u32 {
+        self.groups.first().map_or(0, |g| g.len() as u32)
+    }
+}
+
+/// What a buffer holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum BufferKind {
+    /// The rank's param shard (persistent).
+    ParamShard,
+    /// The rank's gradient accumulator (persistent).
+    GradShard,
+    /// The rank's fp32 optimizer state: master, then m and v for Adam (persistent).
+    OptimizerShard,
+    /// Gathered full parameters of a layer.
+    Gathered,
+    /// hpZ's secondary shard, kept from forward to backward.
+    Secondary,
+    /// A staging buffer of a hierarchical all-gather or a reduction.
+    Staging,
+    /// A layer's full gradient, as backward produces it.
+    FullGrad,
+    /// What a layer keeps from forward for backward, per micro-step.
+    Activation,
+    /// Hidden states passed between layers and their gradients.
+    Hidden,
+}
+
+impl BufferKind {
+    pub fn is_persistent(self) -> bool {
+        matches!(self, BufferKind::ParamShard | BufferKind::GradShard | BufferKind::OptimizerShard)
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Buffer {
+    /// `block[3].params.full`, `block[3].act.m2`.
+    pub name: String,
+    pub kind: BufferKind,
+    pub dtype: Dtype,
+    pub bytes: u64,
+    pub layer: Option<LayerId>,
+    /// Offset in the rank's arena, set by the memory plan.
+    pub offset: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Event {
+    /// The op that records it.
+    pub recorder: OpId,
+}
+
+/// Which shard index of a rank selects a chunk (see the module doc's shard layout).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ShardIndex {
+    /// Position in the params group (0 … s_p−1).
+    Param,
+    /// Position in the grads group (0 … s_g−1).
+    Grad,
+    /// Position in the optimizer group (0 … s_os−1).
+    Optimizer,
+    /// Local position in the params group (`local mod a`), for the hierarchical all-gather.
+    ParamLocal,
+    /// The optimizer shard's index inside the rank's param shard (0 … s_os/s_p−1).
+    OptimizerInParam,
+    /// The optimizer shard's index inside the rank's grad shard (0 … s_os/s_g−1).
+    OptimizerInGrad,
+    /// hpZ: position among the `secondary` GPUs of the node that share a secondary copy.
+    Secondary,
+}
+
+/// A region's byte offset within its buffer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Offset {
+    Fixed(u64),
+    /// `base + index(rank) × stride`.
+    Shard { index: ShardIndex, base: u64, stride: u64 },
+}
+
+/// A byte range of one buffer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Region {
+    pub buffer: BufferId,
+    pub offset: Offset,
+    pub bytes: u64,
+}
+
+impl Region {
+    /// The whole buffer.
+    pub fn whole(buffer: BufferId, bytes: u64) -> Self {
+        Region { buffer, offset: Offset::Fixed(0), bytes }
+    }
+}
+
+/// One collective call.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct CollectiveOp {
+    pub kind: CollectiveKind,
+    pub comm: CommId,
+    pub dtype: Dtype,
+    /// Elements of the full payload: an all-gather's output, a reduce-scatter's input, an
+    /// all-reduce's or broadcast's buffer. Each member's chunk is `count / group size`.
+    pub count: u64,
+    pub input: Region,
+    pub output: Region,
+}
+
+/// The compute ops of a layer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ComputeKind {
+    Forward,
+    /// The forward again, during backward, from the saved input (`recompute = full`).
+    Recompute,
+    Backward,
+    /// Softmax cross-entropy of the last layer's output and the gradient of its input.
+    Loss,
+    /// The optimizer on the rank's optimizer shard; writes its part of the param shard.
+    Update,
+    /// `output += input` (gradient accumulation).
+    Accumulate,
+    /// Byte copies: the hierarchical all-gather's rearrangement, hpZ's secondary shard, slices.
+    Copy,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum OpKind {
+    Compute(ComputeKind),
+    Collective(CollectiveOp),
+    /// Several collectives issued as one coalesced call.
+    Group(Vec<CollectiveOp>),
+}
+
+/// Why an op exists; decides its stream under the schedule's stream policy.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum OpRole {
+    /// Layer math, the loss, the optimizer, copies.
+    Compute,
+    /// Parameter all-gathers for forward and backward.
+    Gather,
+    /// Per-micro-step gradient reductions.
+    Reduce,
+    /// Boundary synchronisation.
+    Sync,
+    /// The post-update parameter refresh.
+    Refresh,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct Op {
+    pub kind: OpKind,
+    pub role: OpRole,
+    pub stream: StreamId,
+    pub layer: Option<LayerId>,
+    pub micro_step: Option<u32>,
+    /// What the op reads and writes. For collectives these are their inputs and outputs.
+    pub reads: Vec<Region>,
+    pub writes: Vec<Region>,
+    pub wait: Vec<EventId>,
+    pub record: Option<EventId>,
+}
+
+impl Op {
+    /// The collectives this op issues (none for compute ops).
+    pub fn collectives(&self) -> &[CollectiveOp] {
+        match &self.kind {
+            OpKind::Compute(_) => &[],
+            OpKind::Collective(c) => std::slice::from_ref(c),
+            OpKind::Group(cs) => cs,
+        }
+    }
+
+    pub fn compute_name(k: ComputeKind) -> &'static str {
+        match k {
+            ComputeKind::Forward => "forward",
+            ComputeKind::Recompute => "recompute",
+            ComputeKind::Backward => "backward",
+            ComputeKind::Loss => "loss",
+            ComputeKind::Update => "update",
+            ComputeKind::Accumulate => "accumulate",
+            ComputeKind::Copy => "copy",
+        }
+    }
+
+    pub fn kind_name(&self) -> &'static str {
+        match &self.kind {
+            OpKind::Compute(k) => Self::compute_name(*k),
+            OpKind::Collective(c) => c.kind.name(),
+            OpKind::Group(_) => "group",
+        }
+    }
+}

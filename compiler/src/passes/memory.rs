@@ -1,0 +1,121 @@
+//! Static memory planning (lowering spec §6; ZeRO §VI-C, MiCS §4): one arena per rank, every buffer
+//! at a fixed offset, no allocator at run time.
+//!
+//! Reads regions, streams and waits; writes `Buffer::offset` and `Program::arena_bytes`. Persistent
+//! buffers (param, grad and optimizer shards) sit at the bottom, never shared. Transient buffers are
+//! placed in order of their first access, each at the lowest 256-byte-aligned offset where it
+//! overlaps no placed buffer that might still be in use: two buffers share bytes only when every
+//! access to the earlier one happens-before every access to the later one (vector clocks, see
+//! [`super::hb`]). A buffer no op touches gets no space.
+
+use super::hb::Clocks;
+use crate::ir::*;
+use cranelift_entity::{EntityRef, SecondaryMap};
+
+/// Alignment of every buffer's offset (what CUDA allocations and vector loads want).
+pub const ALIGN: u64 = 256;
+
+/// When each transient buffer is in use, as vector-clock facts.
+pub struct Lifetimes {
+    /// First op (issue order) touching each buffer.
+    pub first: SecondaryMap<BufferId, Option<OpId>>,
+    /// Per stream, the position of the last op touching the buffer (0: none).
+    pub last: SecondaryMap<BufferId, Vec<u32>>,
+    /// Per stream, the least over the ops touching the buffer of how many ops of that stream
+    /// happen strictly before the op.
+    pub min_clock: SecondaryMap<BufferId, Vec<u32>>,
+}
+
+impl Lifetimes {
+    pub fn new(p: &Program, clocks: &Clocks) -> Self {
+        let s = clocks.streams();
+        let mut l = Lifetimes { first: SecondaryMap::new(), last: SecondaryMap::new(), min_clock: SecondaryMap::new() };
+        for (id, op) in p.ops.iter() {
+            let mut before = clocks.clock(id).to_vec();
+            before[op.stream.index()] -= 1;
+            for r in op.reads.iter().chain(&op.writes) {
+                let b = r.buffer;
+                if l.first[b].is_none() {
+                    l.first[b] = Some(id);
+                    l.last[b] = vec![0; s];
+                    l.min_clock[b] = before.clone();
+                }
+                let last = &mut l.last[b][op.stream.index()];
+                *last = (*last).max(clocks.seq(id));
+                l.min_clock[b].iter_mut().zip(&before).for_each(|(m, &c)| *m = (*m).min(c));
+            }
+        }
+        l
+    }
+
+    /// Every access to `a` happens before every access to `b`.
+    pub fn dead_before(&self, a: BufferId, b: BufferId) -> bool {
+        self.last[a].iter().zip(&self.min_clock[b]).all(|(&last, &min)| last == 0 || min >= last)
+    }
+}
+
+/// Places every buffer; returns the orderings the placement relies on (waiter, waited): each
+/// buffer's first access on each stream after the last accesses, on each stream, of every buffer
+/// placed before it on overlapping bytes.
+pub fn run(p: &mut Program) -> Vec<(OpId, OpId)> {
+    let clocks = Clocks::new(p);
+    let life = Lifetimes::new(p, &clocks);
+    let align = |x: u64| x.div_ceil(ALIGN) * ALIGN;
+    let mut top = 0;
+    for b in p.buffers.values_mut().filter(|b| b.kind.is_persistent()) {
+        b.offset = top;
+        top = align(top + b.bytes);
+    }
+    let base = top;
+    let mut transient: Vec<BufferId> =
+        p.buffers.iter().filter(|(id, b)| !b.kind.is_persistent() && life.first[*id].is_some()).map(|(id, _)| id).collect();
+    transient.sort_by_key(|&b| (life.first[b].map(|o| o.index()), b));
+    let mut active: Vec<BufferId> = vec![];
+    let (firsts, lasts) = access_ends(p);
+    let mut reuse: Vec<(OpId, OpId)> = vec![];
+    for b in transient {
+        let bytes = p.buffers[b].bytes;
+        let mut busy: Vec<(u64, u64)> = active
+            .iter()
+            .filter(|&&a| !life.dead_before(a, b))
+            .map(|&a| (p.buffers[a].offset, p.buffers[a].offset + p.buffers[a].bytes))
+            .collect();
+        busy.sort_unstable();
+        let mut at = base;
+        for (start, end) in busy {
+            if start >= at + bytes {
+                break;
+            }
+            at = at.max(align(end));
+        }
+        p.buffers[b].offset = at;
+        top = top.max(align(at + bytes));
+        for &a in &active {
+            let (oa, ea) = (p.buffers[a].offset, p.buffers[a].offset + p.buffers[a].bytes);
+            if oa < at + bytes && at < ea {
+                for &waiter in firsts[b.index()].iter().flatten() {
+                    reuse.extend(lasts[a.index()].iter().flatten().map(|&waited| (waiter, waited)));
+                }
+            }
+        }
+        active.push(b);
+    }
+    p.arena_bytes = top;
+    reuse
+}
+
+/// Per buffer, its first and its last accessing op on each stream.
+#[allow(clippy::type_complexity)]
+fn access_ends(p: &Program) -> (Vec<Vec<Option<OpId>>>, Vec<Vec<Option<OpId>>>) {
+    let s = p.streams.len();
+    let mut firsts = vec![vec![None; s]; p.buffers.len()];
+    let mut lasts = vec![vec![None; s]; p.buffers.len()];
+    for (id, op) in p.ops.iter() {
+        for r in op.reads.iter().chain(&op.writes) {
+            let (b, st) = (r.buffer.index(), op.stream.index());
+            firsts[b][st].get_or_insert(id);
+            lasts[b][st] = Some(id);
+        }
+    }
+    (firsts, lasts)
+}

@@ -1,0 +1,57 @@
+//! Stream assignment (lowering spec §5, "Streams" and "Overlap switches").
+//!
+//! Reads each op's role and, for collectives, its communicator's scope; writes `Op::stream` and
+//! creates only the streams used. `single`: everything on `compute`. `per_role`: gathers on
+//! `gather`, per-micro-step reductions on `reduce`, boundary and refresh on `sync`. `per_link`:
+//! collectives on `intra` or `inter` by scope (mixed groups count as inter). A role whose overlap
+//! switch is off runs on `compute`. Compute-kind helpers of a communication role (the hierarchical
+//! all-gather's rearrangement, gradient accumulation, the optimizer update after the boundary)
+//! follow the stream of the role's previous op.
+
+use crate::ir::*;
+use crate::job::{Overlap, Refresh, Streams};
+use std::collections::HashMap;
+
+pub fn run(p: &mut Program, policy: Streams, overlap: Overlap) {
+    let mut streams: HashMap<StreamRole, StreamId> = HashMap::new();
+    let mut stream = |p: &mut Program, role: StreamRole| *streams.entry(role).or_insert_with(|| p.streams.push(Stream { role }));
+    stream(p, StreamRole::Compute);
+    let mut last_of_role: HashMap<OpRole, StreamRole> = HashMap::new();
+    for id in p.ops.keys().collect::<Vec<_>>() {
+        let op = &p.ops[id];
+        let on = match op.role {
+            OpRole::Gather => overlap.gather,
+            OpRole::Reduce => overlap.reduce,
+            OpRole::Sync => overlap.sync,
+            OpRole::Refresh => overlap.refresh != Refresh::Overlap(false),
+            OpRole::Compute => false,
+        };
+        let role = if !on || policy == Streams::Single {
+            StreamRole::Compute
+        } else if let Some(c) = op.collectives().first() {
+            match policy {
+                Streams::PerLink if p.comms[c.comm].scope == Scope::Intra => StreamRole::Intra,
+                Streams::PerLink => StreamRole::Inter,
+                _ => per_role(op.role),
+            }
+        } else {
+            last_of_role.get(&op.role).copied().unwrap_or_else(|| per_role(op.role))
+        };
+        let role = if policy == Streams::PerLink && role != StreamRole::Compute && op.collectives().is_empty() {
+            last_of_role.get(&op.role).copied().unwrap_or(StreamRole::Intra)
+        } else {
+            role
+        };
+        last_of_role.insert(op.role, role);
+        p.ops[id].stream = stream(p, role);
+    }
+}
+
+fn per_role(role: OpRole) -> StreamRole {
+    match role {
+        OpRole::Compute => StreamRole::Compute,
+        OpRole::Gather => StreamRole::Gather,
+        OpRole::Reduce => StreamRole::Reduce,
+        OpRole::Sync | OpRole::Refresh => StreamRole::Sync,
+    }
+}

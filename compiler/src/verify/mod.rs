@@ -1,0 +1,149 @@
+//! The verifier: proves a program safe to run before anything is written (lowering spec §7).
+//!
+//! It stands apart from the passes that built the program: it recomputes happens-before itself and
+//! trusts nothing but the program. What it proves, in order (handle and range checks first, so
+//! the rest can index freely):
+//! 1. **Structure.** Every handle exists; every region lies inside its buffer for every rank; every
+//!    buffer lies inside the arena; events are recorded once and waited on only after they are
+//!    recorded in issue order; each communicator's groups partition the ranks into equal groups.
+//! 2. **Collective matching.** Every collective's count divides by its group size and agrees with
+//!    its regions and dtype for its kind. One program serves every rank, so every member of a group
+//!    issues the same sequence on every communicator.
+//! 3. **Chunk placement.** Chunk `j` of an all-gather's output or a reduce-scatter's input belongs
+//!    to member `j`: an in-place all-gather's input is exactly the member's chunk of its output, for
+//!    every rank; gathers of a param shard have member `j` holding param shard `j`; reductions of a
+//!    full gradient into a grad shard have member `j` owning grad shard `j`; boundary and refresh
+//!    collectives respect the nesting of optimizer, grad and param shards.
+//! 4. **No deadlock.** Waits only name events of earlier ops, so issue order is a valid schedule
+//!    of every stream; and each rank's collectives are totally ordered by happens-before in issue
+//!    order, so no two communicators ever need to progress at once (NCCL's assumption).
+//! 5. **Race freedom.** Any two accesses to overlapping bytes of a buffer, one a write, are ordered
+//!    by happens-before.
+//! 6. **Memory-plan soundness.** Buffers sharing arena bytes have lifetimes ordered by
+//!    happens-before; persistent buffers share bytes with nothing.
+//! 7. **Right values.** Abstractly executed over all ranks, every forward and backward reads its
+//!    parameters whole and current, every optimizer shard receives each of the dp × M gradient
+//!    contributions exactly once, and every param shard is refreshed for the next step
+//!    ([`values`]).
+//!
+//! Errors are collected, each naming its op or buffer; [`render`] prints the listing with every
+//! error written under the op it concerns. Success returns [`PlanInfo`].
+
+mod clocks;
+mod collectives;
+mod memory;
+mod structure;
+mod values;
+
+use crate::ir::layout::Layout;
+use crate::ir::*;
+use crate::job::Shard;
+use std::collections::HashMap;
+
+pub use clocks::Clocks;
+
+/// One violated invariant.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct VerifyError {
+    pub op: Option<OpId>,
+    pub message: String,
+}
+
+/// What a verified program is known to satisfy, for emitters and the runtime.
+pub struct PlanInfo {
+    pub clocks: Clocks,
+    /// The most bytes of transient buffers possibly alive at one time (a lower bound on any plan).
+    pub live_bound: u64,
+}
+
+/// The facts needed to evaluate rank-dependent offsets and group positions.
+#[derive(Clone, Copy)]
+pub struct Ctx {
+    pub shard: Shard,
+    pub secondary: Option<u32>,
+}
+
+impl Ctx {
+    pub fn layout(&self, p: &Program) -> Layout {
+        Layout { gpus_per_node: p.gpus_per_node, nodes: p.nodes, shard: self.shard, secondary: self.secondary }
+    }
+}
+
+/// Runs every proof; all errors found, or the analysis.
+pub fn verify(p: &Program, ctx: Ctx) -> Result<PlanInfo, Vec<VerifyError>> {
+    let mut errors = structure::check(p, ctx);
+    if !errors.is_empty() {
+        return Err(errors);
+    }
+    let clocks = Clocks::new(p);
+    errors.extend(collectives::check(p, ctx, &clocks));
+    let (mem_errors, live_bound) = memory::check(p, ctx, &clocks);
+    errors.extend(mem_errors);
+    if errors.is_empty() {
+        errors.extend(values::check(p, ctx));
+    }
+    if errors.is_empty() {
+        Ok(PlanInfo { clocks, live_bound })
+    } else {
+        Err(errors)
+    }
+}
+
+/// Each error with the listing lines around its op (`context` ops either side), for terminals.
+pub fn render_context(p: &Program, errors: &[VerifyError], context: usize) -> String {
+    let mut out = String::new();
+    for e in errors {
+        out.push_str(&format!("error: {}\n", e.message));
+        let Some(op) = e.op.filter(|o| o.as_u32() < p.ops.len() as u32) else { continue };
+        let i = op.as_u32() as usize;
+        let lo = i.saturating_sub(context);
+        let hi = (i + context + 1).min(p.ops.len());
+        for (id, o) in p.ops.iter().skip(lo).take(hi - lo) {
+            let mark = if id == op { "-->" } else { "   " };
+            out.push_str(&format!("  {mark} {}\n", crate::emit::listing::op_line(p, id, o)));
+        }
+        out.push('\n');
+    }
+    out
+}
+
+/// The listing with each error under its op, and errors without an op at the end.
+pub fn render(p: &Program, errors: &[VerifyError]) -> String {
+    let mut notes: HashMap<OpId, Vec<String>> = HashMap::new();
+    let mut loose = vec![];
+    for e in errors {
+        match e.op {
+            Some(op) if op.as_u32() < p.ops.len() as u32 => notes.entry(op).or_default().push(e.message.clone()),
+            _ => loose.push(e.message.clone()),
+        }
+    }
+    let mut out = crate::emit::listing::emit_listing_with_notes(p, &notes);
+    for m in loose {
+        out.push_str(&format!("error: {m}\n"));
+    }
+    out
+}
+
+/// A region's byte range in its buffer for a rank with shard indices `idx`.
+pub(crate) fn range(r: &Region, layout: &Layout, rank: u32) -> (u64, u64) {
+    let start = match r.offset {
+        Offset::Fixed(o) => o,
+        Offset::Shard { index, base, stride } => base + layout.index(index, rank) * stride,
+    };
+    (start, start + r.bytes)
+}
+
+/// The ranks whose shard indices differ: evaluating a region for these covers every rank.
+pub(crate) fn representative_ranks(layout: &Layout) -> Vec<u32> {
+    const ALL: [ShardIndex; 7] = [
+        ShardIndex::Param,
+        ShardIndex::Grad,
+        ShardIndex::Optimizer,
+        ShardIndex::ParamLocal,
+        ShardIndex::OptimizerInParam,
+        ShardIndex::OptimizerInGrad,
+        ShardIndex::Secondary,
+    ];
+    let mut seen = std::collections::HashSet::new();
+    (0..layout.ranks()).filter(|&r| seen.insert(ALL.map(|i| layout.index(i, r)))).collect()
+}

@@ -1,0 +1,91 @@
+//! Proof 1: handles, bounds, events and communicator shapes.
+
+use super::{range, representative_ranks, Ctx, VerifyError};
+use crate::ir::*;
+use cranelift_entity::EntityRef;
+
+pub fn check(p: &Program, ctx: Ctx) -> Vec<VerifyError> {
+    let mut errs = vec![];
+    let mut err = |op: Option<OpId>, m: String| errs.push(VerifyError { op, message: m });
+    let sh = ctx.shard;
+    if p.ranks == 0 || p.ranks != p.nodes * p.gpus_per_node {
+        err(None, format!("{} ranks is not {} nodes x {} GPUs", p.ranks, p.nodes, p.gpus_per_node));
+        return errs;
+    }
+    for m in [sh.params, sh.grads, sh.optimizer] {
+        if p.gpus_per_node % m.intra != 0 || p.nodes % m.inter != 0 {
+            err(None, format!("shard mesh {m} does not divide {} nodes x {} GPUs", p.nodes, p.gpus_per_node));
+            return errs;
+        }
+    }
+    if let Some(k) = ctx.secondary.filter(|&k| k == 0 || p.gpus_per_node % k != 0) {
+        err(None, format!("secondary shard size {k} does not divide {} GPUs per node", p.gpus_per_node));
+        return errs;
+    }
+    let layout = ctx.layout(p);
+    let reps = representative_ranks(&layout);
+    for (id, c) in p.comms.iter() {
+        let mut seen = vec![false; p.ranks as usize];
+        let size = c.group_size();
+        for g in &c.groups {
+            if g.len() as u32 != size {
+                err(None, format!("{id}: groups of different sizes ({} and {size})", g.len()));
+            }
+            for &r in g {
+                match seen.get_mut(r as usize) {
+                    Some(s) if !*s => *s = true,
+                    Some(_) => err(None, format!("{id}: rank {r} is in two groups")),
+                    None => err(None, format!("{id}: rank {r} does not exist")),
+                }
+            }
+        }
+        if let Some(r) = seen.iter().position(|s| !s) {
+            err(None, format!("{id}: rank {r} is in no group"));
+        }
+    }
+    for (id, b) in p.buffers.iter() {
+        if b.offset.checked_add(b.bytes).is_none_or(|end| end > p.arena_bytes) {
+            err(None, format!("{id} ({}) at {} + {} B lies outside the {} B arena", b.name, b.offset, b.bytes, p.arena_bytes));
+        }
+        if b.bytes % b.dtype.bytes() != 0 {
+            err(None, format!("{id} ({}) is not a whole number of {} elements", b.name, b.dtype.name()));
+        }
+    }
+    for (e, ev) in p.events.iter() {
+        if p.ops.get(ev.recorder).and_then(|o| o.record) != Some(e) {
+            err(None, format!("{e} is not recorded by the op it names"));
+        }
+    }
+    for (id, op) in p.ops.iter() {
+        if op.stream.index() >= p.streams.len() {
+            err(Some(id), format!("stream {} does not exist", op.stream));
+            continue;
+        }
+        for &w in &op.wait {
+            match p.events.get(w) {
+                None => err(Some(id), format!("waits on {w}, which does not exist")),
+                Some(ev) if ev.recorder >= id => {
+                    err(Some(id), format!("waits on {w}, recorded by {} which is issued later: the host would wait forever", ev.recorder))
+                }
+                Some(_) => {}
+            }
+        }
+        let regions = op.reads.iter().chain(&op.writes).chain(op.collectives().iter().flat_map(|c| [&c.input, &c.output]));
+        for r in regions {
+            let Some(b) = p.buffers.get(r.buffer) else {
+                err(Some(id), format!("touches {}, which does not exist", r.buffer));
+                continue;
+            };
+            if let Some(rank) = reps.iter().copied().find(|&rank| range(r, &layout, rank).1 > b.bytes) {
+                let (s, e) = range(r, &layout, rank);
+                err(Some(id), format!("touches {}[{s}..{e}] on rank {rank}, beyond its {} B", r.buffer, b.bytes));
+            }
+        }
+        for c in op.collectives() {
+            if c.comm.index() >= p.comms.len() {
+                err(Some(id), format!("uses {}, which does not exist", c.comm));
+            }
+        }
+    }
+    errs
+}

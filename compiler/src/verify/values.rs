@@ -1,0 +1,706 @@
+//! Proof 7: right values (lowering spec §7.5), by abstract execution over every rank.
+//!
+//! Races are already excluded, and happens-before only runs forward in issue order, so running the
+//! ops one at a time in issue order computes the values any real execution computes. The abstract
+//! state tracks, per rank, what each byte range of a layer's parameter and gradient buffers holds:
+//! - `Param { elem, version }`: that layer's parameters from element `elem` on, at a version
+//!   (0 at the start of the step, 1 after this step's update);
+//! - `Grad { elem, contrib }`: gradient elements from `elem` on, summed over a set of
+//!   contributions, each a (term, micro-step, rank): the backward of layer `term` (a tied lm_head
+//!   adds a second term to its embedding's gradient) on that rank in that micro-step.
+//!
+//! Collectives are evaluated once per group (chunk `j` to or from member `j`), copies move bytes,
+//! accumulations and reductions take unions of contributions that must be disjoint. Checked:
+//! - every forward, recompute and backward reads its parameters whole and at the current version;
+//! - every update receives, for exactly its optimizer shard's elements, every term's dp × M
+//!   contributions exactly once, and writes the new values where its param shard holds them;
+//! - at the end of the step every param shard holds what it held at the start one version later
+//!   (so a refresh, immediate or deferred to the next step's forward, is never missing).
+//!
+//! Each layer's buffers evolve independently, so layers are checked one at a time, and layers
+//! whose op sequences are alike (the same shapes, communicators and regions) are checked once.
+
+use super::{range, Ctx, VerifyError};
+use crate::ir::layout::Layout;
+use crate::ir::*;
+use crate::job::Collective;
+use cranelift_entity::EntityRef;
+use std::collections::HashMap;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Val {
+    Param { elem: u64, version: u32 },
+    Grad { elem: u64, contrib: u32 },
+}
+
+/// A byte range of a buffer and what it holds (element `elem` sits at byte `start`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Seg {
+    start: u64,
+    end: u64,
+    val: Val,
+}
+
+/// The contents of one buffer on one rank: sorted, disjoint segments.
+type Contents = Vec<Seg>;
+
+/// Interned contribution sets: per (term, micro-step), a bitset of ranks.
+#[derive(Default)]
+struct Contribs {
+    sets: Vec<Vec<(u32, u32, Vec<u64>)>>,
+    index: HashMap<Vec<(u32, u32, Vec<u64>)>, u32>,
+}
+
+impl Contribs {
+    fn intern(&mut self, set: Vec<(u32, u32, Vec<u64>)>) -> u32 {
+        if let Some(&i) = self.index.get(&set) {
+            return i;
+        }
+        let i = self.sets.len() as u32;
+        self.sets.push(set.clone());
+        self.index.insert(set, i);
+        i
+    }
+
+    fn single(&mut self, term: u32, m: u32, rank: u32, ranks: u32) -> u32 {
+        let mut bits = vec![0u64; (ranks as usize).div_ceil(64)];
+        bits[rank as usize / 64] |= 1 << (rank % 64);
+        self.intern(vec![(term, m, bits)])
+    }
+
+    /// The union of two sets, or the (term, micro-step, rank) counted twice.
+    fn union(&mut self, a: u32, b: u32) -> Result<u32, (u32, u32, u32)> {
+        let mut out = self.sets[a as usize].clone();
+        for (t, m, bits) in self.sets[b as usize].clone() {
+            match out.iter_mut().find(|(t2, m2, _)| (*t2, *m2) == (t, m)) {
+                Some((_, _, have)) => {
+                    for (w, (h, n)) in have.iter_mut().zip(&bits).enumerate() {
+                        if *h & n != 0 {
+                            let bit = (*h & n).trailing_zeros();
+                            return Err((t, m, (w * 64) as u32 + bit));
+                        }
+                        *h |= n;
+                    }
+                }
+                None => out.push((t, m, bits)),
+            }
+        }
+        out.sort_by_key(|(t, m, _)| (*t, *m));
+        Ok(self.intern(out))
+    }
+}
+
+pub fn check(p: &Program, ctx: Ctx) -> Vec<VerifyError> {
+    let layout = ctx.layout(p);
+    let mut ops_of: Vec<Vec<OpId>> = vec![vec![]; p.layers.len()];
+    for (id, op) in p.ops.iter() {
+        let mut touched: Vec<usize> = op
+            .reads
+            .iter()
+            .chain(&op.writes)
+            .filter_map(|r| p.buffers[r.buffer].layer.map(|l| l.index()))
+            .collect();
+        touched.sort_unstable();
+        touched.dedup();
+        for l in touched {
+            ops_of[l].push(id);
+        }
+    }
+    let mut errs = vec![];
+    let mut seen: HashMap<String, usize> = HashMap::new();
+    for (l, ops) in ops_of.iter().enumerate() {
+        let layer = LayerId::new(l);
+        if p.layers[layer].params == 0 {
+            continue;
+        }
+        let sig = signature(p, layer, ops);
+        if seen.insert(sig, l).is_some() {
+            continue;
+        }
+        let mut run = Run { p, layout: &layout, layer, contribs: Contribs::default(), state: HashMap::new(), errs: vec![] };
+        run.execute(ops);
+        errs.extend(run.errs);
+    }
+    errs
+}
+
+/// What a layer's op sequence looks like, with buffer ids renamed by first use.
+fn signature(p: &Program, layer: LayerId, ops: &[OpId]) -> String {
+    let mut names: HashMap<BufferId, usize> = HashMap::new();
+    let mut sig = format!("{}:", p.layers[layer].padded);
+    let mut region = |r: &Region, sig: &mut String| {
+        let n = names.len();
+        let id = *names.entry(r.buffer).or_insert(n);
+        let mine = p.buffers[r.buffer].layer == Some(layer);
+        sig.push_str(&format!("b{id}{}{:?}{} ", if mine { "" } else { "x" }, r.offset, r.bytes));
+    };
+    for &o in ops {
+        let op = &p.ops[o];
+        sig.push_str(op.kind_name());
+        sig.push_str(&format!("{:?}", op.micro_step));
+        for c in op.collectives() {
+            sig.push_str(&format!("[{}{}{}", c.kind.name(), c.comm, c.count));
+            region(&c.input, &mut sig);
+            region(&c.output, &mut sig);
+            sig.push(']');
+        }
+        if op.collectives().is_empty() {
+            for r in op.reads.iter().chain(&op.writes) {
+                region(r, &mut sig);
+            }
+        }
+        sig.push(';');
+    }
+    sig
+}
+
+struct Run<'a> {
+    p: &'a Program,
+    layout: &'a Layout,
+    layer: LayerId,
+    contribs: Contribs,
+    /// (buffer, rank) → contents; absent means nothing written yet.
+    state: HashMap<(BufferId, u32), Contents>,
+    errs: Vec<VerifyError>,
+}
+
+impl Run<'_> {
+    fn mine(&self, b: BufferId) -> bool {
+        self.p.buffers[b].layer == Some(self.layer)
+    }
+
+    fn elem_bytes(&self, b: BufferId) -> u64 {
+        self.p.buffers[b].dtype.bytes()
+    }
+
+    fn error(&mut self, op: OpId, message: String) {
+        if self.errs.len() < 8 {
+            self.errs.push(VerifyError { op: Some(op), message });
+        }
+    }
+
+    /// The segments of `b` on `rank` within `[start, end)`, rebased to start at 0.
+    fn read(&self, b: BufferId, rank: u32, start: u64, end: u64) -> Contents {
+        let d = self.elem_bytes(b);
+        let Some(segs) = self.state.get(&(b, rank)) else { return vec![] };
+        segs.iter()
+            .filter(|s| s.end > start && s.start < end)
+            .map(|s| {
+                let (a, z) = (s.start.max(start), s.end.min(end));
+                let skip = (a - s.start) / d;
+                let val = match s.val {
+                    Val::Param { elem, version } => Val::Param { elem: elem + skip, version },
+                    Val::Grad { elem, contrib } => Val::Grad { elem: elem + skip, contrib },
+                };
+                Seg { start: a - start, end: z - start, val }
+            })
+            .collect()
+    }
+
+    /// Writes `segs` (rebased at 0) into `b` on `rank` at `at`, replacing what was there.
+    fn write(&mut self, b: BufferId, rank: u32, at: u64, len: u64, segs: &[Seg]) {
+        let d = self.elem_bytes(b);
+        let cur = self.state.entry((b, rank)).or_default();
+        let mut out: Contents = Vec::with_capacity(cur.len() + segs.len());
+        for s in cur.iter() {
+            if s.end <= at || s.start >= at + len {
+                out.push(*s);
+                continue;
+            }
+            if s.start < at {
+                out.push(Seg { end: at, ..*s });
+            }
+            if s.end > at + len {
+                let skip = (at + len - s.start) / d;
+                let val = match s.val {
+                    Val::Param { elem, version } => Val::Param { elem: elem + skip, version },
+                    Val::Grad { elem, contrib } => Val::Grad { elem: elem + skip, contrib },
+                };
+                out.push(Seg { start: at + len, end: s.end, val });
+            }
+        }
+        out.extend(segs.iter().map(|s| Seg { start: s.start + at, end: s.end + at, val: s.val }));
+        out.sort_by_key(|s| s.start);
+        *cur = merge(out, d);
+    }
+
+    fn execute(&mut self, ops: &[OpId]) {
+        let ranks = self.p.ranks;
+        let first = self.p.ops.iter().find(|(_, o)| o.layer.is_some()).map(|(id, _)| id);
+        let deferred = self.deferred_refresh(ops);
+        let start = self.initial(deferred);
+        for (&(b, r), segs) in &start {
+            self.state.insert((b, r), segs.clone());
+        }
+        let current = u32::from(deferred);
+        for &o in ops {
+            let op = &self.p.ops[o];
+            match &op.kind {
+                OpKind::Compute(k) => self.compute(o, *k, current),
+                OpKind::Collective(c) => self.collective(o, c),
+                OpKind::Group(cs) => {
+                    for c in cs.clone() {
+                        self.collective(o, &c);
+                    }
+                }
+            }
+        }
+        let _ = (first, ranks);
+        // The end state is the start state one version later.
+        for ((b, r), segs) in start {
+            let want: Contents = segs
+                .iter()
+                .map(|s| match s.val {
+                    Val::Param { elem, version } => Seg { val: Val::Param { elem, version: version + 1 }, ..*s },
+                    v => Seg { val: v, ..*s },
+                })
+                .collect();
+            let got = self.state.get(&(b, r)).cloned().unwrap_or_default();
+            if merge(got.clone(), self.elem_bytes(b)) != merge(want, self.elem_bytes(b)) {
+                let last = ops.last().copied().unwrap_or(OpId::new(0));
+                let name = &self.p.buffers[b].name;
+                self.error(last, format!("at the end of the step {b} ({name}) on rank {r} is not the next version of what it held at the start: a refresh is missing or wrong"));
+                break;
+            }
+        }
+    }
+
+    /// True when the step begins with refresh all-gathers on param shards (refresh = next_forward).
+    fn deferred_refresh(&self, ops: &[OpId]) -> bool {
+        let refresh = |o: &OpId| self.p.ops[*o].role == OpRole::Refresh;
+        let update = ops.iter().position(|o| self.p.ops[*o].kind == OpKind::Compute(ComputeKind::Update));
+        let first_refresh = ops.iter().position(refresh);
+        matches!((first_refresh, update), (Some(r), Some(u)) if r < u)
+    }
+
+    /// Param shards at the start of the step: this rank's slice of the parameters, at version 0;
+    /// with a deferred refresh the rank's own optimizer slice already holds version 1.
+    fn initial(&self, deferred: bool) -> HashMap<(BufferId, u32), Contents> {
+        let mut out = HashMap::new();
+        for (b, buf) in self.p.buffers.iter() {
+            if buf.kind != BufferKind::ParamShard || !self.mine(b) {
+                continue;
+            }
+            let d = buf.dtype.bytes();
+            let per = buf.bytes / d;
+            let sh = self.layout.shard;
+            let os = self.p.layers[self.layer].padded / sh.optimizer.size();
+            for r in 0..self.p.ranks {
+                let base = self.layout.index(ShardIndex::Param, r) * per;
+                let mut segs = vec![Seg { start: 0, end: buf.bytes, val: Val::Param { elem: base, version: 0 } }];
+                if deferred {
+                    let k = self.layout.index(ShardIndex::OptimizerInParam, r);
+                    let new = vec![Seg { start: 0, end: os * d, val: Val::Param { elem: base + k * os, version: 1 } }];
+                    segs = splice(segs, k * os * d, os * d, &new, d);
+                }
+                out.insert((b, r), segs);
+            }
+        }
+        out
+    }
+
+    fn compute(&mut self, o: OpId, kind: ComputeKind, current: u32) {
+        let op = &self.p.ops[o];
+        let (reads, writes) = (op.reads.clone(), op.writes.clone());
+        let m = op.micro_step.unwrap_or(0);
+        let term = op.layer.map_or(0, |l| l.as_u32());
+        let padded = self.p.layers[self.layer].padded;
+        match kind {
+            ComputeKind::Forward | ComputeKind::Recompute | ComputeKind::Backward => {
+                for r in reads.iter().filter(|r| self.mine(r.buffer) && is_param(self.p.buffers[r.buffer].kind)) {
+                    for rank in 0..self.p.ranks {
+                        let (a, z) = range(r, self.layout, rank);
+                        let segs = self.read(r.buffer, rank, a, z);
+                        let d = self.elem_bytes(r.buffer);
+                        let whole = segs.len() == 1
+                            && segs[0].start == 0
+                            && segs[0].end == padded * d
+                            && matches!(segs[0].val, Val::Param { elem: 0, version } if version == current);
+                        if !whole {
+                            let what = describe(&segs, d);
+                            self.error(o, format!("{} of {} on rank {rank} reads {} holding {what}, not all {padded} parameters at version {current}", Op::compute_name(kind), self.p.layers[self.layer].name, r.buffer));
+                            return;
+                        }
+                    }
+                }
+                if kind == ComputeKind::Backward {
+                    let targets: Vec<Region> =
+                        writes.iter().filter(|w| self.mine(w.buffer) && is_grad(self.p.buffers[w.buffer].kind)).copied().collect();
+                    for w in &targets {
+                        let acc = reads.contains(w);
+                        for rank in 0..self.p.ranks {
+                            let (a, z) = range(w, self.layout, rank);
+                            let c = self.contribs.single(term, m, rank, self.p.ranks);
+                            let elem = a / self.elem_bytes(w.buffer);
+                            let new = vec![Seg { start: 0, end: z - a, val: Val::Grad { elem, contrib: c } }];
+                            let segs = if acc {
+                                let held = self.read(w.buffer, rank, a, z);
+                                self.add(o, &held, &new, w.buffer)
+                            } else {
+                                Some(new)
+                            };
+                            let Some(segs) = segs else { return };
+                            self.write(w.buffer, rank, a, z - a, &segs);
+                        }
+                    }
+                }
+            }
+            ComputeKind::Copy | ComputeKind::Accumulate => {
+                let (srcs, dsts): (Vec<Region>, Vec<Region>) = match kind {
+                    ComputeKind::Accumulate => (reads.iter().filter(|r| !writes.contains(r)).copied().collect(), writes.clone()),
+                    _ => (reads.clone(), writes.clone()),
+                };
+                if !srcs.iter().chain(&dsts).any(|r| self.mine(r.buffer)) {
+                    return;
+                }
+                for rank in 0..self.p.ranks {
+                    // One source split evenly over several destinations, or pairwise.
+                    let pieces: Vec<(Region, u64, u64)> = if srcs.len() == 1 && dsts.len() > 1 {
+                        let (a, _) = range(&srcs[0], self.layout, rank);
+                        let each = srcs[0].bytes / dsts.len() as u64;
+                        (0..dsts.len() as u64).map(|i| (srcs[0], a + i * each, a + (i + 1) * each)).collect()
+                    } else {
+                        srcs.iter().map(|s| {
+                            let (a, z) = range(s, self.layout, rank);
+                            (*s, a, z)
+                        }).collect()
+                    };
+                    for ((src, a, z), dst) in pieces.into_iter().zip(&dsts) {
+                        let data = self.read(src.buffer, rank, a, z);
+                        let (da, dz) = range(dst, self.layout, rank);
+                        let segs = if kind == ComputeKind::Accumulate {
+                            let held = self.read(dst.buffer, rank, da, dz);
+                            match self.add(o, &held, &data, dst.buffer) {
+                                Some(s) => s,
+                                None => return,
+                            }
+                        } else {
+                            data
+                        };
+                        self.write(dst.buffer, rank, da, dz - da, &segs);
+                    }
+                }
+            }
+            ComputeKind::Update => self.update(o, &reads, &writes, current),
+            ComputeKind::Loss => {}
+        }
+    }
+
+    /// The optimizer: complete contributions in, new parameters out, at the right elements.
+    fn update(&mut self, o: OpId, reads: &[Region], writes: &[Region], current: u32) {
+        let Some(g) = reads.iter().find(|r| self.mine(r.buffer) && is_grad(self.p.buffers[r.buffer].kind)).copied() else {
+            return;
+        };
+        let Some(w) = writes.iter().find(|r| self.p.buffers[r.buffer].kind == BufferKind::ParamShard && self.mine(r.buffer)).copied() else {
+            return;
+        };
+        let sh = self.layout.shard;
+        let os = self.p.layers[self.layer].padded / sh.optimizer.size();
+        let ranks = self.p.ranks;
+        let m_all = self.p.micro_steps;
+        for rank in 0..ranks {
+            let want_elem = self.layout.index(ShardIndex::Optimizer, rank) * os;
+            let (a, z) = range(&g, self.layout, rank);
+            let segs = self.read(g.buffer, rank, a, z);
+            let dg = self.elem_bytes(g.buffer);
+            let contiguous = segs.first().is_some_and(|s| s.start == 0)
+                && segs.last().is_some_and(|s| s.end == os * dg)
+                && segs.windows(2).all(|w| w[0].end == w[1].start);
+            let grads: Option<Vec<(u64, u32, u64)>> = segs
+                .iter()
+                .map(|s| match s.val {
+                    Val::Grad { elem, contrib } => Some((elem, contrib, s.start / dg)),
+                    Val::Param { .. } => None,
+                })
+                .collect();
+            let Some(grads) = grads.filter(|g| contiguous && g.iter().all(|(e, _, at)| *e == g[0].0 + at)) else {
+                let what = describe(&segs, dg);
+                self.error(o, format!("update of {} on rank {rank} reads {} holding {what}, not the {os} gradient elements of its optimizer shard", self.p.layers[self.layer].name, g.buffer));
+                return;
+            };
+            let elem = grads[0].0;
+            if elem != want_elem {
+                self.error(o, format!("update on rank {rank} gets gradient elements from {elem}, but its optimizer shard starts at element {want_elem}"));
+                return;
+            }
+            for &(_, contrib, _) in &grads {
+                if let Some(msg) = self.incomplete(contrib, m_all) {
+                    self.error(o, format!("update of {} on rank {rank}: {msg}", self.p.layers[self.layer].name));
+                    return;
+                }
+            }
+            let (wa, wz) = range(&w, self.layout, rank);
+            let held = self.read(w.buffer, rank, wa, wz);
+            let dp = self.elem_bytes(w.buffer);
+            match held.as_slice() {
+                [Seg { val: Val::Param { elem, version }, start: 0, end }] if *elem == want_elem && *version == current && *end == os * dp => {}
+                _ => {
+                    let what = describe(&held, dp);
+                    self.error(o, format!("update on rank {rank} writes {}[{wa}..{wz}] holding {what}, not its optimizer shard's {os} parameters from element {want_elem}", w.buffer));
+                    return;
+                }
+            }
+            let new = vec![Seg { start: 0, end: wz - wa, val: Val::Param { elem: want_elem, version: current + 1 } }];
+            self.write(w.buffer, rank, wa, wz - wa, &new);
+        }
+    }
+
+    /// What is missing from a complete set (every term present has every rank in every micro-step).
+    fn incomplete(&self, c: u32, micro_steps: u32) -> Option<String> {
+        let set = &self.contribs.sets[c as usize];
+        let mut terms: Vec<u32> = set.iter().map(|(t, _, _)| *t).collect();
+        terms.dedup();
+        if !terms.contains(&self.layer.as_u32()) {
+            return Some("the layer's own gradient never arrives".into());
+        }
+        for t in terms {
+            for m in 0..micro_steps {
+                let Some((_, _, bits)) = set.iter().find(|(t2, m2, _)| (*t2, *m2) == (t, m)) else {
+                    return Some(format!("no contribution of micro-step {m} (from layer{t}'s backward) arrives"));
+                };
+                let have: u32 = bits.iter().map(|w| w.count_ones()).sum();
+                if have != self.p.ranks {
+                    let missing = (0..self.p.ranks).find(|r| bits[*r as usize / 64] & (1 << (r % 64)) == 0).unwrap_or(0);
+                    return Some(format!("{have} of {} ranks' contributions of micro-step {m} arrive (rank {missing}'s is missing)", self.p.ranks));
+                }
+            }
+        }
+        None
+    }
+
+    /// Elementwise sum of two gradient contents over the same bytes and elements.
+    fn add(&mut self, o: OpId, a: &[Seg], b: &[Seg], buf: BufferId) -> Option<Contents> {
+        let d = self.elem_bytes(buf);
+        let len = |x: &[Seg]| x.last().map_or(0, |s| s.end);
+        let covered = |x: &[Seg]| x.first().is_some_and(|s| s.start == 0) && x.windows(2).all(|w| w[0].end == w[1].start);
+        if !covered(a) || !covered(b) || len(a) != len(b) {
+            self.error(o, format!("adds {} onto {} in {buf}: both must be whole gradient ranges of one size", describe(b, d), describe(a, d)));
+            return None;
+        }
+        let mut cuts: Vec<u64> = a.iter().chain(b).flat_map(|s| [s.start, s.end]).collect();
+        cuts.sort_unstable();
+        cuts.dedup();
+        let mut out = vec![];
+        for w in cuts.windows(2) {
+            let (x, y) = (slice(a, w[0], w[1], d), slice(b, w[0], w[1], d));
+            let (Some(x), Some(y)) = (single_grad(&x), single_grad(&y)) else {
+                self.error(o, format!("adds into {buf} something that is not a gradient: {} + {}", describe(a, d), describe(b, d)));
+                return None;
+            };
+            if x.0 != y.0 {
+                self.error(o, format!("adds gradient elements from {} onto elements from {} in {buf}", y.0, x.0));
+                return None;
+            }
+            match self.contribs.union(x.1, y.1) {
+                Ok(c) => out.push(Seg { start: w[0], end: w[1], val: Val::Grad { elem: x.0, contrib: c } }),
+                Err((t, m, r)) => {
+                    self.error(o, format!("rank {r}'s gradient of micro-step {m} (from layer{t}'s backward) is added twice into {buf}"));
+                    return None;
+                }
+            }
+        }
+        Some(merge(out, d))
+    }
+
+    fn collective(&mut self, o: OpId, c: &CollectiveOp) {
+        if !self.mine(c.input.buffer) && !self.mine(c.output.buffer) {
+            return;
+        }
+        let comm = &self.p.comms[c.comm];
+        for g in comm.groups.clone() {
+            let gs = g.len() as u64;
+            let inputs: Vec<Contents> = g
+                .iter()
+                .map(|&r| {
+                    let (a, z) = range(&c.input, self.layout, r);
+                    self.read(c.input.buffer, r, a, z)
+                })
+                .collect();
+            match c.kind {
+                Collective::AllGather => {
+                    let chunk = c.output.bytes / gs;
+                    let mut out = vec![];
+                    for (j, segs) in inputs.iter().enumerate() {
+                        out.extend(segs.iter().map(|s| Seg { start: s.start + j as u64 * chunk, end: s.end + j as u64 * chunk, val: s.val }));
+                    }
+                    let out = merge(out, self.elem_bytes(c.output.buffer));
+                    for &r in &g {
+                        let (a, z) = range(&c.output, self.layout, r);
+                        self.write(c.output.buffer, r, a, z - a, &out);
+                    }
+                }
+                Collective::ReduceScatter | Collective::AllReduce => {
+                    let parts = if c.kind == Collective::ReduceScatter { gs } else { 1 };
+                    let chunk = c.input.bytes / parts;
+                    let d = self.elem_bytes(c.input.buffer);
+                    let mut memo: HashMap<Vec<u32>, u32> = HashMap::new();
+                    let mut results = Vec::with_capacity(parts as usize);
+                    // Every member holding one gradient range over the whole input: one fold serves
+                    // every chunk.
+                    let whole: Option<Vec<(u64, u32)>> = inputs
+                        .iter()
+                        .map(|i| single_grad(i).filter(|g| g.2 == c.input.bytes).map(|(e, c, _)| (e, c)))
+                        .collect();
+                    if let Some(w) = whole.filter(|w| w.iter().all(|(e, _)| *e == w[0].0)) {
+                        let full = vec![Seg { start: 0, end: c.input.bytes, val: Val::Grad { elem: w[0].0, contrib: w[0].1 } }];
+                        let Some(folded) = self.reduce_chunk(o, &w.iter().map(|&(e, c)| vec![Seg { val: Val::Grad { elem: e, contrib: c }, ..full[0] }]).collect::<Vec<_>>(), 0, c.input.bytes, d, c.input.buffer, &mut memo) else {
+                            return;
+                        };
+                        for j in 0..parts {
+                            results.push(slice(&folded, j * chunk, (j + 1) * chunk, d));
+                        }
+                    }
+                    for j in (results.len() as u64)..parts {
+                        match self.reduce_chunk(o, &inputs, j * chunk, (j + 1) * chunk, d, c.input.buffer, &mut memo) {
+                            Some(r) => results.push(r),
+                            None => return,
+                        }
+                    }
+                    for (j, &r) in g.iter().enumerate() {
+                        let res = &results[if parts == 1 { 0 } else { j }];
+                        let (a, z) = range(&c.output, self.layout, r);
+                        self.write(c.output.buffer, r, a, z - a, res);
+                    }
+                }
+                Collective::Broadcast => {}
+            }
+        }
+    }
+}
+
+impl Run<'_> {
+    /// The sum over members of bytes `[a, z)` of their inputs. When every member holds one gradient
+    /// range there with the same elements, only the contribution sets are combined, and a fold
+    /// seen before (the same sets in the same order) is reused.
+    #[allow(clippy::too_many_arguments)]
+    fn reduce_chunk(
+        &mut self,
+        o: OpId,
+        inputs: &[Contents],
+        a: u64,
+        z: u64,
+        d: u64,
+        buf: BufferId,
+        memo: &mut HashMap<Vec<u32>, u32>,
+    ) -> Option<Contents> {
+        let pieces: Vec<Contents> = inputs.iter().map(|segs| slice(segs, a, z, d)).collect();
+        let uniform: Option<Vec<(u64, u32)>> = pieces
+            .iter()
+            .map(|p| single_grad(p).filter(|g| g.2 == z - a).map(|(e, c, _)| (e, c)))
+            .collect();
+        if let Some(u) = uniform.filter(|u| u.iter().all(|(e, _)| *e == u[0].0)) {
+            let ids: Vec<u32> = u.iter().map(|(_, c)| *c).collect();
+            let contrib = match memo.get(&ids) {
+                Some(&c) => c,
+                None => {
+                    let mut acc = ids[0];
+                    for &c in &ids[1..] {
+                        match self.contribs.union(acc, c) {
+                            Ok(x) => acc = x,
+                            Err((t, m, r)) => {
+                                self.error(o, format!("rank {r}'s gradient of micro-step {m} (from layer{t}'s backward) is added twice into {buf}"));
+                                return None;
+                            }
+                        }
+                    }
+                    memo.insert(ids, acc);
+                    acc
+                }
+            };
+            return Some(vec![Seg { start: 0, end: z - a, val: Val::Grad { elem: u[0].0, contrib } }]);
+        }
+        let mut acc: Option<Contents> = None;
+        for piece in pieces {
+            acc = Some(match acc {
+                None => piece,
+                Some(prev) => self.add(o, &prev, &piece, buf)?,
+            });
+        }
+        Some(acc.unwrap_or_default())
+    }
+}
+
+fn is_param(k: BufferKind) -> bool {
+    matches!(k, BufferKind::ParamShard | BufferKind::Gathered)
+}
+
+fn is_grad(k: BufferKind) -> bool {
+    matches!(k, BufferKind::GradShard | BufferKind::FullGrad | BufferKind::Staging)
+}
+
+/// A content that is one gradient range: (first element, contributions, bytes).
+fn single_grad(s: &[Seg]) -> Option<(u64, u32, u64)> {
+    match s {
+        [Seg { start: 0, end, val: Val::Grad { elem, contrib } }] => Some((*elem, *contrib, *end)),
+        _ => None,
+    }
+}
+
+/// Bytes `[a, z)` of a content, rebased at 0.
+fn slice(segs: &[Seg], a: u64, z: u64, d: u64) -> Contents {
+    segs.iter()
+        .filter(|s| s.end > a && s.start < z)
+        .map(|s| {
+            let (lo, hi) = (s.start.max(a), s.end.min(z));
+            let skip = (lo - s.start) / d;
+            let val = match s.val {
+                Val::Param { elem, version } => Val::Param { elem: elem + skip, version },
+                Val::Grad { elem, contrib } => Val::Grad { elem: elem + skip, contrib },
+            };
+            Seg { start: lo - a, end: hi - a, val }
+        })
+        .collect()
+}
+
+/// Replaces bytes `[at, at+len)` of a content with `new` (rebased at 0).
+fn splice(segs: Contents, at: u64, len: u64, new: &[Seg], d: u64) -> Contents {
+    let mut out = slice(&segs, 0, at, d);
+    out.extend(new.iter().map(|s| Seg { start: s.start + at, end: s.end + at, val: s.val }));
+    let total = segs.last().map_or(0, |s| s.end);
+    out.extend(slice(&segs, at + len, total, d).into_iter().map(|s| Seg { start: s.start + at + len, end: s.end + at + len, val: s.val }));
+    merge(out, d)
+}
+
+/// Joins neighbouring segments that continue each other.
+fn merge(segs: Contents, d: u64) -> Contents {
+    let mut out: Contents = Vec::with_capacity(segs.len());
+    for s in segs {
+        if let Some(last) = out.last_mut() {
+            let continues = last.end == s.start
+                && match (last.val, s.val) {
+                    (Val::Param { elem: e1, version: v1 }, Val::Param { elem: e2, version: v2 }) => {
+                        v1 == v2 && e1 + (last.end - last.start) / d == e2
+                    }
+                    (Val::Grad { elem: e1, contrib: c1 }, Val::Grad { elem: e2, contrib: c2 }) => {
+                        c1 == c2 && e1 + (last.end - last.start) / d == e2
+                    }
+                    _ => false,
+                };
+            if continues {
+                last.end = s.end;
+                continue;
+            }
+        }
+        out.push(s);
+    }
+    out
+}
+
+fn describe(segs: &[Seg], d: u64) -> String {
+    if segs.is_empty() {
+        return "nothing written".into();
+    }
+    let parts: Vec<String> = segs
+        .iter()
+        .take(3)
+        .map(|s| {
+            let n = (s.end - s.start) / d;
+            match s.val {
+                Val::Param { elem, version } => format!("params {elem}..{} v{version}", elem + n),
+                Val::Grad { elem, .. } => format!("grads {elem}..{}", elem + n),
+            }
+        })
+        .collect();
+    let more = if segs.len() > 3 { ", …" } else { "" };
+    format!("[{}{more}]", parts.join(", "))
+}

@@ -1,0 +1,101 @@
+//! The `schedc` command line: results on stdout, diagnostics on stderr, exit status 0/1/2, and
+//! `fmt` never leaving a half-written or wrongly rewritten file.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn schedc(args: &[&str], dir: &Path) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_schedc")).args(args).current_dir(dir).output().unwrap()
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+/// A fresh scratch directory under the target dir.
+fn scratch(name: &str) -> PathBuf {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(name);
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+const CLUSTER: &str = "cluster c {\n    nodes = 2\n    gpus_per_node = 4\n    gpu_memory = 16 GiB\n    peak_flops = 100 TFLOPS\n    intra_node { bandwidth = 100 GB/s  latency = 2 us }\n    inter_node { bandwidth = 100 Gbps  latency = 10 us }\n}\n";
+const MODEL: &str = "model m {\n    dtype = bf16\n    seq_len = 128\n    layer embed = embedding(vocab = 256, hidden = 64)\n    layer block[2] = transformer(hidden = 64, heads = 4, ffn = 256)\n    layer head = lm_head(hidden = 64, vocab = 256, tied = true)\n}\n";
+
+#[test]
+fn check_prints_one_line_per_schedule_and_exits_0() {
+    let dir = scratch("check_ok");
+    let src = format!("{CLUSTER}\n{MODEL}\nschedule a {{\n    model = m\n    cluster = c\n    preset = zero3\n}}\n\nschedule b {{\n    model = m\n    cluster = c\n    nodes = 1\n}}\n");
+    std::fs::write(dir.join("ok.sched"), src).unwrap();
+    let out = schedc(&["check", "ok.sched"], &dir);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let stdout = text(&out.stdout);
+    assert_eq!(stdout.lines().count(), 2, "{stdout}");
+    assert!(stdout.starts_with("a: 8 ranks (2 nodes x 4 GPUs), model m with "), "{stdout}");
+    assert!(stdout.contains("b: 4 ranks (1 node x 4 GPUs)"), "{stdout}");
+    assert!(out.stderr.is_empty());
+}
+
+#[test]
+fn errors_go_to_stderr_with_location_and_exit_1() {
+    let dir = scratch("check_err");
+    std::fs::write(dir.join("bad.sched"), format!("{CLUSTER}schedule s {{\n    model = m\n    clustr = c\n}}\n")).unwrap();
+    let out = schedc(&["check", "bad.sched"], &dir);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(out.stdout.is_empty());
+    let err = text(&out.stderr);
+    assert!(err.contains("bad.sched:11:5"), "{err}");
+    assert!(!err.contains("missing `cluster`"), "a misspelt key is reported once: {err}");
+    assert!(err.contains("did you mean `cluster`?"), "{err}");
+    assert!(err.contains("unknown model `m`"), "{err}");
+}
+
+#[test]
+fn warnings_alone_exit_0() {
+    let dir = scratch("check_warn");
+    let src = format!("{CLUSTER}{MODEL}schedule s {{\n    model = m\n    cluster = c\n    shard {{ params = 2 x 2  grads = 2 x 2  optimizer = 2 x 2 }}\n}}\n");
+    std::fs::write(dir.join("w.sched"), src).unwrap();
+    let out = schedc(&["check", "w.sched"], &dir);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert!(text(&out.stderr).contains("warning: rule 3"));
+}
+
+#[test]
+fn an_unreadable_file_exits_2() {
+    let dir = scratch("check_missing");
+    let out = schedc(&["check", "nope.sched"], &dir);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(text(&out.stderr).contains("cannot read nope.sched"));
+}
+
+#[test]
+fn fmt_rewrites_and_check_reports() {
+    let dir = scratch("fmt");
+    let messy = "model m{dtype=bf16;seq_len=128 # len\nlayer x=mlp(hidden=8,ffn=16)}\n";
+    std::fs::write(dir.join("m.sched"), messy).unwrap();
+    let out = schedc(&["fmt", "--check", "m.sched"], &dir);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(text(&out.stdout).contains("m.sched: not formatted"));
+    assert_eq!(std::fs::read_to_string(dir.join("m.sched")).unwrap(), messy, "--check must not write");
+
+    let out = schedc(&["fmt", "m.sched"], &dir);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let formatted = std::fs::read_to_string(dir.join("m.sched")).unwrap();
+    assert_ne!(formatted, messy);
+    assert!(formatted.contains("# len"));
+    assert_eq!(schedc(&["fmt", "--check", "m.sched"], &dir).status.code(), Some(0));
+    let leftovers: Vec<_> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert_eq!(leftovers.len(), 1, "temporary files left behind: {leftovers:?}");
+}
+
+#[test]
+fn fmt_leaves_a_file_with_syntax_errors_untouched() {
+    let dir = scratch("fmt_bad");
+    let bad = "model m {\n    dtype = = bf16\n}\n";
+    std::fs::write(dir.join("b.sched"), bad).unwrap();
+    let out = schedc(&["fmt", "b.sched"], &dir);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(text(&out.stderr).contains("b.sched:2:13"), "{}", text(&out.stderr));
+    assert_eq!(std::fs::read_to_string(dir.join("b.sched")).unwrap(), bad);
+}
