@@ -99,3 +99,68 @@ fn fmt_leaves_a_file_with_syntax_errors_untouched() {
     assert!(text(&out.stderr).contains("b.sched:2:13"), "{}", text(&out.stderr));
     assert_eq!(std::fs::read_to_string(dir.join("b.sched")).unwrap(), bad);
 }
+
+fn tiny(dir: &Path) {
+    let src = format!("{CLUSTER}{MODEL}schedule z {{\n    model = m\n    cluster = c\n    preset = zero3\n}}\n");
+    std::fs::write(dir.join("z.sched"), src).unwrap();
+}
+
+#[test]
+fn compile_writes_a_plan_that_verify_accepts() {
+    let dir = scratch("compile_ok");
+    tiny(&dir);
+    let out = schedc(&["compile", "z.sched"], &dir);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let plan = std::fs::read_to_string(dir.join("z.plan.json")).unwrap();
+    assert!(plan.starts_with(r#"{"format":"sched-plan","version":1,"schedule":"z","ranks":8"#), "{}", &plan[..80]);
+    let out = schedc(&["verify", "z.plan.json"], &dir);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert!(text(&out.stdout).contains("verified"));
+    for emit in ["listing", "stats"] {
+        let out = schedc(&["compile", "z.sched", "--emit", emit], &dir);
+        assert_eq!(out.status.code(), Some(0));
+        assert!(!out.stdout.is_empty());
+    }
+}
+
+#[test]
+fn verify_refuses_edited_truncated_and_foreign_plans() {
+    let dir = scratch("verify_bad");
+    tiny(&dir);
+    assert_eq!(schedc(&["compile", "z.sched", "-o", "z.json"], &dir).status.code(), Some(0));
+    let plan = std::fs::read_to_string(dir.join("z.json")).unwrap();
+    let mut json: serde_json::Value = serde_json::from_str(&plan).unwrap();
+    // Remove the first wait of the compute stream.
+    let ops = json["streams"][0]["ops"].as_array_mut().unwrap();
+    let op = ops.iter_mut().find(|o| !o["wait"].as_array().unwrap().is_empty()).unwrap();
+    op["wait"].as_array_mut().unwrap().remove(0);
+    std::fs::write(dir.join("edited.json"), json.to_string()).unwrap();
+    let out = schedc(&["verify", "edited.json"], &dir);
+    assert_eq!(out.status.code(), Some(1));
+    let err = text(&out.stderr);
+    assert!(err.contains("fails verification") && err.contains("-->"), "{err}");
+
+    std::fs::write(dir.join("cut.json"), &plan[..plan.len() / 2]).unwrap();
+    let out = schedc(&["verify", "cut.json"], &dir);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(text(&out.stderr).contains("not a plan file"), "{}", text(&out.stderr));
+
+    std::fs::write(dir.join("v9.json"), plan.replacen(r#""version":1"#, r#""version":9"#, 1)).unwrap();
+    let out = schedc(&["verify", "v9.json"], &dir);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(text(&out.stderr).contains("version 9 is not supported"), "{}", text(&out.stderr));
+}
+
+#[test]
+fn compile_needs_a_schedule_name_when_there_are_several() {
+    let dir = scratch("compile_several");
+    let src = format!("{CLUSTER}{MODEL}schedule a {{\n    model = m\n    cluster = c\n}}\n\nschedule b {{\n    model = m\n    cluster = c\n}}\n");
+    std::fs::write(dir.join("two.sched"), src).unwrap();
+    let out = schedc(&["compile", "two.sched"], &dir);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(text(&out.stderr).contains("--schedule NAME: a, b"), "{}", text(&out.stderr));
+    assert!(!dir.join("a.plan.json").exists());
+    let out = schedc(&["compile", "two.sched", "--schedule", "b"], &dir);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert!(dir.join("b.plan.json").exists());
+}

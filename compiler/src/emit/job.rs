@@ -108,7 +108,7 @@ fn model(out: &mut String, m: &Model) {
         m.seq_len,
         m.micro_batch
     );
-    let _ = writeln!(out, "  parameters {} in {} layers", thousands(m.parameters()), m.layers.len());
+    let _ = writeln!(out, "  parameters {} in {}", thousands(m.parameters()), plural(m.layers.len() as u64, "layer"));
     let mut i = 0;
     while i < m.layers.len() {
         let run = repeated_run(&m.layers[i..]);

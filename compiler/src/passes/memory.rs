@@ -73,8 +73,13 @@ pub fn run(p: &mut Program) -> Vec<(OpId, OpId)> {
     let mut active: Vec<BufferId> = vec![];
     let (firsts, lasts) = access_ends(p);
     let mut reuse: Vec<(OpId, OpId)> = vec![];
+    let mut frontier = Frontier::new(p);
+    let mut occupants = crate::intervals::Occupants::default();
     for b in transient {
         let bytes = p.buffers[b].bytes;
+        // Retire buffers every stream has already seen finish: no later op can overlap them.
+        frontier.advance(life.first[b].expect("accessed").index());
+        active.retain(|&a| !frontier.covers(&clocks, &life.last[a]));
         let mut busy: Vec<(u64, u64)> = active
             .iter()
             .filter(|&&a| !life.dead_before(a, b))
@@ -90,18 +95,52 @@ pub fn run(p: &mut Program) -> Vec<(OpId, OpId)> {
         }
         p.buffers[b].offset = at;
         top = top.max(align(at + bytes));
-        for &a in &active {
-            let (oa, ea) = (p.buffers[a].offset, p.buffers[a].offset + p.buffers[a].bytes);
-            if oa < at + bytes && at < ea {
-                for &waiter in firsts[b.index()].iter().flatten() {
-                    reuse.extend(lasts[a.index()].iter().flatten().map(|&waited| (waiter, waited)));
-                }
+        for a in occupants.replace(at, at + bytes, b) {
+            for &waiter in firsts[b.index()].iter().flatten() {
+                reuse.extend(lasts[a.index()].iter().flatten().map(|&waited| (waiter, waited)));
             }
         }
         active.push(b);
     }
     p.arena_bytes = top;
     reuse
+}
+
+/// Each stream's next op from some point of the issue order on.
+struct Frontier {
+    on_stream: Vec<Vec<OpId>>,
+    cursor: Vec<usize>,
+}
+
+impl Frontier {
+    fn new(p: &Program) -> Self {
+        let mut on_stream = vec![vec![]; p.streams.len()];
+        for (id, op) in p.ops.iter() {
+            on_stream[op.stream.index()].push(id);
+        }
+        Frontier { cursor: vec![0; on_stream.len()], on_stream }
+    }
+
+    /// Moves every stream's cursor to its first op at or after issue position `from`.
+    fn advance(&mut self, from: usize) {
+        for (ops, c) in self.on_stream.iter().zip(&mut self.cursor) {
+            while *c < ops.len() && ops[*c].index() < from {
+                *c += 1;
+            }
+        }
+    }
+
+    /// Every op from here on, on every stream, happens after the accesses `last` (per-stream
+    /// positions): true when each stream's next op does, since clocks only grow along a stream.
+    fn covers(&self, clocks: &Clocks, last: &[u32]) -> bool {
+        self.on_stream.iter().zip(&self.cursor).enumerate().all(|(s, (ops, &c))| {
+            let Some(&op) = ops.get(c) else { return true };
+            clocks.clock(op).iter().enumerate().all(|(t, &v)| {
+                let before = if t == s { v - 1 } else { v };
+                before >= last[t]
+            })
+        })
+    }
 }
 
 /// Per buffer, its first and its last accessing op on each stream.

@@ -5,6 +5,7 @@
 
 use super::values::*;
 use super::Ctx;
+use crate::emit::job::plural;
 use crate::job::{Cluster, Collective, Link, MeasuredTable, Mesh};
 use sched_grammar::ast::{BlockItem, Measured, Nested, ValueKind};
 use sched_grammar::diag::Diagnostic;
@@ -19,6 +20,16 @@ const KEYS: &[(&str, Shape)] = &[
     ("inter_node", Shape::Block),
 ];
 
+/// The required keys and what to write for each when it is missing.
+const REQUIRED: &[(&str, &str)] = &[
+    ("nodes", "nodes = 4"),
+    ("gpus_per_node", "gpus_per_node = 8"),
+    ("gpu_memory", "gpu_memory = 80 GiB"),
+    ("peak_flops", "peak_flops = 312 TFLOPS"),
+    ("intra_node", "intra_node { bandwidth = 200 GB/s  latency = 5 us }"),
+    ("inter_node", "inter_node { bandwidth = 400 Gbps  latency = 10 us }"),
+];
+
 const LINK_KEYS: &[(&str, Shape)] = &[("bandwidth", Shape::Value), ("latency", Shape::Value)];
 
 /// Most nodes or GPUs per node a cluster may declare (keeps rank arithmetic far from overflow).
@@ -27,14 +38,12 @@ pub(crate) const MAX_COUNT: u64 = 1 << 20;
 pub(crate) fn resolve(ctx: &mut Ctx, item: &BlockItem) -> Option<Cluster> {
     let what = format!("cluster `{}`", item.name.name);
     let r = BlockReader::new(ctx, &what, &item.body.entries, KEYS, Extras { measured: true, ..Extras::default() });
-    let nodes = r.required(ctx, "nodes", &item.name, &what, "4").and_then(|v| expect_int(ctx, v, 1, MAX_COUNT, "`nodes`"));
-    let gpus = r
-        .required(ctx, "gpus_per_node", &item.name, &what, "8")
-        .and_then(|v| expect_int(ctx, v, 1, MAX_COUNT, "`gpus_per_node`"));
-    let memory = r.required(ctx, "gpu_memory", &item.name, &what, "80 GiB").and_then(|v| expect_bytes(ctx, v));
-    let peak = r
-        .required(ctx, "peak_flops", &item.name, &what, "312 TFLOPS")
-        .and_then(|v| expect_quantity(ctx, v, UnitKind::Compute));
+    r.require(ctx, &item.name, &what, REQUIRED);
+    let nodes = r.value("nodes").and_then(|v| expect_int(ctx, v, 1, MAX_COUNT, "`nodes`"));
+    let gpus = r.value("gpus_per_node").and_then(|v| expect_int(ctx, v, 1, MAX_COUNT, "`gpus_per_node`"));
+    let memory = r.value("gpu_memory").and_then(|v| expect_bytes(ctx, v));
+    let peak_value = r.value("peak_flops");
+    let peak = peak_value.and_then(|v| expect_quantity(ctx, v, UnitKind::Compute));
     let efficiency = match r.value("efficiency") {
         None => Some(0.75),
         Some(v) => expect_number(ctx, v).and_then(|e| {
@@ -48,21 +57,34 @@ pub(crate) fn resolve(ctx: &mut Ctx, item: &BlockItem) -> Option<Cluster> {
             }
         }),
     };
-    let intra = link(ctx, &r, "intra_node", item, &what);
-    let inter = link(ctx, &r, "inter_node", item, &what);
+    let intra = r.block("intra_node").and_then(|b| link_block(ctx, b));
+    let inter = r.block("inter_node").and_then(|b| link_block(ctx, b));
     let measured: Vec<Option<MeasuredTable>> = r.measured.iter().map(|m| measured_table(ctx, m)).collect();
     for (t, m) in measured.iter().zip(&r.measured) {
         let (Some(t), Some(n), Some(g)) = (t, nodes, gpus) else { continue };
         if u64::from(t.mesh.intra) > g || u64::from(t.mesh.inter) > n {
             ctx.error(
-                Diagnostic::error(format!("measured mesh {} does not fit a cluster of {n} nodes x {g} GPUs", t.mesh))
-                    .at(m.mesh.span, "mesh larger than the cluster"),
+                Diagnostic::error(format!(
+                    "measured mesh {} ({} x {}) does not fit {what} ({} x {})",
+                    t.mesh,
+                    plural(u64::from(t.mesh.intra), "GPU"),
+                    plural(u64::from(t.mesh.inter), "node"),
+                    plural(g, "GPU"),
+                    plural(n, "node"),
+                ))
+                .at(m.mesh.span, "mesh larger than the cluster")
+                .note("a mesh `a x b` is a GPUs per node times b nodes"),
             );
         }
     }
-    if let Some(p) = peak.filter(|p| *p <= 0.0) {
-        ctx.error(Diagnostic::error(format!("`peak_flops` must be positive, found {p}")).at(item.name.span, "here"));
-        return None;
+    if let (Some(p), Some(v)) = (peak, peak_value) {
+        if p <= 0.0 {
+            ctx.error(
+                Diagnostic::error(format!("`peak_flops` must be positive, found `{}`", written(v)))
+                    .at(v.span, "not positive"),
+            );
+            return None;
+        }
     }
     Some(Cluster {
         name: item.name.name.clone(),
@@ -77,34 +99,33 @@ pub(crate) fn resolve(ctx: &mut Ctx, item: &BlockItem) -> Option<Cluster> {
     })
 }
 
-fn link(ctx: &mut Ctx, r: &BlockReader, key: &str, item: &BlockItem, what: &str) -> Option<Link> {
-    let Some(block) = r.block(key) else {
-        ctx.error(
-            Diagnostic::error(format!("{what} is missing `{key}`"))
-                .at(item.name.span, format!("`{key}` is required here"))
-                .note(format!("add `{key} {{ bandwidth = 200 GB/s  latency = 5 us }}`")),
-        );
-        return None;
-    };
-    link_block(ctx, block)
-}
-
 fn link_block(ctx: &mut Ctx, block: &Nested) -> Option<Link> {
     let what = format!("`{}`", block.key.name);
     let r = BlockReader::for_nested(ctx, &what, block, LINK_KEYS);
-    let bw = r
-        .required(ctx, "bandwidth", &block.key, &what, "200 GB/s")
-        .and_then(|v| expect_quantity(ctx, v, UnitKind::Bandwidth));
-    let lat = r.required(ctx, "latency", &block.key, &what, "5 us").and_then(|v| expect_quantity(ctx, v, UnitKind::Time));
-    if let Some(b) = bw.filter(|b| *b <= 0.0) {
-        ctx.error(Diagnostic::error(format!("bandwidth must be positive, found {b} B/s")).at(block.key.span, "here"));
-        return None;
+    r.require(ctx, &block.key, &what, &[("bandwidth", "bandwidth = 200 GB/s"), ("latency", "latency = 5 us")]);
+    let bw_value = r.value("bandwidth");
+    let lat_value = r.value("latency");
+    let bw = bw_value.and_then(|v| expect_quantity(ctx, v, UnitKind::Bandwidth));
+    let lat = lat_value.and_then(|v| expect_quantity(ctx, v, UnitKind::Time));
+    let mut ok = true;
+    if let (Some(b), Some(v)) = (bw, bw_value) {
+        if b <= 0.0 {
+            ctx.error(
+                Diagnostic::error(format!("{what} bandwidth must be positive, found `{}`", written(v)))
+                    .at(v.span, "not positive"),
+            );
+            ok = false;
+        }
     }
-    if let Some(l) = lat.filter(|l| *l < 0.0) {
-        ctx.error(Diagnostic::error(format!("latency cannot be negative, found {l} s")).at(block.key.span, "here"));
-        return None;
+    if let (Some(l), Some(v)) = (lat, lat_value) {
+        if l < 0.0 {
+            ctx.error(
+                Diagnostic::error(format!("{what} latency cannot be negative, found `{}`", written(v))).at(v.span, "negative"),
+            );
+            ok = false;
+        }
     }
-    Some(Link { bandwidth: bw?, latency: lat? })
+    ok.then_some(Link { bandwidth: bw?, latency: lat? })
 }
 
 fn measured_table(ctx: &mut Ctx, m: &Measured) -> Option<MeasuredTable> {
@@ -136,8 +157,12 @@ fn measured_table(ctx: &mut Ctx, m: &Measured) -> Option<MeasuredTable> {
                 ctx.error(Diagnostic::error("a measured point needs a positive size and bandwidth").at(p.span, "here"));
             } else if let Some(&(prev, _)) = points.last().filter(|(prev, _)| *prev >= s) {
                 ctx.error(
-                    Diagnostic::error(format!("measured sizes must increase: {s} bytes follows {prev} bytes"))
-                        .at(p.size.span, "not larger than the point before"),
+                    Diagnostic::error(format!(
+                        "measured sizes must increase: {} follows {}",
+                        human_bytes(s),
+                        human_bytes(prev)
+                    ))
+                    .at(p.size.span, "not larger than the point before"),
                 );
             } else {
                 points.push((s, b));

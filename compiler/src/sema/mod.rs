@@ -30,6 +30,13 @@ use std::sync::Arc;
 /// Where source files come from: the file system, or memory (tests, fuzzing).
 pub trait Loader {
     fn read(&self, path: &Path) -> std::io::Result<String>;
+
+    /// What identifies the file at `path`: two paths with the same identity are one file, loaded
+    /// once. By default the path made absolute (against the current directory) and normalised,
+    /// so that `a.sched` and `../sub/a.sched`, read from `sub/`, are the same file.
+    fn identity(&self, path: &Path) -> PathBuf {
+        absolute(path)
+    }
 }
 
 /// Reads files from disk.
@@ -42,9 +49,14 @@ impl Loader for FsLoader {
 }
 
 /// Files held in memory, keyed by their normalised path.
+///
+/// Relative paths are taken from the process's current directory, as on disk, unless
+/// [`MemLoader::in_dir`] names another one.
 #[derive(Default)]
 pub struct MemLoader {
     pub files: HashMap<PathBuf, String>,
+    /// The directory relative paths are taken from; the current directory when `None`.
+    pub dir: Option<PathBuf>,
 }
 
 impl MemLoader {
@@ -52,11 +64,29 @@ impl MemLoader {
         self.files.insert(normalize(Path::new(path)), text.to_string());
         self
     }
+
+    /// Takes relative paths from `dir` (an absolute path), as if the process ran there.
+    pub fn in_dir(mut self, dir: &str) -> Self {
+        self.dir = Some(PathBuf::from(dir));
+        self
+    }
 }
 
 impl Loader for MemLoader {
     fn read(&self, path: &Path) -> std::io::Result<String> {
-        self.files.get(&normalize(path)).cloned().ok_or_else(|| std::io::ErrorKind::NotFound.into())
+        let found = self.files.get(&normalize(path)).or_else(|| {
+            // The same file written another way (`../sub/a.sched` for `a.sched`).
+            let id = self.identity(path);
+            self.files.iter().find(|(k, _)| self.identity(k) == id).map(|(_, text)| text)
+        });
+        found.cloned().ok_or_else(|| std::io::ErrorKind::NotFound.into())
+    }
+
+    fn identity(&self, path: &Path) -> PathBuf {
+        match &self.dir {
+            Some(dir) => normalize(&dir.join(path)),
+            None => absolute(path),
+        }
     }
 }
 
@@ -75,19 +105,27 @@ impl std::fmt::Display for ReadError {
 
 impl std::error::Error for ReadError {}
 
-/// Collected diagnostics of one analysis.
+/// Collected diagnostics of one analysis. A diagnostic identical in message and place to one
+/// already collected (the same fact reached twice) is dropped.
 #[derive(Default)]
 pub(crate) struct Ctx {
     diags: Vec<Diagnostic>,
+    seen: std::collections::HashSet<(String, Option<Span>)>,
 }
 
 impl Ctx {
     pub fn error(&mut self, d: Diagnostic) {
-        self.diags.push(d);
+        self.push(d);
     }
 
     pub fn warn(&mut self, d: Diagnostic) {
-        self.diags.push(d);
+        self.push(d);
+    }
+
+    fn push(&mut self, d: Diagnostic) {
+        if self.seen.insert((d.message.clone(), d.primary_span())) {
+            self.diags.push(d);
+        }
     }
 }
 
@@ -138,8 +176,10 @@ pub fn analyze(root: &Path, loader: &dyn Loader) -> Result<Analysis, ReadError> 
     let mut sources = SourceMap::new();
     let mut ctx = Ctx::default();
     let root_id = sources.add(root.display().to_string(), normalize(root), text);
-    let mut files = Files { loader, asts: HashMap::new(), stack: vec![], syntax_errors: false };
-    files.load(&mut sources, &mut ctx, root_id);
+    let mut files =
+        Files { loader, asts: HashMap::new(), identities: HashMap::new(), stack: vec![], syntax_errors: false };
+    files.identities.insert(loader.identity(root), root_id);
+    files.load(&mut sources, &mut ctx, root_id, None);
 
     let mut analysis = Analysis { sources, diagnostics: vec![], clusters: vec![], models: vec![], jobs: vec![] };
     if !files.syntax_errors {
@@ -154,33 +194,37 @@ pub fn analyze(root: &Path, loader: &dyn Loader) -> Result<Analysis, ReadError> 
 struct Files<'l> {
     loader: &'l dyn Loader,
     asts: HashMap<FileId, ast::File>,
-    /// Files being loaded, with the import that led to each (for cycle reports).
+    /// Every file loaded, by [`Loader::identity`].
+    identities: HashMap<PathBuf, FileId>,
+    /// The files being loaded, root first, each with the import that led to it (for cycle
+    /// reports); the last is the file being loaded now.
     stack: Vec<(FileId, Option<Span>)>,
     syntax_errors: bool,
 }
 
 impl Files<'_> {
-    fn load(&mut self, sources: &mut SourceMap, ctx: &mut Ctx, id: FileId) {
+    /// Parses file `id`, reached through the import `via`, and loads what it imports.
+    fn load(&mut self, sources: &mut SourceMap, ctx: &mut Ctx, id: FileId, via: Option<Span>) {
         let parsed = sched_grammar::parse(id, &sources.get(id).text);
         self.syntax_errors |= !parsed.errors.is_empty();
         parsed.errors.into_iter().for_each(|e| ctx.error(e));
+        self.stack.push((id, via));
         let dir = sources.get(id).path.parent().map(Path::to_path_buf).unwrap_or_default();
         for item in &parsed.file.items {
             let Item::Import(imp) = item else { continue };
             let path = normalize(&dir.join(&imp.path.value));
-            if let Some(pos) = self.stack.iter().position(|(f, _)| sources.get(*f).path == path) {
-                ctx.error(cycle_error(sources, &self.stack[pos..], imp.span));
-                continue;
-            }
-            if sources.find(&path).is_some() {
+            let identity = self.loader.identity(&path);
+            if let Some(&seen) = self.identities.get(&identity) {
+                if let Some(pos) = self.stack.iter().position(|(f, _)| *f == seen) {
+                    ctx.error(cycle_error(sources, &self.stack[pos..], imp.span));
+                }
                 continue; // already loaded through another import
             }
             match self.loader.read(&path) {
                 Ok(text) => {
                     let child = sources.add(display_path(&path), &path, text);
-                    self.stack.push((id, Some(imp.span)));
-                    self.load(sources, ctx, child);
-                    self.stack.pop();
+                    self.identities.insert(identity, child);
+                    self.load(sources, ctx, child, Some(imp.span));
                 }
                 Err(e) => ctx.error(
                     Diagnostic::error(format!("cannot import `{}`: {e}", imp.path.value))
@@ -188,20 +232,29 @@ impl Files<'_> {
                 ),
             }
         }
+        self.stack.pop();
         self.asts.insert(id, parsed.file);
     }
 }
 
+/// An import cycle: `chain` holds the files from the one imported again to the one importing it,
+/// each with the import that led to it; `closing` is the import that leads back.
 fn cycle_error(sources: &SourceMap, chain: &[(FileId, Option<Span>)], closing: Span) -> Diagnostic {
     let mut names: Vec<&str> = chain.iter().map(|(f, _)| sources.get(*f).name.as_str()).collect();
     names.push(&sources.get(chain[0].0).name);
-    let mut d = Diagnostic::error(format!("import cycle: {}", names.join(" → "))).at(closing, "this import closes the cycle");
-    for (_, span) in chain.iter().skip(1) {
-        if let Some(s) = span {
-            d = d.also(*s, "imported here");
+    let d = Diagnostic::error(format!("import cycle: {}", names.join(" → ")));
+    // Every import on the cycle, in order: the first one (in the file imported again) is where
+    // the cycle is reported.
+    let imports: Vec<Span> = chain.iter().skip(1).filter_map(|(_, via)| *via).chain([closing]).collect();
+    match imports.as_slice() {
+        [only] => d.at(*only, "the file imports itself"),
+        [first, middle @ .., last] => {
+            let d = d.at(*first, "the cycle starts here");
+            let d = middle.iter().fold(d, |d, s| d.also(*s, "continues here"));
+            d.also(*last, "and closes here")
         }
+        [] => d,
     }
-    d
 }
 
 /// Lexically normalises a path (removes `.` and resolves `..` against earlier components).
@@ -217,6 +270,14 @@ fn normalize(path: &Path) -> PathBuf {
         }
     }
     out
+}
+
+/// `path` made absolute against the current directory, and normalised.
+fn absolute(path: &Path) -> PathBuf {
+    match path.is_absolute() {
+        true => normalize(path),
+        false => normalize(&std::env::current_dir().unwrap_or_default().join(path)),
+    }
 }
 
 fn display_path(path: &Path) -> String {
@@ -236,11 +297,7 @@ fn resolve(ctx: &mut Ctx, out: &mut Analysis, asts: &HashMap<FileId, ast::File>,
             if let Some(k) = values::choice(ctx, &b.kind, &ITEM_KINDS, "item kind") {
                 let same = items[k].iter().find(|o| o.name.name == b.name.name);
                 match same {
-                    Some(first) => ctx.error(
-                        Diagnostic::error(format!("{} `{}` is defined twice", ITEM_KINDS[k], b.name.name))
-                            .at(b.name.span, "defined again here")
-                            .also(first.name.span, "first defined here"),
-                    ),
+                    Some(first) => ctx.error(duplicate_item(ITEM_KINDS[k], first, b, root)),
                     None => items[k].push(b),
                 }
             }
@@ -261,6 +318,23 @@ fn resolve(ctx: &mut Ctx, out: &mut Analysis, asts: &HashMap<FileId, ast::File>,
     }
     out.clusters = clusters.into_iter().filter_map(|(_, c)| c).collect();
     out.models = models.into_iter().filter_map(|(_, m)| m).collect();
+}
+
+/// Two items of one kind and name; `first` was indexed before `again`. Across files, the one in
+/// the root file (the file being checked) is where the error is, the imported one a related place.
+fn duplicate_item(kind: &str, first: &ast::BlockItem, again: &ast::BlockItem, root: FileId) -> Diagnostic {
+    let d = Diagnostic::error(format!("{kind} `{}` is defined twice", again.name.name));
+    let (a, b) = (first.name.span, again.name.span);
+    if a.file == b.file {
+        return d.at(b, "defined again here").also(a, "first defined here");
+    }
+    let (here, other) = if a.file == root { (a, b) } else { (b, a) };
+    let d = d.at(here, "defined here");
+    match here.file == root {
+        true => d.also(other, "and in an imported file"),
+        false => d.also(other, "and here"),
+    }
+    .note("the items of every imported file share one namespace per kind; rename one of them")
 }
 
 #[cfg(test)]

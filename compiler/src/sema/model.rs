@@ -34,10 +34,8 @@ const MAX_DIM: u64 = 1 << 32;
 pub(crate) fn resolve(ctx: &mut Ctx, item: &BlockItem) -> Option<Model> {
     let what = format!("model `{}`", item.name.name);
     let r = BlockReader::new(ctx, &what, &item.body.entries, KEYS, Extras { layers: true, ..Extras::default() });
-    let dtype = r
-        .required(ctx, "dtype", &item.name, &what, "bf16")
-        .and_then(|v| expect_choice(ctx, v, &Dtype::NAMES, "dtype"))
-        .map(dtype_of);
+    r.require(ctx, &item.name, &what, &[("dtype", "dtype = bf16"), ("seq_len", "seq_len = 2048")]);
+    let dtype = r.value("dtype").and_then(|v| expect_choice(ctx, v, &Dtype::NAMES, "dtype")).map(dtype_of);
     let grad_dtype = match r.value("grad_dtype") {
         Some(v) => expect_choice(ctx, v, &Dtype::NAMES, "dtype").map(dtype_of),
         None => dtype,
@@ -47,8 +45,7 @@ pub(crate) fn resolve(ctx: &mut Ctx, item: &BlockItem) -> Option<Model> {
             .map(|i| [Optimizer::Adam, Optimizer::AdamW, Optimizer::Sgd][i]),
         None => Some(Optimizer::Adam),
     };
-    let seq_len =
-        r.required(ctx, "seq_len", &item.name, &what, "2048").and_then(|v| expect_int(ctx, v, 1, MAX_DIM, "`seq_len`"));
+    let seq_len = r.value("seq_len").and_then(|v| expect_int(ctx, v, 1, MAX_DIM, "`seq_len`"));
     let micro_batch = match r.value("micro_batch") {
         Some(v) => expect_int(ctx, v, 1, MAX_DIM, "`micro_batch`"),
         None => Some(1),
@@ -155,30 +152,44 @@ const LM_HEAD: &[(&str, Shape)] =
 const DENSE: &[(&str, Shape)] =
     &[("params", Shape::Value), ("flops_per_token", Shape::Value), ("activation_bytes_per_token", Shape::Value)];
 
+/// The required arguments of each kind, and what to write for each when it is missing.
+const REQUIRED: [&[(&str, &str)]; 5] = [
+    &[("vocab", "vocab = 32000"), ("hidden", "hidden = 4096")],
+    &[("hidden", "hidden = 4096"), ("heads", "heads = 32"), ("ffn", "ffn = 11008")],
+    &[("hidden", "hidden = 4096"), ("ffn", "ffn = 16384")],
+    &[("hidden", "hidden = 4096"), ("vocab", "vocab = 32000")],
+    &[
+        ("params", "params = 1e9"),
+        ("flops_per_token", "flops_per_token = 2e9"),
+        ("activation_bytes_per_token", "activation_bytes_per_token = 16 KiB"),
+    ],
+];
+
 /// Reads the arguments of one layer declaration.
 fn layer_kind(ctx: &mut Ctx, d: &LayerDecl, seq_len: Option<u64>) -> Option<LayerKind> {
     let k = choice(ctx, &d.call.callee, &KINDS, "layer kind")?;
     let what = format!("layer `{}` ({})", d.name.name, KINDS[k]);
     let keys = [EMBEDDING, TRANSFORMER, MLP, LM_HEAD, DENSE][k];
     let a = Args { r: BlockReader::for_args(ctx, &what, &d.call.args, keys), d, what };
+    a.r.require(ctx, &d.call.callee, &a.what, REQUIRED[k]);
     let kind = match k {
         0 => LayerKind::Embedding {
-            vocab: a.dim(ctx, "vocab", "32000")?,
-            hidden: a.dim(ctx, "hidden", "4096")?,
+            vocab: a.dim(ctx, "vocab")?,
+            hidden: a.dim(ctx, "hidden")?,
             positions: [Positions::Learned, Positions::Rope, Positions::None]
                 [a.choice(ctx, "positions", &["learned", "rope", "none"], "position kind")?],
         },
         1 => transformer(ctx, &a)?,
         2 => LayerKind::Mlp(MlpSpec {
-            hidden: a.dim(ctx, "hidden", "4096")?,
-            ffn: a.dim(ctx, "ffn", "16384")?,
+            hidden: a.dim(ctx, "hidden")?,
+            ffn: a.dim(ctx, "ffn")?,
             act: activation(a.choice(ctx, "act", &["gelu", "swiglu"], "activation")?),
             bias: a.flag(ctx, "bias", true)?,
             norm: norm(a.choice(ctx, "norm", &["layernorm", "rmsnorm"], "norm")?),
         }),
         3 => LayerKind::LmHead {
-            hidden: a.dim(ctx, "hidden", "4096")?,
-            vocab: a.dim(ctx, "vocab", "32000")?,
+            hidden: a.dim(ctx, "hidden")?,
+            vocab: a.dim(ctx, "vocab")?,
             norm: norm(a.choice(ctx, "norm", &["layernorm", "rmsnorm"], "norm")?),
             tied: a.flag(ctx, "tied", false)?,
         },
@@ -191,9 +202,9 @@ fn layer_kind(ctx: &mut Ctx, d: &LayerDecl, seq_len: Option<u64>) -> Option<Laye
 }
 
 fn transformer(ctx: &mut Ctx, a: &Args) -> Option<LayerKind> {
-    let hidden = a.dim(ctx, "hidden", "4096");
-    let heads = a.dim(ctx, "heads", "32");
-    let ffn = a.dim(ctx, "ffn", "11008");
+    let hidden = a.dim(ctx, "hidden");
+    let heads = a.dim(ctx, "heads");
+    let ffn = a.dim(ctx, "ffn");
     let kv_heads = match a.r.value("kv_heads") {
         Some(v) => expect_int(ctx, v, 1, MAX_DIM, "`kv_heads`"),
         None => heads,
@@ -232,9 +243,9 @@ fn transformer(ctx: &mut Ctx, a: &Args) -> Option<LayerKind> {
 }
 
 fn dense(ctx: &mut Ctx, a: &Args) -> Option<LayerKind> {
-    let params = a.required(ctx, "params", "1e9").and_then(|v| expect_int(ctx, v, 0, 1 << 50, "`params`"));
-    let flops = a.required(ctx, "flops_per_token", "2e9").and_then(|v| expect_number(ctx, v));
-    let act = a.required(ctx, "activation_bytes_per_token", "16 KiB").and_then(|v| match &v.kind {
+    let params = a.r.value("params").and_then(|v| expect_int(ctx, v, 0, 1 << 50, "`params`"));
+    let flops = a.r.value("flops_per_token").and_then(|v| expect_number(ctx, v));
+    let act = a.r.value("activation_bytes_per_token").and_then(|v| match &v.kind {
         sched_grammar::ast::ValueKind::Quantity(_) => expect_bytes(ctx, v),
         _ => expect_int(ctx, v, 0, 1 << 50, "`activation_bytes_per_token`"),
     });
@@ -261,13 +272,9 @@ struct Args<'a> {
 }
 
 impl Args<'_> {
-    fn required(&self, ctx: &mut Ctx, key: &str, hint: &str) -> Option<&sched_grammar::ast::Value> {
-        self.r.required(ctx, key, &self.d.call.callee, &self.what, hint)
-    }
-
-    /// A required positive size.
-    fn dim(&self, ctx: &mut Ctx, key: &str, hint: &str) -> Option<u64> {
-        self.required(ctx, key, hint).and_then(|v| expect_int(ctx, v, 1, MAX_DIM, &format!("`{key}`")))
+    /// A required positive size (its absence is reported with the others, by [`REQUIRED`]).
+    fn dim(&self, ctx: &mut Ctx, key: &str) -> Option<u64> {
+        self.r.value(key).and_then(|v| expect_int(ctx, v, 1, MAX_DIM, &format!("`{key}`")))
     }
 
     /// An optional choice whose default is the first name.
@@ -280,7 +287,7 @@ impl Args<'_> {
 
     fn flag(&self, ctx: &mut Ctx, key: &str, default: bool) -> Option<bool> {
         match self.r.value(key) {
-            Some(v) => expect_bool(ctx, v, &format!("value for `{key}`")),
+            Some(v) => expect_bool(ctx, v, &format!("`{key}`")),
             None => Some(default),
         }
     }

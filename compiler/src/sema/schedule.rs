@@ -57,7 +57,7 @@ pub(crate) struct Env<'a> {
 }
 
 /// A mesh as written, before the ranks used are known.
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, PartialEq, Eq)]
 enum MeshSpec {
     Explicit(u64, u64),
     Int(u64),
@@ -67,80 +67,96 @@ enum MeshSpec {
 
 /// The shard factors and other knobs a preset sets.
 struct PresetDefaults {
+    name: &'static str,
     shard: [(MeshSpec, Span); 3],
+    /// The span of the `partition` argument of `mics` and `hsdp`, which sets all three factors.
+    partition: Option<Span>,
     grad_sync: Option<GradSync>,
     all_gather: Option<AllGatherAlgo>,
-    reshard: Option<ReshardAfterForward>,
+    /// hpZ's secondary shard and the span of its `secondary` argument.
+    reshard: Option<(ReshardAfterForward, Span)>,
+}
+
+const SHARD: [&str; 3] = ["params", "grads", "optimizer"];
+
+/// Where a shard factor comes from.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Source {
+    /// Written in `shard { … }`.
+    Written,
+    /// Set by the preset.
+    Preset,
+    /// Neither: `none`.
+    Default,
+}
+
+/// A shard factor laid out, and where it comes from (no span when defaulted).
+#[derive(Clone, Copy)]
+struct Factor {
+    key: &'static str,
+    mesh: Mesh,
+    span: Option<Span>,
+    source: Source,
 }
 
 pub(crate) fn resolve(ctx: &mut Ctx, env: &Env, item: &BlockItem) -> Option<Job> {
     let what = format!("schedule `{}`", item.name.name);
     let r = BlockReader::new(ctx, &what, &item.body.entries, KEYS, Extras::default());
-    let model = named(ctx, &r, "model", item, &what, env.models);
-    let cluster = named(ctx, &r, "cluster", item, &what, env.clusters);
+    r.require(ctx, &item.name, &what, &[("model", "model = NAME"), ("cluster", "cluster = NAME")]);
+    let model = named(ctx, &r, "model", env.models);
+    let cluster = named(ctx, &r, "cluster", env.clusters);
+
+    // Everything that needs neither the model nor the cluster is checked before either is
+    // needed, so that an unknown model or cluster hides no other error.
     let micro_steps = opt(ctx, r.value("micro_steps"), 1, |ctx, v| expect_int(ctx, v, 1, 1 << 20, "`micro_steps`"));
+    let nodes = r.value("nodes").map(|v| (v, expect_int(ctx, v, 1, u64::MAX, "`nodes`")));
+    let gpus = r.value("gpus_per_node").map(|v| (v, expect_int(ctx, v, 1, u64::MAX, "`gpus_per_node`")));
     let preset = r.value("preset").map(|v| preset(ctx, v));
-    let opt_blocks = OptionalBlocks::read(ctx, &r);
-    let (model, cluster) = (model?, cluster?);
-
-    let nodes = used(ctx, &r, "nodes", u64::from(cluster.nodes), &cluster.name)?;
-    let gpus = used(ctx, &r, "gpus_per_node", u64::from(cluster.gpus_per_node), &cluster.name)?;
-    let ranks = Ranks { g: gpus, n: nodes };
-    let preset = match preset {
-        Some(p) => Some(p?),
-        None => None,
-    };
-
-    // Shard factors: explicit keys over the preset over `none`.
     let shard_block = r.block("shard").map(|b| BlockReader::for_nested(ctx, "`shard`", b, SHARD_KEYS));
-    let mut meshes = [None; 3];
-    for (i, key) in ["params", "grads", "optimizer"].into_iter().enumerate() {
-        let written = shard_block.as_ref().and_then(|s| s.value(key));
-        let (spec, span) = match written {
-            Some(v) => (mesh_spec(ctx, v)?, v.span),
-            None => preset.as_ref().map_or((MeshSpec::None, item.name.span), |p| p.shard[i]),
-        };
-        meshes[i] = ranks.layout(ctx, spec, span, key).map(|m| (m, span));
-    }
-    let [(params, sp_span), (grads, sg_span), (optimizer, so_span)] = [meshes[0]?, meshes[1]?, meshes[2]?];
-    check_nesting(ctx, ("params", params, sp_span), ("grads", grads, sg_span))?;
-    check_nesting(ctx, ("grads", grads, sg_span), ("optimizer", optimizer, so_span))?;
-    for (key, mesh, span) in [("params", params, sp_span), ("grads", grads, sg_span), ("optimizer", optimizer, so_span)] {
-        if mesh.inter > 1 && u64::from(mesh.intra) < gpus {
-            ctx.warn(
-                Diagnostic::warning(format!(
-                    "rule 3: the {key} mesh {mesh} crosses nodes without filling them ({} of {gpus} GPUs per node)",
-                    mesh.intra
-                ))
-                .at(span, "partial-node mesh")
-                .note("it sends across nodes what could stay inside one (AMSP eq. 7); consider a mesh with a = gpus_per_node"),
-            );
-        }
-    }
+    let written = SHARD.map(|key| shard_block.as_ref().and_then(|s| s.value(key)).map(|v| (mesh_spec(ctx, v), v.span)));
+    let grad_sync = r.value("grad_sync").map(|v| {
+        expect_choice(ctx, v, &["two_hop", "flat"], "gradient synchronisation").map(|i| [GradSync::TwoHop, GradSync::Flat][i])
+    });
+    let all_gather = r.value("all_gather").map(|v| {
+        expect_choice(ctx, v, &["flat", "hierarchical"], "all-gather algorithm")
+            .map(|i| [AllGatherAlgo::Flat, AllGatherAlgo::Hierarchical][i])
+    });
+    let reshard = r
+        .value("reshard_after_forward")
+        .map(|v| expect_key_choice(ctx, v, &["true", "false", "node"], "`reshard_after_forward`"));
+    let opt_blocks = OptionalBlocks::read(ctx, &r);
 
-    let grad_sync = match r.value("grad_sync") {
-        Some(v) => expect_choice(ctx, v, &["two_hop", "flat"], "gradient synchronisation")
-            .map(|i| [GradSync::TwoHop, GradSync::Flat][i]),
-        None => Some(preset.as_ref().and_then(|p| p.grad_sync).unwrap_or(GradSync::TwoHop)),
+    // The ranks used: G GPUs per node x N nodes, each at most the cluster's.
+    let cluster = cluster?;
+    let nodes = used(ctx, nodes, u64::from(cluster.nodes), "nodes", &cluster.name);
+    let gpus = used(ctx, gpus, u64::from(cluster.gpus_per_node), "GPUs per node", &cluster.name);
+    let ranks = Ranks { g: gpus?, n: nodes? };
+    let gpus = ranks.g;
+
+    let factors = shard_factors(ctx, &ranks, &written, preset.as_ref(), item);
+    let grad_sync = match grad_sync {
+        Some(g) => g,
+        None => Some(preset_value(&preset, |p| p.grad_sync).unwrap_or(GradSync::TwoHop)),
     };
-    let all_gather = match r.value("all_gather") {
-        Some(v) => expect_choice(ctx, v, &["flat", "hierarchical"], "all-gather algorithm")
-            .map(|i| [AllGatherAlgo::Flat, AllGatherAlgo::Hierarchical][i]),
-        None => Some(preset.as_ref().and_then(|p| p.all_gather).unwrap_or(AllGatherAlgo::Flat)),
+    let all_gather = match all_gather {
+        Some(a) => a,
+        None => Some(preset_value(&preset, |p| p.all_gather).unwrap_or(AllGatherAlgo::Flat)),
     };
-    let reshard = reshard(ctx, &r, preset.as_ref(), gpus)?;
+    let reshard = reshard_after_forward(ctx, reshard, &preset, gpus);
+    let [params, grads, optimizer] = factors?;
+    let model = model?;
     let prefetch = opt_blocks.prefetch?;
-    check_max_live(ctx, &r, &prefetch, &model, params);
+    check_max_live(ctx, &prefetch, opt_blocks.max_live, &model, params);
 
     Some(Job {
         schedule: Schedule {
             name: item.name.name.clone(),
             preset: r.value("preset").map(|v| env.sources.get(v.span.file).text[v.span.range()].to_string()),
-            nodes: nodes as u32,
+            nodes: ranks.n as u32,
             gpus_per_node: gpus as u32,
             micro_steps: micro_steps? as u32,
-            shard: Shard { params, grads, optimizer },
-            reshard_after_forward: reshard,
+            shard: Shard { params: params.mesh, grads: grads.mesh, optimizer: optimizer.mesh },
+            reshard_after_forward: reshard?,
             grad_sync: grad_sync?,
             all_gather: all_gather?,
             prefetch,
@@ -155,6 +171,101 @@ pub(crate) fn resolve(ctx: &mut Ctx, env: &Env, item: &BlockItem) -> Option<Job>
     })
 }
 
+/// What a preset that resolved sets with `f`; `None` without a preset (or with a broken one).
+fn preset_value<T>(preset: &Option<Option<PresetDefaults>>, f: impl Fn(&PresetDefaults) -> Option<T>) -> Option<T> {
+    preset.as_ref().and_then(|p| p.as_ref()).and_then(f)
+}
+
+/// The three shard factors: explicit keys over the preset over `none`, laid out and checked
+/// against rules 1 to 3. A preset's partition sets all three factors and is checked once.
+fn shard_factors(
+    ctx: &mut Ctx,
+    ranks: &Ranks,
+    written: &[Option<(Option<MeshSpec>, Span)>; 3],
+    preset: Option<&Option<PresetDefaults>>,
+    item: &BlockItem,
+) -> Option<[Factor; 3]> {
+    let mut factors: [Option<Factor>; 3] = [None; 3];
+    let mut ok = true;
+    // Preset factors already laid out: (spec, span) and the result.
+    let mut from_preset: Vec<((MeshSpec, Span), Option<Mesh>)> = vec![];
+    for (i, key) in SHARD.into_iter().enumerate() {
+        let (spec, span, source) = match (&written[i], preset) {
+            (Some((spec, span)), _) => match spec {
+                Some(spec) => (*spec, Some(*span), Source::Written),
+                None => {
+                    ok = false; // reported
+                    continue;
+                }
+            },
+            (None, Some(Some(p))) => (p.shard[i].0, Some(p.shard[i].1), Source::Preset),
+            (None, Some(None)) => {
+                ok = false; // the preset's error is reported
+                continue;
+            }
+            (None, None) => (MeshSpec::None, None, Source::Default),
+        };
+        let layout = |ctx: &mut Ctx, name: &str| ranks.layout(ctx, spec, span.unwrap_or(item.name.span), name);
+        let mesh = match (source, preset) {
+            (Source::Preset, Some(Some(p))) => {
+                let at = (spec, p.shard[i].1);
+                match from_preset.iter().find(|(k, _)| *k == at) {
+                    Some((_, m)) => *m,
+                    None => {
+                        let name = match p.partition == span {
+                            true => format!("`{}` partition", p.name),
+                            false => format!("{key} mesh of `{}`", p.name),
+                        };
+                        let m = layout(ctx, &name);
+                        from_preset.push((at, m));
+                        m
+                    }
+                }
+            }
+            _ => layout(ctx, &format!("{key} mesh")),
+        };
+        match mesh {
+            Some(mesh) => factors[i] = Some(Factor { key, mesh, span, source }),
+            None => ok = false,
+        }
+    }
+    rule3(ctx, ranks, &factors, preset.and_then(|p| p.as_ref()));
+    let [Some(params), Some(grads), Some(optimizer)] = factors else { return None };
+    let nested = check_nesting(ctx, &params, &[grads, optimizer]) & check_nesting(ctx, &grads, &[optimizer]);
+    (ok && nested).then_some([params, grads, optimizer])
+}
+
+/// Rule 3, a warning: a mesh that crosses nodes without filling them. A preset's partition is
+/// warned about once, as the preset's.
+fn rule3(ctx: &mut Ctx, ranks: &Ranks, factors: &[Option<Factor>; 3], preset: Option<&PresetDefaults>) {
+    for (i, f) in factors.iter().enumerate() {
+        let Some(f) = f else { continue };
+        if f.mesh.inter <= 1 || u64::from(f.mesh.intra) >= ranks.g {
+            continue;
+        }
+        let same = |g: &Option<Factor>| g.is_some_and(|g| g.source == f.source && g.span == f.span && g.mesh == f.mesh);
+        if f.source == Source::Preset && factors[..i].iter().any(same) {
+            continue;
+        }
+        let name = match preset {
+            Some(p) if f.source == Source::Preset && p.partition == f.span => format!("`{}` partition", p.name),
+            _ => format!("{} mesh", f.key),
+        };
+        let mut d = Diagnostic::warning(format!(
+            "rule 3: the {name} {} crosses nodes without filling them ({} of {} GPUs per node)",
+            f.mesh, f.mesh.intra, ranks.g
+        ))
+        .note(format!(
+            "it sends across nodes what could stay inside one (AMSP eq. 7); consider a mesh with a = {} (the GPUs per node used)",
+            ranks.g
+        ));
+        if let Some(span) = f.span {
+            d = d.at(span, "partial-node mesh");
+        }
+        ctx.warn(d);
+    }
+}
+
 /// Applies `f` to the value when present, else gives `default`.
 fn opt<T>(ctx: &mut Ctx, v: Option<&Value>, default: T, f: impl FnOnce(&mut Ctx, &Value) -> Option<T>) -> Option<T> {
     match v {
@@ -164,15 +275,8 @@ fn opt<T>(ctx: &mut Ctx, v: Option<&Value>, default: T, f: impl FnOnce(&mut Ctx,
 }
 
 /// Looks up the model or cluster a schedule names.
-fn named<T>(
-    ctx: &mut Ctx,
-    r: &BlockReader,
-    key: &str,
-    item: &BlockItem,
-    what: &str,
-    items: &[(&BlockItem, Option<Arc<T>>)],
-) -> Option<Arc<T>> {
-    let v = r.required(ctx, key, &item.name, what, "NAME")?;
+fn named<T>(ctx: &mut Ctx, r: &BlockReader, key: &str, items: &[(&BlockItem, Option<Arc<T>>)]) -> Option<Arc<T>> {
+    let v = r.value(key)?; // a missing key is reported by the caller
     let ValueKind::Ident(id) = &v.kind else {
         ctx.error(
             Diagnostic::error(format!("expected the name of a {key}, found {}", v.kind.describe()))
@@ -198,13 +302,13 @@ fn named<T>(
     }
 }
 
-/// `nodes` or `gpus_per_node` used, at most the cluster's.
-fn used(ctx: &mut Ctx, r: &BlockReader, key: &str, available: u64, cluster: &str) -> Option<u64> {
-    let Some(v) = r.value(key) else { return Some(available) };
-    let n = expect_int(ctx, v, 1, u64::MAX, &format!("`{key}`"))?;
+/// `nodes` or `gpus_per_node` used (as written, and checked as an integer), at most the cluster's.
+fn used(ctx: &mut Ctx, written: Option<(&Value, Option<u64>)>, available: u64, noun: &str, cluster: &str) -> Option<u64> {
+    let Some((v, n)) = written else { return Some(available) };
+    let n = n?;
     if n > available {
         ctx.error(
-            Diagnostic::error(format!("the schedule uses {n} {} but cluster `{cluster}` has {available}", key.replace('_', " ")))
+            Diagnostic::error(format!("the schedule uses {n} {noun} but cluster `{cluster}` has {available}"))
                 .at(v.span, format!("at most {available}")),
         );
         return None;
@@ -253,15 +357,17 @@ fn preset(ctx: &mut Ctx, v: &Value) -> Option<PresetDefaults> {
     };
     let full = (MeshSpec::Full, v.span);
     let none = (MeshSpec::None, v.span);
+    let shard = |shard| PresetDefaults { name, shard, partition: None, grad_sync: None, all_gather: None, reshard: None };
     Some(match name {
-        "ddp" => PresetDefaults::shard([none, none, none]),
-        "zero1" => PresetDefaults::shard([none, none, full]),
-        "zero2" => PresetDefaults::shard([none, full, full]),
-        "zero3" | "fsdp" => PresetDefaults::shard([full, full, full]),
+        "ddp" => shard([none, none, none]),
+        "zero1" => shard([none, none, full]),
+        "zero2" => shard([none, full, full]),
+        "zero3" | "fsdp" => shard([full, full, full]),
         "mics" | "hsdp" => {
             let arg = arg.expect("partition is required");
             let p = (mesh_spec(ctx, arg)?, arg.span);
-            let mut d = PresetDefaults::shard([p, p, p]);
+            let mut d = shard([p, p, p]);
+            d.partition = Some(arg.span);
             d.grad_sync = Some(GradSync::TwoHop);
             if name == "mics" {
                 d.all_gather = Some(AllGatherAlgo::Hierarchical);
@@ -271,25 +377,35 @@ fn preset(ctx: &mut Ctx, v: &Value) -> Option<PresetDefaults> {
         _ => {
             let arg = arg.expect("secondary is required");
             let k = expect_int(ctx, arg, 1, u64::from(u32::MAX), "`secondary`")?;
-            let mut d = PresetDefaults::shard([full, full, full]);
-            d.reshard = Some(ReshardAfterForward::Node { secondary: k as u32 });
+            let mut d = shard([full, full, full]);
+            d.reshard = Some((ReshardAfterForward::Node { secondary: k as u32 }, arg.span));
             d
         }
     })
 }
 
-impl PresetDefaults {
-    fn shard(shard: [(MeshSpec, Span); 3]) -> Self {
-        PresetDefaults { shard, grad_sync: None, all_gather: None, reshard: None }
-    }
-}
-
 fn mesh_spec(ctx: &mut Ctx, v: &Value) -> Option<MeshSpec> {
     match &v.kind {
         ValueKind::Mesh(m) => match (m.a.value(), m.b.value()) {
-            (Some(a), Some(b)) => Some(MeshSpec::Explicit(a, b)),
+            (Some(a), Some(b)) if a >= 1 && b >= 1 => Some(MeshSpec::Explicit(a, b)),
+            (Some(_), Some(_)) => {
+                ctx.error(
+                    Diagnostic::error(format!("mesh factors must be at least 1, found {} x {}", m.a.text, m.b.text))
+                        .at(v.span, "a zero factor")
+                        .note("`a x b` is a GPUs per node times b nodes; `none` is `1 x 1`"),
+                );
+                None
+            }
             _ => {
-                ctx.error(Diagnostic::error("mesh factor is too large").at(v.span, "too large"));
+                ctx.error(
+                    Diagnostic::error(format!(
+                        "mesh factor is too large: the limit is {}, found {} x {}",
+                        u64::MAX,
+                        m.a.text,
+                        m.b.text
+                    ))
+                    .at(v.span, "too large"),
+                );
                 None
             }
         },
@@ -312,7 +428,8 @@ struct Ranks {
 }
 
 impl Ranks {
-    /// Lays a mesh out as `a x b` and checks rule 1 (a | G, b | N).
+    /// Lays a mesh out as `a x b` and checks rule 1 (a | G, b | N); `key` names the mesh in
+    /// messages ("params mesh", "`mics` partition").
     fn layout(&self, ctx: &mut Ctx, spec: MeshSpec, span: Span, key: &str) -> Option<Mesh> {
         let (a, b) = match spec {
             MeshSpec::Explicit(a, b) => (a, b),
@@ -323,7 +440,7 @@ impl Ranks {
             MeshSpec::Int(n) => {
                 ctx.error(
                     Diagnostic::error(format!(
-                        "the {key} mesh {n} cannot be laid out: it is more than the {} GPUs per node used and not a multiple of it",
+                        "the {key} {n} cannot be laid out: it is more than the {} GPUs per node used and not a multiple of it",
                         self.g
                     ))
                     .at(span, format!("{n} ranks"))
@@ -336,7 +453,7 @@ impl Ranks {
         if a == 0 || self.g % a != 0 {
             ctx.error(
                 Diagnostic::error(format!(
-                    "rule 1: the {key} mesh {a} x {b} needs a to divide the {} GPUs per node used",
+                    "rule 1: the {key} {a} x {b} needs a to divide the {} GPUs per node used",
                     self.g
                 ))
                 .at(span, format!("{a} does not divide {}", self.g)),
@@ -345,7 +462,7 @@ impl Ranks {
         }
         if b == 0 || self.n % b != 0 {
             ctx.error(
-                Diagnostic::error(format!("rule 1: the {key} mesh {a} x {b} needs b to divide the {} nodes used", self.n))
+                Diagnostic::error(format!("rule 1: the {key} {a} x {b} needs b to divide the {} nodes used", self.n))
                     .at(span, format!("{b} does not divide {}", self.n)),
             );
             ok = false;
@@ -354,42 +471,66 @@ impl Ranks {
     }
 }
 
-/// Rule 2: the inner factor divides the outer in both dimensions.
-fn check_nesting(ctx: &mut Ctx, inner: (&str, Mesh, Span), outer: (&str, Mesh, Span)) -> Option<()> {
-    if inner.1.divides(outer.1) {
-        return Some(());
+/// Rule 2: the inner factor divides the outer (`outer[0]`) in both dimensions. The factors after
+/// the outer one are only for the suggestion when the outer one is defaulted.
+fn check_nesting(ctx: &mut Ctx, inner: &Factor, outer: &[Factor]) -> bool {
+    let Some(o) = outer.first() else { return true };
+    if inner.mesh.divides(o.mesh) {
+        return true;
     }
-    ctx.error(
-        Diagnostic::error(format!(
-            "rule 2: the factors must nest (s_p divides s_g divides s_os in each dimension), but {} {} does not divide {} {}",
-            inner.0, inner.1, outer.0, outer.1
-        ))
-        .at(inner.2, format!("{} {}", inner.0, inner.1))
-        .also(outer.2, format!("{} {}", outer.0, outer.1)),
-    );
-    None
+    let mut d = Diagnostic::error(format!(
+        "rule 2: the factors must nest (s_p divides s_g divides s_os in each dimension), but {} {} does not divide {} {}",
+        inner.key, inner.mesh, o.key, o.mesh
+    ));
+    for (f, primary) in [(inner, true), (o, false)] {
+        let Some(span) = f.span else { continue };
+        let label = format!("{} {}", f.key, f.mesh);
+        d = match primary || d.labels.is_empty() {
+            true => d.at(span, label),
+            false => d.also(span, label),
+        };
+    }
+    if o.source == Source::Default {
+        // Suggest the inner mesh for it and for every later factor that is defaulted too.
+        let defaulted: Vec<String> = outer
+            .iter()
+            .take_while(|f| f.source == Source::Default)
+            .map(|f| format!("{} = {}", f.key, inner.mesh))
+            .collect();
+        d = d.note(format!("`{}` is not written, so it defaults to `none` (1 x 1)", o.key)).note(format!(
+            "write `{}` in `shard {{ … }}`, or a mesh that {} divides",
+            defaulted.join("  "),
+            inner.mesh
+        ));
+    }
+    ctx.error(d);
+    false
 }
 
-fn reshard(ctx: &mut Ctx, r: &BlockReader, preset: Option<&PresetDefaults>, gpus: u64) -> Option<ReshardAfterForward> {
-    let value = match r.value("reshard_after_forward") {
-        Some(v) => match expect_choice(ctx, v, &["true", "false", "node"], "value for `reshard_after_forward`")? {
+/// `reshard_after_forward`: as written (its choice already checked, `None` after an error), else
+/// the preset's, else `true`. hpZ's secondary shard must divide the GPUs per node used.
+fn reshard_after_forward(
+    ctx: &mut Ctx,
+    written: Option<Option<usize>>,
+    preset: &Option<Option<PresetDefaults>>,
+    gpus: u64,
+) -> Option<ReshardAfterForward> {
+    let from_preset = preset_value(preset, |p| p.reshard);
+    let value = match written {
+        Some(choice) => match choice? {
             0 => ReshardAfterForward::True,
             1 => ReshardAfterForward::False,
-            _ => match preset.and_then(|p| p.reshard) {
-                Some(node) => node,
-                None => ReshardAfterForward::Node { secondary: gpus as u32 },
-            },
+            _ => from_preset.map_or(ReshardAfterForward::Node { secondary: gpus as u32 }, |(node, _)| node),
         },
-        None => preset.and_then(|p| p.reshard).unwrap_or(ReshardAfterForward::True),
+        None => from_preset.map_or(ReshardAfterForward::True, |(node, _)| node),
     };
-    if let ReshardAfterForward::Node { secondary } = value {
+    if let (ReshardAfterForward::Node { secondary }, Some((_, span))) = (value, from_preset) {
         if gpus % u64::from(secondary) != 0 {
-            let span = r.key_span("preset").or(r.key_span("reshard_after_forward")).unwrap_or_default();
             ctx.error(
                 Diagnostic::error(format!(
                     "hpZ's secondary shard spans {secondary} GPUs, which must divide the {gpus} GPUs per node used"
                 ))
-                .at(span, format!("secondary = {secondary}")),
+                .at(span, format!("{secondary} does not divide {gpus}")),
             );
             return None;
         }
@@ -398,19 +539,23 @@ fn reshard(ctx: &mut Ctx, r: &BlockReader, preset: Option<&PresetDefaults>, gpus
 }
 
 /// A `max_live` cap smaller than one layer's gathered parameters could never be met.
-fn check_max_live(ctx: &mut Ctx, r: &BlockReader, prefetch: &Prefetch, model: &Model, params: Mesh) {
-    let (Some(cap), true) = (prefetch.max_live, params.size() > 1) else { return };
-    let Some(big) = model.layers.iter().max_by_key(|l| l.params) else { return };
+fn check_max_live(ctx: &mut Ctx, prefetch: &Prefetch, span: Option<Span>, model: &Model, params: Factor) {
+    let (Some(cap), Some(span), true) = (prefetch.max_live, span, params.mesh.size() > 1) else { return };
+    // The first of the largest layers (the first to be gathered).
+    let Some(big) = model.layers.iter().rev().max_by_key(|l| l.params) else { return };
     let bytes = big.params.saturating_mul(model.dtype.bytes());
     if bytes > cap {
-        let span = r.block("prefetch").map_or_else(Span::default, |b| b.key.span);
         ctx.error(
             Diagnostic::error(format!(
-                "`max_live` is {cap} bytes but layer `{}` alone gathers {bytes} bytes of parameters",
-                big.name
+                "`max_live` is {} but layer `{}` alone gathers {} of parameters",
+                human_bytes(cap),
+                big.name,
+                human_bytes(bytes)
             ))
             .at(span, "cap too small")
-            .note("raise `max_live` to at least the largest layer's gathered parameters"),
+            .note(format!(
+                "raise `max_live` to at least the largest layer's gathered parameters ({bytes} bytes), or write `max_live = unlimited`"
+            )),
         );
     }
 }
@@ -418,6 +563,8 @@ fn check_max_live(ctx: &mut Ctx, r: &BlockReader, prefetch: &Prefetch, model: &M
 /// The optional knobs of a schedule, each with its default; `None` where an error was reported.
 struct OptionalBlocks<'a> {
     prefetch: Option<Prefetch>,
+    /// Where `prefetch.max_live` is written.
+    max_live: Option<Span>,
     buckets: Option<Buckets>,
     recompute: Option<Recompute>,
     streams: Option<Streams>,
@@ -435,8 +582,13 @@ struct TrainSpec<'a> {
 
 impl<'a> OptionalBlocks<'a> {
     fn read(ctx: &mut Ctx, r: &BlockReader<'a>) -> Self {
+        let max_live = r
+            .block("prefetch")
+            .and_then(|b| b.entries.iter().find(|a| a.key.name == "max_live"))
+            .map(|a| a.value.span);
         OptionalBlocks {
             prefetch: prefetch(ctx, r),
+            max_live,
             buckets: buckets(ctx, r),
             recompute: opt(ctx, r.value("recompute"), Recompute::None, |ctx, v| {
                 expect_choice(ctx, v, &["none", "full"], "recompute mode").map(|i| [Recompute::None, Recompute::Full][i])
@@ -494,7 +646,8 @@ fn overlap(ctx: &mut Ctx, r: &BlockReader) -> Option<Overlap> {
         return Some(Overlap { gather: true, reduce: true, sync: true, refresh: Refresh::Overlap(true) });
     };
     let p = BlockReader::for_nested(ctx, "`overlap`", b, OVERLAP_KEYS);
-    let flag = |ctx: &mut Ctx, k: &str| opt(ctx, p.value(k), true, |ctx, v| expect_bool(ctx, v, "overlap switch"));
+    let flag =
+        |ctx: &mut Ctx, k: &str| opt(ctx, p.value(k), true, |ctx, v| expect_bool(ctx, v, &format!("`overlap.{k}`")));
     let gather = flag(ctx, "gather");
     let reduce = flag(ctx, "reduce");
     let sync = flag(ctx, "sync");

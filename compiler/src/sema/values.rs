@@ -80,7 +80,8 @@ pub(crate) struct BlockReader<'a> {
     pub measured: Vec<&'a Measured>,
     /// "key" for blocks, "argument" for calls.
     noun: &'static str,
-    /// Keys suggested for misspelt ones; a missing one of these is not reported again.
+    /// Keys already reported: suggested for a misspelt key, or written in the wrong form
+    /// (`intra_node = 300 GB/s`). A missing one of these is not reported again.
     suggested: Vec<&'static str>,
 }
 
@@ -104,10 +105,10 @@ impl<'a> BlockReader<'a> {
         for e in entries {
             match e {
                 Entry::Assign(a) => {
-                    r.add_value(ctx, what, &a.key, &a.value, a.span, keys);
+                    r.add_value(ctx, what, &a.key, &a.value, keys);
                 }
                 Entry::Nested(n) => {
-                    if let Some(k) = r.check_key(ctx, what, &n.key, n.span, keys, Shape::Block) {
+                    if let Some(k) = r.check_key(ctx, what, &n.key, keys, Shape::Block) {
                         r.blocks.push((k, n));
                     }
                 }
@@ -132,7 +133,7 @@ impl<'a> BlockReader<'a> {
     pub fn for_args(ctx: &mut Ctx, what: &str, args: &'a [Arg], keys: &[(&'static str, Shape)]) -> Self {
         let mut r = BlockReader { values: vec![], blocks: vec![], layers: vec![], measured: vec![], noun: "argument", suggested: vec![] };
         for a in args {
-            r.add_value(ctx, what, &a.name, &a.value, a.span, keys);
+            r.add_value(ctx, what, &a.name, &a.value, keys);
         }
         r
     }
@@ -141,7 +142,7 @@ impl<'a> BlockReader<'a> {
     pub fn for_nested(ctx: &mut Ctx, what: &str, block: &'a Nested, keys: &[(&'static str, Shape)]) -> Self {
         let mut r = BlockReader { values: vec![], blocks: vec![], layers: vec![], measured: vec![], noun: "key", suggested: vec![] };
         for a in &block.entries {
-            r.add_value(ctx, what, &a.key, &a.value, a.span, keys);
+            r.add_value(ctx, what, &a.key, &a.value, keys);
         }
         r
     }
@@ -152,10 +153,9 @@ impl<'a> BlockReader<'a> {
         what: &str,
         key: &'a Ident,
         value: &'a Value,
-        span: Span,
         keys: &[(&'static str, Shape)],
     ) {
-        if let Some(k) = self.check_key(ctx, what, key, span, keys, Shape::Value) {
+        if let Some(k) = self.check_key(ctx, what, key, keys, Shape::Value) {
             self.values.push((k, key, value));
         }
     }
@@ -166,7 +166,6 @@ impl<'a> BlockReader<'a> {
         ctx: &mut Ctx,
         what: &str,
         key: &Ident,
-        span: Span,
         keys: &[(&'static str, Shape)],
         shape: Shape,
     ) -> Option<&'static str> {
@@ -189,6 +188,7 @@ impl<'a> BlockReader<'a> {
                 Shape::Value => format!("`{name}` takes a value, not a block: write `{name} = …`"),
             };
             ctx.error(Diagnostic::error(msg).at(key.span, "wrong form"));
+            self.suggested.push(name);
             return None;
         }
         let earlier = self
@@ -200,7 +200,7 @@ impl<'a> BlockReader<'a> {
         if let Some((_, first)) = earlier {
             ctx.error(
                 Diagnostic::error(format!("`{name}` is set twice in {what}"))
-                    .at(span, "set again here")
+                    .at(key.span, "set again here")
                     .also(first, "first set here"),
             );
             return None;
@@ -225,27 +225,81 @@ impl<'a> BlockReader<'a> {
             .or_else(|| self.blocks.iter().find(|(k, _)| *k == key).map(|(_, n)| n.key.span))
     }
 
+    /// Whether `key` was already reported (misspelt, or written in the wrong form), so that its
+    /// absence is no news.
+    pub fn reported(&self, key: &str) -> bool {
+        self.suggested.contains(&key)
+    }
+
+    /// Reports, in one error at `owner`, every key of `required` (a key and what to write for it,
+    /// such as `("nodes", "nodes = 4")`) that is absent and not already reported.
+    pub fn require(&self, ctx: &mut Ctx, owner: &Ident, what: &str, required: &[(&str, &str)]) {
+        let missing: Vec<&(&str, &str)> =
+            required.iter().filter(|(k, _)| self.key_span(k).is_none() && !self.reported(k)).collect();
+        let names = list(missing.iter().map(|(k, _)| *k));
+        let d = match missing.as_slice() {
+            [] => return,
+            [(key, hint)] => Diagnostic::error(format!("{what} is missing `{key}`"))
+                .at(owner.span, format!("`{key}` is required here"))
+                .note(format!("add `{hint}`")),
+            several => {
+                let lines: Vec<String> = several.iter().map(|(_, hint)| format!("    {hint}")).collect();
+                Diagnostic::error(format!("{what} is missing {names}"))
+                    .at(owner.span, format!("{} required {}s are missing here", several.len(), self.noun))
+                    .note(format!("add them, for example:\n{}", lines.join("\n")))
+            }
+        };
+        ctx.error(d);
+    }
+
     /// The value of a required key; reports it missing (at `owner`) when absent.
     pub fn required(&self, ctx: &mut Ctx, key: &str, owner: &Ident, what: &str, hint: &str) -> Option<&'a Value> {
-        let v = self.value(key);
-        if v.is_none() && !self.suggested.contains(&key) {
-            ctx.error(
-                Diagnostic::error(format!("{what} is missing `{key}`"))
-                    .at(owner.span, format!("`{key}` is required here"))
-                    .note(format!("add `{key} = {hint}`")),
-            );
-        }
-        v
+        self.require(ctx, owner, what, &[(key, &format!("{key} = {hint}"))]);
+        self.value(key)
     }
 }
 
 /// Joins names as "`a`, `b` and `c`".
 pub(crate) fn list<'s>(names: impl IntoIterator<Item = &'s str>) -> String {
+    join(names, "and")
+}
+
+/// Joins names as "`a`, `b` or `c`", for a choice.
+pub(crate) fn list_or<'s>(names: impl IntoIterator<Item = &'s str>) -> String {
+    join(names, "or")
+}
+
+fn join<'s>(names: impl IntoIterator<Item = &'s str>, conjunction: &str) -> String {
     let names: Vec<String> = names.into_iter().map(|n| format!("`{n}`")).collect();
     match names.as_slice() {
         [] => String::new(),
         [one] => one.clone(),
-        [init @ .., last] => format!("{} and {last}", init.join(", ")),
+        [init @ .., last] => format!("{} {conjunction} {last}", init.join(", ")),
+    }
+}
+
+/// A byte count for people: `4 GiB` when exact in a binary unit, else `97.6 KiB (99,968 bytes)`.
+pub(crate) fn human_bytes(b: u64) -> String {
+    const UNITS: [&str; 6] = ["KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
+    let Some(k) = (1..=UNITS.len()).rev().find(|&k| b >> (10 * k) > 0) else {
+        return format!("{b} {}", if b == 1 { "byte" } else { "bytes" });
+    };
+    let unit = 1u64 << (10 * k);
+    match b % unit {
+        0 => format!("{} {}", b / unit, UNITS[k - 1]),
+        _ => format!("{:.1} {} ({} bytes)", b as f64 / unit as f64, UNITS[k - 1], crate::emit::job::thousands(b)),
+    }
+}
+
+/// A value as written in the source (`-3 us`, `0 TFLOPS`), for messages.
+pub(crate) fn written(v: &Value) -> String {
+    match &v.kind {
+        ValueKind::Number(n) => n.text.clone(),
+        ValueKind::Quantity(q) => format!("{} {}", q.number.text, q.unit.name),
+        ValueKind::Mesh(m) => format!("{} x {}", m.a.text, m.b.text),
+        ValueKind::String(s) => format!("\"{}\"", s.value),
+        ValueKind::Ident(i) => i.name.clone(),
+        ValueKind::Call(c) => format!("{}(…)", c.callee.name),
     }
 }
 
@@ -309,7 +363,7 @@ pub(crate) fn expect_int(ctx: &mut Ctx, v: &Value, min: u64, max: u64, what: &st
             let msg = match why {
                 "negative" => format!("{what} must be at least {min}, found `{}`", n.text),
                 "not whole" => format!("{what} must be a whole number, found `{}`", n.text),
-                _ => format!("{what} is too large: `{}`", n.text),
+                _ => format!("{what} is too large: the limit is {max}, found `{}`", n.text),
             };
             ctx.error(Diagnostic::error(msg).at(v.span, "not allowed here"));
             return None;
@@ -376,8 +430,8 @@ fn check_unit(ctx: &mut Ctx, q: &Quantity, kind: UnitKind) -> Option<(UnitKind, 
     let Some((k, num, den)) = unit(&q.unit.name) else {
         let same_kind = UNITS.iter().filter(|u| u.1 == kind).map(|u| u.0);
         let mut d = Diagnostic::error(format!("unknown unit `{}`", q.unit.name)).at(q.unit.span, "unknown unit");
-        d = match did_you_mean(&q.unit.name, UNITS.iter().map(|u| u.0)) {
-            Some(s) => d.note(format!("did you mean `{s}`?")),
+        d = match suggest_unit(&q.unit.name, kind) {
+            Some((s, why)) => d.note(format!("did you mean `{s}`?{why}")),
             None => d.note(format!("units for {} are {}", kind.phrase(), list(same_kind))),
         };
         ctx.error(d);
@@ -392,6 +446,55 @@ fn check_unit(ctx: &mut Ctx, q: &Quantity, kind: UnitKind) -> Option<(UnitKind, 
         return None;
     }
     Some((k, num, den))
+}
+
+/// The unit meant by an unknown unit `written` where `kind` is expected, and a remark to go with
+/// it. A rate keeps what its `b` says: `B` is bytes and `b` bits (`80 GBps` is `80 GB/s`, while
+/// `80 gbps` and `80 Gb/s` are `80 Gbps`, 8 times less), so a suggestion never turns one into the
+/// other. Spelled-out times (`usec`, `sec`) get their symbol; otherwise a unit differing only in
+/// case, else a close one of the expected kind.
+fn suggest_unit(written: &str, kind: UnitKind) -> Option<(&'static str, &'static str)> {
+    let lower = written.to_ascii_lowercase();
+    let time = match lower.trim_end_matches('s') {
+        "n" | "nsec" | "nanosec" | "nanosecond" => Some("ns"),
+        "u" | "usec" | "microsec" | "microsecond" => Some("us"),
+        "m" | "msec" | "millisec" | "millisecond" => Some("ms"),
+        "" | "sec" | "second" => Some("s"),
+        _ => None,
+    };
+    if let Some(t) = time.filter(|_| lower != "m") {
+        return Some((t, ""));
+    }
+    let stem = written.strip_suffix("/s").or_else(|| written.strip_suffix("/S")).or_else(|| {
+        let n = written.len().checked_sub(2)?;
+        written.get(n..).filter(|s| s.eq_ignore_ascii_case("ps")).map(|_| &written[..n])
+    });
+    if let Some(stem) = stem.filter(|s| !s.is_empty()) {
+        let lower_stem = stem.to_ascii_lowercase();
+        let (prefix, bits) = if let Some(p) = lower_stem.strip_suffix("bits").or(lower_stem.strip_suffix("bit")) {
+            (p.to_string(), true)
+        } else if let Some(p) = stem.strip_suffix('b') {
+            (p.to_ascii_lowercase(), true)
+        } else if let Some(p) = stem.strip_suffix('B') {
+            (p.to_ascii_lowercase(), false)
+        } else {
+            return None;
+        };
+        let found = UNITS.iter().find(|&&(name, k, _, den)| {
+            let unit_prefix = name.trim_end_matches("bps").trim_end_matches("B/s");
+            k == UnitKind::Bandwidth && (den == 8) == bits && unit_prefix.eq_ignore_ascii_case(&prefix)
+        })?;
+        let why = match bits {
+            true => " (bits per second; bytes per second would be `…B/s`, 8 times more)",
+            false => " (bytes per second; `…bps` would be bits per second, 8 times less)",
+        };
+        return Some((found.0, why));
+    }
+    let same_case = |u: &&(&str, UnitKind, u128, u128)| u.0.eq_ignore_ascii_case(written);
+    if let Some(u) = UNITS.iter().filter(|u| u.1 == kind).find(same_case).or_else(|| UNITS.iter().find(same_case)) {
+        return Some((u.0, ""));
+    }
+    did_you_mean(written, UNITS.iter().filter(|u| u.1 == kind).map(|u| u.0)).map(|u| (u, ""))
 }
 
 /// A byte count, exact (`0.5 GiB` is 536870912; `0.3 B` is an error).
@@ -411,7 +514,12 @@ pub(crate) fn bytes(ctx: &mut Ctx, q: &Quantity) -> Option<u64> {
             let msg = match why {
                 "negative" => "a size cannot be negative".to_string(),
                 "not whole" => format!("`{} {}` is not a whole number of bytes", q.number.text, q.unit.name),
-                _ => "size is too large".to_string(),
+                _ => format!(
+                    "`{} {}` is too large: the limit is {} bytes (just under 16 EiB)",
+                    q.number.text,
+                    q.unit.name,
+                    u64::MAX
+                ),
             };
             ctx.error(Diagnostic::error(msg).at(q.span, "invalid size"));
             None
@@ -422,10 +530,31 @@ pub(crate) fn bytes(ctx: &mut Ctx, q: &Quantity) -> Option<u64> {
 /// One of `names`, written as a bare name; returns its index.
 pub(crate) fn expect_choice(ctx: &mut Ctx, v: &Value, names: &[&str], what: &str) -> Option<usize> {
     let ValueKind::Ident(id) = &v.kind else {
-        mismatch(ctx, v, &format!("one of {}", list(names.iter().copied())));
+        mismatch(ctx, v, &format!("one of {}", list_or(names.iter().copied())));
         return None;
     };
     choice(ctx, id, names, what)
+}
+
+/// The value of key `key` (as quoted in messages: "`bias`") when it must be one of `names`:
+/// "`reshard_after_forward` must be `true`, `false` or `node`, found `nodes`".
+pub(crate) fn expect_key_choice(ctx: &mut Ctx, v: &Value, names: &[&str], key: &str) -> Option<usize> {
+    let choices = list_or(names.iter().copied());
+    let found = match &v.kind {
+        ValueKind::Ident(id) => match names.iter().position(|n| *n == id.name) {
+            Some(i) => return Some(i),
+            None => format!("`{}`", id.name),
+        },
+        k => k.describe().to_string(),
+    };
+    let mut d = Diagnostic::error(format!("{key} must be {choices}, found {found}")).at(v.span, format!("expected {choices}"));
+    if let ValueKind::Ident(id) = &v.kind {
+        if let Some(s) = did_you_mean(&id.name, names.iter().copied()) {
+            d = d.note(format!("did you mean `{s}`?"));
+        }
+    }
+    ctx.error(d);
+    None
 }
 
 /// Resolves a name against `names`, suggesting the closest on failure.
@@ -436,14 +565,15 @@ pub(crate) fn choice(ctx: &mut Ctx, id: &Ident, names: &[&str], what: &str) -> O
     let mut d = Diagnostic::error(format!("unknown {what} `{}`", id.name)).at(id.span, format!("not a known {what}"));
     d = match did_you_mean(&id.name, names.iter().copied()) {
         Some(s) => d.note(format!("did you mean `{s}`?")),
-        None => d.note(format!("expected one of {}", list(names.iter().copied()))),
+        None => d.note(format!("expected one of {}", list_or(names.iter().copied()))),
     };
     ctx.error(d);
     None
 }
 
-pub(crate) fn expect_bool(ctx: &mut Ctx, v: &Value, what: &str) -> Option<bool> {
-    expect_choice(ctx, v, &["false", "true"], what).map(|i| i == 1)
+/// `true` or `false`, for key `key` (as quoted in messages: "`bias`").
+pub(crate) fn expect_bool(ctx: &mut Ctx, v: &Value, key: &str) -> Option<bool> {
+    expect_key_choice(ctx, v, &["true", "false"], key).map(|i| i == 0)
 }
 
 pub(crate) fn expect_string<'a>(ctx: &mut Ctx, v: &'a Value) -> Option<&'a StringLit> {

@@ -50,49 +50,57 @@ pub fn check(p: &Program, ctx: Ctx, clocks: &Clocks) -> (Vec<VerifyError>, u64) 
             }
         }
     }
-    // Memory-plan soundness: buffers sharing bytes have ordered lifetimes.
-    let mut placed: Vec<BufferId> = p.buffers.keys().filter(|&b| !by_buffer[b].is_empty()).collect();
-    placed.sort_by_key(|&b| (p.buffers[b].offset, b));
-    let mut active: Vec<BufferId> = vec![];
+    // Memory-plan soundness: buffers sharing bytes have ordered lifetimes. Taken in order of first
+    // access, each buffer is checked against the ones whose bytes it takes over; the others follow
+    // by transitivity (and happens-before implies issue order, so this order is the only one).
+    let mut placed: Vec<BufferId> = p.buffers.keys().filter(|&b| !by_buffer[b].is_empty() && p.buffers[b].bytes > 0).collect();
+    placed.sort_by_key(|&b| (by_buffer[b].iter().map(|a| a.op).min(), b));
+    let ends: SecondaryMap<BufferId, Ends> = placed.iter().map(|&b| (b, Ends::new(p, &by_buffer[b]))).fold(
+        SecondaryMap::new(),
+        |mut m, (b, e)| {
+            m[b] = e;
+            m
+        },
+    );
+    let mut occupants = crate::intervals::Occupants::default();
     for &b in &placed {
         let buf = &p.buffers[b];
-        active.retain(|&a| p.buffers[a].offset + p.buffers[a].bytes > buf.offset);
-        for &a in &active {
+        for a in occupants.replace(buf.offset, buf.offset + buf.bytes, b) {
             let other = &p.buffers[a];
-            if buf.bytes == 0 || other.bytes == 0 {
-                continue;
-            }
-            let persistent = buf.kind.is_persistent() || other.kind.is_persistent();
-            if persistent || !(all_before(p, clocks, &by_buffer[a], &by_buffer[b]) || all_before(p, clocks, &by_buffer[b], &by_buffer[a])) {
-                let op = by_buffer[b].first().map(|x| x.op);
+            if buf.kind.is_persistent() || other.kind.is_persistent() || !ends[a].before(p, clocks, &ends[b]) {
                 errs.push(VerifyError {
-                    op,
-                    message: format!(
-                        "{b} ({}) shares arena bytes with {a} ({}) while both may be in use",
-                        buf.name, other.name
-                    ),
+                    op: by_buffer[b].iter().map(|x| x.op).min(),
+                    message: format!("{b} ({}) shares arena bytes with {a} ({}) while both may be in use", buf.name, other.name),
                 });
             }
         }
-        active.push(b);
     }
     (errs, live_bound(p, &by_buffer))
 }
 
-/// Every access in `xs` happens before every access in `ys`.
-fn all_before(p: &Program, clocks: &Clocks, xs: &[Access], ys: &[Access]) -> bool {
-    let streams = p.streams.len();
-    let mut last: Vec<Option<OpId>> = vec![None; streams];
-    for x in xs {
-        let s = p.ops[x.op].stream.index();
-        last[s] = last[s].max(Some(x.op));
+/// A buffer's first and last accessing op on each stream.
+#[derive(Clone, Default)]
+struct Ends {
+    first: Vec<OpId>,
+    last: Vec<OpId>,
+}
+
+impl Ends {
+    fn new(p: &Program, xs: &[Access]) -> Self {
+        let mut first: Vec<Option<OpId>> = vec![None; p.streams.len()];
+        let mut last: Vec<Option<OpId>> = vec![None; p.streams.len()];
+        for x in xs {
+            let s = p.ops[x.op].stream.index();
+            first[s] = Some(first[s].map_or(x.op, |f| f.min(x.op)));
+            last[s] = last[s].max(Some(x.op));
+        }
+        Ends { first: first.into_iter().flatten().collect(), last: last.into_iter().flatten().collect() }
     }
-    let mut first: Vec<Option<OpId>> = vec![None; streams];
-    for y in ys {
-        let s = p.ops[y.op].stream.index();
-        first[s] = Some(first[s].map_or(y.op, |f| f.min(y.op)));
+
+    /// Every access here happens before every access of `later` (stream order carries the rest).
+    fn before(&self, p: &Program, clocks: &Clocks, later: &Ends) -> bool {
+        self.last.iter().all(|&a| later.first.iter().all(|&b| clocks.before(p, a, b)))
     }
-    last.iter().flatten().all(|&a| first.iter().flatten().all(|&b| clocks.before(p, a, b)))
 }
 
 /// The most transient bytes whose issue-order lifetimes contain one op. Two such buffers can never
