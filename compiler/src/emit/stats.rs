@@ -5,7 +5,8 @@
 //!   of each kind whose issue-order lifetimes contain one op; `peak` is the arena size.
 //! - Collectives: one entry per (kind, group size, scope); a coalesced group counts each of its
 //!   collectives. Ring algorithms: a member sends (p−1)/p of the payload for all-gather,
-//!   reduce-scatter and broadcast, 2·(p−1)/p for all-reduce.
+//!   reduce-scatter and broadcast, 2·(p−1)/p for all-reduce (rounded down when an all-reduce's
+//!   payload does not split evenly over its group).
 //! - Traffic: each group's ring visits its members node by node (sorted by node, then local
 //!   index); every step each member sends one chunk (payload / p) to the next, for p−1 steps
 //!   (2·(p−1) for all-reduce). An edge between two GPUs of one node is intra-node traffic, any other
@@ -90,11 +91,12 @@ pub fn emit_stats(job: &Job, p: &Program, info: &PlanInfo) -> Stats {
             });
             e.calls += 1;
             e.payload_bytes += payload;
-            e.sent_bytes_per_rank += payload / u64::from(gs) * steps;
+            // Multiply before dividing: an all-reduce's payload need not split evenly.
+            let sent = u128::from(payload) * u128::from(steps);
+            e.sent_bytes_per_rank += (sent / u128::from(gs)) as u64;
             let (i, o) = ring_edges(p, comm);
-            let chunk = u128::from(payload / u64::from(gs)) * u128::from(steps);
-            intra += chunk * i;
-            inter += chunk * o;
+            intra += sent * i / u128::from(gs);
+            inter += sent * o / u128::from(gs);
         }
     }
     let s = &job.schedule;

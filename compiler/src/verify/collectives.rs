@@ -59,7 +59,9 @@ fn shape(p: &Program, c: &CollectiveOp) -> Vec<String> {
         }
     }
     let payload = c.count * d;
-    if c.count % gs != 0 {
+    // Gathers and scatters move one equal chunk per member; an all-reduce or broadcast needs none.
+    let chunked = matches!(c.kind, Collective::AllGather | Collective::ReduceScatter);
+    if chunked && c.count % gs != 0 {
         errs.push(format!("{} of {} elements does not split over a group of {gs}", c.kind.name(), c.count));
     }
     // (bytes of the full payload, bytes of one member's part) as the regions give them.
