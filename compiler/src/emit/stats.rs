@@ -33,8 +33,10 @@ pub struct Stats {
     pub memory_per_rank: Memory,
     pub collectives_per_step: Vec<CollectiveStats>,
     pub traffic_per_step: Traffic,
-    /// Transient bytes the plan places (`peak` minus persistent state) over the least any plan
-    /// could place (the most transient bytes alive at once): 1.0 is a perfect plan.
+    /// Transient bytes the plan places (`peak` minus persistent state) over a lower bound on what
+    /// any placement needs: the larger of the most transient bytes whose issue-order lifetimes
+    /// contain one op, and the most bytes of buffers pairwise possibly in use together at one op
+    /// (see `passes::memory::concurrency_bound`). 1.0 is a perfect plan.
     pub plan_tightness: f64,
 }
 
@@ -115,7 +117,14 @@ pub fn emit_stats(job: &Job, p: &Program, info: &PlanInfo) -> Stats {
             intra_node_bytes_per_gpu: (intra / u128::from(p.ranks)) as u64,
             inter_node_bytes_per_node: (inter / u128::from(p.nodes)) as u64,
         },
-        plan_tightness: if info.live_bound == 0 { 1.0 } else { transient_placed as f64 / info.live_bound as f64 },
+        plan_tightness: {
+            let bound = info.live_bound.max(crate::passes::memory::concurrency_bound(p));
+            if bound == 0 {
+                1.0
+            } else {
+                transient_placed as f64 / bound as f64
+            }
+        },
     }
 }
 

@@ -3,10 +3,11 @@
 //!
 //! Reads regions, streams and waits; writes `Buffer::offset` and `Program::arena_bytes`. Persistent
 //! buffers (param, grad and optimizer shards) sit at the bottom, never shared. Transient buffers are
-//! placed in order of their first access, each at the lowest 256-byte-aligned offset where it
-//! overlaps no placed buffer that might still be in use: two buffers share bytes only when every
-//! access to the earlier one happens-before every access to the later one (vector clocks, see
-//! [`super::hb`]). A buffer no op touches gets no space.
+//! placed greedily by size, largest first, each at the lowest 256-byte-aligned offset where it
+//! overlaps no placed buffer that might be in use at the same time: two buffers share bytes only
+//! when every access to one happens-before every access to the other (vector clocks, see
+//! [`super::hb`]). Candidates are narrowed by each buffer's span of issue positions, from its first
+//! access to where every stream has seen it finish. A buffer no op touches gets no space.
 
 use super::hb::Clocks;
 use crate::ir::*;
@@ -24,12 +25,19 @@ pub struct Lifetimes {
     /// Per stream, the least over the ops touching the buffer of how many ops of that stream
     /// happen strictly before the op.
     pub min_clock: SecondaryMap<BufferId, Vec<u32>>,
+    /// Issue position of the last op touching each buffer (by buffer index).
+    pub last_index: Vec<usize>,
 }
 
 impl Lifetimes {
     pub fn new(p: &Program, clocks: &Clocks) -> Self {
         let s = clocks.streams();
-        let mut l = Lifetimes { first: SecondaryMap::new(), last: SecondaryMap::new(), min_clock: SecondaryMap::new() };
+        let mut l = Lifetimes {
+            first: SecondaryMap::new(),
+            last: SecondaryMap::new(),
+            min_clock: SecondaryMap::new(),
+            last_index: vec![0; p.buffers.len()],
+        };
         for (id, op) in p.ops.iter() {
             let mut before = clocks.clock(id).to_vec();
             before[op.stream.index()] -= 1;
@@ -40,6 +48,7 @@ impl Lifetimes {
                     l.last[b] = vec![0; s];
                     l.min_clock[b] = before.clone();
                 }
+                l.last_index[b.index()] = id.index();
                 let last = &mut l.last[b][op.stream.index()];
                 *last = (*last).max(clocks.seq(id));
                 l.min_clock[b].iter_mut().zip(&before).for_each(|(m, &c)| *m = (*m).min(c));
@@ -70,20 +79,60 @@ pub fn run(p: &mut Program) -> Vec<(OpId, OpId)> {
     let mut transient: Vec<BufferId> =
         p.buffers.iter().filter(|(id, b)| !b.kind.is_persistent() && life.first[*id].is_some()).map(|(id, _)| id).collect();
     transient.sort_by_key(|&b| (life.first[b].map(|o| o.index()), b));
-    let mut active: Vec<BufferId> = vec![];
+    let span = spans(p, &clocks, &life, &transient);
+
+    // Greedy placement in three classic orders (largest first; largest size x lifetime first;
+    // first access first); the smallest arena wins.
+    let by_size = |b: &BufferId| (std::cmp::Reverse(p.buffers[*b].bytes), span[b.index()].0, *b);
+    let area = |b: &BufferId| {
+        let (s0, s1) = span[b.index()];
+        (std::cmp::Reverse(u128::from(p.buffers[*b].bytes) * (s1 - s0) as u128), *b)
+    };
+    let mut orders = vec![transient.clone(), transient.clone(), transient.clone()];
+    orders[0].sort_by_key(by_size);
+    orders[1].sort_by_key(area);
+    let best = orders
+        .iter()
+        .map(|order| place(p, &life, &span, order, base))
+        .min_by_key(|(_, top)| *top)
+        .expect("three orders");
+    for &b in &transient {
+        p.buffers[b].offset = best.0[b.index()];
+    }
+    p.arena_bytes = best.1.max(top);
+
+    // Each buffer after the ones whose bytes it takes over, in order of first access.
     let (firsts, lasts) = access_ends(p);
     let mut reuse: Vec<(OpId, OpId)> = vec![];
-    let mut frontier = Frontier::new(p);
     let mut occupants = crate::intervals::Occupants::default();
     for b in transient {
+        let at = p.buffers[b].offset;
+        for a in occupants.replace(at, at + p.buffers[b].bytes, b) {
+            for &waiter in firsts[b.index()].iter().flatten() {
+                reuse.extend(lasts[a.index()].iter().flatten().map(|&waited| (waiter, waited)));
+            }
+        }
+    }
+    reuse
+}
+
+/// Places `order`'s buffers one by one at the lowest offset clear of the placed buffers each may
+/// be in use together with; returns every buffer's offset (indexed by id) and the arena top.
+fn place(p: &Program, life: &Lifetimes, span: &[(usize, usize)], order: &[BufferId], base: u64) -> (Vec<u64>, u64) {
+    let align = |x: u64| x.div_ceil(ALIGN) * ALIGN;
+    let mut offset = vec![0u64; p.buffers.len()];
+    let mut placed: Vec<BufferId> = Vec::with_capacity(order.len());
+    let mut top = base;
+    for &b in order {
         let bytes = p.buffers[b].bytes;
-        // Retire buffers every stream has already seen finish: no later op can overlap them.
-        frontier.advance(life.first[b].expect("accessed").index());
-        active.retain(|&a| !frontier.covers(&clocks, &life.last[a]));
-        let mut busy: Vec<(u64, u64)> = active
+        let (b0, b1) = span[b.index()];
+        let mut busy: Vec<(u64, u64)> = placed
             .iter()
-            .filter(|&&a| !life.dead_before(a, b))
-            .map(|&a| (p.buffers[a].offset, p.buffers[a].offset + p.buffers[a].bytes))
+            .filter(|&&a| {
+                let (a0, a1) = span[a.index()];
+                a0 < b1 && b0 < a1 && !life.dead_before(a, b) && !life.dead_before(b, a)
+            })
+            .map(|&a| (offset[a.index()], offset[a.index()] + p.buffers[a].bytes))
             .collect();
         busy.sort_unstable();
         let mut at = base;
@@ -93,17 +142,79 @@ pub fn run(p: &mut Program) -> Vec<(OpId, OpId)> {
             }
             at = at.max(align(end));
         }
-        p.buffers[b].offset = at;
+        offset[b.index()] = at;
         top = top.max(align(at + bytes));
-        for a in occupants.replace(at, at + bytes, b) {
-            for &waiter in firsts[b.index()].iter().flatten() {
-                reuse.extend(lasts[a.index()].iter().flatten().map(|&waited| (waiter, waited)));
-            }
-        }
-        active.push(b);
+        placed.push(b);
     }
-    p.arena_bytes = top;
-    reuse
+    (offset, top)
+}
+
+/// A lower bound on the transient bytes of any placement of this program: the most bytes of
+/// buffers that, at one op `o`, have an access happening before or at `o` and an access not
+/// happening before `o`. Any two such buffers may be in use together (neither's accesses all
+/// precede the other's), so none of their bytes can be shared.
+pub fn concurrency_bound(p: &Program) -> u64 {
+    let clocks = Clocks::new(p);
+    let life = Lifetimes::new(p, &clocks);
+    let mut transient: Vec<BufferId> =
+        p.buffers.iter().filter(|(id, b)| !b.kind.is_persistent() && life.first[*id].is_some()).map(|(id, _)| id).collect();
+    transient.sort_by_key(|&b| (life.first[b].map(|o| o.index()), b));
+    let span = spans(p, &clocks, &life, &transient);
+    let (firsts, lasts) = access_ends(p);
+    let (mut next, mut active, mut best) = (0, Vec::<BufferId>::new(), 0u64);
+    for (o, _) in p.ops.iter() {
+        while next < transient.len() && span[transient[next].index()].0 <= o.index() {
+            active.push(transient[next]);
+            next += 1;
+        }
+        active.retain(|&b| span[b.index()].1 > o.index());
+        let hb = |a: OpId| a == o || clocks.hb(p, a, o);
+        let live: u64 = active
+            .iter()
+            .filter(|&&b| {
+                firsts[b.index()].iter().flatten().any(|&x| hb(x))
+                    && lasts[b.index()].iter().flatten().any(|&y| !(y != o && clocks.hb(p, y, o)))
+            })
+            .map(|&b| p.buffers[b].bytes)
+            .sum();
+        best = best.max(live);
+    }
+    best
+}
+
+/// Per buffer (indexed by id), the issue positions `[first access, retired)`: from `retired` on,
+/// every op on every stream happens after all its accesses. Buffers whose spans do not overlap
+/// are never in use together. `transient` is sorted by first access.
+fn spans(p: &Program, clocks: &Clocks, life: &Lifetimes, transient: &[BufferId]) -> Vec<(usize, usize)> {
+    let n = p.ops.len();
+    let mut span = vec![(0, 0); p.buffers.len()];
+    let mut by_last: Vec<(usize, BufferId)> =
+        transient.iter().map(|&b| (life.last_index[b.index()], b)).collect();
+    by_last.sort_unstable();
+    let mut frontier = Frontier::new(p);
+    let mut pending: Vec<BufferId> = vec![];
+    let mut next = 0;
+    for pos in 0..=n {
+        frontier.advance(pos);
+        while next < by_last.len() && by_last[next].0 < pos {
+            pending.push(by_last[next].1);
+            next += 1;
+        }
+        pending.retain(|&b| {
+            let done = frontier.covers(clocks, &life.last[b]);
+            if done {
+                span[b.index()].1 = pos;
+            }
+            !done
+        });
+    }
+    for &b in transient {
+        span[b.index()].0 = life.first[b].expect("accessed").index();
+        if span[b.index()].1 == 0 {
+            span[b.index()].1 = n + 1;
+        }
+    }
+    span
 }
 
 /// Each stream's next op from some point of the issue order on.
