@@ -168,3 +168,53 @@ fn reordering_two_collectives_on_a_stream_is_caught() {
     }
     assert!(tried > 20, "only {tried} swaps tried");
 }
+
+/// The larger examples, with a deterministic sample of each mutation (every one would take long
+/// in a debug build): every tenth wait, buffer move and collective drop, and every collective swap.
+#[test]
+fn sampled_mutations_of_the_larger_examples_are_caught() {
+    let files = ["gpt2_ddp.sched", "llama7b_zero1.sched", "llama7b_mics.sched", "llama13b_hpz.sched", "llama30b_amsp.sched"];
+    let mut tried = 0;
+    for (name, text) in plans(&files) {
+        let plan = parse(&text);
+        let mut n = 0;
+        for s in 0..plan.streams.len() {
+            for o in 0..plan.streams[s].ops.len() {
+                for w in 0..plan.streams[s].ops[o].wait.len() {
+                    n += 1;
+                    if n % 10 != 0 {
+                        continue;
+                    }
+                    let mut m = parse(&text);
+                    m.streams[s].ops[o].wait.remove(w);
+                    tried += 1;
+                    assert!(!accepted(&m), "{name}: removing a wait of op{} is not caught", m.streams[s].ops[o].id);
+                }
+            }
+        }
+        let iv = intervals(&plan);
+        let moves: Vec<(usize, usize)> = (0..plan.buffers.len())
+            .flat_map(|a| (0..plan.buffers.len()).map(move |b| (a, b)))
+            .filter(|&(a, b)| {
+                let (Some((a0, a1)), Some((b0, b1))) = (iv[a], iv[b]) else { return false };
+                a != b && !plan.buffers[a].persistent && a0 <= b1 && b0 <= a1 && plan.buffers[a].bytes > 0
+                    && plan.buffers[b].offset + plan.buffers[a].bytes <= plan.arena_bytes
+            })
+            .collect();
+        for &(a, b) in moves.iter().step_by(moves.len().div_ceil(20).max(1)) {
+            let mut m = parse(&text);
+            m.buffers[a].offset = plan.buffers[b].offset;
+            tried += 1;
+            assert!(!accepted(&m), "{name}: moving buf{a} onto buf{b} is not caught");
+        }
+        let collectives: Vec<u32> =
+            plan.streams.iter().flat_map(|s| s.ops.iter().filter(|o| !o.ops.is_empty()).map(|o| o.id)).collect();
+        for &id in collectives.iter().step_by(collectives.len().div_ceil(20).max(1)) {
+            let mut m = parse(&text);
+            drop_op(&mut m, id);
+            tried += 1;
+            assert!(!accepted(&m), "{name}: dropping collective op{id} is not caught");
+        }
+    }
+    assert!(tried > 100, "only {tried} mutations tried");
+}

@@ -119,21 +119,29 @@ pub fn run(p: &mut Program) -> Vec<(OpId, OpId)> {
 /// Places `order`'s buffers one by one at the lowest offset clear of the placed buffers each may
 /// be in use together with; returns every buffer's offset (indexed by id) and the arena top.
 fn place(p: &Program, life: &Lifetimes, span: &[(usize, usize)], order: &[BufferId], base: u64) -> (Vec<u64>, u64) {
+    const BLOCK: usize = 64;
     let align = |x: u64| x.div_ceil(ALIGN) * ALIGN;
     let mut offset = vec![0u64; p.buffers.len()];
-    let mut placed: Vec<BufferId> = Vec::with_capacity(order.len());
+    // Placed buffers by the blocks of issue positions their spans cover.
+    let mut blocks: Vec<Vec<BufferId>> = vec![vec![]; (p.ops.len() + 1) / BLOCK + 2];
+    let mut seen = vec![usize::MAX; p.buffers.len()];
     let mut top = base;
-    for &b in order {
+    for (step, &b) in order.iter().enumerate() {
         let bytes = p.buffers[b].bytes;
         let (b0, b1) = span[b.index()];
-        let mut busy: Vec<(u64, u64)> = placed
-            .iter()
-            .filter(|&&a| {
+        let cover = b0 / BLOCK..=(b1.max(b0 + 1) - 1) / BLOCK;
+        let mut busy: Vec<(u64, u64)> = vec![];
+        for blk in cover.clone() {
+            for &a in &blocks[blk] {
+                if std::mem::replace(&mut seen[a.index()], step) == step {
+                    continue;
+                }
                 let (a0, a1) = span[a.index()];
-                a0 < b1 && b0 < a1 && !life.dead_before(a, b) && !life.dead_before(b, a)
-            })
-            .map(|&a| (offset[a.index()], offset[a.index()] + p.buffers[a].bytes))
-            .collect();
+                if a0 < b1 && b0 < a1 && !life.dead_before(a, b) && !life.dead_before(b, a) {
+                    busy.push((offset[a.index()], offset[a.index()] + p.buffers[a].bytes));
+                }
+            }
+        }
         busy.sort_unstable();
         let mut at = base;
         for (start, end) in busy {
@@ -144,7 +152,9 @@ fn place(p: &Program, life: &Lifetimes, span: &[(usize, usize)], order: &[Buffer
         }
         offset[b.index()] = at;
         top = top.max(align(at + bytes));
-        placed.push(b);
+        for blk in cover {
+            blocks[blk].push(b);
+        }
     }
     (offset, top)
 }
