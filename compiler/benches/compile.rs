@@ -35,7 +35,11 @@ schedule s {{
 }}
 "#
     );
-    let a = analyze(Path::new("bench.sched"), &MemLoader::default().with("bench.sched", &src)).unwrap();
+    let a = analyze(
+        Path::new("bench.sched"),
+        &MemLoader::default().with("bench.sched", &src),
+    )
+    .unwrap();
     assert!(!a.has_errors(), "{}", a.render());
     a.jobs[0].clone()
 }
@@ -47,7 +51,11 @@ const AMSP: &str = "shard { params = 8 x 1  grads = 8 x 4  optimizer = 8 x 16 }"
 fn targets(c: &mut Criterion) {
     let mut g = c.benchmark_group("compile+verify 80 layers, 16 micro-steps, 1024 ranks");
     g.sample_size(10);
-    for (name, shard) in [("zero3", ZERO3), ("mics 8x2 hierarchical", MICS), ("amsp 8x1/8x4/8x16", AMSP)] {
+    for (name, shard) in [
+        ("zero3", ZERO3),
+        ("mics 8x2 hierarchical", MICS),
+        ("amsp 8x1/8x4/8x16", AMSP),
+    ] {
         let j = job(80, 16, 128, shard);
         g.bench_function(name, |b| b.iter(|| compile(&j).unwrap()));
     }
@@ -59,15 +67,21 @@ fn scaling(c: &mut Criterion) {
     g.sample_size(10);
     for layers in [20, 40, 80] {
         let j = job(layers, 16, 128, ZERO3);
-        g.bench_with_input(BenchmarkId::new("layers", layers), &j, |b, j| b.iter(|| compile(j).unwrap()));
+        g.bench_with_input(BenchmarkId::new("layers", layers), &j, |b, j| {
+            b.iter(|| compile(j).unwrap())
+        });
     }
     for m in [4, 8, 16] {
         let j = job(80, m, 128, ZERO3);
-        g.bench_with_input(BenchmarkId::new("micro_steps", m), &j, |b, j| b.iter(|| compile(j).unwrap()));
+        g.bench_with_input(BenchmarkId::new("micro_steps", m), &j, |b, j| {
+            b.iter(|| compile(j).unwrap())
+        });
     }
     for nodes in [32, 64, 128] {
         let j = job(80, 16, nodes, ZERO3);
-        g.bench_with_input(BenchmarkId::new("ranks", nodes * 8), &j, |b, j| b.iter(|| compile(j).unwrap()));
+        g.bench_with_input(BenchmarkId::new("ranks", nodes * 8), &j, |b, j| {
+            b.iter(|| compile(j).unwrap())
+        });
     }
     g.finish();
 }

@@ -8,5 +8,11 @@ fn main() {
     let lowered = t.elapsed();
     let t = std::time::Instant::now();
     let ok = schedc::verify::verify(&p, schedc::verify_ctx(job)).is_ok();
-    println!("{} ops, {} buffers: lower {:?}, verify {:?} (ok {ok})", p.ops.len(), p.buffers.len(), lowered, t.elapsed());
+    println!(
+        "{} ops, {} buffers: lower {:?}, verify {:?} (ok {ok})",
+        p.ops.len(),
+        p.buffers.len(),
+        lowered,
+        t.elapsed()
+    );
 }

@@ -13,7 +13,9 @@ pub struct Occupants<T> {
 
 impl<T> Default for Occupants<T> {
     fn default() -> Self {
-        Occupants { map: BTreeMap::new() }
+        Occupants {
+            map: BTreeMap::new(),
+        }
     }
 }
 
@@ -21,8 +23,13 @@ impl<T: Copy + PartialEq> Occupants<T> {
     /// Makes `item` the occupant of `[start, end)`; returns the items it displaces there, each once.
     pub fn replace(&mut self, start: u64, end: u64, item: T) -> Vec<T> {
         let mut displaced = vec![];
-        let overlapping: Vec<u64> =
-            self.map.range(..end).rev().take_while(|(_, (e, _))| *e > start).map(|(s, _)| *s).collect();
+        let overlapping: Vec<u64> = self
+            .map
+            .range(..end)
+            .rev()
+            .take_while(|(_, (e, _))| *e > start)
+            .map(|(s, _)| *s)
+            .collect();
         for s in overlapping {
             let (e, a) = self.map.remove(&s).expect("listed above");
             if !displaced.contains(&a) {

@@ -71,7 +71,8 @@ pub enum Collective {
 }
 
 impl Collective {
-    pub const NAMES: [&'static str; 4] = ["all_gather", "reduce_scatter", "all_reduce", "broadcast"];
+    pub const NAMES: [&'static str; 4] =
+        ["all_gather", "reduce_scatter", "all_reduce", "broadcast"];
 
     pub fn name(self) -> &'static str {
         Self::NAMES[self as usize]
@@ -95,7 +96,7 @@ impl Mesh {
 
     /// True when `self` divides `other` in both dimensions (the nesting rule).
     pub fn divides(self, other: Mesh) -> bool {
-        other.intra % self.intra == 0 && other.inter % self.inter == 0
+        other.intra.is_multiple_of(self.intra) && other.inter.is_multiple_of(self.inter)
     }
 }
 
@@ -195,18 +196,37 @@ impl TransformerSpec {
     }
 
     pub fn mlp(&self) -> MlpSpec {
-        MlpSpec { hidden: self.hidden, ffn: self.ffn, act: self.act, bias: self.bias, norm: self.norm }
+        MlpSpec {
+            hidden: self.hidden,
+            ffn: self.ffn,
+            act: self.act,
+            bias: self.bias,
+            norm: self.norm,
+        }
     }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum LayerKind {
-    Embedding { vocab: u64, hidden: u64, positions: Positions },
+    Embedding {
+        vocab: u64,
+        hidden: u64,
+        positions: Positions,
+    },
     Transformer(TransformerSpec),
     Mlp(MlpSpec),
-    LmHead { hidden: u64, vocab: u64, norm: Norm, tied: bool },
+    LmHead {
+        hidden: u64,
+        vocab: u64,
+        norm: Norm,
+        tied: bool,
+    },
     /// An opaque layer for planning: parameters, forward FLOPs per token and activation bytes per token.
-    Dense { params: u64, flops_per_token: f64, activation_bytes_per_token: u64 },
+    Dense {
+        params: u64,
+        flops_per_token: f64,
+        activation_bytes_per_token: u64,
+    },
 }
 
 impl LayerKind {
@@ -269,7 +289,9 @@ pub struct Model {
 impl Model {
     /// Ψ, the total parameter count (saturating: semantic analysis bounds real models far below).
     pub fn parameters(&self) -> u64 {
-        self.layers.iter().fold(0u64, |acc, l| acc.saturating_add(l.params))
+        self.layers
+            .iter()
+            .fold(0u64, |acc, l| acc.saturating_add(l.params))
     }
 }
 

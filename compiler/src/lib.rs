@@ -20,8 +20,8 @@ pub mod ir;
 pub mod job;
 pub mod lower;
 pub mod passes;
-pub mod verify;
 pub mod sema;
+pub mod verify;
 
 pub use job::Job;
 
@@ -38,7 +38,11 @@ impl std::fmt::Display for CompileError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             CompileError::Lower(e) => write!(f, "{e}"),
-            CompileError::Verify(_, errs) => write!(f, "the compiled program fails verification ({} errors)", errs.len()),
+            CompileError::Verify(_, errs) => write!(
+                f,
+                "the compiled program fails verification ({} errors)",
+                errs.len()
+            ),
         }
     }
 }
@@ -51,7 +55,10 @@ pub fn verify_ctx(job: &Job) -> verify::Ctx {
         job::ReshardAfterForward::Node { secondary } => Some(secondary),
         _ => None,
     };
-    verify::Ctx { shard: job.schedule.shard, secondary }
+    verify::Ctx {
+        shard: job.schedule.shard,
+        secondary,
+    }
 }
 
 /// Lowers, plans and verifies one job.

@@ -5,7 +5,11 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 fn schedc(args: &[&str], dir: &Path) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_schedc")).args(args).current_dir(dir).output().unwrap()
+    Command::new(env!("CARGO_BIN_EXE_schedc"))
+        .args(args)
+        .current_dir(dir)
+        .output()
+        .unwrap()
 }
 
 fn text(b: &[u8]) -> String {
@@ -32,7 +36,10 @@ fn check_prints_one_line_per_schedule_and_exits_0() {
     assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
     let stdout = text(&out.stdout);
     assert_eq!(stdout.lines().count(), 2, "{stdout}");
-    assert!(stdout.starts_with("a: 8 ranks (2 nodes x 4 GPUs), model m with "), "{stdout}");
+    assert!(
+        stdout.starts_with("a: 8 ranks (2 nodes x 4 GPUs), model m with "),
+        "{stdout}"
+    );
     assert!(stdout.contains("b: 4 ranks (1 node x 4 GPUs)"), "{stdout}");
     assert!(out.stderr.is_empty());
 }
@@ -40,13 +47,20 @@ fn check_prints_one_line_per_schedule_and_exits_0() {
 #[test]
 fn errors_go_to_stderr_with_location_and_exit_1() {
     let dir = scratch("check_err");
-    std::fs::write(dir.join("bad.sched"), format!("{CLUSTER}schedule s {{\n    model = m\n    clustr = c\n}}\n")).unwrap();
+    std::fs::write(
+        dir.join("bad.sched"),
+        format!("{CLUSTER}schedule s {{\n    model = m\n    clustr = c\n}}\n"),
+    )
+    .unwrap();
     let out = schedc(&["check", "bad.sched"], &dir);
     assert_eq!(out.status.code(), Some(1));
     assert!(out.stdout.is_empty());
     let err = text(&out.stderr);
     assert!(err.contains("bad.sched:11:5"), "{err}");
-    assert!(!err.contains("missing `cluster`"), "a misspelt key is reported once: {err}");
+    assert!(
+        !err.contains("missing `cluster`"),
+        "a misspelt key is reported once: {err}"
+    );
     assert!(err.contains("did you mean `cluster`?"), "{err}");
     assert!(err.contains("unknown model `m`"), "{err}");
 }
@@ -77,16 +91,30 @@ fn fmt_rewrites_and_check_reports() {
     let out = schedc(&["fmt", "--check", "m.sched"], &dir);
     assert_eq!(out.status.code(), Some(1));
     assert!(text(&out.stdout).contains("m.sched: not formatted"));
-    assert_eq!(std::fs::read_to_string(dir.join("m.sched")).unwrap(), messy, "--check must not write");
+    assert_eq!(
+        std::fs::read_to_string(dir.join("m.sched")).unwrap(),
+        messy,
+        "--check must not write"
+    );
 
     let out = schedc(&["fmt", "m.sched"], &dir);
     assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
     let formatted = std::fs::read_to_string(dir.join("m.sched")).unwrap();
     assert_ne!(formatted, messy);
     assert!(formatted.contains("# len"));
-    assert_eq!(schedc(&["fmt", "--check", "m.sched"], &dir).status.code(), Some(0));
-    let leftovers: Vec<_> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name()).collect();
-    assert_eq!(leftovers.len(), 1, "temporary files left behind: {leftovers:?}");
+    assert_eq!(
+        schedc(&["fmt", "--check", "m.sched"], &dir).status.code(),
+        Some(0)
+    );
+    let leftovers: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(
+        leftovers.len(),
+        1,
+        "temporary files left behind: {leftovers:?}"
+    );
 }
 
 #[test]
@@ -96,12 +124,18 @@ fn fmt_leaves_a_file_with_syntax_errors_untouched() {
     std::fs::write(dir.join("b.sched"), bad).unwrap();
     let out = schedc(&["fmt", "b.sched"], &dir);
     assert_eq!(out.status.code(), Some(1));
-    assert!(text(&out.stderr).contains("b.sched:2:13"), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr).contains("b.sched:2:13"),
+        "{}",
+        text(&out.stderr)
+    );
     assert_eq!(std::fs::read_to_string(dir.join("b.sched")).unwrap(), bad);
 }
 
 fn tiny(dir: &Path) {
-    let src = format!("{CLUSTER}{MODEL}schedule z {{\n    model = m\n    cluster = c\n    preset = zero3\n}}\n");
+    let src = format!(
+        "{CLUSTER}{MODEL}schedule z {{\n    model = m\n    cluster = c\n    preset = zero3\n}}\n"
+    );
     std::fs::write(dir.join("z.sched"), src).unwrap();
 }
 
@@ -112,7 +146,11 @@ fn compile_writes_a_plan_that_verify_accepts() {
     let out = schedc(&["compile", "z.sched"], &dir);
     assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
     let plan = std::fs::read_to_string(dir.join("z.plan.json")).unwrap();
-    assert!(plan.starts_with(r#"{"format":"sched-plan","version":1,"schedule":"z","ranks":8"#), "{}", &plan[..80]);
+    assert!(
+        plan.starts_with(r#"{"format":"sched-plan","version":1,"schedule":"z","ranks":8"#),
+        "{}",
+        &plan[..80]
+    );
     let out = schedc(&["verify", "z.plan.json"], &dir);
     assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
     assert!(text(&out.stdout).contains("verified"));
@@ -127,28 +165,51 @@ fn compile_writes_a_plan_that_verify_accepts() {
 fn verify_refuses_edited_truncated_and_foreign_plans() {
     let dir = scratch("verify_bad");
     tiny(&dir);
-    assert_eq!(schedc(&["compile", "z.sched", "-o", "z.json"], &dir).status.code(), Some(0));
+    assert_eq!(
+        schedc(&["compile", "z.sched", "-o", "z.json"], &dir)
+            .status
+            .code(),
+        Some(0)
+    );
     let plan = std::fs::read_to_string(dir.join("z.json")).unwrap();
     let mut json: serde_json::Value = serde_json::from_str(&plan).unwrap();
     // Remove the first wait of the compute stream.
     let ops = json["streams"][0]["ops"].as_array_mut().unwrap();
-    let op = ops.iter_mut().find(|o| !o["wait"].as_array().unwrap().is_empty()).unwrap();
+    let op = ops
+        .iter_mut()
+        .find(|o| !o["wait"].as_array().unwrap().is_empty())
+        .unwrap();
     op["wait"].as_array_mut().unwrap().remove(0);
     std::fs::write(dir.join("edited.json"), json.to_string()).unwrap();
     let out = schedc(&["verify", "edited.json"], &dir);
     assert_eq!(out.status.code(), Some(1));
     let err = text(&out.stderr);
-    assert!(err.contains("fails verification") && err.contains("-->"), "{err}");
+    assert!(
+        err.contains("fails verification") && err.contains("-->"),
+        "{err}"
+    );
 
     std::fs::write(dir.join("cut.json"), &plan[..plan.len() / 2]).unwrap();
     let out = schedc(&["verify", "cut.json"], &dir);
     assert_eq!(out.status.code(), Some(1));
-    assert!(text(&out.stderr).contains("not a plan file"), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr).contains("not a plan file"),
+        "{}",
+        text(&out.stderr)
+    );
 
-    std::fs::write(dir.join("v9.json"), plan.replacen(r#""version":1"#, r#""version":9"#, 1)).unwrap();
+    std::fs::write(
+        dir.join("v9.json"),
+        plan.replacen(r#""version":1"#, r#""version":9"#, 1),
+    )
+    .unwrap();
     let out = schedc(&["verify", "v9.json"], &dir);
     assert_eq!(out.status.code(), Some(1));
-    assert!(text(&out.stderr).contains("version 9 is not supported"), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr).contains("version 9 is not supported"),
+        "{}",
+        text(&out.stderr)
+    );
 }
 
 #[test]
@@ -158,7 +219,11 @@ fn compile_needs_a_schedule_name_when_there_are_several() {
     std::fs::write(dir.join("two.sched"), src).unwrap();
     let out = schedc(&["compile", "two.sched"], &dir);
     assert_eq!(out.status.code(), Some(1));
-    assert!(text(&out.stderr).contains("--schedule NAME: a, b"), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr).contains("--schedule NAME: a, b"),
+        "{}",
+        text(&out.stderr)
+    );
     assert!(!dir.join("a.plan.json").exists());
     let out = schedc(&["compile", "two.sched", "--schedule", "b"], &dir);
     assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));

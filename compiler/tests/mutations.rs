@@ -14,10 +14,14 @@ fn plans(files: &[&str]) -> Vec<(String, String)> {
         let a = analyze(&root.join("schedules").join(f), &FsLoader).unwrap();
         assert!(!a.has_errors(), "{}", a.render());
         for job in &a.jobs {
-            let (program, _) = compile(job).unwrap_or_else(|e| panic!("{}: {e}", job.schedule.name));
+            let (program, _) =
+                compile(job).unwrap_or_else(|e| panic!("{}: {e}", job.schedule.name));
             let ctx = verify_ctx(job);
             let plan = emit_plan(&program, ctx.shard, ctx.secondary);
-            out.push((job.schedule.name.clone(), serde_json::to_string(&plan).unwrap()));
+            out.push((
+                job.schedule.name.clone(),
+                serde_json::to_string(&plan).unwrap(),
+            ));
         }
     }
     out
@@ -32,7 +36,14 @@ fn accepted(plan: &PlanFile) -> bool {
     let text = serde_json::to_string(plan).unwrap();
     match read_plan(&text) {
         Err(_) => false,
-        Ok(p) => schedc::verify::verify(&p.program, schedc::verify::Ctx { shard: p.shard, secondary: p.secondary }).is_ok(),
+        Ok(p) => schedc::verify::verify(
+            &p.program,
+            schedc::verify::Ctx {
+                shard: p.shard,
+                secondary: p.secondary,
+            },
+        )
+        .is_ok(),
     }
 }
 
@@ -58,7 +69,11 @@ fn removing_any_wait_is_caught() {
                     let mut m = parse(&text);
                     let ev = m.streams[s].ops[o].wait.remove(w);
                     tried += 1;
-                    assert!(!accepted(&m), "{name}: removing the wait on ev{ev} of op{} is not caught", m.streams[s].ops[o].id);
+                    assert!(
+                        !accepted(&m),
+                        "{name}: removing the wait on ev{ev} of op{} is not caught",
+                        m.streams[s].ops[o].id
+                    );
                 }
             }
         }
@@ -71,7 +86,11 @@ fn intervals(plan: &PlanFile) -> Vec<Option<(u32, u32)>> {
     let mut iv: Vec<Option<(u32, u32)>> = vec![None; plan.buffers.len()];
     for s in &plan.streams {
         for o in &s.ops {
-            let regions = o.reads.iter().chain(&o.writes).chain(o.ops.iter().flat_map(|c| [&c.input, &c.output]));
+            let regions = o
+                .reads
+                .iter()
+                .chain(&o.writes)
+                .chain(o.ops.iter().flat_map(|c| [&c.input, &c.output]));
             for r in regions {
                 let e = &mut iv[r.buffer as usize];
                 *e = Some(e.map_or((o.id, o.id), |(a, b)| (a.min(o.id), b.max(o.id))));
@@ -88,9 +107,13 @@ fn moving_a_buffer_onto_a_live_one_is_caught() {
         let plan = parse(&text);
         let iv = intervals(&plan);
         for (a, ba) in plan.buffers.iter().enumerate() {
-            let Some((a0, a1)) = iv[a].filter(|_| !ba.persistent) else { continue };
+            let Some((a0, a1)) = iv[a].filter(|_| !ba.persistent) else {
+                continue;
+            };
             for (b, bb) in plan.buffers.iter().enumerate() {
-                let Some((b0, b1)) = iv[b].filter(|_| b != a && bb.bytes > 0) else { continue };
+                let Some((b0, b1)) = iv[b].filter(|_| b != a && bb.bytes > 0) else {
+                    continue;
+                };
                 let alive_together = a0 <= b1 && b0 <= a1;
                 let fits = bb.offset + ba.bytes <= plan.arena_bytes;
                 if !alive_together || !fits || ba.bytes == 0 {
@@ -99,7 +122,12 @@ fn moving_a_buffer_onto_a_live_one_is_caught() {
                 let mut m = parse(&text);
                 m.buffers[a].offset = bb.offset;
                 tried += 1;
-                assert!(!accepted(&m), "{name}: moving buf{a} ({}) onto buf{b} ({}) is not caught", ba.name, bb.name);
+                assert!(
+                    !accepted(&m),
+                    "{name}: moving buf{a} ({}) onto buf{b} ({}) is not caught",
+                    ba.name,
+                    bb.name
+                );
             }
         }
     }
@@ -139,13 +167,19 @@ fn dropping_any_collective_is_caught() {
     let mut tried = 0;
     for (name, text) in small_plans() {
         let plan = parse(&text);
-        let collectives: Vec<u32> =
-            plan.streams.iter().flat_map(|s| s.ops.iter().filter(|o| !o.ops.is_empty()).map(|o| o.id)).collect();
+        let collectives: Vec<u32> = plan
+            .streams
+            .iter()
+            .flat_map(|s| s.ops.iter().filter(|o| !o.ops.is_empty()).map(|o| o.id))
+            .collect();
         for id in collectives {
             let mut m = parse(&text);
             drop_op(&mut m, id);
             tried += 1;
-            assert!(!accepted(&m), "{name}: dropping collective op{id} is not caught");
+            assert!(
+                !accepted(&m),
+                "{name}: dropping collective op{id} is not caught"
+            );
         }
     }
     assert!(tried > 50, "only {tried} collectives tried");
@@ -157,12 +191,22 @@ fn reordering_two_collectives_on_a_stream_is_caught() {
     for (name, text) in small_plans() {
         let plan = parse(&text);
         for (s, stream) in plan.streams.iter().enumerate() {
-            let idx: Vec<usize> = stream.ops.iter().enumerate().filter(|(_, o)| !o.ops.is_empty()).map(|(i, _)| i).collect();
+            let idx: Vec<usize> = stream
+                .ops
+                .iter()
+                .enumerate()
+                .filter(|(_, o)| !o.ops.is_empty())
+                .map(|(i, _)| i)
+                .collect();
             for w in idx.windows(2) {
                 let mut m = parse(&text);
                 m.streams[s].ops.swap(w[0], w[1]);
                 tried += 1;
-                assert!(!accepted(&m), "{name}: swapping two collectives on {} is not caught", stream.name);
+                assert!(
+                    !accepted(&m),
+                    "{name}: swapping two collectives on {} is not caught",
+                    stream.name
+                );
             }
         }
     }
@@ -173,7 +217,13 @@ fn reordering_two_collectives_on_a_stream_is_caught() {
 /// in a debug build): every tenth wait, buffer move and collective drop, and every collective swap.
 #[test]
 fn sampled_mutations_of_the_larger_examples_are_caught() {
-    let files = ["gpt2_ddp.sched", "llama7b_zero1.sched", "llama7b_mics.sched", "llama13b_hpz.sched", "llama30b_amsp.sched"];
+    let files = [
+        "gpt2_ddp.sched",
+        "llama7b_zero1.sched",
+        "llama7b_mics.sched",
+        "llama13b_hpz.sched",
+        "llama30b_amsp.sched",
+    ];
     let mut tried = 0;
     for (name, text) in plans(&files) {
         let plan = parse(&text);
@@ -188,7 +238,11 @@ fn sampled_mutations_of_the_larger_examples_are_caught() {
                     let mut m = parse(&text);
                     m.streams[s].ops[o].wait.remove(w);
                     tried += 1;
-                    assert!(!accepted(&m), "{name}: removing a wait of op{} is not caught", m.streams[s].ops[o].id);
+                    assert!(
+                        !accepted(&m),
+                        "{name}: removing a wait of op{} is not caught",
+                        m.streams[s].ops[o].id
+                    );
                 }
             }
         }
@@ -196,8 +250,14 @@ fn sampled_mutations_of_the_larger_examples_are_caught() {
         let moves: Vec<(usize, usize)> = (0..plan.buffers.len())
             .flat_map(|a| (0..plan.buffers.len()).map(move |b| (a, b)))
             .filter(|&(a, b)| {
-                let (Some((a0, a1)), Some((b0, b1))) = (iv[a], iv[b]) else { return false };
-                a != b && !plan.buffers[a].persistent && a0 <= b1 && b0 <= a1 && plan.buffers[a].bytes > 0
+                let (Some((a0, a1)), Some((b0, b1))) = (iv[a], iv[b]) else {
+                    return false;
+                };
+                a != b
+                    && !plan.buffers[a].persistent
+                    && a0 <= b1
+                    && b0 <= a1
+                    && plan.buffers[a].bytes > 0
                     && plan.buffers[b].offset + plan.buffers[a].bytes <= plan.arena_bytes
             })
             .collect();
@@ -205,15 +265,27 @@ fn sampled_mutations_of_the_larger_examples_are_caught() {
             let mut m = parse(&text);
             m.buffers[a].offset = plan.buffers[b].offset;
             tried += 1;
-            assert!(!accepted(&m), "{name}: moving buf{a} onto buf{b} is not caught");
+            assert!(
+                !accepted(&m),
+                "{name}: moving buf{a} onto buf{b} is not caught"
+            );
         }
-        let collectives: Vec<u32> =
-            plan.streams.iter().flat_map(|s| s.ops.iter().filter(|o| !o.ops.is_empty()).map(|o| o.id)).collect();
-        for &id in collectives.iter().step_by(collectives.len().div_ceil(20).max(1)) {
+        let collectives: Vec<u32> = plan
+            .streams
+            .iter()
+            .flat_map(|s| s.ops.iter().filter(|o| !o.ops.is_empty()).map(|o| o.id))
+            .collect();
+        for &id in collectives
+            .iter()
+            .step_by(collectives.len().div_ceil(20).max(1))
+        {
             let mut m = parse(&text);
             drop_op(&mut m, id);
             tried += 1;
-            assert!(!accepted(&m), "{name}: dropping collective op{id} is not caught");
+            assert!(
+                !accepted(&m),
+                "{name}: dropping collective op{id} is not caught"
+            );
         }
     }
     assert!(tried > 100, "only {tried} mutations tried");

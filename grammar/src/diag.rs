@@ -26,7 +26,11 @@ pub struct Span {
 
 impl Span {
     pub fn new(file: FileId, start: usize, end: usize) -> Self {
-        Span { file, start: start as u32, end: end as u32 }
+        Span {
+            file,
+            start: start as u32,
+            end: end as u32,
+        }
     }
 
     pub fn range(&self) -> Range<usize> {
@@ -35,7 +39,11 @@ impl Span {
 
     /// The smallest span covering both (they must be in the same file).
     pub fn to(self, other: Span) -> Span {
-        Span { file: self.file, start: self.start.min(other.start), end: self.end.max(other.end) }
+        Span {
+            file: self.file,
+            start: self.start.min(other.start),
+            end: self.end.max(other.end),
+        }
     }
 }
 
@@ -62,22 +70,40 @@ pub struct Diagnostic {
 
 impl Diagnostic {
     pub fn error(message: impl Into<String>) -> Self {
-        Diagnostic { severity: Severity::Error, message: message.into(), labels: vec![], notes: vec![] }
+        Diagnostic {
+            severity: Severity::Error,
+            message: message.into(),
+            labels: vec![],
+            notes: vec![],
+        }
     }
 
     pub fn warning(message: impl Into<String>) -> Self {
-        Diagnostic { severity: Severity::Warning, message: message.into(), labels: vec![], notes: vec![] }
+        Diagnostic {
+            severity: Severity::Warning,
+            message: message.into(),
+            labels: vec![],
+            notes: vec![],
+        }
     }
 
     /// Where the problem is. The first primary label decides the `file:line:col` of the report.
     pub fn at(mut self, span: Span, message: impl Into<String>) -> Self {
-        self.labels.push(Label { span, message: message.into(), primary: true });
+        self.labels.push(Label {
+            span,
+            message: message.into(),
+            primary: true,
+        });
         self
     }
 
     /// A related place ("first defined here").
     pub fn also(mut self, span: Span, message: impl Into<String>) -> Self {
-        self.labels.push(Label { span, message: message.into(), primary: false });
+        self.labels.push(Label {
+            span,
+            message: message.into(),
+            primary: false,
+        });
         self
     }
 
@@ -116,7 +142,11 @@ impl SourceFile {
     /// The byte range of line `line` without its line ending.
     fn line_content(&self, line: usize) -> Range<usize> {
         let start = self.line_starts[line];
-        let end = self.line_starts.get(line + 1).copied().unwrap_or(self.text.len());
+        let end = self
+            .line_starts
+            .get(line + 1)
+            .copied()
+            .unwrap_or(self.text.len());
         let trimmed = self.text[start..end].trim_end_matches(['\n', '\r']).len();
         start..start + trimmed
     }
@@ -125,7 +155,10 @@ impl SourceFile {
     pub fn line_col(&self, offset: usize) -> (usize, usize) {
         let line = self.line_starts.partition_point(|&s| s <= offset) - 1;
         let start = self.line_starts[line];
-        let col = self.text.get(start..offset.min(self.text.len())).map_or(0, |s| s.chars().count());
+        let col = self
+            .text
+            .get(start..offset.min(self.text.len()))
+            .map_or(0, |s| s.chars().count());
         (line, col)
     }
 }
@@ -142,9 +175,16 @@ impl SourceMap {
     }
 
     pub fn add(&mut self, name: impl Into<String>, path: impl AsRef<Path>, text: String) -> FileId {
-        let line_starts = std::iter::once(0).chain(text.match_indices('\n').map(|(i, _)| i + 1)).collect();
+        let line_starts = std::iter::once(0)
+            .chain(text.match_indices('\n').map(|(i, _)| i + 1))
+            .collect();
         let id = FileId(self.files.len() as u32);
-        self.files.push(SourceFile { name: name.into(), path: path.as_ref().to_path_buf(), text, line_starts });
+        self.files.push(SourceFile {
+            name: name.into(),
+            path: path.as_ref().to_path_buf(),
+            text,
+            line_starts,
+        });
         id
     }
 
@@ -158,7 +198,10 @@ impl SourceMap {
 
     /// The file whose path is `path`, if loaded.
     pub fn find(&self, path: &Path) -> Option<FileId> {
-        self.files.iter().position(|f| f.path == path).map(|i| FileId(i as u32))
+        self.files
+            .iter()
+            .position(|f| f.path == path)
+            .map(|i| FileId(i as u32))
     }
 
     /// `file:line:col` (1-based) of a span's start.
@@ -183,7 +226,12 @@ impl SourceMap {
                     let cs = to_codespan(d, |span| view.map_span(span));
                     term::emit(writer, &config, &view, &cs)
                 }
-                None => term::emit(writer, &config, self, &to_codespan(d, |span| (span.file, span.range()))),
+                None => term::emit(
+                    writer,
+                    &config,
+                    self,
+                    &to_codespan(d, |span| (span.file, span.range())),
+                ),
             };
         }
     }
@@ -209,7 +257,11 @@ fn to_codespan<F>(d: &Diagnostic, place: impl Fn(Span) -> (F, Range<usize>)) -> 
             labels
                 .into_iter()
                 .map(|l| {
-                    let style = if l.primary { cs::LabelStyle::Primary } else { cs::LabelStyle::Secondary };
+                    let style = if l.primary {
+                        cs::LabelStyle::Primary
+                    } else {
+                        cs::LabelStyle::Secondary
+                    };
                     let (file, range) = place(l.span);
                     cs::Label::new(style, file, range).with_message(&l.message)
                 })
@@ -224,25 +276,44 @@ impl<'a> Files<'a> for SourceMap {
     type Source = &'a str;
 
     fn name(&'a self, id: FileId) -> Result<&'a str, FilesError> {
-        self.files.get(id.0 as usize).map(|f| f.name.as_str()).ok_or(FilesError::FileMissing)
+        self.files
+            .get(id.0 as usize)
+            .map(|f| f.name.as_str())
+            .ok_or(FilesError::FileMissing)
     }
 
     fn source(&'a self, id: FileId) -> Result<&'a str, FilesError> {
-        self.files.get(id.0 as usize).map(|f| f.text.as_str()).ok_or(FilesError::FileMissing)
+        self.files
+            .get(id.0 as usize)
+            .map(|f| f.text.as_str())
+            .ok_or(FilesError::FileMissing)
     }
 
     fn line_index(&'a self, id: FileId, byte_index: usize) -> Result<usize, FilesError> {
-        let f = self.files.get(id.0 as usize).ok_or(FilesError::FileMissing)?;
+        let f = self
+            .files
+            .get(id.0 as usize)
+            .ok_or(FilesError::FileMissing)?;
         Ok(f.line_starts.partition_point(|&s| s <= byte_index) - 1)
     }
 
     fn line_range(&'a self, id: FileId, line_index: usize) -> Result<Range<usize>, FilesError> {
-        let f = self.files.get(id.0 as usize).ok_or(FilesError::FileMissing)?;
+        let f = self
+            .files
+            .get(id.0 as usize)
+            .ok_or(FilesError::FileMissing)?;
         let start = *f
             .line_starts
             .get(line_index)
-            .ok_or(FilesError::LineTooLarge { given: line_index, max: f.line_starts.len() - 1 })?;
-        let end = f.line_starts.get(line_index + 1).copied().unwrap_or(f.text.len());
+            .ok_or(FilesError::LineTooLarge {
+                given: line_index,
+                max: f.line_starts.len() - 1,
+            })?;
+        let end = f
+            .line_starts
+            .get(line_index + 1)
+            .copied()
+            .unwrap_or(f.text.len());
         Ok(start..end)
     }
 }
@@ -278,17 +349,27 @@ impl<'m> Excerpts<'m> {
         let ends = |l: &Label| [l.span.start as usize, l.span.end as usize];
         let long = d.labels.iter().any(|l| {
             let f = map.files.get(l.span.file.0 as usize);
-            f.is_some_and(|f| ends(l).into_iter().any(|p| f.line_content(f.line_of(p)).len() > LONG_LINE))
+            f.is_some_and(|f| {
+                ends(l)
+                    .into_iter()
+                    .any(|p| f.line_content(f.line_of(p)).len() > LONG_LINE)
+            })
         });
         if !long {
             return None;
         }
         let mut files: Vec<Excerpt> = vec![];
         for l in &d.labels {
-            if map.files.get(l.span.file.0 as usize).is_none() || files.iter().any(|e| e.file == l.span.file) {
+            if map.files.get(l.span.file.0 as usize).is_none()
+                || files.iter().any(|e| e.file == l.span.file)
+            {
                 continue;
             }
-            let labels: Vec<&Label> = d.labels.iter().filter(|m| m.span.file == l.span.file).collect();
+            let labels: Vec<&Label> = d
+                .labels
+                .iter()
+                .filter(|m| m.span.file == l.span.file)
+                .collect();
             files.push(Excerpt::new(map.get(l.span.file), l.span.file, &labels));
         }
         Some(Excerpts { map, files })
@@ -310,14 +391,20 @@ impl<'m> Excerpts<'m> {
 impl Excerpt {
     fn new(src: &SourceFile, file: FileId, labels: &[&Label]) -> Excerpt {
         let clamp = |p: u32| (p as usize).min(src.text.len());
-        let mut points: Vec<usize> = labels.iter().flat_map(|l| [clamp(l.span.start), clamp(l.span.end)]).collect();
+        let mut points: Vec<usize> = labels
+            .iter()
+            .flat_map(|l| [clamp(l.span.start), clamp(l.span.end)])
+            .collect();
         points.sort_unstable();
         points.dedup();
         // The lines codespan shows: each label's first and last line, and for a label over
         // several lines the context it shows (three lines after the start, one before the end).
         let mut shown = std::collections::BTreeSet::new();
         for l in labels {
-            let (first, last) = (src.line_of(clamp(l.span.start)), src.line_of(clamp(l.span.end)));
+            let (first, last) = (
+                src.line_of(clamp(l.span.start)),
+                src.line_of(clamp(l.span.end)),
+            );
             shown.insert(first);
             shown.insert(last);
             if last > first + 1 {
@@ -325,7 +412,13 @@ impl Excerpt {
                 shown.insert(last - 1);
             }
         }
-        let mut e = Excerpt { file, text: String::new(), line_starts: vec![], numbers: vec![], pieces: vec![] };
+        let mut e = Excerpt {
+            file,
+            text: String::new(),
+            line_starts: vec![],
+            numbers: vec![],
+            pieces: vec![],
+        };
         let mut prev: Option<usize> = None;
         for &line in &shown {
             match prev.map(|p| line - p) {
@@ -341,7 +434,11 @@ impl Excerpt {
                 }
                 _ => {}
             }
-            let on_line: Vec<usize> = points.iter().copied().filter(|&p| src.line_of(p) == line).collect();
+            let on_line: Vec<usize> = points
+                .iter()
+                .copied()
+                .filter(|&p| src.line_of(p) == line)
+                .collect();
             e.push_line(src, line, &on_line);
             prev = Some(line);
         }
@@ -373,10 +470,17 @@ impl Excerpt {
             i
         };
         let mut windows: Vec<(usize, usize)> = vec![];
-        let centres = if points.is_empty() { vec![start + CONTEXT] } else { points.to_vec() };
+        let centres = if points.is_empty() {
+            vec![start + CONTEXT]
+        } else {
+            points.to_vec()
+        };
         for p in centres {
             let p = p.clamp(start, end);
-            let w = (floor(p.saturating_sub(CONTEXT).max(start)), ceil((p + CONTEXT).min(end)));
+            let w = (
+                floor(p.saturating_sub(CONTEXT).max(start)),
+                ceil((p + CONTEXT).min(end)),
+            );
             match windows.last_mut() {
                 Some(last) if w.0 <= last.1 + 8 => last.1 = last.1.max(w.1),
                 _ => windows.push(w),
@@ -416,7 +520,9 @@ impl Excerpt {
     }
 
     fn line_of(&self, v: usize) -> usize {
-        self.line_starts.partition_point(|&s| s <= v).saturating_sub(1)
+        self.line_starts
+            .partition_point(|&s| s <= v)
+            .saturating_sub(1)
     }
 }
 
@@ -431,22 +537,40 @@ impl<'a> Files<'a> for Excerpts<'_> {
     }
 
     fn source(&'a self, id: usize) -> Result<&'a str, FilesError> {
-        self.files.get(id).map(|e| e.text.as_str()).ok_or(FilesError::FileMissing)
+        self.files
+            .get(id)
+            .map(|e| e.text.as_str())
+            .ok_or(FilesError::FileMissing)
     }
 
     fn line_index(&'a self, id: usize, byte_index: usize) -> Result<usize, FilesError> {
-        Ok(self.files.get(id).ok_or(FilesError::FileMissing)?.line_of(byte_index))
+        Ok(self
+            .files
+            .get(id)
+            .ok_or(FilesError::FileMissing)?
+            .line_of(byte_index))
     }
 
     fn line_number(&'a self, id: usize, line_index: usize) -> Result<usize, FilesError> {
         let e = self.files.get(id).ok_or(FilesError::FileMissing)?;
-        Ok(e.numbers.get(line_index).or(e.numbers.last()).copied().unwrap_or(1))
+        Ok(e.numbers
+            .get(line_index)
+            .or(e.numbers.last())
+            .copied()
+            .unwrap_or(1))
     }
 
-    fn location(&'a self, id: usize, byte_index: usize) -> Result<codespan_reporting::files::Location, FilesError> {
+    fn location(
+        &'a self,
+        id: usize,
+        byte_index: usize,
+    ) -> Result<codespan_reporting::files::Location, FilesError> {
         let e = self.files.get(id).ok_or(FilesError::FileMissing)?;
         let (line, col) = self.map.get(e.file).line_col(e.to_original(byte_index));
-        Ok(codespan_reporting::files::Location { line_number: line + 1, column_number: col + 1 })
+        Ok(codespan_reporting::files::Location {
+            line_number: line + 1,
+            column_number: col + 1,
+        })
     }
 
     fn line_range(&'a self, id: usize, line_index: usize) -> Result<Range<usize>, FilesError> {
@@ -454,22 +578,65 @@ impl<'a> Files<'a> for Excerpts<'_> {
         let start = *e
             .line_starts
             .get(line_index)
-            .ok_or(FilesError::LineTooLarge { given: line_index, max: e.line_starts.len().saturating_sub(1) })?;
-        let end = e.line_starts.get(line_index + 1).copied().unwrap_or(e.text.len());
+            .ok_or(FilesError::LineTooLarge {
+                given: line_index,
+                max: e.line_starts.len().saturating_sub(1),
+            })?;
+        let end = e
+            .line_starts
+            .get(line_index + 1)
+            .copied()
+            .unwrap_or(e.text.len());
         Ok(start..end)
     }
 }
 
-/// The closest candidate to `word` by edit distance, when it is close enough to be a likely typo.
-pub fn did_you_mean<'a>(word: &str, candidates: impl IntoIterator<Item = &'a str>) -> Option<&'a str> {
+/// The closest candidate to `word` by edit distance, when it is close enough to be a likely typo:
+/// at most one edit per three characters (case aside), and, in a word of up to five characters,
+/// not a change of the first letter. Typos rarely hit the first letter, and in a short word one
+/// changed letter more likely makes another word than a typo (`relu` is not a misspelt `gelu`,
+/// while `bf61`, `flsh` and `gib` are `bf16`, `flash` and `GiB`).
+pub fn did_you_mean<'a>(
+    word: &str,
+    candidates: impl IntoIterator<Item = &'a str>,
+) -> Option<&'a str> {
     let lower = word.to_ascii_lowercase();
-    let limit = (word.chars().count() / 3).max(1);
+    let len = word.chars().count();
+    let limit = (len / 3).max(1);
+    // No one mistypes a name this long; and comparing two such names would take quadratic time.
+    if len > MAX_SUGGESTED {
+        return None;
+    }
     candidates
         .into_iter()
-        .map(|c| (edit_distance(&lower, &c.to_ascii_lowercase()), c))
-        .filter(|&(d, c)| d <= limit && c != word)
-        .min_by_key(|&(d, _)| d)
-        .map(|(_, c)| c)
+        // The edit distance is at least the difference in length.
+        .filter(|&c| {
+            c != word
+                && c.len().abs_diff(word.len()) <= limit * 4
+                && c.chars().count().abs_diff(len) <= limit
+        })
+        .map(|c| {
+            let c_lower = c.to_ascii_lowercase();
+            (edit_distance(&lower, &c_lower), c, c_lower)
+        })
+        .filter(|(d, _, c_lower)| {
+            *d <= limit && (*d == 0 || len > 5 || keeps_first_letter(&lower, c_lower))
+        })
+        .min_by_key(|&(d, ..)| d)
+        .map(|(_, c, _)| c)
+}
+
+/// Longest word (in characters) that [`did_you_mean`] looks for a correction of.
+const MAX_SUGGESTED: usize = 100;
+
+/// Whether `b` starts like `a`: the same first letter, or the first two letters swapped.
+fn keeps_first_letter(a: &str, b: &str) -> bool {
+    let (mut x, mut y) = (a.chars(), b.chars());
+    match (x.next(), y.next()) {
+        (Some(a0), Some(b0)) if a0 == b0 => true,
+        (Some(a0), Some(b0)) => x.next() == Some(b0) && y.next() == Some(a0),
+        _ => false,
+    }
 }
 
 /// Levenshtein distance with adjacent transpositions counted as one edit.
@@ -498,10 +665,23 @@ mod tests {
 
     #[test]
     fn suggestions() {
-        assert_eq!(did_you_mean("micro_step", ["micro_steps", "micro_batch"]), Some("micro_steps"));
+        assert_eq!(
+            did_you_mean("micro_step", ["micro_steps", "micro_batch"]),
+            Some("micro_steps")
+        );
         assert_eq!(did_you_mean("gib", ["GiB", "GB"]), Some("GiB"));
-        assert_eq!(did_you_mean("trasnformer", ["transformer", "mlp"]), Some("transformer"));
+        assert_eq!(
+            did_you_mean("trasnformer", ["transformer", "mlp"]),
+            Some("transformer")
+        );
         assert_eq!(did_you_mean("zzz", ["transformer", "mlp"]), None);
+        assert_eq!(did_you_mean("bf61", ["bf16", "fp16", "fp32"]), Some("bf16"));
+        assert_eq!(did_you_mean("flsh", ["flash", "naive"]), Some("flash"));
+        assert_eq!(did_you_mean("ndoes", ["nodes"]), Some("nodes"));
+        assert_eq!(did_you_mean("onde", ["node"]), Some("node"));
+        // One changed letter in a short word is another word, not a typo.
+        assert_eq!(did_you_mean("relu", ["gelu", "swiglu"]), None);
+        assert_eq!(did_you_mean("lion", ["adam", "adamw", "sgd"]), None);
     }
 
     #[test]
@@ -510,11 +690,18 @@ mod tests {
         let line = format!("a = 1; {}b = 2", "x = 1; ".repeat(10_000));
         let id = m.add("a.sched", "a.sched", format!("first\n{line}\nlast\n"));
         let b = 6 + line.len() - 5;
-        let d = Diagnostic::error("boom").at(Span::new(id, b, b + 1), "here").also(Span::new(id, 6, 7), "there");
+        let d = Diagnostic::error("boom")
+            .at(Span::new(id, b, b + 1), "here")
+            .also(Span::new(id, 6, 7), "there");
         let out = m.render(&[d]);
         let expected = format!("a.sched:2:{}", line.len() - 4);
         assert!(out.len() < 1000 && out.contains(&expected), "{out}");
-        assert!(out.contains("2 │ a = 1; x = 1;") && out.contains(" … ") && out.contains("x = 1; b = 2\n"), "{out}");
+        assert!(
+            out.contains("2 │ a = 1; x = 1;")
+                && out.contains(" … ")
+                && out.contains("x = 1; b = 2\n"),
+            "{out}"
+        );
         // A label over several lines, one of them long, keeps its line numbers and `·` breaks.
         let mut text = "x\n".repeat(10);
         text.push_str(&line);
@@ -522,7 +709,13 @@ mod tests {
         let id = m.add("b.sched", "b.sched", text);
         let d = Diagnostic::error("wide").at(Span::new(id, 2, 20 + line.len()), "all of it");
         let out = m.render(&[d]);
-        assert!(out.len() < 2000 && out.contains("b.sched:2:1") && out.contains("11 │") && out.contains('·'), "{out}");
+        assert!(
+            out.len() < 2000
+                && out.contains("b.sched:2:1")
+                && out.contains("11 │")
+                && out.contains('·'),
+            "{out}"
+        );
     }
 
     #[test]

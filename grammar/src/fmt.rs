@@ -72,7 +72,7 @@ struct Comment {
 
 impl Comment {
     fn at(source: &str, start: usize, end: usize) -> Comment {
-        let line_start = source[..start].rfind('\n').map_or(0, |i| i + 1);
+        let line_start = source[..start].rfind(['\n', '\r']).map_or(0, |i| i + 1);
         Comment {
             start,
             end,
@@ -82,8 +82,9 @@ impl Comment {
     }
 }
 
-/// Every comment in `source`, in order. The bytes looked at (`"`, `\`, `#`, newline) are ASCII,
-/// so they never occur inside a multi-byte character.
+/// Every comment in `source`, in order. The bytes looked at (`"`, `\`, `#`, line breaks) are
+/// ASCII, so they never occur inside a multi-byte character. Line breaks are the grammar's
+/// (`NEWLINE`): `\n`, `\r\n` and a lone `\r`, which ends a comment or a string as `\n` does.
 fn scan_comments(source: &str) -> Vec<Comment> {
     let bytes = source.as_bytes();
     let mut comments = Vec::new();
@@ -92,10 +93,12 @@ fn scan_comments(source: &str) -> Vec<Comment> {
     while i < bytes.len() {
         match (in_string, bytes[i]) {
             (true, b'\\') => i += 1,
-            (true, b'"' | b'\n') => in_string = false,
+            (true, b'"' | b'\n' | b'\r') => in_string = false,
             (false, b'"') => in_string = true,
             (false, b'#') => {
-                let end = source[i..].find('\n').map_or(source.len(), |n| i + n);
+                let end = source[i..]
+                    .find(['\n', '\r'])
+                    .map_or(source.len(), |n| i + n);
                 comments.push(Comment::at(source, i, end));
                 i = end;
             }
@@ -581,6 +584,7 @@ impl Seq {
 
 /// Whether `gap`, the text between two things, holds a line with nothing on it.
 fn has_blank_line(gap: &str) -> bool {
+    let gap = gap.replace("\r\n", "\n").replace('\r', "\n");
     let lines: Vec<&str> = gap.split('\n').collect();
     lines.len() > 2
         && lines[1..lines.len() - 1]
@@ -932,6 +936,18 @@ mod tests {
         assert_eq!(printed[1], format!("    {long} = 1"));
         assert_eq!(printed[2], format!("    b{} = 2", " ".repeat(69_999)));
         assert_eq!(fmt(&out), out);
+    }
+
+    #[test]
+    fn a_lone_carriage_return_ends_a_comment_as_the_grammar_says() {
+        // `#n` is a comment and `l m { … }` an item: the parser reads a lone `\r` as a line break.
+        let out = fmt("#n\rl m {\n  k = m}\n");
+        assert_eq!(out, lines(&["#n", "l m {", "    k = m", "}"]));
+        assert_eq!(
+            fmt("a b { k = 1 }  # x\ry c {}\r\r"),
+            lines(&["a b {", "    k = 1", "}  # x", "", "y c {}"])
+        );
+        assert!(has_blank_line("\r\r\r") && !has_blank_line("\r\n") && has_blank_line("\r\n\r\n"));
     }
 
     #[test]

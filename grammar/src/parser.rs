@@ -4,11 +4,20 @@
 //! item boundaries: after an error it skips to the next line that starts (in column 0) with a word,
 //! which is how every item in a conventionally laid out file begins, and parses the rest again.
 //! Items before the failing one are parsed on their own so that their spans stay right.
+//!
+//! The text is parsed in windows that end at such item boundaries, widened while a parse runs
+//! into the end of its window: building a pest error costs time proportional to the length of
+//! the input after the error, so parsing the whole rest of the file after every error would take
+//! quadratic time on a file with an error on every line. A window that parses without error
+//! parses the same as the whole file would there (it ends at a line break before an item, and the
+//! grammar's lookaheads never reach past a complete item); an error before the window's end is
+//! the same error the whole file has, since the parse never looked past it.
 
 use crate::ast::*;
 use crate::diag::{Diagnostic, FileId, Span};
 use pest::iterators::Pair;
 use pest::Parser as _;
+use std::cell::RefCell;
 
 #[derive(pest_derive::Parser)]
 #[grammar = "sched.pest"]
@@ -34,24 +43,39 @@ pub fn parse(id: FileId, text: &str) -> Parsed {
             MAX_FILE_BYTES >> 20
         ))
         .at(Span::new(id, 0, 0), "file too large");
-        return Parsed { file: File { items: vec![] }, errors: vec![err] };
+        return Parsed {
+            file: File { items: vec![] },
+            errors: vec![err],
+        };
     }
     let mut items = Vec::new();
     let mut errors = Vec::new();
     let mut start = 0;
+    // How many items (by the column-0 rule) the next window spans.
+    let mut window = 1;
     while start <= text.len() {
-        match parse_from(id, text, start) {
-            Ok(mut more) => {
+        let end = nth_item_start(text, start, window).unwrap_or(text.len());
+        match parse_range(id, text, start, end) {
+            Ok((mut more, mut found)) => {
                 items.append(&mut more);
-                break;
+                errors.append(&mut found);
+                if end == text.len() {
+                    break;
+                }
+                start = end;
+                window = (window * 2).min(1 << 12);
             }
+            // The parse ran into the end of the window: widen it.
+            Err((_, at)) if at >= end && end < text.len() => window *= 2,
             Err((err, at)) => {
-                errors.push(err);
+                window = 1;
                 // Keep what parsed before the failing item.
                 let item_start = item_start_before(text, at).max(start);
-                if let Ok(mut before) = parse_range(id, text, start, item_start) {
+                if let Ok((mut before, mut found)) = parse_range(id, text, start, item_start) {
                     items.append(&mut before);
+                    errors.append(&mut found);
                 }
+                errors.push(err);
                 match next_item_start(text, at) {
                     Some(next) => start = next,
                     None => break,
@@ -59,21 +83,41 @@ pub fn parse(id: FileId, text: &str) -> Parsed {
             }
         }
     }
-    Parsed { file: File { items }, errors }
+    Parsed {
+        file: File { items },
+        errors,
+    }
 }
 
-/// Parses `text[start..]`, returning items or the first error and its byte offset.
-fn parse_from(id: FileId, text: &str, start: usize) -> Result<Vec<Item>, (Diagnostic, usize)> {
-    parse_range(id, text, start, text.len())
+/// The start of the `n`th line after the one holding `pos` that begins an item (a word in
+/// column 0), if there are that many.
+fn nth_item_start(text: &str, pos: usize, n: usize) -> Option<usize> {
+    (0..n).try_fold(pos, |p, _| next_item_start(text, p))
 }
 
-fn parse_range(id: FileId, text: &str, start: usize, end: usize) -> Result<Vec<Item>, (Diagnostic, usize)> {
+/// Parses `text[start..end]`: its items and the errors found while building them (the error
+/// recovery rules of the grammar), or the first error pest found and its byte offset.
+fn parse_range(
+    id: FileId,
+    text: &str,
+    start: usize,
+    end: usize,
+) -> Result<(Vec<Item>, Vec<Diagnostic>), (Diagnostic, usize)> {
     let src = &text[start..end];
     match SchedParser::parse(Rule::file, src) {
         Ok(mut pairs) => {
-            let b = Builder { file: id, base: start };
+            let b = Builder {
+                file: id,
+                base: start,
+                errors: RefCell::new(vec![]),
+            };
             let file = pairs.next().expect("the file rule always yields one pair");
-            Ok(file.into_inner().filter(|p| p.as_rule() != Rule::EOI).map(|p| b.item(p)).collect())
+            let items = file
+                .into_inner()
+                .filter(|p| p.as_rule() != Rule::EOI)
+                .filter_map(|p| b.item(p))
+                .collect();
+            Ok((items, b.errors.into_inner()))
         }
         Err(e) => Err(convert_error(id, text, start, e)),
     }
@@ -102,7 +146,10 @@ fn next_item_start(text: &str, at: usize) -> Option<usize> {
 }
 
 fn starts_item(text: &str, pos: usize) -> bool {
-    text[pos..].chars().next().is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+    text[pos..]
+        .chars()
+        .next()
+        .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
 }
 
 /// How a grammar rule is named when the parser says what it expected.
@@ -137,17 +184,29 @@ fn phrase(rule: Rule) -> Option<&'static str> {
     })
 }
 
-fn convert_error(id: FileId, text: &str, base: usize, e: pest::error::Error<Rule>) -> (Diagnostic, usize) {
+fn convert_error(
+    id: FileId,
+    text: &str,
+    base: usize,
+    e: pest::error::Error<Rule>,
+) -> (Diagnostic, usize) {
     use pest::error::{ErrorVariant, InputLocation};
     let at = base
         + match e.location {
             InputLocation::Pos(p) => p,
             InputLocation::Span((s, _)) => s,
         };
-    let mut expected: Vec<&str> = match &e.variant {
-        ErrorVariant::ParsingError { positives, .. } => positives.iter().filter_map(|&r| phrase(r)).collect(),
-        ErrorVariant::CustomError { .. } => vec![],
+    let positives: &[Rule] = match &e.variant {
+        ErrorVariant::ParsingError { positives, .. } => positives,
+        ErrorVariant::CustomError { .. } => &[],
     };
+    // After a call argument, a name is only an error recovery rule's attempt (`missing_comma`).
+    let in_call = positives.contains(&Rule::comma) && positives.contains(&Rule::rparen);
+    let mut expected: Vec<&str> = positives
+        .iter()
+        .filter(|&&r| !(in_call && r == Rule::ident))
+        .filter_map(|&r| phrase(r))
+        .collect();
     // A value that failed inside an entry also makes pest list the separators; they add nothing.
     expected.sort_unstable();
     expected.dedup();
@@ -157,7 +216,120 @@ fn convert_error(id: FileId, text: &str, base: usize, e: pest::error::Error<Rule
         _ => format!("expected {}, found {found}", join_or(&expected)),
     };
     let len = token_len(text, at);
-    (Diagnostic::error(message).at(Span::new(id, at, at + len), format!("unexpected {found}")), at)
+    let mut d =
+        Diagnostic::error(message).at(Span::new(id, at, at + len), format!("unexpected {found}"));
+    let line_start = text[..at.min(text.len())].rfind('\n').map_or(0, |i| i + 1);
+    // A line that starts with a word in column 0 inside a block whose `{` is never closed: the
+    // `}` was forgotten before the next item.
+    if starts_item(text, line_start) && line_start > 0 {
+        if let Some(pos) = unclosed(text, at, '{', '}') {
+            let word = Span::new(id, line_start, line_start + token_len(text, line_start));
+            let d = Diagnostic::error("expected `}` before the next item")
+                .at(word, "the next item starts here")
+                .also(Span::new(id, pos, pos + 1), "this `{` is not closed");
+            return (d, at);
+        }
+    }
+    // A `{` or `(` left open where the closing one is expected: show where it opened.
+    for (open, close, rule) in [('{', '}', Rule::rbrace), ('(', ')', Rule::rparen)] {
+        if positives.contains(&rule) {
+            if let Some(pos) = unclosed(text, at, open, close) {
+                d = d.also(
+                    Span::new(id, pos, pos + 1),
+                    format!("this `{open}` is not closed"),
+                );
+            }
+        }
+    }
+    // A string left open swallows the rest of its line, closing brackets included.
+    if let Some(pos) = unclosed_string(text, item_start_before(text, at), at) {
+        d = d.also(
+            Span::new(id, pos, pos + 1),
+            "this string is not closed on its line",
+        );
+    }
+    (d, at)
+}
+
+/// The first string between `from` and `at` that is not closed on its line, if any.
+fn unclosed_string(text: &str, from: usize, at: usize) -> Option<usize> {
+    let at = at.min(text.len());
+    let mut bytes = text.as_bytes()[from.min(at)..at]
+        .iter()
+        .enumerate()
+        .map(|(i, &b)| (from + i, b));
+    while let Some((i, b)) = bytes.next() {
+        match b {
+            b'#' => {
+                bytes.by_ref().find(|&(_, b)| b == b'\n')?;
+            }
+            b'"' => loop {
+                match bytes.next() {
+                    Some((_, b'\\')) => {
+                        bytes.next();
+                    }
+                    Some((_, b'"')) => break,
+                    Some((_, b'\n' | b'\r')) | None => return Some(i),
+                    Some(_) => {}
+                }
+            },
+            _ => {}
+        }
+    }
+    None
+}
+
+/// The innermost `open` that is open at `at` and not closed before the next item starts (a line
+/// beginning with a word in column 0 after the line of `at`), if any. The scan starts at the
+/// item before the line of `at` and skips comments and strings.
+fn unclosed(text: &str, at: usize, open: char, close: char) -> Option<usize> {
+    let at = at.min(text.len());
+    let line_start = text[..at].rfind('\n').map_or(0, |i| i + 1);
+    let from = match line_start {
+        0 => 0,
+        n => item_start_before(text, n - 1),
+    };
+    let end = next_item_start(text, at).unwrap_or(text.len());
+    let mut stack = vec![];
+    let mut depth = 0usize;
+    let mut bytes = text.as_bytes()[from..end]
+        .iter()
+        .enumerate()
+        .map(|(i, &b)| (from + i, b));
+    while let Some((i, b)) = bytes.next() {
+        match b {
+            b'#' => {
+                // A comment, to the end of its line.
+                if bytes.by_ref().any(|(_, b)| b == b'\n') {
+                    continue;
+                }
+                break;
+            }
+            b'"' => {
+                // A string, to its closing quote or the end of its line.
+                while let Some((_, b)) = bytes.next() {
+                    match b {
+                        b'\\' => {
+                            bytes.next();
+                        }
+                        b'"' | b'\n' => break,
+                        _ => {}
+                    }
+                }
+            }
+            b if b == open as u8 && i < at => stack.push(i),
+            b if b == close as u8 && i < at => {
+                stack.pop();
+            }
+            b if b == open as u8 => depth += 1,
+            b if b == close as u8 => match depth.checked_sub(1) {
+                Some(d) => depth = d,
+                None => return None, // the innermost open one is closed after `at`
+            },
+            _ => {}
+        }
+    }
+    stack.last().copied()
 }
 
 fn join_or(items: &[&str]) -> String {
@@ -192,10 +364,12 @@ fn describe_at(text: &str, at: usize) -> String {
     }
 }
 
-/// Builds AST nodes from pest pairs of a slice starting at `base` in the file.
+/// Builds AST nodes from pest pairs of a slice starting at `base` in the file, and reports what
+/// the grammar's error recovery rules matched.
 struct Builder {
     file: FileId,
     base: usize,
+    errors: RefCell<Vec<Diagnostic>>,
 }
 
 impl Builder {
@@ -204,27 +378,48 @@ impl Builder {
         Span::new(self.file, self.base + s.start(), self.base + s.end())
     }
 
-    fn item(&self, p: Pair<Rule>) -> Item {
+    /// An item; `None` for an import whose path is a broken string (reported), so that no
+    /// import of a path the user did not mean is attempted.
+    fn item(&self, p: Pair<Rule>) -> Option<Item> {
         let span = self.span(&p);
-        match p.as_rule() {
+        Some(match p.as_rule() {
             Rule::import => {
-                let s = p.into_inner().find(|p| p.as_rule() == Rule::string).expect("import has a path");
-                Item::Import(Import { path: self.string(s), span })
+                let s = p
+                    .into_inner()
+                    .find(|p| matches!(p.as_rule(), Rule::string | Rule::bad_string))
+                    .expect("import has a path");
+                if s.as_rule() == Rule::bad_string {
+                    self.string(s);
+                    return None;
+                }
+                Item::Import(Import {
+                    path: self.string(s),
+                    span,
+                })
             }
             Rule::block_item => {
                 let mut inner = p.into_inner();
                 let kind = self.ident(inner.next().expect("kind"));
                 let name = self.ident(inner.next().expect("name"));
                 let body = self.block(inner.next().expect("block"));
-                Item::Block(BlockItem { kind, name, body, span })
+                Item::Block(BlockItem {
+                    kind,
+                    name,
+                    body,
+                    span,
+                })
             }
             r => unreachable!("item rule {r:?}"),
-        }
+        })
     }
 
     fn block(&self, p: Pair<Rule>) -> Block {
         let span = self.span(&p);
-        let entries = p.into_inner().filter(|p| !is_punct(p.as_rule())).map(|e| self.entry(e)).collect();
+        let entries = p
+            .into_inner()
+            .filter(|p| !is_punct(p.as_rule()))
+            .map(|e| self.entry(e))
+            .collect();
         Block { entries, span }
     }
 
@@ -246,7 +441,10 @@ impl Builder {
                     match q.as_rule() {
                         Rule::ident => name = Some(self.ident(q)),
                         Rule::repeat => {
-                            let i = q.into_inner().find(|p| p.as_rule() == Rule::integer).expect("count");
+                            let i = q
+                                .into_inner()
+                                .find(|p| p.as_rule() == Rule::integer)
+                                .expect("count");
                             repeat = Some(self.int(i));
                         }
                         Rule::call => call = Some(self.call(q)),
@@ -261,7 +459,9 @@ impl Builder {
                 })
             }
             Rule::measured => {
-                let mut inner = p.into_inner().filter(|p| !is_punct(p.as_rule()) && p.as_rule() != Rule::kw_measured);
+                let mut inner = p
+                    .into_inner()
+                    .filter(|p| !is_punct(p.as_rule()) && p.as_rule() != Rule::kw_measured);
                 let collective = self.ident(inner.next().expect("collective"));
                 let mesh = self.value(inner.next().expect("mesh"));
                 let points = inner
@@ -270,10 +470,19 @@ impl Builder {
                         let mut q = pt.into_inner().filter(|p| p.as_rule() == Rule::quantity);
                         let size = self.quantity(q.next().expect("size"));
                         let bandwidth = self.quantity(q.next().expect("bandwidth"));
-                        Point { size, bandwidth, span }
+                        Point {
+                            size,
+                            bandwidth,
+                            span,
+                        }
                     })
                     .collect();
-                Entry::Measured(Measured { collective, mesh, points, span })
+                Entry::Measured(Measured {
+                    collective,
+                    mesh,
+                    points,
+                    span,
+                })
             }
             r => unreachable!("entry rule {r:?}"),
         }
@@ -303,7 +512,7 @@ impl Builder {
                 let b = self.int(i.next().expect("b"));
                 ValueKind::Mesh(MeshLit { a, b })
             }
-            Rule::string => ValueKind::String(self.string(p)),
+            Rule::string | Rule::bad_string => ValueKind::String(self.string(p)),
             Rule::ident => ValueKind::Ident(self.ident(p)),
             Rule::call => ValueKind::Call(self.call(p)),
             r => unreachable!("value rule {r:?}"),
@@ -317,6 +526,23 @@ impl Builder {
         let callee = self.ident(inner.next().expect("callee"));
         let args = inner
             .map(|a| {
+                let a = match a.as_rule() {
+                    Rule::missing_comma => {
+                        let arg = a.into_inner().next().expect("an argument");
+                        let name = arg.clone().into_inner().next().expect("arg name");
+                        let at = self.span(&name);
+                        self.error(
+                            Diagnostic::error(format!(
+                                "expected `,` before the argument `{}`",
+                                name.as_str()
+                            ))
+                            .at(at, "`,` expected before this argument")
+                            .note("call arguments are separated by `,`"),
+                        );
+                        arg
+                    }
+                    _ => a,
+                };
                 let span = self.span(&a);
                 let mut i = a.into_inner().filter(|p| p.as_rule() != Rule::eq);
                 let name = self.ident(i.next().expect("arg name"));
@@ -336,19 +562,36 @@ impl Builder {
     }
 
     fn number(&self, p: Pair<Rule>) -> NumberLit {
-        NumberLit { text: p.as_str().to_string(), span: self.span(&p) }
+        NumberLit {
+            text: p.as_str().to_string(),
+            span: self.span(&p),
+        }
     }
 
     fn int(&self, p: Pair<Rule>) -> IntLit {
-        IntLit { text: p.as_str().to_string(), span: self.span(&p) }
+        IntLit {
+            text: p.as_str().to_string(),
+            span: self.span(&p),
+        }
     }
 
     fn ident(&self, p: Pair<Rule>) -> Ident {
-        Ident { name: p.as_str().to_string(), span: self.span(&p) }
+        Ident {
+            name: p.as_str().to_string(),
+            span: self.span(&p),
+        }
     }
 
+    fn error(&self, d: Diagnostic) {
+        self.errors.borrow_mut().push(d);
+    }
+
+    /// A string literal; a `bad_string` is reported (its escapes taken as written).
     fn string(&self, p: Pair<Rule>) -> StringLit {
         let span = self.span(&p);
+        if p.as_rule() == Rule::bad_string {
+            self.bad_string(&p);
+        }
         let raw = p.into_inner().next().map_or("", |i| i.as_str());
         let mut value = String::with_capacity(raw.len());
         let mut chars = raw.chars();
@@ -363,10 +606,74 @@ impl Builder {
     }
 }
 
+impl Builder {
+    /// Reports what is wrong with a string that `string` did not match: escapes other than `\"`
+    /// and `\\`, and a missing closing quote.
+    fn bad_string(&self, p: &Pair<Rule>) {
+        let span = self.span(p);
+        let text = p.as_str();
+        let mut bad = vec![];
+        let mut chars = text.char_indices().skip(1).peekable();
+        while let Some((i, c)) = chars.next() {
+            if c != '\\' {
+                continue;
+            }
+            match chars.next() {
+                Some((_, '"' | '\\')) => {}
+                Some((j, e)) => bad.push((i, j + e.len_utf8())),
+                None => bad.push((i, i + 1)),
+            }
+        }
+        let at = |(a, b): (usize, usize)| {
+            Span::new(self.file, span.start as usize + a, span.start as usize + b)
+        };
+        if let Some(&first) = bad.first() {
+            let escapes: Vec<String> = bad
+                .iter()
+                .map(|&(a, b)| format!("`{}`", &text[a..b]))
+                .collect();
+            let what = match escapes.as_slice() {
+                [one] => format!("invalid escape {one}"),
+                [init @ .., last] => format!("invalid escapes {} and {last}", init.join(", ")),
+                [] => unreachable!(),
+            };
+            let mut d = Diagnostic::error(format!(
+                "{what} in a string (only `\\\"` and `\\\\` are allowed)"
+            ))
+            .at(at(first), "invalid escape");
+            for &b in &bad[1..] {
+                d = d.at(at(b), "invalid escape");
+            }
+            self.error(d.note("write a backslash as `\\\\`; paths can also use `/`"));
+        }
+        let inner = p
+            .clone()
+            .into_inner()
+            .next()
+            .map_or(0, |i| i.as_str().len());
+        let closed = 1 + inner < text.len();
+        if !closed {
+            self.error(
+                Diagnostic::error("unclosed string")
+                    .at(at((0, 1)), "this string is not closed")
+                    .also(at((text.len(), text.len())), "the line ends here")
+                    .note("a string must close with `\"` on the line it opens"),
+            );
+        }
+    }
+}
+
 fn is_punct(r: Rule) -> bool {
     matches!(
         r,
-        Rule::eq | Rule::comma | Rule::lbrace | Rule::rbrace | Rule::lparen | Rule::rparen | Rule::lbracket | Rule::rbracket
+        Rule::eq
+            | Rule::comma
+            | Rule::lbrace
+            | Rule::rbrace
+            | Rule::lparen
+            | Rule::rparen
+            | Rule::lbracket
+            | Rule::rbracket
     )
 }
 
@@ -395,26 +702,121 @@ schedule s { shard { params = 8 x 1  grads = 8x2 } prefetch { forward = 1  backw
 cluster c { measured all_gather 8 x 2 { 1 MiB = 20 GB/s; 64MiB = 95 GB/s } }
 "#);
         assert_eq!(f.items.len(), 4);
-        let Item::Block(s) = &f.items[2] else { panic!() };
-        let Entry::Nested(shard) = &s.body.entries[0] else { panic!() };
+        let Item::Block(s) = &f.items[2] else {
+            panic!()
+        };
+        let Entry::Nested(shard) = &s.body.entries[0] else {
+            panic!()
+        };
         assert!(matches!(shard.entries[1].value.kind, ValueKind::Mesh(_)));
-        let Entry::Nested(pf) = &s.body.entries[1] else { panic!() };
+        let Entry::Nested(pf) = &s.body.entries[1] else {
+            panic!()
+        };
         assert_eq!(pf.entries.len(), 3);
-        let ValueKind::Quantity(q) = &pf.entries[2].value.kind else { panic!() };
+        let ValueKind::Quantity(q) = &pf.entries[2].value.kind else {
+            panic!()
+        };
         assert_eq!((q.number.text.as_str(), q.unit.name.as_str()), ("4", "GiB"));
     }
 
     #[test]
     fn several_errors_are_reported() {
-        let p = parse(FileId(0), "model a {\n  x = = 1\n}\nmodel b { ok = 1 }\nschedule c {\n  y = \n}\n");
+        let p = parse(
+            FileId(0),
+            "model a {\n  x = = 1\n}\nmodel b { ok = 1 }\nschedule c {\n  y = \n}\n",
+        );
         assert_eq!(p.errors.len(), 2, "{:?}", p.errors);
         assert_eq!(p.file.items.len(), 1);
+    }
+
+    fn errors(src: &str) -> Vec<(String, Vec<(u32, u32)>)> {
+        let p = parse(FileId(0), src);
+        p.errors
+            .iter()
+            .map(|d| {
+                (
+                    d.message.clone(),
+                    d.labels
+                        .iter()
+                        .map(|l| (l.span.start, l.span.end))
+                        .collect(),
+                )
+            })
+            .collect()
+    }
+
+    #[test]
+    fn valid_strings_are_not_touched_by_recovery() {
+        let f = ok(r#"import "a\"b\\c.sched"
+s x { train { data = "q\"\\" } }"#);
+        let Item::Import(i) = &f.items[0] else {
+            panic!()
+        };
+        assert_eq!(i.path.value, r#"a"b\c.sched"#);
+    }
+
+    #[test]
+    fn bad_strings_are_reported_where_they_are_wrong() {
+        let e = errors("import \"lib\\models.sched\"\n");
+        assert_eq!(e.len(), 1, "{e:?}");
+        assert!(e[0].0.starts_with("invalid escape `\\m`"), "{e:?}");
+        assert_eq!(e[0].1, [(11, 13)]);
+        let p = parse(FileId(0), "import \"lib\\models.sched\"\nmodel m {}\n");
+        assert_eq!(
+            p.file.items.len(),
+            1,
+            "the broken import is dropped, the model kept"
+        );
+
+        let e = errors("import \"a.sched\nmodel m {}\n");
+        assert_eq!(e.len(), 1, "{e:?}");
+        assert_eq!(e[0].0, "unclosed string");
+        assert_eq!(e[0].1, [(7, 8), (15, 15)]);
+        // An escaped quote at the end of the line does not close the string.
+        assert_eq!(errors("import \"a\\\"\n")[0].0, "unclosed string");
+        assert_eq!(
+            errors("s x { a = \"\\\n}\n")[0].0,
+            "invalid escape `\\` in a string (only `\\\"` and `\\\\` are allowed)"
+        );
+    }
+
+    #[test]
+    fn a_missing_comma_between_arguments_is_named() {
+        let src = "model m {\n layer e = embedding(vocab = 256 hidden = 64)\n}\n";
+        let e = errors(src);
+        assert_eq!(e.len(), 1, "{e:?}");
+        assert_eq!(e[0].0, "expected `,` before the argument `hidden`");
+        let at = src.find("hidden").unwrap() as u32;
+        assert_eq!(e[0].1, [(at, at + 6)]);
+        // Across lines too, and with a quantity before it.
+        let e = errors("model m {\n layer e = k(a = 1 GiB\n b = 2)\n}\n");
+        assert_eq!(e.len(), 1, "{e:?}");
+        // A trailing comma is still fine.
+        ok("model m {\n layer e = k(a = 1,\n b = 2,\n)\n}\n");
+    }
+
+    #[test]
+    fn unclosed_brackets_show_where_they_opened() {
+        let e = errors("model m {\n  a = 1\n");
+        assert_eq!(e.len(), 1, "{e:?}");
+        assert!(e[0].1.contains(&(8, 9)), "{e:?}");
+        let e = errors("model m {\n  a = 1\n\nschedule s {\n}\n");
+        assert_eq!(e[0].0, "expected `}` before the next item");
+        assert_eq!(e[0].1, [(19, 27), (8, 9)]);
+        // A block closed later is not reported as unclosed.
+        let e = errors("model m {\n  a = = 1\n}\n");
+        assert_eq!(e[0].1.len(), 1, "{e:?}");
+        let e = errors("model m {\n layer l = k(a = 1\n}\n");
+        let paren = "model m {\n layer l = k".len() as u32;
+        assert!(e[0].1.contains(&(paren, paren + 1)), "{e:?}");
     }
 
     #[test]
     fn quantity_needs_the_end_of_the_entry() {
         let f = ok("model m { a = 80 GBps\n b = 1  c = 2 }");
-        let Item::Block(m) = &f.items[0] else { panic!() };
+        let Item::Block(m) = &f.items[0] else {
+            panic!()
+        };
         assert_eq!(m.body.entries.len(), 3);
     }
 }

@@ -6,7 +6,10 @@ use schedc::{analyze, FsLoader, MemLoader};
 use std::path::{Path, PathBuf};
 
 fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap()
+        .to_path_buf()
 }
 
 /// Every `.sched` file under `schedules/`, as paths relative to the repository root.
@@ -24,17 +27,27 @@ fn example_files() -> Vec<PathBuf> {
     let mut out = vec![];
     walk(&repo().join("schedules"), &mut out);
     out.sort();
-    out.into_iter().map(|p| p.strip_prefix(repo()).unwrap().to_path_buf()).collect()
+    out.into_iter()
+        .map(|p| p.strip_prefix(repo()).unwrap().to_path_buf())
+        .collect()
 }
 
 #[test]
 fn every_example_checks_and_its_jobs_are_pinned() {
     std::env::set_current_dir(repo()).unwrap();
     let files = example_files();
-    assert!(files.len() >= 15, "expected the example schedules, found {files:?}");
+    assert!(
+        files.len() >= 15,
+        "expected the example schedules, found {files:?}"
+    );
     for file in files {
         let a = analyze(&file, &FsLoader).unwrap();
-        assert!(a.diagnostics.is_empty(), "{}:\n{}", file.display(), a.render());
+        assert!(
+            a.diagnostics.is_empty(),
+            "{}:\n{}",
+            file.display(),
+            a.render()
+        );
         if a.jobs.is_empty() {
             continue;
         }
@@ -50,7 +63,10 @@ fn every_example_checks_and_its_jobs_are_pinned() {
 fn parameter_counts_match_the_independent_reference() {
     let tsv = std::fs::read_to_string(repo().join("tests/data/expected_params.tsv")).unwrap();
     let mut models = std::collections::HashMap::new();
-    for file in example_files().into_iter().filter(|f| f.starts_with("schedules/models")) {
+    for file in example_files()
+        .into_iter()
+        .filter(|f| f.starts_with("schedules/models"))
+    {
         let a = analyze(&repo().join(&file), &FsLoader).unwrap();
         assert!(!a.has_errors(), "{}", a.render());
         models.extend(a.models.iter().map(|m| (m.name.clone(), m.parameters())));
@@ -120,7 +136,9 @@ schedule mics_8 {
     recompute   = none
 }
 "#;
-    let loader = MemLoader::default().with("spec/llama7b-mics.sched", main).with("spec/clusters/a800.sched", cluster);
+    let loader = MemLoader::default()
+        .with("spec/llama7b-mics.sched", main)
+        .with("spec/clusters/a800.sched", cluster);
     let a = analyze(Path::new("spec/llama7b-mics.sched"), &loader).unwrap();
     assert!(a.diagnostics.is_empty(), "{}", a.render());
     let params = |n: &str| a.models.iter().find(|m| m.name == n).unwrap().parameters();

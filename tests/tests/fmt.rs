@@ -112,10 +112,11 @@ fn check_properties(name: &str, source: &str) {
 }
 
 /// The texts of all comments, sorted, found independently of the formatter: per line, the first
-/// `#` outside a string literal (strings cannot span lines) to the end of the line.
+/// `#` outside a string literal (strings cannot span lines) to the end of the line. Lines end at
+/// `\n`, `\r\n` or a lone `\r`, as in the grammar.
 fn comment_texts(source: &str) -> Vec<String> {
     let mut texts = vec![];
-    for line in source.lines() {
+    for line in source.split(['\n', '\r']) {
         let (mut in_string, mut escaped) = (false, false);
         for (i, c) in line.char_indices() {
             match c {

@@ -7,8 +7,10 @@
 //! to itself. A few adversarial inputs are built here rather than stored (they are megabytes).
 //!
 //! "Passing" means returning at all: no panic, no stack overflow (each case runs on a thread with
-//! the default 2 MiB test stack), and no hang (each case gets a generous time limit, as debug builds
-//! are slow).
+//! the default 2 MiB test stack), no hang (a time limit per case, generous as debug builds are slow:
+//! the stored reproducers of hangs run for minutes when the bug is present and for a few seconds
+//! once it is fixed), and, on Linux, no case that drives the process's peak memory past
+//! [`MAX_PEAK_BYTES`] (a few-kilobyte file once expanded into gigabytes of layers).
 
 use sched_grammar::{fmt::format, parse, FileId};
 use schedc::{analyze, MemLoader};
@@ -39,8 +41,12 @@ model m {
 }
 "#;
 
-/// How long one case may take before it counts as a hang.
-const LIMIT: Duration = Duration::from_secs(120);
+/// How long a stored reproducer may take before it counts as a hang.
+const STORED_LIMIT: Duration = Duration::from_secs(20);
+/// How long a built-in (multi-megabyte) case may take.
+const BUILT_IN_LIMIT: Duration = Duration::from_secs(120);
+/// The most memory the test process may have used at its peak after a stored reproducer.
+const MAX_PEAK_BYTES: u64 = 2 << 30;
 
 /// What a case produced, for the built-in cases' own assertions.
 struct Outcome {
@@ -50,7 +56,9 @@ struct Outcome {
 
 /// Everything the fuzz targets do to one input.
 fn exercise(text: &str) -> Outcome {
-    let loader = MemLoader::default().with("main.sched", text).with("lib.sched", LIB);
+    let loader = MemLoader::default()
+        .with("main.sched", text)
+        .with("lib.sched", LIB);
     let analysis = analyze(Path::new("main.sched"), &loader).expect("main.sched is in memory");
     let rendered = analysis.render();
     for job in &analysis.jobs {
@@ -61,15 +69,26 @@ fn exercise(text: &str) -> Outcome {
     if parsed.errors.is_empty() {
         let once = format(text, &parsed.file);
         let again = parse(FileId(0), &once);
-        assert!(again.errors.is_empty(), "formatted output does not parse: {:?}\n{once}", again.errors);
-        assert_eq!(format(&once, &again.file), once, "formatting is not idempotent");
+        assert!(
+            again.errors.is_empty(),
+            "formatted output does not parse: {:?}\n{once}",
+            again.errors
+        );
+        assert_eq!(
+            format(&once, &again.file),
+            once,
+            "formatting is not idempotent"
+        );
     }
-    Outcome { has_errors: analysis.has_errors(), rendered }
+    Outcome {
+        has_errors: analysis.has_errors(),
+        rendered,
+    }
 }
 
 /// Runs `exercise` on its own thread (default test stack size) and fails on a panic, a stack
-/// overflow (which aborts the process) or a run past [`LIMIT`].
-fn run_case(name: &str, text: String) -> Outcome {
+/// overflow (which aborts the process) or a run past `limit` (the thread is then left running).
+fn run_case(name: &str, text: String, limit: Duration) -> Outcome {
     let (tx, rx) = mpsc::channel();
     let handle = std::thread::Builder::new()
         .name(name.to_string())
@@ -80,20 +99,46 @@ fn run_case(name: &str, text: String) -> Outcome {
             outcome
         })
         .expect("spawn");
-    match rx.recv_timeout(LIMIT) {
-        Ok(()) => handle.join().unwrap_or_else(|_| panic!("{name}: panicked")),
-        Err(mpsc::RecvTimeoutError::Disconnected) => match handle.join() {
+    match rx.recv_timeout(limit) {
+        Ok(()) | Err(mpsc::RecvTimeoutError::Disconnected) => match handle.join() {
             Ok(o) => o,
-            Err(_) => panic!("{name}: panicked"),
+            Err(e) => panic!("{name}: panicked: {}", message(&*e)),
         },
-        Err(mpsc::RecvTimeoutError::Timeout) => panic!("{name}: still running after {LIMIT:?} (a hang)"),
+        Err(mpsc::RecvTimeoutError::Timeout) => {
+            panic!("{name}: still running after {limit:?} (a hang)")
+        }
     }
+}
+
+/// The text of a panic payload.
+fn message(e: &(dyn std::any::Any + Send)) -> String {
+    e.downcast_ref::<String>()
+        .cloned()
+        .or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_default()
+}
+
+/// The process's peak resident memory so far (`VmHWM`), where the platform says.
+fn peak_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kib: u64 = line
+        .trim_start_matches("VmHWM:")
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .ok()?;
+    Some(kib * 1024)
 }
 
 fn fuzz_inputs() -> Vec<PathBuf> {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("inputs/fuzz");
     let mut files: Vec<PathBuf> = match std::fs::read_dir(&dir) {
-        Ok(entries) => entries.map(|e| e.unwrap().path()).filter(|p| p.is_file()).collect(),
+        Ok(entries) => entries
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.is_file())
+            .collect(),
         Err(_) => vec![],
     };
     files.sort();
@@ -103,29 +148,45 @@ fn fuzz_inputs() -> Vec<PathBuf> {
 #[test]
 fn stored_fuzz_reproducers_do_not_crash() {
     let mut failures = vec![];
+    let mut over_memory = false;
     for path in fuzz_inputs() {
         let name = path.file_name().unwrap().to_string_lossy().into_owned();
         let bytes = std::fs::read(&path).unwrap();
         // The fuzz targets skip input that is not UTF-8; a `.bin` reproducer is run lossily so it
         // still exercises the front end.
-        let text = String::from_utf8(bytes).unwrap_or_else(|e| String::from_utf8_lossy(e.as_bytes()).into_owned());
-        let result = std::panic::catch_unwind(|| run_case(&name, text));
+        let text = String::from_utf8(bytes)
+            .unwrap_or_else(|e| String::from_utf8_lossy(e.as_bytes()).into_owned());
+        let result = std::panic::catch_unwind(|| run_case(&name, text, STORED_LIMIT));
+        // The high-water mark only rises, so only the first case past the limit is named (a hung
+        // case left running can also be what raised it).
+        if let Some(peak) = peak_bytes().filter(|&p| p > MAX_PEAK_BYTES && !over_memory) {
+            failures.push(format!(
+                "{name}: peak memory reached {} MiB (limit {} MiB)",
+                peak >> 20,
+                MAX_PEAK_BYTES >> 20
+            ));
+            over_memory = true;
+        }
         if let Err(e) = result {
-            let msg = e
-                .downcast_ref::<String>()
-                .cloned()
-                .or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()))
-                .unwrap_or_default();
-            failures.push(format!("{name}: {msg}"));
+            failures.push(message(&*e));
         }
     }
-    assert!(failures.is_empty(), "{} reproducer(s) still fail:\n{}", failures.len(), failures.join("\n"));
+    assert!(
+        failures.is_empty(),
+        "{} reproducer(s) still fail:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
 }
 
 fn assert_error(name: &str, text: String) -> Outcome {
-    let o = run_case(name, text);
+    let o = run_case(name, text, BUILT_IN_LIMIT);
     assert!(o.has_errors, "{name}: expected an error diagnostic");
-    assert!(o.rendered.contains("error"), "{name}: the error was not rendered:\n{}", &o.rendered[..o.rendered.len().min(2000)]);
+    assert!(
+        o.rendered.contains("error"),
+        "{name}: the error was not rendered:\n{}",
+        &o.rendered[..o.rendered.len().min(2000)]
+    );
     o
 }
 
@@ -136,7 +197,11 @@ fn a_megabyte_of_open_braces() {
 
 #[test]
 fn braces_nested_100k_deep_inside_an_item() {
-    let text = format!("schedule s {}{}\n", "{".repeat(100_000), "}".repeat(100_000));
+    let text = format!(
+        "schedule s {}{}\n",
+        "{".repeat(100_000),
+        "}".repeat(100_000)
+    );
     assert_error("nested braces", text);
 }
 
@@ -166,12 +231,26 @@ fn very_long_lines_names_and_numbers() {
     let long = "a".repeat(1 << 20);
     assert_error("long key", format!("model m {{ {long} = 1 }}\n"));
     assert_error("long value", format!("model m {{ dtype = {long} }}\n"));
-    assert_error("long unit", format!("cluster c {{ gpu_memory = 1 {long} }}\n"));
+    assert_error(
+        "long unit",
+        format!("cluster c {{ gpu_memory = 1 {long} }}\n"),
+    );
     assert_error("long string", format!("import \"{long}\"\n"));
     let digits = "9".repeat(1 << 16);
-    assert_error("long integer", format!("import \"lib.sched\"\nschedule s {{ model = m  cluster = c  nodes = {digits} }}\n"));
-    assert_error("long decimal", format!("cluster c {{ gpu_memory = 0.{digits} GiB }}\n"));
-    assert_error("long entry line", format!("model m {{ {} }}\n", "dtype = bf16; ".repeat(50_000)));
+    assert_error(
+        "long integer",
+        format!(
+            "import \"lib.sched\"\nschedule s {{ model = m  cluster = c  nodes = {digits} }}\n"
+        ),
+    );
+    assert_error(
+        "long decimal",
+        format!("cluster c {{ gpu_memory = 0.{digits} GiB }}\n"),
+    );
+    assert_error(
+        "long entry line",
+        format!("model m {{ {} }}\n", "dtype = bf16; ".repeat(50_000)),
+    );
 }
 
 #[test]
@@ -206,6 +285,6 @@ fn odd_bytes_and_line_endings() {
         "import \"\\\"\"\nimport \"\\\\\"\nimport \"\"\nimport \".\"\nimport \"/\"\nimport \"main.sched\"\n".to_string(),
     ];
     for (i, text) in cases.into_iter().enumerate() {
-        run_case(&format!("bytes case {i}"), text);
+        run_case(&format!("bytes case {i}"), text, BUILT_IN_LIMIT);
     }
 }

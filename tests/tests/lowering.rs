@@ -24,7 +24,10 @@ use std::sync::OnceLock;
 // ---------------------------------------------------------------------------------------------------------------
 
 fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap()
+        .to_path_buf()
 }
 
 const CLUSTERS: &str = include_str!("../inputs/lower/clusters.sched");
@@ -55,7 +58,10 @@ fn try_compile(job: &Job) -> Result<(schedc::ir::Program, schedc::verify::PlanIn
                 schedc::verify::render_context(&p, &shown, 2)
             ))
         }
-        Err(e) => Err(format!("schedule `{}` does not compile: {e}", job.schedule.name)),
+        Err(e) => Err(format!(
+            "schedule `{}` does not compile: {e}",
+            job.schedule.name
+        )),
     }
 }
 
@@ -74,7 +80,11 @@ fn collective_summary(s: &Stats) -> String {
 
 /// `n / d`, asserting that it is whole (the spec's figures are whole numbers of bytes).
 fn exact(n: u128, d: u128, what: &str) -> u64 {
-    assert_eq!(n % d, 0, "{what}: {n}/{d} is not a whole number of bytes (test input badly chosen)");
+    assert_eq!(
+        n % d,
+        0,
+        "{what}: {n}/{d} is not a whole number of bytes (test input badly chosen)"
+    );
     u64::try_from(n / d).unwrap()
 }
 
@@ -89,7 +99,11 @@ fn round_up(x: u64, m: u64) -> u64 {
 /// hides nothing else.
 fn uneven_all_reduce(params: &[u64], s_os: u64, dp: u64) -> bool {
     // P̃_l/s_os divides by r = dp/s_os exactly when P̃_l divides by dp.
-    dp / s_os > 1 && params.iter().map(|&p| round_up(p, s_os)).any(|pt| round_up(pt, dp) != pt)
+    dp / s_os > 1
+        && params
+            .iter()
+            .map(|&p| round_up(p, s_os))
+            .any(|pt| round_up(pt, dp) != pt)
 }
 
 /// Asserts that no failure was collected.
@@ -105,7 +119,11 @@ fn assert_none(what: &str, checked: usize, failures: &[String]) {
 
 /// Compiles every job, applying `check` (which returns a mismatch message, if any) to each one's stats, and
 /// collecting compile failures and mismatches instead of stopping at the first.
-fn check_all(src: &str, expected: usize, mut check: impl FnMut(&Stats) -> Option<String>) -> (usize, Vec<String>) {
+fn check_all(
+    src: &str,
+    expected: usize,
+    mut check: impl FnMut(&Stats) -> Option<String>,
+) -> (usize, Vec<String>) {
     let js = jobs(src);
     assert_eq!(js.len(), expected, "schedules analysed");
     let mut failures = vec![];
@@ -236,7 +254,10 @@ fn examples() -> &'static [ExampleFile] {
                         }),
                     })
                     .collect();
-                ExampleFile { file: path.file_name().unwrap().to_string_lossy().into_owned(), schedules }
+                ExampleFile {
+                    file: path.file_name().unwrap().to_string_lossy().into_owned(),
+                    schedules,
+                }
             })
             .collect()
     })
@@ -246,7 +267,11 @@ fn examples() -> &'static [ExampleFile] {
 fn failures<'a>(files: impl IntoIterator<Item = &'a ExampleFile>) -> Vec<String> {
     files
         .into_iter()
-        .flat_map(|f| f.schedules.iter().filter_map(move |c| c.result.as_ref().err().map(|e| format!("{}: {e}", f.file))))
+        .flat_map(|f| {
+            f.schedules
+                .iter()
+                .filter_map(move |c| c.result.as_ref().err().map(|e| format!("{}: {e}", f.file)))
+        })
         .collect()
 }
 
@@ -255,13 +280,21 @@ fn failures<'a>(files: impl IntoIterator<Item = &'a ExampleFile>) -> Vec<String>
 #[test]
 fn stats_of_every_example_are_pinned() {
     let files = examples();
-    assert!(files.len() >= 10, "expected the example schedules, found {}", files.len());
+    assert!(
+        files.len() >= 10,
+        "expected the example schedules, found {}",
+        files.len()
+    );
     for f in files {
         assert!(!f.schedules.is_empty(), "{} defines no schedule", f.file);
         if !failures([f]).is_empty() {
             continue;
         }
-        let all: Vec<&serde_json::Value> = f.schedules.iter().map(|c| &c.result.as_ref().unwrap().stats).collect();
+        let all: Vec<&serde_json::Value> = f
+            .schedules
+            .iter()
+            .map(|c| &c.result.as_ref().unwrap().stats)
+            .collect();
         let json = serde_json::to_string_pretty(&all).unwrap();
         let suffix = f.file.replace('.', "_");
         insta::with_settings!({ snapshot_suffix => suffix, prepend_module_to_snapshot => false, omit_expression => true }, {
@@ -269,7 +302,12 @@ fn stats_of_every_example_are_pinned() {
         });
     }
     let failed = failures(files);
-    assert!(failed.is_empty(), "{} example schedules do not compile:\n{}", failed.len(), failed.join("\n"));
+    assert!(
+        failed.is_empty(),
+        "{} example schedules do not compile:\n{}",
+        failed.len(),
+        failed.join("\n")
+    );
 }
 
 #[test]
@@ -282,13 +320,22 @@ fn listings_of_every_example_are_pinned() {
             failed.extend(errs);
             continue;
         }
-        let listing: Vec<&str> = f.schedules.iter().map(|c| c.result.as_ref().unwrap().listing.as_str()).collect();
+        let listing: Vec<&str> = f
+            .schedules
+            .iter()
+            .map(|c| c.result.as_ref().unwrap().listing.as_str())
+            .collect();
         let suffix = file.replace('.', "_");
         insta::with_settings!({ snapshot_suffix => suffix, prepend_module_to_snapshot => false, omit_expression => true }, {
             insta::assert_snapshot!("lowering_listing", listing.join("\n"));
         });
     }
-    assert!(failed.is_empty(), "{} example schedules do not compile:\n{}", failed.len(), failed.join("\n"));
+    assert!(
+        failed.is_empty(),
+        "{} example schedules do not compile:\n{}",
+        failed.len(),
+        failed.join("\n")
+    );
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -333,8 +380,11 @@ fn check_model_state(uneven: bool) {
         ("one_gpu", 1, 1, m(1, 1), m(1, 1), m(1, 1)),
     ];
     // (model, dtype bytes, grad dtype bytes, optimizer bytes per parameter)
-    let models: &[(&str, u64, u64, u64)] =
-        &[("big_odd", 2, 2, 12), ("big_odd_fp32_grads", 2, 4, 12), ("big_odd_sgd", 4, 4, 4)];
+    let models: &[(&str, u64, u64, u64)] = &[
+        ("big_odd", 2, 2, 12),
+        ("big_odd_fp32_grads", 2, 4, 12),
+        ("big_odd_sgd", 4, 4, 4),
+    ];
     let mut src = String::new();
     let mut expect = BTreeMap::new();
     for &(model, d, gd, k) in models {
@@ -353,9 +403,13 @@ fn check_model_state(uneven: bool) {
                 so.text()
             );
             let padded: Vec<u64> = params.iter().map(|&p| round_up(p, so.size())).collect();
-            let exact_bytes: u64 =
-                padded.iter().map(|&pt| d * pt / sp.size() + gd * pt / sg.size() + k * pt / so.size()).sum();
-            let approx = (d as f64 / sp.size() as f64 + gd as f64 / sg.size() as f64 + k as f64 / so.size() as f64)
+            let exact_bytes: u64 = padded
+                .iter()
+                .map(|&pt| d * pt / sp.size() + gd * pt / sg.size() + k * pt / so.size())
+                .sum();
+            let approx = (d as f64 / sp.size() as f64
+                + gd as f64 / sg.size() as f64
+                + k as f64 / so.size() as f64)
                 * psi as f64;
             expect.insert(name, (psi, exact_bytes, approx));
         }
@@ -412,7 +466,12 @@ fn check_zero_table(uneven: bool) {
     let mut printed = BTreeMap::new();
     for &(dp, os, osg, osgp) in table {
         let (nodes, gpus) = if dp < 8 { (1, dp) } else { (dp / 8, 8) };
-        for (preset, s_os, want) in [("ddp", 1, "120"), ("zero1", dp, os), ("zero2", dp, osg), ("zero3", dp, osgp)] {
+        for (preset, s_os, want) in [
+            ("ddp", 1, "120"),
+            ("zero1", dp, os),
+            ("zero2", dp, osg),
+            ("zero3", dp, osgp),
+        ] {
             if uneven_all_reduce(&params, s_os, dp) != uneven {
                 continue;
             }
@@ -426,9 +485,17 @@ fn check_zero_table(uneven: bool) {
         let want = printed[&s.schedule];
         let decimals = want.split_once('.').map_or(0, |(_, f)| f.len()) as i32;
         let half_unit = 0.5 * 10f64.powi(-decimals);
-        let gb = (s.memory_per_rank.params + s.memory_per_rank.grads + s.memory_per_rank.optimizer) as f64 / 1e9;
-        let ok = s.parameters == 7_500_000_000 && (gb - want.parse::<f64>().unwrap()).abs() <= half_unit + 1e-9;
-        (!ok).then(|| format!("{}: {gb} GB of model states per rank, Table I prints {want}", s.schedule))
+        let gb = (s.memory_per_rank.params + s.memory_per_rank.grads + s.memory_per_rank.optimizer)
+            as f64
+            / 1e9;
+        let ok = s.parameters == 7_500_000_000
+            && (gb - want.parse::<f64>().unwrap()).abs() <= half_unit + 1e-9;
+        (!ok).then(|| {
+            format!(
+                "{}: {gb} GB of model states per rank, Table I prints {want}",
+                s.schedule
+            )
+        })
     });
     assert_none("ZeRO Table I", n, &failures);
 }
@@ -449,14 +516,31 @@ fn whole(n: u128, d: u128) -> Option<u64> {
 
 /// One entry of `collectives_per_step`: `payloads` holds each call's payload; every call's ring share must be a
 /// whole number of bytes for the spec's exact figure to exist (None otherwise).
-fn entry(kind: &'static str, gs: u64, scope: &'static str, calls: u64, payloads: &[u128]) -> Option<Entry> {
+fn entry(
+    kind: &'static str,
+    gs: u64,
+    scope: &'static str,
+    calls: u64,
+    payloads: &[u128],
+) -> Option<Entry> {
     assert_eq!(payloads.len() as u64, calls);
-    let steps = u128::from(if kind == "all_reduce" { 2 * (gs - 1) } else { gs - 1 });
+    let steps = u128::from(if kind == "all_reduce" {
+        2 * (gs - 1)
+    } else {
+        gs - 1
+    });
     let mut sent = 0u128;
     for &x in payloads {
         sent += u128::from(whole(x * steps, u128::from(gs))?);
     }
-    Some((kind, gs, scope, calls, payloads.iter().sum::<u128>() as u64, sent as u64))
+    Some((
+        kind,
+        gs,
+        scope,
+        calls,
+        payloads.iter().sum::<u128>() as u64,
+        sent as u64,
+    ))
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -496,32 +580,66 @@ impl Preset {
 
 /// Expected entries and the table's total (bytes) for one preset; None when some figure the spec calls exact
 /// would be a fraction of a byte (such inputs are not used).
-fn preset_expectation(preset: Preset, params: &[u64], gpus: u64, nodes: u64, micro: u64) -> Option<(Vec<Entry>, u64)> {
+fn preset_expectation(
+    preset: Preset,
+    params: &[u64],
+    gpus: u64,
+    nodes: u64,
+    micro: u64,
+) -> Option<(Vec<Entry>, u64)> {
     let dp = gpus * nodes;
-    let pt: Vec<u64> = params.iter().map(|&p| round_up(p, preset.s_os(gpus, nodes))).collect();
+    let pt: Vec<u64> = params
+        .iter()
+        .map(|&p| round_up(p, preset.s_os(gpus, nodes)))
+        .collect();
     let l = pt.len() as u64;
     let full: Vec<u128> = pt.iter().map(|&x| 2 * u128::from(x)).collect(); // bf16 bytes of each P̃_l
     let sum_full: u128 = full.iter().sum();
-    let rep = |v: &[u128], n: u64| -> Vec<u128> { (0..n).flat_map(|_| v.iter().copied()).collect() };
+    let rep =
+        |v: &[u128], n: u64| -> Vec<u128> { (0..n).flat_map(|_| v.iter().copied()).collect() };
     let dp_scope = scope(gpus, nodes);
     let (mm, dpu) = (u128::from(micro), u128::from(dp));
     Some(match preset {
-        Preset::Ddp => (vec![entry("all_reduce", dp, dp_scope, l, &full)?], whole(2 * (dpu - 1) * sum_full, dpu)?),
+        Preset::Ddp => (
+            vec![entry("all_reduce", dp, dp_scope, l, &full)?],
+            whole(2 * (dpu - 1) * sum_full, dpu)?,
+        ),
         Preset::Zero1 => (
-            vec![entry("all_gather", dp, dp_scope, l, &full)?, entry("reduce_scatter", dp, dp_scope, l, &full)?],
+            vec![
+                entry("all_gather", dp, dp_scope, l, &full)?,
+                entry("reduce_scatter", dp, dp_scope, l, &full)?,
+            ],
             whole(2 * (dpu - 1) * sum_full, dpu)?,
         ),
         Preset::Zero2 => (
             vec![
                 entry("all_gather", dp, dp_scope, l, &full)?,
-                entry("reduce_scatter", dp, dp_scope, micro * l, &rep(&full, micro))?,
+                entry(
+                    "reduce_scatter",
+                    dp,
+                    dp_scope,
+                    micro * l,
+                    &rep(&full, micro),
+                )?,
             ],
             whole((mm + 1) * (dpu - 1) * sum_full, dpu)?,
         ),
         Preset::Zero3 => (
             vec![
-                entry("all_gather", dp, dp_scope, 2 * micro * l, &rep(&full, 2 * micro))?,
-                entry("reduce_scatter", dp, dp_scope, micro * l, &rep(&full, micro))?,
+                entry(
+                    "all_gather",
+                    dp,
+                    dp_scope,
+                    2 * micro * l,
+                    &rep(&full, 2 * micro),
+                )?,
+                entry(
+                    "reduce_scatter",
+                    dp,
+                    dp_scope,
+                    micro * l,
+                    &rep(&full, micro),
+                )?,
             ],
             whole(3 * mm * (dpu - 1) * sum_full, dpu)?,
         ),
@@ -531,15 +649,39 @@ fn preset_expectation(preset: Preset, params: &[u64], gpus: u64, nodes: u64, mic
             let r = dp / p; // replicas of an optimizer shard
             let mut e = vec![];
             if b == 1 {
-                e.push(entry("all_gather", p, scope(a, b), 2 * micro * l, &rep(&full, 2 * micro))?);
+                e.push(entry(
+                    "all_gather",
+                    p,
+                    scope(a, b),
+                    2 * micro * l,
+                    &rep(&full, 2 * micro),
+                )?);
             } else {
                 // Stage 1: b-way across nodes, of the a-th part of the buffer; stage 3: b a-way gathers within the node.
                 let part1: Vec<u128> = full.iter().map(|&x| x / u128::from(a)).collect();
                 let part3: Vec<u128> = full.iter().map(|&x| x / u128::from(b)).collect();
-                e.push(entry("all_gather", b, "inter", 2 * micro * l, &rep(&part1, 2 * micro))?);
-                e.push(entry("all_gather", a, "intra", 2 * micro * l * b, &rep(&part3, 2 * micro * b))?);
+                e.push(entry(
+                    "all_gather",
+                    b,
+                    "inter",
+                    2 * micro * l,
+                    &rep(&part1, 2 * micro),
+                )?);
+                e.push(entry(
+                    "all_gather",
+                    a,
+                    "intra",
+                    2 * micro * l * b,
+                    &rep(&part3, 2 * micro * b),
+                )?);
             }
-            e.push(entry("reduce_scatter", p, scope(a, b), micro * l, &rep(&full, micro))?);
+            e.push(entry(
+                "reduce_scatter",
+                p,
+                scope(a, b),
+                micro * l,
+                &rep(&full, micro),
+            )?);
             if r > 1 {
                 // Replicas hold the same position in their own group: local indices congruent mod a on nodes
                 // congruent mod b, i.e. G/a per node on N/b nodes.
@@ -576,7 +718,14 @@ fn actual_entries(s: &Stats) -> Vec<Entry> {
         s.collectives_per_step
             .iter()
             .map(|c: &CollectiveStats| {
-                (leak(c.kind), u64::from(c.group_size), leak(c.scope), c.calls, c.payload_bytes, c.sent_bytes_per_rank)
+                (
+                    leak(c.kind),
+                    u64::from(c.group_size),
+                    leak(c.scope),
+                    c.calls,
+                    c.payload_bytes,
+                    c.sent_bytes_per_rank,
+                )
             })
             .collect(),
     )
@@ -626,7 +775,9 @@ fn check_preset_traffic(uneven: bool) {
                 for micro in [1u64, 4] {
                     match preset_expectation(preset, &params, gpus, nodes, micro) {
                         Some(want) => cases.push((model, gpus, nodes, preset, micro, want)),
-                        None => skipped.push(format!("{model} {} on {gpus}x{nodes}", preset.label())),
+                        None => {
+                            skipped.push(format!("{model} {} on {gpus}x{nodes}", preset.label()))
+                        }
                     }
                 }
             }
@@ -645,7 +796,11 @@ fn check_preset_traffic(uneven: bool) {
     eprintln!("preset table (uneven = {uneven}): {} schedules; skipped (no whole-byte figure): {skipped:?}", cases.len());
     let (n, failures) = check_all(&src, expect.len(), |s| {
         let (want_entries, want_total) = &expect[&s.schedule];
-        let total: u64 = s.collectives_per_step.iter().map(|c| c.sent_bytes_per_rank).sum();
+        let total: u64 = s
+            .collectives_per_step
+            .iter()
+            .map(|c| c.sent_bytes_per_rank)
+            .sum();
         let got = actual_entries(s);
         let want = sort_entries(want_entries.clone());
         (total != *want_total || got != want).then(|| {
@@ -719,13 +874,20 @@ fn check_hierarchical(uneven: bool) {
             ));
             match try_compile(&js[0]) {
                 Ok((program, info)) => compiled.push(emit_stats(&js[0], &program, &info)),
-                Err(e) => failures.push(format!("{what}: {}", e.lines().take(6).collect::<Vec<_>>().join("\n"))),
+                Err(e) => failures.push(format!(
+                    "{what}: {}",
+                    e.lines().take(6).collect::<Vec<_>>().join("\n")
+                )),
             }
         }
-        let [flat, hier] = &compiled[..] else { continue };
+        let [flat, hier] = &compiled[..] else {
+            continue;
+        };
         let mut expect_eq = |label: &str, got: String, want: String, why: String| {
             if got != want {
-                failures.push(format!("{what}: {label}\n  got:  {got}\n  want: {want} {why}"));
+                failures.push(format!(
+                    "{what}: {label}\n  got:  {got}\n  want: {want} {why}"
+                ));
             }
         };
 
@@ -739,7 +901,11 @@ fn check_hierarchical(uneven: bool) {
 
         // Inter-node bytes per node.
         let gather_flat = exact(groups_per_node * (pu - 1) * gathered, pu, "flat gather");
-        let gather_hier = exact(groups_per_node * (pu - au) * gathered, pu, "hierarchical gather");
+        let gather_hier = exact(
+            groups_per_node * (pu - au) * gathered,
+            pu,
+            "hierarchical gather",
+        );
         let rs = exact(groups_per_node * (pu - 1) * reduced, pu, "reduce-scatter");
         let boundary: u64 = if r == 1 {
             0
@@ -762,7 +928,10 @@ fn check_hierarchical(uneven: bool) {
                     }
                 }
             }
-            let per_edge: u128 = pt.iter().map(|x| u128::from(exact(2 * (ru - 1) * (2 * x / pu), ru, "boundary chunk"))).sum();
+            let per_edge: u128 = pt
+                .iter()
+                .map(|x| u128::from(exact(2 * (ru - 1) * (2 * x / pu), ru, "boundary chunk")))
+                .sum();
             exact(edges * per_edge, u128::from(nodes), "boundary per node")
         };
         expect_eq(
@@ -803,13 +972,27 @@ fn check_hierarchical(uneven: bool) {
         expect_eq(
             "flat all-gathers",
             format!("{:?}", ags(flat)),
-            format!("{:?}", vec![(p as u32, scope(a, b), 2 * micro * layers, sent_total)]),
+            format!(
+                "{:?}",
+                vec![(p as u32, scope(a, b), 2 * micro * layers, sent_total)]
+            ),
             "(group size, scope, calls, sent bytes per rank)".into(),
         );
-        let stage1 = exact((u128::from(b) - 1) * gathered, u128::from(b) * au, "stage 1");
+        let stage1 = exact(
+            (u128::from(b) - 1) * gathered,
+            u128::from(b) * au,
+            "stage 1",
+        );
         let stage3 = exact((au - 1) * gathered, au, "stage 3");
-        assert_eq!(stage1 + stage3, sent_total, "{what}: the same bytes sent per rank");
-        let mut want = vec![(b as u32, "inter", 2 * micro * layers, stage1), (a as u32, "intra", 2 * micro * layers * b, stage3)];
+        assert_eq!(
+            stage1 + stage3,
+            sent_total,
+            "{what}: the same bytes sent per rank"
+        );
+        let mut want = vec![
+            (b as u32, "inter", 2 * micro * layers, stage1),
+            (a as u32, "intra", 2 * micro * layers * b, stage3),
+        ];
         want.sort();
         expect_eq(
             "hierarchical all-gathers (stage 1: b-way across nodes; stage 3: b a-way gathers within each node)",
@@ -822,11 +1005,26 @@ fn check_hierarchical(uneven: bool) {
             s.collectives_per_step
                 .iter()
                 .filter(|c| c.kind != "all_gather")
-                .map(|c| format!("{} x{} {} {} {} {}", c.kind, c.group_size, c.scope, c.calls, c.payload_bytes, c.sent_bytes_per_rank))
+                .map(|c| {
+                    format!(
+                        "{} x{} {} {} {} {}",
+                        c.kind,
+                        c.group_size,
+                        c.scope,
+                        c.calls,
+                        c.payload_bytes,
+                        c.sent_bytes_per_rank
+                    )
+                })
                 .collect::<Vec<_>>()
                 .join("; ")
         };
-        expect_eq("hierarchical: the other collectives", others(hier), others(flat), "(as in the flat schedule)".into());
+        expect_eq(
+            "hierarchical: the other collectives",
+            others(hier),
+            others(flat),
+            "(as in the flat schedule)".into(),
+        );
     }
     assert_none("hierarchical all-gather", checked, &failures);
 }
@@ -845,8 +1043,18 @@ fn plan_tightness_of_the_examples() {
     for f in examples() {
         for c in &f.schedules {
             match &c.result {
-                Ok(o) => table += &format!("{:<30} {:<40} {:>17} {:>11.4}\n", f.file, c.name, o.peak, o.tightness),
-                Err(_) => table += &format!("{:<30} {:<40} {:>17} {:>11}\n", f.file, c.name, "-", "no plan"),
+                Ok(o) => {
+                    table += &format!(
+                        "{:<30} {:<40} {:>17} {:>11.4}\n",
+                        f.file, c.name, o.peak, o.tightness
+                    )
+                }
+                Err(_) => {
+                    table += &format!(
+                        "{:<30} {:<40} {:>17} {:>11}\n",
+                        f.file, c.name, "-", "no plan"
+                    )
+                }
             }
         }
     }
@@ -854,10 +1062,21 @@ fn plan_tightness_of_the_examples() {
     for f in examples() {
         for c in &f.schedules {
             if let Ok(o) = &c.result {
-                assert!(o.tightness.is_finite() && o.tightness >= 1.0, "{} `{}`: plan tightness {} < 1", f.file, c.name, o.tightness);
+                assert!(
+                    o.tightness.is_finite() && o.tightness >= 1.0,
+                    "{} `{}`: plan tightness {} < 1",
+                    f.file,
+                    c.name,
+                    o.tightness
+                );
             }
         }
     }
     let failed = failures(examples());
-    assert!(failed.is_empty(), "{} example schedules do not compile:\n{}", failed.len(), failed.join("\n"));
+    assert!(
+        failed.is_empty(),
+        "{} example schedules do not compile:\n{}",
+        failed.len(),
+        failed.join("\n")
+    );
 }

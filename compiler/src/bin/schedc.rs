@@ -12,7 +12,11 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 #[derive(Parser)]
-#[command(name = "schedc", version, about = "Compile, check and format sharded data-parallel training schedules")]
+#[command(
+    name = "schedc",
+    version,
+    about = "Compile, check and format sharded data-parallel training schedules"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -73,14 +77,23 @@ fn main() -> ExitCode {
     let status = match cli.command {
         Command::Check { files, resolved } => files.iter().map(|f| check(f, resolved)).max(),
         Command::Fmt { files, check } => files.iter().map(|f| fmt(f, check)).max(),
-        Command::Compile { file, schedule, output, emit } => Some(compile(&file, schedule.as_deref(), output, emit)),
+        Command::Compile {
+            file,
+            schedule,
+            output,
+            emit,
+        } => Some(compile(&file, schedule.as_deref(), output, emit)),
         Command::Verify { plan } => Some(verify(&plan)),
     };
     ExitCode::from(status.unwrap_or(Status::Ok) as u8)
 }
 
 fn stderr() -> StandardStream {
-    let choice = if std::io::stderr().is_terminal() { ColorChoice::Auto } else { ColorChoice::Never };
+    let choice = if std::io::stderr().is_terminal() {
+        ColorChoice::Auto
+    } else {
+        ColorChoice::Never
+    };
     StandardStream::stderr(choice)
 }
 
@@ -125,8 +138,16 @@ fn check(file: &Path, resolved: bool) -> Status {
             out,
             "{}: no schedule (models: {}; clusters: {})",
             file.display(),
-            if models.is_empty() { "none".into() } else { models.join(", ") },
-            if clusters.is_empty() { "none".into() } else { clusters.join(", ") }
+            if models.is_empty() {
+                "none".into()
+            } else {
+                models.join(", ")
+            },
+            if clusters.is_empty() {
+                "none".into()
+            } else {
+                clusters.join(", ")
+            }
         );
     }
     Status::Ok
@@ -154,12 +175,22 @@ fn compile(file: &Path, schedule: Option<&str>, output: Option<PathBuf>, emit: E
     let (program, info) = match schedc::compile(job) {
         Ok(x) => x,
         Err(schedc::CompileError::Lower(e)) => {
-            eprintln!("error: schedule `{}` cannot be lowered: {e}", job.schedule.name);
+            eprintln!(
+                "error: schedule `{}` cannot be lowered: {e}",
+                job.schedule.name
+            );
             return Status::BadInput;
         }
         Err(schedc::CompileError::Verify(program, errors)) => {
-            eprintln!("error: the compiled program for `{}` fails verification ({} errors):\n", job.schedule.name, errors.len());
-            eprint!("{}", schedc::verify::render_context(&program, &errors[..errors.len().min(20)], 3));
+            eprintln!(
+                "error: the compiled program for `{}` fails verification ({} errors):\n",
+                job.schedule.name,
+                errors.len()
+            );
+            eprint!(
+                "{}",
+                schedc::verify::render_context(&program, &errors[..errors.len().min(20)], 3)
+            );
             return Status::Fault;
         }
     };
@@ -170,7 +201,11 @@ fn compile(file: &Path, schedule: Option<&str>, output: Option<PathBuf>, emit: E
             serde_json::to_string(&plan).expect("plans serialise") + "\n"
         }
         Emit::Listing => schedc::emit::listing::emit_listing(&program),
-        Emit::Stats => serde_json::to_string_pretty(&schedc::emit::stats::emit_stats(job, &program, &info)).expect("stats serialise") + "\n",
+        Emit::Stats => {
+            serde_json::to_string_pretty(&schedc::emit::stats::emit_stats(job, &program, &info))
+                .expect("stats serialise")
+                + "\n"
+        }
     };
     let target = match (output, emit) {
         (Some(o), _) => o,
@@ -207,7 +242,10 @@ fn verify(path: &Path) -> Status {
             return Status::BadInput;
         }
     };
-    let ctx = schedc::verify::Ctx { shard: plan.shard, secondary: plan.secondary };
+    let ctx = schedc::verify::Ctx {
+        shard: plan.shard,
+        secondary: plan.secondary,
+    };
     match schedc::verify::verify(&plan.program, ctx) {
         Ok(_) => {
             let p = &plan.program;
@@ -223,8 +261,15 @@ fn verify(path: &Path) -> Status {
             Status::Ok
         }
         Err(errors) => {
-            eprintln!("error: {} fails verification ({} errors):\n", path.display(), errors.len());
-            eprint!("{}", schedc::verify::render_context(&plan.program, &errors[..errors.len().min(20)], 3));
+            eprintln!(
+                "error: {} fails verification ({} errors):\n",
+                path.display(),
+                errors.len()
+            );
+            eprint!(
+                "{}",
+                schedc::verify::render_context(&plan.program, &errors[..errors.len().min(20)], 3)
+            );
             Status::BadInput
         }
     }
@@ -270,8 +315,14 @@ fn fmt(file: &Path, check_only: bool) -> Status {
 /// Writes through a temporary file in the same directory and renames it over `path`, so a failure
 /// never leaves a half-written file.
 fn write_atomically(path: &Path, text: &str) -> std::io::Result<()> {
-    let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let dir = path
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
     let tmp = dir.join(format!(".{name}.schedc-fmt.tmp"));
     let result = std::fs::write(&tmp, text).and_then(|()| std::fs::rename(&tmp, path));
     if result.is_err() {

@@ -29,7 +29,7 @@ pub fn thousands(n: u64) -> String {
     let digits = n.to_string();
     let mut out = String::with_capacity(digits.len() + digits.len() / 3);
     for (i, c) in digits.chars().enumerate() {
-        if i > 0 && (digits.len() - i) % 3 == 0 {
+        if i > 0 && (digits.len() - i).checked_rem(3) == Some(0) {
             out.push(',');
         }
         out.push(c);
@@ -46,26 +46,56 @@ fn schedule(out: &mut String, job: &Job) {
     row("model", job.model.name.clone());
     row("cluster", job.cluster.name.clone());
     row("preset", s.preset.clone().unwrap_or_else(|| "none".into()));
-    row("ranks", format!("{} = {} nodes x {} GPUs per node", job.ranks(), s.nodes, s.gpus_per_node));
+    row(
+        "ranks",
+        format!(
+            "{} = {} x {} per node",
+            job.ranks(),
+            plural(s.nodes.into(), "node"),
+            plural(s.gpus_per_node.into(), "GPU")
+        ),
+    );
     row("micro_steps", s.micro_steps.to_string());
     let mesh = |m: Mesh| format!("{m} ({})", m.size());
     row(
         "shard",
-        format!("params {}  grads {}  optimizer {}", mesh(s.shard.params), mesh(s.shard.grads), mesh(s.shard.optimizer)),
+        format!(
+            "params {}  grads {}  optimizer {}",
+            mesh(s.shard.params),
+            mesh(s.shard.grads),
+            mesh(s.shard.optimizer)
+        ),
     );
     row(
         "reshard_after_forward",
         match s.reshard_after_forward {
             ReshardAfterForward::True => "true".into(),
             ReshardAfterForward::False => "false".into(),
-            ReshardAfterForward::Node { secondary } => format!("node (secondary shard over {secondary} GPUs)"),
+            ReshardAfterForward::Node { secondary } => {
+                format!("node (secondary shard over {secondary} GPUs)")
+            }
         },
     );
     row("grad_sync", s.grad_sync.name().to_string());
     row("all_gather", s.all_gather.name().to_string());
-    let cap = s.prefetch.max_live.map_or("unlimited".into(), |b| format!("{b} B"));
-    row("prefetch", format!("forward {}  backward {}  max_live {cap}", s.prefetch.forward, s.prefetch.backward));
-    row("buckets", format!("gather {} B  reduce {} B", s.buckets.gather, s.buckets.reduce));
+    let cap = s
+        .prefetch
+        .max_live
+        .map_or("unlimited".into(), |b| format!("{b} B"));
+    row(
+        "prefetch",
+        format!(
+            "forward {}  backward {}  max_live {cap}",
+            s.prefetch.forward, s.prefetch.backward
+        ),
+    );
+    row(
+        "buckets",
+        format!(
+            "gather {} B  reduce {} B",
+            s.buckets.gather, s.buckets.reduce
+        ),
+    );
     row("recompute", s.recompute.name().to_string());
     row("streams", s.streams.name().to_string());
     let refresh = match s.overlap.refresh {
@@ -74,26 +104,57 @@ fn schedule(out: &mut String, job: &Job) {
     };
     row(
         "overlap",
-        format!("gather {}  reduce {}  sync {}  refresh {refresh}", s.overlap.gather, s.overlap.reduce, s.overlap.sync),
+        format!(
+            "gather {}  reduce {}  sync {}  refresh {refresh}",
+            s.overlap.gather, s.overlap.reduce, s.overlap.sync
+        ),
     );
     let t = &s.train;
-    let data = t.data.as_ref().map_or("built-in".into(), |p| p.display().to_string());
+    let data = t
+        .data
+        .as_ref()
+        .map_or("built-in".into(), |p| p.display().to_string());
     let clip = t.clip.map_or("off".into(), |c| c.to_string());
-    row("train", format!("steps {}  lr {}  seed {}  data {data}  clip {clip}", t.steps, t.lr, t.seed));
+    row(
+        "train",
+        format!(
+            "steps {}  lr {}  seed {}  data {data}  clip {clip}",
+            t.steps, t.lr, t.seed
+        ),
+    );
 }
 
 fn cluster(out: &mut String, c: &Cluster) {
     let _ = writeln!(
         out,
-        "cluster {}: {} nodes x {} GPUs, gpu_memory {} B, peak_flops {} FLOP/s, efficiency {}",
-        c.name, c.nodes, c.gpus_per_node, c.gpu_memory, c.peak_flops, c.efficiency
+        "cluster {}: {} x {} per node, gpu_memory {} B, peak_flops {} FLOP/s, efficiency {}",
+        c.name,
+        plural(c.nodes.into(), "node"),
+        plural(c.gpus_per_node.into(), "GPU"),
+        c.gpu_memory,
+        c.peak_flops,
+        c.efficiency
     );
     for (name, l) in [("intra_node", c.intra_node), ("inter_node", c.inter_node)] {
-        let _ = writeln!(out, "  {name}  bandwidth {} B/s  latency {} s", l.bandwidth, l.latency);
+        let _ = writeln!(
+            out,
+            "  {name}  bandwidth {} B/s  latency {} s",
+            l.bandwidth, l.latency
+        );
     }
     for m in &c.measured {
-        let points: Vec<String> = m.points.iter().map(|(s, b)| format!("{s} B = {b} B/s")).collect();
-        let _ = writeln!(out, "  measured {} {}: {}", m.collective.name(), m.mesh, points.join("; "));
+        let points: Vec<String> = m
+            .points
+            .iter()
+            .map(|(s, b)| format!("{s} B = {b} B/s"))
+            .collect();
+        let _ = writeln!(
+            out,
+            "  measured {} {}: {}",
+            m.collective.name(),
+            m.mesh,
+            points.join("; ")
+        );
     }
 }
 
@@ -108,18 +169,36 @@ fn model(out: &mut String, m: &Model) {
         m.seq_len,
         m.micro_batch
     );
-    let _ = writeln!(out, "  parameters {} in {}", thousands(m.parameters()), plural(m.layers.len() as u64, "layer"));
+    let _ = writeln!(
+        out,
+        "  parameters {} in {}",
+        thousands(m.parameters()),
+        plural(m.layers.len() as u64, "layer")
+    );
     let mut i = 0;
     while i < m.layers.len() {
         let run = repeated_run(&m.layers[i..]);
         let first = &m.layers[i];
         let name = match run {
             1 => first.name.clone(),
-            n => format!("{}..{}]", first.name.trim_end_matches(']'), index_of(&m.layers[i + n - 1].name).unwrap_or(0)),
+            n => format!(
+                "{}..{}]",
+                first.name.trim_end_matches(']'),
+                index_of(&m.layers[i + n - 1].name).unwrap_or(0)
+            ),
         };
-        let count = if run > 1 { format!("{run} x ") } else { String::new() };
+        let count = if run > 1 {
+            format!("{run} x ")
+        } else {
+            String::new()
+        };
         let each = if run > 1 { " each" } else { "" };
-        let _ = writeln!(out, "  {name}  {count}{}  {} params{each}", describe(&first.kind), thousands(first.params));
+        let _ = writeln!(
+            out,
+            "  {name}  {count}{}  {} params{each}",
+            describe(&first.kind),
+            thousands(first.params)
+        );
         for t in &first.tensors {
             let _ = writeln!(out, "    {:<18} {:?}", t.name, t.shape);
         }
@@ -129,13 +208,17 @@ fn model(out: &mut String, m: &Model) {
 
 /// How many layers from the start of `layers` are repetitions `base[k]`, `base[k+1]`, … of one kind.
 fn repeated_run(layers: &[Layer]) -> usize {
-    let Some(start) = index_of(&layers[0].name) else { return 1 };
+    let Some(start) = index_of(&layers[0].name) else {
+        return 1;
+    };
     let base = base_of(&layers[0].name);
     layers
         .iter()
         .enumerate()
         .take_while(|(k, l)| {
-            l.kind == layers[0].kind && base_of(&l.name) == base && index_of(&l.name) == Some(start + *k as u64)
+            l.kind == layers[0].kind
+                && base_of(&l.name) == base
+                && index_of(&l.name) == Some(start + *k as u64)
         })
         .count()
 }

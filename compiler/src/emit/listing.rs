@@ -71,7 +71,11 @@ pub fn emit_listing_with_notes(p: &Program, notes: &HashMap<OpId, Vec<String>>) 
 
 /// One op as a line: `op12 gather all_gather block[3] m0 comm0 buf4 -> buf9 wait ev2 record ev5`.
 pub fn op_line(p: &Program, id: OpId, op: &Op) -> String {
-    let mut s = format!("{id:<7} {:<8} {}", p.streams[op.stream].role.name(), op.kind_name());
+    let mut s = format!(
+        "{id:<7} {:<8} {}",
+        p.streams[op.stream].role.name(),
+        op.kind_name()
+    );
     if let Some(l) = op.layer {
         let _ = write!(s, " {}", p.layers[l].name);
     }
@@ -80,7 +84,12 @@ pub fn op_line(p: &Program, id: OpId, op: &Op) -> String {
     }
     match &op.kind {
         OpKind::Compute(_) => {
-            let regions = |rs: &[Region]| rs.iter().map(|r| region(p, r)).collect::<Vec<_>>().join(" ");
+            let regions = |rs: &[Region]| {
+                rs.iter()
+                    .map(|r| region(p, r))
+                    .collect::<Vec<_>>()
+                    .join(" ")
+            };
             if !op.reads.is_empty() {
                 let _ = write!(s, " reads {}", regions(&op.reads));
             }
@@ -95,7 +104,11 @@ pub fn op_line(p: &Program, id: OpId, op: &Op) -> String {
                 .map(|c| {
                     format!(
                         "{}{} {} {} -> {}",
-                        if matches!(op.kind, OpKind::Group(_)) { format!("{} ", c.kind.name()) } else { String::new() },
+                        if matches!(op.kind, OpKind::Group(_)) {
+                            format!("{} ", c.kind.name())
+                        } else {
+                            String::new()
+                        },
                         c.comm,
                         c.count,
                         region(p, &c.input),
@@ -123,8 +136,17 @@ pub fn region(p: &Program, r: &Region) -> String {
     match r.offset {
         _ if whole => r.buffer.to_string(),
         Offset::Fixed(o) => format!("{}[+{o}:{}]", r.buffer, r.bytes),
-        Offset::Shard { index, base, stride } => {
-            format!("{}[{}*{stride}+{base}:{}]", r.buffer, index_name(index), r.bytes)
+        Offset::Shard {
+            index,
+            base,
+            stride,
+        } => {
+            format!(
+                "{}[{}*{stride}+{base}:{}]",
+                r.buffer,
+                index_name(index),
+                r.bytes
+            )
         }
     }
 }

@@ -136,8 +136,14 @@ const ROLES: [(OpRole, &str); 5] = [
     (OpRole::Sync, "sync"),
     (OpRole::Refresh, "refresh"),
 ];
-const STREAM_ROLES: [StreamRole; 6] =
-    [StreamRole::Compute, StreamRole::Gather, StreamRole::Reduce, StreamRole::Sync, StreamRole::Intra, StreamRole::Inter];
+const STREAM_ROLES: [StreamRole; 6] = [
+    StreamRole::Compute,
+    StreamRole::Gather,
+    StreamRole::Reduce,
+    StreamRole::Sync,
+    StreamRole::Intra,
+    StreamRole::Inter,
+];
 const SCOPES: [Scope; 3] = [Scope::Intra, Scope::Inter, Scope::Mixed];
 const COMPUTE: [ComputeKind; 7] = [
     ComputeKind::Forward,
@@ -170,13 +176,30 @@ pub fn emit_plan(p: &Program, shard: Shard, secondary: Option<u32>) -> PlanFile 
         gpus_per_node: p.gpus_per_node,
         micro_steps: p.micro_steps,
         arena_bytes: p.arena_bytes,
-        shard: ShardFile { params: mesh(shard.params), grads: mesh(shard.grads), optimizer: mesh(shard.optimizer) },
+        shard: ShardFile {
+            params: mesh(shard.params),
+            grads: mesh(shard.grads),
+            optimizer: mesh(shard.optimizer),
+        },
         secondary,
-        layers: p.layers.values().map(|l| LayerFile { name: l.name.clone(), params: l.params, padded: l.padded }).collect(),
+        layers: p
+            .layers
+            .values()
+            .map(|l| LayerFile {
+                name: l.name.clone(),
+                params: l.params,
+                padded: l.padded,
+            })
+            .collect(),
         communicators: p
             .comms
             .iter()
-            .map(|(id, c)| CommFile { id: id.as_u32(), name: c.name.clone(), scope: c.scope.name().into(), groups: c.groups.clone() })
+            .map(|(id, c)| CommFile {
+                id: id.as_u32(),
+                name: c.name.clone(),
+                scope: c.scope.name().into(),
+                groups: c.groups.clone(),
+            })
             .collect(),
         buffers: p
             .buffers
@@ -184,7 +207,12 @@ pub fn emit_plan(p: &Program, shard: Shard, secondary: Option<u32>) -> PlanFile 
             .map(|(id, b)| BufferFile {
                 id: id.as_u32(),
                 name: b.name.clone(),
-                kind: KINDS.iter().find(|k| k.0 == b.kind).map(|k| k.1).unwrap_or_default().into(),
+                kind: KINDS
+                    .iter()
+                    .find(|k| k.0 == b.kind)
+                    .map(|k| k.1)
+                    .unwrap_or_default()
+                    .into(),
                 bytes: b.bytes,
                 dtype: b.dtype.name().into(),
                 offset: b.offset,
@@ -198,7 +226,12 @@ pub fn emit_plan(p: &Program, shard: Shard, secondary: Option<u32>) -> PlanFile 
             .iter()
             .map(|(sid, s)| StreamFile {
                 name: s.role.name().into(),
-                ops: p.ops.iter().filter(|(_, o)| o.stream == sid).map(|(id, o)| op_file(p, id, o)).collect(),
+                ops: p
+                    .ops
+                    .iter()
+                    .filter(|(_, o)| o.stream == sid)
+                    .map(|(id, o)| op_file(p, id, o))
+                    .collect(),
             })
             .collect(),
     }
@@ -206,8 +239,18 @@ pub fn emit_plan(p: &Program, shard: Shard, secondary: Option<u32>) -> PlanFile 
 
 fn region_file(r: &Region) -> RegionFile {
     match r.offset {
-        Offset::Fixed(o) => RegionFile { buffer: r.buffer.as_u32(), offset: o, bytes: r.bytes, index: None, stride: None },
-        Offset::Shard { index, base, stride } => RegionFile {
+        Offset::Fixed(o) => RegionFile {
+            buffer: r.buffer.as_u32(),
+            offset: o,
+            bytes: r.bytes,
+            index: None,
+            stride: None,
+        },
+        Offset::Shard {
+            index,
+            base,
+            stride,
+        } => RegionFile {
             buffer: r.buffer.as_u32(),
             offset: base,
             bytes: r.bytes,
@@ -229,7 +272,12 @@ fn op_file(p: &Program, id: OpId, o: &Op) -> OpFile {
     OpFile {
         id: id.as_u32(),
         kind: o.kind_name().into(),
-        role: ROLES.iter().find(|r| r.0 == o.role).map(|r| r.1).unwrap_or_default().into(),
+        role: ROLES
+            .iter()
+            .find(|r| r.0 == o.role)
+            .map(|r| r.1)
+            .unwrap_or_default()
+            .into(),
         layer: o.layer.map(|l| p.layers[l].name.clone()),
         micro_step: o.micro_step,
         reads: o.reads.iter().map(region_file).collect(),
@@ -249,13 +297,18 @@ pub struct ReadPlan {
 
 /// Parses plan JSON; every refusal says what and where.
 pub fn read_plan(text: &str) -> Result<ReadPlan, String> {
-    let head: serde_json::Value = serde_json::from_str(text).map_err(|e| format!("not a plan file: {e}"))?;
+    let head: serde_json::Value =
+        serde_json::from_str(text).map_err(|e| format!("not a plan file: {e}"))?;
     if head.get("format").and_then(|f| f.as_str()) != Some(FORMAT) {
         return Err(format!("not a plan file: `format` must be \"{FORMAT}\""));
     }
     match head.get("version").and_then(|v| v.as_u64()) {
         Some(v) if v == u64::from(VERSION) => {}
-        Some(v) => return Err(format!("plan format version {v} is not supported (this schedc reads version {VERSION})")),
+        Some(v) => {
+            return Err(format!(
+                "plan format version {v} is not supported (this schedc reads version {VERSION})"
+            ))
+        }
         None => return Err("not a plan file: `version` is missing".into()),
     }
     let f: PlanFile = serde_json::from_value(head).map_err(|e| format!("malformed plan: {e}"))?;
@@ -267,11 +320,17 @@ fn from_file(f: PlanFile) -> Result<ReadPlan, String> {
         if m[0] == 0 || m[1] == 0 {
             Err(format!("shard.{what} has a zero factor"))
         } else {
-            Ok(Mesh { intra: m[0], inter: m[1] })
+            Ok(Mesh {
+                intra: m[0],
+                inter: m[1],
+            })
         }
     };
-    let shard =
-        Shard { params: mesh(f.shard.params, "params")?, grads: mesh(f.shard.grads, "grads")?, optimizer: mesh(f.shard.optimizer, "optimizer")? };
+    let shard = Shard {
+        params: mesh(f.shard.params, "params")?,
+        grads: mesh(f.shard.grads, "grads")?,
+        optimizer: mesh(f.shard.optimizer, "optimizer")?,
+    };
     let mut p = Program {
         schedule: f.schedule,
         ranks: f.ranks,
@@ -282,37 +341,72 @@ fn from_file(f: PlanFile) -> Result<ReadPlan, String> {
         ..Program::default()
     };
     for l in f.layers {
-        p.layers.push(LayerInfo { name: l.name, params: l.params, padded: l.padded });
+        p.layers.push(LayerInfo {
+            name: l.name,
+            params: l.params,
+            padded: l.padded,
+        });
     }
     for (i, c) in f.communicators.into_iter().enumerate() {
         if c.id as usize != i {
-            return Err(format!("communicator {i} has id {}: ids must be 0, 1, 2, … in order", c.id));
+            return Err(format!(
+                "communicator {i} has id {}: ids must be 0, 1, 2, … in order",
+                c.id
+            ));
         }
-        let scope = *SCOPES.iter().find(|s| s.name() == c.scope).ok_or(format!("comm{i}: unknown scope `{}`", c.scope))?;
+        let scope = *SCOPES
+            .iter()
+            .find(|s| s.name() == c.scope)
+            .ok_or(format!("comm{i}: unknown scope `{}`", c.scope))?;
         if c.groups.is_empty() || c.groups.iter().any(|g| g.is_empty()) {
             return Err(format!("comm{i}: a communicator needs non-empty groups"));
         }
-        p.comms.push(Communicator { name: c.name, groups: c.groups, scope });
+        p.comms.push(Communicator {
+            name: c.name,
+            groups: c.groups,
+            scope,
+        });
     }
     for (i, b) in f.buffers.into_iter().enumerate() {
         if b.id as usize != i {
-            return Err(format!("buffer {i} has id {}: ids must be 0, 1, 2, … in order", b.id));
+            return Err(format!(
+                "buffer {i} has id {}: ids must be 0, 1, 2, … in order",
+                b.id
+            ));
         }
-        let kind = KINDS.iter().find(|k| k.1 == b.kind).ok_or(format!("buf{i}: unknown kind `{}`", b.kind))?.0;
+        let kind = KINDS
+            .iter()
+            .find(|k| k.1 == b.kind)
+            .ok_or(format!("buf{i}: unknown kind `{}`", b.kind))?
+            .0;
         let layer = match b.layer {
-            Some(l) if l as usize >= p.layers.len() => return Err(format!("buf{i}: layer {l} does not exist")),
+            Some(l) if l as usize >= p.layers.len() => {
+                return Err(format!("buf{i}: layer {l} does not exist"))
+            }
             l => l.map(LayerId::from_u32),
         };
-        p.buffers.push(Buffer { name: b.name, kind, dtype: dtype(&b.dtype, &format!("buf{i}"))?, bytes: b.bytes, layer, offset: b.offset });
+        p.buffers.push(Buffer {
+            name: b.name,
+            kind,
+            dtype: dtype(&b.dtype, &format!("buf{i}"))?,
+            bytes: b.bytes,
+            layer,
+            offset: b.offset,
+        });
     }
     for _ in 0..f.events {
-        p.events.push(Event { recorder: OpId::new(0) });
+        p.events.push(Event {
+            recorder: OpId::new(0),
+        });
     }
     // Ops come grouped by stream; their ids give the issue order.
     let total: usize = f.streams.iter().map(|s| s.ops.len()).sum();
     let mut slots: Vec<Option<Op>> = vec![None; total];
     for (si, s) in f.streams.into_iter().enumerate() {
-        let role = *STREAM_ROLES.iter().find(|r| r.name() == s.name).ok_or(format!("stream {si}: unknown name `{}`", s.name))?;
+        let role = *STREAM_ROLES
+            .iter()
+            .find(|r| r.name() == s.name)
+            .ok_or(format!("stream {si}: unknown name `{}`", s.name))?;
         let sid = p.streams.push(Stream { role });
         if let Some(w) = s.ops.windows(2).find(|w| w[0].id >= w[1].id) {
             return Err(format!(
@@ -323,7 +417,11 @@ fn from_file(f: PlanFile) -> Result<ReadPlan, String> {
         for o in s.ops {
             let id = o.id as usize;
             if id >= total || slots[id].is_some() {
-                return Err(format!("op{id} on stream {}: op ids must be 0 … {} and each used once", s.name, total - 1));
+                return Err(format!(
+                    "op{id} on stream {}: op ids must be 0 … {} and each used once",
+                    s.name,
+                    total - 1
+                ));
             }
             slots[id] = Some(op_from(&p, sid, o)?);
         }
@@ -346,7 +444,11 @@ fn from_file(f: PlanFile) -> Result<ReadPlan, String> {
     if let Some(e) = recorded.iter().position(|r| !r) {
         return Err(format!("ev{e} is never recorded"));
     }
-    Ok(ReadPlan { program: p, shard, secondary: f.secondary })
+    Ok(ReadPlan {
+        program: p,
+        shard,
+        secondary: f.secondary,
+    })
 }
 
 fn dtype(name: &str, what: &str) -> Result<Dtype, String> {
@@ -369,20 +471,40 @@ fn region_from(p: &Program, r: RegionFile, what: &str) -> Result<Region, String>
                 .iter()
                 .find(|x| crate::emit::listing::index_name(**x) == i)
                 .ok_or(format!("{what}: unknown shard index `{i}`"))?;
-            Offset::Shard { index, base: r.offset, stride }
+            Offset::Shard {
+                index,
+                base: r.offset,
+                stride,
+            }
         }
-        _ => return Err(format!("{what}: a rank-dependent region needs both `index` and `stride`")),
+        _ => {
+            return Err(format!(
+                "{what}: a rank-dependent region needs both `index` and `stride`"
+            ))
+        }
     };
-    Ok(Region { buffer: BufferId::from_u32(r.buffer), offset, bytes: r.bytes })
+    Ok(Region {
+        buffer: BufferId::from_u32(r.buffer),
+        offset,
+        bytes: r.bytes,
+    })
 }
 
 fn op_from(p: &Program, stream: StreamId, o: OpFile) -> Result<Op, String> {
     let what = format!("op{}", o.id);
-    let role = ROLES.iter().find(|r| r.1 == o.role).ok_or(format!("{what}: unknown role `{}`", o.role))?.0;
+    let role = ROLES
+        .iter()
+        .find(|r| r.1 == o.role)
+        .ok_or(format!("{what}: unknown role `{}`", o.role))?
+        .0;
     let layer = match &o.layer {
         None => None,
         Some(name) => Some(
-            p.layers.iter().find(|(_, l)| &l.name == name).map(|(id, _)| id).ok_or(format!("{what}: unknown layer `{name}`"))?,
+            p.layers
+                .iter()
+                .find(|(_, l)| &l.name == name)
+                .map(|(id, _)| id)
+                .ok_or(format!("{what}: unknown layer `{name}`"))?,
         ),
     };
     let mut collectives = vec![];
@@ -390,10 +512,20 @@ fn op_from(p: &Program, stream: StreamId, o: OpFile) -> Result<Op, String> {
         let kind = Collective::NAMES
             .iter()
             .position(|n| *n == c.kind)
-            .map(|i| [Collective::AllGather, Collective::ReduceScatter, Collective::AllReduce, Collective::Broadcast][i])
+            .map(|i| {
+                [
+                    Collective::AllGather,
+                    Collective::ReduceScatter,
+                    Collective::AllReduce,
+                    Collective::Broadcast,
+                ][i]
+            })
             .ok_or(format!("{what}: unknown collective `{}`", c.kind))?;
         if c.communicator as usize >= p.comms.len() {
-            return Err(format!("{what}: communicator {} does not exist", c.communicator));
+            return Err(format!(
+                "{what}: communicator {} does not exist",
+                c.communicator
+            ));
         }
         collectives.push(CollectiveOp {
             kind,
@@ -406,11 +538,17 @@ fn op_from(p: &Program, stream: StreamId, o: OpFile) -> Result<Op, String> {
     }
     let kind = match o.kind.as_str() {
         "group" if collectives.len() > 1 => OpKind::Group(collectives),
-        k if Collective::NAMES.contains(&k) && collectives.len() == 1 && collectives[0].kind.name() == k => {
+        k if Collective::NAMES.contains(&k)
+            && collectives.len() == 1
+            && collectives[0].kind.name() == k =>
+        {
             OpKind::Collective(collectives.pop().expect("one"))
         }
         k => {
-            let c = COMPUTE.iter().find(|c| Op::compute_name(**c) == k).ok_or(format!("{what}: unknown or malformed kind `{k}`"))?;
+            let c = COMPUTE
+                .iter()
+                .find(|c| Op::compute_name(**c) == k)
+                .ok_or(format!("{what}: unknown or malformed kind `{k}`"))?;
             if !collectives.is_empty() {
                 return Err(format!("{what}: a `{k}` op holds no collectives"));
             }
@@ -430,8 +568,16 @@ fn op_from(p: &Program, stream: StreamId, o: OpFile) -> Result<Op, String> {
         stream,
         layer,
         micro_step: o.micro_step,
-        reads: o.reads.into_iter().map(|r| region_from(p, r, &what)).collect::<Result<_, _>>()?,
-        writes: o.writes.into_iter().map(|r| region_from(p, r, &what)).collect::<Result<_, _>>()?,
+        reads: o
+            .reads
+            .into_iter()
+            .map(|r| region_from(p, r, &what))
+            .collect::<Result<_, _>>()?,
+        writes: o
+            .writes
+            .into_iter()
+            .map(|r| region_from(p, r, &what))
+            .collect::<Result<_, _>>()?,
         wait: o.wait.into_iter().map(ev).collect::<Result<_, _>>()?,
         record: o.record.map(ev).transpose()?,
     })

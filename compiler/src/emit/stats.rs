@@ -67,12 +67,29 @@ pub struct Traffic {
 }
 
 pub fn emit_stats(job: &Job, p: &Program, info: &PlanInfo) -> Stats {
-    let persistent = |k: BufferKind| p.buffers.values().filter(|b| b.kind == k).map(|b| b.bytes).sum::<u64>();
-    let (params, grads, optimizer) =
-        (persistent(BufferKind::ParamShard), persistent(BufferKind::GradShard), persistent(BufferKind::OptimizerShard));
-    let activations = max_live(p, |k| matches!(k, BufferKind::Activation | BufferKind::Hidden));
+    let persistent = |k: BufferKind| {
+        p.buffers
+            .values()
+            .filter(|b| b.kind == k)
+            .map(|b| b.bytes)
+            .sum::<u64>()
+    };
+    let (params, grads, optimizer) = (
+        persistent(BufferKind::ParamShard),
+        persistent(BufferKind::GradShard),
+        persistent(BufferKind::OptimizerShard),
+    );
+    let activations = max_live(p, |k| {
+        matches!(k, BufferKind::Activation | BufferKind::Hidden)
+    });
     let buffers = max_live(p, |k| {
-        matches!(k, BufferKind::Gathered | BufferKind::Secondary | BufferKind::Staging | BufferKind::FullGrad)
+        matches!(
+            k,
+            BufferKind::Gathered
+                | BufferKind::Secondary
+                | BufferKind::Staging
+                | BufferKind::FullGrad
+        )
     });
     let transient_placed = p.arena_bytes.saturating_sub(params + grads + optimizer);
     let mut entries: BTreeMap<(&'static str, u32, Scope), CollectiveStats> = BTreeMap::new();
@@ -83,14 +100,16 @@ pub fn emit_stats(job: &Job, p: &Program, info: &PlanInfo) -> Stats {
             let gs = comm.group_size();
             let payload = c.count * c.dtype.bytes();
             let steps = steps(c.kind, gs);
-            let e = entries.entry((c.kind.name(), gs, comm.scope)).or_insert(CollectiveStats {
-                kind: c.kind.name(),
-                group_size: gs,
-                scope: comm.scope.name(),
-                calls: 0,
-                payload_bytes: 0,
-                sent_bytes_per_rank: 0,
-            });
+            let e = entries
+                .entry((c.kind.name(), gs, comm.scope))
+                .or_insert(CollectiveStats {
+                    kind: c.kind.name(),
+                    group_size: gs,
+                    scope: comm.scope.name(),
+                    calls: 0,
+                    payload_bytes: 0,
+                    sent_bytes_per_rank: 0,
+                });
             e.calls += 1;
             e.payload_bytes += payload;
             // Multiply before dividing: an all-reduce's payload need not split evenly.
@@ -111,14 +130,23 @@ pub fn emit_stats(job: &Job, p: &Program, info: &PlanInfo) -> Stats {
         gpus_per_node: p.gpus_per_node,
         micro_steps: p.micro_steps,
         parameters: job.model.parameters(),
-        memory_per_rank: Memory { params, grads, optimizer, activations, buffers, peak: p.arena_bytes },
+        memory_per_rank: Memory {
+            params,
+            grads,
+            optimizer,
+            activations,
+            buffers,
+            peak: p.arena_bytes,
+        },
         collectives_per_step: entries.into_values().collect(),
         traffic_per_step: Traffic {
             intra_node_bytes_per_gpu: (intra / u128::from(p.ranks)) as u64,
             inter_node_bytes_per_node: (inter / u128::from(p.nodes)) as u64,
         },
         plan_tightness: {
-            let bound = info.live_bound.max(crate::passes::memory::concurrency_bound(p));
+            let bound = info
+                .live_bound
+                .max(crate::passes::memory::concurrency_bound(p));
             if bound == 0 {
                 1.0
             } else {

@@ -43,8 +43,14 @@ impl Layout {
 
     /// The ranks of `r`'s group of `m`, in position order.
     pub fn group(&self, m: Mesh, r: u32) -> Vec<u32> {
-        let (n0, l0) = (self.node(r) / m.inter * m.inter, self.local(r) / m.intra * m.intra);
-        (0..m.inter).flat_map(|dn| (0..m.intra).map(move |dl| (dn, dl))).map(|(dn, dl)| self.rank(n0 + dn, l0 + dl)).collect()
+        let (n0, l0) = (
+            self.node(r) / m.inter * m.inter,
+            self.local(r) / m.intra * m.intra,
+        );
+        (0..m.inter)
+            .flat_map(|dn| (0..m.intra).map(move |dl| (dn, dl)))
+            .map(|(dn, dl)| self.rank(n0 + dn, l0 + dl))
+            .collect()
     }
 
     /// Index of `r`'s `inner` subgroup within its `outer` group (inner divides outer), node by node.
@@ -56,7 +62,11 @@ impl Layout {
 
     /// The shard index `idx` of rank `r` (see the IR module doc).
     pub fn index(&self, idx: ShardIndex, r: u32) -> u64 {
-        let Shard { params: p, grads: g, optimizer: o } = self.shard;
+        let Shard {
+            params: p,
+            grads: g,
+            optimizer: o,
+        } = self.shard;
         let param = u64::from(self.position(p, r));
         let sub_g = u64::from(self.subgroup(p, g, r));
         let sub_os = u64::from(self.subgroup(g, o, r));
@@ -74,7 +84,8 @@ impl Layout {
 
     /// Partitions all ranks into groups by `key`, each group ordered by `order`.
     pub fn groups_by(&self, key: impl Fn(u32) -> u64, order: impl Fn(u32) -> u64) -> Vec<Vec<u32>> {
-        let mut keyed: Vec<(u64, u64, u32)> = (0..self.ranks()).map(|r| (key(r), order(r), r)).collect();
+        let mut keyed: Vec<(u64, u64, u32)> =
+            (0..self.ranks()).map(|r| (key(r), order(r), r)).collect();
         keyed.sort_unstable();
         let mut groups: Vec<Vec<u32>> = vec![];
         let mut last = None;
@@ -116,7 +127,16 @@ mod tests {
 
     fn layout(g: u32, n: u32, p: (u32, u32), gr: (u32, u32), o: (u32, u32)) -> Layout {
         let m = |(a, b)| Mesh { intra: a, inter: b };
-        Layout { gpus_per_node: g, nodes: n, shard: Shard { params: m(p), grads: m(gr), optimizer: m(o) }, secondary: None }
+        Layout {
+            gpus_per_node: g,
+            nodes: n,
+            shard: Shard {
+                params: m(p),
+                grads: m(gr),
+                optimizer: m(o),
+            },
+            secondary: None,
+        }
     }
 
     /// Every rank's optimizer shard lies inside its grad shard, which lies inside its param shard,
@@ -130,17 +150,40 @@ mod tests {
             layout(8, 2, (8, 1), (8, 2), (8, 2)),
             layout(4, 8, (1, 2), (2, 2), (4, 8)),
         ] {
-            let Shard { params: p, grads: g, optimizer: o } = l.shard;
+            let Shard {
+                params: p,
+                grads: g,
+                optimizer: o,
+            } = l.shard;
             for r in 0..l.ranks() {
-                let (ip, ig, io) =
-                    (l.index(ShardIndex::Param, r), l.index(ShardIndex::Grad, r), l.index(ShardIndex::Optimizer, r));
-                assert_eq!(ig / (g.size() / p.size()), ip, "grad shard inside param shard");
-                assert_eq!(io / (o.size() / g.size()), ig, "optimizer shard inside grad shard");
-                assert_eq!(io % (o.size() / p.size()), l.index(ShardIndex::OptimizerInParam, r));
+                let (ip, ig, io) = (
+                    l.index(ShardIndex::Param, r),
+                    l.index(ShardIndex::Grad, r),
+                    l.index(ShardIndex::Optimizer, r),
+                );
+                assert_eq!(
+                    ig / (g.size() / p.size()),
+                    ip,
+                    "grad shard inside param shard"
+                );
+                assert_eq!(
+                    io / (o.size() / g.size()),
+                    ig,
+                    "optimizer shard inside grad shard"
+                );
+                assert_eq!(
+                    io % (o.size() / p.size()),
+                    l.index(ShardIndex::OptimizerInParam, r)
+                );
             }
-            for (m, idx) in [(p, ShardIndex::Param), (g, ShardIndex::Grad), (o, ShardIndex::Optimizer)] {
+            for (m, idx) in [
+                (p, ShardIndex::Param),
+                (g, ShardIndex::Grad),
+                (o, ShardIndex::Optimizer),
+            ] {
                 for r in 0..l.ranks() {
-                    let mut seen: Vec<u64> = l.group(m, r).iter().map(|&q| l.index(idx, q)).collect();
+                    let mut seen: Vec<u64> =
+                        l.group(m, r).iter().map(|&q| l.index(idx, q)).collect();
                     seen.sort_unstable();
                     assert_eq!(seen, (0..m.size()).collect::<Vec<_>>());
                 }
@@ -152,7 +195,10 @@ mod tests {
     fn groups_and_scopes() {
         let l = layout(4, 2, (2, 2), (2, 2), (2, 2));
         assert_eq!(l.group(l.shard.params, 5), vec![0, 1, 4, 5]);
-        let groups = l.groups_by(|r| l.group_key(l.shard.params, r), |r| u64::from(l.position(l.shard.params, r)));
+        let groups = l.groups_by(
+            |r| l.group_key(l.shard.params, r),
+            |r| u64::from(l.position(l.shard.params, r)),
+        );
         assert_eq!(groups, vec![vec![0, 1, 4, 5], vec![2, 3, 6, 7]]);
         assert_eq!(l.scope(&groups), Scope::Mixed);
         let by_node = l.groups_by(|r| u64::from(l.node(r)), u64::from);

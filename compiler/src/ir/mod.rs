@@ -189,7 +189,10 @@ pub enum BufferKind {
 
 impl BufferKind {
     pub fn is_persistent(self) -> bool {
-        matches!(self, BufferKind::ParamShard | BufferKind::GradShard | BufferKind::OptimizerShard)
+        matches!(
+            self,
+            BufferKind::ParamShard | BufferKind::GradShard | BufferKind::OptimizerShard
+        )
     }
 }
 
@@ -235,7 +238,11 @@ pub enum ShardIndex {
 pub enum Offset {
     Fixed(u64),
     /// `base + index(rank) × stride`.
-    Shard { index: ShardIndex, base: u64, stride: u64 },
+    Shard {
+        index: ShardIndex,
+        base: u64,
+        stride: u64,
+    },
 }
 
 /// A byte range of one buffer.
@@ -249,7 +256,11 @@ pub struct Region {
 impl Region {
     /// The whole buffer.
     pub fn whole(buffer: BufferId, bytes: u64) -> Self {
-        Region { buffer, offset: Offset::Fixed(0), bytes }
+        Region {
+            buffer,
+            offset: Offset::Fixed(0),
+            bytes,
+        }
     }
 }
 

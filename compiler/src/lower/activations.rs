@@ -28,14 +28,20 @@ pub fn saved_bytes(kind: &LayerKind, model: &Model) -> u64 {
                 Attention::Flash => tr.heads * t * 4,
                 Attention::Naive => tr.heads * t * model.seq_len * d,
             };
-            norm(tr.hidden) + t * (tr.hidden + 2 * tr.kv_dim()) * d + t * tr.hidden * d + attention
+            norm(tr.hidden)
+                + t * (tr.hidden + 2 * tr.kv_dim()) * d
+                + t * tr.hidden * d
+                + attention
                 + t * tr.hidden * d
                 + norm(tr.hidden)
                 + mlp(tr.ffn, tr.act)
         }
         LayerKind::Mlp(m) => norm(m.hidden) + mlp(m.ffn, m.act),
         LayerKind::LmHead { hidden, .. } => norm(hidden),
-        LayerKind::Dense { activation_bytes_per_token, .. } => activation_bytes_per_token * t,
+        LayerKind::Dense {
+            activation_bytes_per_token,
+            ..
+        } => activation_bytes_per_token * t,
     }
 }
 

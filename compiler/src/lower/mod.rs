@@ -153,7 +153,12 @@ fn build(job: &Job) -> Result<Draft, LowerError> {
         ReshardAfterForward::Node { secondary } => Some(secondary),
         _ => None,
     };
-    let layout = Layout { gpus_per_node: s.gpus_per_node, nodes: s.nodes, shard: s.shard, secondary };
+    let layout = Layout {
+        gpus_per_node: s.gpus_per_node,
+        nodes: s.nodes,
+        shard: s.shard,
+        secondary,
+    };
     let mut b = Builder {
         job,
         layout,
@@ -197,11 +202,18 @@ impl Builder<'_> {
     /// Layers and their persistent state (lowering spec §2).
     fn layers(&mut self) {
         let sh = self.shard();
-        let pad = lcm(sh.optimizer.size(), u64::from(self.layout.secondary.unwrap_or(1)));
+        let pad = lcm(
+            sh.optimizer.size(),
+            u64::from(self.layout.secondary.unwrap_or(1)),
+        );
         let opt_words = self.job.model.optimizer.state_bytes_per_param() / 4;
         for layer in &self.job.model.layers {
             let padded = layer.params.div_ceil(pad) * pad;
-            let id = self.p.layers.push(LayerInfo { name: layer.name.clone(), params: layer.params, padded });
+            let id = self.p.layers.push(LayerInfo {
+                name: layer.name.clone(),
+                params: layer.params,
+                padded,
+            });
             let name = &layer.name;
             let param_shard = self.buffer(
                 format!("{name}.params.shard"),
@@ -225,12 +237,32 @@ impl Builder<'_> {
                 Some(id),
             );
             self.optimizer_shards.push(opt);
-            self.layers.push(LayerState { id, padded, param_shard, grad_shard, has_params: layer.params > 0 });
+            self.layers.push(LayerState {
+                id,
+                padded,
+                param_shard,
+                grad_shard,
+                has_params: layer.params > 0,
+            });
         }
     }
 
-    fn buffer(&mut self, name: String, kind: BufferKind, dtype: Dtype, elems: u64, layer: Option<LayerId>) -> BufferId {
-        self.p.buffers.push(Buffer { name, kind, dtype, bytes: elems * dtype.bytes(), layer, offset: 0 })
+    fn buffer(
+        &mut self,
+        name: String,
+        kind: BufferKind,
+        dtype: Dtype,
+        elems: u64,
+        layer: Option<LayerId>,
+    ) -> BufferId {
+        self.p.buffers.push(Buffer {
+            name,
+            kind,
+            dtype,
+            bytes: elems * dtype.bytes(),
+            layer,
+            offset: 0,
+        })
     }
 
     fn comm(&mut self, kind: CommKind) -> CommId {
@@ -242,11 +274,17 @@ impl Builder<'_> {
         let (name, groups) = match kind {
             CommKind::Params => (
                 format!("params {}", sh.params),
-                l.groups_by(|r| l.group_key(sh.params, r), |r| l.index(ShardIndex::Param, r)),
+                l.groups_by(
+                    |r| l.group_key(sh.params, r),
+                    |r| l.index(ShardIndex::Param, r),
+                ),
             ),
             CommKind::Grads => (
                 format!("grads {}", sh.grads),
-                l.groups_by(|r| l.group_key(sh.grads, r), |r| l.index(ShardIndex::Grad, r)),
+                l.groups_by(
+                    |r| l.group_key(sh.grads, r),
+                    |r| l.index(ShardIndex::Grad, r),
+                ),
             ),
             CommKind::OptimizerInGrad => (
                 "optimizer shards of one grad shard".to_string(),
@@ -255,9 +293,10 @@ impl Builder<'_> {
                     |r| l.index(ShardIndex::OptimizerInGrad, r),
                 ),
             ),
-            CommKind::Replicas => {
-                ("replicas of an optimizer shard".to_string(), l.groups_by(|r| l.index(ShardIndex::Optimizer, r), u64::from))
-            }
+            CommKind::Replicas => (
+                "replicas of an optimizer shard".to_string(),
+                l.groups_by(|r| l.index(ShardIndex::Optimizer, r), u64::from),
+            ),
             CommKind::Refresh => (
                 "optimizer shards of one param shard".to_string(),
                 l.groups_by(
@@ -275,17 +314,25 @@ impl Builder<'_> {
             }
             CommKind::HierInter => (
                 format!("params {} across nodes", sh.params),
-                l.groups_by(|r| l.group_key(sh.params, r) ^ u64::from(l.local(r)) << 48, |r| u64::from(l.node(r))),
+                l.groups_by(
+                    |r| l.group_key(sh.params, r) ^ u64::from(l.local(r)) << 48,
+                    |r| u64::from(l.node(r)),
+                ),
             ),
             CommKind::HierIntra => (
                 format!("params {} within a node", sh.params),
-                l.groups_by(|r| u64::from(l.node(r)) << 32 | u64::from(l.local(r) / sh.params.intra), |r| {
-                    l.index(ShardIndex::ParamLocal, r)
-                }),
+                l.groups_by(
+                    |r| u64::from(l.node(r)) << 32 | u64::from(l.local(r) / sh.params.intra),
+                    |r| l.index(ShardIndex::ParamLocal, r),
+                ),
             ),
         };
         let scope = l.scope(&groups);
-        let id = self.p.comms.push(Communicator { name, groups, scope });
+        let id = self.p.comms.push(Communicator {
+            name,
+            groups,
+            scope,
+        });
         self.comms.insert(kind, id);
         id
     }
@@ -294,7 +341,10 @@ impl Builder<'_> {
         let (reads, writes) = match &kind {
             OpKind::Compute(_) => (vec![], vec![]),
             OpKind::Collective(c) => (vec![c.input], vec![c.output]),
-            OpKind::Group(cs) => (cs.iter().map(|c| c.input).collect(), cs.iter().map(|c| c.output).collect()),
+            OpKind::Group(cs) => (
+                cs.iter().map(|c| c.input).collect(),
+                cs.iter().map(|c| c.output).collect(),
+            ),
         };
         self.p.ops.push(Op {
             kind,
@@ -309,24 +359,51 @@ impl Builder<'_> {
         })
     }
 
-    fn compute(&mut self, kind: ComputeKind, layer: Option<LayerId>, m: Option<u32>, reads: Vec<Region>, writes: Vec<Region>) -> OpId {
+    fn compute(
+        &mut self,
+        kind: ComputeKind,
+        layer: Option<LayerId>,
+        m: Option<u32>,
+        reads: Vec<Region>,
+        writes: Vec<Region>,
+    ) -> OpId {
         let id = self.op(OpKind::Compute(kind), OpRole::Compute, layer, m);
         self.p.ops[id].reads = reads;
         self.p.ops[id].writes = writes;
         id
     }
 
-    fn collective(&mut self, kind: Collective, comm: CommKind, dtype: Dtype, input: Region, output: Region) -> CollectiveOp {
+    fn collective(
+        &mut self,
+        kind: Collective,
+        comm: CommKind,
+        dtype: Dtype,
+        input: Region,
+        output: Region,
+    ) -> CollectiveOp {
         let comm = self.comm(comm);
         let payload = match kind {
             Collective::AllGather => output.bytes,
             _ => input.bytes,
         };
-        CollectiveOp { kind, comm, dtype, count: payload / dtype.bytes(), input, output }
+        CollectiveOp {
+            kind,
+            comm,
+            dtype,
+            count: payload / dtype.bytes(),
+            input,
+            output,
+        }
     }
 
     /// Issues collectives as one op, or as a coalesced group when there are several.
-    fn issue(&mut self, mut cs: Vec<CollectiveOp>, role: OpRole, layer: Option<LayerId>, m: Option<u32>) -> Option<OpId> {
+    fn issue(
+        &mut self,
+        mut cs: Vec<CollectiveOp>,
+        role: OpRole,
+        layer: Option<LayerId>,
+        m: Option<u32>,
+    ) -> Option<OpId> {
         let kind = match cs.len() {
             0 => return None,
             1 => OpKind::Collective(cs.pop().expect("one")),
@@ -336,7 +413,11 @@ impl Builder<'_> {
     }
 
     fn hidden_buf(&mut self, grad: bool, m: u32, l: usize) -> BufferId {
-        let map = if grad { &self.grad_hidden } else { &self.hidden };
+        let map = if grad {
+            &self.grad_hidden
+        } else {
+            &self.hidden
+        };
         if let Some(&b) = map.get(&(m, l)) {
             return b;
         }
@@ -345,11 +426,25 @@ impl Builder<'_> {
         let bytes = (l > 0)
             .then(|| activations::output_bytes(&layers[l - 1].kind, &self.job.model))
             .filter(|&b| b > 0)
-            .or_else(|| layers.get(l).map(|x| activations::output_bytes(&x.kind, &self.job.model)))
+            .or_else(|| {
+                layers
+                    .get(l)
+                    .map(|x| activations::output_bytes(&x.kind, &self.job.model))
+            })
             .unwrap_or(0);
         let name = format!("{}.{}.m{m}", if grad { "grad_hidden" } else { "hidden" }, l);
-        let id = self.buffer(name, BufferKind::Hidden, self.dtype, bytes / self.dtype.bytes(), None);
-        let map = if grad { &mut self.grad_hidden } else { &mut self.hidden };
+        let id = self.buffer(
+            name,
+            BufferKind::Hidden,
+            self.dtype,
+            bytes / self.dtype.bytes(),
+            None,
+        );
+        let map = if grad {
+            &mut self.grad_hidden
+        } else {
+            &mut self.hidden
+        };
         map.insert((m, l), id);
         id
     }
@@ -357,9 +452,12 @@ impl Builder<'_> {
     /// Index of the embedding a tied lm_head shares, if layer `l` is one.
     fn tied_embedding(&self, l: usize) -> Option<usize> {
         match self.job.model.layers[l].kind {
-            LayerKind::LmHead { tied: true, .. } => {
-                self.job.model.layers.iter().position(|x| matches!(x.kind, LayerKind::Embedding { .. }))
-            }
+            LayerKind::LmHead { tied: true, .. } => self
+                .job
+                .model
+                .layers
+                .iter()
+                .position(|x| matches!(x.kind, LayerKind::Embedding { .. })),
             _ => None,
         }
     }
@@ -376,8 +474,16 @@ impl Builder<'_> {
             .into_iter()
             .map(|b| b.into_iter().map(|i| bwd_order[i]).collect())
             .collect();
-        let red_sizes: Vec<u64> =
-            bwd_order.iter().map(|&l| if self.layers[l].has_params { self.layers[l].padded * self.grad_dtype.bytes() } else { 0 }).collect();
+        let red_sizes: Vec<u64> = bwd_order
+            .iter()
+            .map(|&l| {
+                if self.layers[l].has_params {
+                    self.layers[l].padded * self.grad_dtype.bytes()
+                } else {
+                    0
+                }
+            })
+            .collect();
         let red_buckets: Vec<Vec<usize>> = passes::buckets::partition(&red_sizes, s.buckets.reduce)
             .into_iter()
             .map(|b| b.into_iter().map(|i| bwd_order[i]).collect())
@@ -399,7 +505,11 @@ impl Builder<'_> {
                 let unit = self.forward_unit(bucket, m, gathers, refresh, &mut fwd_full);
                 if let Some(mut unit) = unit {
                     unit.consumer = fwd_slot_of[bucket[0]];
-                    unit.earliest = if m == 0 { 0 } else { first_slot.saturating_sub(1) };
+                    unit.earliest = if m == 0 {
+                        0
+                    } else {
+                        first_slot.saturating_sub(1)
+                    };
                     unit.depth = s.prefetch.forward as usize;
                     // Released after the last forward that reads it (or kept to backward).
                     unit.last_consumer = fwd_slot_of[*bucket.last().expect("non-empty")];
@@ -422,7 +532,10 @@ impl Builder<'_> {
                 vec![Region::whole(last, lb)],
                 vec![Region::whole(dlast, db)],
             );
-            slots.push(Slot { compute: vec![loss], ..Slot::default() });
+            slots.push(Slot {
+                compute: vec![loss],
+                ..Slot::default()
+            });
             // Backward.
             let mut bwd_slot_of = vec![0; n];
             for (i, &l) in bwd_order.iter().enumerate() {
@@ -454,7 +567,12 @@ impl Builder<'_> {
             for slot in &mut slots[first_slot..first_slot + n] {
                 for u in &mut slot.units {
                     if gathers && reshard == ReshardAfterForward::False {
-                        let last_bwd = u.layers.iter().map(|&l| bwd_slot_of[l]).max().unwrap_or(u.last_consumer);
+                        let last_bwd = u
+                            .layers
+                            .iter()
+                            .map(|&l| bwd_slot_of[l])
+                            .max()
+                            .unwrap_or(u.last_consumer);
                         u.last_consumer = u.last_consumer.max(last_bwd);
                     }
                     if let Some((head, e)) = tied.filter(|(_, e)| u.layers.contains(e)) {
@@ -488,18 +606,39 @@ impl Builder<'_> {
 
     /// The layers of `bucket` that have parameters to move.
     fn with_params(&self, bucket: &[usize]) -> Vec<usize> {
-        bucket.iter().copied().filter(|&l| self.layers[l].has_params).collect()
+        bucket
+            .iter()
+            .copied()
+            .filter(|&l| self.layers[l].has_params)
+            .collect()
     }
 
     /// Gathered bytes of each layer's full parameters (0 when nothing is gathered).
     fn gather_sizes(&self) -> Vec<u64> {
-        self.layers.iter().map(|l| if l.has_params { l.padded * self.dtype.bytes() } else { 0 }).collect()
+        self.layers
+            .iter()
+            .map(|l| {
+                if l.has_params {
+                    l.padded * self.dtype.bytes()
+                } else {
+                    0
+                }
+            })
+            .collect()
     }
 
     /// All-gathers a bucket of layers' param shards into fresh full buffers (flat or hierarchical).
-    fn gather(&mut self, bucket: &[usize], m: u32, phase: &str, out: &mut HashMap<usize, BufferId>) -> Vec<OpId> {
+    fn gather(
+        &mut self,
+        bucket: &[usize],
+        m: u32,
+        phase: &str,
+        out: &mut HashMap<usize, BufferId>,
+    ) -> Vec<OpId> {
         let sh = self.shard();
-        let hier = self.job.schedule.all_gather == AllGatherAlgo::Hierarchical && sh.params.inter > 1 && sh.params.intra > 1;
+        let hier = self.job.schedule.all_gather == AllGatherAlgo::Hierarchical
+            && sh.params.inter > 1
+            && sh.params.intra > 1;
         let layers = self.with_params(bucket);
         let mut fulls = vec![];
         for &l in &layers {
@@ -528,7 +667,10 @@ impl Builder<'_> {
                     )
                 })
                 .collect();
-            return self.issue(cs, OpRole::Gather, layer, Some(m)).into_iter().collect();
+            return self
+                .issue(cs, OpRole::Gather, layer, Some(m))
+                .into_iter()
+                .collect();
         }
         // MiCS §3.3: inter-node all-gather, rearrangement, coalesced intra-node all-gathers.
         let (a, b) = (u64::from(sh.params.intra), u64::from(sh.params.inter));
@@ -552,15 +694,32 @@ impl Builder<'_> {
             for j in 0..b {
                 let mine = Region {
                     buffer: full,
-                    offset: Offset::Shard { index: ShardIndex::ParamLocal, base: j * a * chunk, stride: chunk },
+                    offset: Offset::Shard {
+                        index: ShardIndex::ParamLocal,
+                        base: j * a * chunk,
+                        stride: chunk,
+                    },
                     bytes: chunk,
                 };
                 copies.1.push(mine);
-                let block = Region { buffer: full, offset: Offset::Fixed(j * a * chunk), bytes: a * chunk };
-                stage3.push(self.collective(Collective::AllGather, CommKind::HierIntra, self.dtype, mine, block));
+                let block = Region {
+                    buffer: full,
+                    offset: Offset::Fixed(j * a * chunk),
+                    bytes: a * chunk,
+                };
+                stage3.push(self.collective(
+                    Collective::AllGather,
+                    CommKind::HierIntra,
+                    self.dtype,
+                    mine,
+                    block,
+                ));
             }
         }
-        let mut ops: Vec<OpId> = self.issue(stage1, OpRole::Gather, layer, Some(m)).into_iter().collect();
+        let mut ops: Vec<OpId> = self
+            .issue(stage1, OpRole::Gather, layer, Some(m))
+            .into_iter()
+            .collect();
         let copy = self.compute(ComputeKind::Copy, layer, Some(m), copies.0, copies.1);
         self.p.ops[copy].role = OpRole::Gather;
         ops.push(copy);
@@ -583,24 +742,56 @@ impl Builder<'_> {
         if gathers {
             ops.extend(self.gather(bucket, m, "fwd", out));
         }
-        let gathered_bytes = bucket.iter().filter_map(|l| out.get(l)).map(|&b| self.p.buffers[b].bytes).sum();
-        (!ops.is_empty()).then_some(Unit { ops, layers: bucket.to_vec(), gathered_bytes, ..Unit::default() })
+        let gathered_bytes = bucket
+            .iter()
+            .filter_map(|l| out.get(l))
+            .map(|&b| self.p.buffers[b].bytes)
+            .sum();
+        (!ops.is_empty()).then_some(Unit {
+            ops,
+            layers: bucket.to_vec(),
+            gathered_bytes,
+            ..Unit::default()
+        })
     }
 
-    fn backward_unit(&mut self, bucket: &[usize], m: u32, gathers: bool, out: &mut HashMap<usize, BufferId>) -> Option<Unit> {
+    fn backward_unit(
+        &mut self,
+        bucket: &[usize],
+        m: u32,
+        gathers: bool,
+        out: &mut HashMap<usize, BufferId>,
+    ) -> Option<Unit> {
         if !gathers {
             return None;
         }
         let ops = match self.job.schedule.reshard_after_forward {
-            ReshardAfterForward::Node { secondary } => self.gather_secondary(bucket, m, secondary, out),
+            ReshardAfterForward::Node { secondary } => {
+                self.gather_secondary(bucket, m, secondary, out)
+            }
             _ => self.gather(bucket, m, "bwd", out),
         };
-        let gathered_bytes = bucket.iter().filter_map(|l| out.get(l)).map(|&b| self.p.buffers[b].bytes).sum();
-        (!ops.is_empty()).then_some(Unit { ops, layers: bucket.to_vec(), gathered_bytes, ..Unit::default() })
+        let gathered_bytes = bucket
+            .iter()
+            .filter_map(|l| out.get(l))
+            .map(|&b| self.p.buffers[b].bytes)
+            .sum();
+        (!ops.is_empty()).then_some(Unit {
+            ops,
+            layers: bucket.to_vec(),
+            gathered_bytes,
+            ..Unit::default()
+        })
     }
 
     /// hpZ: backward gathers the secondary copy within the node.
-    fn gather_secondary(&mut self, bucket: &[usize], m: u32, k: u32, out: &mut HashMap<usize, BufferId>) -> Vec<OpId> {
+    fn gather_secondary(
+        &mut self,
+        bucket: &[usize],
+        m: u32,
+        k: u32,
+        out: &mut HashMap<usize, BufferId>,
+    ) -> Vec<OpId> {
         let d = self.dtype.bytes();
         let mut cs = vec![];
         let mut layer = None;
@@ -619,7 +810,9 @@ impl Builder<'_> {
                 Region::whole(full, padded * d),
             ));
         }
-        self.issue(cs, OpRole::Gather, layer, Some(m)).into_iter().collect()
+        self.issue(cs, OpRole::Gather, layer, Some(m))
+            .into_iter()
+            .collect()
     }
 
     fn secondary_buf(&mut self, l: usize, m: u32) -> BufferId {
@@ -629,7 +822,13 @@ impl Builder<'_> {
         let (id, padded) = (self.layers[l].id, self.layers[l].padded);
         let k = u64::from(self.layout.secondary.unwrap_or(1));
         let name = format!("{}.params.secondary.m{m}", self.p.layers[id].name);
-        let b = self.buffer(name, BufferKind::Secondary, self.dtype, padded / k, Some(id));
+        let b = self.buffer(
+            name,
+            BufferKind::Secondary,
+            self.dtype,
+            padded / k,
+            Some(id),
+        );
         self.secondaries.insert((l, m), b);
         b
     }
@@ -641,7 +840,10 @@ impl Builder<'_> {
             return None;
         }
         let bytes = st.padded * self.dtype.bytes();
-        Some(Region::whole(full.get(&l).copied().unwrap_or(st.param_shard), bytes))
+        Some(Region::whole(
+            full.get(&l).copied().unwrap_or(st.param_shard),
+            bytes,
+        ))
     }
 
     /// Layer `l`'s saved activations in micro-step `m` (created on first use).
@@ -653,7 +855,13 @@ impl Builder<'_> {
         (bytes > 0).then(|| {
             let id = self.layers[l].id;
             let name = format!("{}.act.m{m}", self.p.layers[id].name);
-            let b = self.buffer(name, BufferKind::Activation, self.dtype, bytes / self.dtype.bytes(), Some(id));
+            let b = self.buffer(
+                name,
+                BufferKind::Activation,
+                self.dtype,
+                bytes / self.dtype.bytes(),
+                Some(id),
+            );
             self.acts.insert((l, m), b);
             b
         })
@@ -679,12 +887,28 @@ impl Builder<'_> {
         }
         let mut ops = vec![self.compute(ComputeKind::Forward, Some(id), Some(m), reads, writes)];
         // hpZ keeps this rank's slice of the gathered parameters for backward.
-        if let (ReshardAfterForward::Node { secondary }, Some(&g)) = (self.job.schedule.reshard_after_forward, full.get(&l)) {
+        if let (ReshardAfterForward::Node { secondary }, Some(&g)) =
+            (self.job.schedule.reshard_after_forward, full.get(&l))
+        {
             let padded = self.layers[l].padded;
             let chunk = padded / u64::from(secondary) * self.dtype.bytes();
             let sec = self.secondary_buf(l, m);
-            let from = Region { buffer: g, offset: Offset::Shard { index: ShardIndex::Secondary, base: 0, stride: chunk }, bytes: chunk };
-            ops.push(self.compute(ComputeKind::Copy, Some(id), Some(m), vec![from], vec![Region::whole(sec, chunk)]));
+            let from = Region {
+                buffer: g,
+                offset: Offset::Shard {
+                    index: ShardIndex::Secondary,
+                    base: 0,
+                    stride: chunk,
+                },
+                bytes: chunk,
+            };
+            ops.push(self.compute(
+                ComputeKind::Copy,
+                Some(id),
+                Some(m),
+                vec![from],
+                vec![Region::whole(sec, chunk)],
+            ));
         }
         ops
     }
@@ -735,8 +959,13 @@ impl Builder<'_> {
                 reads.push(p);
             }
             let g = self.grad_target(e, m, full_grads);
-            let LayerKind::Embedding { vocab, hidden, .. } = self.job.model.layers[e].kind else { unreachable!() };
-            let wte = Region { bytes: vocab * hidden * self.grad_dtype.bytes(), ..g };
+            let LayerKind::Embedding { vocab, hidden, .. } = self.job.model.layers[e].kind else {
+                unreachable!()
+            };
+            let wte = Region {
+                bytes: vocab * hidden * self.grad_dtype.bytes(),
+                ..g
+            };
             self.grad_write(m, wte, &mut reads, &mut writes);
         }
         ops.push(self.compute(ComputeKind::Backward, Some(id), Some(m), reads, writes));
@@ -744,7 +973,12 @@ impl Builder<'_> {
     }
 
     /// Where backward writes layer `l`'s parameter gradient in micro-step `m`.
-    fn grad_target(&mut self, l: usize, m: u32, full_grads: &mut HashMap<usize, BufferId>) -> Region {
+    fn grad_target(
+        &mut self,
+        l: usize,
+        m: u32,
+        full_grads: &mut HashMap<usize, BufferId>,
+    ) -> Region {
         let st = &self.layers[l];
         let bytes = st.padded * self.grad_dtype.bytes();
         if self.direct_accumulation() {
@@ -776,7 +1010,11 @@ impl Builder<'_> {
     fn grad_write(&mut self, m: u32, g: Region, reads: &mut Vec<Region>, writes: &mut Vec<Region>) {
         let whole_before = self.direct_accumulation() && m > 0;
         let written = self.grads_written.entry((g.buffer, m)).or_insert(0);
-        let added = if whole_before { g.bytes } else { (*written).min(g.bytes) };
+        let added = if whole_before {
+            g.bytes
+        } else {
+            (*written).min(g.bytes)
+        };
         *written = (*written).max(g.bytes);
         if added > 0 {
             let r = Region { bytes: added, ..g };
@@ -784,12 +1022,21 @@ impl Builder<'_> {
             writes.push(r);
         }
         if g.bytes > added {
-            writes.push(Region { offset: Offset::Fixed(added), bytes: g.bytes - added, ..g });
+            writes.push(Region {
+                offset: Offset::Fixed(added),
+                bytes: g.bytes - added,
+                ..g
+            });
         }
     }
 
     /// Per-micro-step gradient reduction of a bucket (lowering spec §3, "Gradients").
-    fn reduce(&mut self, bucket: &[usize], m: u32, full_grads: &HashMap<usize, BufferId>) -> Vec<OpId> {
+    fn reduce(
+        &mut self,
+        bucket: &[usize],
+        m: u32,
+        full_grads: &HashMap<usize, BufferId>,
+    ) -> Vec<OpId> {
         let sh = self.shard();
         let gd = self.grad_dtype;
         let flat = self.job.schedule.grad_sync == GradSync::Flat;
@@ -809,23 +1056,46 @@ impl Builder<'_> {
                 cs.push(self.collective(Collective::AllReduce, CommKind::All, gd, full, full));
                 let mine = Region {
                     buffer: full.buffer,
-                    offset: Offset::Shard { index: ShardIndex::Grad, base: 0, stride: shard_bytes },
+                    offset: Offset::Shard {
+                        index: ShardIndex::Grad,
+                        base: 0,
+                        stride: shard_bytes,
+                    },
                     bytes: shard_bytes,
                 };
                 adds.push((id, mine, Region::whole(acc, shard_bytes)));
             } else if m == 0 {
-                cs.push(self.collective(Collective::ReduceScatter, CommKind::Grads, gd, full, Region::whole(acc, shard_bytes)));
+                cs.push(self.collective(
+                    Collective::ReduceScatter,
+                    CommKind::Grads,
+                    gd,
+                    full,
+                    Region::whole(acc, shard_bytes),
+                ));
             } else {
                 let name = format!("{}.grads.staging.m{m}", self.p.layers[id].name);
-                let stage = self.buffer(name, BufferKind::Staging, gd, padded / sh.grads.size(), Some(id));
+                let stage = self.buffer(
+                    name,
+                    BufferKind::Staging,
+                    gd,
+                    padded / sh.grads.size(),
+                    Some(id),
+                );
                 let out = Region::whole(stage, shard_bytes);
                 cs.push(self.collective(Collective::ReduceScatter, CommKind::Grads, gd, full, out));
                 adds.push((id, out, Region::whole(acc, shard_bytes)));
             }
         }
-        let mut ops: Vec<OpId> = self.issue(cs, OpRole::Reduce, Some(first), Some(m)).into_iter().collect();
+        let mut ops: Vec<OpId> = self
+            .issue(cs, OpRole::Reduce, Some(first), Some(m))
+            .into_iter()
+            .collect();
         for (id, from, acc) in adds {
-            let (kind, reads) = if m == 0 { (ComputeKind::Copy, vec![from]) } else { (ComputeKind::Accumulate, vec![from, acc]) };
+            let (kind, reads) = if m == 0 {
+                (ComputeKind::Copy, vec![from])
+            } else {
+                (ComputeKind::Accumulate, vec![from, acc])
+            };
             let op = self.compute(kind, Some(id), Some(m), reads, vec![acc]);
             self.p.ops[op].role = OpRole::Reduce;
             ops.push(op);
@@ -855,14 +1125,30 @@ impl Builder<'_> {
             let mut g = Region::whole(acc, g_bytes);
             if two_hop && sh.optimizer.size() > sh.grads.size() {
                 let name = format!("{}.grads.optimizer", self.p.layers[id].name);
-                let os = self.buffer(name, BufferKind::Staging, gd, padded / sh.optimizer.size(), Some(id));
+                let os = self.buffer(
+                    name,
+                    BufferKind::Staging,
+                    gd,
+                    padded / sh.optimizer.size(),
+                    Some(id),
+                );
                 let out = Region::whole(os, os_bytes);
-                rs.push(self.collective(Collective::ReduceScatter, CommKind::OptimizerInGrad, gd, g, out));
+                rs.push(self.collective(
+                    Collective::ReduceScatter,
+                    CommKind::OptimizerInGrad,
+                    gd,
+                    g,
+                    out,
+                ));
                 g = out;
             } else if !two_hop && sh.optimizer.size() > sh.grads.size() {
                 g = Region {
                     buffer: acc,
-                    offset: Offset::Shard { index: ShardIndex::OptimizerInGrad, base: 0, stride: os_bytes },
+                    offset: Offset::Shard {
+                        index: ShardIndex::OptimizerInGrad,
+                        base: 0,
+                        stride: os_bytes,
+                    },
                     bytes: os_bytes,
                 };
             }
@@ -882,10 +1168,20 @@ impl Builder<'_> {
             let os_bytes = padded / sh.optimizer.size() * self.dtype.bytes();
             let mine = Region {
                 buffer: shard,
-                offset: Offset::Shard { index: ShardIndex::OptimizerInParam, base: 0, stride: os_bytes },
+                offset: Offset::Shard {
+                    index: ShardIndex::OptimizerInParam,
+                    base: 0,
+                    stride: os_bytes,
+                },
                 bytes: os_bytes,
             };
-            let update = self.compute(ComputeKind::Update, Some(id), None, vec![g, opt_region], vec![opt_region, mine]);
+            let update = self.compute(
+                ComputeKind::Update,
+                Some(id),
+                None,
+                vec![g, opt_region],
+                vec![opt_region, mine],
+            );
             // Off the compute stream: the optimizer runs beside the remaining backward.
             self.p.ops[update].role = OpRole::Sync;
             ops.push(update);
@@ -912,12 +1208,24 @@ impl Builder<'_> {
             let os_bytes = padded / sh.optimizer.size() * d;
             let mine = Region {
                 buffer: shard,
-                offset: Offset::Shard { index: ShardIndex::OptimizerInParam, base: 0, stride: os_bytes },
+                offset: Offset::Shard {
+                    index: ShardIndex::OptimizerInParam,
+                    base: 0,
+                    stride: os_bytes,
+                },
                 bytes: os_bytes,
             };
             let whole = Region::whole(shard, padded / sh.params.size() * d);
-            cs.push(self.collective(Collective::AllGather, CommKind::Refresh, self.dtype, mine, whole));
+            cs.push(self.collective(
+                Collective::AllGather,
+                CommKind::Refresh,
+                self.dtype,
+                mine,
+                whole,
+            ));
         }
-        self.issue(cs, OpRole::Refresh, layer, None).into_iter().collect()
+        self.issue(cs, OpRole::Refresh, layer, None)
+            .into_iter()
+            .collect()
     }
 }

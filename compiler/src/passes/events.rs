@@ -75,10 +75,15 @@ pub fn run(p: &mut Program, fences: &[(OpId, OpId)]) {
             if ds == s || clock[ds] >= seq[d] {
                 continue;
             }
-            let ev = *event_of.entry(d).or_insert_with(|| p.events.push(Event { recorder: d }));
+            let ev = *event_of
+                .entry(d)
+                .or_insert_with(|| p.events.push(Event { recorder: d }));
             waits.push(ev);
             let from = &clocks[d.index() * streams..(d.index() + 1) * streams];
-            clock.iter_mut().zip(from).for_each(|(a, &b)| *a = (*a).max(b));
+            clock
+                .iter_mut()
+                .zip(from)
+                .for_each(|(a, &b)| *a = (*a).max(b));
         }
         count[s] += 1;
         clock[s] = count[s];

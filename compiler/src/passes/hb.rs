@@ -20,7 +20,11 @@ pub struct Clocks {
 impl Clocks {
     pub fn new(p: &Program) -> Self {
         let streams = p.streams.len();
-        let mut c = Clocks { streams, seq: SecondaryMap::with_capacity(p.ops.len()), vc: vec![0; p.ops.len() * streams] };
+        let mut c = Clocks {
+            streams,
+            seq: SecondaryMap::with_capacity(p.ops.len()),
+            vc: vec![0; p.ops.len() * streams],
+        };
         let mut last: Vec<Option<OpId>> = vec![None; streams];
         let mut count = vec![0u32; streams];
         for (id, op) in p.ops.iter() {
@@ -28,7 +32,10 @@ impl Clocks {
             let mut clock = last[s].map_or_else(|| vec![0; streams], |prev| c.clock(prev).to_vec());
             for &ev in &op.wait {
                 let from = c.clock(p.events[ev].recorder).to_vec();
-                clock.iter_mut().zip(from).for_each(|(a, b)| *a = (*a).max(b));
+                clock
+                    .iter_mut()
+                    .zip(from)
+                    .for_each(|(a, b)| *a = (*a).max(b));
             }
             count[s] += 1;
             clock[s] = count[s];

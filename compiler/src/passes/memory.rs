@@ -51,7 +51,10 @@ impl Lifetimes {
                 l.last_index[b.index()] = id.index();
                 let last = &mut l.last[b][op.stream.index()];
                 *last = (*last).max(clocks.seq(id));
-                l.min_clock[b].iter_mut().zip(&before).for_each(|(m, &c)| *m = (*m).min(c));
+                l.min_clock[b]
+                    .iter_mut()
+                    .zip(&before)
+                    .for_each(|(m, &c)| *m = (*m).min(c));
             }
         }
         l
@@ -59,7 +62,10 @@ impl Lifetimes {
 
     /// Every access to `a` happens before every access to `b`.
     pub fn dead_before(&self, a: BufferId, b: BufferId) -> bool {
-        self.last[a].iter().zip(&self.min_clock[b]).all(|(&last, &min)| last == 0 || min >= last)
+        self.last[a]
+            .iter()
+            .zip(&self.min_clock[b])
+            .all(|(&last, &min)| last == 0 || min >= last)
     }
 }
 
@@ -76,19 +82,32 @@ pub fn run(p: &mut Program) -> Vec<(OpId, OpId)> {
         top = align(top + b.bytes);
     }
     let base = top;
-    let mut transient: Vec<BufferId> =
-        p.buffers.iter().filter(|(id, b)| !b.kind.is_persistent() && life.first[*id].is_some()).map(|(id, _)| id).collect();
+    let mut transient: Vec<BufferId> = p
+        .buffers
+        .iter()
+        .filter(|(id, b)| !b.kind.is_persistent() && life.first[*id].is_some())
+        .map(|(id, _)| id)
+        .collect();
     transient.sort_by_key(|&b| (life.first[b].map(|o| o.index()), b));
     let span = spans(p, &clocks, &life, &transient);
 
     // Greedy placement in three classic orders (largest first; largest size x lifetime first;
     // first access first); the smallest arena wins.
-    let by_size = |b: &BufferId| (std::cmp::Reverse(p.buffers[*b].bytes), span[b.index()].0, *b);
+    let by_size = |b: &BufferId| {
+        (
+            std::cmp::Reverse(p.buffers[*b].bytes),
+            span[b.index()].0,
+            *b,
+        )
+    };
     let area = |b: &BufferId| {
         let (s0, s1) = span[b.index()];
-        (std::cmp::Reverse(u128::from(p.buffers[*b].bytes) * (s1 - s0) as u128), *b)
+        (
+            std::cmp::Reverse(u128::from(p.buffers[*b].bytes) * (s1 - s0) as u128),
+            *b,
+        )
     };
-    let mut orders = vec![transient.clone(), transient.clone(), transient.clone()];
+    let mut orders = [transient.clone(), transient.clone(), transient.clone()];
     orders[0].sort_by_key(by_size);
     orders[1].sort_by_key(area);
     let best = orders
@@ -109,7 +128,12 @@ pub fn run(p: &mut Program) -> Vec<(OpId, OpId)> {
         let at = p.buffers[b].offset;
         for a in occupants.replace(at, at + p.buffers[b].bytes, b) {
             for &waiter in firsts[b.index()].iter().flatten() {
-                reuse.extend(lasts[a.index()].iter().flatten().map(|&waited| (waiter, waited)));
+                reuse.extend(
+                    lasts[a.index()]
+                        .iter()
+                        .flatten()
+                        .map(|&waited| (waiter, waited)),
+                );
             }
         }
     }
@@ -118,7 +142,13 @@ pub fn run(p: &mut Program) -> Vec<(OpId, OpId)> {
 
 /// Places `order`'s buffers one by one at the lowest offset clear of the placed buffers each may
 /// be in use together with; returns every buffer's offset (indexed by id) and the arena top.
-fn place(p: &Program, life: &Lifetimes, span: &[(usize, usize)], order: &[BufferId], base: u64) -> (Vec<u64>, u64) {
+fn place(
+    p: &Program,
+    life: &Lifetimes,
+    span: &[(usize, usize)],
+    order: &[BufferId],
+    base: u64,
+) -> (Vec<u64>, u64) {
     const BLOCK: usize = 64;
     let align = |x: u64| x.div_ceil(ALIGN) * ALIGN;
     let mut offset = vec![0u64; p.buffers.len()];
@@ -166,8 +196,12 @@ fn place(p: &Program, life: &Lifetimes, span: &[(usize, usize)], order: &[Buffer
 pub fn concurrency_bound(p: &Program) -> u64 {
     let clocks = Clocks::new(p);
     let life = Lifetimes::new(p, &clocks);
-    let mut transient: Vec<BufferId> =
-        p.buffers.iter().filter(|(id, b)| !b.kind.is_persistent() && life.first[*id].is_some()).map(|(id, _)| id).collect();
+    let mut transient: Vec<BufferId> = p
+        .buffers
+        .iter()
+        .filter(|(id, b)| !b.kind.is_persistent() && life.first[*id].is_some())
+        .map(|(id, _)| id)
+        .collect();
     transient.sort_by_key(|&b| (life.first[b].map(|o| o.index()), b));
     let span = spans(p, &clocks, &life, &transient);
     let (firsts, lasts) = access_ends(p);
@@ -183,7 +217,10 @@ pub fn concurrency_bound(p: &Program) -> u64 {
             .iter()
             .filter(|&&b| {
                 firsts[b.index()].iter().flatten().any(|&x| hb(x))
-                    && lasts[b.index()].iter().flatten().any(|&y| !(y != o && clocks.hb(p, y, o)))
+                    && lasts[b.index()]
+                        .iter()
+                        .flatten()
+                        .any(|&y| !(y != o && clocks.hb(p, y, o)))
             })
             .map(|&b| p.buffers[b].bytes)
             .sum();
@@ -195,11 +232,18 @@ pub fn concurrency_bound(p: &Program) -> u64 {
 /// Per buffer (indexed by id), the issue positions `[first access, retired)`: from `retired` on,
 /// every op on every stream happens after all its accesses. Buffers whose spans do not overlap
 /// are never in use together. `transient` is sorted by first access.
-fn spans(p: &Program, clocks: &Clocks, life: &Lifetimes, transient: &[BufferId]) -> Vec<(usize, usize)> {
+fn spans(
+    p: &Program,
+    clocks: &Clocks,
+    life: &Lifetimes,
+    transient: &[BufferId],
+) -> Vec<(usize, usize)> {
     let n = p.ops.len();
     let mut span = vec![(0, 0); p.buffers.len()];
-    let mut by_last: Vec<(usize, BufferId)> =
-        transient.iter().map(|&b| (life.last_index[b.index()], b)).collect();
+    let mut by_last: Vec<(usize, BufferId)> = transient
+        .iter()
+        .map(|&b| (life.last_index[b.index()], b))
+        .collect();
     by_last.sort_unstable();
     let mut frontier = Frontier::new(p);
     let mut pending: Vec<BufferId> = vec![];
@@ -239,7 +283,10 @@ impl Frontier {
         for (id, op) in p.ops.iter() {
             on_stream[op.stream.index()].push(id);
         }
-        Frontier { cursor: vec![0; on_stream.len()], on_stream }
+        Frontier {
+            cursor: vec![0; on_stream.len()],
+            on_stream,
+        }
     }
 
     /// Moves every stream's cursor to its first op at or after issue position `from`.
@@ -254,13 +301,17 @@ impl Frontier {
     /// Every op from here on, on every stream, happens after the accesses `last` (per-stream
     /// positions): true when each stream's next op does, since clocks only grow along a stream.
     fn covers(&self, clocks: &Clocks, last: &[u32]) -> bool {
-        self.on_stream.iter().zip(&self.cursor).enumerate().all(|(s, (ops, &c))| {
-            let Some(&op) = ops.get(c) else { return true };
-            clocks.clock(op).iter().enumerate().all(|(t, &v)| {
-                let before = if t == s { v - 1 } else { v };
-                before >= last[t]
+        self.on_stream
+            .iter()
+            .zip(&self.cursor)
+            .enumerate()
+            .all(|(s, (ops, &c))| {
+                let Some(&op) = ops.get(c) else { return true };
+                clocks.clock(op).iter().enumerate().all(|(t, &v)| {
+                    let before = if t == s { v - 1 } else { v };
+                    before >= last[t]
+                })
             })
-        })
     }
 }
 

@@ -22,17 +22,27 @@ use std::collections::{HashMap, VecDeque};
 
 /// Fixes the issue order and returns the renumbered program with its fences.
 pub fn run(draft: Draft) -> Result<(Program, Vec<(OpId, OpId)>), LowerError> {
-    let Draft { program, slots, max_live, .. } = draft;
+    let Draft {
+        program,
+        slots,
+        max_live,
+        ..
+    } = draft;
     let cap = max_live.unwrap_or(u64::MAX);
     let mut units: Vec<(usize, usize, &crate::lower::Unit)> = vec![]; // (issue slot wanted, seq, unit)
     for slot in &slots {
         for u in &slot.units {
-            let wanted = u.consumer.saturating_sub(u.depth).max(u.earliest).min(u.consumer);
+            let wanted = u
+                .consumer
+                .saturating_sub(u.depth)
+                .max(u.earliest)
+                .min(u.consumer);
             units.push((wanted, units.len(), u));
         }
     }
     units.sort_by_key(|&(_, seq, u)| (u.consumer, seq));
-    let mut queue: VecDeque<(usize, &crate::lower::Unit)> = units.iter().map(|&(w, _, u)| (w, u)).collect();
+    let mut queue: VecDeque<(usize, &crate::lower::Unit)> =
+        units.iter().map(|&(w, _, u)| (w, u)).collect();
 
     let mut order: Vec<OpId> = Vec::with_capacity(program.ops.len());
     let mut fences: Vec<(OpId, OpId)> = vec![];
@@ -87,7 +97,9 @@ pub fn run(draft: Draft) -> Result<(Program, Vec<(OpId, OpId)>), LowerError> {
             order.extend(&u.ops);
         }
         for &op in &slot.compute {
-            if program.ops[op].kind == OpKind::Compute(ComputeKind::Backward) && reductions.len() >= 2 {
+            if program.ops[op].kind == OpKind::Compute(ComputeKind::Backward)
+                && reductions.len() >= 2
+            {
                 fences.push((op, reductions[reductions.len() - 2]));
             }
             order.push(op);
@@ -99,23 +111,43 @@ pub fn run(draft: Draft) -> Result<(Program, Vec<(OpId, OpId)>), LowerError> {
             order.push(op);
         }
     }
-    debug_assert!(queue.is_empty(), "every unit is issued by its consumer's slot");
+    debug_assert!(
+        queue.is_empty(),
+        "every unit is issued by its consumer's slot"
+    );
     Ok(renumber(program, order, fences))
 }
 
 fn slot_layer_name(p: &Program, slot: &crate::lower::Slot) -> String {
-    p.ops[slot.compute[0]].layer.map_or_else(|| "the loss".to_string(), |l| p.layers[l].name.clone())
+    p.ops[slot.compute[0]]
+        .layer
+        .map_or_else(|| "the loss".to_string(), |l| p.layers[l].name.clone())
 }
 
 /// Rebuilds the op table so that op ids follow the issue order.
-fn renumber(mut program: Program, order: Vec<OpId>, fences: Vec<(OpId, OpId)>) -> (Program, Vec<(OpId, OpId)>) {
-    assert_eq!(order.len(), program.ops.len(), "every op is issued exactly once");
-    let new_id: HashMap<OpId, OpId> = order.iter().enumerate().map(|(i, &o)| (o, OpId::new(i))).collect();
+fn renumber(
+    mut program: Program,
+    order: Vec<OpId>,
+    fences: Vec<(OpId, OpId)>,
+) -> (Program, Vec<(OpId, OpId)>) {
+    assert_eq!(
+        order.len(),
+        program.ops.len(),
+        "every op is issued exactly once"
+    );
+    let new_id: HashMap<OpId, OpId> = order
+        .iter()
+        .enumerate()
+        .map(|(i, &o)| (o, OpId::new(i)))
+        .collect();
     let mut ops = PrimaryMap::with_capacity(order.len());
     for &o in &order {
         ops.push(program.ops[o].clone());
     }
     program.ops = ops;
-    let fences = fences.into_iter().map(|(a, b)| (new_id[&a], new_id[&b])).collect();
+    let fences = fences
+        .into_iter()
+        .map(|(a, b)| (new_id[&a], new_id[&b]))
+        .collect();
     (program, fences)
 }

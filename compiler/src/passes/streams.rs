@@ -14,7 +14,11 @@ use std::collections::HashMap;
 
 pub fn run(p: &mut Program, policy: Streams, overlap: Overlap) {
     let mut streams: HashMap<StreamRole, StreamId> = HashMap::new();
-    let mut stream = |p: &mut Program, role: StreamRole| *streams.entry(role).or_insert_with(|| p.streams.push(Stream { role }));
+    let mut stream = |p: &mut Program, role: StreamRole| {
+        *streams
+            .entry(role)
+            .or_insert_with(|| p.streams.push(Stream { role }))
+    };
     stream(p, StreamRole::Compute);
     let mut last_of_role: HashMap<OpRole, StreamRole> = HashMap::new();
     for id in p.ops.keys().collect::<Vec<_>>() {
@@ -35,10 +39,19 @@ pub fn run(p: &mut Program, policy: Streams, overlap: Overlap) {
                 _ => per_role(op.role),
             }
         } else {
-            last_of_role.get(&op.role).copied().unwrap_or_else(|| per_role(op.role))
+            last_of_role
+                .get(&op.role)
+                .copied()
+                .unwrap_or_else(|| per_role(op.role))
         };
-        let role = if policy == Streams::PerLink && role != StreamRole::Compute && op.collectives().is_empty() {
-            last_of_role.get(&op.role).copied().unwrap_or(StreamRole::Intra)
+        let role = if policy == Streams::PerLink
+            && role != StreamRole::Compute
+            && op.collectives().is_empty()
+        {
+            last_of_role
+                .get(&op.role)
+                .copied()
+                .unwrap_or(StreamRole::Intra)
         } else {
             role
         };

@@ -26,8 +26,14 @@ const REQUIRED: &[(&str, &str)] = &[
     ("gpus_per_node", "gpus_per_node = 8"),
     ("gpu_memory", "gpu_memory = 80 GiB"),
     ("peak_flops", "peak_flops = 312 TFLOPS"),
-    ("intra_node", "intra_node { bandwidth = 200 GB/s  latency = 5 us }"),
-    ("inter_node", "inter_node { bandwidth = 400 Gbps  latency = 10 us }"),
+    (
+        "intra_node",
+        "intra_node { bandwidth = 200 GB/s  latency = 5 us }",
+    ),
+    (
+        "inter_node",
+        "inter_node { bandwidth = 400 Gbps  latency = 10 us }",
+    ),
 ];
 
 const LINK_KEYS: &[(&str, Shape)] = &[("bandwidth", Shape::Value), ("latency", Shape::Value)];
@@ -37,10 +43,23 @@ pub(crate) const MAX_COUNT: u64 = 1 << 20;
 
 pub(crate) fn resolve(ctx: &mut Ctx, item: &BlockItem) -> Option<Cluster> {
     let what = format!("cluster `{}`", item.name.name);
-    let r = BlockReader::new(ctx, &what, &item.body.entries, KEYS, Extras { measured: true, ..Extras::default() });
+    let r = BlockReader::new(
+        ctx,
+        &what,
+        &item.body.entries,
+        KEYS,
+        Extras {
+            measured: true,
+            ..Extras::default()
+        },
+    );
     r.require(ctx, &item.name, &what, REQUIRED);
-    let nodes = r.value("nodes").and_then(|v| expect_int(ctx, v, 1, MAX_COUNT, "`nodes`"));
-    let gpus = r.value("gpus_per_node").and_then(|v| expect_int(ctx, v, 1, MAX_COUNT, "`gpus_per_node`"));
+    let nodes = r
+        .value("nodes")
+        .and_then(|v| expect_int(ctx, v, 1, MAX_COUNT, "`nodes`"));
+    let gpus = r
+        .value("gpus_per_node")
+        .and_then(|v| expect_int(ctx, v, 1, MAX_COUNT, "`gpus_per_node`"));
     let memory = r.value("gpu_memory").and_then(|v| expect_bytes(ctx, v));
     let peak_value = r.value("peak_flops");
     let peak = peak_value.and_then(|v| expect_quantity(ctx, v, UnitKind::Compute));
@@ -51,7 +70,8 @@ pub(crate) fn resolve(ctx: &mut Ctx, item: &BlockItem) -> Option<Cluster> {
                 Some(e)
             } else {
                 ctx.error(
-                    Diagnostic::error(format!("`efficiency` must be in (0, 1], found {e}")).at(v.span, "out of range"),
+                    Diagnostic::error(format!("`efficiency` must be in (0, 1], found {e}"))
+                        .at(v.span, "out of range"),
                 );
                 None
             }
@@ -59,9 +79,12 @@ pub(crate) fn resolve(ctx: &mut Ctx, item: &BlockItem) -> Option<Cluster> {
     };
     let intra = r.block("intra_node").and_then(|b| link_block(ctx, b));
     let inter = r.block("inter_node").and_then(|b| link_block(ctx, b));
-    let measured: Vec<Option<MeasuredTable>> = r.measured.iter().map(|m| measured_table(ctx, m)).collect();
+    let measured: Vec<Option<MeasuredTable>> =
+        r.measured.iter().map(|m| measured_table(ctx, m)).collect();
     for (t, m) in measured.iter().zip(&r.measured) {
-        let (Some(t), Some(n), Some(g)) = (t, nodes, gpus) else { continue };
+        let (Some(t), Some(n), Some(g)) = (t, nodes, gpus) else {
+            continue;
+        };
         if u64::from(t.mesh.intra) > g || u64::from(t.mesh.inter) > n {
             ctx.error(
                 Diagnostic::error(format!(
@@ -80,8 +103,11 @@ pub(crate) fn resolve(ctx: &mut Ctx, item: &BlockItem) -> Option<Cluster> {
     if let (Some(p), Some(v)) = (peak, peak_value) {
         if p <= 0.0 {
             ctx.error(
-                Diagnostic::error(format!("`peak_flops` must be positive, found `{}`", written(v)))
-                    .at(v.span, "not positive"),
+                Diagnostic::error(format!(
+                    "`peak_flops` must be positive, found `{}`",
+                    written(v)
+                ))
+                .at(v.span, "not positive"),
             );
             return None;
         }
@@ -102,7 +128,15 @@ pub(crate) fn resolve(ctx: &mut Ctx, item: &BlockItem) -> Option<Cluster> {
 fn link_block(ctx: &mut Ctx, block: &Nested) -> Option<Link> {
     let what = format!("`{}`", block.key.name);
     let r = BlockReader::for_nested(ctx, &what, block, LINK_KEYS);
-    r.require(ctx, &block.key, &what, &[("bandwidth", "bandwidth = 200 GB/s"), ("latency", "latency = 5 us")]);
+    r.require(
+        ctx,
+        &block.key,
+        &what,
+        &[
+            ("bandwidth", "bandwidth = 200 GB/s"),
+            ("latency", "latency = 5 us"),
+        ],
+    );
     let bw_value = r.value("bandwidth");
     let lat_value = r.value("latency");
     let bw = bw_value.and_then(|v| expect_quantity(ctx, v, UnitKind::Bandwidth));
@@ -111,8 +145,11 @@ fn link_block(ctx: &mut Ctx, block: &Nested) -> Option<Link> {
     if let (Some(b), Some(v)) = (bw, bw_value) {
         if b <= 0.0 {
             ctx.error(
-                Diagnostic::error(format!("{what} bandwidth must be positive, found `{}`", written(v)))
-                    .at(v.span, "not positive"),
+                Diagnostic::error(format!(
+                    "{what} bandwidth must be positive, found `{}`",
+                    written(v)
+                ))
+                .at(v.span, "not positive"),
             );
             ok = false;
         }
@@ -120,12 +157,19 @@ fn link_block(ctx: &mut Ctx, block: &Nested) -> Option<Link> {
     if let (Some(l), Some(v)) = (lat, lat_value) {
         if l < 0.0 {
             ctx.error(
-                Diagnostic::error(format!("{what} latency cannot be negative, found `{}`", written(v))).at(v.span, "negative"),
+                Diagnostic::error(format!(
+                    "{what} latency cannot be negative, found `{}`",
+                    written(v)
+                ))
+                .at(v.span, "negative"),
             );
             ok = false;
         }
     }
-    ok.then_some(Link { bandwidth: bw?, latency: lat? })
+    ok.then_some(Link {
+        bandwidth: bw?,
+        latency: lat?,
+    })
 }
 
 fn measured_table(ctx: &mut Ctx, m: &Measured) -> Option<MeasuredTable> {
@@ -133,17 +177,29 @@ fn measured_table(ctx: &mut Ctx, m: &Measured) -> Option<MeasuredTable> {
     let mesh = match &m.mesh.kind {
         ValueKind::Mesh(lit) => match (lit.a.value(), lit.b.value()) {
             (Some(a), Some(b)) if (1..=MAX_COUNT).contains(&a) && (1..=MAX_COUNT).contains(&b) => {
-                Some(Mesh { intra: a as u32, inter: b as u32 })
+                Some(Mesh {
+                    intra: a as u32,
+                    inter: b as u32,
+                })
             }
             _ => {
-                ctx.error(Diagnostic::error("mesh factors must be between 1 and 2^20").at(m.mesh.span, "out of range"));
+                ctx.error(
+                    Diagnostic::error(format!(
+                        "measured mesh factors must be between 1 and {MAX_COUNT} (2^20), found {} x {}",
+                        lit.a.text, lit.b.text
+                    ))
+                    .at(m.mesh.span, "out of range"),
+                );
                 None
             }
         },
         _ => {
             ctx.error(
-                Diagnostic::error(format!("expected a mesh such as `8 x 2`, found {}", m.mesh.kind.describe()))
-                    .at(m.mesh.span, "a measured table names its mesh as `a x b`"),
+                Diagnostic::error(format!(
+                    "expected a mesh such as `8 x 2`, found {}",
+                    m.mesh.kind.describe()
+                ))
+                .at(m.mesh.span, "a measured table names its mesh as `a x b`"),
             );
             None
         }
@@ -154,7 +210,10 @@ fn measured_table(ctx: &mut Ctx, m: &Measured) -> Option<MeasuredTable> {
         let bw = quantity(ctx, &p.bandwidth, UnitKind::Bandwidth);
         if let (Some(s), Some(b)) = (size, bw) {
             if b <= 0.0 || s == 0 {
-                ctx.error(Diagnostic::error("a measured point needs a positive size and bandwidth").at(p.span, "here"));
+                ctx.error(
+                    Diagnostic::error("a measured point needs a positive size and bandwidth")
+                        .at(p.span, "here"),
+                );
             } else if let Some(&(prev, _)) = points.last().filter(|(prev, _)| *prev >= s) {
                 ctx.error(
                     Diagnostic::error(format!(
@@ -170,13 +229,25 @@ fn measured_table(ctx: &mut Ctx, m: &Measured) -> Option<MeasuredTable> {
         }
     }
     if m.points.is_empty() {
-        ctx.error(Diagnostic::error("a measured table needs at least one point").at(m.span, "empty table"));
+        ctx.error(
+            Diagnostic::error("a measured table needs at least one point")
+                .at(m.span, "empty table"),
+        );
         return None;
     }
-    let table = MeasuredTable { collective: collective_of(collective?), mesh: mesh?, points };
+    let table = MeasuredTable {
+        collective: collective_of(collective?),
+        mesh: mesh?,
+        points,
+    };
     (table.points.len() == m.points.len()).then_some(table)
 }
 
 fn collective_of(i: usize) -> Collective {
-    [Collective::AllGather, Collective::ReduceScatter, Collective::AllReduce, Collective::Broadcast][i]
+    [
+        Collective::AllGather,
+        Collective::ReduceScatter,
+        Collective::AllReduce,
+        Collective::Broadcast,
+    ][i]
 }

@@ -2,11 +2,13 @@
 //!
 //! One analysis starts at a root file and owns everything reachable from it:
 //! 1. **Load**: parse the root and, depth first, every file it imports (paths relative to the importing
-//!    file). A file reached twice is loaded once; a file reached again while it is still being
-//!    loaded is an import cycle, reported with the whole chain.
+//!    file). Files are identified by their absolute, normalised path ([`Loader::identity`]), so a
+//!    file reached twice, however its path is written, is loaded once; a file reached again while
+//!    it is still being loaded (itself included) is an import cycle, reported with the whole chain
+//!    and every import on it.
 //! 2. **Index**: every item of every loaded file goes into one namespace per kind (imports are
 //!    transitive, like C includes). An unknown item kind or two items of one kind and name are
-//!    errors; the latter points at both.
+//!    errors; the latter points at both, at the root file's definition first.
 //! 3. **Resolve**: clusters, then models (layers expanded, tensor shapes and exact parameter counts),
 //!    then schedules (presets expanded, explicit keys overriding, meshes laid out, every rule of
 //!    `dsl.md` checked) into [`Job`]s.
@@ -61,7 +63,8 @@ pub struct MemLoader {
 
 impl MemLoader {
     pub fn with(mut self, path: &str, text: &str) -> Self {
-        self.files.insert(normalize(Path::new(path)), text.to_string());
+        self.files
+            .insert(normalize(Path::new(path)), text.to_string());
         self
     }
 
@@ -77,9 +80,14 @@ impl Loader for MemLoader {
         let found = self.files.get(&normalize(path)).or_else(|| {
             // The same file written another way (`../sub/a.sched` for `a.sched`).
             let id = self.identity(path);
-            self.files.iter().find(|(k, _)| self.identity(k) == id).map(|(_, text)| text)
+            self.files
+                .iter()
+                .find(|(k, _)| self.identity(k) == id)
+                .map(|(_, text)| text)
         });
-        found.cloned().ok_or_else(|| std::io::ErrorKind::NotFound.into())
+        found
+            .cloned()
+            .ok_or_else(|| std::io::ErrorKind::NotFound.into())
     }
 
     fn identity(&self, path: &Path) -> PathBuf {
@@ -111,6 +119,8 @@ impl std::error::Error for ReadError {}
 pub(crate) struct Ctx {
     diags: Vec<Diagnostic>,
     seen: std::collections::HashSet<(String, Option<Span>)>,
+    /// Layers expanded so far, over every model of the analysis (see [`model::MAX_TOTAL_LAYERS`]).
+    pub layers_expanded: u64,
 }
 
 impl Ctx {
@@ -153,18 +163,31 @@ impl Analysis {
 
     /// The job to act on: the one named, or the only one. Lists the choices otherwise.
     pub fn select(&self, name: Option<&str>) -> Result<&Job, String> {
-        let names = || self.jobs.iter().map(|j| j.schedule.name.as_str()).collect::<Vec<_>>().join(", ");
+        let names = || {
+            self.jobs
+                .iter()
+                .map(|j| j.schedule.name.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
         match name {
-            Some(n) => self.jobs.iter().find(|j| j.schedule.name == n).ok_or_else(|| {
-                let hint = did_you_mean(n, self.jobs.iter().map(|j| j.schedule.name.as_str()))
-                    .map(|s| format!("; did you mean `{s}`?"))
-                    .unwrap_or_default();
-                format!("no schedule `{n}` in this file{hint} (it has: {})", names())
-            }),
+            Some(n) => self
+                .jobs
+                .iter()
+                .find(|j| j.schedule.name == n)
+                .ok_or_else(|| {
+                    let hint = did_you_mean(n, self.jobs.iter().map(|j| j.schedule.name.as_str()))
+                        .map(|s| format!("; did you mean `{s}`?"))
+                        .unwrap_or_default();
+                    format!("no schedule `{n}` in this file{hint} (it has: {})", names())
+                }),
             None => match self.jobs.as_slice() {
                 [one] => Ok(one),
                 [] => Err("this file defines no schedule".to_string()),
-                _ => Err(format!("this file defines several schedules; pick one with --schedule NAME: {}", names())),
+                _ => Err(format!(
+                    "this file defines several schedules; pick one with --schedule NAME: {}",
+                    names()
+                )),
             },
         }
     }
@@ -172,20 +195,35 @@ impl Analysis {
 
 /// Analyses `root` and everything it imports.
 pub fn analyze(root: &Path, loader: &dyn Loader) -> Result<Analysis, ReadError> {
-    let text = loader.read(root).map_err(|error| ReadError { path: root.to_path_buf(), error })?;
+    let text = loader.read(root).map_err(|error| ReadError {
+        path: root.to_path_buf(),
+        error,
+    })?;
     let mut sources = SourceMap::new();
     let mut ctx = Ctx::default();
     let root_id = sources.add(root.display().to_string(), normalize(root), text);
-    let mut files =
-        Files { loader, asts: HashMap::new(), identities: HashMap::new(), stack: vec![], syntax_errors: false };
+    let mut files = Files {
+        loader,
+        asts: HashMap::new(),
+        identities: HashMap::new(),
+        stack: vec![],
+        syntax_errors: false,
+    };
     files.identities.insert(loader.identity(root), root_id);
     files.load(&mut sources, &mut ctx, root_id, None);
 
-    let mut analysis = Analysis { sources, diagnostics: vec![], clusters: vec![], models: vec![], jobs: vec![] };
+    let mut analysis = Analysis {
+        sources,
+        diagnostics: vec![],
+        clusters: vec![],
+        models: vec![],
+        jobs: vec![],
+    };
     if !files.syntax_errors {
         resolve(&mut ctx, &mut analysis, &files.asts, root_id);
     }
-    ctx.diags.sort_by_key(|d| d.primary_span().map(|s| (s.file, s.start)));
+    ctx.diags
+        .sort_by_key(|d| d.primary_span().map(|s| (s.file, s.start)));
     analysis.diagnostics = ctx.diags;
     Ok(analysis)
 }
@@ -209,7 +247,12 @@ impl Files<'_> {
         self.syntax_errors |= !parsed.errors.is_empty();
         parsed.errors.into_iter().for_each(|e| ctx.error(e));
         self.stack.push((id, via));
-        let dir = sources.get(id).path.parent().map(Path::to_path_buf).unwrap_or_default();
+        let dir = sources
+            .get(id)
+            .path
+            .parent()
+            .map(Path::to_path_buf)
+            .unwrap_or_default();
         for item in &parsed.file.items {
             let Item::Import(imp) = item else { continue };
             let path = normalize(&dir.join(&imp.path.value));
@@ -240,12 +283,20 @@ impl Files<'_> {
 /// An import cycle: `chain` holds the files from the one imported again to the one importing it,
 /// each with the import that led to it; `closing` is the import that leads back.
 fn cycle_error(sources: &SourceMap, chain: &[(FileId, Option<Span>)], closing: Span) -> Diagnostic {
-    let mut names: Vec<&str> = chain.iter().map(|(f, _)| sources.get(*f).name.as_str()).collect();
+    let mut names: Vec<&str> = chain
+        .iter()
+        .map(|(f, _)| sources.get(*f).name.as_str())
+        .collect();
     names.push(&sources.get(chain[0].0).name);
     let d = Diagnostic::error(format!("import cycle: {}", names.join(" → ")));
     // Every import on the cycle, in order: the first one (in the file imported again) is where
     // the cycle is reported.
-    let imports: Vec<Span> = chain.iter().skip(1).filter_map(|(_, via)| *via).chain([closing]).collect();
+    let imports: Vec<Span> = chain
+        .iter()
+        .skip(1)
+        .filter_map(|(_, via)| *via)
+        .chain([closing])
+        .collect();
     match imports.as_slice() {
         [only] => d.at(*only, "the file imports itself"),
         [first, middle @ .., last] => {
@@ -263,7 +314,9 @@ fn normalize(path: &Path) -> PathBuf {
     for c in path.components() {
         match c {
             Component::CurDir => {}
-            Component::ParentDir if matches!(out.components().next_back(), Some(Component::Normal(_))) => {
+            Component::ParentDir
+                if matches!(out.components().next_back(), Some(Component::Normal(_))) =>
+            {
                 out.pop();
             }
             c => out.push(c.as_os_str()),
@@ -291,24 +344,35 @@ fn resolve(ctx: &mut Ctx, out: &mut Analysis, asts: &HashMap<FileId, ast::File>,
     let mut ids: Vec<&FileId> = asts.keys().collect();
     ids.sort();
     let mut items: [Vec<&ast::BlockItem>; 3] = Default::default();
+    let mut names: [HashMap<&str, &ast::BlockItem>; 3] = Default::default();
     for id in ids {
         for item in &asts[id].items {
             let Item::Block(b) = item else { continue };
             if let Some(k) = values::choice(ctx, &b.kind, &ITEM_KINDS, "item kind") {
-                let same = items[k].iter().find(|o| o.name.name == b.name.name);
-                match same {
+                match names[k].get(b.name.name.as_str()) {
                     Some(first) => ctx.error(duplicate_item(ITEM_KINDS[k], first, b, root)),
-                    None => items[k].push(b),
+                    None => {
+                        names[k].insert(&b.name.name, b);
+                        items[k].push(b);
+                    }
                 }
             }
         }
     }
     let [clusters, models, schedules] = items;
-    let clusters: Vec<(&ast::BlockItem, Option<Arc<Cluster>>)> =
-        clusters.into_iter().map(|c| (c, cluster::resolve(ctx, c).map(Arc::new))).collect();
-    let models: Vec<(&ast::BlockItem, Option<Arc<Model>>)> =
-        models.into_iter().map(|m| (m, model::resolve(ctx, m).map(Arc::new))).collect();
-    let env = schedule::Env { clusters: &clusters, models: &models, sources: &out.sources };
+    let clusters: Vec<(&ast::BlockItem, Option<Arc<Cluster>>)> = clusters
+        .into_iter()
+        .map(|c| (c, cluster::resolve(ctx, c).map(Arc::new)))
+        .collect();
+    let models: Vec<(&ast::BlockItem, Option<Arc<Model>>)> = models
+        .into_iter()
+        .map(|m| (m, model::resolve(ctx, m).map(Arc::new)))
+        .collect();
+    let env = schedule::Env {
+        clusters: &clusters,
+        models: &models,
+        sources: &out.sources,
+    };
     for s in schedules {
         if let Some(job) = schedule::resolve(ctx, &env, s) {
             if s.span.file == root {
@@ -322,7 +386,12 @@ fn resolve(ctx: &mut Ctx, out: &mut Analysis, asts: &HashMap<FileId, ast::File>,
 
 /// Two items of one kind and name; `first` was indexed before `again`. Across files, the one in
 /// the root file (the file being checked) is where the error is, the imported one a related place.
-fn duplicate_item(kind: &str, first: &ast::BlockItem, again: &ast::BlockItem, root: FileId) -> Diagnostic {
+fn duplicate_item(
+    kind: &str,
+    first: &ast::BlockItem,
+    again: &ast::BlockItem,
+    root: FileId,
+) -> Diagnostic {
     let d = Diagnostic::error(format!("{kind} `{}` is defined twice", again.name.name));
     let (a, b) = (first.name.span, again.name.span);
     if a.file == b.file {
@@ -343,7 +412,32 @@ mod tests {
 
     #[test]
     fn paths_normalise() {
-        assert_eq!(normalize(Path::new("a/./b/../c.sched")), PathBuf::from("a/c.sched"));
+        assert_eq!(
+            normalize(Path::new("a/./b/../c.sched")),
+            PathBuf::from("a/c.sched")
+        );
         assert_eq!(normalize(Path::new("../x/../y")), PathBuf::from("../y"));
+    }
+
+    #[test]
+    fn files_are_identified_by_their_absolute_path() {
+        let here = std::env::current_dir().unwrap();
+        let dir = here.file_name().unwrap().to_str().unwrap();
+        // `a.sched` and `../<this dir>/a.sched` are one file, though their texts differ.
+        assert_eq!(absolute(Path::new("a.sched")), here.join("a.sched"));
+        assert_eq!(
+            absolute(Path::new(&format!("../{dir}/a.sched"))),
+            here.join("a.sched")
+        );
+        assert_eq!(
+            absolute(Path::new("/x/../y/./z.sched")),
+            PathBuf::from("/y/z.sched")
+        );
+        let mem = MemLoader::default().in_dir("/p/sub").with("a.sched", "");
+        assert_eq!(
+            mem.identity(Path::new("../sub/a.sched")),
+            PathBuf::from("/p/sub/a.sched")
+        );
+        assert!(mem.read(Path::new("../sub/a.sched")).is_ok());
     }
 }

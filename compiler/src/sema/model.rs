@@ -26,16 +26,39 @@ const KEYS: &[(&str, Shape)] = &[
 
 const KINDS: [&str; 5] = ["embedding", "transformer", "mlp", "lm_head", "dense"];
 
+/// Most parameters a model may have (10^15: far beyond any model, far below u64 overflow).
+pub(crate) const MAX_PARAMETERS: u64 = 1_000_000_000_000_000;
+
 /// Most layers a model may expand to.
 pub(crate) const MAX_LAYERS: u64 = 100_000;
+/// Most layers all the models of one analysis may expand to together: every expanded layer holds
+/// its tensor list, so a file of many large models would otherwise take gigabytes.
+pub(crate) const MAX_TOTAL_LAYERS: u64 = 4 * MAX_LAYERS;
 /// Largest width (hidden, ffn, vocab, seq_len…) a layer may have.
 const MAX_DIM: u64 = 1 << 32;
 
 pub(crate) fn resolve(ctx: &mut Ctx, item: &BlockItem) -> Option<Model> {
     let what = format!("model `{}`", item.name.name);
-    let r = BlockReader::new(ctx, &what, &item.body.entries, KEYS, Extras { layers: true, ..Extras::default() });
-    r.require(ctx, &item.name, &what, &[("dtype", "dtype = bf16"), ("seq_len", "seq_len = 2048")]);
-    let dtype = r.value("dtype").and_then(|v| expect_choice(ctx, v, &Dtype::NAMES, "dtype")).map(dtype_of);
+    let r = BlockReader::new(
+        ctx,
+        &what,
+        &item.body.entries,
+        KEYS,
+        Extras {
+            layers: true,
+            ..Extras::default()
+        },
+    );
+    r.require(
+        ctx,
+        &item.name,
+        &what,
+        &[("dtype", "dtype = bf16"), ("seq_len", "seq_len = 2048")],
+    );
+    let dtype = r
+        .value("dtype")
+        .and_then(|v| expect_choice(ctx, v, &Dtype::NAMES, "dtype"))
+        .map(dtype_of);
     let grad_dtype = match r.value("grad_dtype") {
         Some(v) => expect_choice(ctx, v, &Dtype::NAMES, "dtype").map(dtype_of),
         None => dtype,
@@ -45,7 +68,9 @@ pub(crate) fn resolve(ctx: &mut Ctx, item: &BlockItem) -> Option<Model> {
             .map(|i| [Optimizer::Adam, Optimizer::AdamW, Optimizer::Sgd][i]),
         None => Some(Optimizer::Adam),
     };
-    let seq_len = r.value("seq_len").and_then(|v| expect_int(ctx, v, 1, MAX_DIM, "`seq_len`"));
+    let seq_len = r
+        .value("seq_len")
+        .and_then(|v| expect_int(ctx, v, 1, MAX_DIM, "`seq_len`"));
     let micro_batch = match r.value("micro_batch") {
         Some(v) => expect_int(ctx, v, 1, MAX_DIM, "`micro_batch`"),
         None => Some(1),
@@ -58,7 +83,18 @@ pub(crate) fn resolve(ctx: &mut Ctx, item: &BlockItem) -> Option<Model> {
         );
         return None;
     }
-    let layers = layers(ctx, &r.layers, seq_len)?;
+    let layers = layers(ctx, &what, &r.layers, seq_len)?;
+    let total = layers
+        .iter()
+        .try_fold(0u64, |acc, l| acc.checked_add(l.params));
+    if total.is_none_or(|t| t > MAX_PARAMETERS) {
+        ctx.error(
+            Diagnostic::error(format!("{what} has more than {MAX_PARAMETERS} parameters"))
+                .at(item.name.span, "model too large")
+                .note("the largest models trained today have about 10^12"),
+        );
+        return None;
+    }
     Some(Model {
         name: item.name.name.clone(),
         dtype: dtype?,
@@ -75,7 +111,12 @@ fn dtype_of(i: usize) -> Dtype {
 }
 
 /// Expands and checks every layer declaration, then the rules between layers.
-fn layers(ctx: &mut Ctx, decls: &[&LayerDecl], seq_len: Option<u64>) -> Option<Vec<Layer>> {
+fn layers(
+    ctx: &mut Ctx,
+    what: &str,
+    decls: &[&LayerDecl],
+    seq_len: Option<u64>,
+) -> Option<Vec<Layer>> {
     let mut kinds = Vec::with_capacity(decls.len());
     let mut total: u64 = 0;
     for d in decls {
@@ -85,8 +126,11 @@ fn layers(ctx: &mut Ctx, decls: &[&LayerDecl], seq_len: Option<u64>) -> Option<V
                 Some(c) if (1..=MAX_LAYERS).contains(&c) => Some(c),
                 _ => {
                     ctx.error(
-                        Diagnostic::error(format!("a layer count must be between 1 and {MAX_LAYERS}, found {}", n.text))
-                            .at(n.span, "invalid count"),
+                        Diagnostic::error(format!(
+                            "a layer count must be between 1 and {MAX_LAYERS}, found {}",
+                            n.text
+                        ))
+                        .at(n.span, "invalid count"),
                     );
                     None
                 }
@@ -97,11 +141,25 @@ fn layers(ctx: &mut Ctx, decls: &[&LayerDecl], seq_len: Option<u64>) -> Option<V
     }
     if total > MAX_LAYERS {
         ctx.error(
-            Diagnostic::error(format!("the model has {total} layers; at most {MAX_LAYERS} are allowed"))
-                .at(decls[0].span, "model declared from here"),
+            Diagnostic::error(format!(
+                "the model has {total} layers; at most {MAX_LAYERS} are allowed"
+            ))
+            .at(decls[0].span, "model declared from here"),
         );
         return None;
     }
+    if ctx.layers_expanded + total > MAX_TOTAL_LAYERS {
+        ctx.error(
+            Diagnostic::error(format!(
+                "{what} would bring the layers of all models in scope to {}; at most {MAX_TOTAL_LAYERS} are allowed",
+                ctx.layers_expanded + total
+            ))
+            .at(decls[0].span, format!("{total} layers from here"))
+            .note("split the models over several files, each checked on its own"),
+        );
+        return None;
+    }
+    ctx.layers_expanded += total;
     check_sequence(ctx, &kinds);
     let mut out = Vec::with_capacity(total as usize);
     let mut names = std::collections::HashMap::new();
@@ -113,9 +171,14 @@ fn layers(ctx: &mut Ctx, decls: &[&LayerDecl], seq_len: Option<u64>) -> Option<V
                     .also(first, "first declared here"),
             );
         }
-        let (Some(kind), Some(count), Some(seq_len)) = (kind, count, seq_len) else { continue };
+        let (Some(kind), Some(count), Some(seq_len)) = (kind, count, seq_len) else {
+            continue;
+        };
         let Some((tensors, params)) = tensors(&kind, seq_len) else {
-            ctx.error(Diagnostic::error("the layer's parameter count overflows 64 bits").at(d.call.span, "too large"));
+            ctx.error(
+                Diagnostic::error("the layer's parameter count overflows 64 bits")
+                    .at(d.call.span, "too large"),
+            );
             continue;
         };
         for i in 0..count {
@@ -123,13 +186,22 @@ fn layers(ctx: &mut Ctx, decls: &[&LayerDecl], seq_len: Option<u64>) -> Option<V
                 Some(_) => format!("{}[{i}]", d.name.name),
                 None => d.name.name.clone(),
             };
-            out.push(Layer { name, kind, tensors: tensors.clone(), params });
+            out.push(Layer {
+                name,
+                kind,
+                tensors: tensors.clone(),
+                params,
+            });
         }
     }
     (out.len() as u64 == total).then_some(out)
 }
 
-const EMBEDDING: &[(&str, Shape)] = &[("vocab", Shape::Value), ("hidden", Shape::Value), ("positions", Shape::Value)];
+const EMBEDDING: &[(&str, Shape)] = &[
+    ("vocab", Shape::Value),
+    ("hidden", Shape::Value),
+    ("positions", Shape::Value),
+];
 const TRANSFORMER: &[(&str, Shape)] = &[
     ("hidden", Shape::Value),
     ("heads", Shape::Value),
@@ -147,21 +219,35 @@ const MLP: &[(&str, Shape)] = &[
     ("bias", Shape::Value),
     ("norm", Shape::Value),
 ];
-const LM_HEAD: &[(&str, Shape)] =
-    &[("hidden", Shape::Value), ("vocab", Shape::Value), ("norm", Shape::Value), ("tied", Shape::Value)];
-const DENSE: &[(&str, Shape)] =
-    &[("params", Shape::Value), ("flops_per_token", Shape::Value), ("activation_bytes_per_token", Shape::Value)];
+const LM_HEAD: &[(&str, Shape)] = &[
+    ("hidden", Shape::Value),
+    ("vocab", Shape::Value),
+    ("norm", Shape::Value),
+    ("tied", Shape::Value),
+];
+const DENSE: &[(&str, Shape)] = &[
+    ("params", Shape::Value),
+    ("flops_per_token", Shape::Value),
+    ("activation_bytes_per_token", Shape::Value),
+];
 
 /// The required arguments of each kind, and what to write for each when it is missing.
 const REQUIRED: [&[(&str, &str)]; 5] = [
     &[("vocab", "vocab = 32000"), ("hidden", "hidden = 4096")],
-    &[("hidden", "hidden = 4096"), ("heads", "heads = 32"), ("ffn", "ffn = 11008")],
+    &[
+        ("hidden", "hidden = 4096"),
+        ("heads", "heads = 32"),
+        ("ffn", "ffn = 11008"),
+    ],
     &[("hidden", "hidden = 4096"), ("ffn", "ffn = 16384")],
     &[("hidden", "hidden = 4096"), ("vocab", "vocab = 32000")],
     &[
         ("params", "params = 1e9"),
         ("flops_per_token", "flops_per_token = 2e9"),
-        ("activation_bytes_per_token", "activation_bytes_per_token = 16 KiB"),
+        (
+            "activation_bytes_per_token",
+            "activation_bytes_per_token = 16 KiB",
+        ),
     ],
 ];
 
@@ -170,14 +256,22 @@ fn layer_kind(ctx: &mut Ctx, d: &LayerDecl, seq_len: Option<u64>) -> Option<Laye
     let k = choice(ctx, &d.call.callee, &KINDS, "layer kind")?;
     let what = format!("layer `{}` ({})", d.name.name, KINDS[k]);
     let keys = [EMBEDDING, TRANSFORMER, MLP, LM_HEAD, DENSE][k];
-    let a = Args { r: BlockReader::for_args(ctx, &what, &d.call.args, keys), d, what };
+    let a = Args {
+        r: BlockReader::for_args(ctx, &what, &d.call.args, keys),
+        d,
+        what,
+    };
     a.r.require(ctx, &d.call.callee, &a.what, REQUIRED[k]);
     let kind = match k {
         0 => LayerKind::Embedding {
             vocab: a.dim(ctx, "vocab")?,
             hidden: a.dim(ctx, "hidden")?,
-            positions: [Positions::Learned, Positions::Rope, Positions::None]
-                [a.choice(ctx, "positions", &["learned", "rope", "none"], "position kind")?],
+            positions: [Positions::Learned, Positions::Rope, Positions::None][a.choice(
+                ctx,
+                "positions",
+                &["learned", "rope", "none"],
+                "position kind",
+            )?],
         },
         1 => transformer(ctx, &a)?,
         2 => LayerKind::Mlp(MlpSpec {
@@ -195,7 +289,14 @@ fn layer_kind(ctx: &mut Ctx, d: &LayerDecl, seq_len: Option<u64>) -> Option<Laye
         },
         _ => dense(ctx, &a)?,
     };
-    if let (LayerKind::Embedding { positions: Positions::Learned, .. }, None) = (kind, seq_len) {
+    if let (
+        LayerKind::Embedding {
+            positions: Positions::Learned,
+            ..
+        },
+        None,
+    ) = (kind, seq_len)
+    {
         return None; // the model's seq_len error is already reported
     }
     Some(kind)
@@ -209,24 +310,32 @@ fn transformer(ctx: &mut Ctx, a: &Args) -> Option<LayerKind> {
         Some(v) => expect_int(ctx, v, 1, MAX_DIM, "`kv_heads`"),
         None => heads,
     };
-    let norm = a.choice(ctx, "norm", &["layernorm", "rmsnorm"], "norm").map(norm);
-    let act = a.choice(ctx, "act", &["gelu", "swiglu"], "activation").map(activation);
+    let norm = a
+        .choice(ctx, "norm", &["layernorm", "rmsnorm"], "norm")
+        .map(norm);
+    let act = a
+        .choice(ctx, "act", &["gelu", "swiglu"], "activation")
+        .map(activation);
     let bias = a.flag(ctx, "bias", true);
     let attention = a.choice(ctx, "attention", &["flash", "naive"], "attention kind");
     let (hidden, heads, kv_heads) = (hidden?, heads?, kv_heads?);
     if hidden % heads != 0 {
         ctx.error(
-            Diagnostic::error(format!("`heads` must divide `hidden`: {hidden} is not a multiple of {heads}"))
-                .at(a.span("heads"), format!("{heads} heads"))
-                .also(a.span("hidden"), format!("hidden {hidden}")),
+            Diagnostic::error(format!(
+                "`heads` must divide `hidden`: {hidden} is not a multiple of {heads}"
+            ))
+            .at(a.span("heads"), format!("{heads} heads"))
+            .also(a.span("hidden"), format!("hidden {hidden}")),
         );
         return None;
     }
     if heads % kv_heads != 0 {
         ctx.error(
-            Diagnostic::error(format!("`kv_heads` must divide `heads`: {heads} is not a multiple of {kv_heads}"))
-                .at(a.span("kv_heads"), format!("{kv_heads} kv heads"))
-                .also(a.span("heads"), format!("{heads} heads")),
+            Diagnostic::error(format!(
+                "`kv_heads` must divide `heads`: {heads} is not a multiple of {kv_heads}"
+            ))
+            .at(a.span("kv_heads"), format!("{kv_heads} kv heads"))
+            .also(a.span("heads"), format!("{heads} heads")),
         );
         return None;
     }
@@ -243,17 +352,30 @@ fn transformer(ctx: &mut Ctx, a: &Args) -> Option<LayerKind> {
 }
 
 fn dense(ctx: &mut Ctx, a: &Args) -> Option<LayerKind> {
-    let params = a.r.value("params").and_then(|v| expect_int(ctx, v, 0, 1 << 50, "`params`"));
-    let flops = a.r.value("flops_per_token").and_then(|v| expect_number(ctx, v));
-    let act = a.r.value("activation_bytes_per_token").and_then(|v| match &v.kind {
-        sched_grammar::ast::ValueKind::Quantity(_) => expect_bytes(ctx, v),
-        _ => expect_int(ctx, v, 0, 1 << 50, "`activation_bytes_per_token`"),
-    });
+    let params =
+        a.r.value("params")
+            .and_then(|v| expect_int(ctx, v, 0, 1 << 50, "`params`"));
+    let flops =
+        a.r.value("flops_per_token")
+            .and_then(|v| expect_number(ctx, v));
+    let act =
+        a.r.value("activation_bytes_per_token")
+            .and_then(|v| match &v.kind {
+                sched_grammar::ast::ValueKind::Quantity(_) => expect_bytes(ctx, v),
+                _ => expect_int(ctx, v, 0, 1 << 50, "`activation_bytes_per_token`"),
+            });
     if let Some(f) = flops.filter(|f| *f < 0.0) {
-        ctx.error(Diagnostic::error(format!("`flops_per_token` cannot be negative, found {f}")).at(a.span("flops_per_token"), "here"));
+        ctx.error(
+            Diagnostic::error(format!("`flops_per_token` cannot be negative, found {f}"))
+                .at(a.span("flops_per_token"), "here"),
+        );
         return None;
     }
-    Some(LayerKind::Dense { params: params?, flops_per_token: flops?, activation_bytes_per_token: act? })
+    Some(LayerKind::Dense {
+        params: params?,
+        flops_per_token: flops?,
+        activation_bytes_per_token: act?,
+    })
 }
 
 fn norm(i: usize) -> Norm {
@@ -274,7 +396,9 @@ struct Args<'a> {
 impl Args<'_> {
     /// A required positive size (its absence is reported with the others, by [`REQUIRED`]).
     fn dim(&self, ctx: &mut Ctx, key: &str) -> Option<u64> {
-        self.r.value(key).and_then(|v| expect_int(ctx, v, 1, MAX_DIM, &format!("`{key}`")))
+        self.r
+            .value(key)
+            .and_then(|v| expect_int(ctx, v, 1, MAX_DIM, &format!("`{key}`")))
     }
 
     /// An optional choice whose default is the first name.
@@ -312,20 +436,33 @@ fn check_sequence(ctx: &mut Ctx, decls: &[Decl]) {
         };
         let repeated = count.is_some_and(|c| c > 1);
         match *kind {
-            LayerKind::Embedding { vocab, hidden, positions } => {
+            LayerKind::Embedding {
+                vocab,
+                hidden,
+                positions,
+            } => {
                 if i != 0 || repeated {
                     ctx.error(
-                        Diagnostic::error("an embedding layer must be the model's first layer, and only one")
-                            .at(d.name.span, "embedding here"),
+                        Diagnostic::error(
+                            "an embedding layer must be the model's first layer, and only one",
+                        )
+                        .at(d.name.span, "embedding here"),
                     );
                 }
                 embedding = Some((d, vocab, hidden, positions));
             }
-            LayerKind::LmHead { hidden, vocab, tied, .. } => {
+            LayerKind::LmHead {
+                hidden,
+                vocab,
+                tied,
+                ..
+            } => {
                 if i != last || repeated {
                     ctx.error(
-                        Diagnostic::error("an lm_head layer must be the model's last layer, and only one")
-                            .at(d.name.span, "lm_head here"),
+                        Diagnostic::error(
+                            "an lm_head layer must be the model's last layer, and only one",
+                        )
+                        .at(d.name.span, "lm_head here"),
                     );
                 }
                 if tied {
@@ -333,7 +470,8 @@ fn check_sequence(ctx: &mut Ctx, decls: &[Decl]) {
                 }
             }
             LayerKind::Transformer(t) => {
-                if let Some((e, .., Positions::Rope)) = embedding.filter(|_| t.head_dim() % 2 != 0) {
+                if let Some((e, .., Positions::Rope)) = embedding.filter(|_| t.head_dim() % 2 != 0)
+                {
                     ctx.error(
                         Diagnostic::error(format!(
                             "rotary positions need an even head size; {} / {} heads = {}",
@@ -351,9 +489,12 @@ fn check_sequence(ctx: &mut Ctx, decls: &[Decl]) {
         if let (Some((p, ph)), Some(h)) = (prev, kind.hidden()) {
             if ph != h {
                 ctx.error(
-                    Diagnostic::error(format!("layer `{}` has hidden {h} but the layer before it has hidden {ph}", d.name.name))
-                        .at(d.call.span, format!("hidden {h}"))
-                        .also(p.call.span, format!("hidden {ph}")),
+                    Diagnostic::error(format!(
+                        "layer `{}` has hidden {h} but the layer before it has hidden {ph}",
+                        d.name.name
+                    ))
+                    .at(d.call.span, format!("hidden {h}"))
+                    .also(p.call.span, format!("hidden {ph}")),
                 );
             }
         }
@@ -361,7 +502,13 @@ fn check_sequence(ctx: &mut Ctx, decls: &[Decl]) {
     }
 }
 
-fn check_tied(ctx: &mut Ctx, d: &LayerDecl, embedding: Option<(&LayerDecl, u64, u64, Positions)>, vocab: u64, hidden: u64) {
+fn check_tied(
+    ctx: &mut Ctx,
+    d: &LayerDecl,
+    embedding: Option<(&LayerDecl, u64, u64, Positions)>,
+    vocab: u64,
+    hidden: u64,
+) {
     match embedding {
         None => ctx.error(
             Diagnostic::error("a tied lm_head needs an embedding layer to share its weights with")
@@ -382,7 +529,11 @@ fn check_tied(ctx: &mut Ctx, d: &LayerDecl, embedding: Option<(&LayerDecl, u64, 
 pub(crate) fn tensors(kind: &LayerKind, seq_len: u64) -> Option<(Vec<TensorSpec>, u64)> {
     let mut ts = Tensors(vec![]);
     match *kind {
-        LayerKind::Embedding { vocab, hidden, positions } => {
+        LayerKind::Embedding {
+            vocab,
+            hidden,
+            positions,
+        } => {
             ts.push("wte", &[vocab, hidden]);
             if positions == Positions::Learned {
                 ts.push("wpe", &[seq_len, hidden]);
@@ -400,7 +551,12 @@ pub(crate) fn tensors(kind: &LayerKind, seq_len: u64) -> Option<(Vec<TensorSpec>
             ts.norm("ln", m.norm, m.hidden);
             ts.mlp(&m);
         }
-        LayerKind::LmHead { hidden, vocab, norm, tied } => {
+        LayerKind::LmHead {
+            hidden,
+            vocab,
+            norm,
+            tied,
+        } => {
             ts.norm("norm", norm, hidden);
             if !tied {
                 ts.push("weight", &[vocab, hidden]);
@@ -409,7 +565,10 @@ pub(crate) fn tensors(kind: &LayerKind, seq_len: u64) -> Option<(Vec<TensorSpec>
         LayerKind::Dense { params, .. } => return Some((vec![], params)),
     }
     let total = ts.0.iter().try_fold(0u64, |acc, t| {
-        t.shape.iter().try_fold(1u64, |p, &d| p.checked_mul(d)).and_then(|n| acc.checked_add(n))
+        t.shape
+            .iter()
+            .try_fold(1u64, |p, &d| p.checked_mul(d))
+            .and_then(|n| acc.checked_add(n))
     })?;
     Some((ts.0, total))
 }
@@ -418,7 +577,10 @@ struct Tensors(Vec<TensorSpec>);
 
 impl Tensors {
     fn push(&mut self, name: &str, shape: &[u64]) {
-        self.0.push(TensorSpec { name: name.to_string(), shape: shape.to_vec() });
+        self.0.push(TensorSpec {
+            name: name.to_string(),
+            shape: shape.to_vec(),
+        });
     }
 
     fn norm(&mut self, prefix: &str, norm: Norm, hidden: u64) {
@@ -461,17 +623,35 @@ mod tests {
             w + if m.bias { b } else { 0 }
         };
         match *kind {
-            LayerKind::Embedding { vocab, hidden, positions } => {
-                vocab * hidden + if positions == Positions::Learned { seq_len * hidden } else { 0 }
+            LayerKind::Embedding {
+                vocab,
+                hidden,
+                positions,
+            } => {
+                vocab * hidden
+                    + if positions == Positions::Learned {
+                        seq_len * hidden
+                    } else {
+                        0
+                    }
             }
             LayerKind::Transformer(t) => {
                 let kv = t.kv_dim();
                 let attn = t.hidden * (t.hidden + 2 * kv) + t.hidden * t.hidden;
-                let attn_bias = if t.bias { t.hidden + 2 * kv + t.hidden } else { 0 };
+                let attn_bias = if t.bias {
+                    t.hidden + 2 * kv + t.hidden
+                } else {
+                    0
+                };
                 attn + attn_bias + mlp(&t.mlp()) + 2 * t.norm.params(t.hidden)
             }
             LayerKind::Mlp(m) => mlp(&m) + m.norm.params(m.hidden),
-            LayerKind::LmHead { hidden, vocab, norm, tied } => norm.params(hidden) + if tied { 0 } else { vocab * hidden },
+            LayerKind::LmHead {
+                hidden,
+                vocab,
+                norm,
+                tied,
+            } => norm.params(hidden) + if tied { 0 } else { vocab * hidden },
             LayerKind::Dense { params, .. } => params,
         }
     }
@@ -479,10 +659,28 @@ mod tests {
     #[test]
     fn tensors_sum_to_the_spec_formulas() {
         let mut cases = vec![
-            LayerKind::Embedding { vocab: 50257, hidden: 768, positions: Positions::Learned },
-            LayerKind::Embedding { vocab: 32000, hidden: 4096, positions: Positions::Rope },
-            LayerKind::LmHead { hidden: 768, vocab: 50257, norm: Norm::LayerNorm, tied: true },
-            LayerKind::LmHead { hidden: 4096, vocab: 32000, norm: Norm::RmsNorm, tied: false },
+            LayerKind::Embedding {
+                vocab: 50257,
+                hidden: 768,
+                positions: Positions::Learned,
+            },
+            LayerKind::Embedding {
+                vocab: 32000,
+                hidden: 4096,
+                positions: Positions::Rope,
+            },
+            LayerKind::LmHead {
+                hidden: 768,
+                vocab: 50257,
+                norm: Norm::LayerNorm,
+                tied: true,
+            },
+            LayerKind::LmHead {
+                hidden: 4096,
+                vocab: 32000,
+                norm: Norm::RmsNorm,
+                tied: false,
+            },
         ];
         for norm in [Norm::LayerNorm, Norm::RmsNorm] {
             for act in [Activation::Gelu, Activation::SwiGlu] {
@@ -499,7 +697,13 @@ mod tests {
                             attention: Attention::Flash,
                         }));
                     }
-                    cases.push(LayerKind::Mlp(MlpSpec { hidden: 96, ffn: 384, act, bias, norm }));
+                    cases.push(LayerKind::Mlp(MlpSpec {
+                        hidden: 96,
+                        ffn: 384,
+                        act,
+                        bias,
+                        norm,
+                    }));
                 }
             }
         }
@@ -510,7 +714,11 @@ mod tests {
 
     #[test]
     fn overflow_is_caught() {
-        let k = LayerKind::Embedding { vocab: MAX_DIM, hidden: MAX_DIM, positions: Positions::None };
+        let k = LayerKind::Embedding {
+            vocab: MAX_DIM,
+            hidden: MAX_DIM,
+            positions: Positions::None,
+        };
         assert!(tensors(&k, 1).is_none());
     }
 }

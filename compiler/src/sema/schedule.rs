@@ -1,13 +1,16 @@
 //! Resolving `schedule` blocks into [`Job`]s: names, presets, meshes and the rules of `dsl.md`.
 //!
-//! Order: find the model and cluster; fix the ranks used (G GPUs per node × N nodes, each at most
-//! the cluster's); expand the preset into defaults; let explicit keys override them one by one
+//! Order: look up the model and cluster, and check every value that needs neither (choices,
+//! blocks, the preset, the syntax of each shard mesh), so that an unknown model or cluster hides
+//! no other error; fix the ranks used (G GPUs per node × N nodes, each at most the cluster's);
+//! expand the preset into defaults; let explicit keys override them one by one
 //! (`shard { params = … }` overrides only s_p); lay every mesh out as `a x b` (a plain integer
 //! `n` is `n x 1` up to G, else `G x n/G`; `full` is `G x N`); then check mesh rule 1
 //! (divisibility), rule 2 (s_p | s_g | s_os per dimension) and warn on rule 3 (a mesh that
-//! crosses nodes without filling them). A few checks beyond the spec protect later stages:
+//! crosses nodes without filling them). A preset's partition, which sets all three factors, is
+//! checked once and named as the preset's. A few checks beyond the spec protect later stages:
 //! hpZ's secondary shard size divides G, and a `max_live` cap holds at least the largest
-//! gathered layer.
+//! gathered layer (which needs the model, so it comes last).
 
 use super::values::*;
 use super::Ctx;
@@ -34,12 +37,23 @@ const KEYS: &[(&str, Shape)] = &[
     ("overlap", Shape::Block),
     ("train", Shape::Block),
 ];
-const SHARD_KEYS: &[(&str, Shape)] = &[("params", Shape::Value), ("grads", Shape::Value), ("optimizer", Shape::Value)];
-const PREFETCH_KEYS: &[(&str, Shape)] =
-    &[("forward", Shape::Value), ("backward", Shape::Value), ("max_live", Shape::Value)];
+const SHARD_KEYS: &[(&str, Shape)] = &[
+    ("params", Shape::Value),
+    ("grads", Shape::Value),
+    ("optimizer", Shape::Value),
+];
+const PREFETCH_KEYS: &[(&str, Shape)] = &[
+    ("forward", Shape::Value),
+    ("backward", Shape::Value),
+    ("max_live", Shape::Value),
+];
 const BUCKET_KEYS: &[(&str, Shape)] = &[("gather", Shape::Value), ("reduce", Shape::Value)];
-const OVERLAP_KEYS: &[(&str, Shape)] =
-    &[("gather", Shape::Value), ("reduce", Shape::Value), ("sync", Shape::Value), ("refresh", Shape::Value)];
+const OVERLAP_KEYS: &[(&str, Shape)] = &[
+    ("gather", Shape::Value),
+    ("reduce", Shape::Value),
+    ("sync", Shape::Value),
+    ("refresh", Shape::Value),
+];
 const TRAIN_KEYS: &[(&str, Shape)] = &[
     ("steps", Shape::Value),
     ("lr", Shape::Value),
@@ -47,7 +61,9 @@ const TRAIN_KEYS: &[(&str, Shape)] = &[
     ("data", Shape::Value),
     ("clip", Shape::Value),
 ];
-const PRESETS: [&str; 8] = ["ddp", "zero1", "zero2", "zero3", "fsdp", "mics", "hsdp", "hpz"];
+const PRESETS: [&str; 8] = [
+    "ddp", "zero1", "zero2", "zero3", "fsdp", "mics", "hsdp", "hpz",
+];
 
 /// Items visible to schedules, with what resolved of them.
 pub(crate) struct Env<'a> {
@@ -102,35 +118,68 @@ struct Factor {
 pub(crate) fn resolve(ctx: &mut Ctx, env: &Env, item: &BlockItem) -> Option<Job> {
     let what = format!("schedule `{}`", item.name.name);
     let r = BlockReader::new(ctx, &what, &item.body.entries, KEYS, Extras::default());
-    r.require(ctx, &item.name, &what, &[("model", "model = NAME"), ("cluster", "cluster = NAME")]);
+    r.require(
+        ctx,
+        &item.name,
+        &what,
+        &[("model", "model = NAME"), ("cluster", "cluster = NAME")],
+    );
     let model = named(ctx, &r, "model", env.models);
     let cluster = named(ctx, &r, "cluster", env.clusters);
 
     // Everything that needs neither the model nor the cluster is checked before either is
     // needed, so that an unknown model or cluster hides no other error.
-    let micro_steps = opt(ctx, r.value("micro_steps"), 1, |ctx, v| expect_int(ctx, v, 1, 1 << 20, "`micro_steps`"));
-    let nodes = r.value("nodes").map(|v| (v, expect_int(ctx, v, 1, u64::MAX, "`nodes`")));
-    let gpus = r.value("gpus_per_node").map(|v| (v, expect_int(ctx, v, 1, u64::MAX, "`gpus_per_node`")));
+    let micro_steps = opt(ctx, r.value("micro_steps"), 1, |ctx, v| {
+        expect_int(ctx, v, 1, 1 << 20, "`micro_steps`")
+    });
+    let nodes = r
+        .value("nodes")
+        .map(|v| (v, expect_int(ctx, v, 1, u64::MAX, "`nodes`")));
+    let gpus = r
+        .value("gpus_per_node")
+        .map(|v| (v, expect_int(ctx, v, 1, u64::MAX, "`gpus_per_node`")));
     let preset = r.value("preset").map(|v| preset(ctx, v));
-    let shard_block = r.block("shard").map(|b| BlockReader::for_nested(ctx, "`shard`", b, SHARD_KEYS));
-    let written = SHARD.map(|key| shard_block.as_ref().and_then(|s| s.value(key)).map(|v| (mesh_spec(ctx, v), v.span)));
+    let shard_block = r
+        .block("shard")
+        .map(|b| BlockReader::for_nested(ctx, "`shard`", b, SHARD_KEYS));
+    let written = SHARD.map(|key| {
+        shard_block
+            .as_ref()
+            .and_then(|s| s.value(key))
+            .map(|v| (mesh_spec(ctx, v), v.span))
+    });
     let grad_sync = r.value("grad_sync").map(|v| {
-        expect_choice(ctx, v, &["two_hop", "flat"], "gradient synchronisation").map(|i| [GradSync::TwoHop, GradSync::Flat][i])
+        expect_choice(ctx, v, &["two_hop", "flat"], "gradient synchronisation")
+            .map(|i| [GradSync::TwoHop, GradSync::Flat][i])
     });
     let all_gather = r.value("all_gather").map(|v| {
         expect_choice(ctx, v, &["flat", "hierarchical"], "all-gather algorithm")
             .map(|i| [AllGatherAlgo::Flat, AllGatherAlgo::Hierarchical][i])
     });
-    let reshard = r
-        .value("reshard_after_forward")
-        .map(|v| expect_key_choice(ctx, v, &["true", "false", "node"], "`reshard_after_forward`"));
+    let reshard = r.value("reshard_after_forward").map(|v| {
+        expect_key_choice(
+            ctx,
+            v,
+            &["true", "false", "node"],
+            "`reshard_after_forward`",
+        )
+    });
     let opt_blocks = OptionalBlocks::read(ctx, &r);
 
     // The ranks used: G GPUs per node x N nodes, each at most the cluster's.
     let cluster = cluster?;
     let nodes = used(ctx, nodes, u64::from(cluster.nodes), "nodes", &cluster.name);
-    let gpus = used(ctx, gpus, u64::from(cluster.gpus_per_node), "GPUs per node", &cluster.name);
-    let ranks = Ranks { g: gpus?, n: nodes? };
+    let gpus = used(
+        ctx,
+        gpus,
+        u64::from(cluster.gpus_per_node),
+        "GPUs per node",
+        &cluster.name,
+    );
+    let ranks = Ranks {
+        g: gpus?,
+        n: nodes?,
+    };
     let gpus = ranks.g;
 
     let factors = shard_factors(ctx, &ranks, &written, preset.as_ref(), item);
@@ -151,11 +200,17 @@ pub(crate) fn resolve(ctx: &mut Ctx, env: &Env, item: &BlockItem) -> Option<Job>
     Some(Job {
         schedule: Schedule {
             name: item.name.name.clone(),
-            preset: r.value("preset").map(|v| env.sources.get(v.span.file).text[v.span.range()].to_string()),
+            preset: r
+                .value("preset")
+                .map(|v| env.sources.get(v.span.file).text[v.span.range()].to_string()),
             nodes: ranks.n as u32,
             gpus_per_node: gpus as u32,
             micro_steps: micro_steps? as u32,
-            shard: Shard { params: params.mesh, grads: grads.mesh, optimizer: optimizer.mesh },
+            shard: Shard {
+                params: params.mesh,
+                grads: grads.mesh,
+                optimizer: optimizer.mesh,
+            },
             reshard_after_forward: reshard?,
             grad_sync: grad_sync?,
             all_gather: all_gather?,
@@ -172,7 +227,10 @@ pub(crate) fn resolve(ctx: &mut Ctx, env: &Env, item: &BlockItem) -> Option<Job>
 }
 
 /// What a preset that resolved sets with `f`; `None` without a preset (or with a broken one).
-fn preset_value<T>(preset: &Option<Option<PresetDefaults>>, f: impl Fn(&PresetDefaults) -> Option<T>) -> Option<T> {
+fn preset_value<T>(
+    preset: &Option<Option<PresetDefaults>>,
+    f: impl Fn(&PresetDefaults) -> Option<T>,
+) -> Option<T> {
     preset.as_ref().and_then(|p| p.as_ref()).and_then(f)
 }
 
@@ -205,7 +263,9 @@ fn shard_factors(
             }
             (None, None) => (MeshSpec::None, None, Source::Default),
         };
-        let layout = |ctx: &mut Ctx, name: &str| ranks.layout(ctx, spec, span.unwrap_or(item.name.span), name);
+        let layout = |ctx: &mut Ctx, name: &str| {
+            ranks.layout(ctx, spec, span.unwrap_or(item.name.span), name)
+        };
         let mesh = match (source, preset) {
             (Source::Preset, Some(Some(p))) => {
                 let at = (spec, p.shard[i].1);
@@ -225,30 +285,49 @@ fn shard_factors(
             _ => layout(ctx, &format!("{key} mesh")),
         };
         match mesh {
-            Some(mesh) => factors[i] = Some(Factor { key, mesh, span, source }),
+            Some(mesh) => {
+                factors[i] = Some(Factor {
+                    key,
+                    mesh,
+                    span,
+                    source,
+                })
+            }
             None => ok = false,
         }
     }
     rule3(ctx, ranks, &factors, preset.and_then(|p| p.as_ref()));
-    let [Some(params), Some(grads), Some(optimizer)] = factors else { return None };
-    let nested = check_nesting(ctx, &params, &[grads, optimizer]) & check_nesting(ctx, &grads, &[optimizer]);
+    let [Some(params), Some(grads), Some(optimizer)] = factors else {
+        return None;
+    };
+    let nested =
+        check_nesting(ctx, &params, &[grads, optimizer]) & check_nesting(ctx, &grads, &[optimizer]);
     (ok && nested).then_some([params, grads, optimizer])
 }
 
 /// Rule 3, a warning: a mesh that crosses nodes without filling them. A preset's partition is
 /// warned about once, as the preset's.
-fn rule3(ctx: &mut Ctx, ranks: &Ranks, factors: &[Option<Factor>; 3], preset: Option<&PresetDefaults>) {
+fn rule3(
+    ctx: &mut Ctx,
+    ranks: &Ranks,
+    factors: &[Option<Factor>; 3],
+    preset: Option<&PresetDefaults>,
+) {
     for (i, f) in factors.iter().enumerate() {
         let Some(f) = f else { continue };
         if f.mesh.inter <= 1 || u64::from(f.mesh.intra) >= ranks.g {
             continue;
         }
-        let same = |g: &Option<Factor>| g.is_some_and(|g| g.source == f.source && g.span == f.span && g.mesh == f.mesh);
+        let same = |g: &Option<Factor>| {
+            g.is_some_and(|g| g.source == f.source && g.span == f.span && g.mesh == f.mesh)
+        };
         if f.source == Source::Preset && factors[..i].iter().any(same) {
             continue;
         }
         let name = match preset {
-            Some(p) if f.source == Source::Preset && p.partition == f.span => format!("`{}` partition", p.name),
+            Some(p) if f.source == Source::Preset && p.partition == f.span => {
+                format!("`{}` partition", p.name)
+            }
             _ => format!("{} mesh", f.key),
         };
         let mut d = Diagnostic::warning(format!(
@@ -267,7 +346,12 @@ fn rule3(ctx: &mut Ctx, ranks: &Ranks, factors: &[Option<Factor>; 3], preset: Op
 }
 
 /// Applies `f` to the value when present, else gives `default`.
-fn opt<T>(ctx: &mut Ctx, v: Option<&Value>, default: T, f: impl FnOnce(&mut Ctx, &Value) -> Option<T>) -> Option<T> {
+fn opt<T>(
+    ctx: &mut Ctx,
+    v: Option<&Value>,
+    default: T,
+    f: impl FnOnce(&mut Ctx, &Value) -> Option<T>,
+) -> Option<T> {
     match v {
         Some(v) => f(ctx, v),
         None => Some(default),
@@ -275,25 +359,36 @@ fn opt<T>(ctx: &mut Ctx, v: Option<&Value>, default: T, f: impl FnOnce(&mut Ctx,
 }
 
 /// Looks up the model or cluster a schedule names.
-fn named<T>(ctx: &mut Ctx, r: &BlockReader, key: &str, items: &[(&BlockItem, Option<Arc<T>>)]) -> Option<Arc<T>> {
+fn named<T>(
+    ctx: &mut Ctx,
+    r: &BlockReader,
+    key: &str,
+    items: &[(&BlockItem, Option<Arc<T>>)],
+) -> Option<Arc<T>> {
     let v = r.value(key)?; // a missing key is reported by the caller
     let ValueKind::Ident(id) = &v.kind else {
         ctx.error(
-            Diagnostic::error(format!("expected the name of a {key}, found {}", v.kind.describe()))
-                .at(v.span, format!("write the {key}'s name")),
+            Diagnostic::error(format!(
+                "expected the name of a {key}, found {}",
+                v.kind.describe()
+            ))
+            .at(v.span, format!("write the {key}'s name")),
         );
         return None;
     };
     match items.iter().find(|(b, _)| b.name.name == id.name) {
         Some((_, resolved)) => resolved.clone(), // None: its own errors are already reported
         None => {
-            let mut d = Diagnostic::error(format!("unknown {key} `{}`", id.name)).at(id.span, format!("no {key} of this name"));
+            let mut d = Diagnostic::error(format!("unknown {key} `{}`", id.name))
+                .at(id.span, format!("no {key} of this name"));
             d = match did_you_mean(&id.name, items.iter().map(|(b, _)| b.name.name.as_str())) {
                 Some(s) => d.note(format!("did you mean `{s}`?")),
-                None if items.is_empty() => d.note(format!("no {key} is defined; did you forget an `import`?")),
+                None if items.is_empty() => {
+                    d.note(format!("no {key} is defined; did you forget an `import`?"))
+                }
                 None => d.note(format!(
                     "the {key}s in scope are {}",
-                    list(items.iter().map(|(b, _)| b.name.name.as_str()))
+                    list_some(items.iter().map(|(b, _)| b.name.name.as_str()), 12)
                 )),
             };
             ctx.error(d);
@@ -303,13 +398,23 @@ fn named<T>(ctx: &mut Ctx, r: &BlockReader, key: &str, items: &[(&BlockItem, Opt
 }
 
 /// `nodes` or `gpus_per_node` used (as written, and checked as an integer), at most the cluster's.
-fn used(ctx: &mut Ctx, written: Option<(&Value, Option<u64>)>, available: u64, noun: &str, cluster: &str) -> Option<u64> {
-    let Some((v, n)) = written else { return Some(available) };
+fn used(
+    ctx: &mut Ctx,
+    written: Option<(&Value, Option<u64>)>,
+    available: u64,
+    noun: &str,
+    cluster: &str,
+) -> Option<u64> {
+    let Some((v, n)) = written else {
+        return Some(available);
+    };
     let n = n?;
     if n > available {
         ctx.error(
-            Diagnostic::error(format!("the schedule uses {n} {noun} but cluster `{cluster}` has {available}"))
-                .at(v.span, format!("at most {available}")),
+            Diagnostic::error(format!(
+                "the schedule uses {n} {noun} but cluster `{cluster}` has {available}"
+            ))
+            .at(v.span, format!("at most {available}")),
         );
         return None;
     }
@@ -322,8 +427,11 @@ fn preset(ctx: &mut Ctx, v: &Value) -> Option<PresetDefaults> {
         ValueKind::Call(c) => (&c.callee, Some(c)),
         _ => {
             ctx.error(
-                Diagnostic::error(format!("expected a preset such as `zero3` or `mics(partition = 8)`, found {}", v.kind.describe()))
-                    .at(v.span, "not a preset"),
+                Diagnostic::error(format!(
+                    "expected a preset such as `zero3` or `mics(partition = 8)`, found {}",
+                    v.kind.describe()
+                ))
+                .at(v.span, "not a preset"),
             );
             return None;
         }
@@ -338,7 +446,10 @@ fn preset(ctx: &mut Ctx, v: &Value) -> Option<PresetDefaults> {
     let arg = match (param, args) {
         (None, None) => None,
         (None, Some(c)) => {
-            ctx.error(Diagnostic::error(format!("preset `{name}` takes no arguments")).at(c.span, format!("write `{name}`")));
+            ctx.error(
+                Diagnostic::error(format!("preset `{name}` takes no arguments"))
+                    .at(c.span, format!("write `{name}`")),
+            );
             return None;
         }
         (Some(p), None) => {
@@ -357,7 +468,14 @@ fn preset(ctx: &mut Ctx, v: &Value) -> Option<PresetDefaults> {
     };
     let full = (MeshSpec::Full, v.span);
     let none = (MeshSpec::None, v.span);
-    let shard = |shard| PresetDefaults { name, shard, partition: None, grad_sync: None, all_gather: None, reshard: None };
+    let shard = |shard| PresetDefaults {
+        name,
+        shard,
+        partition: None,
+        grad_sync: None,
+        all_gather: None,
+        reshard: None,
+    };
     Some(match name {
         "ddp" => shard([none, none, none]),
         "zero1" => shard([none, none, full]),
@@ -378,7 +496,12 @@ fn preset(ctx: &mut Ctx, v: &Value) -> Option<PresetDefaults> {
             let arg = arg.expect("secondary is required");
             let k = expect_int(ctx, arg, 1, u64::from(u32::MAX), "`secondary`")?;
             let mut d = shard([full, full, full]);
-            d.reshard = Some((ReshardAfterForward::Node { secondary: k as u32 }, arg.span));
+            d.reshard = Some((
+                ReshardAfterForward::Node {
+                    secondary: k as u32,
+                },
+                arg.span,
+            ));
             d
         }
     })
@@ -390,9 +513,12 @@ fn mesh_spec(ctx: &mut Ctx, v: &Value) -> Option<MeshSpec> {
             (Some(a), Some(b)) if a >= 1 && b >= 1 => Some(MeshSpec::Explicit(a, b)),
             (Some(_), Some(_)) => {
                 ctx.error(
-                    Diagnostic::error(format!("mesh factors must be at least 1, found {} x {}", m.a.text, m.b.text))
-                        .at(v.span, "a zero factor")
-                        .note("`a x b` is a GPUs per node times b nodes; `none` is `1 x 1`"),
+                    Diagnostic::error(format!(
+                        "mesh factors must be at least 1, found {} x {}",
+                        m.a.text, m.b.text
+                    ))
+                    .at(v.span, "a zero factor")
+                    .note("`a x b` is a GPUs per node times b nodes; `none` is `1 x 1`"),
                 );
                 None
             }
@@ -410,11 +536,16 @@ fn mesh_spec(ctx: &mut Ctx, v: &Value) -> Option<MeshSpec> {
             }
         },
         ValueKind::Number(_) => expect_int(ctx, v, 1, u64::MAX, "a mesh size").map(MeshSpec::Int),
-        ValueKind::Ident(id) => choice(ctx, id, &["full", "none"], "mesh").map(|i| [MeshSpec::Full, MeshSpec::None][i]),
+        ValueKind::Ident(id) => {
+            choice(ctx, id, &["full", "none"], "mesh").map(|i| [MeshSpec::Full, MeshSpec::None][i])
+        }
         _ => {
             ctx.error(
-                Diagnostic::error(format!("expected a mesh such as `8 x 2`, `16`, `full` or `none`, found {}", v.kind.describe()))
-                    .at(v.span, "not a mesh"),
+                Diagnostic::error(format!(
+                    "expected a mesh such as `8 x 2`, `16`, `full` or `none`, found {}",
+                    v.kind.describe()
+                ))
+                .at(v.span, "not a mesh"),
             );
             None
         }
@@ -450,7 +581,9 @@ impl Ranks {
             }
         };
         let mut ok = true;
-        if a == 0 || self.g % a != 0 {
+        // `checked_rem` rather than `%`: a zero factor does not divide either (and the crate
+        // keeps to Rust 1.80, before `is_multiple_of`).
+        if self.g.checked_rem(a) != Some(0) {
             ctx.error(
                 Diagnostic::error(format!(
                     "rule 1: the {key} {a} x {b} needs a to divide the {} GPUs per node used",
@@ -460,14 +593,20 @@ impl Ranks {
             );
             ok = false;
         }
-        if b == 0 || self.n % b != 0 {
+        if self.n.checked_rem(b) != Some(0) {
             ctx.error(
-                Diagnostic::error(format!("rule 1: the {key} {a} x {b} needs b to divide the {} nodes used", self.n))
-                    .at(span, format!("{b} does not divide {}", self.n)),
+                Diagnostic::error(format!(
+                    "rule 1: the {key} {a} x {b} needs b to divide the {} nodes used",
+                    self.n
+                ))
+                .at(span, format!("{b} does not divide {}", self.n)),
             );
             ok = false;
         }
-        ok.then_some(Mesh { intra: a as u32, inter: b as u32 })
+        ok.then_some(Mesh {
+            intra: a as u32,
+            inter: b as u32,
+        })
     }
 }
 
@@ -497,11 +636,16 @@ fn check_nesting(ctx: &mut Ctx, inner: &Factor, outer: &[Factor]) -> bool {
             .take_while(|f| f.source == Source::Default)
             .map(|f| format!("{} = {}", f.key, inner.mesh))
             .collect();
-        d = d.note(format!("`{}` is not written, so it defaults to `none` (1 x 1)", o.key)).note(format!(
-            "write `{}` in `shard {{ … }}`, or a mesh that {} divides",
-            defaulted.join("  "),
-            inner.mesh
-        ));
+        d = d
+            .note(format!(
+                "`{}` is not written, so it defaults to `none` (1 x 1)",
+                o.key
+            ))
+            .note(format!(
+                "write `{}` in `shard {{ … }}`, or a mesh that {} divides",
+                defaulted.join("  "),
+                inner.mesh
+            ));
     }
     ctx.error(d);
     false
@@ -520,12 +664,17 @@ fn reshard_after_forward(
         Some(choice) => match choice? {
             0 => ReshardAfterForward::True,
             1 => ReshardAfterForward::False,
-            _ => from_preset.map_or(ReshardAfterForward::Node { secondary: gpus as u32 }, |(node, _)| node),
+            _ => from_preset.map_or(
+                ReshardAfterForward::Node {
+                    secondary: gpus as u32,
+                },
+                |(node, _)| node,
+            ),
         },
         None => from_preset.map_or(ReshardAfterForward::True, |(node, _)| node),
     };
     if let (ReshardAfterForward::Node { secondary }, Some((_, span))) = (value, from_preset) {
-        if gpus % u64::from(secondary) != 0 {
+        if gpus.checked_rem(u64::from(secondary)) != Some(0) {
             ctx.error(
                 Diagnostic::error(format!(
                     "hpZ's secondary shard spans {secondary} GPUs, which must divide the {gpus} GPUs per node used"
@@ -539,10 +688,20 @@ fn reshard_after_forward(
 }
 
 /// A `max_live` cap smaller than one layer's gathered parameters could never be met.
-fn check_max_live(ctx: &mut Ctx, prefetch: &Prefetch, span: Option<Span>, model: &Model, params: Factor) {
-    let (Some(cap), Some(span), true) = (prefetch.max_live, span, params.mesh.size() > 1) else { return };
+fn check_max_live(
+    ctx: &mut Ctx,
+    prefetch: &Prefetch,
+    span: Option<Span>,
+    model: &Model,
+    params: Factor,
+) {
+    let (Some(cap), Some(span), true) = (prefetch.max_live, span, params.mesh.size() > 1) else {
+        return;
+    };
     // The first of the largest layers (the first to be gathered).
-    let Some(big) = model.layers.iter().rev().max_by_key(|l| l.params) else { return };
+    let Some(big) = model.layers.iter().rev().max_by_key(|l| l.params) else {
+        return;
+    };
     let bytes = big.params.saturating_mul(model.dtype.bytes());
     if bytes > cap {
         ctx.error(
@@ -591,7 +750,8 @@ impl<'a> OptionalBlocks<'a> {
             max_live,
             buckets: buckets(ctx, r),
             recompute: opt(ctx, r.value("recompute"), Recompute::None, |ctx, v| {
-                expect_choice(ctx, v, &["none", "full"], "recompute mode").map(|i| [Recompute::None, Recompute::Full][i])
+                expect_choice(ctx, v, &["none", "full"], "recompute mode")
+                    .map(|i| [Recompute::None, Recompute::Full][i])
             }),
             streams: opt(ctx, r.value("streams"), Streams::PerRole, |ctx, v| {
                 expect_choice(ctx, v, &["single", "per_role", "per_link"], "stream layout")
@@ -605,49 +765,107 @@ impl<'a> OptionalBlocks<'a> {
     /// The train settings, with `data` resolved against the schedule's file.
     fn train(&self, sources: &SourceMap, item: &BlockItem) -> Option<Train> {
         let t = self.train.as_ref()?;
-        let dir = sources.get(item.span.file).path.parent().map(|p| p.to_path_buf()).unwrap_or_default();
-        Some(Train { steps: t.steps, lr: t.lr, seed: t.seed, data: t.data.map(|s| dir.join(&s.value)), clip: t.clip })
+        let dir = sources
+            .get(item.span.file)
+            .path
+            .parent()
+            .map(|p| p.to_path_buf())
+            .unwrap_or_default();
+        Some(Train {
+            steps: t.steps,
+            lr: t.lr,
+            seed: t.seed,
+            data: t.data.map(|s| dir.join(&s.value)),
+            clip: t.clip,
+        })
     }
 }
 
 fn prefetch(ctx: &mut Ctx, r: &BlockReader) -> Option<Prefetch> {
     let Some(b) = r.block("prefetch") else {
-        return Some(Prefetch { forward: 1, backward: 1, max_live: None });
+        return Some(Prefetch {
+            forward: 1,
+            backward: 1,
+            max_live: None,
+        });
     };
     let p = BlockReader::for_nested(ctx, "`prefetch`", b, PREFETCH_KEYS);
-    let depth =
-        |ctx: &mut Ctx, k: &str| opt(ctx, p.value(k), 1, |ctx, v| expect_int(ctx, v, 0, 1 << 20, &format!("`prefetch.{k}`")));
+    let depth = |ctx: &mut Ctx, k: &str| {
+        opt(ctx, p.value(k), 1, |ctx, v| {
+            expect_int(ctx, v, 0, 1 << 20, &format!("`prefetch.{k}`"))
+        })
+    };
     let forward = depth(ctx, "forward");
     let backward = depth(ctx, "backward");
     let max_live = match p.value("max_live") {
         None => Some(None),
-        Some(Value { kind: ValueKind::Ident(id), .. }) => choice(ctx, id, &["unlimited"], "limit").map(|_| None),
+        Some(Value {
+            kind: ValueKind::Ident(id),
+            ..
+        }) if id.name == "unlimited" => Some(None),
+        Some(Value {
+            kind: ValueKind::Ident(id),
+            ..
+        }) => {
+            let mut d = Diagnostic::error(format!(
+                "`prefetch.max_live` must be a size such as `4 GiB`, or `unlimited`, found `{}`",
+                id.name
+            ))
+            .at(id.span, "expected a size or `unlimited`");
+            if did_you_mean(&id.name, ["unlimited"]).is_some() {
+                d = d.note("did you mean `unlimited`?");
+            }
+            ctx.error(d);
+            None
+        }
         Some(v) => match expect_bytes(ctx, v) {
             Some(0) => {
-                ctx.error(Diagnostic::error("`max_live` must be more than 0 bytes").at(v.span, "zero"));
+                ctx.error(
+                    Diagnostic::error("`max_live` must be more than 0 bytes").at(v.span, "zero"),
+                );
                 None
             }
             b => b.map(Some),
         },
     };
-    Some(Prefetch { forward: forward? as u32, backward: backward? as u32, max_live: max_live? })
+    Some(Prefetch {
+        forward: forward? as u32,
+        backward: backward? as u32,
+        max_live: max_live?,
+    })
 }
 
 fn buckets(ctx: &mut Ctx, r: &BlockReader) -> Option<Buckets> {
-    let Some(b) = r.block("buckets") else { return Some(Buckets { gather: 0, reduce: 0 }) };
+    let Some(b) = r.block("buckets") else {
+        return Some(Buckets {
+            gather: 0,
+            reduce: 0,
+        });
+    };
     let p = BlockReader::for_nested(ctx, "`buckets`", b, BUCKET_KEYS);
     let gather = opt(ctx, p.value("gather"), 0, expect_bytes);
     let reduce = opt(ctx, p.value("reduce"), 0, expect_bytes);
-    Some(Buckets { gather: gather?, reduce: reduce? })
+    Some(Buckets {
+        gather: gather?,
+        reduce: reduce?,
+    })
 }
 
 fn overlap(ctx: &mut Ctx, r: &BlockReader) -> Option<Overlap> {
     let Some(b) = r.block("overlap") else {
-        return Some(Overlap { gather: true, reduce: true, sync: true, refresh: Refresh::Overlap(true) });
+        return Some(Overlap {
+            gather: true,
+            reduce: true,
+            sync: true,
+            refresh: Refresh::Overlap(true),
+        });
     };
     let p = BlockReader::for_nested(ctx, "`overlap`", b, OVERLAP_KEYS);
-    let flag =
-        |ctx: &mut Ctx, k: &str| opt(ctx, p.value(k), true, |ctx, v| expect_bool(ctx, v, &format!("`overlap.{k}`")));
+    let flag = |ctx: &mut Ctx, k: &str| {
+        opt(ctx, p.value(k), true, |ctx, v| {
+            expect_bool(ctx, v, &format!("`overlap.{k}`"))
+        })
+    };
     let gather = flag(ctx, "gather");
     let reduce = flag(ctx, "reduce");
     let sync = flag(ctx, "sync");
@@ -657,23 +875,48 @@ fn overlap(ctx: &mut Ctx, r: &BlockReader) -> Option<Overlap> {
             i => Refresh::Overlap(i == 1),
         })
     });
-    Some(Overlap { gather: gather?, reduce: reduce?, sync: sync?, refresh: refresh? })
+    Some(Overlap {
+        gather: gather?,
+        reduce: reduce?,
+        sync: sync?,
+        refresh: refresh?,
+    })
 }
 
 fn train<'a>(ctx: &mut Ctx, r: &BlockReader<'a>) -> Option<TrainSpec<'a>> {
     let Some(b) = r.block("train") else {
-        return Some(TrainSpec { steps: 10, lr: 3e-4, seed: 0, data: None, clip: None });
+        return Some(TrainSpec {
+            steps: 10,
+            lr: 3e-4,
+            seed: 0,
+            data: None,
+            clip: None,
+        });
     };
     let p = BlockReader::for_nested(ctx, "`train`", b, TRAIN_KEYS);
-    let steps = opt(ctx, p.value("steps"), 10, |ctx, v| expect_int(ctx, v, 1, 1 << 40, "`train.steps`"));
-    let lr = opt(ctx, p.value("lr"), 3e-4, |ctx, v| positive(ctx, v, "`train.lr`"));
-    let seed = opt(ctx, p.value("seed"), 0, |ctx, v| expect_int(ctx, v, 0, u64::MAX, "`train.seed`"));
+    let steps = opt(ctx, p.value("steps"), 10, |ctx, v| {
+        expect_int(ctx, v, 1, 1 << 40, "`train.steps`")
+    });
+    let lr = opt(ctx, p.value("lr"), 3e-4, |ctx, v| {
+        positive(ctx, v, "`train.lr`")
+    });
+    let seed = opt(ctx, p.value("seed"), 0, |ctx, v| {
+        expect_int(ctx, v, 0, u64::MAX, "`train.seed`")
+    });
     let data = match p.value("data") {
         Some(v) => expect_string(ctx, v).map(Some),
         None => Some(None),
     };
-    let clip = opt(ctx, p.value("clip"), None, |ctx, v| positive(ctx, v, "`train.clip`").map(Some));
-    Some(TrainSpec { steps: steps?, lr: lr?, seed: seed?, data: data?, clip: clip? })
+    let clip = opt(ctx, p.value("clip"), None, |ctx, v| {
+        positive(ctx, v, "`train.clip`").map(Some)
+    });
+    Some(TrainSpec {
+        steps: steps?,
+        lr: lr?,
+        seed: seed?,
+        data: data?,
+        clip: clip?,
+    })
 }
 
 fn positive(ctx: &mut Ctx, v: &Value, what: &str) -> Option<f64> {
@@ -681,7 +924,10 @@ fn positive(ctx: &mut Ctx, v: &Value, what: &str) -> Option<f64> {
     if x > 0.0 {
         Some(x)
     } else {
-        ctx.error(Diagnostic::error(format!("{what} must be positive, found {x}")).at(v.span, "not positive"));
+        ctx.error(
+            Diagnostic::error(format!("{what} must be positive, found {x}"))
+                .at(v.span, "not positive"),
+        );
         None
     }
 }

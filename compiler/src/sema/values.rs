@@ -101,7 +101,14 @@ impl<'a> BlockReader<'a> {
         keys: &[(&'static str, Shape)],
         extras: Extras,
     ) -> Self {
-        let mut r = BlockReader { values: vec![], blocks: vec![], layers: vec![], measured: vec![], noun: "key", suggested: vec![] };
+        let mut r = BlockReader {
+            values: vec![],
+            blocks: vec![],
+            layers: vec![],
+            measured: vec![],
+            noun: "key",
+            suggested: vec![],
+        };
         for e in entries {
             match e {
                 Entry::Assign(a) => {
@@ -130,8 +137,20 @@ impl<'a> BlockReader<'a> {
     }
 
     /// Sorts the arguments of a call (`transformer(hidden = 4096, …)`) against `keys`.
-    pub fn for_args(ctx: &mut Ctx, what: &str, args: &'a [Arg], keys: &[(&'static str, Shape)]) -> Self {
-        let mut r = BlockReader { values: vec![], blocks: vec![], layers: vec![], measured: vec![], noun: "argument", suggested: vec![] };
+    pub fn for_args(
+        ctx: &mut Ctx,
+        what: &str,
+        args: &'a [Arg],
+        keys: &[(&'static str, Shape)],
+    ) -> Self {
+        let mut r = BlockReader {
+            values: vec![],
+            blocks: vec![],
+            layers: vec![],
+            measured: vec![],
+            noun: "argument",
+            suggested: vec![],
+        };
         for a in args {
             r.add_value(ctx, what, &a.name, &a.value, keys);
         }
@@ -139,8 +158,20 @@ impl<'a> BlockReader<'a> {
     }
 
     /// Sorts the entries of a nested block (`prefetch { … }`) against `keys`.
-    pub fn for_nested(ctx: &mut Ctx, what: &str, block: &'a Nested, keys: &[(&'static str, Shape)]) -> Self {
-        let mut r = BlockReader { values: vec![], blocks: vec![], layers: vec![], measured: vec![], noun: "key", suggested: vec![] };
+    pub fn for_nested(
+        ctx: &mut Ctx,
+        what: &str,
+        block: &'a Nested,
+        keys: &[(&'static str, Shape)],
+    ) -> Self {
+        let mut r = BlockReader {
+            values: vec![],
+            blocks: vec![],
+            layers: vec![],
+            measured: vec![],
+            noun: "key",
+            suggested: vec![],
+        };
         for a in &block.entries {
             r.add_value(ctx, what, &a.key, &a.value, keys);
         }
@@ -170,14 +201,19 @@ impl<'a> BlockReader<'a> {
         shape: Shape,
     ) -> Option<&'static str> {
         let Some(&(name, want)) = keys.iter().find(|(k, _)| *k == key.name) else {
-            let mut d = Diagnostic::error(format!("unknown {} `{}` in {what}", self.noun, key.name))
-                .at(key.span, format!("unknown {}", self.noun));
+            let mut d =
+                Diagnostic::error(format!("unknown {} `{}` in {what}", self.noun, key.name))
+                    .at(key.span, format!("unknown {}", self.noun));
             d = match did_you_mean(&key.name, keys.iter().map(|(k, _)| *k)) {
                 Some(s) => {
                     self.suggested.push(s);
                     d.note(format!("did you mean `{s}`?"))
                 }
-                None => d.note(format!("the {}s of {what} are {}", self.noun, list(keys.iter().map(|(k, _)| *k)))),
+                None => d.note(format!(
+                    "the {}s of {what} are {}",
+                    self.noun,
+                    list(keys.iter().map(|(k, _)| *k))
+                )),
             };
             ctx.error(d);
             return None;
@@ -209,7 +245,10 @@ impl<'a> BlockReader<'a> {
     }
 
     pub fn value(&self, key: &str) -> Option<&'a Value> {
-        self.values.iter().find(|(k, ..)| *k == key).map(|(_, _, v)| *v)
+        self.values
+            .iter()
+            .find(|(k, ..)| *k == key)
+            .map(|(_, _, v)| *v)
     }
 
     pub fn block(&self, key: &str) -> Option<&'a Nested> {
@@ -222,7 +261,12 @@ impl<'a> BlockReader<'a> {
             .iter()
             .find(|(k, ..)| *k == key)
             .map(|(_, id, _)| id.span)
-            .or_else(|| self.blocks.iter().find(|(k, _)| *k == key).map(|(_, n)| n.key.span))
+            .or_else(|| {
+                self.blocks
+                    .iter()
+                    .find(|(k, _)| *k == key)
+                    .map(|(_, n)| n.key.span)
+            })
     }
 
     /// Whether `key` was already reported (misspelt, or written in the wrong form), so that its
@@ -234,8 +278,10 @@ impl<'a> BlockReader<'a> {
     /// Reports, in one error at `owner`, every key of `required` (a key and what to write for it,
     /// such as `("nodes", "nodes = 4")`) that is absent and not already reported.
     pub fn require(&self, ctx: &mut Ctx, owner: &Ident, what: &str, required: &[(&str, &str)]) {
-        let missing: Vec<&(&str, &str)> =
-            required.iter().filter(|(k, _)| self.key_span(k).is_none() && !self.reported(k)).collect();
+        let missing: Vec<&(&str, &str)> = required
+            .iter()
+            .filter(|(k, _)| self.key_span(k).is_none() && !self.reported(k))
+            .collect();
         let names = list(missing.iter().map(|(k, _)| *k));
         let d = match missing.as_slice() {
             [] => return,
@@ -243,9 +289,15 @@ impl<'a> BlockReader<'a> {
                 .at(owner.span, format!("`{key}` is required here"))
                 .note(format!("add `{hint}`")),
             several => {
-                let lines: Vec<String> = several.iter().map(|(_, hint)| format!("    {hint}")).collect();
+                let lines: Vec<String> = several
+                    .iter()
+                    .map(|(_, hint)| format!("    {hint}"))
+                    .collect();
                 Diagnostic::error(format!("{what} is missing {names}"))
-                    .at(owner.span, format!("{} required {}s are missing here", several.len(), self.noun))
+                    .at(
+                        owner.span,
+                        format!("{} required {}s are missing here", several.len(), self.noun),
+                    )
                     .note(format!("add them, for example:\n{}", lines.join("\n")))
             }
         };
@@ -253,7 +305,14 @@ impl<'a> BlockReader<'a> {
     }
 
     /// The value of a required key; reports it missing (at `owner`) when absent.
-    pub fn required(&self, ctx: &mut Ctx, key: &str, owner: &Ident, what: &str, hint: &str) -> Option<&'a Value> {
+    pub fn required(
+        &self,
+        ctx: &mut Ctx,
+        key: &str,
+        owner: &Ident,
+        what: &str,
+        hint: &str,
+    ) -> Option<&'a Value> {
         self.require(ctx, owner, what, &[(key, &format!("{key} = {hint}"))]);
         self.value(key)
     }
@@ -262,6 +321,16 @@ impl<'a> BlockReader<'a> {
 /// Joins names as "`a`, `b` and `c`".
 pub(crate) fn list<'s>(names: impl IntoIterator<Item = &'s str>) -> String {
     join(names, "and")
+}
+
+/// Joins names as "`a`, `b` and `c`", the first `max` of them and then "and N more".
+pub(crate) fn list_some<'s>(names: impl IntoIterator<Item = &'s str>, max: usize) -> String {
+    let names: Vec<&str> = names.into_iter().collect();
+    if names.len() <= max {
+        return list(names);
+    }
+    let shown: Vec<String> = names[..max].iter().map(|n| format!("`{n}`")).collect();
+    format!("{} and {} more", shown.join(", "), names.len() - max)
 }
 
 /// Joins names as "`a`, `b` or `c`", for a choice.
@@ -287,7 +356,12 @@ pub(crate) fn human_bytes(b: u64) -> String {
     let unit = 1u64 << (10 * k);
     match b % unit {
         0 => format!("{} {}", b / unit, UNITS[k - 1]),
-        _ => format!("{:.1} {} ({} bytes)", b as f64 / unit as f64, UNITS[k - 1], crate::emit::job::thousands(b)),
+        _ => format!(
+            "{:.1} {} ({} bytes)",
+            b as f64 / unit as f64,
+            UNITS[k - 1],
+            crate::emit::job::thousands(b)
+        ),
     }
 }
 
@@ -311,17 +385,25 @@ fn mismatch(ctx: &mut Ctx, v: &Value, expected: &str) {
         },
         k => k.describe().to_string(),
     };
-    ctx.error(Diagnostic::error(format!("expected {expected}, found {found}")).at(v.span, format!("expected {expected}")));
+    ctx.error(
+        Diagnostic::error(format!("expected {expected}, found {found}"))
+            .at(v.span, format!("expected {expected}")),
+    );
 }
 
 fn unit(name: &str) -> Option<(UnitKind, u128, u128)> {
-    UNITS.iter().find(|u| u.0 == name).map(|&(_, k, n, d)| (k, n, d))
+    UNITS
+        .iter()
+        .find(|u| u.0 == name)
+        .map(|&(_, k, n, d)| (k, n, d))
 }
 
 /// A decimal number as mantissa × 10^exp10, exactly.
 fn decimal(n: &NumberLit) -> Option<(bool, u128, i32)> {
     let text = n.digits();
-    let (neg, text) = text.strip_prefix('-').map_or((false, text.as_str()), |t| (true, t));
+    let (neg, text) = text
+        .strip_prefix('-')
+        .map_or((false, text.as_str()), |t| (true, t));
     let (num, exp) = match text.find(['e', 'E']) {
         Some(i) => (&text[..i], text[i + 1..].parse::<i32>().ok()?),
         None => (text, 0),
@@ -342,7 +424,13 @@ fn exact(neg: bool, mantissa: u128, exp10: i32, num: u128, den: u128) -> Result<
         let scale = 10u128.checked_pow(exp10 as u32).ok_or("too large")?;
         value = value.checked_mul(scale).ok_or("too large")?;
     } else {
-        den = den.checked_mul(10u128.checked_pow(exp10.unsigned_abs()).ok_or("not whole")?).ok_or("not whole")?;
+        den = den
+            .checked_mul(
+                10u128
+                    .checked_pow(exp10.unsigned_abs())
+                    .ok_or("not whole")?,
+            )
+            .ok_or("not whole")?;
     }
     if value % den != 0 {
         return Err("not whole");
@@ -356,14 +444,19 @@ pub(crate) fn expect_int(ctx: &mut Ctx, v: &Value, min: u64, max: u64, what: &st
         mismatch(ctx, v, "an integer");
         return None;
     };
-    let result = decimal(n).ok_or("too large").and_then(|(neg, m, e)| exact(neg, m, e, 1, 1));
+    let result = decimal(n)
+        .ok_or("too large")
+        .and_then(|(neg, m, e)| exact(neg, m, e, 1, 1));
     let value = match result {
         Ok(x) => x,
         Err(why) => {
             let msg = match why {
                 "negative" => format!("{what} must be at least {min}, found `{}`", n.text),
                 "not whole" => format!("{what} must be a whole number, found `{}`", n.text),
-                _ => format!("{what} is too large: the limit is {max}, found `{}`", n.text),
+                _ => format!(
+                    "{what} is too large: the limit is {max}, found `{}`",
+                    n.text
+                ),
             };
             ctx.error(Diagnostic::error(msg).at(v.span, "not allowed here"));
             return None;
@@ -374,8 +467,15 @@ pub(crate) fn expect_int(ctx: &mut Ctx, v: &Value, min: u64, max: u64, what: &st
 
 fn in_range(ctx: &mut Ctx, span: Span, value: u64, min: u64, max: u64, what: &str) -> Option<u64> {
     if value < min || value > max {
-        let range = if max == u64::MAX { format!("at least {min}") } else { format!("between {min} and {max}") };
-        ctx.error(Diagnostic::error(format!("{what} must be {range}, found {value}")).at(span, "out of range"));
+        let range = if max == u64::MAX {
+            format!("at least {min}")
+        } else {
+            format!("between {min} and {max}")
+        };
+        ctx.error(
+            Diagnostic::error(format!("{what} must be {range}, found {value}"))
+                .at(span, "out of range"),
+        );
         return None;
     }
     Some(value)
@@ -384,7 +484,7 @@ fn in_range(ctx: &mut Ctx, span: Span, value: u64, min: u64, max: u64, what: &st
 /// Any number (integer or decimal) as a float.
 pub(crate) fn expect_number(ctx: &mut Ctx, v: &Value) -> Option<f64> {
     match &v.kind {
-        ValueKind::Number(n) => finite(ctx, v.span, n.as_f64()),
+        ValueKind::Number(n) => finite(ctx, v.span, &n.text, n.as_f64()),
         _ => {
             mismatch(ctx, v, "a number");
             None
@@ -392,11 +492,17 @@ pub(crate) fn expect_number(ctx: &mut Ctx, v: &Value) -> Option<f64> {
     }
 }
 
-fn finite(ctx: &mut Ctx, span: Span, x: f64) -> Option<f64> {
+/// `x`, the value of what is written at `span` as `text`, if it is a finite float.
+fn finite(ctx: &mut Ctx, span: Span, text: &str, x: f64) -> Option<f64> {
     if x.is_finite() {
         Some(x)
     } else {
-        ctx.error(Diagnostic::error("number is out of range").at(span, "too large"));
+        ctx.error(
+            Diagnostic::error(format!(
+                "`{text}` is too large: numbers are limited to about 1.8e308"
+            ))
+            .at(span, "too large"),
+        );
         None
     }
 }
@@ -407,8 +513,12 @@ pub(crate) fn expect_quantity(ctx: &mut Ctx, v: &Value, kind: UnitKind) -> Optio
         ValueKind::Quantity(q) => quantity(ctx, q, kind),
         ValueKind::Number(_) => {
             ctx.error(
-                Diagnostic::error(format!("expected {} such as {}, found a number without a unit", kind.phrase(), kind.example()))
-                    .at(v.span, "needs a unit"),
+                Diagnostic::error(format!(
+                    "expected {} such as {}, found a number without a unit",
+                    kind.phrase(),
+                    kind.example()
+                ))
+                .at(v.span, "needs a unit"),
             );
             None
         }
@@ -423,25 +533,45 @@ pub(crate) fn expect_quantity(ctx: &mut Ctx, v: &Value, kind: UnitKind) -> Optio
 pub(crate) fn quantity(ctx: &mut Ctx, q: &Quantity, kind: UnitKind) -> Option<f64> {
     let (k, num, den) = check_unit(ctx, q, kind)?;
     debug_assert_eq!(k, kind);
-    finite(ctx, q.span, q.number.as_f64() * num as f64 / den as f64)
+    let text = format!("{} {}", q.number.text, q.unit.name);
+    finite(
+        ctx,
+        q.span,
+        &text,
+        q.number.as_f64() * num as f64 / den as f64,
+    )
 }
 
 fn check_unit(ctx: &mut Ctx, q: &Quantity, kind: UnitKind) -> Option<(UnitKind, u128, u128)> {
     let Some((k, num, den)) = unit(&q.unit.name) else {
         let same_kind = UNITS.iter().filter(|u| u.1 == kind).map(|u| u.0);
-        let mut d = Diagnostic::error(format!("unknown unit `{}`", q.unit.name)).at(q.unit.span, "unknown unit");
+        let mut d = Diagnostic::error(format!("unknown unit `{}`", q.unit.name))
+            .at(q.unit.span, "unknown unit");
         d = match suggest_unit(&q.unit.name, kind) {
             Some((s, why)) => d.note(format!("did you mean `{s}`?{why}")),
-            None => d.note(format!("units for {} are {}", kind.phrase(), list(same_kind))),
+            None => d.note(format!(
+                "units for {} are {}",
+                kind.phrase(),
+                list(same_kind)
+            )),
         };
         ctx.error(d);
         return None;
     };
     if k != kind {
         ctx.error(
-            Diagnostic::error(format!("expected {}, found {} (`{}`)", kind.phrase(), k.phrase(), q.unit.name))
-                .at(q.span, format!("this is {}", k.phrase()))
-                .note(format!("write {} here, for example {}", kind.phrase(), kind.example())),
+            Diagnostic::error(format!(
+                "expected {}, found {} (`{}`)",
+                kind.phrase(),
+                k.phrase(),
+                q.unit.name
+            ))
+            .at(q.span, format!("this is {}", k.phrase()))
+            .note(format!(
+                "write {} here, for example {}",
+                kind.phrase(),
+                kind.example()
+            )),
         );
         return None;
     }
@@ -449,11 +579,11 @@ fn check_unit(ctx: &mut Ctx, q: &Quantity, kind: UnitKind) -> Option<(UnitKind, 
 }
 
 /// The unit meant by an unknown unit `written` where `kind` is expected, and a remark to go with
-/// it. A rate keeps what its `b` says: `B` is bytes and `b` bits (`80 GBps` is `80 GB/s`, while
+/// it (empty, or starting with a space). A rate keeps what its `b` says: `B` is bytes and `b` bits (`80 GBps` is `80 GB/s`, while
 /// `80 gbps` and `80 Gb/s` are `80 Gbps`, 8 times less), so a suggestion never turns one into the
 /// other. Spelled-out times (`usec`, `sec`) get their symbol; otherwise a unit differing only in
 /// case, else a close one of the expected kind.
-fn suggest_unit(written: &str, kind: UnitKind) -> Option<(&'static str, &'static str)> {
+fn suggest_unit(written: &str, kind: UnitKind) -> Option<(&'static str, String)> {
     let lower = written.to_ascii_lowercase();
     let time = match lower.trim_end_matches('s') {
         "n" | "nsec" | "nanosec" | "nanosecond" => Some("ns"),
@@ -463,38 +593,67 @@ fn suggest_unit(written: &str, kind: UnitKind) -> Option<(&'static str, &'static
         _ => None,
     };
     if let Some(t) = time.filter(|_| lower != "m") {
-        return Some((t, ""));
+        return Some((t, String::new()));
     }
-    let stem = written.strip_suffix("/s").or_else(|| written.strip_suffix("/S")).or_else(|| {
-        let n = written.len().checked_sub(2)?;
-        written.get(n..).filter(|s| s.eq_ignore_ascii_case("ps")).map(|_| &written[..n])
-    });
-    if let Some(stem) = stem.filter(|s| !s.is_empty()) {
+    let stem = written
+        .strip_suffix("/s")
+        .or_else(|| written.strip_suffix("/S"))
+        .or_else(|| {
+            let n = written.len().checked_sub(2)?;
+            written
+                .get(n..)
+                .filter(|s| s.eq_ignore_ascii_case("ps"))
+                .map(|_| &written[..n])
+        });
+    // A data rate: `…b` or `…bit` (bits) or `…B` (bytes), then `ps` or `/s`.
+    let rate_stem = stem.and_then(|stem| {
         let lower_stem = stem.to_ascii_lowercase();
-        let (prefix, bits) = if let Some(p) = lower_stem.strip_suffix("bits").or(lower_stem.strip_suffix("bit")) {
-            (p.to_string(), true)
+        if let Some(p) = lower_stem
+            .strip_suffix("bits")
+            .or(lower_stem.strip_suffix("bit"))
+        {
+            Some((p.to_string(), true))
         } else if let Some(p) = stem.strip_suffix('b') {
-            (p.to_ascii_lowercase(), true)
-        } else if let Some(p) = stem.strip_suffix('B') {
-            (p.to_ascii_lowercase(), false)
+            Some((p.to_ascii_lowercase(), true))
         } else {
-            return None;
+            stem.strip_suffix('B')
+                .map(|p| (p.to_ascii_lowercase(), false))
+        }
+    });
+    if let Some((prefix, bits)) = rate_stem {
+        let rate = |bits: bool| {
+            UNITS.iter().map(|u| u.0).find(|name| {
+                let (k, _, den) = unit(name).expect("a unit of the table");
+                let unit_prefix = name.trim_end_matches("bps").trim_end_matches("B/s");
+                k == UnitKind::Bandwidth
+                    && (den == 8) == bits
+                    && unit_prefix.eq_ignore_ascii_case(&prefix)
+            })
         };
-        let found = UNITS.iter().find(|&&(name, k, _, den)| {
-            let unit_prefix = name.trim_end_matches("bps").trim_end_matches("B/s");
-            k == UnitKind::Bandwidth && (den == 8) == bits && unit_prefix.eq_ignore_ascii_case(&prefix)
-        })?;
-        let why = match bits {
-            true => " (bits per second; bytes per second would be `…B/s`, 8 times more)",
-            false => " (bytes per second; `…bps` would be bits per second, 8 times less)",
+        let found = rate(bits)?;
+        let why = match (bits, rate(!bits)) {
+            (true, Some(other)) => {
+                format!(" (`b` is bits; `{other}` would be bytes per second, 8 times more)")
+            }
+            (false, Some(other)) => {
+                format!(" (`B` is bytes; `{other}` would be bits per second, 8 times less)")
+            }
+            (true, None) => " (`b` is bits)".to_string(),
+            (false, None) => " (`B` is bytes)".to_string(),
         };
-        return Some((found.0, why));
+        return Some((found, why));
     }
     let same_case = |u: &&(&str, UnitKind, u128, u128)| u.0.eq_ignore_ascii_case(written);
-    if let Some(u) = UNITS.iter().filter(|u| u.1 == kind).find(same_case).or_else(|| UNITS.iter().find(same_case)) {
-        return Some((u.0, ""));
+    if let Some(u) = UNITS
+        .iter()
+        .filter(|u| u.1 == kind)
+        .find(same_case)
+        .or_else(|| UNITS.iter().find(same_case))
+    {
+        return Some((u.0, String::new()));
     }
-    did_you_mean(written, UNITS.iter().filter(|u| u.1 == kind).map(|u| u.0)).map(|u| (u, ""))
+    did_you_mean(written, UNITS.iter().filter(|u| u.1 == kind).map(|u| u.0))
+        .map(|u| (u, String::new()))
 }
 
 /// A byte count, exact (`0.5 GiB` is 536870912; `0.3 B` is an error).
@@ -507,13 +666,18 @@ pub(crate) fn expect_bytes(ctx: &mut Ctx, v: &Value) -> Option<u64> {
 
 pub(crate) fn bytes(ctx: &mut Ctx, q: &Quantity) -> Option<u64> {
     let (_, num, den) = check_unit(ctx, q, UnitKind::Bytes)?;
-    let result = decimal(&q.number).ok_or("too large").and_then(|(neg, m, e)| exact(neg, m, e, num, den));
+    let result = decimal(&q.number)
+        .ok_or("too large")
+        .and_then(|(neg, m, e)| exact(neg, m, e, num, den));
     match result {
         Ok(b) => Some(b),
         Err(why) => {
             let msg = match why {
                 "negative" => "a size cannot be negative".to_string(),
-                "not whole" => format!("`{} {}` is not a whole number of bytes", q.number.text, q.unit.name),
+                "not whole" => format!(
+                    "`{} {}` is not a whole number of bytes",
+                    q.number.text, q.unit.name
+                ),
                 _ => format!(
                     "`{} {}` is too large: the limit is {} bytes (just under 16 EiB)",
                     q.number.text,
@@ -530,7 +694,11 @@ pub(crate) fn bytes(ctx: &mut Ctx, q: &Quantity) -> Option<u64> {
 /// One of `names`, written as a bare name; returns its index.
 pub(crate) fn expect_choice(ctx: &mut Ctx, v: &Value, names: &[&str], what: &str) -> Option<usize> {
     let ValueKind::Ident(id) = &v.kind else {
-        mismatch(ctx, v, &format!("one of {}", list_or(names.iter().copied())));
+        mismatch(
+            ctx,
+            v,
+            &format!("one of {}", list_or(names.iter().copied())),
+        );
         return None;
     };
     choice(ctx, id, names, what)
@@ -538,7 +706,12 @@ pub(crate) fn expect_choice(ctx: &mut Ctx, v: &Value, names: &[&str], what: &str
 
 /// The value of key `key` (as quoted in messages: "`bias`") when it must be one of `names`:
 /// "`reshard_after_forward` must be `true`, `false` or `node`, found `nodes`".
-pub(crate) fn expect_key_choice(ctx: &mut Ctx, v: &Value, names: &[&str], key: &str) -> Option<usize> {
+pub(crate) fn expect_key_choice(
+    ctx: &mut Ctx,
+    v: &Value,
+    names: &[&str],
+    key: &str,
+) -> Option<usize> {
     let choices = list_or(names.iter().copied());
     let found = match &v.kind {
         ValueKind::Ident(id) => match names.iter().position(|n| *n == id.name) {
@@ -547,7 +720,8 @@ pub(crate) fn expect_key_choice(ctx: &mut Ctx, v: &Value, names: &[&str], key: &
         },
         k => k.describe().to_string(),
     };
-    let mut d = Diagnostic::error(format!("{key} must be {choices}, found {found}")).at(v.span, format!("expected {choices}"));
+    let mut d = Diagnostic::error(format!("{key} must be {choices}, found {found}"))
+        .at(v.span, format!("expected {choices}"));
     if let ValueKind::Ident(id) = &v.kind {
         if let Some(s) = did_you_mean(&id.name, names.iter().copied()) {
             d = d.note(format!("did you mean `{s}`?"));
@@ -562,10 +736,15 @@ pub(crate) fn choice(ctx: &mut Ctx, id: &Ident, names: &[&str], what: &str) -> O
     if let Some(i) = names.iter().position(|n| *n == id.name) {
         return Some(i);
     }
-    let mut d = Diagnostic::error(format!("unknown {what} `{}`", id.name)).at(id.span, format!("not a known {what}"));
+    let mut d = Diagnostic::error(format!("unknown {what} `{}`", id.name))
+        .at(id.span, format!("not a known {what}"));
     d = match did_you_mean(&id.name, names.iter().copied()) {
         Some(s) => d.note(format!("did you mean `{s}`?")),
-        None => d.note(format!("expected one of {}", list_or(names.iter().copied()))),
+        None if names.len() == 1 => d.note(format!("expected `{}`", names[0])),
+        None => d.note(format!(
+            "expected one of {}",
+            list_or(names.iter().copied())
+        )),
     };
     ctx.error(d);
     None
@@ -591,12 +770,54 @@ mod tests {
     use super::*;
 
     fn num(text: &str) -> NumberLit {
-        NumberLit { text: text.to_string(), span: Span::default() }
+        NumberLit {
+            text: text.to_string(),
+            span: Span::default(),
+        }
     }
 
     fn exact_of(text: &str, n: u128, d: u128) -> Result<u64, &'static str> {
         let (neg, m, e) = decimal(&num(text)).unwrap();
         exact(neg, m, e, n, d)
+    }
+
+    #[test]
+    fn unit_suggestions_keep_bits_and_bytes_apart() {
+        let s = |w: &str, k: UnitKind| suggest_unit(w, k).map(|(u, _)| u);
+        assert_eq!(s("GBps", UnitKind::Bandwidth), Some("GB/s"));
+        assert_eq!(s("GBPS", UnitKind::Bandwidth), Some("GB/s"));
+        assert_eq!(s("gB/s", UnitKind::Bandwidth), Some("GB/s"));
+        assert_eq!(s("GiBps", UnitKind::Bandwidth), Some("GiB/s"));
+        assert_eq!(s("MBps", UnitKind::Bandwidth), Some("MB/s"));
+        assert_eq!(s("gbps", UnitKind::Bandwidth), Some("Gbps"));
+        assert_eq!(s("Gb/s", UnitKind::Bandwidth), Some("Gbps"));
+        assert_eq!(s("Gbit/s", UnitKind::Bandwidth), Some("Gbps"));
+        assert_eq!(s("mbps", UnitKind::Bandwidth), Some("Mbps"));
+        // No such unit of the same kind: nothing rather than the other kind.
+        assert_eq!(s("TB/s", UnitKind::Bandwidth), None);
+        assert_eq!(s("Gibps", UnitKind::Bandwidth), None);
+        assert_eq!(s("gib", UnitKind::Bytes), Some("GiB"));
+        assert_eq!(s("gb", UnitKind::Bytes), Some("GB"));
+        assert_eq!(s("usec", UnitKind::Time), Some("us"));
+        assert_eq!(s("sec", UnitKind::Time), Some("s"));
+        assert_eq!(s("msecs", UnitKind::Time), Some("ms"));
+        assert_eq!(s("seconds", UnitKind::Time), Some("s"));
+        assert_eq!(s("NS", UnitKind::Time), Some("ns"));
+        assert_eq!(s("tflops", UnitKind::Compute), Some("TFLOPS"));
+        assert_eq!(s("TFLOP", UnitKind::Compute), Some("TFLOPS"));
+    }
+
+    #[test]
+    fn sizes_for_people() {
+        assert_eq!(human_bytes(4 << 30), "4 GiB");
+        assert_eq!(human_bytes(1024), "1 KiB");
+        assert_eq!(human_bytes(99_968), "97.6 KiB (99,968 bytes)");
+        assert_eq!(human_bytes(1000), "1000 bytes");
+        assert_eq!(human_bytes(1), "1 byte");
+        assert_eq!(
+            human_bytes(u64::MAX),
+            "16.0 EiB (18,446,744,073,709,551,615 bytes)"
+        );
     }
 
     #[test]

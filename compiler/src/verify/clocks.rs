@@ -15,12 +15,20 @@ impl Clocks {
     pub fn new(p: &Program) -> Self {
         let streams = p.streams.len();
         let n = p.ops.len();
-        let mut c = Clocks { streams, seq: vec![0; n], vc: vec![0; n * streams] };
+        let mut c = Clocks {
+            streams,
+            seq: vec![0; n],
+            vc: vec![0; n * streams],
+        };
         let mut last = vec![usize::MAX; streams];
         let mut count = vec![0u32; streams];
         for (id, op) in p.ops.iter() {
             let (i, s) = (id.index(), op.stream.index());
-            let mut clock = if last[s] == usize::MAX { vec![0; streams] } else { c.vc[last[s] * streams..][..streams].to_vec() };
+            let mut clock = if last[s] == usize::MAX {
+                vec![0; streams]
+            } else {
+                c.vc[last[s] * streams..][..streams].to_vec()
+            };
             for ev in &op.wait {
                 let from = p.events[*ev].recorder.index();
                 for (k, v) in clock.iter_mut().enumerate() {

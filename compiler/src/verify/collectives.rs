@@ -10,7 +10,17 @@ pub fn check(p: &Program, ctx: Ctx, clocks: &Clocks) -> Vec<VerifyError> {
     let mut errs = vec![];
     let mut last_collective: Option<OpId> = None;
     // Placement depends only on these; layers and micro-steps repeat them.
-    type Key = (CommId, &'static str, BufferKind, BufferKind, bool, Offset, u64, Offset, u64);
+    type Key = (
+        CommId,
+        &'static str,
+        BufferKind,
+        BufferKind,
+        bool,
+        Offset,
+        u64,
+        Offset,
+        u64,
+    );
     let mut placed: std::collections::HashMap<Key, Vec<String>> = std::collections::HashMap::new();
     for (id, op) in p.ops.iter() {
         if op.collectives().is_empty() {
@@ -39,9 +49,15 @@ pub fn check(p: &Program, ctx: Ctx, clocks: &Clocks) -> Vec<VerifyError> {
                 c.output.offset,
                 c.output.bytes,
             );
-            let found = placed.entry(key).or_insert_with(|| placement(p, &layout, c)).clone();
+            let found = placed
+                .entry(key)
+                .or_insert_with(|| placement(p, &layout, c))
+                .clone();
             for m in shape(p, c).into_iter().chain(found) {
-                errs.push(VerifyError { op: Some(id), message: m });
+                errs.push(VerifyError {
+                    op: Some(id),
+                    message: m,
+                });
             }
         }
     }
@@ -55,14 +71,24 @@ fn shape(p: &Program, c: &CollectiveOp) -> Vec<String> {
     let d = c.dtype.bytes();
     for r in [&c.input, &c.output] {
         if p.buffers[r.buffer].dtype != c.dtype {
-            errs.push(format!("{} holds {} but the {} moves {}", r.buffer, p.buffers[r.buffer].dtype.name(), c.kind.name(), c.dtype.name()));
+            errs.push(format!(
+                "{} holds {} but the {} moves {}",
+                r.buffer,
+                p.buffers[r.buffer].dtype.name(),
+                c.kind.name(),
+                c.dtype.name()
+            ));
         }
     }
     let payload = c.count * d;
     // Gathers and scatters move one equal chunk per member; an all-reduce or broadcast needs none.
     let chunked = matches!(c.kind, Collective::AllGather | Collective::ReduceScatter);
-    if chunked && c.count % gs != 0 {
-        errs.push(format!("{} of {} elements does not split over a group of {gs}", c.kind.name(), c.count));
+    if chunked && !c.count.is_multiple_of(gs) {
+        errs.push(format!(
+            "{} of {} elements does not split over a group of {gs}",
+            c.kind.name(),
+            c.count
+        ));
     }
     // (bytes of the full payload, bytes of one member's part) as the regions give them.
     let (full, part) = match c.kind {
@@ -85,7 +111,10 @@ fn shape(p: &Program, c: &CollectiveOp) -> Vec<String> {
 /// Chunk `j` belongs to member `j`, for every group: checked from what the buffers hold.
 fn placement(p: &Program, l: &Layout, c: &CollectiveOp) -> Vec<String> {
     let comm = &p.comms[c.comm];
-    let (ink, outk) = (p.buffers[c.input.buffer].kind, p.buffers[c.output.buffer].kind);
+    let (ink, outk) = (
+        p.buffers[c.input.buffer].kind,
+        p.buffers[c.output.buffer].kind,
+    );
     let mut errs = vec![];
     let mut require = |ok: bool, what: String| {
         if !ok && errs.is_empty() {

@@ -17,10 +17,18 @@ pub fn check(p: &Program, ctx: Ctx, clocks: &Clocks) -> (Vec<VerifyError>, u64) 
     let mut by_buffer: SecondaryMap<BufferId, Vec<Access>> = SecondaryMap::new();
     for (id, op) in p.ops.iter() {
         for r in &op.reads {
-            by_buffer[r.buffer].push(Access { op: id, region: *r, write: false });
+            by_buffer[r.buffer].push(Access {
+                op: id,
+                region: *r,
+                write: false,
+            });
         }
         for w in &op.writes {
-            by_buffer[w.buffer].push(Access { op: id, region: *w, write: true });
+            by_buffer[w.buffer].push(Access {
+                op: id,
+                region: *w,
+                write: true,
+            });
         }
     }
     let mut errs = vec![];
@@ -53,24 +61,34 @@ pub fn check(p: &Program, ctx: Ctx, clocks: &Clocks) -> (Vec<VerifyError>, u64) 
     // Memory-plan soundness: buffers sharing bytes have ordered lifetimes. Taken in order of first
     // access, each buffer is checked against the ones whose bytes it takes over; the others follow
     // by transitivity (and happens-before implies issue order, so this order is the only one).
-    let mut placed: Vec<BufferId> = p.buffers.keys().filter(|&b| !by_buffer[b].is_empty() && p.buffers[b].bytes > 0).collect();
+    let mut placed: Vec<BufferId> = p
+        .buffers
+        .keys()
+        .filter(|&b| !by_buffer[b].is_empty() && p.buffers[b].bytes > 0)
+        .collect();
     placed.sort_by_key(|&b| (by_buffer[b].iter().map(|a| a.op).min(), b));
-    let ends: SecondaryMap<BufferId, Ends> = placed.iter().map(|&b| (b, Ends::new(p, &by_buffer[b]))).fold(
-        SecondaryMap::new(),
-        |mut m, (b, e)| {
+    let ends: SecondaryMap<BufferId, Ends> = placed
+        .iter()
+        .map(|&b| (b, Ends::new(p, &by_buffer[b])))
+        .fold(SecondaryMap::new(), |mut m, (b, e)| {
             m[b] = e;
             m
-        },
-    );
+        });
     let mut occupants = crate::intervals::Occupants::default();
     for &b in &placed {
         let buf = &p.buffers[b];
         for a in occupants.replace(buf.offset, buf.offset + buf.bytes, b) {
             let other = &p.buffers[a];
-            if buf.kind.is_persistent() || other.kind.is_persistent() || !ends[a].before(p, clocks, &ends[b]) {
+            if buf.kind.is_persistent()
+                || other.kind.is_persistent()
+                || !ends[a].before(p, clocks, &ends[b])
+            {
                 errs.push(VerifyError {
                     op: by_buffer[b].iter().map(|x| x.op).min(),
-                    message: format!("{b} ({}) shares arena bytes with {a} ({}) while both may be in use", buf.name, other.name),
+                    message: format!(
+                        "{b} ({}) shares arena bytes with {a} ({}) while both may be in use",
+                        buf.name, other.name
+                    ),
                 });
             }
         }
@@ -94,12 +112,17 @@ impl Ends {
             first[s] = Some(first[s].map_or(x.op, |f| f.min(x.op)));
             last[s] = last[s].max(Some(x.op));
         }
-        Ends { first: first.into_iter().flatten().collect(), last: last.into_iter().flatten().collect() }
+        Ends {
+            first: first.into_iter().flatten().collect(),
+            last: last.into_iter().flatten().collect(),
+        }
     }
 
     /// Every access here happens before every access of `later` (stream order carries the rest).
     fn before(&self, p: &Program, clocks: &Clocks, later: &Ends) -> bool {
-        self.last.iter().all(|&a| later.first.iter().all(|&b| clocks.before(p, a, b)))
+        self.last
+            .iter()
+            .all(|&a| later.first.iter().all(|&b| clocks.before(p, a, b)))
     }
 }
 

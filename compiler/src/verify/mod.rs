@@ -65,7 +65,12 @@ pub struct Ctx {
 
 impl Ctx {
     pub fn layout(&self, p: &Program) -> Layout {
-        Layout { gpus_per_node: p.gpus_per_node, nodes: p.nodes, shard: self.shard, secondary: self.secondary }
+        Layout {
+            gpus_per_node: p.gpus_per_node,
+            nodes: p.nodes,
+            shard: self.shard,
+            secondary: self.secondary,
+        }
     }
 }
 
@@ -94,13 +99,18 @@ pub fn render_context(p: &Program, errors: &[VerifyError], context: usize) -> St
     let mut out = String::new();
     for e in errors {
         out.push_str(&format!("error: {}\n", e.message));
-        let Some(op) = e.op.filter(|o| o.as_u32() < p.ops.len() as u32) else { continue };
+        let Some(op) = e.op.filter(|o| o.as_u32() < p.ops.len() as u32) else {
+            continue;
+        };
         let i = op.as_u32() as usize;
         let lo = i.saturating_sub(context);
         let hi = (i + context + 1).min(p.ops.len());
         for (id, o) in p.ops.iter().skip(lo).take(hi - lo) {
             let mark = if id == op { "-->" } else { "   " };
-            out.push_str(&format!("  {mark} {}\n", crate::emit::listing::op_line(p, id, o)));
+            out.push_str(&format!(
+                "  {mark} {}\n",
+                crate::emit::listing::op_line(p, id, o)
+            ));
         }
         out.push('\n');
     }
@@ -113,7 +123,9 @@ pub fn render(p: &Program, errors: &[VerifyError]) -> String {
     let mut loose = vec![];
     for e in errors {
         match e.op {
-            Some(op) if op.as_u32() < p.ops.len() as u32 => notes.entry(op).or_default().push(e.message.clone()),
+            Some(op) if op.as_u32() < p.ops.len() as u32 => {
+                notes.entry(op).or_default().push(e.message.clone())
+            }
             _ => loose.push(e.message.clone()),
         }
     }
@@ -128,7 +140,11 @@ pub fn render(p: &Program, errors: &[VerifyError]) -> String {
 pub(crate) fn range(r: &Region, layout: &Layout, rank: u32) -> (u64, u64) {
     let start = match r.offset {
         Offset::Fixed(o) => o,
-        Offset::Shard { index, base, stride } => base + layout.index(index, rank) * stride,
+        Offset::Shard {
+            index,
+            base,
+            stride,
+        } => base + layout.index(index, rank) * stride,
     };
     (start, start + r.bytes)
 }
@@ -145,5 +161,7 @@ pub(crate) fn representative_ranks(layout: &Layout) -> Vec<u32> {
         ShardIndex::Secondary,
     ];
     let mut seen = std::collections::HashSet::new();
-    (0..layout.ranks()).filter(|&r| seen.insert(ALL.map(|i| layout.index(i, r)))).collect()
+    (0..layout.ranks())
+        .filter(|&r| seen.insert(ALL.map(|i| layout.index(i, r))))
+        .collect()
 }

@@ -9,17 +9,38 @@ pub fn check(p: &Program, ctx: Ctx) -> Vec<VerifyError> {
     let mut err = |op: Option<OpId>, m: String| errs.push(VerifyError { op, message: m });
     let sh = ctx.shard;
     if p.ranks == 0 || p.ranks != p.nodes * p.gpus_per_node {
-        err(None, format!("{} ranks is not {} nodes x {} GPUs", p.ranks, p.nodes, p.gpus_per_node));
+        err(
+            None,
+            format!(
+                "{} ranks is not {} nodes x {} GPUs",
+                p.ranks, p.nodes, p.gpus_per_node
+            ),
+        );
         return errs;
     }
     for m in [sh.params, sh.grads, sh.optimizer] {
-        if p.gpus_per_node % m.intra != 0 || p.nodes % m.inter != 0 {
-            err(None, format!("shard mesh {m} does not divide {} nodes x {} GPUs", p.nodes, p.gpus_per_node));
+        if !p.gpus_per_node.is_multiple_of(m.intra) || !p.nodes.is_multiple_of(m.inter) {
+            err(
+                None,
+                format!(
+                    "shard mesh {m} does not divide {} nodes x {} GPUs",
+                    p.nodes, p.gpus_per_node
+                ),
+            );
             return errs;
         }
     }
-    if let Some(k) = ctx.secondary.filter(|&k| k == 0 || p.gpus_per_node % k != 0) {
-        err(None, format!("secondary shard size {k} does not divide {} GPUs per node", p.gpus_per_node));
+    if let Some(k) = ctx
+        .secondary
+        .filter(|&k| k == 0 || !p.gpus_per_node.is_multiple_of(k))
+    {
+        err(
+            None,
+            format!(
+                "secondary shard size {k} does not divide {} GPUs per node",
+                p.gpus_per_node
+            ),
+        );
         return errs;
     }
     let layout = ctx.layout(p);
@@ -29,7 +50,10 @@ pub fn check(p: &Program, ctx: Ctx) -> Vec<VerifyError> {
         let size = c.group_size();
         for g in &c.groups {
             if g.len() as u32 != size {
-                err(None, format!("{id}: groups of different sizes ({} and {size})", g.len()));
+                err(
+                    None,
+                    format!("{id}: groups of different sizes ({} and {size})", g.len()),
+                );
             }
             for &r in g {
                 match seen.get_mut(r as usize) {
@@ -44,11 +68,27 @@ pub fn check(p: &Program, ctx: Ctx) -> Vec<VerifyError> {
         }
     }
     for (id, b) in p.buffers.iter() {
-        if b.offset.checked_add(b.bytes).is_none_or(|end| end > p.arena_bytes) {
-            err(None, format!("{id} ({}) at {} + {} B lies outside the {} B arena", b.name, b.offset, b.bytes, p.arena_bytes));
+        if b.offset
+            .checked_add(b.bytes)
+            .is_none_or(|end| end > p.arena_bytes)
+        {
+            err(
+                None,
+                format!(
+                    "{id} ({}) at {} + {} B lies outside the {} B arena",
+                    b.name, b.offset, b.bytes, p.arena_bytes
+                ),
+            );
         }
         if b.bytes % b.dtype.bytes() != 0 {
-            err(None, format!("{id} ({}) is not a whole number of {} elements", b.name, b.dtype.name()));
+            err(
+                None,
+                format!(
+                    "{id} ({}) is not a whole number of {} elements",
+                    b.name,
+                    b.dtype.name()
+                ),
+            );
         }
     }
     for (e, ev) in p.events.iter() {
@@ -70,15 +110,32 @@ pub fn check(p: &Program, ctx: Ctx) -> Vec<VerifyError> {
                 Some(_) => {}
             }
         }
-        let regions = op.reads.iter().chain(&op.writes).chain(op.collectives().iter().flat_map(|c| [&c.input, &c.output]));
+        let regions = op
+            .reads
+            .iter()
+            .chain(&op.writes)
+            .chain(op.collectives().iter().flat_map(|c| [&c.input, &c.output]));
         for r in regions {
             let Some(b) = p.buffers.get(r.buffer) else {
-                err(Some(id), format!("touches {}, which does not exist", r.buffer));
+                err(
+                    Some(id),
+                    format!("touches {}, which does not exist", r.buffer),
+                );
                 continue;
             };
-            if let Some(rank) = reps.iter().copied().find(|&rank| range(r, &layout, rank).1 > b.bytes) {
+            if let Some(rank) = reps
+                .iter()
+                .copied()
+                .find(|&rank| range(r, &layout, rank).1 > b.bytes)
+            {
                 let (s, e) = range(r, &layout, rank);
-                err(Some(id), format!("touches {}[{s}..{e}] on rank {rank}, beyond its {} B", r.buffer, b.bytes));
+                err(
+                    Some(id),
+                    format!(
+                        "touches {}[{s}..{e}] on rank {rank}, beyond its {} B",
+                        r.buffer, b.bytes
+                    ),
+                );
             }
         }
         for c in op.collectives() {

@@ -117,7 +117,14 @@ pub fn check(p: &Program, ctx: Ctx) -> Vec<VerifyError> {
         if seen.insert(sig, l).is_some() {
             continue;
         }
-        let mut run = Run { p, layout: &layout, layer, contribs: Contribs::default(), state: HashMap::new(), errs: vec![] };
+        let mut run = Run {
+            p,
+            layout: &layout,
+            layer,
+            contribs: Contribs::default(),
+            state: HashMap::new(),
+            errs: vec![],
+        };
         run.execute(ops);
         errs.extend(run.errs);
     }
@@ -132,7 +139,12 @@ fn signature(p: &Program, layer: LayerId, ops: &[OpId]) -> String {
         let n = names.len();
         let id = *names.entry(r.buffer).or_insert(n);
         let mine = p.buffers[r.buffer].layer == Some(layer);
-        sig.push_str(&format!("b{id}{}{:?}{} ", if mine { "" } else { "x" }, r.offset, r.bytes));
+        sig.push_str(&format!(
+            "b{id}{}{:?}{} ",
+            if mine { "" } else { "x" },
+            r.offset,
+            r.bytes
+        ));
     };
     for &o in ops {
         let op = &p.ops[o];
@@ -175,24 +187,39 @@ impl Run<'_> {
 
     fn error(&mut self, op: OpId, message: String) {
         if self.errs.len() < 8 {
-            self.errs.push(VerifyError { op: Some(op), message });
+            self.errs.push(VerifyError {
+                op: Some(op),
+                message,
+            });
         }
     }
 
     /// The segments of `b` on `rank` within `[start, end)`, rebased to start at 0.
     fn read(&self, b: BufferId, rank: u32, start: u64, end: u64) -> Contents {
         let d = self.elem_bytes(b);
-        let Some(segs) = self.state.get(&(b, rank)) else { return vec![] };
+        let Some(segs) = self.state.get(&(b, rank)) else {
+            return vec![];
+        };
         segs.iter()
             .filter(|s| s.end > start && s.start < end)
             .map(|s| {
                 let (a, z) = (s.start.max(start), s.end.min(end));
                 let skip = (a - s.start) / d;
                 let val = match s.val {
-                    Val::Param { elem, version } => Val::Param { elem: elem + skip, version },
-                    Val::Grad { elem, contrib } => Val::Grad { elem: elem + skip, contrib },
+                    Val::Param { elem, version } => Val::Param {
+                        elem: elem + skip,
+                        version,
+                    },
+                    Val::Grad { elem, contrib } => Val::Grad {
+                        elem: elem + skip,
+                        contrib,
+                    },
                 };
-                Seg { start: a - start, end: z - start, val }
+                Seg {
+                    start: a - start,
+                    end: z - start,
+                    val,
+                }
             })
             .collect()
     }
@@ -213,20 +240,39 @@ impl Run<'_> {
             if s.end > at + len {
                 let skip = (at + len - s.start) / d;
                 let val = match s.val {
-                    Val::Param { elem, version } => Val::Param { elem: elem + skip, version },
-                    Val::Grad { elem, contrib } => Val::Grad { elem: elem + skip, contrib },
+                    Val::Param { elem, version } => Val::Param {
+                        elem: elem + skip,
+                        version,
+                    },
+                    Val::Grad { elem, contrib } => Val::Grad {
+                        elem: elem + skip,
+                        contrib,
+                    },
                 };
-                out.push(Seg { start: at + len, end: s.end, val });
+                out.push(Seg {
+                    start: at + len,
+                    end: s.end,
+                    val,
+                });
             }
         }
-        out.extend(segs.iter().map(|s| Seg { start: s.start + at, end: s.end + at, val: s.val }));
+        out.extend(segs.iter().map(|s| Seg {
+            start: s.start + at,
+            end: s.end + at,
+            val: s.val,
+        }));
         out.sort_by_key(|s| s.start);
         *cur = merge(out, d);
     }
 
     fn execute(&mut self, ops: &[OpId]) {
         let ranks = self.p.ranks;
-        let first = self.p.ops.iter().find(|(_, o)| o.layer.is_some()).map(|(id, _)| id);
+        let first = self
+            .p
+            .ops
+            .iter()
+            .find(|(_, o)| o.layer.is_some())
+            .map(|(id, _)| id);
         let deferred = self.deferred_refresh(ops);
         let start = self.initial(deferred);
         for (&(b, r), segs) in &start {
@@ -251,7 +297,13 @@ impl Run<'_> {
             let want: Contents = segs
                 .iter()
                 .map(|s| match s.val {
-                    Val::Param { elem, version } => Seg { val: Val::Param { elem, version: version + 1 }, ..*s },
+                    Val::Param { elem, version } => Seg {
+                        val: Val::Param {
+                            elem,
+                            version: version + 1,
+                        },
+                        ..*s
+                    },
                     v => Seg { val: v, ..*s },
                 })
                 .collect();
@@ -268,7 +320,9 @@ impl Run<'_> {
     /// True when the step begins with refresh all-gathers on param shards (refresh = next_forward).
     fn deferred_refresh(&self, ops: &[OpId]) -> bool {
         let refresh = |o: &OpId| self.p.ops[*o].role == OpRole::Refresh;
-        let update = ops.iter().position(|o| self.p.ops[*o].kind == OpKind::Compute(ComputeKind::Update));
+        let update = ops
+            .iter()
+            .position(|o| self.p.ops[*o].kind == OpKind::Compute(ComputeKind::Update));
         let first_refresh = ops.iter().position(refresh);
         matches!((first_refresh, update), (Some(r), Some(u)) if r < u)
     }
@@ -287,10 +341,24 @@ impl Run<'_> {
             let os = self.p.layers[self.layer].padded / sh.optimizer.size();
             for r in 0..self.p.ranks {
                 let base = self.layout.index(ShardIndex::Param, r) * per;
-                let mut segs = vec![Seg { start: 0, end: buf.bytes, val: Val::Param { elem: base, version: 0 } }];
+                let mut segs = vec![Seg {
+                    start: 0,
+                    end: buf.bytes,
+                    val: Val::Param {
+                        elem: base,
+                        version: 0,
+                    },
+                }];
                 if deferred {
                     let k = self.layout.index(ShardIndex::OptimizerInParam, r);
-                    let new = vec![Seg { start: 0, end: os * d, val: Val::Param { elem: base + k * os, version: 1 } }];
+                    let new = vec![Seg {
+                        start: 0,
+                        end: os * d,
+                        val: Val::Param {
+                            elem: base + k * os,
+                            version: 1,
+                        },
+                    }];
                     segs = splice(segs, k * os * d, os * d, &new, d);
                 }
                 out.insert((b, r), segs);
@@ -307,7 +375,10 @@ impl Run<'_> {
         let padded = self.p.layers[self.layer].padded;
         match kind {
             ComputeKind::Forward | ComputeKind::Recompute | ComputeKind::Backward => {
-                for r in reads.iter().filter(|r| self.mine(r.buffer) && is_param(self.p.buffers[r.buffer].kind)) {
+                for r in reads
+                    .iter()
+                    .filter(|r| self.mine(r.buffer) && is_param(self.p.buffers[r.buffer].kind))
+                {
                     for rank in 0..self.p.ranks {
                         let (a, z) = range(r, self.layout, rank);
                         let segs = self.read(r.buffer, rank, a, z);
@@ -324,15 +395,22 @@ impl Run<'_> {
                     }
                 }
                 if kind == ComputeKind::Backward {
-                    let targets: Vec<Region> =
-                        writes.iter().filter(|w| self.mine(w.buffer) && is_grad(self.p.buffers[w.buffer].kind)).copied().collect();
+                    let targets: Vec<Region> = writes
+                        .iter()
+                        .filter(|w| self.mine(w.buffer) && is_grad(self.p.buffers[w.buffer].kind))
+                        .copied()
+                        .collect();
                     for w in &targets {
                         let acc = reads.contains(w);
                         for rank in 0..self.p.ranks {
                             let (a, z) = range(w, self.layout, rank);
                             let c = self.contribs.single(term, m, rank, self.p.ranks);
                             let elem = a / self.elem_bytes(w.buffer);
-                            let new = vec![Seg { start: 0, end: z - a, val: Val::Grad { elem, contrib: c } }];
+                            let new = vec![Seg {
+                                start: 0,
+                                end: z - a,
+                                val: Val::Grad { elem, contrib: c },
+                            }];
                             let segs = if acc {
                                 let held = self.read(w.buffer, rank, a, z);
                                 self.add(o, &held, &new, w.buffer)
@@ -347,7 +425,14 @@ impl Run<'_> {
             }
             ComputeKind::Copy | ComputeKind::Accumulate => {
                 let (srcs, dsts): (Vec<Region>, Vec<Region>) = match kind {
-                    ComputeKind::Accumulate => (reads.iter().filter(|r| !writes.contains(r)).copied().collect(), writes.clone()),
+                    ComputeKind::Accumulate => (
+                        reads
+                            .iter()
+                            .filter(|r| !writes.contains(r))
+                            .copied()
+                            .collect(),
+                        writes.clone(),
+                    ),
                     _ => (reads.clone(), writes.clone()),
                 };
                 if !srcs.iter().chain(&dsts).any(|r| self.mine(r.buffer)) {
@@ -358,12 +443,16 @@ impl Run<'_> {
                     let pieces: Vec<(Region, u64, u64)> = if srcs.len() == 1 && dsts.len() > 1 {
                         let (a, _) = range(&srcs[0], self.layout, rank);
                         let each = srcs[0].bytes / dsts.len() as u64;
-                        (0..dsts.len() as u64).map(|i| (srcs[0], a + i * each, a + (i + 1) * each)).collect()
+                        (0..dsts.len() as u64)
+                            .map(|i| (srcs[0], a + i * each, a + (i + 1) * each))
+                            .collect()
                     } else {
-                        srcs.iter().map(|s| {
-                            let (a, z) = range(s, self.layout, rank);
-                            (*s, a, z)
-                        }).collect()
+                        srcs.iter()
+                            .map(|s| {
+                                let (a, z) = range(s, self.layout, rank);
+                                (*s, a, z)
+                            })
+                            .collect()
                     };
                     for ((src, a, z), dst) in pieces.into_iter().zip(&dsts) {
                         let data = self.read(src.buffer, rank, a, z);
@@ -388,10 +477,20 @@ impl Run<'_> {
 
     /// The optimizer: complete contributions in, new parameters out, at the right elements.
     fn update(&mut self, o: OpId, reads: &[Region], writes: &[Region], current: u32) {
-        let Some(g) = reads.iter().find(|r| self.mine(r.buffer) && is_grad(self.p.buffers[r.buffer].kind)).copied() else {
+        let Some(g) = reads
+            .iter()
+            .find(|r| self.mine(r.buffer) && is_grad(self.p.buffers[r.buffer].kind))
+            .copied()
+        else {
             return;
         };
-        let Some(w) = writes.iter().find(|r| self.p.buffers[r.buffer].kind == BufferKind::ParamShard && self.mine(r.buffer)).copied() else {
+        let Some(w) = writes
+            .iter()
+            .find(|r| {
+                self.p.buffers[r.buffer].kind == BufferKind::ParamShard && self.mine(r.buffer)
+            })
+            .copied()
+        else {
             return;
         };
         let sh = self.layout.shard;
@@ -413,7 +512,9 @@ impl Run<'_> {
                     Val::Param { .. } => None,
                 })
                 .collect();
-            let Some(grads) = grads.filter(|g| contiguous && g.iter().all(|(e, _, at)| *e == g[0].0 + at)) else {
+            let Some(grads) =
+                grads.filter(|g| contiguous && g.iter().all(|(e, _, at)| *e == g[0].0 + at))
+            else {
                 let what = describe(&segs, dg);
                 self.error(o, format!("update of {} on rank {rank} reads {} holding {what}, not the {os} gradient elements of its optimizer shard", self.p.layers[self.layer].name, g.buffer));
                 return;
@@ -425,7 +526,13 @@ impl Run<'_> {
             }
             for &(_, contrib, _) in &grads {
                 if let Some(msg) = self.incomplete(contrib, m_all) {
-                    self.error(o, format!("update of {} on rank {rank}: {msg}", self.p.layers[self.layer].name));
+                    self.error(
+                        o,
+                        format!(
+                            "update of {} on rank {rank}: {msg}",
+                            self.p.layers[self.layer].name
+                        ),
+                    );
                     return;
                 }
             }
@@ -433,14 +540,25 @@ impl Run<'_> {
             let held = self.read(w.buffer, rank, wa, wz);
             let dp = self.elem_bytes(w.buffer);
             match held.as_slice() {
-                [Seg { val: Val::Param { elem, version }, start: 0, end }] if *elem == want_elem && *version == current && *end == os * dp => {}
+                [Seg {
+                    val: Val::Param { elem, version },
+                    start: 0,
+                    end,
+                }] if *elem == want_elem && *version == current && *end == os * dp => {}
                 _ => {
                     let what = describe(&held, dp);
                     self.error(o, format!("update on rank {rank} writes {}[{wa}..{wz}] holding {what}, not its optimizer shard's {os} parameters from element {want_elem}", w.buffer));
                     return;
                 }
             }
-            let new = vec![Seg { start: 0, end: wz - wa, val: Val::Param { elem: want_elem, version: current + 1 } }];
+            let new = vec![Seg {
+                start: 0,
+                end: wz - wa,
+                val: Val::Param {
+                    elem: want_elem,
+                    version: current + 1,
+                },
+            }];
             self.write(w.buffer, rank, wa, wz - wa, &new);
         }
     }
@@ -456,11 +574,15 @@ impl Run<'_> {
         for t in terms {
             for m in 0..micro_steps {
                 let Some((_, _, bits)) = set.iter().find(|(t2, m2, _)| (*t2, *m2) == (t, m)) else {
-                    return Some(format!("no contribution of micro-step {m} (from layer{t}'s backward) arrives"));
+                    return Some(format!(
+                        "no contribution of micro-step {m} (from layer{t}'s backward) arrives"
+                    ));
                 };
                 let have: u32 = bits.iter().map(|w| w.count_ones()).sum();
                 if have != self.p.ranks {
-                    let missing = (0..self.p.ranks).find(|r| bits[*r as usize / 64] & (1 << (r % 64)) == 0).unwrap_or(0);
+                    let missing = (0..self.p.ranks)
+                        .find(|r| bits[*r as usize / 64] & (1 << (r % 64)) == 0)
+                        .unwrap_or(0);
                     return Some(format!("{have} of {} ranks' contributions of micro-step {m} arrive (rank {missing}'s is missing)", self.p.ranks));
                 }
             }
@@ -472,9 +594,18 @@ impl Run<'_> {
     fn add(&mut self, o: OpId, a: &[Seg], b: &[Seg], buf: BufferId) -> Option<Contents> {
         let d = self.elem_bytes(buf);
         let len = |x: &[Seg]| x.last().map_or(0, |s| s.end);
-        let covered = |x: &[Seg]| x.first().is_some_and(|s| s.start == 0) && x.windows(2).all(|w| w[0].end == w[1].start);
+        let covered = |x: &[Seg]| {
+            x.first().is_some_and(|s| s.start == 0) && x.windows(2).all(|w| w[0].end == w[1].start)
+        };
         if !covered(a) || !covered(b) || len(a) != len(b) {
-            self.error(o, format!("adds {} onto {} in {buf}: both must be whole gradient ranges of one size", describe(b, d), describe(a, d)));
+            self.error(
+                o,
+                format!(
+                    "adds {} onto {} in {buf}: both must be whole gradient ranges of one size",
+                    describe(b, d),
+                    describe(a, d)
+                ),
+            );
             return None;
         }
         let mut cuts: Vec<u64> = a.iter().chain(b).flat_map(|s| [s.start, s.end]).collect();
@@ -484,15 +615,35 @@ impl Run<'_> {
         for w in cuts.windows(2) {
             let (x, y) = (slice(a, w[0], w[1], d), slice(b, w[0], w[1], d));
             let (Some(x), Some(y)) = (single_grad(&x), single_grad(&y)) else {
-                self.error(o, format!("adds into {buf} something that is not a gradient: {} + {}", describe(a, d), describe(b, d)));
+                self.error(
+                    o,
+                    format!(
+                        "adds into {buf} something that is not a gradient: {} + {}",
+                        describe(a, d),
+                        describe(b, d)
+                    ),
+                );
                 return None;
             };
             if x.0 != y.0 {
-                self.error(o, format!("adds gradient elements from {} onto elements from {} in {buf}", y.0, x.0));
+                self.error(
+                    o,
+                    format!(
+                        "adds gradient elements from {} onto elements from {} in {buf}",
+                        y.0, x.0
+                    ),
+                );
                 return None;
             }
             match self.contribs.union(x.1, y.1) {
-                Ok(c) => out.push(Seg { start: w[0], end: w[1], val: Val::Grad { elem: x.0, contrib: c } }),
+                Ok(c) => out.push(Seg {
+                    start: w[0],
+                    end: w[1],
+                    val: Val::Grad {
+                        elem: x.0,
+                        contrib: c,
+                    },
+                }),
                 Err((t, m, r)) => {
                     self.error(o, format!("rank {r}'s gradient of micro-step {m} (from layer{t}'s backward) is added twice into {buf}"));
                     return None;
@@ -521,7 +672,11 @@ impl Run<'_> {
                     let chunk = c.output.bytes / gs;
                     let mut out = vec![];
                     for (j, segs) in inputs.iter().enumerate() {
-                        out.extend(segs.iter().map(|s| Seg { start: s.start + j as u64 * chunk, end: s.end + j as u64 * chunk, val: s.val }));
+                        out.extend(segs.iter().map(|s| Seg {
+                            start: s.start + j as u64 * chunk,
+                            end: s.end + j as u64 * chunk,
+                            val: s.val,
+                        }));
                     }
                     let out = merge(out, self.elem_bytes(c.output.buffer));
                     for &r in &g {
@@ -530,7 +685,11 @@ impl Run<'_> {
                     }
                 }
                 Collective::ReduceScatter | Collective::AllReduce => {
-                    let parts = if c.kind == Collective::ReduceScatter { gs } else { 1 };
+                    let parts = if c.kind == Collective::ReduceScatter {
+                        gs
+                    } else {
+                        1
+                    };
                     let chunk = c.input.bytes / parts;
                     let d = self.elem_bytes(c.input.buffer);
                     let mut memo: HashMap<Vec<u32>, u32> = HashMap::new();
@@ -539,11 +698,40 @@ impl Run<'_> {
                     // every chunk.
                     let whole: Option<Vec<(u64, u32)>> = inputs
                         .iter()
-                        .map(|i| single_grad(i).filter(|g| g.2 == c.input.bytes).map(|(e, c, _)| (e, c)))
+                        .map(|i| {
+                            single_grad(i)
+                                .filter(|g| g.2 == c.input.bytes)
+                                .map(|(e, c, _)| (e, c))
+                        })
                         .collect();
                     if let Some(w) = whole.filter(|w| w.iter().all(|(e, _)| *e == w[0].0)) {
-                        let full = vec![Seg { start: 0, end: c.input.bytes, val: Val::Grad { elem: w[0].0, contrib: w[0].1 } }];
-                        let Some(folded) = self.reduce_chunk(o, &w.iter().map(|&(e, c)| vec![Seg { val: Val::Grad { elem: e, contrib: c }, ..full[0] }]).collect::<Vec<_>>(), 0, c.input.bytes, d, c.input.buffer, &mut memo) else {
+                        let full = [Seg {
+                            start: 0,
+                            end: c.input.bytes,
+                            val: Val::Grad {
+                                elem: w[0].0,
+                                contrib: w[0].1,
+                            },
+                        }];
+                        let Some(folded) = self.reduce_chunk(
+                            o,
+                            &w.iter()
+                                .map(|&(e, c)| {
+                                    vec![Seg {
+                                        val: Val::Grad {
+                                            elem: e,
+                                            contrib: c,
+                                        },
+                                        ..full[0]
+                                    }]
+                                })
+                                .collect::<Vec<_>>(),
+                            0,
+                            c.input.bytes,
+                            d,
+                            c.input.buffer,
+                            &mut memo,
+                        ) else {
                             return;
                         };
                         for j in 0..parts {
@@ -551,7 +739,15 @@ impl Run<'_> {
                         }
                     }
                     for j in (results.len() as u64)..parts {
-                        match self.reduce_chunk(o, &inputs, j * chunk, (j + 1) * chunk, d, c.input.buffer, &mut memo) {
+                        match self.reduce_chunk(
+                            o,
+                            &inputs,
+                            j * chunk,
+                            (j + 1) * chunk,
+                            d,
+                            c.input.buffer,
+                            &mut memo,
+                        ) {
                             Some(r) => results.push(r),
                             None => return,
                         }
@@ -586,7 +782,11 @@ impl Run<'_> {
         let pieces: Vec<Contents> = inputs.iter().map(|segs| slice(segs, a, z, d)).collect();
         let uniform: Option<Vec<(u64, u32)>> = pieces
             .iter()
-            .map(|p| single_grad(p).filter(|g| g.2 == z - a).map(|(e, c, _)| (e, c)))
+            .map(|p| {
+                single_grad(p)
+                    .filter(|g| g.2 == z - a)
+                    .map(|(e, c, _)| (e, c))
+            })
             .collect();
         if let Some(u) = uniform.filter(|u| u.iter().all(|(e, _)| *e == u[0].0)) {
             let ids: Vec<u32> = u.iter().map(|(_, c)| *c).collect();
@@ -607,7 +807,14 @@ impl Run<'_> {
                     acc
                 }
             };
-            return Some(vec![Seg { start: 0, end: z - a, val: Val::Grad { elem: u[0].0, contrib } }]);
+            return Some(vec![Seg {
+                start: 0,
+                end: z - a,
+                val: Val::Grad {
+                    elem: u[0].0,
+                    contrib,
+                },
+            }]);
         }
         let mut acc: Option<Contents> = None;
         for piece in pieces {
@@ -625,13 +832,20 @@ fn is_param(k: BufferKind) -> bool {
 }
 
 fn is_grad(k: BufferKind) -> bool {
-    matches!(k, BufferKind::GradShard | BufferKind::FullGrad | BufferKind::Staging)
+    matches!(
+        k,
+        BufferKind::GradShard | BufferKind::FullGrad | BufferKind::Staging
+    )
 }
 
 /// A content that is one gradient range: (first element, contributions, bytes).
 fn single_grad(s: &[Seg]) -> Option<(u64, u32, u64)> {
     match s {
-        [Seg { start: 0, end, val: Val::Grad { elem, contrib } }] => Some((*elem, *contrib, *end)),
+        [Seg {
+            start: 0,
+            end,
+            val: Val::Grad { elem, contrib },
+        }] => Some((*elem, *contrib, *end)),
         _ => None,
     }
 }
@@ -644,10 +858,20 @@ fn slice(segs: &[Seg], a: u64, z: u64, d: u64) -> Contents {
             let (lo, hi) = (s.start.max(a), s.end.min(z));
             let skip = (lo - s.start) / d;
             let val = match s.val {
-                Val::Param { elem, version } => Val::Param { elem: elem + skip, version },
-                Val::Grad { elem, contrib } => Val::Grad { elem: elem + skip, contrib },
+                Val::Param { elem, version } => Val::Param {
+                    elem: elem + skip,
+                    version,
+                },
+                Val::Grad { elem, contrib } => Val::Grad {
+                    elem: elem + skip,
+                    contrib,
+                },
             };
-            Seg { start: lo - a, end: hi - a, val }
+            Seg {
+                start: lo - a,
+                end: hi - a,
+                val,
+            }
         })
         .collect()
 }
@@ -655,9 +879,17 @@ fn slice(segs: &[Seg], a: u64, z: u64, d: u64) -> Contents {
 /// Replaces bytes `[at, at+len)` of a content with `new` (rebased at 0).
 fn splice(segs: Contents, at: u64, len: u64, new: &[Seg], d: u64) -> Contents {
     let mut out = slice(&segs, 0, at, d);
-    out.extend(new.iter().map(|s| Seg { start: s.start + at, end: s.end + at, val: s.val }));
+    out.extend(new.iter().map(|s| Seg {
+        start: s.start + at,
+        end: s.end + at,
+        val: s.val,
+    }));
     let total = segs.last().map_or(0, |s| s.end);
-    out.extend(slice(&segs, at + len, total, d).into_iter().map(|s| Seg { start: s.start + at + len, end: s.end + at + len, val: s.val }));
+    out.extend(slice(&segs, at + len, total, d).into_iter().map(|s| Seg {
+        start: s.start + at + len,
+        end: s.end + at + len,
+        val: s.val,
+    }));
     merge(out, d)
 }
 
@@ -668,12 +900,26 @@ fn merge(segs: Contents, d: u64) -> Contents {
         if let Some(last) = out.last_mut() {
             let continues = last.end == s.start
                 && match (last.val, s.val) {
-                    (Val::Param { elem: e1, version: v1 }, Val::Param { elem: e2, version: v2 }) => {
-                        v1 == v2 && e1 + (last.end - last.start) / d == e2
-                    }
-                    (Val::Grad { elem: e1, contrib: c1 }, Val::Grad { elem: e2, contrib: c2 }) => {
-                        c1 == c2 && e1 + (last.end - last.start) / d == e2
-                    }
+                    (
+                        Val::Param {
+                            elem: e1,
+                            version: v1,
+                        },
+                        Val::Param {
+                            elem: e2,
+                            version: v2,
+                        },
+                    ) => v1 == v2 && e1 + (last.end - last.start) / d == e2,
+                    (
+                        Val::Grad {
+                            elem: e1,
+                            contrib: c1,
+                        },
+                        Val::Grad {
+                            elem: e2,
+                            contrib: c2,
+                        },
+                    ) => c1 == c2 && e1 + (last.end - last.start) / d == e2,
                     _ => false,
                 };
             if continues {
