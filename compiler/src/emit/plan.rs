@@ -154,15 +154,6 @@ const COMPUTE: [ComputeKind; 7] = [
     ComputeKind::Accumulate,
     ComputeKind::Copy,
 ];
-const INDICES: [ShardIndex; 7] = [
-    ShardIndex::Param,
-    ShardIndex::Grad,
-    ShardIndex::Optimizer,
-    ShardIndex::ParamLocal,
-    ShardIndex::OptimizerInParam,
-    ShardIndex::OptimizerInGrad,
-    ShardIndex::Secondary,
-];
 
 /// Writes a program as a plan file.
 pub fn emit_plan(p: &Program, shard: Shard, secondary: Option<u32>) -> PlanFile {
@@ -467,7 +458,7 @@ fn region_from(p: &Program, r: RegionFile, what: &str) -> Result<Region, String>
     let offset = match (r.index, r.stride) {
         (None, None) => Offset::Fixed(r.offset),
         (Some(i), Some(stride)) => {
-            let index = *INDICES
+            let index = *ShardIndex::ALL
                 .iter()
                 .find(|x| crate::emit::listing::index_name(**x) == i)
                 .ok_or(format!("{what}: unknown shard index `{i}`"))?;

@@ -233,6 +233,18 @@ pub enum ShardIndex {
     Secondary,
 }
 
+impl ShardIndex {
+    pub const ALL: [ShardIndex; 7] = [
+        ShardIndex::Param,
+        ShardIndex::Grad,
+        ShardIndex::Optimizer,
+        ShardIndex::ParamLocal,
+        ShardIndex::OptimizerInParam,
+        ShardIndex::OptimizerInGrad,
+        ShardIndex::Secondary,
+    ];
+}
+
 /// A region's byte offset within its buffer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Offset {

@@ -742,6 +742,16 @@ impl Builder<'_> {
         if gathers {
             ops.extend(self.gather(bucket, m, "fwd", out));
         }
+        self.unit(ops, bucket, out)
+    }
+
+    /// A gather unit for `bucket` made of `ops`, counting the gathered buffers it makes alive.
+    fn unit(
+        &self,
+        ops: Vec<OpId>,
+        bucket: &[usize],
+        out: &HashMap<usize, BufferId>,
+    ) -> Option<Unit> {
         let gathered_bytes = bucket
             .iter()
             .filter_map(|l| out.get(l))
@@ -771,17 +781,7 @@ impl Builder<'_> {
             }
             _ => self.gather(bucket, m, "bwd", out),
         };
-        let gathered_bytes = bucket
-            .iter()
-            .filter_map(|l| out.get(l))
-            .map(|&b| self.p.buffers[b].bytes)
-            .sum();
-        (!ops.is_empty()).then_some(Unit {
-            ops,
-            layers: bucket.to_vec(),
-            gathered_bytes,
-            ..Unit::default()
-        })
+        self.unit(ops, bucket, out)
     }
 
     /// hpZ: backward gathers the secondary copy within the node.

@@ -82,13 +82,7 @@ pub fn run(p: &mut Program) -> Vec<(OpId, OpId)> {
         top = align(top + b.bytes);
     }
     let base = top;
-    let mut transient: Vec<BufferId> = p
-        .buffers
-        .iter()
-        .filter(|(id, b)| !b.kind.is_persistent() && life.first[*id].is_some())
-        .map(|(id, _)| id)
-        .collect();
-    transient.sort_by_key(|&b| (life.first[b].map(|o| o.index()), b));
+    let transient = transient_by_first_access(p, &life);
     let span = spans(p, &clocks, &life, &transient);
 
     // Greedy placement in three classic orders (largest first; largest size x lifetime first;
@@ -138,6 +132,18 @@ pub fn run(p: &mut Program) -> Vec<(OpId, OpId)> {
         }
     }
     reuse
+}
+
+/// The transient buffers some op touches, in order of their first access.
+fn transient_by_first_access(p: &Program, life: &Lifetimes) -> Vec<BufferId> {
+    let mut transient: Vec<BufferId> = p
+        .buffers
+        .iter()
+        .filter(|(id, b)| !b.kind.is_persistent() && life.first[*id].is_some())
+        .map(|(id, _)| id)
+        .collect();
+    transient.sort_by_key(|&b| (life.first[b].map(|o| o.index()), b));
+    transient
 }
 
 /// Places `order`'s buffers one by one at the lowest offset clear of the placed buffers each may
@@ -196,13 +202,7 @@ fn place(
 pub fn concurrency_bound(p: &Program) -> u64 {
     let clocks = Clocks::new(p);
     let life = Lifetimes::new(p, &clocks);
-    let mut transient: Vec<BufferId> = p
-        .buffers
-        .iter()
-        .filter(|(id, b)| !b.kind.is_persistent() && life.first[*id].is_some())
-        .map(|(id, _)| id)
-        .collect();
-    transient.sort_by_key(|&b| (life.first[b].map(|o| o.index()), b));
+    let transient = transient_by_first_access(p, &life);
     let span = spans(p, &clocks, &life, &transient);
     let (firsts, lasts) = access_ends(p);
     let (mut next, mut active, mut best) = (0, Vec::<BufferId>::new(), 0u64);

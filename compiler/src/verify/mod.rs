@@ -151,17 +151,8 @@ pub(crate) fn range(r: &Region, layout: &Layout, rank: u32) -> (u64, u64) {
 
 /// The ranks whose shard indices differ: evaluating a region for these covers every rank.
 pub(crate) fn representative_ranks(layout: &Layout) -> Vec<u32> {
-    const ALL: [ShardIndex; 7] = [
-        ShardIndex::Param,
-        ShardIndex::Grad,
-        ShardIndex::Optimizer,
-        ShardIndex::ParamLocal,
-        ShardIndex::OptimizerInParam,
-        ShardIndex::OptimizerInGrad,
-        ShardIndex::Secondary,
-    ];
     let mut seen = std::collections::HashSet::new();
     (0..layout.ranks())
-        .filter(|&r| seen.insert(ALL.map(|i| layout.index(i, r))))
+        .filter(|&r| seen.insert(ShardIndex::ALL.map(|i| layout.index(i, r))))
         .collect()
 }

@@ -196,32 +196,9 @@ impl Run<'_> {
 
     /// The segments of `b` on `rank` within `[start, end)`, rebased to start at 0.
     fn read(&self, b: BufferId, rank: u32, start: u64, end: u64) -> Contents {
-        let d = self.elem_bytes(b);
-        let Some(segs) = self.state.get(&(b, rank)) else {
-            return vec![];
-        };
-        segs.iter()
-            .filter(|s| s.end > start && s.start < end)
-            .map(|s| {
-                let (a, z) = (s.start.max(start), s.end.min(end));
-                let skip = (a - s.start) / d;
-                let val = match s.val {
-                    Val::Param { elem, version } => Val::Param {
-                        elem: elem + skip,
-                        version,
-                    },
-                    Val::Grad { elem, contrib } => Val::Grad {
-                        elem: elem + skip,
-                        contrib,
-                    },
-                };
-                Seg {
-                    start: a - start,
-                    end: z - start,
-                    val,
-                }
-            })
-            .collect()
+        self.state
+            .get(&(b, rank))
+            .map_or_else(Vec::new, |segs| slice(segs, start, end, self.elem_bytes(b)))
     }
 
     /// Writes `segs` (rebased at 0) into `b` on `rank` at `at`, replacing what was there.
