@@ -35,8 +35,9 @@ pub struct Stats {
     pub traffic_per_step: Traffic,
     /// Transient bytes the plan places (`peak` minus persistent state) over a lower bound on what
     /// any placement needs: the larger of the most transient bytes whose issue-order lifetimes
-    /// contain one op, and the most bytes of buffers pairwise possibly in use together at one op
-    /// (see `passes::memory::concurrency_bound`). 1.0 is a perfect plan.
+    /// contain one op, the most bytes of buffers pairwise possibly in use together at one op
+    /// (see `passes::memory::concurrency_bound`), and, for programs of at most 300 transient
+    /// buffers, the exact maximum-weight clique of that relation. 1.0 is a perfect plan.
     pub plan_tightness: f64,
 }
 

@@ -229,6 +229,47 @@ pub fn concurrency_bound(p: &Program) -> u64 {
     best
 }
 
+/// The exact lower bound for small programs: the heaviest set of transient buffers that pairwise
+/// may be in use together (a maximum-weight clique of the conflict graph, by branch and bound).
+/// `None` when the program has more than `limit` transient buffers.
+pub fn clique_bound(p: &Program, limit: usize) -> Option<u64> {
+    let clocks = Clocks::new(p);
+    let life = Lifetimes::new(p, &clocks);
+    let t = transient_by_first_access(p, &life);
+    if t.len() > limit {
+        return None;
+    }
+    let conflict: Vec<Vec<bool>> = t
+        .iter()
+        .map(|&a| {
+            t.iter()
+                .map(|&b| a != b && !life.dead_before(a, b) && !life.dead_before(b, a))
+                .collect()
+        })
+        .collect();
+    let weight: Vec<u64> = t.iter().map(|&b| p.buffers[b].bytes).collect();
+    fn grow(cand: &[usize], w: u64, best: &mut u64, conflict: &[Vec<bool>], weight: &[u64]) {
+        *best = (*best).max(w);
+        let rest: u64 = cand.iter().map(|&i| weight[i]).sum();
+        if w + rest <= *best {
+            return;
+        }
+        for (k, &i) in cand.iter().enumerate() {
+            let next: Vec<usize> = cand[k + 1..]
+                .iter()
+                .copied()
+                .filter(|&j| conflict[i][j])
+                .collect();
+            grow(&next, w + weight[i], best, conflict, weight);
+        }
+    }
+    let mut order: Vec<usize> = (0..t.len()).collect();
+    order.sort_by_key(|&i| std::cmp::Reverse(weight[i]));
+    let mut best = 0;
+    grow(&order, 0, &mut best, &conflict, &weight);
+    Some(best)
+}
+
 /// Per buffer (indexed by id), the issue positions `[first access, retired)`: from `retired` on,
 /// every op on every stream happens after all its accesses. Buffers whose spans do not overlap
 /// are never in use together. `transient` is sorted by first access.
