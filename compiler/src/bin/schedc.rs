@@ -97,22 +97,24 @@ fn stderr() -> StandardStream {
     StandardStream::stderr(choice)
 }
 
-fn report(analysis: &Analysis) {
+/// Analyses `file` and prints its diagnostics; the analysis when it has no errors.
+fn analyze_and_report(file: &Path) -> Result<Analysis, Status> {
+    let analysis = analyze(file, &FsLoader).map_err(|e| {
+        eprintln!("error: {e}");
+        Status::Fault
+    })?;
     analysis.sources.emit(&mut stderr(), &analysis.diagnostics);
+    if analysis.has_errors() {
+        return Err(Status::BadInput);
+    }
+    Ok(analysis)
 }
 
 fn check(file: &Path, resolved: bool) -> Status {
-    let analysis = match analyze(file, &FsLoader) {
+    let analysis = match analyze_and_report(file) {
         Ok(a) => a,
-        Err(e) => {
-            eprintln!("error: {e}");
-            return Status::Fault;
-        }
+        Err(status) => return status,
     };
-    report(&analysis);
-    if analysis.has_errors() {
-        return Status::BadInput;
-    }
     let mut out = std::io::stdout().lock();
     for job in &analysis.jobs {
         let s = &job.schedule;
@@ -154,17 +156,10 @@ fn check(file: &Path, resolved: bool) -> Status {
 }
 
 fn compile(file: &Path, schedule: Option<&str>, output: Option<PathBuf>, emit: Emit) -> Status {
-    let analysis = match analyze(file, &FsLoader) {
+    let analysis = match analyze_and_report(file) {
         Ok(a) => a,
-        Err(e) => {
-            eprintln!("error: {e}");
-            return Status::Fault;
-        }
+        Err(status) => return status,
     };
-    report(&analysis);
-    if analysis.has_errors() {
-        return Status::BadInput;
-    }
     let job = match analysis.select(schedule) {
         Ok(j) => j,
         Err(e) => {

@@ -93,6 +93,17 @@ pub(crate) struct Extras {
 }
 
 impl<'a> BlockReader<'a> {
+    fn empty(noun: &'static str) -> Self {
+        BlockReader {
+            values: vec![],
+            blocks: vec![],
+            layers: vec![],
+            measured: vec![],
+            noun,
+            suggested: vec![],
+        }
+    }
+
     /// Sorts `entries` of the block described as `what` ("cluster `a800`") against `keys`.
     pub fn new(
         ctx: &mut Ctx,
@@ -101,14 +112,7 @@ impl<'a> BlockReader<'a> {
         keys: &[(&'static str, Shape)],
         extras: Extras,
     ) -> Self {
-        let mut r = BlockReader {
-            values: vec![],
-            blocks: vec![],
-            layers: vec![],
-            measured: vec![],
-            noun: "key",
-            suggested: vec![],
-        };
+        let mut r = BlockReader::empty("key");
         for e in entries {
             match e {
                 Entry::Assign(a) => {
@@ -143,14 +147,7 @@ impl<'a> BlockReader<'a> {
         args: &'a [Arg],
         keys: &[(&'static str, Shape)],
     ) -> Self {
-        let mut r = BlockReader {
-            values: vec![],
-            blocks: vec![],
-            layers: vec![],
-            measured: vec![],
-            noun: "argument",
-            suggested: vec![],
-        };
+        let mut r = BlockReader::empty("argument");
         for a in args {
             r.add_value(ctx, what, &a.name, &a.value, keys);
         }
@@ -164,14 +161,7 @@ impl<'a> BlockReader<'a> {
         block: &'a Nested,
         keys: &[(&'static str, Shape)],
     ) -> Self {
-        let mut r = BlockReader {
-            values: vec![],
-            blocks: vec![],
-            layers: vec![],
-            measured: vec![],
-            noun: "key",
-            suggested: vec![],
-        };
+        let mut r = BlockReader::empty("key");
         for a in &block.entries {
             r.add_value(ctx, what, &a.key, &a.value, keys);
         }

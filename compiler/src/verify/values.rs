@@ -33,6 +33,22 @@ enum Val {
     Grad { elem: u64, contrib: u32 },
 }
 
+impl Val {
+    /// The same content `n` elements further on.
+    fn advanced(self, n: u64) -> Val {
+        match self {
+            Val::Param { elem, version } => Val::Param {
+                elem: elem + n,
+                version,
+            },
+            Val::Grad { elem, contrib } => Val::Grad {
+                elem: elem + n,
+                contrib,
+            },
+        }
+    }
+}
+
 /// A byte range of a buffer and what it holds (element `elem` sits at byte `start`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Seg {
@@ -216,16 +232,7 @@ impl Run<'_> {
             }
             if s.end > at + len {
                 let skip = (at + len - s.start) / d;
-                let val = match s.val {
-                    Val::Param { elem, version } => Val::Param {
-                        elem: elem + skip,
-                        version,
-                    },
-                    Val::Grad { elem, contrib } => Val::Grad {
-                        elem: elem + skip,
-                        contrib,
-                    },
-                };
+                let val = s.val.advanced(skip);
                 out.push(Seg {
                     start: at + len,
                     end: s.end,
@@ -834,16 +841,7 @@ fn slice(segs: &[Seg], a: u64, z: u64, d: u64) -> Contents {
         .map(|s| {
             let (lo, hi) = (s.start.max(a), s.end.min(z));
             let skip = (lo - s.start) / d;
-            let val = match s.val {
-                Val::Param { elem, version } => Val::Param {
-                    elem: elem + skip,
-                    version,
-                },
-                Val::Grad { elem, contrib } => Val::Grad {
-                    elem: elem + skip,
-                    contrib,
-                },
-            };
+            let val = s.val.advanced(skip);
             Seg {
                 start: lo - a,
                 end: hi - a,
