@@ -63,8 +63,16 @@ pub fn verify_ctx(job: &Job) -> verify::Ctx {
 
 /// Lowers, plans and verifies one job.
 pub fn compile(job: &Job) -> Result<(ir::Program, verify::PlanInfo), CompileError> {
-    let program = lower::lower(job).map_err(CompileError::Lower)?;
-    match verify::verify(&program, verify_ctx(job)) {
+    compile_timed(job, &mut lower::PassTimes::default())
+}
+
+/// [`compile`], recording each pass's time (verification included) in `times`.
+pub fn compile_timed(
+    job: &Job,
+    times: &mut lower::PassTimes,
+) -> Result<(ir::Program, verify::PlanInfo), CompileError> {
+    let program = lower::lower_timed(job, times).map_err(CompileError::Lower)?;
+    match times.time("verify", || verify::verify(&program, verify_ctx(job))) {
         Ok(info) => Ok((program, info)),
         Err(errs) => Err(CompileError::Verify(Box::new(program), errs)),
     }

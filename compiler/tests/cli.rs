@@ -229,3 +229,30 @@ fn compile_needs_a_schedule_name_when_there_are_several() {
     assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
     assert!(dir.join("b.plan.json").exists());
 }
+
+#[test]
+fn time_passes_names_every_pass() {
+    let dir = scratch("time_passes");
+    tiny(&dir);
+    let out = schedc(
+        &["compile", "z.sched", "--time-passes", "--emit", "stats"],
+        &dir,
+    );
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let err = text(&out.stderr);
+    for pass in [
+        "build",
+        "prefetch",
+        "streams",
+        "events",
+        "memory",
+        "events (final)",
+        "verify",
+    ] {
+        assert!(
+            err.lines()
+                .any(|l| l.trim_start().starts_with(pass) && l.ends_with(" ms")),
+            "{pass} missing:\n{err}"
+        );
+    }
+}

@@ -44,6 +44,9 @@ enum Command {
         /// What to write.
         #[arg(long, value_enum, default_value = "plan")]
         emit: Emit,
+        /// Print how long each pass took, on stderr.
+        #[arg(long)]
+        time_passes: bool,
     },
     /// Re-run every proof of the lowering spec on a plan file.
     Verify { plan: PathBuf },
@@ -82,7 +85,14 @@ fn main() -> ExitCode {
             schedule,
             output,
             emit,
-        } => Some(compile(&file, schedule.as_deref(), output, emit)),
+            time_passes,
+        } => Some(compile(
+            &file,
+            schedule.as_deref(),
+            output,
+            emit,
+            time_passes,
+        )),
         Command::Verify { plan } => Some(verify(&plan)),
     };
     ExitCode::from(status.unwrap_or(Status::Ok) as u8)
@@ -155,7 +165,13 @@ fn check(file: &Path, resolved: bool) -> Status {
     Status::Ok
 }
 
-fn compile(file: &Path, schedule: Option<&str>, output: Option<PathBuf>, emit: Emit) -> Status {
+fn compile(
+    file: &Path,
+    schedule: Option<&str>,
+    output: Option<PathBuf>,
+    emit: Emit,
+    time_passes: bool,
+) -> Status {
     let analysis = match analyze_and_report(file) {
         Ok(a) => a,
         Err(status) => return status,
@@ -167,7 +183,14 @@ fn compile(file: &Path, schedule: Option<&str>, output: Option<PathBuf>, emit: E
             return Status::BadInput;
         }
     };
-    let (program, info) = match schedc::compile(job) {
+    let mut times = schedc::lower::PassTimes::default();
+    let compiled = schedc::compile_timed(job, &mut times);
+    if time_passes {
+        for (name, t) in &times.0 {
+            eprintln!("{name:>16}  {:>10.3} ms", t.as_secs_f64() * 1e3);
+        }
+    }
+    let (program, info) = match compiled {
         Ok(x) => x,
         Err(schedc::CompileError::Lower(e)) => {
             eprintln!(

@@ -73,14 +73,37 @@ pub struct Draft {
 
 /// Lowers and runs every pass: the complete, placed program (not yet verified).
 pub fn lower(job: &Job) -> Result<Program, LowerError> {
-    let draft = build(job)?;
+    lower_timed(job, &mut PassTimes::default())
+}
+
+/// How long each pass took, by name, in the order they ran (`schedc compile --time-passes`).
+#[derive(Default, Debug)]
+pub struct PassTimes(pub Vec<(&'static str, std::time::Duration)>);
+
+impl PassTimes {
+    /// Runs `f` as the pass `name`, recording its time.
+    pub fn time<T>(&mut self, name: &'static str, f: impl FnOnce() -> T) -> T {
+        let start = std::time::Instant::now();
+        let out = f();
+        self.0.push((name, start.elapsed()));
+        out
+    }
+}
+
+/// [`lower`], recording each pass's time in `times`.
+pub fn lower_timed(job: &Job, times: &mut PassTimes) -> Result<Program, LowerError> {
+    let draft = times.time("build", || build(job))?;
     let (streams, overlap) = (draft.job_streams, draft.overlap);
-    let (mut program, fences) = passes::prefetch::run(draft)?;
-    passes::streams::run(&mut program, streams, overlap);
-    passes::events::run(&mut program, &fences);
-    let reuse = passes::memory::run(&mut program);
+    let (mut program, fences) = times.time("prefetch", || passes::prefetch::run(draft))?;
+    times.time("streams", || {
+        passes::streams::run(&mut program, streams, overlap)
+    });
+    times.time("events", || passes::events::run(&mut program, &fences));
+    let reuse = times.time("memory", || passes::memory::run(&mut program));
     // Keep only the orderings something needs: flow-control fences the placement did not use go.
-    passes::events::run(&mut program, &reuse);
+    times.time("events (final)", || {
+        passes::events::run(&mut program, &reuse)
+    });
     Ok(program)
 }
 
