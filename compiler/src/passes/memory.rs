@@ -86,7 +86,7 @@ pub fn run(p: &mut Program) -> Vec<(OpId, OpId)> {
     let span = spans(p, &clocks, &life, &transient);
 
     // Greedy placement in three classic orders (largest first; largest size x lifetime first;
-    // first access first); the smallest arena wins.
+    // first access first), each with first-fit and best-fit gaps; the smallest arena wins.
     let by_size = |b: &BufferId| {
         (
             std::cmp::Reverse(p.buffers[*b].bytes),
@@ -106,9 +106,9 @@ pub fn run(p: &mut Program) -> Vec<(OpId, OpId)> {
     orders[1].sort_by_key(area);
     let best = orders
         .iter()
-        .map(|order| place(p, &life, &span, order, base))
+        .flat_map(|order| [false, true].map(|fit| place(p, &life, &span, order, base, fit)))
         .min_by_key(|(_, top)| *top)
-        .expect("three orders");
+        .expect("six placements");
     for &b in &transient {
         p.buffers[b].offset = best.0[b.index()];
     }
@@ -146,14 +146,15 @@ fn transient_by_first_access(p: &Program, life: &Lifetimes) -> Vec<BufferId> {
     transient
 }
 
-/// Places `order`'s buffers one by one at the lowest offset clear of the placed buffers each may
-/// be in use together with; returns every buffer's offset (indexed by id) and the arena top.
+/// Places `order`'s buffers one by one at the lowest offset (or, `best_fit`, in the smallest gap)
+/// clear of the placed buffers each may be in use together with; returns every buffer's offset (indexed by id) and the arena top.
 fn place(
     p: &Program,
     life: &Lifetimes,
     span: &[(usize, usize)],
     order: &[BufferId],
     base: u64,
+    best_fit: bool,
 ) -> (Vec<u64>, u64) {
     const BLOCK: usize = 64;
     let align = |x: u64| x.div_ceil(ALIGN) * ALIGN;
@@ -179,13 +180,16 @@ fn place(
             }
         }
         busy.sort_unstable();
+        // The lowest gap that holds the buffer, or (best fit) the smallest; above all if none does.
         let mut at = base;
+        let mut chosen: Option<(u64, u64)> = None; // (gap size, offset)
         for (start, end) in busy {
-            if start >= at + bytes {
-                break;
+            if start >= at + bytes && chosen.is_none_or(|(g, _)| best_fit && start - at < g) {
+                chosen = Some((start - at, at));
             }
             at = at.max(align(end));
         }
+        let at = chosen.map_or(at, |(_, o)| o);
         offset[b.index()] = at;
         top = top.max(align(at + bytes));
         for blk in cover {
