@@ -35,9 +35,8 @@ pub struct Stats {
     pub traffic_per_step: Traffic,
     /// Transient bytes the plan places (`peak` minus persistent state) over a lower bound on what
     /// any placement needs: the larger of the most transient bytes whose issue-order lifetimes
-    /// contain one op, the most bytes of buffers pairwise possibly in use together at one op
-    /// (see `passes::memory::concurrency_bound`), and, for programs of at most 300 transient
-    /// buffers, the exact maximum-weight clique of that relation. 1.0 is a perfect plan.
+    /// contain one op, and the bounds of `passes::memory::lower_bound` (buffers pairwise possibly
+    /// in use together). 1.0 is a perfect plan.
     pub plan_tightness: f64,
 }
 
@@ -145,9 +144,7 @@ pub fn emit_stats(job: &Job, p: &Program, info: &PlanInfo) -> Stats {
             inter_node_bytes_per_node: (inter / u128::from(p.nodes)) as u64,
         },
         plan_tightness: {
-            let bound = info
-                .live_bound
-                .max(crate::passes::memory::concurrency_bound(p));
+            let bound = info.live_bound.max(crate::passes::memory::lower_bound(p));
             if bound == 0 {
                 1.0
             } else {

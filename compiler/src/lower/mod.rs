@@ -598,8 +598,7 @@ impl Builder<'_> {
                             .unwrap_or(u.last_consumer);
                         u.last_consumer = u.last_consumer.max(last_bwd);
                     }
-                    if let Some((head, e)) = tied.filter(|(_, e)| u.layers.contains(e)) {
-                        let _ = e;
+                    if let Some((head, _)) = tied.filter(|(_, e)| u.layers.contains(e)) {
                         u.last_consumer = u.last_consumer.max(bwd_slot_of[head]);
                     }
                 }

@@ -199,15 +199,27 @@ fn place(
     (offset, top)
 }
 
-/// A lower bound on the transient bytes of any placement of this program: the most bytes of
-/// buffers that, at one op `o`, have an access happening before or at `o` and an access not
-/// happening before `o`. Any two such buffers may be in use together (neither's accesses all
-/// precede the other's), so none of their bytes can be shared.
-pub fn concurrency_bound(p: &Program) -> u64 {
+/// A lower bound on the transient bytes any placement of this program needs: the heavier of two
+/// sets of buffers that pairwise may be in use together, so that none of their bytes can be shared.
+/// - At each op `o`, the buffers with an access happening before or at `o` and an access not
+///   happening before `o` (neither's accesses can all precede the other's).
+/// - A maximum-weight clique of the may-be-in-use-together relation, by branch and bound, for
+///   programs of at most 300 transient buffers and within a budget of search steps; any clique
+///   found is a valid bound, so stopping early only weakens it.
+pub fn lower_bound(p: &Program) -> u64 {
     let clocks = Clocks::new(p);
     let life = Lifetimes::new(p, &clocks);
     let transient = transient_by_first_access(p, &life);
     let span = spans(p, &clocks, &life, &transient);
+    concurrency_bound(p, &clocks, &transient, &span).max(clique_bound(p, &life, &transient))
+}
+
+fn concurrency_bound(
+    p: &Program,
+    clocks: &Clocks,
+    transient: &[BufferId],
+    span: &[(usize, usize)],
+) -> u64 {
     let (firsts, lasts) = access_ends(p);
     let (mut next, mut active, mut best) = (0, Vec::<BufferId>::new(), 0u64);
     for (o, _) in p.ops.iter() {
@@ -216,15 +228,15 @@ pub fn concurrency_bound(p: &Program) -> u64 {
             next += 1;
         }
         active.retain(|&b| span[b.index()].1 > o.index());
-        let hb = |a: OpId| a == o || clocks.hb(p, a, o);
+        let started = |x: OpId| x == o || clocks.hb(p, x, o);
         let live: u64 = active
             .iter()
             .filter(|&&b| {
-                firsts[b.index()].iter().flatten().any(|&x| hb(x))
+                firsts[b.index()].iter().flatten().any(|&x| started(x))
                     && lasts[b.index()]
                         .iter()
                         .flatten()
-                        .any(|&y| !(y != o && clocks.hb(p, y, o)))
+                        .any(|&y| y == o || !clocks.hb(p, y, o))
             })
             .map(|&b| p.buffers[b].bytes)
             .sum();
@@ -233,15 +245,11 @@ pub fn concurrency_bound(p: &Program) -> u64 {
     best
 }
 
-/// The exact lower bound for small programs: the heaviest set of transient buffers that pairwise
-/// may be in use together (a maximum-weight clique of the conflict graph, by branch and bound).
-/// `None` when the program has more than `limit` transient buffers.
-pub fn clique_bound(p: &Program, limit: usize) -> Option<u64> {
-    let clocks = Clocks::new(p);
-    let life = Lifetimes::new(p, &clocks);
-    let t = transient_by_first_access(p, &life);
-    if t.len() > limit {
-        return None;
+fn clique_bound(p: &Program, life: &Lifetimes, t: &[BufferId]) -> u64 {
+    const LIMIT: usize = 300;
+    const BUDGET: u32 = 1_000_000;
+    if t.len() > LIMIT {
+        return 0;
     }
     let conflict: Vec<Vec<bool>> = t
         .iter()
@@ -252,26 +260,40 @@ pub fn clique_bound(p: &Program, limit: usize) -> Option<u64> {
         })
         .collect();
     let weight: Vec<u64> = t.iter().map(|&b| p.buffers[b].bytes).collect();
-    fn grow(cand: &[usize], w: u64, best: &mut u64, conflict: &[Vec<bool>], weight: &[u64]) {
-        *best = (*best).max(w);
-        let rest: u64 = cand.iter().map(|&i| weight[i]).sum();
-        if w + rest <= *best {
-            return;
-        }
-        for (k, &i) in cand.iter().enumerate() {
-            let next: Vec<usize> = cand[k + 1..]
-                .iter()
-                .copied()
-                .filter(|&j| conflict[i][j])
-                .collect();
-            grow(&next, w + weight[i], best, conflict, weight);
+    struct Search<'a> {
+        conflict: &'a [Vec<bool>],
+        weight: &'a [u64],
+        best: u64,
+        steps: u32,
+    }
+    impl Search<'_> {
+        fn grow(&mut self, cand: &[usize], w: u64) {
+            self.best = self.best.max(w);
+            self.steps += 1;
+            let rest: u64 = cand.iter().map(|&i| self.weight[i]).sum();
+            if w + rest <= self.best || self.steps > BUDGET {
+                return;
+            }
+            for (k, &i) in cand.iter().enumerate() {
+                let next: Vec<usize> = cand[k + 1..]
+                    .iter()
+                    .copied()
+                    .filter(|&j| self.conflict[i][j])
+                    .collect();
+                self.grow(&next, w + self.weight[i]);
+            }
         }
     }
     let mut order: Vec<usize> = (0..t.len()).collect();
     order.sort_by_key(|&i| std::cmp::Reverse(weight[i]));
-    let mut best = 0;
-    grow(&order, 0, &mut best, &conflict, &weight);
-    Some(best)
+    let mut search = Search {
+        conflict: &conflict,
+        weight: &weight,
+        best: 0,
+        steps: 0,
+    };
+    search.grow(&order, 0);
+    search.best
 }
 
 /// Per buffer (indexed by id), the issue positions `[first access, retired)`: from `retired` on,

@@ -67,13 +67,10 @@ pub fn check(p: &Program, ctx: Ctx, clocks: &Clocks) -> (Vec<VerifyError>, u64) 
         .filter(|&b| !by_buffer[b].is_empty() && p.buffers[b].bytes > 0)
         .collect();
     placed.sort_by_key(|&b| (by_buffer[b].iter().map(|a| a.op).min(), b));
-    let ends: SecondaryMap<BufferId, Ends> = placed
-        .iter()
-        .map(|&b| (b, Ends::new(p, &by_buffer[b])))
-        .fold(SecondaryMap::new(), |mut m, (b, e)| {
-            m[b] = e;
-            m
-        });
+    let mut ends: SecondaryMap<BufferId, Ends> = SecondaryMap::new();
+    for &b in &placed {
+        ends[b] = Ends::new(p, &by_buffer[b]);
+    }
     let mut occupants = crate::intervals::Occupants::default();
     for &b in &placed {
         let buf = &p.buffers[b];

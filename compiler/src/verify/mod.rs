@@ -51,8 +51,8 @@ pub struct VerifyError {
 
 /// What a verified program is known to satisfy, for emitters and the runtime.
 pub struct PlanInfo {
-    pub clocks: Clocks,
-    /// The most bytes of transient buffers possibly alive at one time (a lower bound on any plan).
+    /// The most transient bytes whose issue-order lifetimes contain one op (a lower bound on any
+    /// plan's transient bytes).
     pub live_bound: u64,
 }
 
@@ -88,7 +88,7 @@ pub fn verify(p: &Program, ctx: Ctx) -> Result<PlanInfo, Vec<VerifyError>> {
         errors.extend(values::check(p, ctx));
     }
     if errors.is_empty() {
-        Ok(PlanInfo { clocks, live_bound })
+        Ok(PlanInfo { live_bound })
     } else {
         Err(errors)
     }

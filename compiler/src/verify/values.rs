@@ -250,13 +250,6 @@ impl Run<'_> {
     }
 
     fn execute(&mut self, ops: &[OpId]) {
-        let ranks = self.p.ranks;
-        let first = self
-            .p
-            .ops
-            .iter()
-            .find(|(_, o)| o.layer.is_some())
-            .map(|(id, _)| id);
         let deferred = self.deferred_refresh(ops);
         let start = self.initial(deferred);
         for (&(b, r), segs) in &start {
@@ -275,7 +268,6 @@ impl Run<'_> {
                 }
             }
         }
-        let _ = (first, ranks);
         // The end state is the start state one version later.
         for ((b, r), segs) in start {
             let want: Contents = segs
