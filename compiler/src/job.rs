@@ -6,11 +6,12 @@
 //! syntax and never re-check the language's rules. Models carry exact per-layer parameter counts and
 //! the tensor shapes the runtime names (`runtime.md`, "Tensor names").
 
+use serde::{Deserialize, Serialize};
 use std::fmt;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Dtype {
     Bf16,
     Fp16,
@@ -32,7 +33,7 @@ impl Dtype {
     }
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Optimizer {
     Adam,
     AdamW,
@@ -56,13 +57,13 @@ impl Optimizer {
 }
 
 /// A link class of the cluster: bandwidth in bytes per second, latency in seconds.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq)]
 pub struct Link {
     pub bandwidth: f64,
     pub latency: f64,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Collective {
     AllGather,
     ReduceScatter,
@@ -80,7 +81,7 @@ impl Collective {
 }
 
 /// A sharding mesh `intra x inter`: `intra` GPUs within each node times `inter` nodes (AMSP's s⁰ × s¹).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Mesh {
     pub intra: u32,
     pub inter: u32,
@@ -107,14 +108,14 @@ impl fmt::Display for Mesh {
 }
 
 /// A `measured` table: algorithm bandwidth (bytes/s) by payload size (bytes), sizes increasing.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
 pub struct MeasuredTable {
     pub collective: Collective,
     pub mesh: Mesh,
     pub points: Vec<(u64, f64)>,
 }
 
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
 pub struct Cluster {
     pub name: String,
     pub nodes: u32,
@@ -128,14 +129,14 @@ pub struct Cluster {
     pub measured: Vec<MeasuredTable>,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Positions {
     Learned,
     Rope,
     None,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Norm {
     LayerNorm,
     RmsNorm,
@@ -151,20 +152,20 @@ impl Norm {
     }
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Activation {
     Gelu,
     SwiGlu,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Attention {
     Flash,
     Naive,
 }
 
 /// The MLP half of a transformer (also the `mlp` layer kind).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct MlpSpec {
     pub hidden: u64,
     pub ffn: u64,
@@ -173,7 +174,7 @@ pub struct MlpSpec {
     pub norm: Norm,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct TransformerSpec {
     pub hidden: u64,
     pub heads: u64,
@@ -206,7 +207,7 @@ impl TransformerSpec {
     }
 }
 
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq)]
 pub enum LayerKind {
     Embedding {
         vocab: u64,
@@ -252,7 +253,7 @@ impl LayerKind {
 }
 
 /// One named weight tensor of a layer; matrices are [out, in] like a PyTorch `Linear`.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
 pub struct TensorSpec {
     pub name: String,
     pub shape: Vec<u64>,
@@ -264,7 +265,7 @@ impl TensorSpec {
     }
 }
 
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
 pub struct Layer {
     /// The name as written, with the index for repeated layers: `block[3]`.
     pub name: String,
@@ -275,7 +276,7 @@ pub struct Layer {
     pub params: u64,
 }
 
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
 pub struct Model {
     pub name: String,
     pub dtype: Dtype,
@@ -295,7 +296,7 @@ impl Model {
     }
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum ReshardAfterForward {
     /// Release gathered parameters after forward, gather again for backward.
     True,
@@ -305,7 +306,7 @@ pub enum ReshardAfterForward {
     Node { secondary: u32 },
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum GradSync {
     TwoHop,
     Flat,
@@ -318,7 +319,7 @@ impl GradSync {
     }
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum AllGatherAlgo {
     Flat,
     Hierarchical,
@@ -331,7 +332,7 @@ impl AllGatherAlgo {
     }
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Recompute {
     None,
     Full,
@@ -344,7 +345,7 @@ impl Recompute {
     }
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Streams {
     Single,
     PerRole,
@@ -358,7 +359,7 @@ impl Streams {
     }
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Refresh {
     /// On the sync stream (`true`) or the compute stream (`false`), right after the update.
     Overlap(bool),
@@ -366,14 +367,14 @@ pub enum Refresh {
     NextForward,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Shard {
     pub params: Mesh,
     pub grads: Mesh,
     pub optimizer: Mesh,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Prefetch {
     pub forward: u32,
     pub backward: u32,
@@ -382,13 +383,13 @@ pub struct Prefetch {
 }
 
 /// Coalescing limits in bytes; 0 is off.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Buckets {
     pub gather: u64,
     pub reduce: u64,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Overlap {
     pub gather: bool,
     pub reduce: bool,
@@ -396,7 +397,7 @@ pub struct Overlap {
     pub refresh: Refresh,
 }
 
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
 pub struct Train {
     pub steps: u64,
     pub lr: f64,
@@ -407,7 +408,7 @@ pub struct Train {
     pub clip: Option<f64>,
 }
 
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
 pub struct Schedule {
     pub name: String,
     /// The preset as written (`mics(partition = 8)`), for display; its effects are already applied.
@@ -428,7 +429,7 @@ pub struct Schedule {
 }
 
 /// One training job: a schedule with the model and cluster it names.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
 pub struct Job {
     pub schedule: Schedule,
     pub model: Arc<Model>,

@@ -4,7 +4,7 @@
 //! collectives on one stream.
 
 use schedc::emit::plan::{emit_plan, read_plan, PlanFile};
-use schedc::{analyze, compile, verify_ctx, FsLoader};
+use schedc::{analyze, compile, FsLoader};
 use std::path::Path;
 
 fn plans(files: &[&str]) -> Vec<(String, String)> {
@@ -16,8 +16,7 @@ fn plans(files: &[&str]) -> Vec<(String, String)> {
         for job in &a.jobs {
             let (program, _) =
                 compile(job).unwrap_or_else(|e| panic!("{}: {e}", job.schedule.name));
-            let ctx = verify_ctx(job);
-            let plan = emit_plan(&program, ctx.shard, ctx.secondary);
+            let plan = emit_plan(&program, job);
             out.push((
                 job.schedule.name.clone(),
                 serde_json::to_string(&plan).unwrap(),

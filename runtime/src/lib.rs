@@ -1,6 +1,25 @@
-//! `schedrun`: executes compiled sched plans.
+//! `schedrun`: executes compiled sched plans (`shared/spec/runtime.md`).
 //!
-//! Not built yet. It will read a plan written by `schedc compile`, never re-deciding what the plan
-//! decided, and run every rank's streams through one backend interface: the CPU backend (all ranks in
-//! one process, real math and real collectives) and the CUDA backend (one process per GPU, cudarc
-//! streams and events, cuBLAS and NCCL). See `shared/spec/runtime.md`.
+//! It reads a plan written by `schedc compile` (or compiles a `.sched` file on the spot), verifies
+//! it again, and runs it without re-deciding anything the plan decided: every rank's ops on their
+//! streams in the plan's issue order, the plan's events as the only cross-stream ordering, real
+//! collectives over the plan's communicator groups, every tensor at its planned arena offset.
+//!
+//! - [`plan`]: a loaded, verified plan with each op decoded ([`exec`]) and the layer math bound.
+//! - [`backend`]: the interface a machine implements (arenas, streams, events, collectives,
+//!   kernels) and the CPU backend, which runs all ranks in this process on real threads.
+//! - [`math`]: the model math in f32 (zoo layers forward and backward, loss, optimizers, bf16).
+//! - [`train`]: the host side: initial state, batches by `runtime.md`'s rule, steps, whole-tensor
+//!   state in and out; [`checkpoint`] stores that state in safetensors files.
+//! - [`data`]: the byte corpus and the batch rule; [`reference`]: an independent single-process
+//!   trainer that parity tests compare every schedule against.
+
+pub mod arena;
+pub mod backend;
+pub mod checkpoint;
+pub mod data;
+pub mod exec;
+pub mod math;
+pub mod plan;
+pub mod reference;
+pub mod train;

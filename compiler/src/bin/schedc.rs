@@ -214,8 +214,7 @@ fn compile(
     };
     let text = match emit {
         Emit::Plan => {
-            let ctx = schedc::verify_ctx(job);
-            let plan = schedc::emit::plan::emit_plan(&program, ctx.shard, ctx.secondary);
+            let plan = schedc::emit::plan::emit_plan(&program, job);
             serde_json::to_string(&plan).expect("plans serialise") + "\n"
         }
         Emit::Listing => schedc::emit::listing::emit_listing(&program),

@@ -3,11 +3,12 @@
 //! [`Program`] for `schedc verify`, refusing anything malformed with a message that says where.
 //!
 //! Beyond the required fields the file carries the shard meshes and hpZ's secondary size (so a
-//! reader can evaluate rank-dependent offsets), each op's role, and each region's shard index and
-//! stride where its offset depends on the rank.
+//! reader can evaluate rank-dependent offsets), each op's role, each region's shard index and
+//! stride where its offset depends on the rank, and the resolved job (model, cluster, schedule and
+//! training settings), so that `schedrun` and the simulator need nothing but the plan.
 
 use crate::ir::*;
-use crate::job::{Collective, Dtype, Mesh, Shard};
+use crate::job::{Collective, Dtype, Job, Mesh, Shard};
 use cranelift_entity::EntityRef;
 use serde::{Deserialize, Serialize};
 
@@ -32,6 +33,8 @@ pub struct PlanFile {
     pub buffers: Vec<BufferFile>,
     pub events: u32,
     pub streams: Vec<StreamFile>,
+    /// The resolved job the plan was compiled from.
+    pub job: Job,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -155,9 +158,11 @@ const COMPUTE: [ComputeKind; 7] = [
     ComputeKind::Copy,
 ];
 
-/// Writes a program as a plan file.
-pub fn emit_plan(p: &Program, shard: Shard, secondary: Option<u32>) -> PlanFile {
+/// Writes the program compiled from `job` as a plan file.
+pub fn emit_plan(p: &Program, job: &Job) -> PlanFile {
     let mesh = |m: Mesh| [m.intra, m.inter];
+    let ctx = crate::verify_ctx(job);
+    let (shard, secondary) = (ctx.shard, ctx.secondary);
     PlanFile {
         format: FORMAT.to_string(),
         version: VERSION,
@@ -225,6 +230,7 @@ pub fn emit_plan(p: &Program, shard: Shard, secondary: Option<u32>) -> PlanFile 
                     .collect(),
             })
             .collect(),
+        job: job.clone(),
     }
 }
 
@@ -284,6 +290,7 @@ pub struct ReadPlan {
     pub program: Program,
     pub shard: Shard,
     pub secondary: Option<u32>,
+    pub job: Job,
 }
 
 /// Parses plan JSON; every refusal says what and where.
@@ -322,6 +329,7 @@ fn from_file(f: PlanFile) -> Result<ReadPlan, String> {
         grads: mesh(f.shard.grads, "grads")?,
         optimizer: mesh(f.shard.optimizer, "optimizer")?,
     };
+    check_job(&f, shard)?;
     let mut p = Program {
         schedule: f.schedule,
         ranks: f.ranks,
@@ -439,7 +447,33 @@ fn from_file(f: PlanFile) -> Result<ReadPlan, String> {
         program: p,
         shard,
         secondary: f.secondary,
+        job: f.job,
     })
+}
+
+/// The job a plan carries must be the one its program was compiled for.
+fn check_job(f: &PlanFile, shard: Shard) -> Result<(), String> {
+    let (job, ctx) = (&f.job, crate::verify_ctx(&f.job));
+    let layers: Vec<&str> = job.model.layers.iter().map(|l| l.name.as_str()).collect();
+    let mismatch = if job.ranks() != u64::from(f.ranks) {
+        Some(format!("{} ranks", job.ranks()))
+    } else if job.schedule.micro_steps != f.micro_steps {
+        Some(format!("{} micro-steps", job.schedule.micro_steps))
+    } else if ctx.shard != shard || ctx.secondary != f.secondary {
+        Some("other shard meshes".to_string())
+    } else if layers != f.layers.iter().map(|l| l.name.as_str()).collect::<Vec<_>>() {
+        Some("other layers".to_string())
+    } else if job.schedule.name != f.schedule {
+        Some(format!("schedule `{}`", job.schedule.name))
+    } else {
+        None
+    };
+    match mismatch {
+        Some(m) => Err(format!(
+            "the plan's `job` does not match its program: it has {m}"
+        )),
+        None => Ok(()),
+    }
 }
 
 fn dtype(name: &str, what: &str) -> Result<Dtype, String> {

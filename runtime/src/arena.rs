@@ -1,0 +1,226 @@
+//! One rank's arena: the only memory a rank's tensors live in, sized by the plan's memory plan.
+//!
+//! The arena is an array of 32-bit words accessed with relaxed atomics. Streams of one rank (and
+//! the collectives of other ranks) touch it concurrently; a verified plan orders every conflicting
+//! access by happens-before, so relaxed accesses see exactly the values the plan intends. A plan
+//! with a missing wait really races here, and produces wrong numbers rather than undefined
+//! behaviour — which is what the stress mode (`--jitter`) relies on to expose it.
+//!
+//! Values cross the arena boundary as `f32`: fp32 tensors are stored as their bits, bf16 tensors
+//! as the upper half of the fp32 bits rounded to nearest even (`math::f32_to_bf16_bits`). Every
+//! access also raises a high-water mark, the measured peak reported next to the plan's figure.
+
+use crate::math::{bf16_bits_to_f32, f32_to_bf16_bits};
+use schedc::job::Dtype;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::Relaxed};
+
+/// A rank's arena.
+pub struct Arena {
+    words: Box<[AtomicU32]>,
+    bytes: u64,
+    high_water: AtomicU64,
+}
+
+/// Why an access was refused: it lies outside the arena or is misaligned for its dtype.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AccessError(pub String);
+
+impl std::fmt::Display for AccessError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl Arena {
+    /// An arena of `bytes` bytes, zeroed.
+    pub fn new(bytes: u64) -> Self {
+        let words = (bytes.div_ceil(4)) as usize;
+        Arena {
+            words: (0..words).map(|_| AtomicU32::new(0)).collect(),
+            bytes,
+            high_water: AtomicU64::new(0),
+        }
+    }
+
+    /// Size in bytes: the plan's peak.
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    /// The highest byte any access has reached.
+    pub fn high_water(&self) -> u64 {
+        self.high_water.load(Relaxed)
+    }
+
+    fn check(&self, offset: u64, bytes: u64, align: u64) -> Result<(), AccessError> {
+        let end = offset.checked_add(bytes);
+        if end.is_none_or(|e| e > self.bytes) {
+            return Err(AccessError(format!(
+                "bytes {offset}..{} lie outside the {}-byte arena",
+                offset.saturating_add(bytes),
+                self.bytes
+            )));
+        }
+        if offset % align != 0 || bytes % align != 0 {
+            return Err(AccessError(format!(
+                "bytes {offset}..{} are not aligned to {align}",
+                offset + bytes
+            )));
+        }
+        self.high_water.fetch_max(offset + bytes, Relaxed);
+        Ok(())
+    }
+
+    /// Reads `n` values of `dtype` at byte `offset`.
+    pub fn read(&self, offset: u64, n: usize, dtype: Dtype) -> Result<Vec<f32>, AccessError> {
+        let mut out = vec![0.0; n];
+        self.read_into(offset, dtype, &mut out)?;
+        Ok(out)
+    }
+
+    /// Reads `out.len()` values of `dtype` at byte `offset` into `out`.
+    pub fn read_into(&self, offset: u64, dtype: Dtype, out: &mut [f32]) -> Result<(), AccessError> {
+        let n = out.len() as u64;
+        match dtype {
+            Dtype::Fp32 => {
+                self.check(offset, n * 4, 4)?;
+                let w = &self.words[(offset / 4) as usize..][..out.len()];
+                for (o, w) in out.iter_mut().zip(w) {
+                    *o = f32::from_bits(w.load(Relaxed));
+                }
+            }
+            Dtype::Bf16 | Dtype::Fp16 => {
+                self.check(offset, n * 2, 2)?;
+                for (i, o) in out.iter_mut().enumerate() {
+                    *o = half_to_f32(dtype, self.load_half(offset + 2 * i as u64));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes `values` as `dtype` at byte `offset`.
+    pub fn write(&self, offset: u64, dtype: Dtype, values: &[f32]) -> Result<(), AccessError> {
+        let n = values.len() as u64;
+        match dtype {
+            Dtype::Fp32 => {
+                self.check(offset, n * 4, 4)?;
+                let w = &self.words[(offset / 4) as usize..][..values.len()];
+                for (v, w) in values.iter().zip(w) {
+                    w.store(v.to_bits(), Relaxed);
+                }
+            }
+            Dtype::Bf16 | Dtype::Fp16 => {
+                self.check(offset, n * 2, 2)?;
+                for (i, v) in values.iter().enumerate() {
+                    self.store_half(offset + 2 * i as u64, f32_to_half(dtype, *v));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Adds `values` into the `dtype` values at byte `offset` (gradient accumulation).
+    pub fn add(&self, offset: u64, dtype: Dtype, values: &[f32]) -> Result<(), AccessError> {
+        let mut cur = self.read(offset, values.len(), dtype)?;
+        for (c, v) in cur.iter_mut().zip(values) {
+            *c += v;
+        }
+        self.write(offset, dtype, &cur)
+    }
+
+    /// Raw bytes at `offset` (any dtype; 2-byte granularity).
+    pub fn read_bytes(&self, offset: u64, bytes: u64) -> Result<Vec<u16>, AccessError> {
+        self.check(offset, bytes, 2)?;
+        Ok((0..bytes / 2)
+            .map(|i| self.load_half(offset + 2 * i))
+            .collect())
+    }
+
+    /// Writes raw bytes read by [`Arena::read_bytes`].
+    pub fn write_bytes(&self, offset: u64, halves: &[u16]) -> Result<(), AccessError> {
+        self.check(offset, 2 * halves.len() as u64, 2)?;
+        if offset % 4 == 0 && halves.len() % 2 == 0 {
+            let w = &self.words[(offset / 4) as usize..][..halves.len() / 2];
+            for (pair, w) in halves.chunks_exact(2).zip(w) {
+                w.store(u32::from(pair[0]) | (u32::from(pair[1]) << 16), Relaxed);
+            }
+            return Ok(());
+        }
+        for (i, h) in halves.iter().enumerate() {
+            self.store_half(offset + 2 * i as u64, *h);
+        }
+        Ok(())
+    }
+
+    fn load_half(&self, byte: u64) -> u16 {
+        let w = self.words[(byte / 4) as usize].load(Relaxed);
+        if byte % 4 == 0 {
+            w as u16
+        } else {
+            (w >> 16) as u16
+        }
+    }
+
+    /// Stores 16 bits without disturbing the other half of the word (another tensor's bytes).
+    fn store_half(&self, byte: u64, h: u16) {
+        let w = &self.words[(byte / 4) as usize];
+        let (keep, set) = if byte % 4 == 0 {
+            (0xFFFF_0000, u32::from(h))
+        } else {
+            (0x0000_FFFF, u32::from(h) << 16)
+        };
+        let _ = w.fetch_update(Relaxed, Relaxed, |old| Some((old & keep) | set));
+    }
+}
+
+fn half_to_f32(dtype: Dtype, h: u16) -> f32 {
+    match dtype {
+        Dtype::Fp16 => fp16_to_f32(h),
+        _ => bf16_bits_to_f32(h),
+    }
+}
+
+fn f32_to_half(dtype: Dtype, x: f32) -> u16 {
+    match dtype {
+        Dtype::Fp16 => f32_to_fp16(x),
+        _ => f32_to_bf16_bits(x),
+    }
+}
+
+/// IEEE half precision, through the `half` crate's exact conversions.
+fn fp16_to_f32(h: u16) -> f32 {
+    half::f16::from_bits(h).to_f32()
+}
+
+fn f32_to_fp16(x: f32) -> u16 {
+    half::f16::from_f32(x).to_bits()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fp32_round_trip_and_bounds() {
+        let a = Arena::new(64);
+        a.write(8, Dtype::Fp32, &[1.5, -2.0]).unwrap();
+        assert_eq!(a.read(8, 2, Dtype::Fp32).unwrap(), vec![1.5, -2.0]);
+        assert!(a.write(62, Dtype::Fp32, &[1.0]).is_err());
+        assert!(a.read(6, 1, Dtype::Fp32).is_err(), "misaligned fp32");
+        assert_eq!(a.high_water(), 16);
+    }
+
+    #[test]
+    fn bf16_halves_do_not_disturb_neighbours() {
+        let a = Arena::new(16);
+        a.write(0, Dtype::Bf16, &[1.0, 2.0, 3.0]).unwrap();
+        a.write(6, Dtype::Bf16, &[-4.0]).unwrap();
+        assert_eq!(a.read(0, 4, Dtype::Bf16).unwrap(), vec![1.0, 2.0, 3.0, -4.0]);
+        a.add(2, Dtype::Bf16, &[0.5]).unwrap();
+        assert_eq!(a.read(0, 4, Dtype::Bf16).unwrap(), vec![1.0, 2.5, 3.0, -4.0]);
+        let raw = a.read_bytes(2, 4).unwrap();
+        a.write_bytes(10, &raw).unwrap();
+        assert_eq!(a.read(10, 2, Dtype::Bf16).unwrap(), vec![2.5, 3.0]);
+    }
+}

@@ -1,0 +1,105 @@
+//! Collectives of the CPU backend: real bytes between ranks' arenas.
+//!
+//! Chunk `j` of an all-gather's output or a reduce-scatter's input belongs to member `j` of the
+//! group, in the plan's member order. Reductions sum in f32 in member order (so every rank gets
+//! bit-identical results) and round once to the dtype. Every input is read before any output is
+//! written, so in-place collectives (an all-reduce on its own buffer, the hierarchical
+//! all-gather's intra-node stage writing around each member's chunk) are exact.
+
+use super::sync::Stop;
+use super::{RankCtx, StepShared};
+use crate::backend::RunError;
+use schedc::ir::{CollectiveOp, OpId};
+use schedc::job::Collective;
+
+/// Runs the collectives of op `op` on `ctx`'s rank, one after another (a coalesced group's
+/// members are issued together and every member runs them in the same order). An empty error
+/// means the step was aborted elsewhere.
+pub fn run(
+    sh: &StepShared<'_>,
+    ctx: &RankCtx<'_>,
+    op: OpId,
+    cs: &[CollectiveOp],
+) -> Result<(), String> {
+    let p = sh.plan;
+    for (i, c) in cs.iter().enumerate() {
+        let comm = &p.program.comms[c.comm];
+        let (g, pos) = p.members[c.comm.as_u32() as usize][ctx.rank as usize];
+        let group = &comm.groups[g];
+        let call = p.call_numbers[op.as_u32() as usize][i];
+        let meeting = &sh.meetings[c.comm.as_u32() as usize][g];
+        match meeting.meet(pos, call, &sh.abort, sh.options.timeout, || {
+            move_bytes(sh, group, c).map_err(|m| RunError::at(ctx.rank, Some(p.describe(op)), m))
+        }) {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                sh.abort.set(e);
+                return Err(String::new());
+            }
+            Err((Stop::Aborted, _)) => return Err(String::new()),
+            Err((Stop::TimedOut, missing)) => {
+                let who: Vec<String> = missing.iter().map(|&m| group[m].to_string()).collect();
+                return Err(format!(
+                    "collective on {} waited {:?} for rank(s) {} of group {:?}, which never arrived",
+                    c.comm,
+                    sh.options.timeout,
+                    who.join(", "),
+                    group
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Moves every member's data for one collective (called by the last member to arrive).
+fn move_bytes(sh: &StepShared<'_>, group: &[u32], c: &CollectiveOp) -> Result<(), String> {
+    let p = sh.plan;
+    let n = group.len() as u64;
+    let d = c.dtype;
+    let chunk = c.count / n;
+    let e = |e: crate::arena::AccessError| e.0;
+    let input_at = |r: u32| p.at(r, &c.input);
+    let output_at = |r: u32| p.at(r, &c.output);
+    let arena = |r: u32| &sh.arenas[r as usize];
+    match c.kind {
+        Collective::AllGather => {
+            let mut whole = Vec::with_capacity((c.count * d.bytes() / 2) as usize);
+            for &r in group {
+                whole.extend(
+                    arena(r)
+                        .read_bytes(input_at(r), chunk * d.bytes())
+                        .map_err(e)?,
+                );
+            }
+            for &r in group {
+                arena(r).write_bytes(output_at(r), &whole).map_err(e)?;
+            }
+        }
+        Collective::ReduceScatter | Collective::AllReduce => {
+            let mut sum = vec![0.0f32; c.count as usize];
+            for &r in group {
+                let v = arena(r).read(input_at(r), c.count as usize, d).map_err(e)?;
+                sum.iter_mut().zip(&v).for_each(|(s, x)| *s += x);
+            }
+            for (j, &r) in group.iter().enumerate() {
+                let part = if c.kind == Collective::AllReduce {
+                    &sum[..]
+                } else {
+                    &sum[j * chunk as usize..(j + 1) * chunk as usize]
+                };
+                arena(r).write(output_at(r), d, part).map_err(e)?;
+            }
+        }
+        Collective::Broadcast => {
+            let root = group[0];
+            let v = arena(root)
+                .read_bytes(input_at(root), c.count * d.bytes())
+                .map_err(e)?;
+            for &r in group {
+                arena(r).write_bytes(output_at(r), &v).map_err(e)?;
+            }
+        }
+    }
+    Ok(())
+}

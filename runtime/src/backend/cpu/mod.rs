@@ -1,0 +1,278 @@
+//! The CPU backend: every rank in this process, each (rank, stream) on its own thread.
+//!
+//! A step starts one thread per stream of every rank. Each thread executes its stream's ops in
+//! issue order: it waits for the op's events (blocking until another thread records them), runs
+//! the op, and records its event. Collectives meet in a [`sync::Rendezvous`] per communicator
+//! group; the last member to arrive moves every member's bytes while the others wait, so a
+//! collective completes on all members at once. Nothing else orders anything — a plan missing a
+//! wait really races, and the stress mode's random delays (`RunOptions::jitter`) make that show.
+//!
+//! One rank's failure (or a wait longer than the timeout) sets the abort flag; every other
+//! thread's next wait returns, and the step fails with the first error, which names its rank and
+//! op.
+
+mod collectives;
+mod kernels;
+mod sync;
+
+use super::{Backend, RankMemory, RunError, RunOptions, StepInput, StepOutcome, StreamWait};
+use crate::arena::Arena;
+use crate::exec::Action;
+use crate::plan::Plan;
+use schedc::ir::StreamId;
+use schedc::job::Dtype;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use sync::{Abort, Events, Rendezvous, Stop};
+
+/// All ranks of a plan in one process.
+pub struct CpuBackend {
+    plan: Arc<Plan>,
+    arenas: Vec<Arena>,
+    options: RunOptions,
+}
+
+impl CpuBackend {
+    /// Allocates every rank's arena: exactly the plan's `arena_bytes` each.
+    pub fn new(plan: Arc<Plan>, options: RunOptions) -> Self {
+        let arenas = (0..plan.ranks())
+            .map(|_| Arena::new(plan.program.arena_bytes))
+            .collect();
+        CpuBackend {
+            plan,
+            arenas,
+            options,
+        }
+    }
+}
+
+/// What the threads of one step share.
+struct StepShared<'a> {
+    plan: &'a Plan,
+    arenas: &'a [Arena],
+    events: Vec<Events>,
+    /// `[communicator][group]`.
+    meetings: Vec<Vec<Rendezvous>>,
+    abort: Abort,
+    options: &'a RunOptions,
+    input: &'a StepInput,
+}
+
+/// One rank's view while it runs an op.
+pub struct RankCtx<'a> {
+    pub plan: &'a Plan,
+    pub arenas: &'a [Arena],
+    pub rank: u32,
+    /// Index of the rank among the backend's ranks (into the step's batches).
+    pub local: usize,
+}
+
+struct ThreadResult {
+    loss: f64,
+    wait: StreamWait,
+}
+
+impl Backend for CpuBackend {
+    fn name(&self) -> &'static str {
+        "cpu"
+    }
+
+    fn ranks(&self) -> Vec<u32> {
+        (0..self.plan.ranks()).collect()
+    }
+
+    fn upload(&self, rank: u32, offset: u64, dtype: Dtype, values: &[f32]) -> Result<(), RunError> {
+        self.arenas[rank as usize]
+            .write(offset, dtype, values)
+            .map_err(|e| RunError::at(rank, None, e.0))
+    }
+
+    fn download(
+        &self,
+        rank: u32,
+        offset: u64,
+        n: usize,
+        dtype: Dtype,
+    ) -> Result<Vec<f32>, RunError> {
+        self.arenas[rank as usize]
+            .read(offset, n, dtype)
+            .map_err(|e| RunError::at(rank, None, e.0))
+    }
+
+    fn run_step(&mut self, input: &StepInput) -> Result<StepOutcome, RunError> {
+        let p = &*self.plan;
+        let shared = StepShared {
+            plan: p,
+            arenas: &self.arenas,
+            events: (0..p.ranks())
+                .map(|_| Events::new(p.program.events.len()))
+                .collect(),
+            meetings: p
+                .program
+                .comms
+                .values()
+                .map(|c| {
+                    c.groups
+                        .iter()
+                        .map(|g| Rendezvous::new(g.len()))
+                        .collect()
+                })
+                .collect(),
+            abort: Abort::default(),
+            options: &self.options,
+            input,
+        };
+        let results: Vec<Option<ThreadResult>> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..p.ranks())
+                .flat_map(|rank| {
+                    (0..p.stream_ops.len()).map(move |stream| (rank, stream))
+                })
+                .map(|(rank, stream)| {
+                    let shared = &shared;
+                    std::thread::Builder::new()
+                        .name(format!("rank{rank}-{}", p.stream_name(StreamId::new(stream))))
+                        .spawn_scoped(s, move || run_stream(shared, rank, stream))
+                        .expect("spawn a stream thread")
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().unwrap_or(None))
+                .collect()
+        });
+        if let Some(e) = shared.abort.take() {
+            return Err(e);
+        }
+        if results.iter().any(|r| r.is_none()) {
+            return Err(RunError {
+                rank: None,
+                op: None,
+                message: "a stream thread panicked".into(),
+            });
+        }
+        let results: Vec<ThreadResult> = results.into_iter().flatten().collect();
+        Ok(StepOutcome {
+            loss_sum: results.iter().map(|r| r.loss).sum(),
+            waits: results.into_iter().map(|r| r.wait).collect(),
+        })
+    }
+
+    fn memory(&self) -> Vec<RankMemory> {
+        self.arenas
+            .iter()
+            .enumerate()
+            .map(|(r, a)| RankMemory {
+                rank: r as u32,
+                allocated: a.bytes(),
+                touched: a.high_water(),
+            })
+            .collect()
+    }
+}
+
+use cranelift_entity::EntityRef;
+
+/// Runs one stream of one rank through the step; `None` when the step was aborted.
+fn run_stream(sh: &StepShared<'_>, rank: u32, stream: usize) -> Option<ThreadResult> {
+    let p = sh.plan;
+    let ctx = RankCtx {
+        plan: p,
+        arenas: sh.arenas,
+        rank,
+        local: rank as usize,
+    };
+    let mut jitter = Jitter::new(sh.options, rank, stream as u64, sh.input.step);
+    let (mut loss, mut waiting) = (0.0, Duration::ZERO);
+    let started = Instant::now();
+    for &op in &p.stream_ops[stream] {
+        if sh.abort.is_set() {
+            return None;
+        }
+        jitter.sleep();
+        let o = &p.program.ops[op];
+        let fail = |message: String| {
+            sh.abort
+                .set(RunError::at(rank, Some(p.describe(op)), message));
+        };
+        let t = Instant::now();
+        for e in &o.wait {
+            match sh.events[rank as usize].wait(e.index(), sh.input.step, &sh.abort, sh.options.timeout) {
+                Ok(()) => {}
+                Err(Stop::Aborted) => return None,
+                Err(Stop::TimedOut) => {
+                    fail(format!(
+                        "waited {:?} for {e}, which {} never recorded",
+                        sh.options.timeout,
+                        p.describe(p.program.events[*e].recorder)
+                    ));
+                    return None;
+                }
+            }
+        }
+        waiting += t.elapsed();
+        if sh.options.fault == Some((rank, op)) {
+            fail("injected fault".into());
+            return None;
+        }
+        let result = match &p.actions[op.index()] {
+            Action::Collectives(cs) => {
+                let t = Instant::now();
+                let r = collectives::run(sh, &ctx, op, cs);
+                waiting += t.elapsed();
+                r.map(|()| 0.0)
+            }
+            a => kernels::run(&ctx, a, o.micro_step, sh.input),
+        };
+        match result {
+            Ok(l) => loss += l,
+            Err(e) => {
+                if !e.is_empty() {
+                    fail(e);
+                }
+                return None;
+            }
+        }
+        if let Some(e) = o.record {
+            sh.events[rank as usize].record(e.index(), sh.input.step);
+        }
+    }
+    Some(ThreadResult {
+        loss,
+        wait: StreamWait {
+            rank,
+            stream: p.stream_name(StreamId::new(stream)),
+            waiting,
+            busy: started.elapsed().saturating_sub(waiting),
+        },
+    })
+}
+
+/// The stress mode's random delays: a small xorshift generator per (rank, stream, step).
+struct Jitter {
+    max: Option<Duration>,
+    state: u64,
+}
+
+impl Jitter {
+    fn new(o: &RunOptions, rank: u32, stream: u64, step: u64) -> Self {
+        let mut state = o.jitter_seed ^ 0x9E37_79B9_7F4A_7C15;
+        for x in [u64::from(rank), stream, step] {
+            state = (state ^ x).wrapping_mul(0xBF58_476D_1CE4_E5B9).rotate_left(31);
+        }
+        Jitter {
+            max: o.jitter,
+            state: state | 1,
+        }
+    }
+
+    fn sleep(&mut self) {
+        let Some(max) = self.max else { return };
+        self.state ^= self.state << 13;
+        self.state ^= self.state >> 7;
+        self.state ^= self.state << 17;
+        let nanos = max.as_nanos() as u64;
+        if nanos > 0 {
+            std::thread::sleep(Duration::from_nanos(self.state % nanos));
+        }
+    }
+}

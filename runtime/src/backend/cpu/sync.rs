@@ -1,0 +1,169 @@
+//! Synchronisation of the CPU backend: events, collective rendezvous, and the abort flag that
+//! turns one rank's failure into every rank stopping with its name.
+//!
+//! Every blocking wait polls the abort flag and gives up after the run's timeout, so a rank that
+//! fails or stops answering never leaves the others hanging.
+
+use crate::backend::RunError;
+use std::sync::{Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+const POLL: Duration = Duration::from_millis(20);
+
+/// The first failure of a step; once set, every wait returns.
+#[derive(Default)]
+pub struct Abort {
+    first: Mutex<Option<RunError>>,
+}
+
+impl Abort {
+    pub fn set(&self, e: RunError) {
+        let mut f = self.first.lock().expect("abort lock");
+        if f.is_none() {
+            *f = Some(e);
+        }
+    }
+
+    pub fn is_set(&self) -> bool {
+        self.first.lock().expect("abort lock").is_some()
+    }
+
+    pub fn take(&self) -> Option<RunError> {
+        self.first.lock().expect("abort lock").take()
+    }
+}
+
+/// Why a wait ended without its condition.
+pub enum Stop {
+    /// Another rank failed first.
+    Aborted,
+    /// The condition did not hold within the timeout.
+    TimedOut,
+}
+
+/// Blocks on `cv` until `ready(state)`, the abort flag, or the timeout.
+fn wait_until<'a, T>(
+    m: &'a Mutex<T>,
+    cv: &Condvar,
+    abort: &Abort,
+    timeout: Duration,
+    mut ready: impl FnMut(&T) -> bool,
+) -> Result<std::sync::MutexGuard<'a, T>, Stop> {
+    let start = Instant::now();
+    let mut g = m.lock().expect("sync lock");
+    loop {
+        if ready(&g) {
+            return Ok(g);
+        }
+        if abort.is_set() {
+            return Err(Stop::Aborted);
+        }
+        if start.elapsed() > timeout {
+            return Err(Stop::TimedOut);
+        }
+        g = cv.wait_timeout(g, POLL).expect("sync lock").0;
+    }
+}
+
+/// One rank's events: the step each was last recorded in.
+pub struct Events {
+    recorded: Mutex<Vec<u64>>,
+    cv: Condvar,
+}
+
+impl Events {
+    pub fn new(n: usize) -> Self {
+        Events {
+            recorded: Mutex::new(vec![0; n]),
+            cv: Condvar::new(),
+        }
+    }
+
+    pub fn record(&self, event: usize, step: u64) {
+        self.recorded.lock().expect("events lock")[event] = step;
+        self.cv.notify_all();
+    }
+
+    /// Blocks until `event` has been recorded in `step`.
+    pub fn wait(
+        &self,
+        event: usize,
+        step: u64,
+        abort: &Abort,
+        timeout: Duration,
+    ) -> Result<(), Stop> {
+        wait_until(&self.recorded, &self.cv, abort, timeout, |r| {
+            r[event] >= step
+        })
+        .map(|_| ())
+    }
+}
+
+struct Meeting {
+    /// Calls of this group completed so far in the step.
+    completed: u64,
+    arrived: Vec<bool>,
+}
+
+/// Where the members of one communicator group meet for each collective, in call order.
+pub struct Rendezvous {
+    state: Mutex<Meeting>,
+    cv: Condvar,
+}
+
+impl Rendezvous {
+    pub fn new(members: usize) -> Self {
+        Rendezvous {
+            state: Mutex::new(Meeting {
+                completed: 0,
+                arrived: vec![false; members],
+            }),
+            cv: Condvar::new(),
+        }
+    }
+
+    /// Member `pos` arrives at call `call`; the last to arrive runs `complete` (moving every
+    /// member's data) while the others wait, and all return once it is done. On a stop, the
+    /// positions that have not arrived are returned.
+    pub fn meet(
+        &self,
+        pos: usize,
+        call: u64,
+        abort: &Abort,
+        timeout: Duration,
+        complete: impl FnOnce() -> Result<(), RunError>,
+    ) -> Result<Result<(), RunError>, (Stop, Vec<usize>)> {
+        let missing = |m: &Meeting| -> Vec<usize> {
+            (0..m.arrived.len()).filter(|&i| !m.arrived[i]).collect()
+        };
+        // Wait for the previous call of the group to finish.
+        let mut g = match wait_until(&self.state, &self.cv, abort, timeout, |m| {
+            m.completed == call
+        }) {
+            Ok(g) => g,
+            Err(stop) => {
+                let g = self.state.lock().expect("rendezvous lock");
+                return Err((stop, missing(&g)));
+            }
+        };
+        g.arrived[pos] = true;
+        if g.arrived.iter().all(|a| *a) {
+            let r = complete();
+            g.arrived.iter_mut().for_each(|a| *a = false);
+            g.completed += 1;
+            drop(g);
+            self.cv.notify_all();
+            return Ok(r);
+        }
+        drop(g);
+        match wait_until(&self.state, &self.cv, abort, timeout, |m| {
+            m.completed > call
+        }) {
+            Ok(_) => Ok(Ok(())),
+            Err(stop) => {
+                let g = self.state.lock().expect("rendezvous lock");
+                Err((stop, missing(&g)))
+            }
+        }
+    }
+}

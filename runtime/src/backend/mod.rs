@@ -1,0 +1,129 @@
+//! The backend interface: what the trainer needs from a machine to run a plan.
+//!
+//! A backend owns, for each rank it drives, the rank's arena (one allocation of the plan's
+//! `arena_bytes`; every tensor at its planned offset), its streams and events, its communicators,
+//! and kernels for every [`crate::exec::Action`]. The trainer talks to it only through
+//! [`Backend`]: move whole values between host and arena ([`Backend::upload`],
+//! [`Backend::download`]) and run one optimizer step ([`Backend::run_step`]): enqueue every op of
+//! the plan on its stream in issue order, each preceded by its event waits and followed by its
+//! record, then join all streams. Backends never reorder, add or drop an op.
+//!
+//! [`cpu`] runs every rank in this process; the CUDA backend (issue 6) implements the same trait.
+
+pub mod cpu;
+
+use schedc::ir::OpId;
+use schedc::job::Dtype;
+use std::time::Duration;
+
+/// One rank's micro-batch: input bytes and the targets (the inputs shifted by one).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Batch {
+    pub inputs: Vec<u32>,
+    pub targets: Vec<u32>,
+}
+
+/// What one optimizer step needs besides the plan.
+pub struct StepInput {
+    /// 1-based optimizer step (Adam's bias correction).
+    pub step: u64,
+    pub lr: f64,
+    /// Global gradient-norm limit, if clipping.
+    pub clip: Option<f64>,
+    /// `batches[rank][micro_step]`, for the ranks this backend drives.
+    pub batches: Vec<Vec<Batch>>,
+}
+
+/// Time one stream of one rank spent blocked (event waits and collective rendezvous).
+#[derive(Clone, Debug)]
+pub struct StreamWait {
+    pub rank: u32,
+    pub stream: &'static str,
+    pub waiting: Duration,
+    pub busy: Duration,
+}
+
+/// What a step produced.
+#[derive(Clone, Debug)]
+pub struct StepOutcome {
+    /// Sum of every token's cross-entropy over the ranks this backend drives.
+    pub loss_sum: f64,
+    pub waits: Vec<StreamWait>,
+}
+
+/// Memory of one rank: the arena allocated and the highest byte any op touched.
+#[derive(Clone, Copy, Debug)]
+pub struct RankMemory {
+    pub rank: u32,
+    pub allocated: u64,
+    pub touched: u64,
+}
+
+/// A failure while running, naming the rank and op when there is one.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RunError {
+    pub rank: Option<u32>,
+    pub op: Option<String>,
+    pub message: String,
+}
+
+impl std::fmt::Display for RunError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match (&self.rank, &self.op) {
+            (Some(r), Some(op)) => write!(f, "rank {r}, {op}: {}", self.message),
+            (Some(r), None) => write!(f, "rank {r}: {}", self.message),
+            _ => f.write_str(&self.message),
+        }
+    }
+}
+
+impl std::error::Error for RunError {}
+
+impl RunError {
+    pub fn at(rank: u32, op: Option<String>, message: impl Into<String>) -> Self {
+        RunError {
+            rank: Some(rank),
+            op,
+            message: message.into(),
+        }
+    }
+}
+
+/// Test and stress knobs of a run.
+#[derive(Clone, Debug)]
+pub struct RunOptions {
+    /// Sleep a random time up to this long before every op (the stress mode).
+    pub jitter: Option<Duration>,
+    /// Seed of the jitter's random delays.
+    pub jitter_seed: u64,
+    /// How long an event wait or a collective may block before the run is aborted.
+    pub timeout: Duration,
+    /// Make `rank` fail when it reaches `op` (tests of fault handling).
+    pub fault: Option<(u32, OpId)>,
+}
+
+impl Default for RunOptions {
+    fn default() -> Self {
+        RunOptions {
+            jitter: None,
+            jitter_seed: 0,
+            timeout: Duration::from_secs(60),
+            fault: None,
+        }
+    }
+}
+
+/// A machine that runs plans.
+pub trait Backend {
+    fn name(&self) -> &'static str;
+    /// The ranks this backend drives (all of them on the CPU backend).
+    fn ranks(&self) -> Vec<u32>;
+    /// Writes `values` as `dtype` at byte `offset` of `rank`'s arena.
+    fn upload(&self, rank: u32, offset: u64, dtype: Dtype, values: &[f32]) -> Result<(), RunError>;
+    /// Reads `n` values of `dtype` at byte `offset` of `rank`'s arena.
+    fn download(&self, rank: u32, offset: u64, n: usize, dtype: Dtype)
+        -> Result<Vec<f32>, RunError>;
+    /// Runs one optimizer step of the plan on every rank and stream, and joins them.
+    fn run_step(&mut self, input: &StepInput) -> Result<StepOutcome, RunError>;
+    fn memory(&self) -> Vec<RankMemory>;
+}

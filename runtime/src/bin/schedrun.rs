@@ -1,0 +1,290 @@
+//! `schedrun`: runs a compiled schedule for real (`shared/spec/cli.md`, "schedrun").
+//!
+//! Exit status: 0 success, 1 bad input (a schedule with errors, a plan that is malformed, of
+//! another version or fails verification, a weights file that does not fit the model), 2 any
+//! other failure (a rank that fails or stops answering, a file that cannot be written).
+//! Per-step results go to stdout (one JSON object per line with `--json`), progress and errors to
+//! stderr, the progress bar only when stderr is a terminal.
+
+use clap::Parser;
+use indicatif::{ProgressBar, ProgressStyle};
+use schedrun::backend::cpu::CpuBackend;
+use schedrun::backend::{RunOptions, StreamWait};
+use schedrun::checkpoint::{self, Contents};
+use schedrun::data::Corpus;
+use schedrun::plan::{LoadError, Plan};
+use schedrun::train::{StepReport, Trainer};
+use serde_json::json;
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+#[derive(Parser)]
+#[command(
+    name = "schedrun",
+    version,
+    about = "Train with a compiled schedule: every rank, stream, event and collective for real"
+)]
+struct Cli {
+    /// A `.sched` file (compiled on the spot) or a plan file written by `schedc compile`.
+    file: PathBuf,
+    /// Which schedule, when the file defines several.
+    #[arg(long)]
+    schedule: Option<String>,
+    /// Where to run.
+    #[arg(long, value_enum, default_value = "cpu")]
+    backend: BackendKind,
+    /// Optimizer steps to run (default: the schedule's `train.steps`).
+    #[arg(long)]
+    steps: Option<u64>,
+    /// Learning rate (default: the schedule's `train.lr`).
+    #[arg(long)]
+    lr: Option<f64>,
+    /// Initialisation seed (default: the schedule's `train.seed`).
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Training text, read as bytes (default: the schedule's `train.data`, else the built-in corpus).
+    #[arg(long)]
+    data: Option<PathBuf>,
+    /// Global gradient-norm limit (default: the schedule's `train.clip`).
+    #[arg(long)]
+    clip: Option<f64>,
+    /// One JSON object per step on stdout, and a summary object at the end.
+    #[arg(long)]
+    json: bool,
+    /// Write the initial weights (safetensors) before the first step.
+    #[arg(long, value_name = "F")]
+    save_init: Option<PathBuf>,
+    /// Start from these weights instead of the seed's.
+    #[arg(long, value_name = "F", conflicts_with = "resume")]
+    init: Option<PathBuf>,
+    /// Write a checkpoint (weights, optimizer state, step) after the last step.
+    #[arg(long, value_name = "F")]
+    save: Option<PathBuf>,
+    /// Continue from a checkpoint written by `--save`, under this or any other schedule.
+    #[arg(long, value_name = "F")]
+    resume: Option<PathBuf>,
+    /// Stress mode: sleep a random time up to this many microseconds before every op, so that a
+    /// missing wait shows up as wrong numbers instead of passing by luck.
+    #[arg(long, value_name = "MICROSECONDS")]
+    jitter: Option<u64>,
+    /// Seconds a rank may wait for an event or a collective before the run is aborted.
+    #[arg(long, default_value_t = 60)]
+    timeout: u64,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum BackendKind {
+    Cpu,
+    Cuda,
+}
+
+enum Failure {
+    Input(String),
+    Fault(String),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(&cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(Failure::Input(m)) => {
+            eprintln!("error: {m}");
+            ExitCode::from(1)
+        }
+        Err(Failure::Fault(m)) => {
+            eprintln!("error: {m}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+fn run(cli: &Cli) -> Result<(), Failure> {
+    if cli.backend == BackendKind::Cuda {
+        return Err(Failure::Fault(
+            "the cuda backend is not part of this build of schedrun yet; use --backend cpu".into(),
+        ));
+    }
+    let plan = Plan::load(&cli.file, cli.schedule.as_deref()).map_err(|e| match e {
+        LoadError::Input(m) => Failure::Input(m),
+        LoadError::Fault(m) => Failure::Fault(m),
+    })?;
+    let plan = Arc::new(plan);
+    let train = &plan.job.schedule.train;
+    let steps = cli.steps.unwrap_or(train.steps);
+    let lr = cli.lr.unwrap_or(train.lr);
+    let seed = cli.seed.unwrap_or(train.seed);
+    let clip = cli.clip.or(train.clip);
+    let data = cli.data.clone().or(train.data.clone());
+    let corpus = Corpus::load(data.as_deref()).map_err(|e| Failure::Input(e.to_string()))?;
+    corpus
+        .check(plan.job.model.seq_len as usize)
+        .map_err(|e| Failure::Input(e.to_string()))?;
+    let options = RunOptions {
+        jitter: cli.jitter.map(Duration::from_micros),
+        jitter_seed: seed,
+        timeout: Duration::from_secs(cli.timeout),
+        fault: None,
+    };
+    let model = plan.job.model.clone();
+    let backend = CpuBackend::new(plan.clone(), options);
+    let mut trainer = Trainer::new(plan.clone(), backend, corpus);
+    let state = match (&cli.init, &cli.resume) {
+        (Some(f), _) => checkpoint::load(f, &model, Contents::Weights).map_err(Failure::Input)?,
+        (_, Some(f)) => checkpoint::load(f, &model, Contents::Checkpoint).map_err(Failure::Input)?,
+        _ => trainer.initial_state(seed),
+    };
+    trainer
+        .load(&state)
+        .map_err(|e| Failure::Fault(e.to_string()))?;
+    if let Some(f) = &cli.save_init {
+        checkpoint::save(f, &model, &state, Contents::Weights).map_err(Failure::Fault)?;
+    }
+    eprintln!(
+        "schedrun: {} ({} on {}): {} ranks x {} micro-steps x {} sequences of {} bytes = {} tokens per step, {} backend",
+        plan.job.schedule.name,
+        model.name,
+        plan.job.cluster.name,
+        plan.ranks(),
+        plan.program.micro_steps,
+        model.micro_batch,
+        model.seq_len,
+        plan.tokens_per_step(),
+        "cpu"
+    );
+    let bar = progress(steps);
+    let mut reports: Vec<StepReport> = vec![];
+    for _ in 0..steps {
+        let r = trainer
+            .step(lr, clip)
+            .map_err(|e| Failure::Fault(e.to_string()))?;
+        let line = if cli.json {
+            json!({"step": r.step, "loss": r.loss, "step_time_s": r.time.as_secs_f64(),
+                   "tokens_per_s": r.tokens_per_s})
+            .to_string()
+        } else {
+            format!(
+                "step {:>5}  loss {:.4}  {:>8.3} s  {:>10.0} tokens/s",
+                r.step,
+                r.loss,
+                r.time.as_secs_f64(),
+                r.tokens_per_s
+            )
+        };
+        match &bar {
+            Some(b) => {
+                b.suspend(|| println!("{line}"));
+                b.set_message(format!("loss {:.4}", r.loss));
+                b.inc(1);
+            }
+            None => println!("{line}"),
+        }
+        reports.push(r);
+    }
+    if let Some(b) = &bar {
+        b.finish_and_clear();
+    }
+    if let Some(f) = &cli.save {
+        let state = trainer
+            .state()
+            .map_err(|e| Failure::Fault(e.to_string()))?;
+        checkpoint::save(f, &model, &state, Contents::Checkpoint).map_err(Failure::Fault)?;
+    }
+    summary(cli.json, &plan, &trainer, &reports);
+    Ok(())
+}
+
+fn progress(steps: u64) -> Option<ProgressBar> {
+    if !std::io::stderr().is_terminal() {
+        return None;
+    }
+    let b = ProgressBar::new(steps);
+    b.set_style(
+        ProgressStyle::with_template("{bar:30} {pos}/{len} steps  {msg}  eta {eta}")
+            .expect("a valid template"),
+    );
+    Some(b)
+}
+
+/// Per stream name: seconds waiting and busy, summed over ranks.
+fn waits_by_stream(reports: &[StepReport]) -> Vec<(&'static str, f64, f64)> {
+    let mut out: Vec<(&'static str, f64, f64)> = vec![];
+    for w in reports.iter().flat_map(|r| &r.outcome.waits) {
+        let StreamWait {
+            stream,
+            waiting,
+            busy,
+            ..
+        } = w;
+        match out.iter_mut().find(|x| x.0 == *stream) {
+            Some(x) => {
+                x.1 += waiting.as_secs_f64();
+                x.2 += busy.as_secs_f64();
+            }
+            None => out.push((stream, waiting.as_secs_f64(), busy.as_secs_f64())),
+        }
+    }
+    out
+}
+
+fn summary(
+    json_out: bool,
+    plan: &Plan,
+    trainer: &Trainer<CpuBackend>,
+    reports: &[StepReport],
+) {
+    use schedrun::backend::Backend;
+    let memory = trainer.backend.memory();
+    let waits = waits_by_stream(reports);
+    let total: f64 = reports.iter().map(|r| r.time.as_secs_f64()).sum();
+    let tokens = plan.tokens_per_step() as f64 * reports.len() as f64;
+    let ranks = f64::from(plan.ranks());
+    if json_out {
+        let s = json!({"summary": {
+            "schedule": plan.job.schedule.name,
+            "steps": reports.len(),
+            "first_loss": reports.first().map(|r| r.loss),
+            "final_loss": reports.last().map(|r| r.loss),
+            "time_s": total,
+            "tokens_per_s": tokens / total.max(1e-9),
+            "memory_per_rank": memory.iter().map(|m| json!({
+                "rank": m.rank, "planned_bytes": plan.program.arena_bytes,
+                "allocated_bytes": m.allocated, "peak_touched_bytes": m.touched})).collect::<Vec<_>>(),
+            "streams": waits.iter().map(|(s, w, b)| json!({
+                "name": s, "waiting_s_per_rank": w / ranks, "busy_s_per_rank": b / ranks,
+                "waiting_share": w / (w + b).max(1e-12)})).collect::<Vec<_>>(),
+        }});
+        println!("{s}");
+        return;
+    }
+    let (Some(first), Some(last)) = (reports.first(), reports.last()) else {
+        return;
+    };
+    eprintln!(
+        "\n{} steps in {:.2} s ({:.0} tokens/s); loss {:.4} -> {:.4}",
+        reports.len(),
+        total,
+        tokens / total.max(1e-9),
+        first.loss,
+        last.loss
+    );
+    eprintln!("memory per rank (bytes):   planned      allocated    peak touched");
+    for m in &memory {
+        eprintln!(
+            "  rank {:<4}            {:>12} {:>12} {:>12}",
+            m.rank, plan.program.arena_bytes, m.allocated, m.touched
+        );
+    }
+    eprintln!("streams (seconds per rank): waiting       busy   waiting share");
+    for (s, w, b) in &waits {
+        eprintln!(
+            "  {:<10}              {:>8.3} {:>10.3}   {:>5.1}%",
+            s,
+            w / ranks,
+            b / ranks,
+            100.0 * w / (w + b).max(1e-12)
+        );
+    }
+}

@@ -1,0 +1,370 @@
+//! What each op of a plan does, decoded once before the first step.
+//!
+//! A plan's compute ops name only regions; what a region *means* to the op (the layer's
+//! parameters, its saved activations, the gradient of its output…) follows the lowering's
+//! conventions, which this module decodes into an [`Action`] per op and checks against the model:
+//! every size must agree with the layer math, or the plan is refused with the op named. Backends
+//! execute actions; none of them looks at a compute op's raw region lists again.
+//!
+//! The conventions (`compiler/src/lower`), for layer `l`:
+//! - `forward`: reads its parameters (when it has any), a tied head's embedding parameters, and
+//!   its input hidden state (not for the first layer, which reads tokens); writes its output and,
+//!   unless recomputed, its saved activations.
+//! - `recompute`: reads parameters and input; writes the saved activations.
+//! - `backward`: reads parameters, saved activations, the gradient of its output, its input, then
+//!   gradient regions it adds onto and a tied head's embedding parameters; writes the gradient of
+//!   its input (not for the first layer), then its parameter-gradient regions — a region that is
+//!   also read is added onto, any other is overwritten — and a tied head's embedding gradient.
+//! - `loss`: reads the logits, writes their gradient.
+//! - `update`: reads the optimizer-shard gradient, the optimizer state and, with clipping, the
+//!   all-reduced sum of squares; writes the state and the rank's part of the param shard.
+//! - `grad_norm`: reads every optimizer-shard gradient, writes their sum of squares.
+//! - `accumulate`: reads `from` and `acc`, writes `acc += from`; `copy`: the concatenation of its
+//!   reads is written to the concatenation of its writes.
+
+use crate::math::LayerMath;
+use cranelift_entity::EntityRef;
+use schedc::ir::{BufferKind, CollectiveOp, ComputeKind, Offset, OpKind, Program, Region};
+use schedc::job::{LayerKind, Model};
+
+/// A compute op's parameter-gradient write: `region` holds gradient elements from `first` on.
+#[derive(Clone, Debug)]
+pub struct GradPart {
+    pub region: Region,
+    pub first: usize,
+    pub accumulate: bool,
+}
+
+/// What an op does.
+#[derive(Clone, Debug)]
+pub enum Action {
+    Forward {
+        layer: usize,
+        params: Option<Region>,
+        tied: Option<Region>,
+        input: Option<Region>,
+        output: Option<Region>,
+        saved: Option<Region>,
+    },
+    Backward {
+        layer: usize,
+        params: Option<Region>,
+        tied: Option<Region>,
+        saved: Option<Region>,
+        input: Option<Region>,
+        grad_output: Region,
+        grad_input: Option<Region>,
+        grads: Vec<GradPart>,
+        tied_grads: Vec<GradPart>,
+    },
+    Loss {
+        logits: Region,
+        grad: Region,
+    },
+    Update {
+        layer: usize,
+        grad: Region,
+        state: Region,
+        param: Region,
+        sumsq: Option<Region>,
+    },
+    GradNorm {
+        grads: Vec<Region>,
+        sumsq: Region,
+    },
+    Accumulate {
+        from: Region,
+        acc: Region,
+    },
+    Copy {
+        from: Vec<Region>,
+        to: Vec<Region>,
+    },
+    Collectives(Vec<CollectiveOp>),
+}
+
+/// Decodes every op of `p`, compiled for `model`, checking sizes against `maths` (one per layer).
+pub fn decode(p: &Program, model: &Model, maths: &[LayerMath]) -> Result<Vec<Action>, String> {
+    if p.layers.len() != model.layers.len() {
+        return Err(format!(
+            "the plan has {} layers but its model has {}",
+            p.layers.len(),
+            model.layers.len()
+        ));
+    }
+    p.ops
+        .iter()
+        .map(|(id, op)| {
+            let name = match op.layer {
+                Some(l) => format!("{id} ({} {})", op.kind_name(), p.layers[l].name),
+                None => format!("{id} ({})", op.kind_name()),
+            };
+            decode_op(p, model, maths, op).map_err(|e| format!("{name}: {e}"))
+        })
+        .collect()
+}
+
+struct Lists<'a> {
+    p: &'a Program,
+    reads: std::collections::VecDeque<Region>,
+    writes: std::collections::VecDeque<Region>,
+    all_reads: Vec<Region>,
+}
+
+impl Lists<'_> {
+    fn take_read(&mut self, want: bool, what: &str) -> Result<Option<Region>, String> {
+        if !want {
+            return Ok(None);
+        }
+        self.reads
+            .pop_front()
+            .map(Some)
+            .ok_or(format!("reads no {what}"))
+    }
+
+    fn take_write(&mut self, want: bool, what: &str) -> Result<Option<Region>, String> {
+        if !want {
+            return Ok(None);
+        }
+        self.writes
+            .pop_front()
+            .map(Some)
+            .ok_or(format!("writes no {what}"))
+    }
+
+    fn kind(&self, r: &Region) -> BufferKind {
+        self.p.buffers[r.buffer].kind
+    }
+
+    fn is_params(&self, r: &Region) -> bool {
+        matches!(self.kind(r), BufferKind::ParamShard | BufferKind::Gathered)
+    }
+
+    fn finish(&self) -> Result<(), String> {
+        if !self.reads.is_empty() || !self.writes.is_empty() {
+            return Err(format!(
+                "{} reads and {} writes are left over that the op does not use",
+                self.reads.len(),
+                self.writes.len()
+            ));
+        }
+        Ok(())
+    }
+}
+
+fn decode_op(
+    p: &Program,
+    model: &Model,
+    maths: &[LayerMath],
+    op: &schedc::ir::Op,
+) -> Result<Action, String> {
+    let kind = match &op.kind {
+        OpKind::Collective(c) => return Ok(Action::Collectives(vec![*c])),
+        OpKind::Group(cs) => return Ok(Action::Collectives(cs.clone())),
+        OpKind::Compute(k) => *k,
+    };
+    let mut l = Lists {
+        p,
+        reads: op.reads.iter().copied().collect(),
+        writes: op.writes.iter().copied().collect(),
+        all_reads: op.reads.clone(),
+    };
+    let layer = op.layer.map(|id| id.index());
+    let need_layer = || layer.ok_or("names no layer".to_string());
+    let tied_of = |layer: usize| -> Option<usize> {
+        match model.layers[layer].kind {
+            LayerKind::LmHead { tied: true, .. } => model
+                .layers
+                .iter()
+                .position(|x| matches!(x.kind, LayerKind::Embedding { .. })),
+            _ => None,
+        }
+    };
+    let action = match kind {
+        ComputeKind::Forward | ComputeKind::Recompute => {
+            let layer = need_layer()?;
+            let has_params = model.layers[layer].params > 0;
+            let params = l.take_read(has_params, "parameters")?;
+            let tied = match (kind, tied_of(layer)) {
+                (ComputeKind::Forward, Some(_)) => l.take_read(true, "tied embedding")?,
+                _ => None,
+            };
+            let input = l.take_read(layer > 0, "input hidden state")?;
+            let saved_len = maths[layer].saved_elements() > 0;
+            let (output, saved) = if kind == ComputeKind::Forward {
+                let out = l.take_write(true, "output")?;
+                let saved = if l.writes.is_empty() {
+                    None
+                } else {
+                    l.take_write(saved_len, "saved activations")?
+                };
+                (out, saved)
+            } else {
+                (None, l.take_write(true, "saved activations")?)
+            };
+            Action::Forward {
+                layer,
+                params,
+                tied,
+                input,
+                output,
+                saved,
+            }
+        }
+        ComputeKind::Backward => {
+            let layer = need_layer()?;
+            let has_params = model.layers[layer].params > 0;
+            let params = l.take_read(has_params, "parameters")?;
+            let saved = l.take_read(maths[layer].saved_elements() > 0, "saved activations")?;
+            let grad_output = l.take_read(true, "output gradient")?.expect("wanted");
+            let input = l.take_read(layer > 0, "input hidden state")?;
+            let mut tied = None;
+            while let Some(r) = l.reads.pop_front() {
+                if l.is_params(&r) {
+                    tied = Some(r);
+                }
+            }
+            let grad_input = l.take_write(layer > 0, "input gradient")?;
+            let (mut grads, mut tied_grads) = (vec![], vec![]);
+            let tied_layer = tied_of(layer);
+            while let Some(r) = l.writes.pop_front() {
+                let buf = &p.buffers[r.buffer];
+                if !matches!(buf.kind, BufferKind::GradShard | BufferKind::FullGrad) {
+                    return Err(format!("writes {} which is not a gradient", buf.name));
+                }
+                let Offset::Fixed(off) = r.offset else {
+                    return Err(format!("writes a rank-dependent part of {}", buf.name));
+                };
+                let part = GradPart {
+                    region: r,
+                    first: (off / buf.dtype.bytes()) as usize,
+                    accumulate: l.all_reads.contains(&r),
+                };
+                match buf.layer.map(|x| x.index()) {
+                    Some(x) if x == layer => grads.push(part),
+                    Some(x) if Some(x) == tied_layer => tied_grads.push(part),
+                    _ => return Err(format!("writes {}, another layer's gradient", buf.name)),
+                }
+            }
+            if tied_layer.is_some() != tied.is_some() {
+                return Err("a tied head's embedding parameters are missing".into());
+            }
+            Action::Backward {
+                layer,
+                params,
+                tied,
+                saved,
+                input,
+                grad_output,
+                grad_input,
+                grads,
+                tied_grads,
+            }
+        }
+        ComputeKind::Loss => Action::Loss {
+            logits: l.take_read(true, "logits")?.expect("wanted"),
+            grad: l.take_write(true, "logits gradient")?.expect("wanted"),
+        },
+        ComputeKind::Update => {
+            let layer = need_layer()?;
+            let grad = l.take_read(true, "gradient")?.expect("wanted");
+            let state = l.take_read(true, "optimizer state")?.expect("wanted");
+            let sumsq = l.reads.pop_front();
+            l.take_write(true, "optimizer state")?;
+            let param = l.take_write(true, "param shard")?.expect("wanted");
+            Action::Update {
+                layer,
+                grad,
+                state,
+                param,
+                sumsq,
+            }
+        }
+        ComputeKind::Accumulate => {
+            let from = l.take_read(true, "addend")?.expect("wanted");
+            l.take_read(true, "accumulator")?;
+            Action::Accumulate {
+                from,
+                acc: l.take_write(true, "accumulator")?.expect("wanted"),
+            }
+        }
+        ComputeKind::Copy => {
+            let from: Vec<Region> = l.reads.drain(..).collect();
+            let to: Vec<Region> = l.writes.drain(..).collect();
+            let (a, b) = (
+                from.iter().map(|r| r.bytes).sum::<u64>(),
+                to.iter().map(|r| r.bytes).sum::<u64>(),
+            );
+            if a != b {
+                return Err(format!("copies {a} bytes into {b}"));
+            }
+            Action::Copy { from, to }
+        }
+    };
+    l.finish()?;
+    check_sizes(p, model, maths, &action)?;
+    Ok(action)
+}
+
+/// Sizes every region of a layer action against the layer math.
+fn check_sizes(
+    p: &Program,
+    model: &Model,
+    maths: &[LayerMath],
+    a: &Action,
+) -> Result<(), String> {
+    let elems = |r: &Region| r.bytes / p.buffers[r.buffer].dtype.bytes();
+    let at_least = |r: &Option<Region>, n: usize, what: &str| match r {
+        Some(r) if (elems(r) as usize) < n => Err(format!(
+            "its {what} region holds {} elements, the layer needs {n}",
+            elems(r)
+        )),
+        _ => Ok(()),
+    };
+    let exactly = |r: &Option<Region>, n: usize, what: &str| match r {
+        Some(r) if elems(r) as usize != n => Err(format!(
+            "its {what} region holds {} elements, the layer has {n}",
+            elems(r)
+        )),
+        _ => Ok(()),
+    };
+    match a {
+        Action::Forward {
+            layer,
+            params,
+            input,
+            output,
+            ..
+        } => {
+            let m = &maths[*layer];
+            at_least(params, m.params(), "parameter")?;
+            exactly(input, m.input_elements(), "input")?;
+            exactly(output, m.output_elements(), "output")?;
+        }
+        Action::Backward {
+            layer,
+            params,
+            input,
+            grad_output,
+            grad_input,
+            ..
+        } => {
+            let m = &maths[*layer];
+            at_least(params, m.params(), "parameter")?;
+            exactly(input, m.input_elements(), "input")?;
+            exactly(grad_input, m.input_elements(), "input gradient")?;
+            exactly(&Some(*grad_output), m.output_elements(), "output gradient")?;
+        }
+        Action::Loss { logits, grad } => {
+            let tokens = (model.micro_batch * model.seq_len) as usize;
+            let vocab = match model.layers.last().map(|l| l.kind) {
+                Some(LayerKind::LmHead { vocab, .. }) => vocab as usize,
+                _ => return Err("the model does not end in an lm_head".into()),
+            };
+            exactly(&Some(*logits), tokens * vocab, "logits")?;
+            exactly(&Some(*grad), tokens * vocab, "logits gradient")?;
+        }
+        _ => {}
+    }
+    Ok(())
+}

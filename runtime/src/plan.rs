@@ -1,0 +1,220 @@
+//! A plan ready to run: the verified program, the job it was compiled from, each op's decoded
+//! [`Action`], the layer math, and the rank arithmetic to place rank-dependent regions.
+//!
+//! [`Plan::load`] takes a `.sched` file (compiled on the spot) or a plan file written by
+//! `schedc compile`; either way the program is verified again before anything runs, so a
+//! hand-edited plan cannot reach a backend unchecked. [`Plan::unverified`] exists only so tests
+//! can run a deliberately broken plan and watch the stress mode catch it.
+
+use crate::exec::{decode, Action};
+use crate::math::{decay_ranges, LayerMath};
+use schedc::ir::layout::Layout;
+use schedc::ir::{BufferId, BufferKind, LayerId, OpId, Program, Region, ShardIndex, StreamId};
+use schedc::job::Job;
+use schedc::{analyze, FsLoader};
+use std::path::Path;
+
+/// Why a plan cannot run. `Input` errors are the user's (exit 1), `Fault` the machine's (exit 2).
+#[derive(Debug)]
+pub enum LoadError {
+    Input(String),
+    Fault(String),
+}
+
+impl std::fmt::Display for LoadError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            LoadError::Input(m) | LoadError::Fault(m) => f.write_str(m),
+        }
+    }
+}
+
+/// A loaded, verified, decoded plan.
+pub struct Plan {
+    pub program: Program,
+    pub job: Job,
+    pub actions: Vec<Action>,
+    pub maths: Vec<LayerMath>,
+    /// Per layer, the flat-vector ranges weight decay applies to.
+    pub decay: Vec<Vec<std::ops::Range<usize>>>,
+    pub layout: Layout,
+    /// Each stream's ops, in issue order.
+    pub stream_ops: Vec<Vec<OpId>>,
+    /// For every op, each of its collectives' call number on its communicator within a step (the
+    /// same on every rank: one program, one issue order).
+    pub call_numbers: Vec<Vec<u64>>,
+    /// Per rank, its value of every shard index (in [`ShardIndex::ALL`] order).
+    indices: Vec<[u64; 7]>,
+    /// `members[communicator][rank]`: the rank's group and its position in it.
+    pub members: Vec<Vec<(usize, usize)>>,
+}
+
+impl Plan {
+    /// Loads `path`: a plan file (JSON, starts with `{`) or a `.sched` file, picking `schedule`
+    /// when the file defines several.
+    pub fn load(path: &Path, schedule: Option<&str>) -> Result<Plan, LoadError> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| LoadError::Fault(format!("cannot read {}: {e}", path.display())))?;
+        if text.trim_start().starts_with('{') {
+            let read = schedc::emit::plan::read_plan(&text)
+                .map_err(|e| LoadError::Input(format!("{}: {e}", path.display())))?;
+            if let Some(want) = schedule {
+                if want != read.job.schedule.name {
+                    return Err(LoadError::Input(format!(
+                        "{} holds schedule `{}`, not `{want}`",
+                        path.display(),
+                        read.job.schedule.name
+                    )));
+                }
+            }
+            if let Err(errs) = schedc::verify::verify(&read.program, schedc::verify_ctx(&read.job))
+            {
+                return Err(LoadError::Input(format!(
+                    "{}: the plan fails verification; refusing to run it:\n{}",
+                    path.display(),
+                    schedc::verify::render_context(&read.program, &errs[..errs.len().min(10)], 2)
+                )));
+            }
+            return Plan::unverified(read.program, read.job).map_err(LoadError::Input);
+        }
+        let analysis = analyze(path, &FsLoader).map_err(|e| LoadError::Fault(e.to_string()))?;
+        if analysis.has_errors() {
+            return Err(LoadError::Input(analysis.render()));
+        }
+        let job = analysis.select(schedule).map_err(LoadError::Input)?.clone();
+        let (program, _) = schedc::compile(&job).map_err(|e| {
+            LoadError::Input(format!("{}: {}: {e}", path.display(), job.schedule.name))
+        })?;
+        Plan::unverified(program, job).map_err(LoadError::Input)
+    }
+
+    /// Prepares `program` for running without verifying it (tests of the stress mode only).
+    pub fn unverified(program: Program, job: Job) -> Result<Plan, String> {
+        let maths = job
+            .model
+            .layers
+            .iter()
+            .map(|l| LayerMath::new(l, &job.model).map_err(|e| e.to_string()))
+            .collect::<Result<Vec<_>, _>>()?;
+        let actions = decode(&program, &job.model, &maths)?;
+        let ctx = schedc::verify_ctx(&job);
+        let layout = ctx.layout(&program);
+        let mut stream_ops = vec![vec![]; program.streams.len()];
+        for (id, op) in program.ops.iter() {
+            stream_ops[op.stream.index()].push(id);
+        }
+        let mut calls = vec![0u64; program.comms.len()];
+        let call_numbers = program
+            .ops
+            .values()
+            .map(|op| {
+                op.collectives()
+                    .iter()
+                    .map(|c| {
+                        let n = calls[c.comm.index()];
+                        calls[c.comm.index()] += 1;
+                        n
+                    })
+                    .collect()
+            })
+            .collect();
+        let indices = (0..program.ranks)
+            .map(|r| ShardIndex::ALL.map(|i| layout.index(i, r)))
+            .collect();
+        let decay = job.model.layers.iter().map(decay_ranges).collect();
+        let mut members = vec![vec![(0, 0); program.ranks as usize]; program.comms.len()];
+        for (c, comm) in program.comms.iter() {
+            for (g, group) in comm.groups.iter().enumerate() {
+                for (pos, &r) in group.iter().enumerate() {
+                    if let Some(m) = members[c.index()].get_mut(r as usize) {
+                        *m = (g, pos);
+                    }
+                }
+            }
+        }
+        Ok(Plan {
+            program,
+            job,
+            actions,
+            maths,
+            decay,
+            layout,
+            stream_ops,
+            call_numbers,
+            indices,
+            members,
+        })
+    }
+
+    /// Whether the plan computes the global gradient norm (its updates read it).
+    pub fn clips(&self) -> bool {
+        self.actions
+            .iter()
+            .any(|a| matches!(a, Action::Update { sumsq: Some(_), .. }))
+    }
+
+    pub fn ranks(&self) -> u32 {
+        self.program.ranks
+    }
+
+    /// The arena byte offset of `r` on `rank`.
+    pub fn at(&self, rank: u32, r: &Region) -> u64 {
+        let base = self.program.buffers[r.buffer].offset;
+        base + match r.offset {
+            schedc::ir::Offset::Fixed(o) => o,
+            schedc::ir::Offset::Shard {
+                index,
+                base,
+                stride,
+            } => {
+                let i = ShardIndex::ALL.iter().position(|x| *x == index).expect("all");
+                base + self.indices[rank as usize][i] * stride
+            }
+        }
+    }
+
+    /// The value of shard index `idx` on `rank`.
+    pub fn index(&self, rank: u32, idx: ShardIndex) -> u64 {
+        let i = ShardIndex::ALL.iter().position(|x| *x == idx).expect("all");
+        self.indices[rank as usize][i]
+    }
+
+    /// The persistent buffer of `kind` holding layer `layer`'s state.
+    pub fn state_buffer(&self, layer: usize, kind: BufferKind) -> Option<BufferId> {
+        self.program
+            .buffers
+            .iter()
+            .find(|(_, b)| b.kind == kind && b.layer == Some(LayerId::new(layer)))
+            .map(|(id, _)| id)
+    }
+
+    pub fn stream_name(&self, s: StreamId) -> &'static str {
+        self.program.streams[s].role.name()
+    }
+
+    /// Tokens in one step's global batch.
+    pub fn tokens_per_step(&self) -> u64 {
+        u64::from(self.program.ranks)
+            * u64::from(self.program.micro_steps)
+            * self.job.model.micro_batch
+            * self.job.model.seq_len
+    }
+
+    /// Describes an op for messages: `op17 (all_gather block[1] m0)`.
+    pub fn describe(&self, op: OpId) -> String {
+        let o = &self.program.ops[op];
+        let mut s = format!("{op} ({}", o.kind_name());
+        if let Some(l) = o.layer {
+            s += &format!(" {}", self.program.layers[l].name);
+        }
+        if let Some(m) = o.micro_step {
+            s += &format!(" m{m}");
+        }
+        if let Some(c) = o.collectives().first() {
+            s += &format!(" on {}", c.comm);
+        }
+        s + ")"
+    }
+}
+
+use cranelift_entity::EntityRef;

@@ -1,0 +1,248 @@
+//! The host side of a run: initial state, batches, steps, and whole-tensor state in and out.
+//!
+//! The trainer owns no tensors of its own between steps: parameters and optimizer state live in the
+//! backend's arenas at the plan's offsets. It scatters whole layers into shards at the start (from
+//! the seed, a weights file or a checkpoint), builds each step's batches by the rule of
+//! `runtime.md` (so every schedule with the same global batch sees the same data), runs the step,
+//! and gathers shards back into whole tensors when asked.
+
+use crate::backend::{Backend, Batch, RunError, StepInput, StepOutcome};
+use crate::data::Corpus;
+use crate::math::{init_layer, Precision};
+use crate::plan::Plan;
+use schedc::ir::{BufferKind, ShardIndex};
+use schedc::job::{Dtype, Optimizer};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// One layer's whole state: its parameters (P_l values) and, for checkpoints, the optimizer's
+/// fp32 master copy and moments (empty when not kept: SGD has no moments).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct LayerState {
+    pub params: Vec<f32>,
+    pub master: Vec<f32>,
+    pub m: Vec<f32>,
+    pub v: Vec<f32>,
+}
+
+/// Whole training state: every layer's, and the optimizer steps taken so far.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct State {
+    pub layers: Vec<LayerState>,
+    pub step: u64,
+}
+
+/// What one step measured.
+#[derive(Clone, Debug)]
+pub struct StepReport {
+    /// 1-based.
+    pub step: u64,
+    pub loss: f64,
+    pub time: Duration,
+    pub tokens_per_s: f64,
+    pub outcome: StepOutcome,
+}
+
+pub struct Trainer<B: Backend> {
+    pub plan: Arc<Plan>,
+    pub backend: B,
+    corpus: Corpus,
+    /// Optimizer steps taken (the next step is `step + 1`).
+    step: u64,
+}
+
+impl<B: Backend> Trainer<B> {
+    pub fn new(plan: Arc<Plan>, backend: B, corpus: Corpus) -> Self {
+        Trainer {
+            plan,
+            backend,
+            corpus,
+            step: 0,
+        }
+    }
+
+    pub fn steps_done(&self) -> u64 {
+        self.step
+    }
+
+    /// The seed's initial state (`runtime.md`: initialisation).
+    pub fn initial_state(&self, seed: u64) -> State {
+        let model = &self.plan.job.model;
+        State {
+            layers: model
+                .layers
+                .iter()
+                .map(|l| LayerState {
+                    params: init_layer(l, model, seed),
+                    ..LayerState::default()
+                })
+                .collect(),
+            step: 0,
+        }
+    }
+
+    /// Scatters `state` into every rank's shards. Missing optimizer state starts fresh: master
+    /// copy = parameters, moments zero.
+    pub fn load(&mut self, state: &State) -> Result<(), RunError> {
+        let p = self.plan.clone();
+        let model = &p.job.model;
+        let sh = p.job.schedule.shard;
+        let dtype = model.dtype;
+        for (l, (layer, st)) in model.layers.iter().zip(&state.layers).enumerate() {
+            let padded = p.program.layers[schedc::ir::LayerId::from_u32(l as u32)].padded as usize;
+            let pad = |v: &[f32]| {
+                let mut x = v.to_vec();
+                x.resize(padded, 0.0);
+                x
+            };
+            let params = pad(&st.params);
+            let master = if st.master.is_empty() {
+                params.clone()
+            } else {
+                pad(&st.master)
+            };
+            let zeros = vec![0.0; padded];
+            let m = if st.m.is_empty() { zeros.clone() } else { pad(&st.m) };
+            let v = if st.v.is_empty() { zeros } else { pad(&st.v) };
+            let (Some(pbuf), Some(obuf)) = (
+                p.state_buffer(l, BufferKind::ParamShard),
+                p.state_buffer(l, BufferKind::OptimizerShard),
+            ) else {
+                continue;
+            };
+            let ps = padded / sh.params.size() as usize;
+            let os = padded / sh.optimizer.size() as usize;
+            let moments = model.optimizer != Optimizer::Sgd;
+            for rank in self.backend.ranks() {
+                let i = p.index(rank, ShardIndex::Param) as usize;
+                let at = p.program.buffers[pbuf].offset;
+                self.backend
+                    .upload(rank, at, dtype, &params[i * ps..(i + 1) * ps])?;
+                let j = p.index(rank, ShardIndex::Optimizer) as usize;
+                let mut at = p.program.buffers[obuf].offset;
+                let parts: &[&Vec<f32>] = if moments {
+                    &[&master, &m, &v]
+                } else {
+                    &[&master]
+                };
+                for part in parts {
+                    self.backend
+                        .upload(rank, at, Dtype::Fp32, &part[j * os..(j + 1) * os])?;
+                    at += 4 * os as u64;
+                }
+            }
+            let _ = layer;
+        }
+        self.step = state.step;
+        Ok(())
+    }
+
+    /// Gathers every layer's whole state from the optimizer shards (the parameters are the master
+    /// copy rounded to the model dtype).
+    pub fn state(&self) -> Result<State, RunError> {
+        let p = &self.plan;
+        let model = &p.job.model;
+        let sh = p.job.schedule.shard;
+        let mut layers = vec![];
+        for (l, layer) in model.layers.iter().enumerate() {
+            let n = layer.params as usize;
+            let Some(obuf) = p.state_buffer(l, BufferKind::OptimizerShard) else {
+                layers.push(LayerState::default());
+                continue;
+            };
+            let padded = p.program.layers[schedc::ir::LayerId::from_u32(l as u32)].padded as usize;
+            let os = padded / sh.optimizer.size() as usize;
+            let mut params = vec![0.0; padded];
+            let parts = if model.optimizer == Optimizer::Sgd { 1 } else { 3 };
+            let mut opt = vec![vec![0.0; padded]; parts];
+            for rank in self.backend.ranks() {
+                let j = p.index(rank, ShardIndex::Optimizer) as usize;
+                let at = p.program.buffers[obuf].offset;
+                let v = self.backend.download(rank, at, parts * os, Dtype::Fp32)?;
+                for (k, part) in opt.iter_mut().enumerate() {
+                    part[j * os..(j + 1) * os].copy_from_slice(&v[k * os..(k + 1) * os]);
+                }
+            }
+            // The optimizer's master copy is the truth after a step: with `refresh = next_forward`
+            // the param shards other ranks updated are refreshed only when the next step starts.
+            params.copy_from_slice(&opt[0]);
+            Precision::of(model.dtype).round(&mut params);
+            params.truncate(n);
+            opt.iter_mut().for_each(|x| x.truncate(n));
+            let mut opt = opt.into_iter();
+            layers.push(LayerState {
+                params,
+                master: opt.next().unwrap_or_default(),
+                m: opt.next().unwrap_or_default(),
+                v: opt.next().unwrap_or_default(),
+            });
+        }
+        Ok(State {
+            layers,
+            step: self.step,
+        })
+    }
+
+    /// The batches of step `t` (0-based) for the backend's ranks: `[rank][micro_step]`.
+    pub fn batches(&self, t: u64) -> Result<Vec<Vec<Batch>>, RunError> {
+        let p = &self.plan;
+        let model = &p.job.model;
+        let micro_steps = p.program.micro_steps as usize;
+        let mut out = vec![];
+        for rank in self.backend.ranks() {
+            let mut per_rank = vec![];
+            for m in 0..micro_steps {
+                let (inputs, targets) = self
+                    .corpus
+                    .batch(
+                        t,
+                        m,
+                        rank as usize,
+                        p.ranks() as usize,
+                        micro_steps,
+                        model.micro_batch as usize,
+                        model.seq_len as usize,
+                    )
+                    .map_err(|e| RunError {
+                        rank: None,
+                        op: None,
+                        message: e.to_string(),
+                    })?;
+                per_rank.push(Batch { inputs, targets });
+            }
+            out.push(per_rank);
+        }
+        Ok(out)
+    }
+
+    /// Runs the next optimizer step.
+    pub fn step(&mut self, lr: f64, clip: Option<f64>) -> Result<StepReport, RunError> {
+        if clip.is_some() && !self.plan.clips() {
+            return Err(RunError {
+                rank: None,
+                op: None,
+                message: "gradient clipping was asked for, but the plan was compiled without it \
+                          (set `clip` in the schedule's `train` block and compile again)"
+                    .into(),
+            });
+        }
+        let input = StepInput {
+            step: self.step + 1,
+            lr,
+            clip,
+            batches: self.batches(self.step)?,
+        };
+        let start = Instant::now();
+        let outcome = self.backend.run_step(&input)?;
+        let time = start.elapsed();
+        self.step += 1;
+        let tokens = self.plan.tokens_per_step() as f64;
+        Ok(StepReport {
+            step: self.step,
+            loss: outcome.loss_sum / tokens,
+            time,
+            tokens_per_s: tokens / time.as_secs_f64().max(1e-9),
+            outcome,
+        })
+    }
+}
