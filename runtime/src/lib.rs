@@ -4,3 +4,7 @@
 //! decided, and run every rank's streams through one backend interface: the CPU backend (all ranks in
 //! one process, real math and real collectives) and the CUDA backend (one process per GPU, cudarc
 //! streams and events, cuBLAS and NCCL). See `shared/spec/runtime.md`.
+
+pub mod data;
+pub mod math;
+pub mod reference;
