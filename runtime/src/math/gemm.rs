@@ -1,0 +1,186 @@
+//! Strided single-precision matrix multiply over slices, through `matrixmultiply::sgemm`.
+//!
+//! Every view is checked against its slice before the call (the one `unsafe` block of the math), so
+//! a shape mistake panics instead of reading out of bounds. Transposes are strides, never copies.
+
+/// A read-only matrix view: element (i, j) is `data[i·rs + j·cs]`.
+#[derive(Clone, Copy)]
+pub(crate) struct Mat<'a> {
+    pub data: &'a [f32],
+    pub rows: usize,
+    pub cols: usize,
+    pub rs: usize,
+    pub cs: usize,
+}
+
+impl<'a> Mat<'a> {
+    /// A row-major matrix whose rows are `ld` elements apart.
+    pub fn rows(data: &'a [f32], rows: usize, cols: usize, ld: usize) -> Self {
+        Mat {
+            data,
+            rows,
+            cols,
+            rs: ld,
+            cs: 1,
+        }
+    }
+
+    /// A contiguous row-major matrix.
+    pub fn dense(data: &'a [f32], rows: usize, cols: usize) -> Self {
+        Self::rows(data, rows, cols, cols)
+    }
+
+    pub fn t(self) -> Self {
+        Mat {
+            rows: self.cols,
+            cols: self.rows,
+            rs: self.cs,
+            cs: self.rs,
+            ..self
+        }
+    }
+}
+
+/// A writable matrix view (row-major with leading dimension `ld`).
+pub(crate) struct MatMut<'a> {
+    pub data: &'a mut [f32],
+    pub rows: usize,
+    pub cols: usize,
+    pub ld: usize,
+}
+
+impl<'a> MatMut<'a> {
+    pub fn rows(data: &'a mut [f32], rows: usize, cols: usize, ld: usize) -> Self {
+        MatMut {
+            data,
+            rows,
+            cols,
+            ld,
+        }
+    }
+
+    pub fn dense(data: &'a mut [f32], rows: usize, cols: usize) -> Self {
+        Self::rows(data, rows, cols, cols)
+    }
+}
+
+fn fits(len: usize, rows: usize, cols: usize, rs: usize, cs: usize) -> bool {
+    rows == 0 || cols == 0 || (rows - 1) * rs + (cols - 1) * cs < len
+}
+
+/// C ← α·A·B + β·C. With β = 0, C is written without being read.
+pub(crate) fn gemm(alpha: f32, a: Mat<'_>, b: Mat<'_>, beta: f32, c: MatMut<'_>) {
+    assert_eq!(a.cols, b.rows, "gemm: inner dimensions differ");
+    assert_eq!(
+        (c.rows, c.cols),
+        (a.rows, b.cols),
+        "gemm: output shape differs"
+    );
+    assert!(
+        fits(a.data.len(), a.rows, a.cols, a.rs, a.cs),
+        "gemm: A out of bounds"
+    );
+    assert!(
+        fits(b.data.len(), b.rows, b.cols, b.rs, b.cs),
+        "gemm: B out of bounds"
+    );
+    assert!(
+        fits(c.data.len(), c.rows, c.cols, c.ld, 1),
+        "gemm: C out of bounds"
+    );
+    assert!(c.cols <= c.ld || c.rows <= 1, "gemm: C rows overlap");
+    if c.rows == 0 || c.cols == 0 {
+        return;
+    }
+    // SAFETY: the asserts above keep every element of A, B and C inside its slice, C's rows do not
+    // overlap, and C is borrowed mutably so it aliases neither A nor B.
+    unsafe {
+        matrixmultiply::sgemm(
+            a.rows,
+            a.cols,
+            b.cols,
+            alpha,
+            a.data.as_ptr(),
+            a.rs as isize,
+            a.cs as isize,
+            b.data.as_ptr(),
+            b.rs as isize,
+            b.cs as isize,
+            beta,
+            c.data.as_mut_ptr(),
+            c.ld as isize,
+            1,
+        );
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+/// y (+)= x·Wᵀ (+ bias): x is [t, in], w is [out, in] (a PyTorch `Linear`), y is [t, out].
+pub(crate) fn linear(
+    x: &[f32],
+    w: &[f32],
+    bias: Option<&[f32]>,
+    y: &mut [f32],
+    t: usize,
+    inp: usize,
+    out: usize,
+    beta: f32,
+) {
+    gemm(
+        1.0,
+        Mat::dense(x, t, inp),
+        Mat::dense(w, out, inp).t(),
+        beta,
+        MatMut::dense(y, t, out),
+    );
+    if let Some(b) = bias {
+        for row in y.chunks_exact_mut(out) {
+            for (v, &bb) in row.iter_mut().zip(b) {
+                *v += bb;
+            }
+        }
+    }
+}
+
+/// The backward of [`linear`]: dW += dyᵀ·x, dbias += Σ_rows dy, and dx (β)= dy·W when wanted.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn linear_backward(
+    x: &[f32],
+    w: &[f32],
+    dy: &[f32],
+    dw: &mut [f32],
+    dbias: Option<&mut [f32]>,
+    dx: Option<(&mut [f32], f32)>,
+    t: usize,
+    inp: usize,
+    out: usize,
+) {
+    gemm(
+        1.0,
+        Mat::dense(dy, t, out).t(),
+        Mat::dense(x, t, inp),
+        1.0,
+        MatMut::dense(dw, out, inp),
+    );
+    if let Some(db) = dbias {
+        col_sums(dy, out, db);
+    }
+    if let Some((dx, beta)) = dx {
+        gemm(
+            1.0,
+            Mat::dense(dy, t, out),
+            Mat::dense(w, out, inp),
+            beta,
+            MatMut::dense(dx, t, inp),
+        );
+    }
+}
+
+/// acc += the sum of the rows of `m` (rows of `width`).
+pub(crate) fn col_sums(m: &[f32], width: usize, acc: &mut [f32]) {
+    for row in m.chunks_exact(width) {
+        for (a, &v) in acc.iter_mut().zip(row) {
+            *a += v;
+        }
+    }
+}

@@ -1,0 +1,642 @@
+//! The model math of the CPU runtime: every zoo layer's forward and backward, the loss, the
+//! initialisation and the optimizers, all computed in f32 (`runtime.md`, "Model math").
+//!
+//! A [`LayerMath`] is built once per layer from the resolved [`Layer`] and its [`Model`]. It owns no
+//! buffers: the executor hands it the layer's flat parameter vector (tensors in the order of
+//! `layer.tensors`, matrices [out, in]), the input and output hidden states and the layer's
+//! saved-activation buffer. Invariants it keeps:
+//! - `forward` overwrites `output` and all of `saved`; `backward` overwrites `grad_input`,
+//!   `grad_params` and `grad_tied`, never accumulating: the caller sums micro-batches.
+//! - The saved buffer is [`LayerMath::saved_segments`] back to back, segment for segment the
+//!   tensors that `schedc::lower::activations` sizes the memory plan with, so a segment stored in
+//!   the model dtype ([`Stored::Model`]) or in fp32 ([`Stored::F32`]) totals exactly
+//!   `saved_bytes`. Backward reads only the saved buffer, the layer's input and its parameters.
+//! - With a 16-bit model dtype every stored activation and the output are rounded to it where they
+//!   are written (and later math uses the rounded values); gradients are rounded to `grad_dtype`.
+//! - Results depend only on the inputs, never on which thread runs them: no global state but a
+//!   per-thread scratch buffer reused between calls.
+//!
+//! Conventions: T = micro_batch · seq_len tokens, token t at position t mod seq_len. Rotary
+//! positions (when the model's embedding says `positions = rope`) use HF LLaMA's rotate-half
+//! pairing: in each head of width d, element i pairs with i + d/2 and turns by
+//! position · 10000^(−2i/d). The `attn.qkv` activation is saved after the rotation.
+
+mod attention;
+mod gemm;
+mod init;
+mod layers;
+mod ops;
+mod optim;
+mod precision;
+
+pub use init::{init_layer, Rng};
+pub use optim::{optimizer_step, OptimizerConfig};
+pub use precision::{bf16_bits_to_f32, f32_to_bf16_bits, round_bf16, round_f16};
+
+pub(crate) use precision::Precision;
+use schedc::job::{Activation, Attention, Layer, LayerKind, Model, Norm, Positions};
+use std::fmt;
+use std::ops::Range;
+
+/// Where a saved segment is stored: in the model dtype, or always in fp32.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Stored {
+    Model,
+    F32,
+}
+
+/// One tensor of a layer's saved activations.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Segment {
+    pub name: &'static str,
+    pub elements: usize,
+    pub stored: Stored,
+}
+
+/// A layer's input: token ids ([micro_batch·seq_len], the embedding) or hidden states.
+#[derive(Clone, Copy, Debug)]
+pub enum Input<'a> {
+    Tokens(&'a [u32]),
+    Hidden(&'a [f32]),
+}
+
+/// Why a layer cannot be run.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum MathError {
+    /// A `dense` layer: only a size for planning.
+    Dense { layer: String },
+    /// The layer's tensor list does not hold a tensor the math needs, with the shape it needs.
+    Tensor {
+        layer: String,
+        tensor: String,
+        problem: String,
+    },
+    /// The layer's shape cannot be computed (odd head width with rotary positions, …).
+    Shape { layer: String, problem: String },
+}
+
+impl fmt::Display for MathError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            MathError::Dense { layer } => write!(
+                f,
+                "layer {layer} is `dense`: it can be compiled and simulated but not run"
+            ),
+            MathError::Tensor {
+                layer,
+                tensor,
+                problem,
+            } => write!(f, "layer {layer}: tensor `{tensor}` {problem}"),
+            MathError::Shape { layer, problem } => write!(f, "layer {layer}: {problem}"),
+        }
+    }
+}
+
+impl std::error::Error for MathError {}
+
+/// Token layout of one micro-batch.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Dims {
+    pub s: usize,
+    pub t: usize,
+}
+
+/// A norm's parameters within the flat vector.
+#[derive(Clone, Debug)]
+pub(crate) struct NormP {
+    pub kind: Norm,
+    pub w: Range<usize>,
+    pub b: Option<Range<usize>>,
+}
+
+/// An MLP's parameters: `w1` is `mlp.fc` (gelu) or `mlp.gate` (swiglu); `up` only for swiglu.
+#[derive(Clone, Debug)]
+pub(crate) struct MlpP {
+    pub act: Activation,
+    pub hidden: usize,
+    pub ffn: usize,
+    pub w1: Range<usize>,
+    pub b1: Option<Range<usize>>,
+    pub up: Option<(Range<usize>, Option<Range<usize>>)>,
+    pub proj: Range<usize>,
+    pub proj_b: Option<Range<usize>>,
+}
+
+pub(crate) struct BlockP {
+    pub hidden: usize,
+    pub shape: attention::Shape,
+    pub attention: Attention,
+    pub ln1: NormP,
+    pub qkv: Range<usize>,
+    pub qkv_b: Option<Range<usize>>,
+    pub proj: Range<usize>,
+    pub proj_b: Option<Range<usize>>,
+    pub ln2: NormP,
+    pub mlp: MlpP,
+    pub rope: Option<ops::Rope>,
+}
+
+pub(crate) enum Kind {
+    Embedding {
+        vocab: usize,
+        hidden: usize,
+        wte: Range<usize>,
+        wpe: Option<Range<usize>>,
+    },
+    Transformer(Box<BlockP>),
+    Mlp {
+        hidden: usize,
+        ln: NormP,
+        mlp: MlpP,
+    },
+    LmHead {
+        hidden: usize,
+        vocab: usize,
+        norm: NormP,
+        weight: Option<Range<usize>>,
+    },
+}
+
+/// The math of one layer for one model: shapes, where each tensor sits in the flat parameter
+/// vector, and the saved-activation layout.
+pub struct LayerMath {
+    name: String,
+    dims: Dims,
+    params: usize,
+    act: Precision,
+    grad: Precision,
+    kind: Kind,
+    segments: Vec<Segment>,
+}
+
+/// Finds tensors by name in a layer's list and checks their shapes.
+struct Tensors<'a> {
+    layer: &'a Layer,
+}
+
+impl Tensors<'_> {
+    fn find(&self, name: &str) -> Option<(Range<usize>, &[u64])> {
+        let mut at = 0usize;
+        for t in &self.layer.tensors {
+            let n = t.elements() as usize;
+            if t.name == name {
+                return Some((at..at + n, &t.shape));
+            }
+            at += n;
+        }
+        None
+    }
+
+    fn get(&self, name: &str, shape: &[usize]) -> Result<Range<usize>, MathError> {
+        let err = |problem: String| MathError::Tensor {
+            layer: self.layer.name.clone(),
+            tensor: name.to_string(),
+            problem,
+        };
+        let (range, have) = self
+            .find(name)
+            .ok_or_else(|| err(format!("is missing (expected shape {shape:?})")))?;
+        let have: Vec<usize> = have.iter().map(|&d| d as usize).collect();
+        if have != shape {
+            return Err(err(format!("has shape {have:?}, expected {shape:?}")));
+        }
+        Ok(range)
+    }
+
+    fn opt(
+        &self,
+        name: &str,
+        shape: &[usize],
+        present: bool,
+    ) -> Result<Option<Range<usize>>, MathError> {
+        present.then(|| self.get(name, shape)).transpose()
+    }
+
+    fn norm(&self, prefix: &str, kind: Norm, h: usize) -> Result<NormP, MathError> {
+        Ok(NormP {
+            kind,
+            w: self.get(&format!("{prefix}.weight"), &[h])?,
+            b: self.opt(&format!("{prefix}.bias"), &[h], kind == Norm::LayerNorm)?,
+        })
+    }
+
+    fn mlp(&self, act: Activation, h: usize, f: usize, bias: bool) -> Result<MlpP, MathError> {
+        let (w1, b1, up) = match act {
+            Activation::Gelu => (
+                self.get("mlp.fc.weight", &[f, h])?,
+                self.opt("mlp.fc.bias", &[f], bias)?,
+                None,
+            ),
+            Activation::SwiGlu => (
+                self.get("mlp.gate.weight", &[f, h])?,
+                self.opt("mlp.gate.bias", &[f], bias)?,
+                Some((
+                    self.get("mlp.up.weight", &[f, h])?,
+                    self.opt("mlp.up.bias", &[f], bias)?,
+                )),
+            ),
+        };
+        Ok(MlpP {
+            act,
+            hidden: h,
+            ffn: f,
+            w1,
+            b1,
+            up,
+            proj: self.get("mlp.proj.weight", &[h, f])?,
+            proj_b: self.opt("mlp.proj.bias", &[h], bias)?,
+        })
+    }
+}
+
+fn seg(name: &'static str, elements: usize, stored: Stored) -> Segment {
+    Segment {
+        name,
+        elements,
+        stored,
+    }
+}
+
+fn norm_segments(out: &'static str, stats: &'static str, d: Dims, h: usize) -> [Segment; 2] {
+    [
+        seg(out, d.t * h, Stored::Model),
+        seg(stats, 2 * d.t, Stored::F32),
+    ]
+}
+
+fn mlp_segments(d: Dims, m: &MlpP) -> Vec<Segment> {
+    let n = d.t * m.ffn;
+    match m.act {
+        Activation::Gelu => vec![
+            seg("mlp.pre", n, Stored::Model),
+            seg("mlp.post", n, Stored::Model),
+        ],
+        Activation::SwiGlu => vec![
+            seg("mlp.gate", n, Stored::Model),
+            seg("mlp.up", n, Stored::Model),
+            seg("mlp.prod", n, Stored::Model),
+        ],
+    }
+}
+
+/// Whether the model's embedding uses rotary positions (which its transformers then apply).
+fn model_uses_rope(model: &Model) -> bool {
+    model.layers.iter().any(|l| {
+        matches!(
+            l.kind,
+            LayerKind::Embedding {
+                positions: Positions::Rope,
+                ..
+            }
+        )
+    })
+}
+
+impl LayerMath {
+    pub fn new(layer: &Layer, model: &Model) -> Result<Self, MathError> {
+        let s = model.seq_len as usize;
+        let b = model.micro_batch as usize;
+        let dims = Dims { s, t: b * s };
+        let ts = Tensors { layer };
+        let shape_err = |problem: String| MathError::Shape {
+            layer: layer.name.clone(),
+            problem,
+        };
+        let (kind, segments) = match layer.kind {
+            LayerKind::Dense { .. } => {
+                return Err(MathError::Dense {
+                    layer: layer.name.clone(),
+                })
+            }
+            LayerKind::Embedding {
+                vocab,
+                hidden,
+                positions,
+            } => {
+                let (v, h) = (vocab as usize, hidden as usize);
+                let kind = Kind::Embedding {
+                    vocab: v,
+                    hidden: h,
+                    wte: ts.get("wte", &[v, h])?,
+                    wpe: ts.opt("wpe", &[s, h], positions == Positions::Learned)?,
+                };
+                (kind, vec![])
+            }
+            LayerKind::Transformer(tr) => {
+                let (h, heads, kvh, f) = (
+                    tr.hidden as usize,
+                    tr.heads as usize,
+                    tr.kv_heads as usize,
+                    tr.ffn as usize,
+                );
+                if heads == 0 || kvh == 0 || h % heads != 0 || heads % kvh != 0 {
+                    return Err(shape_err(format!(
+                        "hidden {h}, heads {heads} and kv_heads {kvh} do not split into whole heads"
+                    )));
+                }
+                let shape = attention::Shape {
+                    b,
+                    s,
+                    heads,
+                    kv_heads: kvh,
+                    d: h / heads,
+                };
+                let rope = if model_uses_rope(model) {
+                    if !shape.d.is_multiple_of(2) {
+                        return Err(shape_err(format!(
+                            "rotary positions need an even head width, not {}",
+                            shape.d
+                        )));
+                    }
+                    Some(ops::Rope::new(shape.d, s))
+                } else {
+                    None
+                };
+                let width = shape.width();
+                let p = BlockP {
+                    hidden: h,
+                    shape,
+                    attention: tr.attention,
+                    ln1: ts.norm("ln1", tr.norm, h)?,
+                    qkv: ts.get("attn.qkv.weight", &[width, h])?,
+                    qkv_b: ts.opt("attn.qkv.bias", &[width], tr.bias)?,
+                    proj: ts.get("attn.proj.weight", &[h, h])?,
+                    proj_b: ts.opt("attn.proj.bias", &[h], tr.bias)?,
+                    ln2: ts.norm("ln2", tr.norm, h)?,
+                    mlp: ts.mlp(tr.act, h, f, tr.bias)?,
+                    rope,
+                };
+                let mut segs = norm_segments("ln1.out", "ln1.stats", dims, h).to_vec();
+                segs.push(seg("attn.qkv", dims.t * width, Stored::Model));
+                segs.push(seg("attn.out", dims.t * h, Stored::Model));
+                segs.push(match tr.attention {
+                    Attention::Flash => seg("attn.lse", heads * dims.t, Stored::F32),
+                    Attention::Naive => seg("attn.probs", heads * dims.t * s, Stored::Model),
+                });
+                segs.push(seg("resid", dims.t * h, Stored::Model));
+                segs.extend(norm_segments("ln2.out", "ln2.stats", dims, h));
+                segs.extend(mlp_segments(dims, &p.mlp));
+                (Kind::Transformer(Box::new(p)), segs)
+            }
+            LayerKind::Mlp(m) => {
+                let (h, f) = (m.hidden as usize, m.ffn as usize);
+                let mlp = ts.mlp(m.act, h, f, m.bias)?;
+                let mut segs = norm_segments("ln.out", "ln.stats", dims, h).to_vec();
+                segs.extend(mlp_segments(dims, &mlp));
+                let kind = Kind::Mlp {
+                    hidden: h,
+                    ln: ts.norm("ln", m.norm, h)?,
+                    mlp,
+                };
+                (kind, segs)
+            }
+            LayerKind::LmHead {
+                hidden,
+                vocab,
+                norm,
+                tied,
+            } => {
+                let (h, v) = (hidden as usize, vocab as usize);
+                let kind = Kind::LmHead {
+                    hidden: h,
+                    vocab: v,
+                    norm: ts.norm("norm", norm, h)?,
+                    weight: ts.opt("weight", &[v, h], !tied)?,
+                };
+                (
+                    kind,
+                    norm_segments("norm.out", "norm.stats", dims, h).to_vec(),
+                )
+            }
+        };
+        let params: usize = layer.tensors.iter().map(|t| t.elements() as usize).sum();
+        if params as u64 != layer.params {
+            return Err(shape_err(format!(
+                "its tensors hold {params} parameters but the layer declares {}",
+                layer.params
+            )));
+        }
+        Ok(LayerMath {
+            name: layer.name.clone(),
+            dims,
+            params,
+            act: Precision::of(model.dtype),
+            grad: Precision::of(model.grad_dtype),
+            kind,
+            segments,
+        })
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// P_l, the length of the layer's flat parameter vector.
+    pub fn params(&self) -> usize {
+        self.params
+    }
+
+    /// What forward keeps for backward, in buffer order.
+    pub fn saved_segments(&self) -> Vec<Segment> {
+        self.segments.clone()
+    }
+
+    pub fn saved_elements(&self) -> usize {
+        self.segments.iter().map(|s| s.elements).sum()
+    }
+
+    /// T·hidden, or T·vocab (the logits) for an lm_head.
+    pub fn output_elements(&self) -> usize {
+        let t = self.dims.t;
+        match &self.kind {
+            Kind::Embedding { hidden, .. } | Kind::Mlp { hidden, .. } => t * hidden,
+            Kind::Transformer(p) => t * p.hidden,
+            Kind::LmHead { vocab, .. } => t * vocab,
+        }
+    }
+
+    /// T token ids for an embedding, T·hidden otherwise.
+    pub fn input_elements(&self) -> usize {
+        let t = self.dims.t;
+        match &self.kind {
+            Kind::Embedding { .. } => t,
+            Kind::Mlp { hidden, .. } | Kind::LmHead { hidden, .. } => t * hidden,
+            Kind::Transformer(p) => t * p.hidden,
+        }
+    }
+
+    /// True for the embedding, whose input is token ids.
+    pub fn takes_tokens(&self) -> bool {
+        matches!(self.kind, Kind::Embedding { .. })
+    }
+
+    /// True for an lm_head that projects with the embedding's `wte`.
+    pub fn is_tied(&self) -> bool {
+        matches!(self.kind, Kind::LmHead { weight: None, .. })
+    }
+
+    /// Elements of the tied `wte` (vocab·hidden) for a tied lm_head, else 0.
+    pub fn tied_elements(&self) -> usize {
+        match self.kind {
+            Kind::LmHead {
+                weight: None,
+                vocab,
+                hidden,
+                ..
+            } => vocab * hidden,
+            _ => 0,
+        }
+    }
+
+    /// Runs the layer forward: overwrites `output` and `saved`.
+    ///
+    /// Panics when a buffer has the wrong length, or when the input kind or `tied_wte` does not
+    /// fit the layer: those are the caller's bugs.
+    pub fn forward(
+        &self,
+        params: &[f32],
+        tied_wte: Option<&[f32]>,
+        input: Input<'_>,
+        output: &mut [f32],
+        saved: &mut [f32],
+    ) {
+        self.check(params, tied_wte, input, output.len(), saved.len());
+        layers::forward(self, params, tied_wte, input, output, saved);
+    }
+
+    /// Runs the layer backward: overwrites `grad_input` (when given; never for an embedding),
+    /// `grad_params` and, for a tied lm_head, `grad_tied` (the gradient of the embedding's `wte`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn backward(
+        &self,
+        params: &[f32],
+        tied_wte: Option<&[f32]>,
+        saved: &[f32],
+        input: Input<'_>,
+        grad_output: &[f32],
+        grad_input: Option<&mut [f32]>,
+        grad_params: &mut [f32],
+        grad_tied: Option<&mut [f32]>,
+    ) {
+        self.check(params, tied_wte, input, grad_output.len(), saved.len());
+        assert_eq!(
+            grad_params.len(),
+            self.params,
+            "{}: grad_params length",
+            self.name
+        );
+        if let Some(gi) = &grad_input {
+            assert!(
+                !self.takes_tokens(),
+                "{}: an embedding has no input gradient",
+                self.name
+            );
+            assert_eq!(
+                gi.len(),
+                self.input_elements(),
+                "{}: grad_input length",
+                self.name
+            );
+        }
+        assert_eq!(
+            grad_tied.as_ref().map(|g| g.len()),
+            self.is_tied().then_some(self.tied_elements()),
+            "{}: grad_tied must be given exactly for a tied lm_head, with vocab·hidden elements",
+            self.name
+        );
+        layers::backward(
+            self,
+            params,
+            tied_wte,
+            saved,
+            input,
+            grad_output,
+            grad_input,
+            grad_params,
+            grad_tied,
+        );
+    }
+
+    fn check(
+        &self,
+        params: &[f32],
+        tied: Option<&[f32]>,
+        input: Input<'_>,
+        out: usize,
+        saved: usize,
+    ) {
+        let n = &self.name;
+        assert_eq!(params.len(), self.params, "{n}: params length");
+        assert_eq!(out, self.output_elements(), "{n}: output length");
+        assert_eq!(saved, self.saved_elements(), "{n}: saved length");
+        match input {
+            Input::Tokens(t) => {
+                assert!(self.takes_tokens(), "{n}: takes hidden states, not tokens");
+                assert_eq!(t.len(), self.input_elements(), "{n}: token count");
+            }
+            Input::Hidden(x) => {
+                assert!(!self.takes_tokens(), "{n}: takes tokens, not hidden states");
+                assert_eq!(x.len(), self.input_elements(), "{n}: input length");
+            }
+        }
+        assert_eq!(
+            tied.map(<[f32]>::len),
+            self.is_tied().then_some(self.tied_elements()),
+            "{n}: tied_wte must be given exactly for a tied lm_head, with vocab·hidden elements"
+        );
+    }
+}
+
+/// Softmax cross-entropy of each row of `logits` ([n, vocab]) against `targets` (n). Returns the
+/// SUM of the n token losses; `grad_logits` is overwritten with (softmax − onehot) / n.
+pub fn cross_entropy(
+    logits: &[f32],
+    targets: &[u32],
+    vocab: usize,
+    grad_logits: &mut [f32],
+) -> f64 {
+    let n = targets.len();
+    assert_eq!(logits.len(), n * vocab, "cross_entropy: logits length");
+    assert_eq!(grad_logits.len(), n * vocab, "cross_entropy: grad length");
+    let inv = 1.0 / n as f32;
+    let mut total = 0f64;
+    for ((row, grad), &target) in logits
+        .chunks_exact(vocab)
+        .zip(grad_logits.chunks_exact_mut(vocab))
+        .zip(targets)
+    {
+        let target = target as usize;
+        assert!(
+            target < vocab,
+            "cross_entropy: target {target} not below vocab {vocab}"
+        );
+        let max = row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+        let sum: f32 = row.iter().map(|&x| (x - max).exp()).sum();
+        let lse = max + sum.ln();
+        total += f64::from(lse - row[target]);
+        for (g, &x) in grad.iter_mut().zip(row) {
+            *g = (x - lse).exp() * inv;
+        }
+        grad[target] -= inv;
+    }
+    total
+}
+
+/// Flat-vector ranges of a layer's 2-D tensors, the ones AdamW decays (embeddings included).
+pub fn decay_ranges(layer: &Layer) -> Vec<Range<usize>> {
+    let mut at = 0usize;
+    let mut out = vec![];
+    for t in &layer.tensors {
+        let n = t.elements() as usize;
+        if t.shape.len() == 2 {
+            out.push(at..at + n);
+        }
+        at += n;
+    }
+    out
+}
+
+/// Where `name`'s tensor sits in `layer`'s flat vector.
+pub fn tensor_range(layer: &Layer, name: &str) -> Option<Range<usize>> {
+    Tensors { layer }.find(name).map(|(r, _)| r)
+}

@@ -1,0 +1,166 @@
+//! Row-wise operations: layer and RMS norm, tanh GELU, SiLU, rotary positions.
+
+use schedc::job::Norm;
+
+pub(crate) const NORM_EPS: f32 = 1e-5;
+
+/// Normalises each row of `x` (rows of `h`) into `out`; `stats` gets (mean, 1/σ) per row, with
+/// mean 0 for RMS norm.
+pub(crate) fn norm_forward(
+    kind: Norm,
+    h: usize,
+    x: &[f32],
+    w: &[f32],
+    b: Option<&[f32]>,
+    out: &mut [f32],
+    stats: &mut [f32],
+) {
+    let hf = h as f32;
+    for ((xr, yr), st) in x
+        .chunks_exact(h)
+        .zip(out.chunks_exact_mut(h))
+        .zip(stats.chunks_exact_mut(2))
+    {
+        let (mean, rstd) = match kind {
+            Norm::LayerNorm => {
+                let mean = xr.iter().sum::<f32>() / hf;
+                let var = xr.iter().map(|&v| (v - mean) * (v - mean)).sum::<f32>() / hf;
+                (mean, 1.0 / (var + NORM_EPS).sqrt())
+            }
+            Norm::RmsNorm => {
+                let ms = xr.iter().map(|&v| v * v).sum::<f32>() / hf;
+                (0.0, 1.0 / (ms + NORM_EPS).sqrt())
+            }
+        };
+        st[0] = mean;
+        st[1] = rstd;
+        match b {
+            Some(b) => {
+                for (((y, &v), &g), &bb) in yr.iter_mut().zip(xr).zip(w).zip(b) {
+                    *y = (v - mean) * rstd * g + bb;
+                }
+            }
+            None => {
+                for ((y, &v), &g) in yr.iter_mut().zip(xr).zip(w) {
+                    *y = (v - mean) * rstd * g;
+                }
+            }
+        }
+    }
+}
+
+/// The backward of [`norm_forward`] from the input `x` and the saved statistics. Accumulates into
+/// `dx` (when given), `dw` and `db`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn norm_backward(
+    kind: Norm,
+    h: usize,
+    x: &[f32],
+    w: &[f32],
+    stats: &[f32],
+    dy: &[f32],
+    mut dx: Option<&mut [f32]>,
+    dw: &mut [f32],
+    mut db: Option<&mut [f32]>,
+) {
+    let hf = h as f32;
+    let mut dxhat = vec![0f32; h];
+    for (i, ((xr, dyr), st)) in x
+        .chunks_exact(h)
+        .zip(dy.chunks_exact(h))
+        .zip(stats.chunks_exact(2))
+        .enumerate()
+    {
+        let (mean, rstd) = (st[0], st[1]);
+        let mut sum_d = 0f32;
+        let mut sum_dx = 0f32;
+        for j in 0..h {
+            let xhat = (xr[j] - mean) * rstd;
+            let d = dyr[j] * w[j];
+            dxhat[j] = d;
+            sum_d += d;
+            sum_dx += d * xhat;
+            dw[j] += dyr[j] * xhat;
+        }
+        if let Some(db) = db.as_deref_mut() {
+            for (a, &g) in db.iter_mut().zip(dyr) {
+                *a += g;
+            }
+        }
+        if let Some(dx) = dx.as_deref_mut() {
+            let mean_d = match kind {
+                Norm::LayerNorm => sum_d / hf,
+                Norm::RmsNorm => 0.0,
+            };
+            let mean_dx = sum_dx / hf;
+            let dxr = &mut dx[i * h..(i + 1) * h];
+            for j in 0..h {
+                let xhat = (xr[j] - mean) * rstd;
+                dxr[j] += rstd * (dxhat[j] - mean_d - xhat * mean_dx);
+            }
+        }
+    }
+}
+
+const GELU_C: f32 = 0.797_884_6; // sqrt(2/π)
+const GELU_A: f32 = 0.044_715;
+
+/// tanh-approximated GELU.
+pub(crate) fn gelu(x: f32) -> f32 {
+    0.5 * x * (1.0 + (GELU_C * (x + GELU_A * x * x * x)).tanh())
+}
+
+pub(crate) fn gelu_grad(x: f32) -> f32 {
+    let t = (GELU_C * (x + GELU_A * x * x * x)).tanh();
+    0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * GELU_C * (1.0 + 3.0 * GELU_A * x * x)
+}
+
+pub(crate) fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+/// Rotary position tables for one head width: cos and sin of position·θ^(−2i/d), i < d/2, per
+/// position (rows of d/2).
+pub(crate) struct Rope {
+    pub half: usize,
+    pub cos: Vec<f32>,
+    pub sin: Vec<f32>,
+}
+
+pub(crate) const ROPE_THETA: f64 = 10000.0;
+
+impl Rope {
+    pub fn new(head_dim: usize, seq_len: usize) -> Self {
+        let half = head_dim / 2;
+        let mut cos = Vec::with_capacity(seq_len * half);
+        let mut sin = Vec::with_capacity(seq_len * half);
+        for pos in 0..seq_len {
+            for i in 0..half {
+                let inv_freq = ROPE_THETA.powf(-2.0 * i as f64 / head_dim as f64);
+                let angle = pos as f64 * inv_freq;
+                cos.push(angle.cos() as f32);
+                sin.push(angle.sin() as f32);
+            }
+        }
+        Rope { half, cos, sin }
+    }
+
+    /// Rotates `heads` consecutive heads of `row` (token at position `pos`) in the rotate-half
+    /// pairing of HF LLaMA: element i pairs with i + d/2. `inverse` applies the transpose (for
+    /// gradients).
+    pub fn apply(&self, row: &mut [f32], heads: usize, pos: usize, inverse: bool) {
+        let half = self.half;
+        let cos = &self.cos[pos * half..(pos + 1) * half];
+        let sin = &self.sin[pos * half..(pos + 1) * half];
+        let sign = if inverse { -1.0 } else { 1.0 };
+        for head in row.chunks_exact_mut(2 * half).take(heads) {
+            let (a, b) = head.split_at_mut(half);
+            for i in 0..half {
+                let (x1, x2) = (a[i], b[i]);
+                let s = sign * sin[i];
+                a[i] = x1 * cos[i] - x2 * s;
+                b[i] = x2 * cos[i] + x1 * s;
+            }
+        }
+    }
+}

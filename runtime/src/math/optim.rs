@@ -1,0 +1,103 @@
+//! Optimizer steps on any slice of a layer's flat vector, so sharded and whole-tensor updates
+//! compute the same numbers element for element.
+
+use schedc::job::Optimizer;
+use std::ops::Range;
+
+/// Adam/AdamW/SGD settings (`runtime.md`): β1 0.9, β2 0.95, eps 1e-8, weight decay 0.1 for AdamW.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct OptimizerConfig {
+    pub kind: Optimizer,
+    pub lr: f32,
+    pub beta1: f32,
+    pub beta2: f32,
+    pub eps: f32,
+    pub weight_decay: f32,
+}
+
+impl OptimizerConfig {
+    pub fn new(kind: Optimizer, lr: f64) -> Self {
+        OptimizerConfig {
+            kind,
+            lr: lr as f32,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: if kind == Optimizer::AdamW { 0.1 } else { 0.0 },
+        }
+    }
+
+    /// fp32 state values per parameter: master, m, v for Adam; master for SGD.
+    pub fn state_per_param(&self) -> usize {
+        match self.kind {
+            Optimizer::Adam | Optimizer::AdamW => 3,
+            Optimizer::Sgd => 1,
+        }
+    }
+}
+
+/// One optimizer step on the `n = grad.len()` elements of a layer's flat vector starting at element
+/// `first`. `state` is [master | m | v] (3n) for Adam/AdamW and [master] (n) for SGD. `grad` is the
+/// SUM of the micro-batch contributions and is multiplied by `grad_scale` before use; `step` is
+/// 1-based. Elements inside `decay` (flat-vector ranges, [`super::decay_ranges`]) get AdamW's
+/// decoupled weight decay. The update follows PyTorch's `torch.optim.AdamW` (single tensor).
+pub fn optimizer_step(
+    cfg: &OptimizerConfig,
+    state: &mut [f32],
+    grad: &[f32],
+    grad_scale: f32,
+    step: u64,
+    first: usize,
+    decay: &[Range<usize>],
+) {
+    let n = grad.len();
+    assert!(step >= 1, "optimizer steps count from 1");
+    assert_eq!(
+        state.len(),
+        cfg.state_per_param() * n,
+        "optimizer state length"
+    );
+    if cfg.kind == Optimizer::Sgd {
+        for (p, &g) in state.iter_mut().zip(grad) {
+            *p -= cfg.lr * (g * grad_scale);
+        }
+        return;
+    }
+    let (master, mv) = state.split_at_mut(n);
+    let (m, v) = mv.split_at_mut(n);
+    let bc1 = 1.0 - f64::from(cfg.beta1).powf(step as f64);
+    let bc2 = 1.0 - f64::from(cfg.beta2).powf(step as f64);
+    let step_size = (f64::from(cfg.lr) / bc1) as f32;
+    let bc2_sqrt = bc2.sqrt() as f32;
+    let shrink = 1.0 - cfg.lr * cfg.weight_decay;
+    let decays = cfg.kind == Optimizer::AdamW && cfg.weight_decay != 0.0;
+
+    // Walk the slice in runs that are all decayed or all not.
+    let mut i = 0;
+    while i < n {
+        let at = first + i;
+        let inside = decay.iter().find(|r| r.contains(&at));
+        let end = match inside {
+            Some(r) => r.end - first,
+            None => decay
+                .iter()
+                .filter(|r| r.start > at)
+                .map(|r| r.start - first)
+                .min()
+                .unwrap_or(n),
+        }
+        .min(n);
+        let decayed = decays && inside.is_some();
+        for j in i..end {
+            let g = grad[j] * grad_scale;
+            m[j] = cfg.beta1 * m[j] + (1.0 - cfg.beta1) * g;
+            v[j] = cfg.beta2 * v[j] + (1.0 - cfg.beta2) * g * g;
+            if decayed {
+                master[j] *= shrink;
+            }
+            let denom = v[j].sqrt() / bc2_sqrt + cfg.eps;
+            master[j] -= step_size * m[j] / denom;
+        }
+        i = end;
+    }
+}
