@@ -61,7 +61,7 @@ impl Arena {
                 self.bytes
             )));
         }
-        if offset % align != 0 || bytes % align != 0 {
+        if !offset.is_multiple_of(align) || !bytes.is_multiple_of(align) {
             return Err(AccessError(format!(
                 "bytes {offset}..{} are not aligned to {align}",
                 offset + bytes
@@ -140,7 +140,7 @@ impl Arena {
     /// Writes raw bytes read by [`Arena::read_bytes`].
     pub fn write_bytes(&self, offset: u64, halves: &[u16]) -> Result<(), AccessError> {
         self.check(offset, 2 * halves.len() as u64, 2)?;
-        if offset % 4 == 0 && halves.len() % 2 == 0 {
+        if offset.is_multiple_of(4) && halves.len().is_multiple_of(2) {
             let w = &self.words[(offset / 4) as usize..][..halves.len() / 2];
             for (pair, w) in halves.chunks_exact(2).zip(w) {
                 w.store(u32::from(pair[0]) | (u32::from(pair[1]) << 16), Relaxed);
@@ -155,7 +155,7 @@ impl Arena {
 
     fn load_half(&self, byte: u64) -> u16 {
         let w = self.words[(byte / 4) as usize].load(Relaxed);
-        if byte % 4 == 0 {
+        if byte.is_multiple_of(4) {
             w as u16
         } else {
             (w >> 16) as u16
@@ -165,7 +165,7 @@ impl Arena {
     /// Stores 16 bits without disturbing the other half of the word (another tensor's bytes).
     fn store_half(&self, byte: u64, h: u16) {
         let w = &self.words[(byte / 4) as usize];
-        let (keep, set) = if byte % 4 == 0 {
+        let (keep, set) = if byte.is_multiple_of(4) {
             (0xFFFF_0000, u32::from(h))
         } else {
             (0x0000_FFFF, u32::from(h) << 16)
@@ -216,9 +216,15 @@ mod tests {
         let a = Arena::new(16);
         a.write(0, Dtype::Bf16, &[1.0, 2.0, 3.0]).unwrap();
         a.write(6, Dtype::Bf16, &[-4.0]).unwrap();
-        assert_eq!(a.read(0, 4, Dtype::Bf16).unwrap(), vec![1.0, 2.0, 3.0, -4.0]);
+        assert_eq!(
+            a.read(0, 4, Dtype::Bf16).unwrap(),
+            vec![1.0, 2.0, 3.0, -4.0]
+        );
         a.add(2, Dtype::Bf16, &[0.5]).unwrap();
-        assert_eq!(a.read(0, 4, Dtype::Bf16).unwrap(), vec![1.0, 2.5, 3.0, -4.0]);
+        assert_eq!(
+            a.read(0, 4, Dtype::Bf16).unwrap(),
+            vec![1.0, 2.5, 3.0, -4.0]
+        );
         let raw = a.read_bytes(2, 4).unwrap();
         a.write_bytes(10, &raw).unwrap();
         assert_eq!(a.read(10, 2, Dtype::Bf16).unwrap(), vec![2.5, 3.0]);

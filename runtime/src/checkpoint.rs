@@ -68,7 +68,9 @@ pub fn save(path: &Path, model: &Model, state: &State, contents: Contents) -> Re
     let mut meta = HashMap::new();
     meta.insert("format".to_string(), FORMAT.to_string());
     meta.insert("model".to_string(), model.name.clone());
-    meta.insert("step".to_string(), state.step.to_string());
+    if contents == Contents::Checkpoint {
+        meta.insert("step".to_string(), state.step.to_string());
+    }
     let bytes = safetensors::serialize(views, &Some(meta))
         .map_err(|e| format!("cannot serialise {}: {e}", path.display()))?;
     let tmp = path.with_extension("safetensors.tmp");
@@ -85,8 +87,8 @@ pub fn save(path: &Path, model: &Model, state: &State, contents: Contents) -> Re
 pub fn load(path: &Path, model: &Model, contents: Contents) -> Result<State, String> {
     let what = path.display();
     let bytes = std::fs::read(path).map_err(|e| format!("cannot read {what}: {e}"))?;
-    let file =
-        SafeTensors::deserialize(&bytes).map_err(|e| format!("{what}: not a safetensors file: {e}"))?;
+    let file = SafeTensors::deserialize(&bytes)
+        .map_err(|e| format!("{what}: not a safetensors file: {e}"))?;
     let (_, meta) = SafeTensors::read_metadata(&bytes)
         .map_err(|e| format!("{what}: not a safetensors file: {e}"))?;
     let meta = meta.metadata().clone().unwrap_or_default();
@@ -103,33 +105,36 @@ pub fn load(path: &Path, model: &Model, contents: Contents) -> Result<State, Str
     };
     let mut known = HashSet::new();
     let mut layers = vec![];
-    let read = |name: &str, shape: &[u64], known: &mut HashSet<String>| -> Result<Vec<f32>, String> {
-        known.insert(name.to_string());
-        let t = file
-            .tensor(name)
-            .map_err(|_| format!("{what} has no tensor `{name}`"))?;
-        let want: Vec<usize> = shape.iter().map(|&d| d as usize).collect();
-        if t.shape() != want.as_slice() {
-            return Err(format!(
-                "{what}: tensor `{name}` has shape {:?}, the model's is {:?}",
-                t.shape(),
-                want
-            ));
-        }
-        match t.dtype() {
-            StDtype::F32 => Ok(t
-                .data()
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .collect()),
-            StDtype::BF16 => Ok(t
-                .data()
-                .chunks_exact(2)
-                .map(|b| crate::math::bf16_bits_to_f32(u16::from_le_bytes([b[0], b[1]])))
-                .collect()),
-            d => Err(format!("{what}: tensor `{name}` is {d:?}; F32 or BF16 expected")),
-        }
-    };
+    let read =
+        |name: &str, shape: &[u64], known: &mut HashSet<String>| -> Result<Vec<f32>, String> {
+            known.insert(name.to_string());
+            let t = file
+                .tensor(name)
+                .map_err(|_| format!("{what} has no tensor `{name}`"))?;
+            let want: Vec<usize> = shape.iter().map(|&d| d as usize).collect();
+            if t.shape() != want.as_slice() {
+                return Err(format!(
+                    "{what}: tensor `{name}` has shape {:?}, the model's is {:?}",
+                    t.shape(),
+                    want
+                ));
+            }
+            match t.dtype() {
+                StDtype::F32 => Ok(t
+                    .data()
+                    .chunks_exact(4)
+                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                    .collect()),
+                StDtype::BF16 => Ok(t
+                    .data()
+                    .chunks_exact(2)
+                    .map(|b| crate::math::bf16_bits_to_f32(u16::from_le_bytes([b[0], b[1]])))
+                    .collect()),
+                d => Err(format!(
+                    "{what}: tensor `{name}` is {d:?}; F32 or BF16 expected"
+                )),
+            }
+        };
     let moments = model.optimizer != schedc::job::Optimizer::Sgd;
     for layer in &model.layers {
         let mut st = LayerState::default();
@@ -137,7 +142,8 @@ pub fn load(path: &Path, model: &Model, contents: Contents) -> Result<State, Str
             let name = format!("{}.{}", layer.name, t.name);
             st.params.extend(read(&name, &t.shape, &mut known)?);
             if contents == Contents::Checkpoint {
-                st.master.extend(read(&format!("{name}.master"), &t.shape, &mut known)?);
+                st.master
+                    .extend(read(&format!("{name}.master"), &t.shape, &mut known)?);
                 if moments {
                     st.m.extend(read(&format!("{name}.exp_avg"), &t.shape, &mut known)?);
                     st.v.extend(read(&format!("{name}.exp_avg_sq"), &t.shape, &mut known)?);

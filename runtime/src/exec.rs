@@ -307,12 +307,7 @@ fn decode_op(
 }
 
 /// Sizes every region of a layer action against the layer math.
-fn check_sizes(
-    p: &Program,
-    model: &Model,
-    maths: &[LayerMath],
-    a: &Action,
-) -> Result<(), String> {
+fn check_sizes(p: &Program, model: &Model, maths: &[LayerMath], a: &Action) -> Result<(), String> {
     let elems = |r: &Region| r.bytes / p.buffers[r.buffer].dtype.bytes();
     let at_least = |r: &Option<Region>, n: usize, what: &str| match r {
         Some(r) if (elems(r) as usize) < n => Err(format!(

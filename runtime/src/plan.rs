@@ -167,7 +167,10 @@ impl Plan {
                 base,
                 stride,
             } => {
-                let i = ShardIndex::ALL.iter().position(|x| *x == index).expect("all");
+                let i = ShardIndex::ALL
+                    .iter()
+                    .position(|x| *x == index)
+                    .expect("all");
                 base + self.indices[rank as usize][i] * stride
             }
         }

@@ -102,7 +102,11 @@ impl<B: Backend> Trainer<B> {
                 pad(&st.master)
             };
             let zeros = vec![0.0; padded];
-            let m = if st.m.is_empty() { zeros.clone() } else { pad(&st.m) };
+            let m = if st.m.is_empty() {
+                zeros.clone()
+            } else {
+                pad(&st.m)
+            };
             let v = if st.v.is_empty() { zeros } else { pad(&st.v) };
             let (Some(pbuf), Some(obuf)) = (
                 p.state_buffer(l, BufferKind::ParamShard),
@@ -153,7 +157,11 @@ impl<B: Backend> Trainer<B> {
             let padded = p.program.layers[schedc::ir::LayerId::from_u32(l as u32)].padded as usize;
             let os = padded / sh.optimizer.size() as usize;
             let mut params = vec![0.0; padded];
-            let parts = if model.optimizer == Optimizer::Sgd { 1 } else { 3 };
+            let parts = if model.optimizer == Optimizer::Sgd {
+                1
+            } else {
+                3
+            };
             let mut opt = vec![vec![0.0; padded]; parts];
             for rank in self.backend.ranks() {
                 let j = p.index(rank, ShardIndex::Optimizer) as usize;

@@ -27,7 +27,8 @@ fn jobs(file: &str) -> Vec<Job> {
 fn reference(job: &Job, steps: u64) -> (Vec<f64>, Vec<f32>) {
     let corpus = Corpus::builtin();
     let model = &job.model;
-    let sequences = job.ranks() as usize * job.schedule.micro_steps as usize * model.micro_batch as usize;
+    let sequences =
+        job.ranks() as usize * job.schedule.micro_steps as usize * model.micro_batch as usize;
     let mut r = Reference::new(model, &job.schedule.train).unwrap();
     let losses = (0..steps)
         .map(|t| {

@@ -98,8 +98,17 @@ pub struct RunOptions {
     pub jitter_seed: u64,
     /// How long an event wait or a collective may block before the run is aborted.
     pub timeout: Duration,
-    /// Make `rank` fail when it reaches `op` (tests of fault handling).
-    pub fault: Option<(u32, OpId)>,
+    /// Make one rank fail or stop answering at one op (tests of fault handling).
+    pub fault: Option<Fault>,
+}
+
+/// An injected fault: `rank` fails, or hangs, when it reaches `op`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Fault {
+    pub rank: u32,
+    pub op: OpId,
+    /// Hang (stop answering) instead of failing.
+    pub hang: bool,
 }
 
 impl Default for RunOptions {
@@ -121,8 +130,13 @@ pub trait Backend {
     /// Writes `values` as `dtype` at byte `offset` of `rank`'s arena.
     fn upload(&self, rank: u32, offset: u64, dtype: Dtype, values: &[f32]) -> Result<(), RunError>;
     /// Reads `n` values of `dtype` at byte `offset` of `rank`'s arena.
-    fn download(&self, rank: u32, offset: u64, n: usize, dtype: Dtype)
-        -> Result<Vec<f32>, RunError>;
+    fn download(
+        &self,
+        rank: u32,
+        offset: u64,
+        n: usize,
+        dtype: Dtype,
+    ) -> Result<Vec<f32>, RunError>;
     /// Runs one optimizer step of the plan on every rank and stream, and joins them.
     fn run_step(&mut self, input: &StepInput) -> Result<StepOutcome, RunError>;
     fn memory(&self) -> Vec<RankMemory>;

@@ -133,7 +133,9 @@ fn run(cli: &Cli) -> Result<(), Failure> {
     let mut trainer = Trainer::new(plan.clone(), backend, corpus);
     let state = match (&cli.init, &cli.resume) {
         (Some(f), _) => checkpoint::load(f, &model, Contents::Weights).map_err(Failure::Input)?,
-        (_, Some(f)) => checkpoint::load(f, &model, Contents::Checkpoint).map_err(Failure::Input)?,
+        (_, Some(f)) => {
+            checkpoint::load(f, &model, Contents::Checkpoint).map_err(Failure::Input)?
+        }
         _ => trainer.initial_state(seed),
     };
     trainer
@@ -143,7 +145,7 @@ fn run(cli: &Cli) -> Result<(), Failure> {
         checkpoint::save(f, &model, &state, Contents::Weights).map_err(Failure::Fault)?;
     }
     eprintln!(
-        "schedrun: {} ({} on {}): {} ranks x {} micro-steps x {} sequences of {} bytes = {} tokens per step, {} backend",
+        "schedrun: {} ({} on {}): {} ranks x {} micro-steps x {} sequences of {} bytes = {} tokens per step, cpu backend",
         plan.job.schedule.name,
         model.name,
         plan.job.cluster.name,
@@ -151,8 +153,7 @@ fn run(cli: &Cli) -> Result<(), Failure> {
         plan.program.micro_steps,
         model.micro_batch,
         model.seq_len,
-        plan.tokens_per_step(),
-        "cpu"
+        plan.tokens_per_step()
     );
     let bar = progress(steps);
     let mut reports: Vec<StepReport> = vec![];
@@ -187,9 +188,7 @@ fn run(cli: &Cli) -> Result<(), Failure> {
         b.finish_and_clear();
     }
     if let Some(f) = &cli.save {
-        let state = trainer
-            .state()
-            .map_err(|e| Failure::Fault(e.to_string()))?;
+        let state = trainer.state().map_err(|e| Failure::Fault(e.to_string()))?;
         checkpoint::save(f, &model, &state, Contents::Checkpoint).map_err(Failure::Fault)?;
     }
     summary(cli.json, &plan, &trainer, &reports);
@@ -229,12 +228,7 @@ fn waits_by_stream(reports: &[StepReport]) -> Vec<(&'static str, f64, f64)> {
     out
 }
 
-fn summary(
-    json_out: bool,
-    plan: &Plan,
-    trainer: &Trainer<CpuBackend>,
-    reports: &[StepReport],
-) {
+fn summary(json_out: bool, plan: &Plan, trainer: &Trainer<CpuBackend>, reports: &[StepReport]) {
     use schedrun::backend::Backend;
     let memory = trainer.backend.memory();
     let waits = waits_by_stream(reports);

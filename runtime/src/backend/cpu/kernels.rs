@@ -39,7 +39,13 @@ pub fn run(ctx: &RankCtx, a: &Action, m: Option<u32>, input: &StepInput) -> Resu
             };
             let mut out = vec![0.0; math.output_elements()];
             let mut keep = vec![0.0; math.saved_elements()];
-            math.forward(p.as_deref().unwrap_or(&[]), t.as_deref(), input, &mut out, &mut keep);
+            math.forward(
+                p.as_deref().unwrap_or(&[]),
+                t.as_deref(),
+                input,
+                &mut out,
+                &mut keep,
+            );
             if let Some(o) = output {
                 ctx.write(o, &out)?;
             }
@@ -155,9 +161,7 @@ pub fn run(ctx: &RankCtx, a: &Action, m: Option<u32>, input: &StepInput) -> Resu
         Action::Accumulate { from, acc } => {
             let v = ctx.read(from, ctx.elements(from) as usize)?;
             let at = ctx.plan.at(ctx.rank, acc);
-            ctx.arena()
-                .add(at, ctx.dtype(acc), &v)
-                .map_err(e)?;
+            ctx.arena().add(at, ctx.dtype(acc), &v).map_err(e)?;
             Ok(0.0)
         }
         Action::Copy { from, to } => {
@@ -292,11 +296,9 @@ impl RankCtx<'_> {
         for seg in self.plan.maths[layer].saved_segments() {
             let bytes = seg.elements as u64 * stored_bytes(seg.stored, d);
             match seg.stored {
-                Stored::Model => out.extend(
-                    self.arena()
-                        .read(at, seg.elements, d)
-                        .map_err(|e| e.0)?,
-                ),
+                Stored::Model => {
+                    out.extend(self.arena().read(at, seg.elements, d).map_err(|e| e.0)?)
+                }
                 Stored::F32 => {
                     let h = self.arena().read_bytes(at, bytes).map_err(|e| e.0)?;
                     out.extend(

@@ -111,12 +111,7 @@ impl Backend for CpuBackend {
                 .program
                 .comms
                 .values()
-                .map(|c| {
-                    c.groups
-                        .iter()
-                        .map(|g| Rendezvous::new(g.len()))
-                        .collect()
-                })
+                .map(|c| c.groups.iter().map(|g| Rendezvous::new(g.len())).collect())
                 .collect(),
             abort: Abort::default(),
             options: &self.options,
@@ -124,13 +119,14 @@ impl Backend for CpuBackend {
         };
         let results: Vec<Option<ThreadResult>> = std::thread::scope(|s| {
             let handles: Vec<_> = (0..p.ranks())
-                .flat_map(|rank| {
-                    (0..p.stream_ops.len()).map(move |stream| (rank, stream))
-                })
+                .flat_map(|rank| (0..p.stream_ops.len()).map(move |stream| (rank, stream)))
                 .map(|(rank, stream)| {
                     let shared = &shared;
                     std::thread::Builder::new()
-                        .name(format!("rank{rank}-{}", p.stream_name(StreamId::new(stream))))
+                        .name(format!(
+                            "rank{rank}-{}",
+                            p.stream_name(StreamId::new(stream))
+                        ))
                         .spawn_scoped(s, move || run_stream(shared, rank, stream))
                         .expect("spawn a stream thread")
                 })
@@ -196,13 +192,15 @@ fn run_stream(sh: &StepShared<'_>, rank: u32, stream: usize) -> Option<ThreadRes
         };
         let t = Instant::now();
         for e in &o.wait {
-            match sh.events[rank as usize].wait(e.index(), sh.input.step, &sh.abort, sh.options.timeout) {
+            // Twice the collectives' timeout: when a rank stops answering, the collective
+            // waiting for it times out first and names it.
+            let limit = 2 * sh.options.timeout;
+            match sh.events[rank as usize].wait(e.index(), sh.input.step, &sh.abort, limit) {
                 Ok(()) => {}
                 Err(Stop::Aborted) => return None,
                 Err(Stop::TimedOut) => {
                     fail(format!(
-                        "waited {:?} for {e}, which {} never recorded",
-                        sh.options.timeout,
+                        "waited {limit:?} for {e}, which {} never recorded",
                         p.describe(p.program.events[*e].recorder)
                     ));
                     return None;
@@ -210,8 +208,15 @@ fn run_stream(sh: &StepShared<'_>, rank: u32, stream: usize) -> Option<ThreadRes
             }
         }
         waiting += t.elapsed();
-        if sh.options.fault == Some((rank, op)) {
-            fail("injected fault".into());
+        if let Some(f) = sh.options.fault.filter(|f| f.rank == rank && f.op == op) {
+            if f.hang {
+                // Stop answering: the others must notice through their timeouts.
+                while !sh.abort.is_set() {
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+            } else {
+                fail("injected fault".into());
+            }
             return None;
         }
         let result = match &p.actions[op.index()] {
@@ -257,7 +262,9 @@ impl Jitter {
     fn new(o: &RunOptions, rank: u32, stream: u64, step: u64) -> Self {
         let mut state = o.jitter_seed ^ 0x9E37_79B9_7F4A_7C15;
         for x in [u64::from(rank), stream, step] {
-            state = (state ^ x).wrapping_mul(0xBF58_476D_1CE4_E5B9).rotate_left(31);
+            state = (state ^ x)
+                .wrapping_mul(0xBF58_476D_1CE4_E5B9)
+                .rotate_left(31);
         }
         Jitter {
             max: o.jitter,

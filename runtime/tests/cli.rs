@@ -1,0 +1,168 @@
+//! The `schedrun` command line: per-step JSON lines and the summary, exit codes, refusals, and
+//! checkpoints written and resumed through the flags.
+
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap()
+        .to_path_buf()
+}
+
+fn schedrun(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_schedrun"))
+        .args(args)
+        .current_dir(root())
+        .output()
+        .unwrap()
+}
+
+fn temp(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("schedrun-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir.join(name)
+}
+
+fn json_lines(out: &Output) -> Vec<Value> {
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+        .collect()
+}
+
+#[test]
+fn json_lines_per_step_and_a_summary_with_memory() {
+    let out = schedrun(&["schedules/tiny_cpu.sched", "--steps", "3", "--json"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let lines = json_lines(&out);
+    assert_eq!(lines.len(), 4);
+    for (i, l) in lines[..3].iter().enumerate() {
+        assert_eq!(l["step"], i as u64 + 1);
+        assert!(l["loss"].as_f64().unwrap() > 1.0);
+        assert!(l["step_time_s"].as_f64().unwrap() > 0.0);
+        assert!(l["tokens_per_s"].as_f64().unwrap() > 0.0);
+    }
+    let s = &lines[3]["summary"];
+    assert_eq!(s["steps"], 3);
+    let mem = s["memory_per_rank"].as_array().unwrap();
+    assert_eq!(mem.len(), 4);
+    for m in mem {
+        assert_eq!(m["planned_bytes"], m["allocated_bytes"]);
+        assert!(m["peak_touched_bytes"].as_u64() <= m["planned_bytes"].as_u64());
+    }
+    let streams: Vec<&str> = s["streams"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(streams, ["compute", "gather", "reduce", "sync"]);
+}
+
+#[test]
+fn a_plan_file_runs_like_its_source_and_checkpoints_resume() {
+    let plan = temp("tiny.plan.json");
+    let schedc = Path::new(env!("CARGO_BIN_EXE_schedrun")).with_file_name("schedc");
+    if !schedc.exists() {
+        // schedc is another package's binary; build it through cargo when missing.
+        let st = Command::new(env!("CARGO"))
+            .args(["build", "-q", "-p", "schedc"])
+            .current_dir(root())
+            .status()
+            .unwrap();
+        assert!(st.success());
+    }
+    let st = Command::new(&schedc)
+        .args(["compile", "schedules/tiny_cpu.sched", "-o"])
+        .arg(&plan)
+        .current_dir(root())
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let from_source = json_lines(&schedrun(&[
+        "schedules/tiny_cpu.sched",
+        "--steps",
+        "4",
+        "--json",
+    ]));
+    let ckpt = temp("two.safetensors");
+    let first = schedrun(&[
+        plan.to_str().unwrap(),
+        "--steps",
+        "2",
+        "--json",
+        "--save",
+        ckpt.to_str().unwrap(),
+    ]);
+    assert!(
+        first.status.success(),
+        "{}",
+        String::from_utf8_lossy(&first.stderr)
+    );
+    let second = schedrun(&[
+        "schedules/tiny_cpu_schedules.sched",
+        "--schedule",
+        "tiny_mics2",
+        "--lr",
+        "1e-3",
+        "--steps",
+        "2",
+        "--json",
+        "--resume",
+        ckpt.to_str().unwrap(),
+    ]);
+    assert!(
+        second.status.success(),
+        "{}",
+        String::from_utf8_lossy(&second.stderr)
+    );
+    let (a, b) = (json_lines(&first), json_lines(&second));
+    let losses: Vec<f64> = a[..2]
+        .iter()
+        .chain(&b[..2])
+        .map(|l| l["loss"].as_f64().unwrap())
+        .collect();
+    assert_eq!(b[0]["step"], 3, "a resumed run continues the step count");
+    for (got, want) in losses.iter().zip(&from_source[..4]) {
+        let want = want["loss"].as_f64().unwrap();
+        assert!(((got - want) / want).abs() < 1e-5, "{got} vs {want}");
+    }
+}
+
+#[test]
+fn refusals_have_exit_codes_and_one_clear_line() {
+    let out = schedrun(&["schedules/tiny_cpu.sched", "--backend", "cuda"]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("cuda backend"), "{err}");
+
+    let bad = temp("bad.plan.json");
+    std::fs::write(&bad, "{\"format\": \"sched-plan\", \"version\": 1, \"sched").unwrap();
+    let out = schedrun(&[bad.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("not a plan file"));
+
+    let out = schedrun(&["schedules/tiny_cpu.sched", "--steps", "1", "--clip", "1.0"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("compiled without it"));
+
+    let out = schedrun(&["schedules/tiny_cpu_schedules.sched"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--schedule"));
+
+    let out = schedrun(&[
+        "schedules/tiny_cpu.sched",
+        "--init",
+        "/nonexistent.safetensors",
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("cannot read"));
+    assert!(out.stdout.is_empty(), "nothing runs after a refusal");
+}
