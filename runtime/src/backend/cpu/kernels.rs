@@ -37,8 +37,8 @@ pub fn run(ctx: &RankCtx, a: &Action, m: Option<u32>, input: &StepInput) -> Resu
                 Some(x) => Input::Hidden(x),
                 None => Input::Tokens(&b.inputs),
             };
-            let mut out = vec![0.0; math.output_elements()];
-            let mut keep = vec![0.0; math.saved_elements()];
+            let mut out = ctx.zeros(math.output_elements());
+            let mut keep = ctx.zeros(math.saved_elements());
             math.forward(
                 p.as_deref().unwrap_or(&[]),
                 t.as_deref(),
@@ -70,7 +70,7 @@ pub fn run(ctx: &RankCtx, a: &Action, m: Option<u32>, input: &StepInput) -> Resu
             let t = ctx.tied(*layer, tied)?;
             let keep = match saved {
                 Some(s) => ctx.read_saved(*layer, s)?,
-                None => vec![],
+                None => ctx.zeros(0),
             };
             let x = ctx.read_opt(hidden, math.input_elements())?;
             let b = batch(m)?;
@@ -79,9 +79,9 @@ pub fn run(ctx: &RankCtx, a: &Action, m: Option<u32>, input: &StepInput) -> Resu
                 None => Input::Tokens(&b.inputs),
             };
             let dy = ctx.read(grad_output, math.output_elements())?;
-            let mut dx = grad_input.map(|_| vec![0.0; math.input_elements()]);
-            let mut dp = vec![0.0; math.params()];
-            let mut dt = t.as_ref().map(|t| vec![0.0; t.len()]);
+            let mut dx = grad_input.map(|_| ctx.zeros(math.input_elements()));
+            let mut dp = ctx.zeros(math.params());
+            let mut dt = t.as_ref().map(|t| ctx.zeros(t.len()));
             math.backward(
                 p.as_deref().unwrap_or(&[]),
                 t.as_deref(),
@@ -109,7 +109,7 @@ pub fn run(ctx: &RankCtx, a: &Action, m: Option<u32>, input: &StepInput) -> Resu
                 _ => return Err("the model does not end in an lm_head".into()),
             };
             let z = ctx.read(logits, n * vocab)?;
-            let mut dz = vec![0.0; n * vocab];
+            let mut dz = ctx.zeros(n * vocab);
             let loss = cross_entropy(&z, &b.targets, vocab, &mut dz);
             ctx.write(grad, &dz)?;
             Ok(loss)
@@ -200,26 +200,39 @@ impl RankCtx<'_> {
         r.bytes / self.dtype(r).bytes()
     }
 
+    /// A zeroed scratch vector of `n` values from the stream's pool.
+    fn zeros(&self, n: usize) -> Buf<'_> {
+        let mut v = self.scratch.borrow_mut().pop().unwrap_or_default();
+        v.clear();
+        v.resize(n, 0.0);
+        Buf {
+            v,
+            pool: &self.scratch,
+        }
+    }
+
     /// The first `n` values of `r`.
-    fn read(&self, r: &Region, n: usize) -> Result<Vec<f32>, String> {
+    fn read(&self, r: &Region, n: usize) -> Result<Buf<'_>, String> {
         if (n as u64) > self.elements(r) {
             return Err(format!(
                 "reads {n} values from a region of {}",
                 self.elements(r)
             ));
         }
+        let mut v = self.zeros(n);
         self.arena()
-            .read(self.plan.at(self.rank, r), n, self.dtype(r))
-            .map_err(|e| e.0)
+            .read_into(self.plan.at(self.rank, r), self.dtype(r), &mut v)
+            .map_err(|e| e.0)?;
+        Ok(v)
     }
 
-    fn read_opt(&self, r: &Option<Region>, n: usize) -> Result<Option<Vec<f32>>, String> {
+    fn read_opt(&self, r: &Option<Region>, n: usize) -> Result<Option<Buf<'_>>, String> {
         r.as_ref().map(|r| self.read(r, n)).transpose()
     }
 
     /// A tied head's embedding matrix: the first vocab × hidden values of the embedding's
     /// parameters (zeros for a recompute, which needs only the saved activations).
-    fn tied(&self, layer: usize, r: &Option<Region>) -> Result<Option<Vec<f32>>, String> {
+    fn tied(&self, layer: usize, r: &Option<Region>) -> Result<Option<Buf<'_>>, String> {
         let LayerKind::LmHead {
             tied: true,
             vocab,
@@ -232,7 +245,7 @@ impl RankCtx<'_> {
         let n = (vocab * hidden) as usize;
         match r {
             Some(r) => self.read(r, n).map(Some),
-            None => Ok(Some(vec![0.0; n])),
+            None => Ok(Some(self.zeros(n))),
         }
     }
 
@@ -254,7 +267,7 @@ impl RankCtx<'_> {
     fn write_grads(&self, parts: &[GradPart], grad: &[f32]) -> Result<(), String> {
         for part in parts {
             let n = self.elements(&part.region) as usize;
-            let mut v = vec![0.0; n];
+            let mut v = self.zeros(n);
             let lo = part.first.min(grad.len());
             let hi = (part.first + n).min(grad.len());
             v[..hi - lo].copy_from_slice(&grad[lo..hi]);
@@ -289,25 +302,25 @@ impl RankCtx<'_> {
         Ok(())
     }
 
-    fn read_saved(&self, layer: usize, r: &Region) -> Result<Vec<f32>, String> {
+    fn read_saved(&self, layer: usize, r: &Region) -> Result<Buf<'_>, String> {
         let mut at = self.plan.at(self.rank, r);
         let d = self.dtype(r);
-        let mut out = Vec::with_capacity(self.plan.maths[layer].saved_elements());
+        let mut out = self.zeros(self.plan.maths[layer].saved_elements());
+        let mut rest = &mut out[..];
         for seg in self.plan.maths[layer].saved_segments() {
             let bytes = seg.elements as u64 * stored_bytes(seg.stored, d);
+            let (now, later) = rest.split_at_mut(seg.elements);
             match seg.stored {
-                Stored::Model => {
-                    out.extend(self.arena().read(at, seg.elements, d).map_err(|e| e.0)?)
-                }
+                Stored::Model => self.arena().read_into(at, d, now).map_err(|e| e.0)?,
                 Stored::F32 => {
                     let h = self.arena().read_bytes(at, bytes).map_err(|e| e.0)?;
-                    out.extend(
-                        h.chunks_exact(2)
-                            .map(|p| f32::from_bits(u32::from(p[0]) | (u32::from(p[1]) << 16))),
-                    );
+                    for (x, p) in now.iter_mut().zip(h.chunks_exact(2)) {
+                        *x = f32::from_bits(u32::from(p[0]) | (u32::from(p[1]) << 16));
+                    }
                 }
             }
             at += bytes;
+            rest = later;
         }
         Ok(out)
     }
@@ -327,4 +340,30 @@ fn f32_halves(v: &[f32]) -> Vec<u16> {
             [b as u16, (b >> 16) as u16]
         })
         .collect()
+}
+
+/// A scratch vector borrowed from a stream's pool; it goes back when dropped, so steady-state
+/// steps allocate nothing.
+pub struct Buf<'a> {
+    v: Vec<f32>,
+    pool: &'a std::cell::RefCell<Vec<Vec<f32>>>,
+}
+
+impl std::ops::Deref for Buf<'_> {
+    type Target = [f32];
+    fn deref(&self) -> &[f32] {
+        &self.v
+    }
+}
+
+impl std::ops::DerefMut for Buf<'_> {
+    fn deref_mut(&mut self) -> &mut [f32] {
+        &mut self.v
+    }
+}
+
+impl Drop for Buf<'_> {
+    fn drop(&mut self) {
+        self.pool.borrow_mut().push(std::mem::take(&mut self.v));
+    }
 }

@@ -21,7 +21,8 @@ use crate::exec::Action;
 use crate::plan::Plan;
 use schedc::ir::StreamId;
 use schedc::job::Dtype;
-use std::sync::Arc;
+use std::cell::RefCell;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use sync::{Abort, Events, Rendezvous, Stop};
 
@@ -30,6 +31,8 @@ pub struct CpuBackend {
     plan: Arc<Plan>,
     arenas: Vec<Arena>,
     options: RunOptions,
+    /// Scratch vectors of each (rank, stream) thread, kept from step to step.
+    pools: Vec<Mutex<Vec<Vec<f32>>>>,
 }
 
 impl CpuBackend {
@@ -38,10 +41,14 @@ impl CpuBackend {
         let arenas = (0..plan.ranks())
             .map(|_| Arena::new(plan.program.arena_bytes))
             .collect();
+        let pools = (0..plan.ranks() as usize * plan.stream_ops.len())
+            .map(|_| Mutex::new(vec![]))
+            .collect();
         CpuBackend {
             plan,
             arenas,
             options,
+            pools,
         }
     }
 }
@@ -56,6 +63,7 @@ struct StepShared<'a> {
     abort: Abort,
     options: &'a RunOptions,
     input: &'a StepInput,
+    pools: &'a [Mutex<Vec<Vec<f32>>>],
 }
 
 /// One rank's view while it runs an op.
@@ -65,6 +73,8 @@ pub struct RankCtx<'a> {
     pub rank: u32,
     /// Index of the rank among the backend's ranks (into the step's batches).
     pub local: usize,
+    /// The thread's scratch vectors.
+    pub scratch: RefCell<Vec<Vec<f32>>>,
 }
 
 struct ThreadResult {
@@ -116,6 +126,7 @@ impl Backend for CpuBackend {
             abort: Abort::default(),
             options: &self.options,
             input,
+            pools: &self.pools,
         };
         let results: Vec<Option<ThreadResult>> = std::thread::scope(|s| {
             let handles: Vec<_> = (0..p.ranks())
@@ -171,12 +182,21 @@ use cranelift_entity::EntityRef;
 /// Runs one stream of one rank through the step; `None` when the step was aborted.
 fn run_stream(sh: &StepShared<'_>, rank: u32, stream: usize) -> Option<ThreadResult> {
     let p = sh.plan;
+    let pool = &sh.pools[rank as usize * p.stream_ops.len() + stream];
     let ctx = RankCtx {
         plan: p,
         arenas: sh.arenas,
         rank,
         local: rank as usize,
+        scratch: RefCell::new(std::mem::take(&mut *pool.lock().expect("pool lock"))),
     };
+    let result = run_ops(sh, &ctx, stream);
+    *pool.lock().expect("pool lock") = ctx.scratch.into_inner();
+    result
+}
+
+fn run_ops(sh: &StepShared<'_>, ctx: &RankCtx<'_>, stream: usize) -> Option<ThreadResult> {
+    let (p, rank) = (sh.plan, ctx.rank);
     let mut jitter = Jitter::new(sh.options, rank, stream as u64, sh.input.step);
     let (mut loss, mut waiting) = (0.0, Duration::ZERO);
     let started = Instant::now();
@@ -222,11 +242,11 @@ fn run_stream(sh: &StepShared<'_>, rank: u32, stream: usize) -> Option<ThreadRes
         let result = match &p.actions[op.index()] {
             Action::Collectives(cs) => {
                 let t = Instant::now();
-                let r = collectives::run(sh, &ctx, op, cs);
+                let r = collectives::run(sh, ctx, op, cs);
                 waiting += t.elapsed();
                 r.map(|()| 0.0)
             }
-            a => kernels::run(&ctx, a, o.micro_step, sh.input),
+            a => kernels::run(ctx, a, o.micro_step, sh.input),
         };
         match result {
             Ok(l) => loss += l,
