@@ -1,0 +1,167 @@
+//! The parity contract over a matrix of schedules generated for both tiny models: every preset,
+//! a spread of AMSP meshes (within a node, across nodes, mixed), hierarchical all-gather on and
+//! off, hpZ, recompute, prefetch depths and caps, buckets, all three stream policies, micro-steps,
+//! flat gradient sync, deferred refresh and overlap switched off. Each schedule runs 20 steps on
+//! the CPU backend and must give the reference trainer's losses and final weights within 1e-5
+//! (`runtime.md`, "Parity"), and 3 steps under the stress mode's random delays.
+
+use schedc::sema::Loader;
+use schedc::{analyze, Job};
+use schedrun::backend::cpu::CpuBackend;
+use schedrun::backend::RunOptions;
+use schedrun::data::Corpus;
+use schedrun::plan::Plan;
+use schedrun::reference::Reference;
+use schedrun::train::Trainer;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// (name, cluster, keys): each is compiled for tiny_gpt and for tiny_llama.
+const MATRIX: &[(&str, &str, &str)] = &[
+    ("ddp", "cpu4", "preset = ddp  micro_steps = 2"),
+    ("zero1", "cpu4", "preset = zero1  buckets { reduce = 1 MiB }"),
+    ("zero2", "cpu4", "preset = zero2  micro_steps = 3  streams = single"),
+    ("zero3", "cpu4", "preset = zero3  prefetch { forward = 2  backward = 2 }"),
+    ("fsdp_capped", "cpu4", "preset = fsdp  prefetch { forward = 3  backward = 3  max_live = 384 KiB }  recompute = full"),
+    ("mics2", "cpu4", "preset = mics(partition = 2)  buckets { gather = 1 MiB  reduce = 1 MiB }"),
+    ("mics4_hier", "cpu2x2", "preset = mics(partition = 4)  micro_steps = 2"),
+    ("mics4_flat_ag", "cpu2x2", "preset = mics(partition = 4)  all_gather = flat  streams = per_link"),
+    ("hsdp2", "cpu2x2", "preset = hsdp(partition = 2)  overlap { refresh = next_forward }"),
+    ("hpz2", "cpu2x2", "preset = hpz(secondary = 2)  micro_steps = 2"),
+    ("amsp_os_only_across", "cpu2x2", "shard { params = none  grads = 2 x 1  optimizer = 2 x 2 }  overlap { refresh = next_forward }"),
+    ("amsp_inter", "cpu2x2", "shard { params = 1 x 2  grads = 1 x 2  optimizer = 2 x 2 }  all_gather = hierarchical  streams = per_link"),
+    ("amsp_flat_sync", "cpu4", "shard { params = 1  grads = 2  optimizer = 4 }  grad_sync = flat  micro_steps = 2"),
+    ("zero3_no_overlap", "cpu4", "preset = zero3  reshard_after_forward = false  overlap { gather = false  reduce = false  sync = false  refresh = false }"),
+];
+
+/// Serves the generated file from memory and everything it imports from disk.
+struct Overlay {
+    root: PathBuf,
+    text: String,
+}
+
+impl Loader for Overlay {
+    fn read(&self, path: &Path) -> std::io::Result<String> {
+        if self.identity(path) == self.root {
+            Ok(self.text.clone())
+        } else {
+            std::fs::read_to_string(path)
+        }
+    }
+}
+
+fn matrix() -> Vec<Job> {
+    let schedules = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap()
+        .join("schedules");
+    let mut text = String::from("import \"models/tiny.sched\"\nimport \"clusters/cpu.sched\"\n");
+    for model in ["tiny_gpt", "tiny_llama"] {
+        for (name, cluster, keys) in MATRIX {
+            text += &format!(
+                "schedule {model}_{name} {{\n    model = {model}\n    cluster = {cluster}\n    {keys}\n    train {{ lr = 1e-3  seed = 3 }}\n}}\n"
+            );
+        }
+    }
+    let root = schedules.join("generated_parity_matrix.sched");
+    let a = analyze(
+        &root,
+        &Overlay {
+            root: root.clone(),
+            text,
+        },
+    )
+    .unwrap();
+    assert!(!a.has_errors(), "{}", a.render());
+    assert_eq!(a.jobs.len(), 2 * MATRIX.len());
+    a.jobs.clone()
+}
+
+fn reference(job: &Job, steps: u64) -> (Vec<f64>, Vec<f32>) {
+    let corpus = Corpus::builtin();
+    let model = &job.model;
+    let sequences =
+        job.ranks() as usize * job.schedule.micro_steps as usize * model.micro_batch as usize;
+    let mut r = Reference::new(model, &job.schedule.train).unwrap();
+    let losses = (0..steps)
+        .map(|t| {
+            let b = corpus
+                .global_batch(t, sequences, model.seq_len as usize)
+                .unwrap();
+            r.step(t, &b)
+        })
+        .collect();
+    (
+        losses,
+        r.weights().into_iter().flat_map(|(_, w)| w).collect(),
+    )
+}
+
+fn scheduled(job: &Job, steps: u64, options: RunOptions) -> (Vec<f64>, Vec<f32>) {
+    let (program, _) =
+        schedc::compile(job).unwrap_or_else(|e| panic!("{}: {e}", job.schedule.name));
+    let plan = Arc::new(Plan::unverified(program, job.clone()).unwrap());
+    let backend = CpuBackend::new(plan.clone(), options);
+    let mut t = Trainer::new(plan, backend, Corpus::builtin());
+    let init = t.initial_state(job.schedule.train.seed);
+    t.load(&init).unwrap();
+    let losses = (0..steps)
+        .map(|_| t.step(job.schedule.train.lr, None).unwrap().loss)
+        .collect();
+    let weights = t
+        .state()
+        .unwrap()
+        .layers
+        .into_iter()
+        .flat_map(|l| l.params)
+        .collect();
+    (losses, weights)
+}
+
+fn check(job: &Job, got: &(Vec<f64>, Vec<f32>), want: &(Vec<f64>, Vec<f32>), what: &str) {
+    let name = &job.schedule.name;
+    for (i, (g, w)) in got.0.iter().zip(&want.0).enumerate() {
+        assert!(
+            ((g - w) / w).abs() <= 1e-5,
+            "{name} ({what}): step {} loss {g}, reference {w}",
+            i + 1
+        );
+    }
+    let worst = got
+        .1
+        .iter()
+        .zip(&want.1)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0f32, f32::max);
+    assert!(
+        worst <= 1e-5,
+        "{name} ({what}): final weights differ by {worst}"
+    );
+}
+
+#[test]
+fn the_schedule_matrix_matches_the_reference() {
+    for job in &matrix() {
+        let want = reference(job, 20);
+        check(
+            job,
+            &scheduled(job, 20, RunOptions::default()),
+            &want,
+            "20 steps",
+        );
+    }
+}
+
+#[test]
+fn the_schedule_matrix_matches_under_jitter() {
+    for job in &matrix() {
+        let want = reference(job, 3);
+        let options = RunOptions {
+            jitter: Some(Duration::from_micros(200)),
+            jitter_seed: 11,
+            ..RunOptions::default()
+        };
+        check(job, &scheduled(job, 3, options), &want, "jitter");
+    }
+}
