@@ -611,11 +611,11 @@ pub fn cross_entropy(
             "cross_entropy: target {target} not below vocab {vocab}"
         );
         let max = row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
-        let sum: f32 = row.iter().map(|&x| (x - max).exp()).sum();
+        let sum = ops::sum_exp(row, max);
         let lse = max + sum.ln();
         total += f64::from(lse - row[target]);
         for (g, &x) in grad.iter_mut().zip(row) {
-            *g = (x - lse).exp() * inv;
+            *g = ops::exp(x - lse) * inv;
         }
         grad[target] -= inv;
     }
