@@ -166,13 +166,17 @@ fn check(model_name: &str, layer: &str) {
     let mut gp = vec![f32::NAN; m.params()];
     let mut gt = vec![f32::NAN; m.tied_elements()];
     let mut out = vec![0.0; m.output_elements()];
-    let mut saved = vec![0.0; m.saved_elements()];
+    let mut saved = vec![f32::NAN; m.saved_elements()];
     let input = if m.takes_tokens() {
         Input::Tokens(&c.tokens)
     } else {
         Input::Hidden(&c.hidden)
     };
     m.forward(&c.params, c.tied.as_deref(), input, &mut out, &mut saved);
+    assert!(
+        saved.iter().all(|v| v.is_finite()),
+        "forward left part of `saved` unwritten"
+    );
     gi.fill(f32::NAN);
     m.backward(
         &c.params,

@@ -234,6 +234,49 @@ fn bf16_models_store_bf16_values() {
     }
 }
 
+/// Ranks run layers on threads of their own: the math is shareable and gives the same bits on
+/// any thread, while other threads use it at the same time.
+#[test]
+fn layer_math_is_shared_across_threads_with_identical_results() {
+    fn shareable<T: Send + Sync>() {}
+    shareable::<LayerMath>();
+    let model = common::tiny("tiny_llama");
+    let l = &model.layers[1];
+    let m = LayerMath::new(l, &model).unwrap();
+    let p = init_layer(l, &model, 4);
+    let mut rng = Rng::new(11);
+    let x = common::normal(&mut rng, m.input_elements(), 1.0);
+    let g = common::normal(&mut rng, m.output_elements(), 1.0);
+    let run = || {
+        let mut out = vec![0.0; m.output_elements()];
+        let mut saved = vec![0.0; m.saved_elements()];
+        let mut gi = vec![0.0; m.input_elements()];
+        let mut gp = vec![0.0; m.params()];
+        for _ in 0..3 {
+            m.forward(&p, None, Input::Hidden(&x), &mut out, &mut saved);
+            m.backward(
+                &p,
+                None,
+                &saved,
+                Input::Hidden(&x),
+                &g,
+                Some(&mut gi),
+                &mut gp,
+                None,
+            );
+        }
+        (out, saved, gi, gp)
+    };
+    let alone = run();
+    let together: Vec<_> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..4).map(|_| s.spawn(run)).collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for r in together {
+        assert!(r == alone, "a thread computed different bits");
+    }
+}
+
 // ---- initialisation ----
 
 fn stats(v: &[f32]) -> (f64, f64) {
