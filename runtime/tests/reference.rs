@@ -113,7 +113,7 @@ fn averaging_does_not_depend_on_the_micro_batch_split() {
 
 /// Not a test of correctness: prints the time of one tiny_gpt forward+backward (one micro-batch,
 /// 2 × 64 tokens) on one thread. `cargo test -p schedrun --release --test reference -- --ignored
-/// --nocapture timing`.
+/// --nocapture --test-threads=1 timing`.
 #[test]
 #[ignore]
 fn timing_tiny_gpt_forward_backward() {
@@ -166,4 +166,55 @@ fn timing_tiny_gpt_forward_backward() {
             block * 1e3
         );
     }
+}
+
+/// Not a test of correctness: GFLOP/s of one GPT-2-small block (768 wide, 12 heads, 256 tokens)
+/// forward+backward on one thread, to spot a slow path. `cargo test -p schedrun --release --test
+/// reference -- --ignored --nocapture --test-threads=1 timing`.
+#[test]
+#[ignore]
+fn timing_gpt2_block() {
+    let model = common::model(
+        "model g { dtype = fp32 optimizer = adamw seq_len = 256 micro_batch = 1\n\
+         layer embed = embedding(vocab = 256, hidden = 768, positions = learned)\n\
+         layer block[1] = transformer(hidden = 768, heads = 12, ffn = 3072)\n\
+         layer head = lm_head(hidden = 768, vocab = 256, tied = true)\n}\n",
+        "g",
+    );
+    let l = &model.layers[1];
+    let m = LayerMath::new(l, &model).unwrap();
+    let p = schedrun::math::init_layer(l, &model, 0);
+    let x = vec![0.1f32; m.input_elements()];
+    let mut out = vec![0.0; m.output_elements()];
+    let mut saved = vec![0.0; m.saved_elements()];
+    let mut gi = vec![0.0; m.input_elements()];
+    let mut gp = vec![0.0; m.params()];
+    let mut best = (f64::INFINITY, f64::INFINITY);
+    for _ in 0..5 {
+        let t = Instant::now();
+        m.forward(&p, None, Input::Hidden(&x), &mut out, &mut saved);
+        let f = t.elapsed().as_secs_f64();
+        m.backward(
+            &p,
+            None,
+            &saved,
+            Input::Hidden(&x),
+            &x,
+            Some(&mut gi),
+            &mut gp,
+            None,
+        );
+        best = (best.0.min(f), best.1.min(t.elapsed().as_secs_f64() - f));
+    }
+    let (t, s, h) = (256.0, 256.0, 768.0);
+    let dense = 2.0 * t * (m.params() as f64);
+    let attn = 2.0 * 2.0 * t * s / 2.0 * h; // QKᵀ and PV, causal half
+    let gflops = |flop: f64, secs: f64| flop / secs / 1e9;
+    println!(
+        "gpt2 block, 256 tokens: forward {:.1} ms ({:.1} GFLOP/s), backward {:.1} ms ({:.1} GFLOP/s)",
+        best.0 * 1e3,
+        gflops(dense + attn, best.0),
+        best.1 * 1e3,
+        gflops(2.0 * dense + 2.5 * attn, best.1)
+    );
 }
