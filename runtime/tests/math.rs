@@ -7,8 +7,8 @@ use schedc::job::{Dtype, Model, Optimizer};
 use schedc::lower::activations::{output_bytes, saved_bytes};
 use schedrun::data::{Corpus, DataError};
 use schedrun::math::{
-    bf16_bits_to_f32, decay_ranges, f32_to_bf16_bits, init_layer, optimizer_step, round_bf16,
-    round_f16, Input, LayerMath, OptimizerConfig, Rng, Stored,
+    bf16_bits_to_f32, decay_ranges, f32_to_bf16_bits, grad_scale, init_layer, optimizer_step,
+    round_bf16, round_f16, Input, LayerMath, OptimizerConfig, Rng, Stored,
 };
 
 /// Pairs of models that differ only in `attention`, with 150-token sequences (three row blocks,
@@ -439,6 +439,15 @@ fn adamw_first_and_second_step_by_hand() {
     for (got, want) in state[..2].iter().zip(want) {
         assert!((f64::from(*got) - want).abs() < 1e-7, "{got} vs {want}");
     }
+}
+
+#[test]
+fn grad_scale_averages_and_clips() {
+    // Summed gradient of norm 20 over 4 contributions: the average has norm 5.
+    assert_eq!(grad_scale(400.0, 4, None), 0.25);
+    assert_eq!(grad_scale(400.0, 4, Some(10.0)), 0.25);
+    let clipped = f64::from(grad_scale(400.0, 4, Some(1.0)));
+    assert!((clipped - 0.25 / (5.0 + 1e-6)).abs() < 1e-9, "{clipped}");
 }
 
 #[test]

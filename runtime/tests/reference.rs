@@ -111,6 +111,29 @@ fn averaging_does_not_depend_on_the_micro_batch_split() {
     assert!(rel < 1e-4, "{rel}");
 }
 
+#[test]
+fn clipping_changes_the_step_only_when_it_binds() {
+    let model = common::tiny("tiny_gpt");
+    let batch = Corpus::builtin().global_batch(0, 4, 64).unwrap();
+    let weights = |clip| {
+        let mut r = Reference::new(&model, &train(1e-2, clip)).unwrap();
+        r.step(0, &batch);
+        r.step(1, &batch);
+        r.weights()
+    };
+    let free = weights(None);
+    assert_eq!(
+        free,
+        weights(Some(1e6)),
+        "a clip far above the norm changes nothing"
+    );
+    assert_ne!(
+        free,
+        weights(Some(1e-3)),
+        "a clip far below the norm scales the step"
+    );
+}
+
 /// Not a test of correctness: prints the time of one tiny_gpt forward+backward (one micro-batch,
 /// 2 × 64 tokens) on one thread. `cargo test -p schedrun --release --test reference -- --ignored
 /// --nocapture --test-threads=1 timing`.
