@@ -440,8 +440,8 @@ impl LayerMath {
     /// seq_len, w = h + 2·kv the q/k/v width):
     /// - transformer: `ln1.out` T·h, `ln1.stats` 2·T fp32 ((mean, 1/σ) per token; mean 0 for RMS
     ///   norm), `attn.qkv` T·w (q and k after rotary positions), `attn.out` T·h (before the
-    ///   projection), `attn.lse` n·T fp32 ([seq][head][row], flash) or `attn.probs` n·T·s
-    ///   ([seq][head][row][col], naive), `resid` T·h (after attention), `ln2.out`, `ln2.stats`,
+    ///   projection), `attn.lse` n·T fp32 (`[seq][head][row]`, flash) or `attn.probs` n·T·s
+    ///   (`[seq][head][row][col]`, naive), `resid` T·h (after attention), `ln2.out`, `ln2.stats`,
     ///   then the MLP's: gelu `mlp.pre`, `mlp.post` T·f each; swiglu `mlp.gate`, `mlp.up`,
     ///   `mlp.prod` (silu(gate)·up) T·f each;
     /// - mlp: `ln.out`, `ln.stats`, then the MLP's; lm_head: `norm.out`, `norm.stats`;

@@ -50,7 +50,7 @@ pub fn grad_scale(sum_sq: f64, contributions: u64, clip: Option<f64>) -> f32 {
 }
 
 /// One optimizer step on the `n = grad.len()` elements of a layer's flat vector starting at element
-/// `first`. `state` is [master | m | v] (3n) for Adam/AdamW and [master] (n) for SGD. `grad` is the
+/// `first`. `state` is `[master | m | v]` (3n) for Adam/AdamW and `[master]` (n) for SGD. `grad` is the
 /// SUM of the micro-batch contributions and is multiplied by `grad_scale` before use; `step` is
 /// 1-based. Elements inside `decay` (flat-vector ranges, [`super::decay_ranges`]) get AdamW's
 /// decoupled weight decay. The update follows PyTorch's `torch.optim.AdamW` (single tensor).
