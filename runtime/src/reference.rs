@@ -9,8 +9,8 @@
 
 use crate::data::Batch;
 use crate::math::{
-    cross_entropy, decay_ranges, init_layer, optimizer_step, tensor_range, Input, LayerMath,
-    MathError, OptimizerConfig, Precision,
+    cross_entropy, decay_ranges, grad_scale, init_layer, optimizer_step, tensor_range, Input,
+    LayerMath, MathError, OptimizerConfig, Precision,
 };
 use schedc::job::{Layer, LayerKind, Model, Train};
 use std::ops::Range;
@@ -214,21 +214,16 @@ impl Reference {
         for (x, y) in batch.inputs.chunks(chunk).zip(batch.targets.chunks(chunk)) {
             total += self.micro_batch(x, y);
         }
-        let mean = 1.0 / micro_batches as f64;
-        let mut factor = 1.0;
-        if let Some(clip) = self.clip {
-            let sq: f64 = self
+        let sum_sq: f64 = match self.clip {
+            Some(_) => self
                 .grads
                 .iter()
                 .flatten()
-                .map(|&g| {
-                    let g = f64::from(g) * mean;
-                    g * g
-                })
-                .sum();
-            factor = (clip / (sq.sqrt() + 1e-6)).min(1.0);
-        }
-        let scale = (factor * mean) as f32;
+                .map(|&g| f64::from(g) * f64::from(g))
+                .sum(),
+            None => 0.0,
+        };
+        let scale = grad_scale(sum_sq, micro_batches as u64, self.clip);
         for i in 0..self.math.len() {
             optimizer_step(
                 &self.opt,

@@ -8,6 +8,7 @@
 //! saves them) and `flash` (which saves lse and recomputes them) agree to the last bit in fp32.
 
 use super::gemm::{gemm, Mat, MatMut};
+use super::ops;
 use super::precision::Precision;
 
 pub(crate) const BLOCK: usize = 64;
@@ -95,9 +96,9 @@ pub(crate) fn forward(
                     let i = r0 + ii;
                     let live = &mut row[..=i];
                     let max = live.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
-                    let sum: f32 = live.iter().map(|&x| (x - max).exp()).sum();
+                    let sum = ops::sum_exp(live, max);
                     let lse = max + sum.ln();
-                    live.iter_mut().for_each(|x| *x = (*x - lse).exp());
+                    live.iter_mut().for_each(|x| *x = ops::exp(*x - lse));
                     row[i + 1..].fill(0.0);
                     match &mut keep {
                         Keep::Lse(l) => l[bh * s + i] = lse,
@@ -154,7 +155,7 @@ pub(crate) fn backward(
                         for (ii, row) in p.chunks_exact_mut(r1).enumerate() {
                             let i = r0 + ii;
                             let lse = l[bh * s + i];
-                            row[..=i].iter_mut().for_each(|x| *x = (*x - lse).exp());
+                            row[..=i].iter_mut().for_each(|x| *x = ops::exp(*x - lse));
                             row[i + 1..].fill(0.0);
                         }
                     }

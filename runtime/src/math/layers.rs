@@ -358,15 +358,20 @@ pub(super) fn backward(
     gp.fill(0.0);
     match &m.kind {
         Kind::Embedding {
+            vocab,
             hidden: h,
             wte,
             wpe,
-            ..
         } => {
             let Input::Tokens(tokens) = input else {
                 unreachable!("checked by LayerMath::check")
             };
             for (i, (&tok, row)) in tokens.iter().zip(g.chunks_exact(*h)).enumerate() {
+                assert!(
+                    (tok as usize) < *vocab,
+                    "{}: token {tok} not below vocab {vocab}",
+                    m.name
+                );
                 let d = &mut gp[wte.start + tok as usize * h..][..*h];
                 d.iter_mut().zip(row).for_each(|(a, &v)| *a += v);
                 if let Some(wpe) = wpe {

@@ -30,7 +30,7 @@ mod optim;
 mod precision;
 
 pub use init::{init_layer, Rng};
-pub use optim::{optimizer_step, OptimizerConfig};
+pub use optim::{grad_scale, optimizer_step, OptimizerConfig};
 pub use precision::{bf16_bits_to_f32, f32_to_bf16_bits, round_bf16, round_f16};
 
 pub(crate) use precision::Precision;
@@ -436,7 +436,16 @@ impl LayerMath {
         self.params
     }
 
-    /// What forward keeps for backward, in buffer order.
+    /// What forward keeps for backward, in buffer order (T tokens, h hidden, f ffn, n heads, s
+    /// seq_len, w = h + 2·kv the q/k/v width):
+    /// - transformer: `ln1.out` T·h, `ln1.stats` 2·T fp32 ((mean, 1/σ) per token; mean 0 for RMS
+    ///   norm), `attn.qkv` T·w (q and k after rotary positions), `attn.out` T·h (before the
+    ///   projection), `attn.lse` n·T fp32 (`[seq][head][row]`, flash) or `attn.probs` n·T·s
+    ///   (`[seq][head][row][col]`, naive), `resid` T·h (after attention), `ln2.out`, `ln2.stats`,
+    ///   then the MLP's: gelu `mlp.pre`, `mlp.post` T·f each; swiglu `mlp.gate`, `mlp.up`,
+    ///   `mlp.prod` (silu(gate)·up) T·f each;
+    /// - mlp: `ln.out`, `ln.stats`, then the MLP's; lm_head: `norm.out`, `norm.stats`;
+    /// - embedding: nothing.
     pub fn saved_segments(&self) -> Vec<Segment> {
         self.segments.clone()
     }
@@ -611,11 +620,11 @@ pub fn cross_entropy(
             "cross_entropy: target {target} not below vocab {vocab}"
         );
         let max = row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
-        let sum: f32 = row.iter().map(|&x| (x - max).exp()).sum();
+        let sum = ops::sum_exp(row, max);
         let lse = max + sum.ln();
         total += f64::from(lse - row[target]);
         for (g, &x) in grad.iter_mut().zip(row) {
-            *g = (x - lse).exp() * inv;
+            *g = ops::exp(x - lse) * inv;
         }
         grad[target] -= inv;
     }

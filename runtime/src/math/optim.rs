@@ -36,8 +36,21 @@ impl OptimizerConfig {
     }
 }
 
+/// The `grad_scale` of a step: clip_factor / contributions, where `contributions` is the number of
+/// micro-batch gradients summed (dp·M) and, when `clip` is set, clip_factor =
+/// min(1, clip / (‖averaged gradient‖₂ + 1e-6)) with `sum_sq` = Σ g² over every element of the
+/// model's SUMMED gradient (so ‖averaged‖ = √sum_sq / contributions).
+pub fn grad_scale(sum_sq: f64, contributions: u64, clip: Option<f64>) -> f32 {
+    let mean = 1.0 / contributions as f64;
+    let factor = match clip {
+        Some(clip) => (clip / (sum_sq.sqrt() * mean + 1e-6)).min(1.0),
+        None => 1.0,
+    };
+    (factor * mean) as f32
+}
+
 /// One optimizer step on the `n = grad.len()` elements of a layer's flat vector starting at element
-/// `first`. `state` is [master | m | v] (3n) for Adam/AdamW and [master] (n) for SGD. `grad` is the
+/// `first`. `state` is `[master | m | v]` (3n) for Adam/AdamW and `[master]` (n) for SGD. `grad` is the
 /// SUM of the micro-batch contributions and is multiplied by `grad_scale` before use; `step` is
 /// 1-based. Elements inside `decay` (flat-vector ranges, [`super::decay_ranges`]) get AdamW's
 /// decoupled weight decay. The update follows PyTorch's `torch.optim.AdamW` (single tensor).
