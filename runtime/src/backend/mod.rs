@@ -46,7 +46,8 @@ pub struct StreamWait {
 /// What a step produced.
 #[derive(Clone, Debug)]
 pub struct StepOutcome {
-    /// Sum of every token's cross-entropy over the ranks this backend drives.
+    /// Sum of every token's cross-entropy over **all** ranks of the plan (a backend that drives
+    /// only some ranks, one process per GPU, sums it across processes).
     pub loss_sum: f64,
     pub waits: Vec<StreamWait>,
 }
