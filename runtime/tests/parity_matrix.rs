@@ -3,7 +3,9 @@
 //! off, hpZ, recompute, prefetch depths and caps, buckets, all three stream policies, micro-steps,
 //! flat gradient sync, deferred refresh and overlap switched off. Each schedule runs 20 steps on
 //! the CPU backend and must give the reference trainer's losses and final weights within 1e-5
-//! (`runtime.md`, "Parity"), and 3 steps under the stress mode's random delays.
+//! (`runtime.md`, "Parity"), and 3 steps under the stress mode's random delays. bf16 models are
+//! outside the contract (rounding happens at different points in sharded and whole runs), so they
+//! are held to 1e-2.
 
 use schedc::sema::Loader;
 use schedc::{analyze, Job};
@@ -35,6 +37,24 @@ const MATRIX: &[(&str, &str, &str)] = &[
     ("zero3_no_overlap", "cpu4", "preset = zero3  reshard_after_forward = false  overlap { gather = false  reduce = false  sync = false  refresh = false }"),
 ];
 
+/// bf16 variants of the tiny models, under ZeRO-3 and hierarchical MiCS.
+const BF16: &str = r#"
+model tiny_gpt_bf16 {
+    dtype = bf16  optimizer = adamw  seq_len = 64  micro_batch = 2
+    layer embed    = embedding(vocab = 256, hidden = 64, positions = learned)
+    layer block[2] = transformer(hidden = 64, heads = 4, ffn = 256)
+    layer head     = lm_head(hidden = 64, vocab = 256, tied = true)
+}
+model tiny_llama_bf16 {
+    dtype = bf16  optimizer = adamw  seq_len = 64  micro_batch = 2
+    layer embed    = embedding(vocab = 256, hidden = 64, positions = rope)
+    layer block[2] = transformer(hidden = 64, heads = 4, kv_heads = 2, ffn = 172, norm = rmsnorm, act = swiglu, bias = false)
+    layer head     = lm_head(hidden = 64, vocab = 256, norm = rmsnorm)
+}
+schedule bf16_gpt_zero3 { model = tiny_gpt_bf16  cluster = cpu4  preset = zero3  micro_steps = 2  train { lr = 1e-3 } }
+schedule bf16_llama_mics { model = tiny_llama_bf16  cluster = cpu2x2  preset = mics(partition = 4)  train { lr = 1e-3 } }
+"#;
+
 /// Serves the generated file from memory and everything it imports from disk.
 struct Overlay {
     root: PathBuf,
@@ -64,6 +84,7 @@ fn matrix() -> Vec<Job> {
             );
         }
     }
+    text += BF16;
     let root = schedules.join("generated_parity_matrix.sched");
     let a = analyze(
         &root,
@@ -74,7 +95,7 @@ fn matrix() -> Vec<Job> {
     )
     .unwrap();
     assert!(!a.has_errors(), "{}", a.render());
-    assert_eq!(a.jobs.len(), 2 * MATRIX.len());
+    assert_eq!(a.jobs.len(), 2 * MATRIX.len() + 2);
     a.jobs.clone()
 }
 
@@ -121,9 +142,14 @@ fn scheduled(job: &Job, steps: u64, options: RunOptions) -> (Vec<f64>, Vec<f32>)
 
 fn check(job: &Job, got: &(Vec<f64>, Vec<f32>), want: &(Vec<f64>, Vec<f32>), what: &str) {
     let name = &job.schedule.name;
+    let tolerance = if job.model.dtype == schedc::job::Dtype::Fp32 {
+        1e-5
+    } else {
+        1e-2
+    };
     for (i, (g, w)) in got.0.iter().zip(&want.0).enumerate() {
         assert!(
-            ((g - w) / w).abs() <= 1e-5,
+            ((g - w) / w).abs() <= tolerance,
             "{name} ({what}): step {} loss {g}, reference {w}",
             i + 1
         );
@@ -135,8 +161,12 @@ fn check(job: &Job, got: &(Vec<f64>, Vec<f32>), want: &(Vec<f64>, Vec<f32>), wha
         .map(|(a, b)| (a - b).abs())
         .fold(0.0f32, f32::max);
     assert!(
-        worst <= 1e-5,
+        worst <= tolerance as f32,
         "{name} ({what}): final weights differ by {worst}"
+    );
+    assert!(
+        got.0.len() < 20 || got.0[19] < 0.9 * got.0[0],
+        "{name}: the loss does not fall"
     );
 }
 
