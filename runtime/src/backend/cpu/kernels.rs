@@ -37,8 +37,8 @@ pub fn run(ctx: &RankCtx, a: &Action, m: Option<u32>, input: &StepInput) -> Resu
                 Some(x) => Input::Hidden(x),
                 None => Input::Tokens(&b.inputs),
             };
-            let mut out = ctx.zeros(math.output_elements());
-            let mut keep = ctx.zeros(math.saved_elements());
+            let mut out = ctx.scratch(math.output_elements());
+            let mut keep = ctx.scratch(math.saved_elements());
             math.forward(
                 p.as_deref().unwrap_or(&[]),
                 t.as_deref(),
@@ -79,9 +79,9 @@ pub fn run(ctx: &RankCtx, a: &Action, m: Option<u32>, input: &StepInput) -> Resu
                 None => Input::Tokens(&b.inputs),
             };
             let dy = ctx.read(grad_output, math.output_elements())?;
-            let mut dx = grad_input.map(|_| ctx.zeros(math.input_elements()));
-            let mut dp = ctx.zeros(math.params());
-            let mut dt = t.as_ref().map(|t| ctx.zeros(t.len()));
+            let mut dx = grad_input.map(|_| ctx.scratch(math.input_elements()));
+            let mut dp = ctx.scratch(math.params());
+            let mut dt = t.as_ref().map(|t| ctx.scratch(t.len()));
             math.backward(
                 p.as_deref().unwrap_or(&[]),
                 t.as_deref(),
@@ -109,7 +109,7 @@ pub fn run(ctx: &RankCtx, a: &Action, m: Option<u32>, input: &StepInput) -> Resu
                 _ => return Err("the model does not end in an lm_head".into()),
             };
             let z = ctx.read(logits, n * vocab)?;
-            let mut dz = ctx.zeros(n * vocab);
+            let mut dz = ctx.scratch(n * vocab);
             let loss = cross_entropy(&z, &b.targets, vocab, &mut dz);
             ctx.write(grad, &dz)?;
             Ok(loss)
@@ -202,8 +202,15 @@ impl RankCtx<'_> {
 
     /// A zeroed scratch vector of `n` values from the stream's pool.
     fn zeros(&self, n: usize) -> Buf<'_> {
+        let mut v = self.scratch(n);
+        v.fill(0.0);
+        v
+    }
+
+    /// A scratch vector of `n` values from the stream's pool, holding stale values: only for
+    /// outputs the math overwrites completely (its contract).
+    fn scratch(&self, n: usize) -> Buf<'_> {
         let mut v = self.scratch.borrow_mut().pop().unwrap_or_default();
-        v.clear();
         v.resize(n, 0.0);
         Buf {
             v,
@@ -219,7 +226,7 @@ impl RankCtx<'_> {
                 self.elements(r)
             ));
         }
-        let mut v = self.zeros(n);
+        let mut v = self.scratch(n);
         self.arena()
             .read_into(self.plan.at(self.rank, r), self.dtype(r), &mut v)
             .map_err(|e| e.0)?;
@@ -305,7 +312,7 @@ impl RankCtx<'_> {
     fn read_saved(&self, layer: usize, r: &Region) -> Result<Buf<'_>, String> {
         let mut at = self.plan.at(self.rank, r);
         let d = self.dtype(r);
-        let mut out = self.zeros(self.plan.maths[layer].saved_elements());
+        let mut out = self.scratch(self.plan.maths[layer].saved_elements());
         let mut rest = &mut out[..];
         for seg in self.plan.maths[layer].saved_segments() {
             let bytes = seg.elements as u64 * stored_bytes(seg.stored, d);
