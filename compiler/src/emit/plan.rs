@@ -145,7 +145,7 @@ const STREAM_ROLES: [StreamRole; 6] = [
     StreamRole::Inter,
 ];
 const SCOPES: [Scope; 3] = [Scope::Intra, Scope::Inter, Scope::Mixed];
-const COMPUTE: [ComputeKind; 7] = [
+const COMPUTE: [ComputeKind; 8] = [
     ComputeKind::Forward,
     ComputeKind::Recompute,
     ComputeKind::Backward,
@@ -153,6 +153,7 @@ const COMPUTE: [ComputeKind; 7] = [
     ComputeKind::Update,
     ComputeKind::Accumulate,
     ComputeKind::Copy,
+    ComputeKind::GradNorm,
 ];
 
 /// Writes a program as a plan file.
