@@ -256,3 +256,54 @@ fn time_passes_names_every_pass() {
         );
     }
 }
+
+/// `train { clip = … }`: the plan carries one `grad_norm` op and the norm's one-element all-reduce,
+/// `verify` accepts it, and a plan whose updates no longer read the norm is refused.
+#[test]
+fn clip_compiles_to_a_verified_norm_and_edited_updates_are_refused() {
+    let dir = scratch("compile_clip");
+    let src = format!(
+        "{CLUSTER}{MODEL}schedule z {{\n    model = m\n    cluster = c\n    preset = zero3\n    train {{ clip = 1.0 }}\n}}\n"
+    );
+    std::fs::write(dir.join("z.sched"), src).unwrap();
+    let out = schedc(&["compile", "z.sched", "--emit", "listing"], &dir);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let listing = text(&out.stdout);
+    assert_eq!(listing.matches(" grad_norm ").count(), 1, "{listing}");
+    assert!(listing.contains("clip.sumsq"), "{listing}");
+    let out = schedc(&["compile", "z.sched"], &dir);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let plan = std::fs::read_to_string(dir.join("z.plan.json")).unwrap();
+    let out = schedc(&["verify", "z.plan.json"], &dir);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+
+    let mut json: serde_json::Value = serde_json::from_str(&plan).unwrap();
+    let norm_ops: Vec<(usize, usize)> = (0..json["streams"].as_array().unwrap().len())
+        .flat_map(|s| {
+            let ops = json["streams"][s]["ops"].as_array().unwrap();
+            (0..ops.len())
+                .filter(|&o| ops[o]["kind"] == "grad_norm" || ops[o]["kind"] == "all_reduce")
+                .map(move |o| (s, o))
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    assert_eq!(norm_ops.len(), 2, "grad_norm and its all_reduce");
+    // Every update's third read is the norm; drop it from the first update.
+    let update = json["streams"]
+        .as_array_mut()
+        .unwrap()
+        .iter_mut()
+        .flat_map(|s| s["ops"].as_array_mut().unwrap().iter_mut())
+        .find(|o| o["kind"] == "update")
+        .unwrap();
+    assert_eq!(update["reads"].as_array().unwrap().len(), 3);
+    update["reads"].as_array_mut().unwrap().pop();
+    std::fs::write(dir.join("edited.json"), json.to_string()).unwrap();
+    let out = schedc(&["verify", "edited.json"], &dir);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        text(&out.stderr).contains("does not read the gradient norm"),
+        "{}",
+        text(&out.stderr)
+    );
+}

@@ -148,7 +148,7 @@ const STREAM_ROLES: [StreamRole; 6] = [
     StreamRole::Inter,
 ];
 const SCOPES: [Scope; 3] = [Scope::Intra, Scope::Inter, Scope::Mixed];
-const COMPUTE: [ComputeKind; 7] = [
+const COMPUTE: [ComputeKind; 8] = [
     ComputeKind::Forward,
     ComputeKind::Recompute,
     ComputeKind::Backward,
@@ -156,6 +156,7 @@ const COMPUTE: [ComputeKind; 7] = [
     ComputeKind::Update,
     ComputeKind::Accumulate,
     ComputeKind::Copy,
+    ComputeKind::GradNorm,
 ];
 
 /// Writes the program compiled from `job` as a plan file.

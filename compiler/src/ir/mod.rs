@@ -33,6 +33,16 @@
 //! waits on has been recorded. A collective additionally completes only when all members of its group
 //! have started it. Nothing else orders anything: a missing wait is a race.
 //!
+//! # Gradient clipping
+//!
+//! With `train.clip` set, one `grad_norm` op (role sync) follows every layer's boundary
+//! synchronisation: it reads each layer's optimizer-shard gradient (the region that layer's update
+//! reads first) and writes the sum of their squares into `clip.sumsq`, one fp32 element. An
+//! `all_reduce` over the optimizer-shard (s_os) groups then sums it over every optimizer shard
+//! (each element of the model once; skipped when s_os = 1), and every update reads the whole of
+//! `clip.sumsq` as its third read: norm = sqrt(sumsq)/(dp·M), factor min(1, clip/(norm+1e-6)).
+//! So no update runs before every boundary synchronisation has completed.
+//!
 //! # Shard layout
 //!
 //! Layer `l`'s parameters are one flat vector of `padded` elements (P_l rounded up to a multiple of
@@ -304,6 +314,9 @@ pub enum ComputeKind {
     Accumulate,
     /// Byte copies: the hierarchical all-gather's rearrangement, hpZ's secondary shard, slices.
     Copy,
+    /// Gradient clipping (`train.clip`): the sum of squares of every layer's optimizer-shard
+    /// gradient on this rank, into a one-element fp32 buffer (see "Gradient clipping" above).
+    GradNorm,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -362,6 +375,7 @@ impl Op {
             ComputeKind::Update => "update",
             ComputeKind::Accumulate => "accumulate",
             ComputeKind::Copy => "copy",
+            ComputeKind::GradNorm => "grad_norm",
         }
     }
 

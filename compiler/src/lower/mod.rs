@@ -122,6 +122,8 @@ enum CommKind {
     Refresh,
     /// Every rank.
     All,
+    /// The s_os groups, by optimizer shard index (gradient clipping's norm).
+    Optimizer,
     /// hpZ: the GPUs of a node sharing a secondary copy.
     Secondary,
     /// Hierarchical all-gather stage 1: the params group's ranks with the same local index.
@@ -327,6 +329,13 @@ impl Builder<'_> {
                     |r| l.index(ShardIndex::OptimizerInParam, r),
                 ),
             ),
+            CommKind::Optimizer => (
+                format!("optimizer {}", sh.optimizer),
+                l.groups_by(
+                    |r| l.group_key(sh.optimizer, r),
+                    |r| l.index(ShardIndex::Optimizer, r),
+                ),
+            ),
             CommKind::All => ("all ranks".to_string(), l.groups_by(|_| 0, u64::from)),
             CommKind::Secondary => {
                 let k = l.secondary.unwrap_or(1);
@@ -350,6 +359,13 @@ impl Builder<'_> {
                 ),
             ),
         };
+        // The norm's groups often equal a communicator the step already has: reuse it.
+        if kind == CommKind::Optimizer {
+            if let Some((id, _)) = self.p.comms.iter().find(|(_, c)| c.groups == groups) {
+                self.comms.insert(kind, id);
+                return id;
+            }
+        }
         let scope = l.scope(&groups);
         let id = self.p.comms.push(Communicator {
             name,
@@ -614,11 +630,30 @@ impl Builder<'_> {
                 let last = bwd_slot_of[*bucket.last().expect("non-empty")];
                 slots[last].after.extend(ops);
             }
-            // Boundary, update and refresh after the last micro-step's reductions.
+            // Boundary, update and refresh after the last micro-step's reductions. With clipping,
+            // every update waits for the norm, which follows every layer's boundary.
             if m + 1 == s.micro_steps {
+                let mut pending = vec![];
                 for bucket in &red_buckets {
-                    let ops = self.boundary_update_refresh(bucket);
+                    let (mut ops, grads) = self.boundary(bucket);
                     let last = bwd_slot_of[*bucket.last().expect("non-empty")];
+                    if s.train.clip.is_none() {
+                        ops.extend(self.update_refresh(bucket, &grads, None));
+                    } else {
+                        pending.push((bucket, grads));
+                    }
+                    slots[last].after.extend(ops);
+                }
+                let all: Vec<(usize, Region)> = pending
+                    .iter()
+                    .flat_map(|(_, g)| g.iter().copied())
+                    .collect();
+                if !all.is_empty() {
+                    let (mut ops, norm) = self.grad_norm(&all);
+                    for (bucket, grads) in &pending {
+                        ops.extend(self.update_refresh(bucket, grads, Some(norm)));
+                    }
+                    let last = bwd_slot_of[*bwd_order.last().expect("layers")];
                     slots[last].after.extend(ops);
                 }
             }
@@ -1125,14 +1160,15 @@ impl Builder<'_> {
         ops
     }
 
-    /// Boundary synchronisation, optimizer update and refresh of a bucket (lowering spec §3).
-    fn boundary_update_refresh(&mut self, bucket: &[usize]) -> Vec<OpId> {
+    /// Boundary synchronisation of a bucket (lowering spec §3): its ops, and each layer's
+    /// optimizer-shard gradient region (what the update reads).
+    fn boundary(&mut self, bucket: &[usize]) -> (Vec<OpId>, Vec<(usize, Region)>) {
         let sh = self.shard();
         let gd = self.grad_dtype;
         let ranks = u64::from(self.layout.ranks());
         let layers = self.with_params(bucket);
         if layers.is_empty() {
-            return vec![];
+            return (vec![], vec![]);
         }
         let first = self.layers[layers[0]].id;
         let two_hop = self.job.schedule.grad_sync == GradSync::TwoHop;
@@ -1182,7 +1218,49 @@ impl Builder<'_> {
         let mut ops: Vec<OpId> = vec![];
         ops.extend(self.issue(rs, OpRole::Sync, Some(first), None));
         ops.extend(self.issue(ar, OpRole::Sync, Some(first), None));
-        for (l, g) in grads {
+        (ops, grads)
+    }
+
+    /// Gradient clipping: the sum of squares of every layer's optimizer-shard gradient `grads`,
+    /// summed over the optimizer-shard group (see the IR module doc). Returns the ops and the
+    /// `clip.sumsq` region every update reads.
+    fn grad_norm(&mut self, grads: &[(usize, Region)]) -> (Vec<OpId>, Region) {
+        let sumsq = self.buffer(
+            "clip.sumsq".to_string(),
+            BufferKind::Staging,
+            Dtype::Fp32,
+            1,
+            None,
+        );
+        let whole = Region::whole(sumsq, Dtype::Fp32.bytes());
+        let reads = grads.iter().map(|&(_, g)| g).collect();
+        let norm = self.compute(ComputeKind::GradNorm, None, None, reads, vec![whole]);
+        self.p.ops[norm].role = OpRole::Sync;
+        let mut ops = vec![norm];
+        if self.shard().optimizer.size() > 1 {
+            let c = self.collective(
+                Collective::AllReduce,
+                CommKind::Optimizer,
+                Dtype::Fp32,
+                whole,
+                whole,
+            );
+            ops.extend(self.issue(vec![c], OpRole::Sync, None, None));
+        }
+        (ops, whole)
+    }
+
+    /// Optimizer update of each layer of `grads` (reading its optimizer-shard gradient, then with
+    /// clipping the norm) and, unless deferred to the next step, the refresh of `bucket`.
+    fn update_refresh(
+        &mut self,
+        bucket: &[usize],
+        grads: &[(usize, Region)],
+        norm: Option<Region>,
+    ) -> Vec<OpId> {
+        let sh = self.shard();
+        let mut ops: Vec<OpId> = vec![];
+        for &(l, g) in grads {
             let st = &self.layers[l];
             let (id, padded, shard) = (st.id, st.padded, st.param_shard);
             let opt = self.optimizer_shards[l];
@@ -1197,11 +1275,13 @@ impl Builder<'_> {
                 },
                 bytes: os_bytes,
             };
+            let mut reads = vec![g, opt_region];
+            reads.extend(norm);
             let update = self.compute(
                 ComputeKind::Update,
                 Some(id),
                 None,
-                vec![g, opt_region],
+                reads,
                 vec![opt_region, mine],
             );
             // Off the compute stream: the optimizer runs beside the remaining backward.
@@ -1209,6 +1289,7 @@ impl Builder<'_> {
             ops.push(update);
         }
         if self.job.schedule.overlap.refresh != Refresh::NextForward {
+            let layers = self.with_params(bucket);
             ops.extend(self.refresh(&layers));
         }
         ops

@@ -15,13 +15,14 @@ pub fn check(p: &Program, ctx: Ctx, clocks: &Clocks) -> Vec<VerifyError> {
         &'static str,
         BufferKind,
         BufferKind,
-        bool,
+        (bool, bool),
         Offset,
         u64,
         Offset,
         u64,
     );
     let mut placed: std::collections::HashMap<Key, Vec<String>> = std::collections::HashMap::new();
+    let norms = super::values::norm_buffers(p);
     for (id, op) in p.ops.iter() {
         if op.collectives().is_empty() {
             continue;
@@ -43,7 +44,10 @@ pub fn check(p: &Program, ctx: Ctx, clocks: &Clocks) -> Vec<VerifyError> {
                 c.kind.name(),
                 p.buffers[c.input.buffer].kind,
                 p.buffers[c.output.buffer].kind,
-                c.input.buffer == c.output.buffer,
+                (
+                    c.input.buffer == c.output.buffer,
+                    norms.contains(&c.input.buffer),
+                ),
                 c.input.offset,
                 c.input.bytes,
                 c.output.offset,
@@ -51,7 +55,7 @@ pub fn check(p: &Program, ctx: Ctx, clocks: &Clocks) -> Vec<VerifyError> {
             );
             let found = placed
                 .entry(key)
-                .or_insert_with(|| placement(p, &layout, c))
+                .or_insert_with(|| placement(p, &layout, c, norms.contains(&c.input.buffer)))
                 .clone();
             for m in shape(p, c).into_iter().chain(found) {
                 errs.push(VerifyError {
@@ -109,7 +113,8 @@ fn shape(p: &Program, c: &CollectiveOp) -> Vec<String> {
 }
 
 /// Chunk `j` belongs to member `j`, for every group: checked from what the buffers hold.
-fn placement(p: &Program, l: &Layout, c: &CollectiveOp) -> Vec<String> {
+/// `norm`: the collective moves gradient clipping's norm (a buffer `grad_norm` writes).
+fn placement(p: &Program, l: &Layout, c: &CollectiveOp, norm: bool) -> Vec<String> {
     let comm = &p.comms[c.comm];
     let (ink, outk) = (
         p.buffers[c.input.buffer].kind,
@@ -179,6 +184,13 @@ fn placement(p: &Program, l: &Layout, c: &CollectiveOp) -> Vec<String> {
                     ),
                     (i, o) => require(false, format!("reduce_scatter from {i:?} into {o:?} has no known meaning")),
                 },
+                Collective::AllReduce if norm => {
+                    require(c.input == c.output, "all_reduce must be in place".to_string());
+                    require(
+                        idx(ShardIndex::Optimizer) == j,
+                        format!("all_reduce of the gradient norm: member {j} (rank {r}) holds optimizer shard {}", idx(ShardIndex::Optimizer)),
+                    );
+                }
                 Collective::AllReduce => {
                     require(c.input == c.output, "all_reduce must be in place".to_string());
                     if matches!(ink, BufferKind::GradShard | BufferKind::Staging) && comm.groups.len() > 1 {

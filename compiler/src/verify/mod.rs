@@ -24,7 +24,8 @@
 //! 7. **Right values.** Abstractly executed over all ranks, every forward and backward reads its
 //!    parameters whole and current, every optimizer shard receives each of the dp × M gradient
 //!    contributions exactly once, and every param shard is refreshed for the next step
-//!    ([`values`]).
+//!    ([`values`]). With gradient clipping, the norm reads each layer's optimizer-shard gradient
+//!    only once complete, is summed over every optimizer shard once, and every update reads it.
 //!
 //! Errors are collected, each naming its op or buffer; [`render`] prints the listing with every
 //! error written under the op it concerns. Success returns [`PlanInfo`].
@@ -86,6 +87,7 @@ pub fn verify(p: &Program, ctx: Ctx) -> Result<PlanInfo, Vec<VerifyError>> {
     errors.extend(mem_errors);
     if errors.is_empty() {
         errors.extend(values::check(p, ctx));
+        errors.extend(values::check_norm(p, ctx));
     }
     if errors.is_empty() {
         Ok(PlanInfo { live_bound })

@@ -173,8 +173,12 @@ fn signature(p: &Program, layer: LayerId, ops: &[OpId]) -> String {
             sig.push(']');
         }
         if op.collectives().is_empty() {
+            // The norm reads every layer; only this layer's part of it tells layers apart.
+            let norm = op.kind == OpKind::Compute(ComputeKind::GradNorm);
             for r in op.reads.iter().chain(&op.writes) {
-                region(r, &mut sig);
+                if !norm || p.buffers[r.buffer].layer == Some(layer) {
+                    region(r, &mut sig);
+                }
             }
         }
         sig.push(';');
@@ -447,6 +451,27 @@ impl Run<'_> {
                 }
             }
             ComputeKind::Update => self.update(o, &reads, &writes, current),
+            // Clipping's norm: this layer's optimizer-shard gradient must be complete when read
+            // (the norm's own value is checked by `check_norm`).
+            ComputeKind::GradNorm => {
+                let mine: Vec<Region> = reads
+                    .iter()
+                    .filter(|r| self.mine(r.buffer) && is_grad(self.p.buffers[r.buffer].kind))
+                    .copied()
+                    .collect();
+                if mine.len() != 1 {
+                    self.error(
+                        o,
+                        format!(
+                            "grad_norm reads {} gradient regions of {}, not one",
+                            mine.len(),
+                            self.p.layers[self.layer].name
+                        ),
+                    );
+                    return;
+                }
+                self.optimizer_grad_complete(o, &mine[0], "grad_norm");
+            }
             ComputeKind::Loss => {}
         }
     }
@@ -469,49 +494,13 @@ impl Run<'_> {
         else {
             return;
         };
+        if !self.optimizer_grad_complete(o, &g, "update") {
+            return;
+        }
         let sh = self.layout.shard;
         let os = self.p.layers[self.layer].padded / sh.optimizer.size();
-        let ranks = self.p.ranks;
-        let m_all = self.p.micro_steps;
-        for rank in 0..ranks {
+        for rank in 0..self.p.ranks {
             let want_elem = self.layout.index(ShardIndex::Optimizer, rank) * os;
-            let (a, z) = range(&g, self.layout, rank);
-            let segs = self.read(g.buffer, rank, a, z);
-            let dg = self.elem_bytes(g.buffer);
-            let contiguous = segs.first().is_some_and(|s| s.start == 0)
-                && segs.last().is_some_and(|s| s.end == os * dg)
-                && segs.windows(2).all(|w| w[0].end == w[1].start);
-            let grads: Option<Vec<(u64, u32, u64)>> = segs
-                .iter()
-                .map(|s| match s.val {
-                    Val::Grad { elem, contrib } => Some((elem, contrib, s.start / dg)),
-                    Val::Param { .. } => None,
-                })
-                .collect();
-            let Some(grads) =
-                grads.filter(|g| contiguous && g.iter().all(|(e, _, at)| *e == g[0].0 + at))
-            else {
-                let what = describe(&segs, dg);
-                self.error(o, format!("update of {} on rank {rank} reads {} holding {what}, not the {os} gradient elements of its optimizer shard", self.p.layers[self.layer].name, g.buffer));
-                return;
-            };
-            let elem = grads[0].0;
-            if elem != want_elem {
-                self.error(o, format!("update on rank {rank} gets gradient elements from {elem}, but its optimizer shard starts at element {want_elem}"));
-                return;
-            }
-            for &(_, contrib, _) in &grads {
-                if let Some(msg) = self.incomplete(contrib, m_all) {
-                    self.error(
-                        o,
-                        format!(
-                            "update of {} on rank {rank}: {msg}",
-                            self.p.layers[self.layer].name
-                        ),
-                    );
-                    return;
-                }
-            }
             let (wa, wz) = range(&w, self.layout, rank);
             let held = self.read(w.buffer, rank, wa, wz);
             let dp = self.elem_bytes(w.buffer);
@@ -537,6 +526,50 @@ impl Run<'_> {
             }];
             self.write(w.buffer, rank, wa, wz - wa, &new);
         }
+    }
+
+    /// Region `g` holds, on every rank, exactly the gradient elements of the rank's optimizer shard
+    /// of this layer, each with all dp × M contributions; else an error for `what` (the op kind).
+    fn optimizer_grad_complete(&mut self, o: OpId, g: &Region, what: &str) -> bool {
+        let sh = self.layout.shard;
+        let os = self.p.layers[self.layer].padded / sh.optimizer.size();
+        let m_all = self.p.micro_steps;
+        let name = self.p.layers[self.layer].name.clone();
+        for rank in 0..self.p.ranks {
+            let want_elem = self.layout.index(ShardIndex::Optimizer, rank) * os;
+            let (a, z) = range(g, self.layout, rank);
+            let segs = self.read(g.buffer, rank, a, z);
+            let dg = self.elem_bytes(g.buffer);
+            let contiguous = segs.first().is_some_and(|s| s.start == 0)
+                && segs.last().is_some_and(|s| s.end == os * dg)
+                && segs.windows(2).all(|w| w[0].end == w[1].start);
+            let grads: Option<Vec<(u64, u32, u64)>> = segs
+                .iter()
+                .map(|s| match s.val {
+                    Val::Grad { elem, contrib } => Some((elem, contrib, s.start / dg)),
+                    Val::Param { .. } => None,
+                })
+                .collect();
+            let Some(grads) =
+                grads.filter(|g| contiguous && g.iter().all(|(e, _, at)| *e == g[0].0 + at))
+            else {
+                let held = describe(&segs, dg);
+                self.error(o, format!("{what} of {name} on rank {rank} reads {} holding {held}, not the {os} gradient elements of its optimizer shard", g.buffer));
+                return false;
+            };
+            let elem = grads[0].0;
+            if elem != want_elem {
+                self.error(o, format!("{what} on rank {rank} gets gradient elements from {elem}, but its optimizer shard starts at element {want_elem}"));
+                return false;
+            }
+            for &(_, contrib, _) in &grads {
+                if let Some(msg) = self.incomplete(contrib, m_all) {
+                    self.error(o, format!("{what} of {name} on rank {rank}: {msg}"));
+                    return false;
+                }
+            }
+        }
+        true
     }
 
     /// What is missing from a complete set (every term present has every rank in every micro-step).
@@ -916,4 +949,154 @@ fn describe(segs: &[Seg], d: u64) -> String {
         .collect();
     let more = if segs.len() > 3 { ", …" } else { "" };
     format!("[{}{more}]", parts.join(", "))
+}
+
+/// Gradient clipping (see the IR module doc): the buffers `grad_norm` ops write.
+pub(crate) fn norm_buffers(p: &Program) -> Vec<BufferId> {
+    let mut out: Vec<BufferId> = p
+        .ops
+        .values()
+        .filter(|op| op.kind == OpKind::Compute(ComputeKind::GradNorm))
+        .flat_map(|op| op.writes.iter().map(|w| w.buffer))
+        .collect();
+    out.sort_unstable();
+    out.dedup();
+    out
+}
+
+/// Gradient clipping's norm, by abstract execution over every rank: at most one `grad_norm`, reading
+/// one optimizer-shard gradient region of every layer with parameters (whose completeness the
+/// per-layer run checks) and writing one fp32 element; only it and in-place all-reduces write that
+/// element, each summing disjoint sets of optimizer shards; and, when there is a norm, every update
+/// reads it whole (its third read) holding the sum over all s_os optimizer shards of its group.
+pub fn check_norm(p: &Program, ctx: Ctx) -> Vec<VerifyError> {
+    let layout = ctx.layout(p);
+    let mut errs = vec![];
+    let mut err = |op: OpId, message: String| {
+        if errs.len() < 8 {
+            errs.push(VerifyError {
+                op: Some(op),
+                message,
+            })
+        }
+    };
+    let norms = norm_buffers(p);
+    let norm_ops: Vec<OpId> = p
+        .ops
+        .iter()
+        .filter(|(_, op)| op.kind == OpKind::Compute(ComputeKind::GradNorm))
+        .map(|(id, _)| id)
+        .collect();
+    if norm_ops.is_empty() {
+        return errs;
+    }
+    if let Some(&second) = norm_ops.get(1) {
+        err(
+            second,
+            "a second grad_norm: the step computes its gradient norm once".into(),
+        );
+        return errs;
+    }
+    let s_os = ctx.shard.optimizer.size();
+    let words = (s_os as usize).div_ceil(64);
+    // Per rank, the optimizer shards whose squares the norm holds (absent: never written).
+    let mut held: HashMap<(BufferId, u32), Vec<u64>> = HashMap::new();
+    for (id, op) in p.ops.iter() {
+        let writes_norm = op.writes.iter().any(|w| norms.contains(&w.buffer));
+        match &op.kind {
+            OpKind::Compute(ComputeKind::GradNorm) => {
+                let [w] = op.writes.as_slice() else {
+                    err(id, "grad_norm must write exactly one region".into());
+                    continue;
+                };
+                let b = &p.buffers[w.buffer];
+                if b.dtype != crate::job::Dtype::Fp32
+                    || b.bytes != 4
+                    || w.offset != Offset::Fixed(0)
+                    || w.bytes != 4
+                    || b.layer.is_some()
+                {
+                    err(id, format!("grad_norm writes {}, not the whole of a one-element fp32 buffer of no layer", w.buffer));
+                    continue;
+                }
+                let mut read = vec![0u32; p.layers.len()];
+                for r in &op.reads {
+                    match p.buffers[r.buffer].layer {
+                        Some(l) if is_grad(p.buffers[r.buffer].kind) => read[l.index()] += 1,
+                        _ => err(
+                            id,
+                            format!("grad_norm reads {}, which is no layer's gradient", r.buffer),
+                        ),
+                    }
+                }
+                for (l, info) in p.layers.iter() {
+                    let want = u32::from(info.params > 0);
+                    if read[l.index()] != want {
+                        err(
+                            id,
+                            format!(
+                                "grad_norm reads {} gradient regions of {}, not {want}",
+                                read[l.index()],
+                                info.name
+                            ),
+                        );
+                    }
+                }
+                for rank in 0..p.ranks {
+                    let mut bits = vec![0u64; words];
+                    let k = layout.index(ShardIndex::Optimizer, rank) as usize;
+                    bits[k / 64] |= 1 << (k % 64);
+                    held.insert((w.buffer, rank), bits);
+                }
+            }
+            OpKind::Collective(c) if writes_norm => {
+                if c.kind != Collective::AllReduce || c.input != c.output {
+                    err(id, format!("{} writes the gradient norm {}: only grad_norm and an in-place all_reduce may", c.kind.name(), c.output.buffer));
+                    continue;
+                }
+                let b = c.output.buffer;
+                for g in &p.comms[c.comm].groups {
+                    let mut sum = vec![0u64; words];
+                    for &r in g {
+                        let Some(bits) = held.get(&(b, r)) else {
+                            err(id, format!("all_reduce of the gradient norm reads {b} on rank {r} before grad_norm writes it"));
+                            return errs;
+                        };
+                        if sum.iter().zip(bits).any(|(s, x)| s & x != 0) {
+                            err(id, format!("all_reduce of the gradient norm counts an optimizer shard twice (rank {r} of a group starting at rank {})", g[0]));
+                            return errs;
+                        }
+                        sum.iter_mut().zip(bits).for_each(|(s, x)| *s |= x);
+                    }
+                    for &r in g {
+                        held.insert((b, r), sum.clone());
+                    }
+                }
+            }
+            _ if writes_norm => {
+                err(id, format!("{} writes the gradient norm: only grad_norm and an in-place all_reduce may", op.kind_name()));
+            }
+            OpKind::Compute(ComputeKind::Update) => {
+                let Some(r) = op.reads.get(2).filter(|r| {
+                    norms.contains(&r.buffer)
+                        && r.offset == Offset::Fixed(0)
+                        && r.bytes == p.buffers[r.buffer].bytes
+                }) else {
+                    err(id, "update does not read the gradient norm whole as its third read, though the step clips gradients".into());
+                    continue;
+                };
+                for rank in 0..p.ranks {
+                    let have = held
+                        .get(&(r.buffer, rank))
+                        .map_or(0, |bits| bits.iter().map(|w| w.count_ones()).sum::<u32>());
+                    if u64::from(have) != s_os {
+                        err(id, format!("update on rank {rank} reads a gradient norm summed over {have} of the {s_os} optimizer shards"));
+                        break;
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    errs
 }
