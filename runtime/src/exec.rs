@@ -280,6 +280,10 @@ fn decode_op(
                 sumsq,
             }
         }
+        ComputeKind::GradNorm => Action::GradNorm {
+            grads: l.reads.drain(..).collect(),
+            sumsq: l.take_write(true, "sum of squares")?.expect("wanted"),
+        },
         ComputeKind::Accumulate => {
             let from = l.take_read(true, "addend")?.expect("wanted");
             l.take_read(true, "accumulator")?;
