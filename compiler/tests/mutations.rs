@@ -142,8 +142,7 @@ fn assert_tiny_exhaustive(class: &str, sites: impl Fn(&Program) -> usize) {
 #[test]
 fn unmodified_plans_are_accepted_through_the_plan_file() {
     for ex in examples() {
-        let text =
-            serde_json::to_string(&emit_plan(&ex.program, &ex.job)).unwrap();
+        let text = serde_json::to_string(&emit_plan(&ex.program, &ex.job)).unwrap();
         let back = read_plan(&text).unwrap_or_else(|e| panic!("{}: {e}", ex.name));
         assert!(
             back.program == ex.program,
