@@ -10,6 +10,7 @@
 //!   streams, events and a static memory plan.
 //! - [`verify`]: proves the program race-free, deadlock-free and its memory plan sound before
 //!   anything is written; success yields the [`verify::PlanInfo`] emitters need.
+//! - [`sim`]: the cost model and discrete-event simulator: step time, MFU, a Chrome trace.
 //! - [`emit`]: the resolved-job listing, the plan file, the program listing and stats.
 //!
 //! [`compile`] runs lowering and verification together, so an unverified program never escapes.
@@ -21,6 +22,7 @@ pub mod job;
 pub mod lower;
 pub mod passes;
 pub mod sema;
+pub mod sim;
 pub mod verify;
 
 pub use job::Job;

@@ -15,7 +15,7 @@ use std::process::ExitCode;
 #[command(
     name = "schedc",
     version,
-    about = "Compile, check and format sharded data-parallel training schedules"
+    about = "Compile, check, simulate and format sharded data-parallel training schedules"
 )]
 struct Cli {
     #[command(subcommand)]
@@ -50,6 +50,20 @@ enum Command {
     },
     /// Re-run every proof of the lowering spec on a plan file.
     Verify { plan: PathBuf },
+    /// Predict one step's time, MFU and memory by simulating the compiled program.
+    Simulate {
+        /// A `.sched` file (compiled on the fly) or a plan file (JSON, from `schedc compile`).
+        file: PathBuf,
+        /// Which schedule, when the file defines several.
+        #[arg(long)]
+        schedule: Option<String>,
+        /// Also write the simulated step as a Chrome/Perfetto trace to this file.
+        #[arg(long, value_name = "OUT.json")]
+        trace: Option<PathBuf>,
+        /// Print cli.md's JSON object instead of the table.
+        #[arg(long)]
+        json: bool,
+    },
     /// Rewrite files in canonical layout, keeping comments.
     Fmt {
         #[arg(required = true)]
@@ -94,6 +108,12 @@ fn main() -> ExitCode {
             time_passes,
         )),
         Command::Verify { plan } => Some(verify(&plan)),
+        Command::Simulate {
+            file,
+            schedule,
+            trace,
+            json,
+        } => Some(simulate(&file, schedule.as_deref(), trace.as_deref(), json)),
     };
     ExitCode::from(status.unwrap_or(Status::Ok) as u8)
 }
@@ -290,6 +310,134 @@ fn verify(path: &Path) -> Status {
             Status::BadInput
         }
     }
+}
+
+/// A compiled program with its job: from a plan file, or compiled from a `.sched` file.
+fn load_program(
+    file: &Path,
+    schedule: Option<&str>,
+) -> Result<(schedc::ir::Program, schedc::Job), Status> {
+    let text = std::fs::read_to_string(file).map_err(|e| {
+        eprintln!("error: cannot read {}: {e}", file.display());
+        Status::Fault
+    })?;
+    if text.trim_start().starts_with('{') {
+        let plan = schedc::emit::plan::read_plan(&text).map_err(|e| {
+            eprintln!("error: {}: {e}", file.display());
+            Status::BadInput
+        })?;
+        let ctx = schedc::verify::Ctx {
+            shard: plan.shard,
+            secondary: plan.secondary,
+        };
+        if let Err(errors) = schedc::verify::verify(&plan.program, ctx) {
+            eprintln!(
+                "error: {} fails verification ({} errors):\n",
+                file.display(),
+                errors.len()
+            );
+            eprint!(
+                "{}",
+                schedc::verify::render_context(&plan.program, &errors[..errors.len().min(20)], 3)
+            );
+            return Err(Status::BadInput);
+        }
+        return Ok((plan.program, plan.job));
+    }
+    let analysis = analyze_and_report(file)?;
+    let job = analysis.select(schedule).map_err(|e| {
+        eprintln!("error: {}: {e}", file.display());
+        Status::BadInput
+    })?;
+    match schedc::compile(job) {
+        Ok((program, _)) => Ok((program, job.clone())),
+        Err(schedc::CompileError::Lower(e)) => {
+            eprintln!(
+                "error: schedule `{}` cannot be lowered: {e}",
+                job.schedule.name
+            );
+            Err(Status::BadInput)
+        }
+        Err(e) => {
+            eprintln!("error: schedule `{}`: {e}", job.schedule.name);
+            Err(Status::Fault)
+        }
+    }
+}
+
+fn simulate(file: &Path, schedule: Option<&str>, trace: Option<&Path>, json: bool) -> Status {
+    let (program, job) = match load_program(file, schedule) {
+        Ok(x) => x,
+        Err(status) => return status,
+    };
+    let report = match trace {
+        Some(path) => {
+            let (report, trace) = schedc::sim::simulate_traced(&program, &job);
+            let text = serde_json::to_string(&trace).expect("traces serialise") + "\n";
+            if let Err(e) = write_atomically(path, &text) {
+                eprintln!("error: cannot write {}: {e}", path.display());
+                return Status::Fault;
+            }
+            eprintln!("wrote {}", path.display());
+            report
+        }
+        None => schedc::sim::simulate(&program, &job),
+    };
+    if json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&report).expect("reports serialise")
+        );
+    } else {
+        print!("{}", simulation_table(&report));
+    }
+    Status::Ok
+}
+
+/// The human-readable summary of a simulated step.
+fn simulation_table(r: &schedc::sim::SimReport) -> String {
+    let gib = |b: u64| b as f64 / f64::from(1u32 << 30);
+    let mut out = format!(
+        "schedule {}: {} ranks ({} simulated)\n",
+        r.schedule, r.ranks, r.simulated_ranks
+    );
+    let rows = [
+        ("step time", format!("{:.3} ms", r.step_time_s * 1e3)),
+        ("compute", format!("{:.3} ms", r.compute_s * 1e3)),
+        (
+            "exposed comm",
+            format!(
+                "{:.3} ms ({:.1}% of the step)",
+                r.exposed_comm_s * 1e3,
+                100.0 * r.exposed_comm_s / r.step_time_s.max(f64::MIN_POSITIVE)
+            ),
+        ),
+        ("MFU", format!("{:.1}%", r.mfu * 100.0)),
+        ("TFLOPS per GPU", format!("{:.1}", r.tflops_per_gpu)),
+        ("tokens/GPU/s", format!("{:.1}", r.tokens_per_gpu_per_s)),
+        (
+            "memory",
+            format!(
+                "{:.2} GiB of {:.2} GiB per GPU ({})",
+                gib(r.peak_memory_bytes),
+                gib(r.gpu_memory_bytes),
+                if r.fits { "fits" } else { "does NOT fit" }
+            ),
+        ),
+    ];
+    for (k, v) in rows {
+        out += &format!("  {k:<16}{v}\n");
+    }
+    out += "  streams busy:\n";
+    for s in &r.streams {
+        out += &format!(
+            "    {:<12}{:>12.3} ms  {:>5.1}%\n",
+            s.name,
+            s.busy_s * 1e3,
+            100.0 * s.busy_s / r.step_time_s.max(f64::MIN_POSITIVE)
+        );
+    }
+    out
 }
 
 fn plural(n: u32, word: &str) -> String {

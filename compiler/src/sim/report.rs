@@ -1,0 +1,102 @@
+//! The figures of a simulated step (`cli.md`, "`schedc simulate --json`").
+//!
+//! - `step_time_s`: from the first op to the last op's end on any stream of any rank.
+//! - `compute_s`: time during which at least one compute op runs on the rank (the union of their
+//!   intervals: compute ops sit mostly on the compute stream, the optimizer update and copies may
+//!   sit on others).
+//! - `exposed_comm_s`: `step_time_s − compute_s`, the time the rank computes nothing because it is
+//!   waiting for, or running, communication that nothing overlaps.
+//! - `streams[].busy_s`: the sum of its ops' durations; a collective counts from the moment its
+//!   whole group has reached it (waiting for late members is idle time).
+//! - `mfu`, `tflops_per_gpu`: model FLOPs only ([`super::cost::model_flops_per_step`]);
+//!   `tokens_per_gpu_per_s`: tokens one rank processes per step over the step time.
+//! - `peak_memory_bytes`: the memory plan's arena (`arena_bytes`), `fits` when it is at most
+//!   `gpu_memory`.
+//!
+//! Per-rank figures are those of rank 0's class; every compiled schedule has only one class.
+
+use super::cost::model_flops_per_step;
+use super::engine::Timeline;
+use crate::ir::{OpKind, Program};
+use crate::job::Job;
+use cranelift_entity::EntityRef;
+use serde::{Deserialize, Serialize};
+
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub struct SimReport {
+    pub schedule: String,
+    pub step_time_s: f64,
+    pub compute_s: f64,
+    pub exposed_comm_s: f64,
+    pub mfu: f64,
+    pub tflops_per_gpu: f64,
+    pub tokens_per_gpu_per_s: f64,
+    pub peak_memory_bytes: u64,
+    pub fits: bool,
+    pub streams: Vec<StreamBusy>,
+    /// Beyond cli.md: the GPU memory `fits` compares against.
+    pub gpu_memory_bytes: u64,
+    /// Beyond cli.md: ranks of the schedule, and how many distinct timelines were simulated.
+    pub ranks: u32,
+    pub simulated_ranks: u32,
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub struct StreamBusy {
+    pub name: String,
+    pub busy_s: f64,
+}
+
+pub fn report(program: &Program, job: &Job, timeline: &Timeline) -> SimReport {
+    let rank = &timeline.ranks[0];
+    let step = timeline.step_time_s;
+    let mut busy = vec![0.0; program.streams.len()];
+    let mut compute: Vec<(f64, f64)> = vec![];
+    for (id, op) in program.ops.iter() {
+        let (s, e) = (rank.start[id.index()], rank.end[id.index()]);
+        busy[op.stream.index()] += e - s;
+        if matches!(op.kind, OpKind::Compute(_)) && e > s {
+            compute.push((s, e));
+        }
+    }
+    compute.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let (mut compute_s, mut reach) = (0.0, f64::NEG_INFINITY);
+    for (s, e) in compute {
+        let s = s.max(reach);
+        if e > s {
+            compute_s += e - s;
+            reach = e;
+        }
+    }
+    let ranks = f64::from(program.ranks.max(1));
+    let flops = model_flops_per_step(job);
+    let per_gpu = if step > 0.0 {
+        flops / (step * ranks)
+    } else {
+        0.0
+    };
+    let m = &job.model;
+    let tokens = (m.micro_batch * m.seq_len) as f64 * f64::from(program.micro_steps);
+    SimReport {
+        schedule: program.schedule.clone(),
+        step_time_s: step,
+        compute_s,
+        exposed_comm_s: (step - compute_s).max(0.0),
+        mfu: per_gpu / job.cluster.peak_flops,
+        tflops_per_gpu: per_gpu / 1e12,
+        tokens_per_gpu_per_s: if step > 0.0 { tokens / step } else { 0.0 },
+        peak_memory_bytes: program.arena_bytes,
+        fits: program.arena_bytes <= job.cluster.gpu_memory,
+        streams: program
+            .streams
+            .iter()
+            .map(|(id, s)| StreamBusy {
+                name: s.role.name().to_string(),
+                busy_s: busy[id.index()],
+            })
+            .collect(),
+        gpu_memory_bytes: job.cluster.gpu_memory,
+        ranks: program.ranks,
+        simulated_ranks: timeline.ranks.len() as u32,
+    }
+}

@@ -1,0 +1,81 @@
+//! `--trace`: the simulated step as Chrome trace-event JSON (opens in Perfetto and
+//! chrome://tracing).
+//!
+//! One process per simulated rank (named `rank R`, with how many ranks it stands for), one thread
+//! per stream (named by the stream's role), one complete slice (`ph: "X"`) per op, named by its
+//! kind and layer, with `op`, `layer`, `micro_step` and `bytes` (a collective's payload, a compute
+//! op's bytes read and written) in `args`. Every event wait is a flow arrow from the end of the op
+//! that records the event (`ph: "s"`) to the start of the op that waits (`ph: "f"`, bound to the
+//! enclosing slice). Times are microseconds.
+
+use super::engine::Timeline;
+use crate::ir::{OpKind, Program};
+use cranelift_entity::EntityRef;
+use serde::Serialize;
+use serde_json::{json, Value};
+
+/// A Chrome trace: serialise it to get the file.
+#[derive(Serialize, Clone, Debug)]
+pub struct Trace {
+    #[serde(rename = "traceEvents")]
+    pub trace_events: Vec<Value>,
+    #[serde(rename = "displayTimeUnit")]
+    pub display_time_unit: &'static str,
+}
+
+pub fn emit_trace(program: &Program, timeline: &Timeline) -> Trace {
+    let us = |s: f64| s * 1e6;
+    let mut ev = vec![];
+    let mut flow = 0u64;
+    for rt in &timeline.ranks {
+        let pid = rt.rank;
+        ev.push(json!({"ph": "M", "name": "process_name", "pid": pid,
+            "args": {"name": format!("rank {} ({} ranks alike)", rt.rank, rt.ranks)}}));
+        for (id, s) in program.streams.iter() {
+            ev.push(
+                json!({"ph": "M", "name": "thread_name", "pid": pid, "tid": id.index(),
+                "args": {"name": s.role.name()}}),
+            );
+        }
+        for (id, op) in program.ops.iter() {
+            let (start, end) = (rt.start[id.index()], rt.end[id.index()]);
+            let layer = op
+                .layer
+                .and_then(|l| program.layers.get(l))
+                .map(|l| l.name.clone());
+            let bytes: u64 = match &op.kind {
+                OpKind::Compute(_) => op.reads.iter().chain(&op.writes).map(|r| r.bytes).sum(),
+                _ => op
+                    .collectives()
+                    .iter()
+                    .map(|c| c.count * c.dtype.bytes())
+                    .sum(),
+            };
+            let name = match &layer {
+                Some(l) => format!("{} {l}", op.kind_name()),
+                None => op.kind_name().to_string(),
+            };
+            let tid = op.stream.index();
+            ev.push(json!({"ph": "X", "name": name, "cat": op.kind_name(), "pid": pid, "tid": tid,
+                "ts": us(start), "dur": us(end - start),
+                "args": {"op": id.to_string(), "layer": layer, "micro_step": op.micro_step, "bytes": bytes}}));
+            for e in &op.wait {
+                let rec = program.events[*e].recorder;
+                let rec_op = &program.ops[rec];
+                ev.push(
+                    json!({"ph": "s", "name": e.to_string(), "cat": "wait", "id": flow,
+                    "pid": pid, "tid": rec_op.stream.index(), "ts": us(rt.end[rec.index()])}),
+                );
+                ev.push(
+                    json!({"ph": "f", "bp": "e", "name": e.to_string(), "cat": "wait", "id": flow,
+                    "pid": pid, "tid": tid, "ts": us(start)}),
+                );
+                flow += 1;
+            }
+        }
+    }
+    Trace {
+        trace_events: ev,
+        display_time_unit: "ms",
+    }
+}
