@@ -258,7 +258,7 @@ pub fn run(program: &Program, job: &Job, classes: &RankClasses, cost: &CostModel
         if !next.is_finite() {
             break;
         }
-        let dt = next - now;
+        let (before, dt) = (now, next - now);
         now = next;
         for a in agents.iter_mut() {
             for s in 0..a.streams.len() {
@@ -280,8 +280,12 @@ pub fn run(program: &Program, job: &Job, classes: &RankClasses, cost: &CostModel
                         }
                     }
                     Phase::Moving(left) => {
+                        // Finish by the time computed above, not by what is left: `now` may not
+                        // move at all when the last step is below its float resolution.
+                        let done =
+                            a.speed[s] > 0.0 && before + left * t.transfer_s / a.speed[s] <= now;
                         let left = left - dt * a.speed[s] / t.transfer_s;
-                        if left <= 1e-9 {
+                        if done || left <= 1e-12 {
                             finish(a, program, &stream_ops, s, op, now);
                         } else {
                             a.streams[s].running = Some((op, Phase::Moving(left)));
