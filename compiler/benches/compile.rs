@@ -4,49 +4,11 @@
 //!
 //! `cargo bench -p schedc --bench compile`
 
+mod common;
+
+use common::{job, AMSP, MICS, ZERO3};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
-use schedc::{analyze, compile, Job, MemLoader};
-use std::path::Path;
-
-fn job(layers: u32, micro_steps: u32, nodes: u32, shard: &str) -> Job {
-    let src = format!(
-        r#"
-cluster c {{
-    nodes = {nodes}
-    gpus_per_node = 8
-    gpu_memory = 80 GiB
-    peak_flops = 989 TFLOPS
-    intra_node {{ bandwidth = 450 GB/s  latency = 3 us }}
-    inter_node {{ bandwidth = 3200 Gbps  latency = 10 us }}
-}}
-model llama70b {{
-    dtype = bf16
-    seq_len = 4096
-    layer embed = embedding(vocab = 32000, hidden = 8192, positions = rope)
-    layer block[{layers}] = transformer(hidden = 8192, heads = 64, kv_heads = 8, ffn = 28672,
-                                      norm = rmsnorm, act = swiglu, bias = false)
-    layer head = lm_head(hidden = 8192, vocab = 32000, norm = rmsnorm)
-}}
-schedule s {{
-    model = llama70b
-    cluster = c
-    micro_steps = {micro_steps}
-    {shard}
-}}
-"#
-    );
-    let a = analyze(
-        Path::new("bench.sched"),
-        &MemLoader::default().with("bench.sched", &src),
-    )
-    .unwrap();
-    assert!(!a.has_errors(), "{}", a.render());
-    a.jobs[0].clone()
-}
-
-const ZERO3: &str = "preset = zero3";
-const MICS: &str = "preset = mics(partition = 8 x 2)\n    all_gather = hierarchical";
-const AMSP: &str = "shard { params = 8 x 1  grads = 8 x 4  optimizer = 8 x 16 }";
+use schedc::compile;
 
 fn targets(c: &mut Criterion) {
     let mut g = c.benchmark_group("compile+verify 80 layers, 16 micro-steps, 1024 ranks");

@@ -330,12 +330,12 @@ fn start_ready(program: &Program, stream_ops: &[Vec<OpId>], agents: &mut [Agent]
     while changed {
         changed = false;
         for k in 0..agents.len() {
-            for s in 0..stream_ops.len() {
+            for (s, ops) in stream_ops.iter().enumerate() {
                 let st = agents[k].streams[s];
-                if st.running.is_some() || st.head >= stream_ops[s].len() {
+                if st.running.is_some() || st.head >= ops.len() {
                     continue;
                 }
-                let id = stream_ops[s][st.head];
+                let id = ops[st.head];
                 let op = &program.ops[id];
                 if !st.arrived {
                     if op.wait.iter().any(|e| agents[k].events[e.index()] > now) {

@@ -1,0 +1,29 @@
+//! Simulating one step of an 80-layer LLaMA-70B-shaped model, 16 micro-steps, 1,024 ranks: the
+//! planner simulates many candidates, so this must take well under a second. The program is
+//! compiled once, outside the measurement.
+//!
+//! `cargo bench -p schedc --bench simulate`
+
+mod common;
+
+use common::{job, AMSP, MICS, ZERO3};
+use criterion::{criterion_group, criterion_main, Criterion};
+use schedc::{compile, sim};
+
+fn simulate(c: &mut Criterion) {
+    let mut g = c.benchmark_group("simulate 80 layers, 16 micro-steps, 1024 ranks");
+    g.sample_size(10);
+    for (name, shard) in [
+        ("zero3", ZERO3),
+        ("mics 8x2 hierarchical", MICS),
+        ("amsp 8x1/8x4/8x16", AMSP),
+    ] {
+        let j = job(80, 16, 128, shard);
+        let (program, _) = compile(&j).unwrap();
+        g.bench_function(name, |b| b.iter(|| sim::simulate(&program, &j)));
+    }
+    g.finish();
+}
+
+criterion_group!(benches, simulate);
+criterion_main!(benches);
