@@ -543,8 +543,8 @@ fn the_trace_has_a_process_per_rank_a_thread_per_stream_and_a_slice_per_op() {
 
 #[test]
 fn the_planners_scale_simulates_in_one_representative() {
-    // 1,024 ranks, 80-layer-shaped job are the benchmark's; here a 256-rank AMSP mesh checks
-    // that one class stands for every rank.
+    // The benchmark times the planner's scale (1,024 ranks); here a 256-rank AMSP mesh checks that
+    // one class stands for every rank of a compiled schedule.
     let src = format!(
         "{}{LLAMA_SMALL}schedule s {{ model = m\n cluster = c\n shard {{ params = 8 x 1\n grads = 8 x 4\n optimizer = 8 x 16 }} }}\n",
         cluster(32, 8, "bandwidth = 200 GB/s  latency = 3 us", "bandwidth = 400 Gbps  latency = 10 us", "")

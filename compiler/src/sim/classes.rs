@@ -43,29 +43,37 @@ pub fn rank_classes(p: &Program) -> RankClasses {
         }
         group_of[id] = g;
     }
-    // Initial colours: the shape of each group a rank is in (size, members on its node, nodes).
-    let mut ids: HashMap<Vec<u64>, u32> = HashMap::new();
-    let intern = |sig: Vec<u64>, ids: &mut HashMap<Vec<u64>, u32>| {
-        let n = ids.len() as u32;
-        *ids.entry(sig).or_insert(n)
-    };
-    let mut colour: Vec<u32> = (0..ranks as u32)
-        .map(|r| {
-            let mut sig = vec![];
-            for (id, comm) in p.comms.iter() {
-                let gi = group_of[id][r as usize];
-                match comm.groups.get(gi as usize) {
-                    Some(g) => {
-                        let local = g.iter().filter(|&&m| node(m) == node(r)).count() as u64;
-                        let mut nodes: Vec<u32> = g.iter().map(|&m| node(m)).collect();
-                        nodes.sort_unstable();
-                        nodes.dedup();
-                        sig.extend([g.len() as u64, local, nodes.len() as u64]);
-                    }
-                    None => sig.extend([0, 0, 0]),
-                }
+    // Initial colours: the shape of each group a rank is in (size, members on its node, nodes),
+    // computed group by group so that the work is proportional to the ranks.
+    let mut shape: Vec<Vec<u64>> = vec![vec![]; ranks];
+    for (_, comm) in p.comms.iter() {
+        let mut seen = vec![false; ranks];
+        for g in &comm.groups {
+            let mut per_node: HashMap<u32, u64> = HashMap::new();
+            for &m in g {
+                *per_node.entry(node(m)).or_default() += 1;
             }
-            intern(sig, &mut ids)
+            for &m in g.iter().filter(|&&m| (m as usize) < ranks) {
+                seen[m as usize] = true;
+                shape[m as usize].extend([
+                    g.len() as u64,
+                    per_node[&node(m)],
+                    per_node.len() as u64,
+                ]);
+            }
+        }
+        for (r, s) in shape.iter_mut().enumerate() {
+            if !seen[r] {
+                s.extend([0, 0, 0]);
+            }
+        }
+    }
+    let mut ids: HashMap<Vec<u64>, u32> = HashMap::new();
+    let mut colour: Vec<u32> = shape
+        .into_iter()
+        .map(|sig| {
+            let n = ids.len() as u32;
+            *ids.entry(sig).or_insert(n)
         })
         .collect();
     let mut count = distinct(&colour);
