@@ -4,9 +4,10 @@
 //! One process per simulated rank (named `rank R`, with how many ranks it stands for), one thread
 //! per stream (named by the stream's role), one complete slice (`ph: "X"`) per op, named by its
 //! kind and layer, with `op`, `layer`, `micro_step` and `bytes` (a collective's payload, a compute
-//! op's bytes read and written) in `args`. Every event wait is a flow arrow from the end of the op
-//! that records the event (`ph: "s"`) to the start of the op that waits (`ph: "f"`, bound to the
-//! enclosing slice). Times are microseconds.
+//! op's bytes read and written) in `args`. Every event wait is a flow arrow from the op that records
+//! the event (`ph: "s"`, stamped at that op's start so that it binds to that slice and not to the
+//! one that follows it on the stream) to the op that waits (`ph: "f"`, `bp: "e"`, at its start).
+//! Times are microseconds.
 
 use super::engine::Timeline;
 use crate::ir::{OpKind, Program};
@@ -64,7 +65,7 @@ pub fn emit_trace(program: &Program, timeline: &Timeline) -> Trace {
                 let rec_op = &program.ops[rec];
                 ev.push(
                     json!({"ph": "s", "name": e.to_string(), "cat": "wait", "id": flow,
-                    "pid": pid, "tid": rec_op.stream.index(), "ts": us(rt.end[rec.index()])}),
+                    "pid": pid, "tid": rec_op.stream.index(), "ts": us(rt.start[rec.index()])}),
                 );
                 ev.push(
                     json!({"ph": "f", "bp": "e", "name": e.to_string(), "cat": "wait", "id": flow,
