@@ -2,7 +2,8 @@
 //! α–β time of a lone collective, link sharing between overlapping ones, a single stream as the sum
 //! of its ops, lower bounds over every example, MiCS §3.4's 2-hop bound, MiCS §3.3's hierarchical
 //! all-gather gain, seed 003's IDEFICS-80B worked example, Megatron-LM's MFU formula, `measured`
-//! tables, the Chrome trace's structure, and `schedc simulate` on the command line.
+//! tables, one representative rank against every rank, the Chrome trace's structure, and
+//! `schedc simulate` on the command line.
 
 use cranelift_entity::EntityRef;
 use schedc::ir::*;
@@ -320,6 +321,10 @@ fn overlap_never_beats_compute_or_any_link() {
             // Compute ops may overlap each other (an update on the sync stream), never exceed their sum.
             assert!(r.compute_s <= compute + eps, "{name}");
             assert!(r.mfu > 0.0 && r.mfu < 1.0, "{name}: mfu {}", r.mfu);
+            assert_eq!(
+                r.simulated_ranks, 1,
+                "{name}: compiled schedules are symmetric"
+            );
             checked += 1;
         }
     }
@@ -555,6 +560,40 @@ fn the_planners_scale_simulates_in_one_representative() {
     assert_eq!(c.representatives, [0]);
     assert_eq!(c.sizes, [256]);
     assert_eq!(sim::simulate(&p, &job).simulated_ranks, 1);
+}
+
+#[test]
+fn one_representative_gives_the_same_step_as_every_rank() {
+    // Simulate every rank as its own class (rendezvous across all of them) and compare.
+    let src = format!(
+        "{}{LLAMA_SMALL}schedule s {{ model = m\n cluster = c\n micro_steps = 2\n preset = mics(partition = 8 x 2)\n buckets {{ gather = 64 MiB  reduce = 64 MiB }} }}\n\
+         schedule t {{ model = m\n cluster = c\n shard {{ params = 4 x 1\n grads = 8 x 1\n optimizer = 8 x 4 }} }}\n",
+        cluster(4, 8, "bandwidth = 200 GB/s  latency = 3 us", "bandwidth = 400 Gbps  latency = 10 us", "")
+    );
+    for job in jobs(&src) {
+        let p = compile(&job);
+        let one = sim::run(&p, &job);
+        let mut each = sim::classes::rank_classes(&p);
+        each.class_of = (0..p.ranks).collect();
+        each.representatives = (0..p.ranks).collect();
+        each.sizes = vec![1; p.ranks as usize];
+        let all = sim::engine::run(&p, &job, &each, &CostModel::new(&job));
+        assert_eq!(all.ranks.len(), 32);
+        assert!(
+            close(all.step_time_s, one.step_time_s, 1e-12),
+            "{}: {} vs {}",
+            job.schedule.name,
+            all.step_time_s,
+            one.step_time_s
+        );
+        for r in &all.ranks {
+            assert_eq!(
+                r.end, one.ranks[0].end,
+                "{}: rank {}",
+                job.schedule.name, r.rank
+            );
+        }
+    }
 }
 
 #[test]
