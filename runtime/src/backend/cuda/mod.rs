@@ -1,0 +1,158 @@
+//! The CUDA backend: one process per GPU, each driving one rank of the plan.
+//!
+//! Design (issue 6; `shared/spec/runtime.md`, backends):
+//! - **Memory.** One device allocation per rank of exactly the plan's `arena_bytes`; every tensor
+//!   lives at its planned offset inside it, in the same byte layout as the CPU backend's arena
+//!   (fp32 as its bits, bf16/fp16 as 16-bit words). Kernels compute in f32 in a per-stream
+//!   workspace allocated once at start-up (the device twin of the CPU backend's scratch pools),
+//!   reading regions in and rounding results out to the buffer's dtype exactly where the CPU
+//!   backend does. Nothing is allocated while a step runs. cudarc's automatic event tracking is
+//!   turned off: the plan's events are the only synchronisation.
+//! - **Streams and events.** One CUDA stream per plan stream and one CUDA event per plan event.
+//!   The host enqueues every op of the plan in its single issue order (each op on its stream:
+//!   `cuStreamWaitEvent` for its waits, the op, `cuEventRecord` for its record), then waits for
+//!   the streams. Enqueueing never blocks on the device, so one host thread issues all streams.
+//! - **Compute.** Matrix multiplies through cuBLAS (fp32 sgemm; attention's per-head products as
+//!   strided-batched sgemm), every other kernel in `kernels.cu`, compiled by NVRTC on first use
+//!   and cached as PTX. The layer math mirrors `crate::math` one function for one function.
+//! - **Collectives.** NCCL through cudarc, one communicator per (communicator group, stream) the
+//!   plan uses ([`rendezvous::CommKey`]), each from its own unique id; a coalesced op is one
+//!   `ncclGroupStart`/`ncclGroupEnd`. A watchdog aborts the communicators and names the rank and
+//!   op when a collective takes longer than the run's timeout.
+//! - **Processes.** [`launch`] reads torchrun/Slurm variables or starts one process per local GPU;
+//!   [`rendezvous`] (plain TCP on the master) checks that every rank holds the same plan and hands
+//!   out the NCCL ids.
+//!
+//! Feature checks live here only: [`launch`], [`rendezvous`], [`comm_keys`] and [`plan_hash`] are
+//! always built (and tested without a GPU); the device code is behind the `cuda` cargo feature,
+//! and without it [`CudaBackend::new`] and [`probe`] say "built without CUDA". With it, [`probe`]
+//! finds out at run time which of the driver, NVRTC, cuBLAS and NCCL libraries are missing before
+//! cudarc touches them (cudarc panics on a missing library).
+
+pub mod launch;
+pub mod rendezvous;
+
+#[cfg(feature = "cuda")]
+mod blas;
+#[cfg(feature = "cuda")]
+mod device;
+#[cfg(feature = "cuda")]
+mod kernels;
+#[cfg(feature = "cuda")]
+mod layers;
+#[cfg(feature = "cuda")]
+mod nccl;
+#[cfg(feature = "cuda")]
+mod step;
+
+#[cfg(not(feature = "cuda"))]
+pub use stand_in::CudaBackend;
+#[cfg(feature = "cuda")]
+pub use step::CudaBackend;
+
+use crate::plan::Plan;
+use cranelift_entity::EntityRef;
+use rendezvous::CommKey;
+use std::collections::BTreeSet;
+
+/// Whether this build contains the CUDA backend.
+pub const BUILT: bool = cfg!(feature = "cuda");
+
+/// Every NCCL communicator the plan needs, over all ranks: for each collective's communicator and
+/// stream, one per group of that communicator. Sorted, so every rank computes the same list.
+pub fn comm_keys(plan: &Plan) -> Vec<CommKey> {
+    let mut keys = BTreeSet::new();
+    for op in plan.program.ops.values() {
+        for c in op.collectives() {
+            let comm = &plan.program.comms[c.comm];
+            for g in 0..comm.groups.len() {
+                keys.insert(CommKey {
+                    comm: c.comm.index() as u32,
+                    group: g as u32,
+                    stream: op.stream.index() as u32,
+                });
+            }
+        }
+    }
+    keys.into_iter().collect()
+}
+
+/// The communicators `rank` is a member of (its group of each).
+pub fn rank_keys(plan: &Plan, rank: u32) -> Vec<CommKey> {
+    comm_keys(plan)
+        .into_iter()
+        .filter(|k| plan.members[k.comm as usize][rank as usize].0 == k.group as usize)
+        .collect()
+}
+
+/// A hash of the whole plan (its plan-file JSON), compared across ranks before anything runs.
+pub fn plan_hash(plan: &Plan) -> u64 {
+    let file = schedc::emit::plan::emit_plan(&plan.program, &plan.job);
+    let text = serde_json::to_string(&file).unwrap_or_default();
+    rendezvous::fnv1a(text.as_bytes())
+}
+
+/// Checks that the libraries the CUDA backend loads are present; the error is one line naming
+/// what is missing.
+pub fn probe() -> Result<(), String> {
+    #[cfg(feature = "cuda")]
+    {
+        device::probe_libraries()
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        Err(stand_in::MESSAGE.to_string())
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+mod stand_in {
+    //! The CUDA backend of a build without the `cuda` feature: it only says so.
+
+    use super::launch::DistEnv;
+    use crate::backend::{Backend, RankMemory, RunError, RunOptions, StepInput, StepOutcome};
+    use crate::plan::Plan;
+    use schedc::job::Dtype;
+    use std::sync::Arc;
+
+    pub const MESSAGE: &str =
+        "this schedrun was built without CUDA; rebuild with `cargo build --features cuda`";
+
+    /// Never constructed: [`CudaBackend::new`] always fails.
+    pub struct CudaBackend(());
+
+    fn unavailable() -> RunError {
+        RunError {
+            rank: None,
+            op: None,
+            message: MESSAGE.into(),
+        }
+    }
+
+    impl CudaBackend {
+        pub fn new(_: Arc<Plan>, _: RunOptions, _: &DistEnv) -> Result<Self, RunError> {
+            Err(unavailable())
+        }
+    }
+
+    impl Backend for CudaBackend {
+        fn name(&self) -> &'static str {
+            "cuda"
+        }
+        fn ranks(&self) -> Vec<u32> {
+            vec![]
+        }
+        fn upload(&self, _: u32, _: u64, _: Dtype, _: &[f32]) -> Result<(), RunError> {
+            Err(unavailable())
+        }
+        fn download(&self, _: u32, _: u64, _: usize, _: Dtype) -> Result<Vec<f32>, RunError> {
+            Err(unavailable())
+        }
+        fn run_step(&mut self, _: &StepInput) -> Result<StepOutcome, RunError> {
+            Err(unavailable())
+        }
+        fn memory(&self) -> Vec<RankMemory> {
+            vec![]
+        }
+    }
+}
