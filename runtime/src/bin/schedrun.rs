@@ -110,14 +110,14 @@ fn main() -> ExitCode {
 fn run(cli: &Cli) -> Result<(), Failure> {
     let dist = match cli.backend {
         BackendKind::Cpu => None,
-        BackendKind::Cuda => {
-            // Missing libraries (or a build without CUDA) are reported before anything else.
-            cuda::probe().map_err(Failure::Fault)?;
-            match DistEnv::from_env().map_err(Failure::Input)? {
-                Some(env) => Some(env),
-                None => return launch(cli),
+        BackendKind::Cuda => match DistEnv::from_env().map_err(Failure::Input)? {
+            Some(env) => {
+                // Missing libraries (or a build without CUDA): one line, before anything else.
+                cuda::probe().map_err(Failure::Fault)?;
+                Some(env)
             }
-        }
+            None => return launch(cli),
+        },
     };
     let plan = Plan::load(&cli.file, cli.schedule.as_deref()).map_err(|e| match e {
         LoadError::Input(m) => Failure::Input(m),
@@ -179,6 +179,7 @@ fn launch(cli: &Cli) -> Result<(), Failure> {
             plan.ranks()
         )));
     }
+    cuda::probe().map_err(Failure::Fault)?;
     let exe = std::env::current_exe().map_err(|e| Failure::Fault(e.to_string()))?;
     let port = launch::free_port().map_err(Failure::Fault)?;
     let args: Vec<std::ffi::OsString> = std::env::args_os().skip(1).collect();

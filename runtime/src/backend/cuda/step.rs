@@ -329,8 +329,10 @@ impl Backend for CudaBackend {
         let started = Instant::now();
         let rank = self.rank;
         self.upload_batches(input)?;
-        let issued = self.issue(input);
-        if let Err(e) = issued {
+        if let Err(e) = self.issue(input) {
+            // Work may be in flight that other ranks will never match: abort the communicators
+            // so nothing waits on them, and fail (the process exits).
+            self.comms.abort();
             return Err(e);
         }
         self.watch()?;
