@@ -101,11 +101,6 @@ extern "C" __global__ void fill(float* x, float v, long long n) {
     GRID_STRIDE(i, n) x[i] = v;
 }
 
-// y += x elementwise.
-extern "C" __global__ void add_into(float* y, const float* x, long long n) {
-    GRID_STRIDE(i, n) y[i] += x[i];
-}
-
 // ---- linear layers: math/gemm.rs (the products themselves go through cuBLAS) ----
 
 // y[r][c] += b[c] for t rows of width w.
@@ -152,7 +147,7 @@ __device__ float block_sum(float v, float* sh) {
     sh[threadIdx.x] = v;
     __syncthreads();
     for (int k = blockDim.x / 2; k > 0; k >>= 1) {
-        if (threadIdx.x < k) sh[threadIdx.x] += sh[threadIdx.x + k];
+        if ((int)threadIdx.x < k) sh[threadIdx.x] += sh[threadIdx.x + k];
         __syncthreads();
     }
     float r = sh[0];
@@ -309,7 +304,7 @@ extern "C" __global__ void causal_softmax(float* p, float* lse, long long s, int
     sh[threadIdx.x] = m;
     __syncthreads();
     for (int k = blockDim.x / 2; k > 0; k >>= 1) {
-        if (threadIdx.x < k) sh[threadIdx.x] = fmaxf(sh[threadIdx.x], sh[threadIdx.x + k]);
+        if ((int)threadIdx.x < k) sh[threadIdx.x] = fmaxf(sh[threadIdx.x], sh[threadIdx.x + k]);
         __syncthreads();
     }
     m = sh[0];
@@ -356,7 +351,7 @@ extern "C" __global__ void cross_entropy(const float* logits, const int* targets
     sh[threadIdx.x] = m;
     __syncthreads();
     for (int k = blockDim.x / 2; k > 0; k >>= 1) {
-        if (threadIdx.x < k) sh[threadIdx.x] = fmaxf(sh[threadIdx.x], sh[threadIdx.x + k]);
+        if ((int)threadIdx.x < k) sh[threadIdx.x] = fmaxf(sh[threadIdx.x], sh[threadIdx.x + k]);
         __syncthreads();
     }
     m = sh[0];
@@ -423,7 +418,7 @@ extern "C" __global__ void sum_squares(const float* x, long long n, double* acc)
     sh[threadIdx.x] = s;
     __syncthreads();
     for (int k = blockDim.x / 2; k > 0; k >>= 1) {
-        if (threadIdx.x < k) sh[threadIdx.x] += sh[threadIdx.x + k];
+        if ((int)threadIdx.x < k) sh[threadIdx.x] += sh[threadIdx.x + k];
         __syncthreads();
     }
     if (threadIdx.x == 0) atomicAdd(acc, sh[0]);

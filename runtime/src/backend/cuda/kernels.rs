@@ -21,7 +21,6 @@ const NAMES: &[&str] = &[
     "load_halves",
     "round_in_place",
     "fill",
-    "add_into",
     "bias_add",
     "col_sums",
     "embedding_forward",

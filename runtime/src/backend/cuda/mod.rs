@@ -156,3 +156,123 @@ mod stand_in {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! Static checks of the device code that run without a GPU (and without the `cuda` feature):
+    //! every kernel launch in the Rust sources passes exactly the argument kinds its `kernels.cu`
+    //! signature declares, since a mismatch would corrupt memory silently on the device.
+
+    const CU: &str = include_str!("kernels.cu");
+    const RUST: [(&str, &str); 2] = [
+        ("layers.rs", include_str!("layers.rs")),
+        ("step.rs", include_str!("step.rs")),
+    ];
+
+    /// (kernel, argument kinds as P/L/I/F/D) of every `extern "C" __global__` function.
+    fn signatures() -> Vec<(String, String)> {
+        let mut out = vec![];
+        for part in CU.split("extern \"C\" __global__ void ").skip(1) {
+            let name = part[..part.find('(').unwrap()].trim().to_string();
+            let params = &part[part.find('(').unwrap() + 1..part.find(')').unwrap()];
+            let kinds: String = params
+                .split(',')
+                .map(|p| {
+                    let p = p.trim();
+                    if p.contains('*') {
+                        'P'
+                    } else if p.starts_with("long long") {
+                        'L'
+                    } else if p.starts_with("int") {
+                        'I'
+                    } else if p.starts_with("float") {
+                        'F'
+                    } else if p.starts_with("double") {
+                        'D'
+                    } else {
+                        panic!("kernel {name}: unknown parameter type in {p:?}")
+                    }
+                })
+                .collect();
+            out.push((name, kinds));
+        }
+        out
+    }
+
+    /// (file, kernel, argument kinds) of every launch `"name", …, &[A::X(…), …]` in the sources.
+    fn launches() -> Vec<(&'static str, String, String)> {
+        let names: Vec<String> = signatures().into_iter().map(|(n, _)| n).collect();
+        let mut out = vec![];
+        for (file, src) in RUST {
+            for n in &names {
+                let lit = format!("\"{n}\",");
+                let mut rest = src;
+                while let Some(i) = rest.find(&lit) {
+                    rest = &rest[i + lit.len()..];
+                    let open = rest
+                        .find("&[")
+                        .expect("an argument list after a kernel name");
+                    // The argument list must belong to this call: nothing quoted in between.
+                    assert!(
+                        !rest[..open].contains('"'),
+                        "{file}: cannot find the arguments of a launch of {n}"
+                    );
+                    let mut depth = 0;
+                    let mut end = open + 2;
+                    for (k, c) in rest[open + 2..].char_indices() {
+                        match c {
+                            '[' | '(' => depth += 1,
+                            ')' => depth -= 1,
+                            ']' if depth == 0 => {
+                                end = open + 2 + k;
+                                break;
+                            }
+                            ']' => depth -= 1,
+                            _ => {}
+                        }
+                    }
+                    let list = &rest[open + 2..end];
+                    let kinds: String = list
+                        .match_indices("A::")
+                        .map(|(j, _)| list.as_bytes()[j + 3] as char)
+                        .collect();
+                    out.push((file, n.clone(), kinds));
+                }
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn every_launch_matches_its_kernel_signature() {
+        let sigs = signatures();
+        assert!(sigs.len() >= 25, "found {} kernels", sigs.len());
+        let calls = launches();
+        let mut used = std::collections::BTreeSet::new();
+        for (file, name, kinds) in &calls {
+            let want = &sigs.iter().find(|(n, _)| n == name).unwrap().1;
+            assert_eq!(kinds, want, "{file}: launch of {name}");
+            used.insert(name.clone());
+        }
+        let unused: Vec<&String> = sigs
+            .iter()
+            .map(|(n, _)| n)
+            .filter(|n| !used.contains(*n))
+            .collect();
+        assert!(unused.is_empty(), "kernels never launched: {unused:?}");
+    }
+
+    #[test]
+    fn the_kernel_list_is_the_source_list() {
+        let kernels_rs = include_str!("kernels.rs");
+        let list = &kernels_rs[kernels_rs.find("const NAMES").unwrap()..];
+        let list = &list[..list.find("];").unwrap()];
+        for (name, _) in signatures() {
+            assert!(
+                list.contains(&format!("\"{name}\"")),
+                "{name} missing from NAMES"
+            );
+        }
+        assert_eq!(list.matches('"').count() / 2, signatures().len());
+    }
+}
