@@ -1,27 +1,11 @@
-//! Row-major fp32 matrix products through cuBLAS (which is column-major): a row-major
-//! C = op(A)·op(B) is the column-major Cᵀ = op(B)ᵀ·op(A)ᵀ, so every call swaps the operands.
-//! One handle per stream. Compiled, never run on a GPU yet.
+//! fp32 matrix products through cuBLAS: one handle per stream, running the column-major calls
+//! that `enqueue::row_major` derives from the layer math's row-major products. Compiled, never
+//! run on a GPU yet.
 
+use super::enqueue::ColMajor;
 use cudarc::cublas::result as cb;
 use cudarc::cublas::sys::{cublasHandle_t, cublasOperation_t};
 use cudarc::driver::CudaStream;
-
-/// A row-major matrix operand: device pointer, leading dimension (elements between rows), and
-/// whether it is used transposed.
-#[derive(Clone, Copy, Debug)]
-pub struct M {
-    pub ptr: u64,
-    pub ld: usize,
-    pub t: bool,
-}
-
-pub fn m(ptr: u64, ld: usize) -> M {
-    M { ptr, ld, t: false }
-}
-
-pub fn mt(ptr: u64, ld: usize) -> M {
-    M { ptr, ld, t: true }
-}
 
 pub struct Blas {
     handle: cublasHandle_t,
@@ -47,85 +31,49 @@ impl Blas {
         }
     }
 
-    /// C[rows × cols] ← α·op(A)[rows × k]·op(B)[k × cols] + β·C, row-major, C's rows `ldc` apart.
-    #[allow(clippy::too_many_arguments)]
-    pub fn gemm(
-        &self,
-        rows: usize,
-        cols: usize,
-        k: usize,
-        alpha: f32,
-        a: M,
-        b: M,
-        beta: f32,
-        c: u64,
-        ldc: usize,
-    ) -> Result<(), String> {
-        self.batched(rows, cols, k, alpha, a, 0, b, 0, beta, c, ldc, 0, 1)
-    }
-
-    /// `batch` products with element strides between consecutive A, B and C (0 reuses one).
-    #[allow(clippy::too_many_arguments)]
-    pub fn batched(
-        &self,
-        rows: usize,
-        cols: usize,
-        k: usize,
-        alpha: f32,
-        a: M,
-        stride_a: usize,
-        b: M,
-        stride_b: usize,
-        beta: f32,
-        c: u64,
-        ldc: usize,
-        stride_c: usize,
-        batch: usize,
-    ) -> Result<(), String> {
-        if rows == 0 || cols == 0 || batch == 0 {
-            return Ok(());
-        }
+    /// Runs one column-major call (see [`super::enqueue::row_major`]).
+    pub fn run(&self, c: &ColMajor) -> Result<(), String> {
         let i = |x: usize| x as i32;
         // SAFETY: the caller sizes every operand from the layer math inside the arena or its
         // workspace; alpha and beta are host scalars that outlive the call.
         unsafe {
-            if batch == 1 {
+            if c.batch == 1 {
                 cb::sgemm(
                     self.handle,
-                    Self::op(b.t),
-                    Self::op(a.t),
-                    i(cols),
-                    i(rows),
-                    i(k),
-                    &alpha,
-                    b.ptr as *const f32,
-                    i(b.ld),
-                    a.ptr as *const f32,
-                    i(a.ld),
-                    &beta,
-                    c as *mut f32,
-                    i(ldc),
+                    Self::op(c.transa),
+                    Self::op(c.transb),
+                    i(c.m),
+                    i(c.n),
+                    i(c.k),
+                    &c.alpha,
+                    c.a as *const f32,
+                    i(c.lda),
+                    c.b as *const f32,
+                    i(c.ldb),
+                    &c.beta,
+                    c.c as *mut f32,
+                    i(c.ldc),
                 )
             } else {
                 cb::sgemm_strided_batched(
                     self.handle,
-                    Self::op(b.t),
-                    Self::op(a.t),
-                    i(cols),
-                    i(rows),
-                    i(k),
-                    &alpha,
-                    b.ptr as *const f32,
-                    i(b.ld),
-                    stride_b as i64,
-                    a.ptr as *const f32,
-                    i(a.ld),
-                    stride_a as i64,
-                    &beta,
-                    c as *mut f32,
-                    i(ldc),
-                    stride_c as i64,
-                    i(batch),
+                    Self::op(c.transa),
+                    Self::op(c.transb),
+                    i(c.m),
+                    i(c.n),
+                    i(c.k),
+                    &c.alpha,
+                    c.a as *const f32,
+                    i(c.lda),
+                    c.stride_a as i64,
+                    c.b as *const f32,
+                    i(c.ldb),
+                    c.stride_b as i64,
+                    &c.beta,
+                    c.c as *mut f32,
+                    i(c.ldc),
+                    c.stride_c as i64,
+                    i(c.batch),
                 )
             }
         }

@@ -26,6 +26,7 @@ __device__ __forceinline__ unsigned short f32_to_bf16(float x) {
     return (unsigned short)((b + 0x7fff + lsb) >> 16);
 }
 
+#ifdef __CUDA_ARCH__
 __device__ __forceinline__ float f16_to_f32(unsigned short h) {
     float r;
     asm("cvt.f32.f16 %0, %1;" : "=f"(r) : "h"(h));
@@ -38,6 +39,11 @@ __device__ __forceinline__ unsigned short f32_to_f16(float x) {
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(x));
     return r;
 }
+#else
+// The host emulation of the tests (kernels compiled as C++) has no fp16 conversions.
+__device__ __forceinline__ float f16_to_f32(unsigned short) { __builtin_trap(); }
+__device__ __forceinline__ unsigned short f32_to_f16(float) { __builtin_trap(); }
+#endif
 
 __device__ __forceinline__ float load_one(const unsigned char* p, int dtype, long long i) {
     if (dtype == 0) return ((const float*)p)[i];

@@ -4,14 +4,13 @@
 //! raw device pointers into the arena and workspace. Compiled, never run on a GPU yet.
 
 use super::device::drv;
+use super::enqueue::{Grid, A};
 use super::rendezvous::fnv1a;
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
-
-pub const SOURCE: &str = include_str!("kernels.cu");
 
 const NAMES: &[&str] = &[
     "load",
@@ -43,17 +42,6 @@ const NAMES: &[&str] = &[
     "store_double",
 ];
 
-/// One kernel argument (all are scalars or raw device pointers).
-#[derive(Clone, Copy, Debug)]
-pub enum A {
-    /// A device pointer (0 for NULL).
-    P(u64),
-    L(i64),
-    I(i32),
-    F(f32),
-    D(f64),
-}
-
 pub struct Kernels {
     f: HashMap<&'static str, CudaFunction>,
 }
@@ -75,7 +63,7 @@ impl Kernels {
             .compute_capability()
             .map_err(drv("reading the compute capability"))?;
         let arch = format!("compute_{major}{minor}");
-        let key = fnv1a(format!("{arch}\n{SOURCE}").as_bytes());
+        let key = fnv1a(format!("{arch}\n{}", super::kernels_source()).as_bytes());
         let file = cache_dir().join(format!("kernels-{key:016x}.ptx"));
         let ptx = match std::fs::read_to_string(&file) {
             Ok(src) => Ptx::from_src(src),
@@ -84,7 +72,7 @@ impl Kernels {
                     options: vec![format!("--gpu-architecture={arch}")],
                     ..Default::default()
                 };
-                let ptx = compile_ptx_with_opts(SOURCE, opts)
+                let ptx = compile_ptx_with_opts(super::kernels_source(), opts)
                     .map_err(|e| format!("NVRTC cannot compile the kernels: {e:?}"))?;
                 // A cache that cannot be written only costs a compile next time.
                 let _ = std::fs::create_dir_all(cache_dir())
@@ -112,7 +100,7 @@ impl Kernels {
         &self,
         stream: &CudaStream,
         name: &str,
-        cfg: LaunchConfig,
+        grid: Grid,
         args: &[A],
     ) -> Result<(), String> {
         let f = self
@@ -131,47 +119,13 @@ impl Kernels {
         }
         // SAFETY: every pointer argument lies inside the arena or the stream's workspace, sized
         // by the caller from the plan and the layer math; the kernels index only within `n`.
+        let cfg = LaunchConfig {
+            grid_dim: (grid.blocks, 1, 1),
+            block_dim: (grid.threads, 1, 1),
+            shared_mem_bytes: 0,
+        };
         unsafe { b.launch(cfg) }
             .map(|_| ())
             .map_err(|e| format!("launching {name}: {e:?}"))
-    }
-}
-
-const THREADS: u32 = 256;
-
-/// A grid-stride launch over `n` elements.
-pub fn elems(n: usize) -> LaunchConfig {
-    let blocks = (n as u64).div_ceil(u64::from(THREADS)).clamp(1, 1 << 16) as u32;
-    LaunchConfig {
-        grid_dim: (blocks, 1, 1),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    }
-}
-
-/// One block of 256 threads per row (the row kernels assume exactly 256).
-pub fn rows(n: usize) -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: (n.max(1) as u32, 1, 1),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    }
-}
-
-/// The dtype code of `kernels.cu`.
-pub fn dtype_code(d: schedc::job::Dtype) -> i32 {
-    match d {
-        schedc::job::Dtype::Fp32 => 0,
-        schedc::job::Dtype::Bf16 => 1,
-        schedc::job::Dtype::Fp16 => 2,
-    }
-}
-
-/// The rounding code of `kernels.cu` for a [`crate::math::Precision`].
-pub fn prec_code(p: crate::math::Precision) -> i32 {
-    match p {
-        crate::math::Precision::F32 => 0,
-        crate::math::Precision::Bf16 => 1,
-        crate::math::Precision::F16 => 2,
     }
 }

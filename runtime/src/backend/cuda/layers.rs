@@ -2,20 +2,18 @@
 //! `attention.rs`): the same saved-segment layout, the same rounding points, the same products
 //! (cuBLAS instead of sgemm) on f32 device buffers. Compiled, never run on a GPU yet.
 
-use super::blas::{m, mt, Blas};
-use super::kernels::{elems, prec_code, rows, Kernels, A};
+#![cfg_attr(not(feature = "cuda"), allow(dead_code))]
+
+use super::enqueue::{elems, m, mt, prec_code, row_major, rows, Exec, A, M};
 use crate::math::{BlockP, Kind, LayerMath, MlpP, NormP, Precision};
-use cudarc::driver::CudaStream;
 use schedc::job::{Activation, Attention, Norm};
 use std::cell::Cell;
 use std::ops::Range;
 
-/// What one stream needs to enqueue work: kernels, its cuBLAS handle, and its workspace, handed
-/// out by a bump pointer that the caller resets after each op.
+/// What one stream needs to enqueue work: the stream ([`Exec`]) and its workspace, handed out
+/// by a bump pointer that the caller resets after each op.
 pub struct G<'a> {
-    pub k: &'a Kernels,
-    pub blas: &'a Blas,
-    pub s: &'a CudaStream,
+    pub x: &'a dyn Exec,
     pub ws_base: u64,
     pub ws_len: usize,
     pub used: Cell<usize>,
@@ -55,11 +53,53 @@ impl G<'_> {
     }
 
     pub fn run(&self, name: &str, n: usize, args: &[A]) -> Result<(), String> {
-        self.k.launch(self.s, name, elems(n), args)
+        self.x.launch(name, elems(n), args)
     }
 
     pub fn run_rows(&self, name: &str, r: usize, args: &[A]) -> Result<(), String> {
-        self.k.launch(self.s, name, rows(r), args)
+        self.x.launch(name, rows(r), args)
+    }
+
+    /// Row-major C[rows × cols] ← α·op(A)·op(B) + β·C (see [`row_major`]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm(
+        &self,
+        rows: usize,
+        cols: usize,
+        k: usize,
+        alpha: f32,
+        a: M,
+        b: M,
+        beta: f32,
+        c: u64,
+        ldc: usize,
+    ) -> Result<(), String> {
+        self.batched(rows, cols, k, alpha, a, 0, b, 0, beta, c, ldc, 0, 1)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub fn batched(
+        &self,
+        rows: usize,
+        cols: usize,
+        k: usize,
+        alpha: f32,
+        a: M,
+        stride_a: usize,
+        b: M,
+        stride_b: usize,
+        beta: f32,
+        c: u64,
+        ldc: usize,
+        stride_c: usize,
+        batch: usize,
+    ) -> Result<(), String> {
+        if rows == 0 || cols == 0 || batch == 0 {
+            return Ok(());
+        }
+        self.x.gemm(&row_major(
+            rows, cols, k, alpha, a, stride_a, b, stride_b, beta, c, ldc, stride_c, batch,
+        ))
     }
 
     pub fn fill(&self, p: u64, n: usize, v: f32) -> Result<(), String> {
@@ -86,9 +126,7 @@ impl G<'_> {
         if bytes == 0 {
             return Ok(());
         }
-        // SAFETY: both ranges lie in the arena or the workspace (the callers size them).
-        unsafe { cudarc::driver::result::memcpy_dtod_async(dst, src, bytes, self.s.cu_stream()) }
-            .map_err(|e| format!("device copy: {e:?}"))
+        self.x.copy_bytes(dst, src, bytes)
     }
 }
 
@@ -113,8 +151,7 @@ fn linear(
     out: usize,
     beta: f32,
 ) -> Result<(), String> {
-    g.blas
-        .gemm(t, out, inp, 1.0, m(x, inp), mt(w, inp), beta, y, out)?;
+    g.gemm(t, out, inp, 1.0, m(x, inp), mt(w, inp), beta, y, out)?;
     if bias != 0 {
         g.run(
             "bias_add",
@@ -139,8 +176,7 @@ fn linear_backward(
     inp: usize,
     out: usize,
 ) -> Result<(), String> {
-    g.blas
-        .gemm(out, inp, t, 1.0, mt(dy, out), m(x, inp), 1.0, dw, inp)?;
+    g.gemm(out, inp, t, 1.0, mt(dy, out), m(x, inp), 1.0, dw, inp)?;
     if dbias != 0 {
         g.run(
             "col_sums",
@@ -149,8 +185,7 @@ fn linear_backward(
         )?;
     }
     if let Some((dx, beta)) = dx {
-        g.blas
-            .gemm(t, inp, out, 1.0, m(dy, out), m(w, inp), beta, dx, inp)?;
+        g.gemm(t, inp, out, 1.0, m(dy, out), m(w, inp), beta, dx, inp)?;
     }
     Ok(())
 }
@@ -429,7 +464,7 @@ fn attention_forward(
         for grp in 0..sh.kv_heads {
             let n0 = grp * r;
             let (q, k, _) = offsets(bp, b, n0);
-            g.blas.batched(
+            g.batched(
                 s,
                 s,
                 d,
@@ -464,7 +499,7 @@ fn attention_forward(
         for grp in 0..sh.kv_heads {
             let n0 = grp * r;
             let (_, _, v) = offsets(bp, b, n0);
-            g.blas.batched(
+            g.batched(
                 s,
                 d,
                 s,
@@ -508,7 +543,7 @@ fn attention_backward(
             match bp.attention {
                 Attention::Naive => g.copy(p, at_f(kept, bh * s * s), s * s)?,
                 Attention::Flash => {
-                    g.blas.gemm(
+                    g.gemm(
                         s,
                         s,
                         d,
@@ -533,18 +568,16 @@ fn attention_backward(
             }
             let d_o = at_f(dout, b * s * h + n * d);
             // dV += Pᵀ·dO
-            g.blas
-                .gemm(s, d, s, 1.0, mt(p, s), m(d_o, h), 1.0, at_f(dqkv, v), w)?;
+            g.gemm(s, d, s, 1.0, mt(p, s), m(d_o, h), 1.0, at_f(dqkv, v), w)?;
             // dP = dO·Vᵀ; dS = P ∘ (dP − rowsum(P ∘ dP)) · scale
-            g.blas
-                .gemm(s, s, d, 1.0, m(d_o, h), mt(at_f(qkv, v), w), 0.0, dp, s)?;
+            g.gemm(s, s, d, 1.0, m(d_o, h), mt(at_f(qkv, v), w), 0.0, dp, s)?;
             g.run_rows(
                 "softmax_backward",
                 s,
                 &[A::P(p), A::P(dp), A::L(s as i64), A::F(scale)],
             )?;
             // dQ = dS·K; dK += dSᵀ·Q
-            g.blas.gemm(
+            g.gemm(
                 s,
                 d,
                 s,
@@ -555,7 +588,7 @@ fn attention_backward(
                 at_f(dqkv, q),
                 w,
             )?;
-            g.blas.gemm(
+            g.gemm(
                 s,
                 d,
                 s,

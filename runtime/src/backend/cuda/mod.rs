@@ -29,17 +29,20 @@
 //! finds out at run time which of the driver, NVRTC, cuBLAS and NCCL libraries are missing before
 //! cudarc touches them (cudarc panics on a missing library).
 
+mod actions;
+mod enqueue;
 pub mod launch;
+mod layers;
 pub mod rendezvous;
 
 #[cfg(feature = "cuda")]
 mod blas;
 #[cfg(feature = "cuda")]
 mod device;
+#[cfg(all(test, target_os = "linux"))]
+mod emulate;
 #[cfg(feature = "cuda")]
 mod kernels;
-#[cfg(feature = "cuda")]
-mod layers;
 #[cfg(feature = "cuda")]
 mod nccl;
 #[cfg(feature = "cuda")]
@@ -54,6 +57,12 @@ use crate::plan::Plan;
 use cranelift_entity::EntityRef;
 use rendezvous::CommKey;
 use std::collections::BTreeSet;
+
+/// The kernels' CUDA C source (compiled by NVRTC on a GPU, as C++ by the host emulation).
+#[cfg_attr(not(any(test, feature = "cuda")), allow(dead_code))]
+pub(crate) fn kernels_source() -> &'static str {
+    include_str!("kernels.cu")
+}
 
 /// Whether this build contains the CUDA backend.
 pub const BUILT: bool = cfg!(feature = "cuda");
@@ -164,8 +173,9 @@ mod tests {
     //! signature declares, since a mismatch would corrupt memory silently on the device.
 
     const CU: &str = include_str!("kernels.cu");
-    const RUST: [(&str, &str); 2] = [
+    const RUST: [(&str, &str); 3] = [
         ("layers.rs", include_str!("layers.rs")),
+        ("actions.rs", include_str!("actions.rs")),
         ("step.rs", include_str!("step.rs")),
     ];
 
