@@ -11,6 +11,7 @@ use crate::backend::StepInput;
 use crate::exec::{Action, GradPart};
 use crate::math::{OptimizerConfig, Stored};
 use crate::plan::Plan;
+use cranelift_entity::EntityRef;
 use schedc::ir::{Region, ShardIndex};
 use schedc::job::{Dtype, LayerKind, Optimizer};
 
@@ -409,5 +410,47 @@ fn stored_bytes(s: Stored, model: Dtype) -> u64 {
     match s {
         Stored::Model => model.bytes(),
         Stored::F32 => 4,
+    }
+}
+
+/// Floats of f32 workspace one op of `layer` can need (an over-estimate: every input and output
+/// converted, plus the math's scratch).
+pub fn layer_workspace(plan: &Plan, layer: usize) -> usize {
+    let m = &plan.maths[layer];
+    let model = &plan.job.model;
+    let t = (model.micro_batch * model.seq_len) as usize;
+    let s = model.seq_len as usize;
+    let big = match &model.layers[layer].kind {
+        LayerKind::Transformer(tr) => {
+            let (h, f, n) = (tr.hidden as usize, tr.ffn as usize, tr.heads as usize);
+            6 * t * h + 3 * t * f + 2 * t * (h + 2 * h) + n * s * s + 2 * s * s
+        }
+        LayerKind::Mlp(mm) => 2 * t * mm.hidden as usize + 3 * t * mm.ffn as usize,
+        LayerKind::LmHead { hidden, .. } => 2 * t * *hidden as usize,
+        _ => 0,
+    };
+    let padded = plan.program.layers[schedc::ir::LayerId::new(layer)].padded as usize;
+    2 * m.params()
+        + 2 * m.tied_elements()
+        + 2 * m.input_elements()
+        + 2 * m.output_elements()
+        + 2 * m.saved_elements()
+        + 4 * padded
+        + big
+        + 64 * 64
+}
+
+/// Workspace floats of one compute action.
+pub fn action_workspace(p: &Plan, a: &Action) -> usize {
+    let elems = |r: &Region| (r.bytes / p.program.buffers[r.buffer].dtype.bytes()) as usize;
+    match a {
+        Action::Forward { layer, .. } | Action::Backward { layer, .. } => {
+            layer_workspace(p, *layer)
+        }
+        Action::Loss { logits, .. } => 2 * elems(logits) + 64,
+        Action::Update { grad, state, .. } => elems(grad) + elems(state) + 128,
+        Action::GradNorm { grads, .. } => grads.iter().map(elems).max().unwrap_or(0) + 64,
+        Action::Accumulate { from, .. } => elems(from) + 64,
+        Action::Copy { .. } | Action::Collectives(_) => 0,
     }
 }

@@ -432,7 +432,16 @@ impl EmulatedBackend {
             .collect();
         EmulatedBackend {
             arena: vec![0; (plan.program.arena_bytes as usize).div_ceil(8)],
-            workspace: vec![0.0; 1 << 22],
+            // Exactly what the CUDA backend would allocate for its busiest stream.
+            workspace: vec![
+                0.0;
+                plan.actions
+                    .iter()
+                    .filter(|a| !matches!(a, Action::Collectives(_)))
+                    .map(|a| super::actions::action_workspace(&plan, a))
+                    .max()
+                    .unwrap_or(0)
+            ],
             tokens: vec![0; 2 * t * plan.program.micro_steps as usize],
             accumulators: vec![0.0; 2],
             rope,

@@ -94,6 +94,31 @@ pub fn rank_keys(plan: &Plan, rank: u32) -> Vec<CommKey> {
         .collect()
 }
 
+/// Checks that the plan's issue order can be enqueued by one host thread: every event an op waits
+/// for is recorded by an op issued before it (`cuStreamWaitEvent` waits for the latest record
+/// already enqueued, and for nothing when there is none), and no event is recorded twice.
+pub fn check_issue_order(plan: &Plan) -> Result<(), String> {
+    let mut recorded = vec![false; plan.program.events.len()];
+    for (op, o) in plan.program.ops.iter() {
+        for e in &o.wait {
+            if !recorded[e.index()] {
+                return Err(format!(
+                    "{} waits for {e}, which {} records later in the issue order; the cuda \
+                     backend enqueues ops in that order and cannot run this plan",
+                    plan.describe(op),
+                    plan.describe(plan.program.events[*e].recorder)
+                ));
+            }
+        }
+        if let Some(e) = o.record {
+            if std::mem::replace(&mut recorded[e.index()], true) {
+                return Err(format!("{} records {e} a second time", plan.describe(op)));
+            }
+        }
+    }
+    Ok(())
+}
+
 /// A hash of the whole plan (its plan-file JSON), compared across ranks before anything runs.
 pub fn plan_hash(plan: &Plan) -> u64 {
     let file = schedc::emit::plan::emit_plan(&plan.program, &plan.job);

@@ -17,8 +17,7 @@ use crate::exec::Action;
 use crate::plan::Plan;
 use cranelift_entity::EntityRef;
 use cudarc::driver::CudaEvent;
-use schedc::ir::Region;
-use schedc::job::{Dtype, LayerKind};
+use schedc::job::Dtype;
 use std::cell::Cell;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -44,33 +43,6 @@ fn fault(rank: u32, m: impl Into<String>) -> RunError {
     RunError::at(rank, None, m)
 }
 
-/// Floats of f32 workspace one op of `layer` can need (an over-estimate: every input and output
-/// converted, plus the math's scratch).
-fn layer_workspace(plan: &Plan, layer: usize) -> usize {
-    let m = &plan.maths[layer];
-    let model = &plan.job.model;
-    let t = (model.micro_batch * model.seq_len) as usize;
-    let s = model.seq_len as usize;
-    let big = match &model.layers[layer].kind {
-        LayerKind::Transformer(tr) => {
-            let (h, f, n) = (tr.hidden as usize, tr.ffn as usize, tr.heads as usize);
-            6 * t * h + 3 * t * f + 2 * t * (h + 2 * h) + n * s * s + 2 * s * s
-        }
-        LayerKind::Mlp(mm) => 2 * t * mm.hidden as usize + 3 * t * mm.ffn as usize,
-        LayerKind::LmHead { hidden, .. } => 2 * t * *hidden as usize,
-        _ => 0,
-    };
-    let padded = plan.program.layers[schedc::ir::LayerId::new(layer)].padded as usize;
-    2 * m.params()
-        + 2 * m.tied_elements()
-        + 2 * m.input_elements()
-        + 2 * m.output_elements()
-        + 2 * m.saved_elements()
-        + 4 * padded
-        + big
-        + 64 * 64
-}
-
 impl CudaBackend {
     /// Checks the libraries, joins the rendezvous (with every rank's plan hash), opens the GPU
     /// `env.local_rank`, allocates the arena and workspaces, compiles or loads the kernels and
@@ -79,6 +51,7 @@ impl CudaBackend {
         let rank = env.rank;
         let f = |m: String| fault(rank, m);
         super::probe().map_err(f)?;
+        super::check_issue_order(&plan).map_err(f)?;
         if env.world != plan.ranks() {
             return Err(f(format!(
                 "the plan has {} ranks but WORLD_SIZE is {}",
@@ -105,7 +78,7 @@ impl CudaBackend {
                 ops.iter()
                     .filter_map(|op| match &p.actions[op.index()] {
                         Action::Collectives(_) => None,
-                        a => Some(action_workspace(p, a)),
+                        a => Some(super::actions::action_workspace(p, a)),
                     })
                     .max()
                     .unwrap_or(0)
@@ -181,21 +154,6 @@ impl CudaBackend {
             consts,
             world: env.world,
         })
-    }
-}
-
-/// Workspace floats of one compute action.
-fn action_workspace(p: &Plan, a: &Action) -> usize {
-    let elems = |r: &Region| (r.bytes / p.program.buffers[r.buffer].dtype.bytes()) as usize;
-    match a {
-        Action::Forward { layer, .. } | Action::Backward { layer, .. } => {
-            layer_workspace(p, *layer)
-        }
-        Action::Loss { logits, .. } => 2 * elems(logits) + 64,
-        Action::Update { grad, state, .. } => elems(grad) + elems(state) + 128,
-        Action::GradNorm { grads, .. } => grads.iter().map(elems).max().unwrap_or(0) + 64,
-        Action::Accumulate { from, .. } => elems(from) + 64,
-        Action::Copy { .. } | Action::Collectives(_) => 0,
     }
 }
 
@@ -492,7 +450,7 @@ impl CudaBackend {
                     left += 1;
                     if since[s].elapsed() > self.options.timeout {
                         self.comms.abort();
-                        return Err(RunError::at(
+                        let e = RunError::at(
                             self.rank,
                             Some(p.describe(op)),
                             format!(
@@ -500,7 +458,11 @@ impl CudaBackend {
                                  communicators (another rank failed or stopped answering)",
                                 self.options.timeout
                             ),
-                        ));
+                        );
+                        // Exit here rather than unwind: after an abort, tearing down streams that
+                        // still hold NCCL work could block, and this must never hang.
+                        eprintln!("error: {e}");
+                        std::process::exit(2);
                     }
                 }
             }
