@@ -127,7 +127,7 @@ fn the_gpu_tests_schedules_compile_to_one_rank() {
 /// thread (each waited event recorded earlier), as the CUDA backend does. (The LLaMA examples
 /// take long to prepare for their thousands of ranks; the lowering is the same.)
 #[test]
-fn plans_can_be_issued_in_order_by_one_thread() {
+fn plans_can_be_issued_in_order_by_one_thread_with_nccl_in_place_rules() {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../schedules");
     let mut n = 0;
     for f in [
@@ -142,6 +142,8 @@ fn plans_can_be_issued_in_order_by_one_thread() {
             for job in a.jobs.iter() {
                 let plan = plan_of(job);
                 cuda::check_issue_order(&plan)
+                    .unwrap_or_else(|e| panic!("{}: {e}", job.schedule.name));
+                cuda::check_collectives(&plan)
                     .unwrap_or_else(|e| panic!("{}: {e}", job.schedule.name));
                 n += 1;
             }

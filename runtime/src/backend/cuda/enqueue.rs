@@ -6,7 +6,7 @@
 #![cfg_attr(not(feature = "cuda"), allow(dead_code))]
 
 use crate::math::Precision;
-use schedc::job::Dtype;
+use schedc::job::{Collective, Dtype};
 
 /// One kernel argument (all are scalars or raw device pointers).
 #[derive(Clone, Copy, Debug)]
@@ -144,6 +144,33 @@ pub fn row_major(
         ldc,
         stride_c,
         batch,
+    }
+}
+
+/// One NCCL call: `ncclAllGather(send, recv, n)` (n = elements each member sends),
+/// `ncclReduceScatter(send, recv, n)` (n = elements each member receives), `ncclAllReduce` and
+/// `ncclBroadcast` (root: the group's first member) over n elements; sums for reductions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct NcclCall {
+    pub kind: Collective,
+    pub send: u64,
+    pub recv: u64,
+    pub n: usize,
+}
+
+/// The NCCL call of one plan collective on one rank: `count` elements of payload (the gathered
+/// output of an all-gather, the input of a reduce-scatter, the buffer of an all-reduce or
+/// broadcast) over `members` ranks, between the device addresses `input` and `output`.
+pub fn nccl_call(kind: Collective, count: u64, members: u64, input: u64, output: u64) -> NcclCall {
+    let n = match kind {
+        Collective::AllGather | Collective::ReduceScatter => count / members,
+        Collective::AllReduce | Collective::Broadcast => count,
+    } as usize;
+    NcclCall {
+        kind,
+        send: input,
+        recv: output,
+        n,
     }
 }
 

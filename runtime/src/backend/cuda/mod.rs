@@ -119,6 +119,51 @@ pub fn check_issue_order(plan: &Plan) -> Result<(), String> {
     Ok(())
 }
 
+/// Checks that NCCL can run every collective as the plan places it on every rank: input and
+/// output either disjoint, or in place the way NCCL defines it (an all-gather's input is the
+/// member's own chunk of its output, a reduce-scatter's output the member's own chunk of its
+/// input, an all-reduce or broadcast on one buffer). The CPU backend allows any overlap; NCCL
+/// leaves others undefined.
+pub fn check_collectives(plan: &Plan) -> Result<(), String> {
+    use schedc::job::Collective;
+    for (op, o) in plan.program.ops.iter() {
+        for c in o.collectives() {
+            let comm = &plan.program.comms[c.comm];
+            for r in 0..plan.ranks() {
+                let (g, pos) = plan.members[c.comm.index()][r as usize];
+                if !comm.groups[g].contains(&r) {
+                    continue;
+                }
+                let b = c.dtype.bytes();
+                let all = c.count * b;
+                let chunk = all / comm.groups[g].len() as u64;
+                let (i, out) = (plan.at(r, &c.input), plan.at(r, &c.output));
+                let (send, recv) = match c.kind {
+                    Collective::AllGather => (chunk, all),
+                    Collective::ReduceScatter => (all, chunk),
+                    Collective::AllReduce | Collective::Broadcast => (all, all),
+                };
+                let disjoint = i + send <= out || out + recv <= i;
+                let in_place = match c.kind {
+                    Collective::AllGather => i == out + pos as u64 * chunk,
+                    Collective::ReduceScatter => out == i + pos as u64 * chunk,
+                    Collective::AllReduce | Collective::Broadcast => i == out,
+                };
+                if !disjoint && !in_place {
+                    return Err(format!(
+                        "{} on rank {r}: its input (bytes {i}..{}) and output (bytes {out}..{}) \
+                         overlap in a way NCCL does not define",
+                        plan.describe(op),
+                        i + send,
+                        out + recv
+                    ));
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
 /// A hash of the whole plan (its plan-file JSON), compared across ranks before anything runs.
 pub fn plan_hash(plan: &Plan) -> u64 {
     let file = schedc::emit::plan::emit_plan(&plan.program, &plan.job);

@@ -3,6 +3,7 @@
 //! its own unique id; members ranked in the plan's member order, so chunk `j` of an all-gather or
 //! reduce-scatter belongs to member `j` as on the CPU backend. Compiled, never run on a GPU yet.
 
+use super::enqueue::NcclCall;
 use super::rendezvous::{CommKey, ID_BYTES};
 use cudarc::nccl::result as nr;
 use cudarc::nccl::sys::{ncclComm_t, ncclDataType_t, ncclRedOp_t, ncclUniqueId};
@@ -85,42 +86,34 @@ fn nccl_type(d: Dtype) -> ncclDataType_t {
     }
 }
 
-/// Enqueues one collective on `stream`: `count` elements of `dtype` (the gathered output of an
-/// all-gather, the input of a reduce-scatter, the buffer of an all-reduce or broadcast), between
-/// the device addresses `input` and `output`; broadcasts come from the group's first member.
+/// Enqueues one NCCL call on `stream` ([`nccl_call`] says which and with what).
 ///
 /// # Safety
-/// `input` and `output` must be valid device ranges of the sizes the collective implies, and
-/// `stream` a live stream of the communicator's device.
-#[allow(clippy::too_many_arguments)]
+/// The call's buffers must be valid device ranges of the sizes it implies, and `stream` a live
+/// stream of the communicator's device.
 pub unsafe fn collective(
     comm: ncclComm_t,
     stream: cudarc::driver::sys::CUstream,
-    kind: Collective,
     dtype: Dtype,
-    count: u64,
-    members: u64,
-    input: u64,
-    output: u64,
+    call: &NcclCall,
 ) -> Result<(), String> {
     let t = nccl_type(dtype);
     let (src, dst) = (
-        input as *const std::ffi::c_void,
-        output as *mut std::ffi::c_void,
+        call.send as *const std::ffi::c_void,
+        call.recv as *mut std::ffi::c_void,
     );
     let s = stream as _;
-    let chunk = (count / members) as usize;
-    let r = match kind {
-        Collective::AllGather => nr::all_gather(src, dst, chunk, t, comm, s),
+    let n = call.n;
+    let r = match call.kind {
+        Collective::AllGather => nr::all_gather(src, dst, n, t, comm, s),
         Collective::ReduceScatter => {
-            nr::reduce_scatter(src, dst, chunk, t, ncclRedOp_t::ncclSum, comm, s)
+            nr::reduce_scatter(src, dst, n, t, ncclRedOp_t::ncclSum, comm, s)
         }
-        Collective::AllReduce => {
-            nr::all_reduce(src, dst, count as usize, t, ncclRedOp_t::ncclSum, comm, s)
-        }
-        Collective::Broadcast => nr::broadcast(src, dst, count as usize, t, 0, comm, s),
+        Collective::AllReduce => nr::all_reduce(src, dst, n, t, ncclRedOp_t::ncclSum, comm, s),
+        Collective::Broadcast => nr::broadcast(src, dst, n, t, 0, comm, s),
     };
-    r.map(|_| ()).map_err(|e| format!("NCCL {kind:?}: {e:?}"))
+    r.map(|_| ())
+        .map_err(|e| format!("NCCL {:?}: {e:?}", call.kind))
 }
 
 /// Sums one f64 across the world on `stream` (the step's loss).

@@ -4,7 +4,7 @@
 use super::actions::{Consts, RankView};
 use super::blas::Blas;
 use super::device::{drv, Device};
-use super::enqueue::{ColMajor, Exec, Grid, A};
+use super::enqueue::{nccl_call, ColMajor, Exec, Grid, A};
 use super::kernels::Kernels;
 use super::launch::DistEnv;
 use super::layers::G;
@@ -52,6 +52,7 @@ impl CudaBackend {
         let f = |m: String| fault(rank, m);
         super::probe().map_err(f)?;
         super::check_issue_order(&plan).map_err(f)?;
+        super::check_collectives(&plan).map_err(f)?;
         if env.world != plan.ranks() {
             return Err(f(format!(
                 "the plan has {} ranks but WORLD_SIZE is {}",
@@ -403,19 +404,10 @@ impl CudaBackend {
             let comm = self.comms.get(&key)?;
             let input = self.dev.arena_base + p.at(self.rank, &c.input);
             let output = self.dev.arena_base + p.at(self.rank, &c.output);
-            // SAFETY: both regions lie in the arena (the plan's verifier checked them).
-            unsafe {
-                nccl::collective(
-                    comm,
-                    stream.cu_stream(),
-                    c.kind,
-                    c.dtype,
-                    c.count,
-                    members,
-                    input,
-                    output,
-                )?;
-            }
+            let call = nccl_call(c.kind, c.count, members, input, output);
+            // SAFETY: both regions lie in the arena (the plan's verifier checked them, and
+            // check_collectives that they overlap only as NCCL allows).
+            unsafe { nccl::collective(comm, stream.cu_stream(), c.dtype, &call)? };
         }
         nccl::group_end()
     }
