@@ -126,6 +126,23 @@ fn library() -> Option<&'static Lib> {
                 args.join(", ")
             );
         }
+        // A compiler that cannot build C++20 threads (or none at all) means: skip, saying so.
+        let probe = dir.join("probe.cpp");
+        std::fs::write(
+            &probe,
+            "#include <barrier>\n#include <thread>\nint main() { std::barrier<> b(1); b.arrive_and_wait(); }\n",
+        )
+        .ok()?;
+        let usable = std::process::Command::new(&cxx)
+            .args(["-std=c++20", "-pthread", "-o"])
+            .arg(dir.join("probe"))
+            .arg(&probe)
+            .output()
+            .is_ok_and(|o| o.status.success());
+        if !usable {
+            eprintln!("skipped: no C++20 compiler ({cxx}) to emulate the kernels on the host");
+            return None;
+        }
         let file = dir.join("kernels_host.cpp");
         let so = dir.join("kernels_host.so");
         std::fs::write(&file, src).ok()?;
