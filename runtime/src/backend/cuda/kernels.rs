@@ -57,6 +57,16 @@ fn cache_dir() -> PathBuf {
     PathBuf::from(home).join(".cache/schedrun")
 }
 
+/// `kernels.cu` as PTX for `arch` (`compute_90`, …) through NVRTC; needs no GPU.
+pub fn compile(arch: &str) -> Result<Ptx, String> {
+    let opts = CompileOptions {
+        options: vec![format!("--gpu-architecture={arch}")],
+        ..Default::default()
+    };
+    compile_ptx_with_opts(super::kernels_source(), opts)
+        .map_err(|e| format!("NVRTC cannot compile the kernels: {e:?}"))
+}
+
 impl Kernels {
     pub fn load(ctx: &Arc<CudaContext>) -> Result<Kernels, String> {
         let (major, minor) = ctx
@@ -68,12 +78,7 @@ impl Kernels {
         let ptx = match std::fs::read_to_string(&file) {
             Ok(src) => Ptx::from_src(src),
             Err(_) => {
-                let opts = CompileOptions {
-                    options: vec![format!("--gpu-architecture={arch}")],
-                    ..Default::default()
-                };
-                let ptx = compile_ptx_with_opts(super::kernels_source(), opts)
-                    .map_err(|e| format!("NVRTC cannot compile the kernels: {e:?}"))?;
+                let ptx = compile(&arch)?;
                 // A cache that cannot be written only costs a compile next time.
                 let _ = std::fs::create_dir_all(cache_dir())
                     .and_then(|()| std::fs::write(&file, ptx.to_src()));
@@ -127,5 +132,29 @@ impl Kernels {
         unsafe { b.launch(cfg) }
             .map(|_| ())
             .map_err(|e| format!("launching {name}: {e:?}"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// NVRTC needs no GPU: wherever libnvrtc loads, `kernels.cu` must compile for the
+    /// architectures the backend meets, and the PTX must hold every kernel the backend loads.
+    #[test]
+    fn nvrtc_compiles_every_kernel() {
+        // SAFETY: only tries to open the library.
+        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+            eprintln!("skipped: NVRTC (libnvrtc.so) is not on the library path");
+            return;
+        }
+        for arch in ["compute_80", "compute_90"] {
+            let ptx = super::compile(arch).unwrap_or_else(|e| panic!("{arch}: {e}"));
+            let text = ptx.to_src();
+            for name in super::NAMES {
+                assert!(
+                    text.contains(&format!(".entry {name}(")),
+                    "{arch}: no entry {name} in the PTX"
+                );
+            }
+        }
     }
 }
