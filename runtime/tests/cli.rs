@@ -230,4 +230,20 @@ fn cuda_launch_settings_are_checked_before_anything_starts() {
         .unwrap();
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("RANK=\"zero\""));
+    let out = Command::new(env!("CARGO_BIN_EXE_schedrun"))
+        .args(["schedules/tiny_cpu.sched", "--backend", "cuda"])
+        .current_dir(root())
+        .envs([
+            ("RANK", "1"),
+            ("WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "127.0.0.1"),
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("the plan has 4 ranks but WORLD_SIZE is 2 (rank 1)"),
+        "{err}"
+    );
 }

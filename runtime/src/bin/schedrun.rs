@@ -111,11 +111,7 @@ fn run(cli: &Cli) -> Result<(), Failure> {
     let dist = match cli.backend {
         BackendKind::Cpu => None,
         BackendKind::Cuda => match DistEnv::from_env().map_err(Failure::Input)? {
-            Some(env) => {
-                // Missing libraries (or a build without CUDA): one line, before anything else.
-                cuda::probe().map_err(Failure::Fault)?;
-                Some(env)
-            }
+            Some(env) => Some(env),
             None => return launch(cli),
         },
     };
@@ -146,6 +142,16 @@ fn run(cli: &Cli) -> Result<(), Failure> {
             )
         }
         Some(env) => {
+            if env.world != plan.ranks() {
+                return Err(Failure::Input(format!(
+                    "the plan has {} ranks but WORLD_SIZE is {} (rank {})",
+                    plan.ranks(),
+                    env.world,
+                    env.rank
+                )));
+            }
+            // Missing libraries (or a build without CUDA): one line, before any device work.
+            cuda::probe().map_err(Failure::Fault)?;
             if env.world > 1 && cli.save.is_some() {
                 return Err(Failure::Input(
                     "--save is not supported yet with several cuda processes (each holds only \
