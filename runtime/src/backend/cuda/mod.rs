@@ -23,11 +23,16 @@
 //!   [`rendezvous`] (plain TCP on the master) checks that every rank holds the same plan and hands
 //!   out the NCCL ids.
 //!
-//! Feature checks live here only: [`launch`], [`rendezvous`], [`comm_keys`] and [`plan_hash`] are
-//! always built (and tested without a GPU); the device code is behind the `cuda` cargo feature,
-//! and without it [`CudaBackend::new`] and [`probe`] say "built without CUDA". With it, [`probe`]
-//! finds out at run time which of the driver, NVRTC, cuBLAS and NCCL libraries are missing before
-//! cudarc touches them (cudarc panics on a missing library).
+//! Feature checks live here only. Always built (and tested without a GPU): [`launch`],
+//! [`rendezvous`], the plan checks ([`comm_keys`], [`plan_hash`], [`check_issue_order`],
+//! [`check_collectives`]), and the device code that only enqueues work through the `Exec`
+//! interface (`enqueue.rs`: launch shapes, the row-major to column-major product mapping, NCCL
+//! call descriptions; `layers.rs`: the layer math; `actions.rs`: each op's reads, math and
+//! writes), which the tests run on the host (`emulate.rs`). Behind the `cuda` cargo feature: the
+//! cudarc side (`device.rs`, `kernels.rs`, `blas.rs`, `nccl.rs`, `step.rs`); without it
+//! [`CudaBackend::new`] and [`probe`] say "built without CUDA". With it, [`probe`] finds out at
+//! run time which of the driver, NVRTC, cuBLAS and NCCL libraries are missing before cudarc
+//! touches them (cudarc panics on a missing library).
 
 mod actions;
 mod enqueue;
