@@ -138,11 +138,6 @@ fn a_plan_file_runs_like_its_source_and_checkpoints_resume() {
 
 #[test]
 fn refusals_have_exit_codes_and_one_clear_line() {
-    let out = schedrun(&["schedules/tiny_cpu.sched", "--backend", "cuda"]);
-    assert_eq!(out.status.code(), Some(2));
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("cuda backend"), "{err}");
-
     let bad = temp("bad.plan.json");
     std::fs::write(&bad, "{\"format\": \"sched-plan\", \"version\": 1, \"sched").unwrap();
     let out = schedrun(&[bad.to_str().unwrap()]);
@@ -165,4 +160,90 @@ fn refusals_have_exit_codes_and_one_clear_line() {
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("cannot read"));
     assert!(out.stdout.is_empty(), "nothing runs after a refusal");
+}
+
+/// Whether this machine can run the CUDA backend (then the tests of its absence do not apply).
+fn cuda_here() -> bool {
+    schedrun::backend::cuda::probe().is_ok()
+}
+
+#[test]
+fn the_cuda_backend_without_cuda_fails_in_one_clear_line() {
+    if cuda_here() {
+        eprintln!("skipped: the CUDA backend can run on this machine");
+        return;
+    }
+    let out = schedrun(&["schedules/tiny_cpu.sched", "--backend", "cuda"]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    let lines: Vec<&str> = err.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert_eq!(lines.len(), 1, "{err}");
+    let built = schedrun::backend::cuda::BUILT;
+    let want = if built {
+        "not found"
+    } else {
+        "built without CUDA"
+    };
+    assert!(
+        lines[0].starts_with("error: ") && lines[0].contains(want),
+        "{err}"
+    );
+    if built {
+        assert!(lines[0].contains("libcuda"), "names the driver: {err}");
+    }
+    assert!(out.stdout.is_empty());
+    // The same under an external launcher's variables.
+    let out = Command::new(env!("CARGO_BIN_EXE_schedrun"))
+        .args(["schedules/tiny_cpu.sched", "--backend", "cuda"])
+        .current_dir(root())
+        .envs([
+            ("RANK", "0"),
+            ("WORLD_SIZE", "4"),
+            ("MASTER_ADDR", "127.0.0.1"),
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains(want));
+}
+
+#[test]
+fn cuda_launch_settings_are_checked_before_anything_starts() {
+    let out = schedrun(&[
+        "schedules/tiny_cpu.sched",
+        "--backend",
+        "cuda",
+        "--nproc-per-node",
+        "3",
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("the plan has 4 ranks") && err.contains("--nproc-per-node 3"),
+        "{err}"
+    );
+    let out = Command::new(env!("CARGO_BIN_EXE_schedrun"))
+        .args(["schedules/tiny_cpu.sched", "--backend", "cuda"])
+        .current_dir(root())
+        .envs([("RANK", "zero"), ("WORLD_SIZE", "4")])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("RANK=\"zero\""));
+    let out = Command::new(env!("CARGO_BIN_EXE_schedrun"))
+        .args(["schedules/tiny_cpu.sched", "--backend", "cuda"])
+        .current_dir(root())
+        .envs([
+            ("RANK", "1"),
+            ("WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "127.0.0.1"),
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("the plan has 4 ranks but WORLD_SIZE is 2 (rank 1)"),
+        "{err}"
+    );
 }

@@ -8,9 +8,11 @@
 //! the plan on its stream in issue order, each preceded by its event waits and followed by its
 //! record, then join all streams. Backends never reorder, add or drop an op.
 //!
-//! [`cpu`] runs every rank in this process; the CUDA backend (issue 6) implements the same trait.
+//! [`cpu`] runs every rank in this process; [`cuda`] runs one rank per process and GPU (its device
+//! code behind the `cuda` cargo feature) and implements the same trait.
 
 pub mod cpu;
+pub mod cuda;
 
 use schedc::ir::OpId;
 use schedc::job::Dtype;

@@ -9,7 +9,9 @@
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
 use schedrun::backend::cpu::CpuBackend;
-use schedrun::backend::{RunOptions, StreamWait};
+use schedrun::backend::cuda::launch::{self, DistEnv};
+use schedrun::backend::cuda::{self, CudaBackend};
+use schedrun::backend::{Backend, RunOptions, StreamWait};
 use schedrun::checkpoint::{self, Contents};
 use schedrun::data::Corpus;
 use schedrun::plan::{LoadError, Plan};
@@ -73,6 +75,10 @@ struct Cli {
     /// Seconds a rank may wait for an event or a collective before the run is aborted.
     #[arg(long, default_value_t = 60)]
     timeout: u64,
+    /// With `--backend cuda` and no RANK/WORLD_SIZE in the environment: how many processes (one
+    /// per GPU) to start on this machine (default: the plan's ranks).
+    #[arg(long, value_name = "N")]
+    nproc_per_node: Option<u32>,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -102,35 +108,112 @@ fn main() -> ExitCode {
 }
 
 fn run(cli: &Cli) -> Result<(), Failure> {
-    if cli.backend == BackendKind::Cuda {
-        return Err(Failure::Fault(
-            "the cuda backend is not part of this build of schedrun yet; use --backend cpu".into(),
-        ));
-    }
+    let dist = match cli.backend {
+        BackendKind::Cpu => None,
+        BackendKind::Cuda => match DistEnv::from_env().map_err(Failure::Input)? {
+            Some(env) => Some(env),
+            None => return launch(cli),
+        },
+    };
     let plan = Plan::load(&cli.file, cli.schedule.as_deref()).map_err(|e| match e {
         LoadError::Input(m) => Failure::Input(m),
         LoadError::Fault(m) => Failure::Fault(m),
     })?;
     let plan = Arc::new(plan);
-    let train = &plan.job.schedule.train;
-    let steps = cli.steps.unwrap_or(train.steps);
-    let lr = cli.lr.unwrap_or(train.lr);
-    let seed = cli.seed.unwrap_or(train.seed);
-    let clip = cli.clip.or(train.clip);
-    let data = cli.data.clone().or(train.data.clone());
+    let data = cli.data.clone().or(plan.job.schedule.train.data.clone());
     let corpus = Corpus::load(data.as_deref()).map_err(|e| Failure::Input(e.to_string()))?;
     corpus
         .check(plan.job.model.seq_len as usize)
         .map_err(|e| Failure::Input(e.to_string()))?;
     let options = RunOptions {
         jitter: cli.jitter.map(Duration::from_micros),
-        jitter_seed: seed,
+        jitter_seed: cli.seed.unwrap_or(plan.job.schedule.train.seed),
         timeout: Duration::from_secs(cli.timeout),
         fault: None,
     };
+    match dist {
+        None => {
+            let backend = CpuBackend::new(plan.clone(), options);
+            run_steps(
+                cli,
+                &plan,
+                Trainer::new(plan.clone(), backend, corpus),
+                true,
+            )
+        }
+        Some(env) => {
+            if env.world != plan.ranks() {
+                return Err(Failure::Input(format!(
+                    "the plan has {} ranks but WORLD_SIZE is {} (rank {})",
+                    plan.ranks(),
+                    env.world,
+                    env.rank
+                )));
+            }
+            // Missing libraries (or a build without CUDA): one line, before any device work.
+            cuda::probe().map_err(Failure::Fault)?;
+            if env.world > 1 && cli.save.is_some() {
+                return Err(Failure::Input(
+                    "--save is not supported yet with several cuda processes (each holds only \
+                     its own shards)"
+                        .into(),
+                ));
+            }
+            let backend = CudaBackend::new(plan.clone(), options, &env)
+                .map_err(|e| Failure::Fault(e.to_string()))?;
+            run_steps(
+                cli,
+                &plan,
+                Trainer::new(plan.clone(), backend, corpus),
+                env.rank == 0,
+            )
+        }
+    }
+}
+
+/// `--backend cuda` without RANK/WORLD_SIZE: this process starts one copy of itself per rank.
+fn launch(cli: &Cli) -> Result<(), Failure> {
+    let plan = Plan::load(&cli.file, cli.schedule.as_deref()).map_err(|e| match e {
+        LoadError::Input(m) => Failure::Input(m),
+        LoadError::Fault(m) => Failure::Fault(m),
+    })?;
+    let n = cli.nproc_per_node.unwrap_or(plan.ranks());
+    if n != plan.ranks() {
+        return Err(Failure::Input(format!(
+            "the plan has {} ranks; --nproc-per-node {n} on one machine cannot run it (use an \
+             external launcher that sets RANK and WORLD_SIZE across machines)",
+            plan.ranks()
+        )));
+    }
+    cuda::probe().map_err(Failure::Fault)?;
+    let exe = std::env::current_exe().map_err(|e| Failure::Fault(e.to_string()))?;
+    let port = launch::free_port().map_err(Failure::Fault)?;
+    let args: Vec<std::ffi::OsString> = std::env::args_os().skip(1).collect();
+    let commands = launch::local_envs(n, port)
+        .into_iter()
+        .map(|env| {
+            let mut c = std::process::Command::new(&exe);
+            c.args(&args).envs(env.vars());
+            c
+        })
+        .collect();
+    launch::run_ranks(commands).map_err(|e| Failure::Fault(e.message))
+}
+
+/// Loads the initial state and runs the steps; only `print` ranks write results.
+fn run_steps<B: Backend>(
+    cli: &Cli,
+    plan: &Arc<Plan>,
+    mut trainer: Trainer<B>,
+    print: bool,
+) -> Result<(), Failure> {
+    let plan = plan.clone();
+    let train = &plan.job.schedule.train;
+    let steps = cli.steps.unwrap_or(train.steps);
+    let lr = cli.lr.unwrap_or(train.lr);
+    let seed = cli.seed.unwrap_or(train.seed);
+    let clip = cli.clip.or(train.clip);
     let model = plan.job.model.clone();
-    let backend = CpuBackend::new(plan.clone(), options);
-    let mut trainer = Trainer::new(plan.clone(), backend, corpus);
     let state = match (&cli.init, &cli.resume) {
         (Some(f), _) => checkpoint::load(f, &model, Contents::Weights).map_err(Failure::Input)?,
         (_, Some(f)) => {
@@ -141,11 +224,19 @@ fn run(cli: &Cli) -> Result<(), Failure> {
     trainer
         .load(&state)
         .map_err(|e| Failure::Fault(e.to_string()))?;
+    if !print {
+        for _ in 0..steps {
+            trainer
+                .step(lr, clip)
+                .map_err(|e| Failure::Fault(e.to_string()))?;
+        }
+        return Ok(());
+    }
     if let Some(f) = &cli.save_init {
         checkpoint::save(f, &model, &state, Contents::Weights).map_err(Failure::Fault)?;
     }
     eprintln!(
-        "schedrun: {} ({} on {}): {} ranks x {} micro-steps x {} sequences of {} bytes = {} tokens per step, cpu backend",
+        "schedrun: {} ({} on {}): {} ranks x {} micro-steps x {} sequences of {} bytes = {} tokens per step, {} backend",
         plan.job.schedule.name,
         model.name,
         plan.job.cluster.name,
@@ -153,7 +244,8 @@ fn run(cli: &Cli) -> Result<(), Failure> {
         plan.program.micro_steps,
         model.micro_batch,
         model.seq_len,
-        plan.tokens_per_step()
+        plan.tokens_per_step(),
+        trainer.backend.name()
     );
     let bar = progress(steps);
     let mut reports: Vec<StepReport> = vec![];
@@ -228,8 +320,7 @@ fn waits_by_stream(reports: &[StepReport]) -> Vec<(&'static str, f64, f64)> {
     out
 }
 
-fn summary(json_out: bool, plan: &Plan, trainer: &Trainer<CpuBackend>, reports: &[StepReport]) {
-    use schedrun::backend::Backend;
+fn summary<B: Backend>(json_out: bool, plan: &Plan, trainer: &Trainer<B>, reports: &[StepReport]) {
     let memory = trainer.backend.memory();
     let waits = waits_by_stream(reports);
     let total: f64 = reports.iter().map(|r| r.time.as_secs_f64()).sum();

@@ -431,6 +431,23 @@ impl LayerMath {
         &self.name
     }
 
+    /// The layer's kind with its tensor ranges (for backends that run the math elsewhere).
+    #[allow(dead_code)]
+    pub(crate) fn kind(&self) -> &Kind {
+        &self.kind
+    }
+
+    #[allow(dead_code)]
+    pub(crate) fn dims(&self) -> Dims {
+        self.dims
+    }
+
+    /// The rounding of stored activations and of gradients.
+    #[allow(dead_code)]
+    pub(crate) fn precisions(&self) -> (Precision, Precision) {
+        (self.act, self.grad)
+    }
+
     /// P_l, the length of the layer's flat parameter vector.
     pub fn params(&self) -> usize {
         self.params

@@ -1,0 +1,725 @@
+//! Tests of the device code on the host, where no GPU is: `kernels.cu` compiled as C++ (each
+//! block's threads as real threads meeting at `__syncthreads`, blocks one after another), the
+//! column-major products computed by their BLAS definition, and "device addresses" that are host
+//! addresses. What this checks: the kernels' arithmetic, the launch arguments, the row-major to
+//! column-major mapping, the workspace carving, the layer math's orchestration and the actions'
+//! reads, writes and roundings — against the CPU backend. What it cannot check: cudarc, the
+//! driver, cuBLAS itself, NCCL, and real concurrency between streams (ops run in issue order).
+//!
+//! Needs a C++20 compiler (`$CXX`, else `c++`); the tests say so and pass where there is none.
+
+use super::actions::{Consts, RankView};
+use super::enqueue::{nccl_call, ColMajor, Exec, Grid, NcclCall, A};
+use super::layers::{self, In, G};
+use crate::backend::cpu::CpuBackend;
+use crate::backend::{Backend, RankMemory, RunError, RunOptions, StepInput, StepOutcome};
+use crate::exec::Action;
+use crate::math::{Input, LayerMath, Rng};
+use crate::plan::Plan;
+use crate::train::Trainer;
+use schedc::job::{Collective, Dtype};
+use std::cell::Cell;
+use std::ffi::{c_char, c_int, c_void, CString};
+use std::sync::{Arc, OnceLock};
+
+extern "C" {
+    fn dlopen(filename: *const c_char, flag: c_int) -> *mut c_void;
+    fn dlsym(handle: *mut c_void, symbol: *const c_char) -> *mut c_void;
+}
+
+const PRELUDE: &str = r#"
+#include <math.h>
+#include <string.h>
+#include <barrier>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+struct emu_dim3 { unsigned x, y, z; };
+static thread_local emu_dim3 threadIdx, blockIdx;
+static emu_dim3 blockDim, gridDim;
+static thread_local std::barrier<>* emu_bar;
+static void __syncthreads() { emu_bar->arrive_and_wait(); }
+#define __device__
+#define __global__
+#define __forceinline__ inline
+#define __shared__ static
+static float __int_as_float(int i) { float f; memcpy(&f, &i, 4); return f; }
+static float __uint_as_float(unsigned i) { float f; memcpy(&f, &i, 4); return f; }
+static unsigned __float_as_uint(float f) { unsigned i; memcpy(&i, &f, 4); return i; }
+static std::mutex emu_atomic;
+static double atomicAdd(double* p, double v) {
+    std::lock_guard<std::mutex> g(emu_atomic);
+    double o = *p; *p = o + v; return o;
+}
+"#;
+
+const RUNNER: &str = r#"
+static void emu_run(unsigned blocks, unsigned threads, const std::function<void()>& body) {
+    gridDim = {blocks, 1, 1};
+    blockDim = {threads, 1, 1};
+    std::barrier<> bar(threads);
+    auto one = [&](unsigned t) {
+        threadIdx = {t, 0, 0};
+        emu_bar = &bar;
+        for (unsigned b = 0; b < blocks; ++b) {
+            blockIdx = {b, 0, 0};
+            body();
+            bar.arrive_and_wait();
+        }
+    };
+    if (threads == 1) { one(0); return; }
+    std::vector<std::thread> ts;
+    for (unsigned t = 0; t < threads; ++t) ts.emplace_back(one, t);
+    for (auto& t : ts) t.join();
+}
+"#;
+
+/// (name, parameter types) of every kernel of `kernels.cu`.
+fn signatures() -> Vec<(String, Vec<String>)> {
+    let cu = super::kernels_source();
+    cu.split("extern \"C\" __global__ void ")
+        .skip(1)
+        .map(|part| {
+            let open = part.find('(').expect("(");
+            let close = part.find(')').expect(")");
+            let types = part[open + 1..close]
+                .split(',')
+                .map(|p| {
+                    let p = p.trim();
+                    let cut = p
+                        .rfind(|c: char| !(c.is_alphanumeric() || c == '_'))
+                        .expect("a named parameter");
+                    p[..=cut].trim().to_string()
+                })
+                .collect();
+            (part[..open].trim().to_string(), types)
+        })
+        .collect()
+}
+
+struct Lib(*mut c_void);
+// SAFETY: the handle is only used to look up symbols, which is thread-safe.
+unsafe impl Send for Lib {}
+unsafe impl Sync for Lib {}
+
+type Entry = unsafe extern "C" fn(u32, u32, *const *const c_void);
+
+/// The kernels built for the host, once per test process; `None` without a C++ compiler.
+fn library() -> Option<&'static Lib> {
+    static LIB: OnceLock<Option<Lib>> = OnceLock::new();
+    LIB.get_or_init(|| {
+        let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
+        let dir = std::env::temp_dir().join(format!("schedrun-emulate-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).ok()?;
+        let mut src = String::from(PRELUDE);
+        src += super::kernels_source();
+        src += RUNNER;
+        for (name, types) in signatures() {
+            let args: Vec<String> = types
+                .iter()
+                .enumerate()
+                .map(|(i, t)| format!("*({t}*)a[{i}]"))
+                .collect();
+            src += &format!(
+                "extern \"C\" void emu_{name}(unsigned b, unsigned t, void** a) {{ emu_run(b, t, [&] {{ {name}({}); }}); }}\n",
+                args.join(", ")
+            );
+        }
+        // A compiler that cannot build C++20 threads (or none at all) means: skip, saying so.
+        let probe = dir.join("probe.cpp");
+        std::fs::write(
+            &probe,
+            "#include <barrier>\n#include <thread>\nint main() { std::barrier<> b(1); b.arrive_and_wait(); }\n",
+        )
+        .ok()?;
+        let usable = std::process::Command::new(&cxx)
+            .args(["-std=c++20", "-pthread", "-o"])
+            .arg(dir.join("probe"))
+            .arg(&probe)
+            .output()
+            .is_ok_and(|o| o.status.success());
+        if !usable {
+            eprintln!("skipped: no C++20 compiler ({cxx}) to emulate the kernels on the host");
+            return None;
+        }
+        let file = dir.join("kernels_host.cpp");
+        let so = dir.join("kernels_host.so");
+        std::fs::write(&file, src).ok()?;
+        let out = std::process::Command::new(&cxx)
+            .args(["-std=c++20", "-O2", "-shared", "-fPIC", "-pthread", "-w", "-o"])
+            .arg(&so)
+            .arg(&file)
+            .output();
+        match out {
+            Ok(o) if o.status.success() => {}
+            Ok(o) => panic!(
+                "kernels.cu does not compile as C++ with {cxx}:\n{}",
+                String::from_utf8_lossy(&o.stderr)
+            ),
+            Err(e) => {
+                eprintln!("skipped: no C++ compiler ({cxx}: {e}) to emulate the kernels");
+                return None;
+            }
+        }
+        let path = CString::new(so.to_str()?).ok()?;
+        // SAFETY: loads the library just built; RTLD_NOW = 2.
+        let h = unsafe { dlopen(path.as_ptr(), 2) };
+        assert!(!h.is_null(), "dlopen {}", so.display());
+        Some(Lib(h))
+    })
+    .as_ref()
+}
+
+/// A stream on the host: kernels from [`library`], products by their definition.
+struct HostExec {
+    lib: &'static Lib,
+}
+
+impl Exec for HostExec {
+    fn launch(&self, name: &str, grid: Grid, args: &[A]) -> Result<(), String> {
+        let sym = CString::new(format!("emu_{name}")).map_err(|e| e.to_string())?;
+        // SAFETY: a symbol of the library built above.
+        let f = unsafe { dlsym(self.lib.0, sym.as_ptr()) };
+        if f.is_null() {
+            return Err(format!("no kernel {name}"));
+        }
+        // SAFETY: every emu_ entry point has this signature.
+        let f: Entry = unsafe { std::mem::transmute::<*mut c_void, Entry>(f) };
+        // Little-endian: a 4-byte argument is the low half of its 8-byte slot.
+        let slots: Vec<u64> = args
+            .iter()
+            .map(|a| match *a {
+                A::P(v) => v,
+                A::L(v) => v as u64,
+                A::I(v) => u64::from(v as u32),
+                A::F(v) => u64::from(v.to_bits()),
+                A::D(v) => v.to_bits(),
+            })
+            .collect();
+        let ptrs: Vec<*const c_void> = slots.iter().map(|s| s as *const u64 as _).collect();
+        let (blocks, threads) = if grid.per_row {
+            (grid.blocks, 2)
+        } else {
+            (1, 1)
+        };
+        // The emulated "shared memory" and launch dimensions are process-wide: one launch at a
+        // time, whichever test thread asks.
+        static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+        let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+        // SAFETY: the arguments match the kernel's signature (checked statically in mod.rs's
+        // tests) and point into host buffers the test owns.
+        unsafe { f(blocks, threads, ptrs.as_ptr()) };
+        Ok(())
+    }
+
+    fn gemm(&self, c: &ColMajor) -> Result<(), String> {
+        // The BLAS definition, column-major: C(i, j) = α Σ op(A)(i, l)·op(B)(l, j) + β C(i, j).
+        for b in 0..c.batch {
+            let a = (c.a as *const f32).wrapping_add(b * c.stride_a);
+            let bb = (c.b as *const f32).wrapping_add(b * c.stride_b);
+            let cc = (c.c as *mut f32).wrapping_add(b * c.stride_c);
+            for j in 0..c.n {
+                for i in 0..c.m {
+                    let mut s = 0f32;
+                    for l in 0..c.k {
+                        let av = if c.transa {
+                            l + i * c.lda
+                        } else {
+                            i + l * c.lda
+                        };
+                        let bv = if c.transb {
+                            j + l * c.ldb
+                        } else {
+                            l + j * c.ldb
+                        };
+                        // SAFETY: the operands are host buffers sized by the layer math.
+                        s += unsafe { *a.add(av) * *bb.add(bv) };
+                    }
+                    // SAFETY: as above.
+                    unsafe {
+                        let out = cc.add(i + j * c.ldc);
+                        *out = if c.beta == 0.0 {
+                            c.alpha * s
+                        } else {
+                            c.alpha * s + c.beta * *out
+                        };
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn copy_bytes(&self, dst: u64, src: u64, bytes: usize) -> Result<(), String> {
+        // SAFETY: host buffers the test owns.
+        unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, bytes) };
+        Ok(())
+    }
+}
+
+fn addr<T>(v: &[T]) -> u64 {
+    v.as_ptr() as u64
+}
+
+fn g<'a>(x: &'a HostExec, ws: &'a mut [f32], rope: Option<u64>) -> G<'a> {
+    G {
+        x,
+        ws_base: ws.as_mut_ptr() as u64,
+        ws_len: ws.len(),
+        used: Cell::new(0),
+        rope,
+    }
+}
+
+fn rope_table(m: &LayerMath) -> Option<Vec<f32>> {
+    match m.kind() {
+        crate::math::Kind::Transformer(bp) => bp
+            .rope
+            .as_ref()
+            .map(|r| r.cos.iter().chain(&r.sin).copied().collect()),
+        _ => None,
+    }
+}
+
+fn close(what: &str, got: &[f32], want: &[f32], tol: f32) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    for (i, (a, b)) in got.iter().zip(want).enumerate() {
+        assert!(
+            (a - b).abs() <= tol * (1.0 + b.abs()),
+            "{what}[{i}]: emulated device {a}, cpu {b}"
+        );
+    }
+}
+
+const MODELS: &str = r#"
+model gpt_naive {
+    dtype = fp32  optimizer = adamw  seq_len = 16  micro_batch = 2
+    layer embed    = embedding(vocab = 256, hidden = 32, positions = learned)
+    layer block[1] = transformer(hidden = 32, heads = 4, ffn = 64, attention = naive)
+    layer mlp      = mlp(hidden = 32, ffn = 48)
+    layer head     = lm_head(hidden = 32, vocab = 256, tied = true)
+}
+model llama_gqa {
+    dtype = fp32  optimizer = adamw  seq_len = 16  micro_batch = 2
+    layer embed    = embedding(vocab = 256, hidden = 32, positions = rope)
+    layer block[1] = transformer(hidden = 32, heads = 4, kv_heads = 2, ffn = 40, norm = rmsnorm, act = swiglu, bias = false)
+    layer head     = lm_head(hidden = 32, vocab = 256, norm = rmsnorm)
+}
+model gpt_bf16 {
+    dtype = bf16  optimizer = adamw  seq_len = 16  micro_batch = 2
+    layer embed    = embedding(vocab = 256, hidden = 32, positions = learned)
+    layer block[1] = transformer(hidden = 32, heads = 2, ffn = 64)
+    layer head     = lm_head(hidden = 32, vocab = 256, tied = true)
+}
+"#;
+
+fn models() -> Vec<schedc::job::Model> {
+    let loader = schedc::MemLoader::default()
+        .in_dir("/mem")
+        .with("/mem/m.sched", MODELS);
+    let a = schedc::analyze(std::path::Path::new("/mem/m.sched"), &loader).expect("readable");
+    assert!(!a.has_errors(), "{}", a.render());
+    a.models.iter().map(|m| (**m).clone()).collect()
+}
+
+fn normal(rng: &mut Rng, n: usize, std: f64) -> Vec<f32> {
+    (0..n).map(|_| (rng.normal() * std) as f32).collect()
+}
+
+/// Every layer kind's forward and backward on the emulated device equals `crate::math`'s:
+/// outputs, every saved segment, input, parameter and tied gradients.
+#[test]
+fn layers_on_the_emulated_device_match_the_cpu_math() {
+    let Some(lib) = library() else { return };
+    let x = HostExec { lib };
+    for model in models() {
+        let mut rng = Rng::new(7);
+        for layer in &model.layers {
+            let m = LayerMath::new(layer, &model).unwrap();
+            let what = format!("{} {}", model.name, layer.name);
+            let p = normal(&mut rng, m.params(), 0.1);
+            let tied = m
+                .is_tied()
+                .then(|| normal(&mut rng, m.tied_elements(), 0.1));
+            let t = (model.micro_batch * model.seq_len) as usize;
+            let tokens: Vec<u32> = (0..t).map(|i| ((i * 37 + 11) % 256) as u32).collect();
+            let tokens_i32: Vec<i32> = tokens.iter().map(|&x| x as i32).collect();
+            let xin = normal(&mut rng, m.input_elements(), 1.0);
+            let input = if m.takes_tokens() {
+                Input::Tokens(&tokens)
+            } else {
+                Input::Hidden(&xin)
+            };
+            let dev_in = if m.takes_tokens() {
+                In::Tokens(addr(&tokens_i32))
+            } else {
+                In::Hidden(addr(&xin))
+            };
+            let dy = normal(&mut rng, m.output_elements(), 0.1);
+            // CPU.
+            let mut out = vec![0.0; m.output_elements()];
+            let mut saved = vec![0.0; m.saved_elements()];
+            m.forward(&p, tied.as_deref(), input, &mut out, &mut saved);
+            let mut gi = (!m.takes_tokens()).then(|| vec![0.0; m.input_elements()]);
+            let mut gp = vec![0.0; m.params()];
+            let mut gt = tied.as_ref().map(|t| vec![0.0; t.len()]);
+            m.backward(
+                &p,
+                tied.as_deref(),
+                &saved,
+                input,
+                &dy,
+                gi.as_deref_mut(),
+                &mut gp,
+                gt.as_deref_mut(),
+            );
+            // Emulated device.
+            let rope = rope_table(&m);
+            let mut ws = vec![0f32; 1 << 20];
+            let gg = g(&x, &mut ws, rope.as_deref().map(addr));
+            let mut d_out = vec![f32::NAN; m.output_elements()];
+            let mut d_saved = vec![f32::NAN; m.saved_elements()];
+            let d_tied = tied.as_deref().map(addr);
+            layers::forward(
+                &gg,
+                &m,
+                addr(&p),
+                d_tied,
+                dev_in,
+                d_out.as_mut_ptr() as u64,
+                d_saved.as_mut_ptr() as u64,
+            )
+            .unwrap();
+            close(&format!("{what} saved"), &d_saved, &saved, 1e-5);
+            close(&format!("{what} output"), &d_out, &out, 1e-5);
+            let mut d_gi = gi.as_ref().map(|v| vec![f32::NAN; v.len()]);
+            let mut d_gp = vec![f32::NAN; m.params()];
+            let mut d_gt = gt.as_ref().map(|v| vec![f32::NAN; v.len()]);
+            gg.used.set(0);
+            layers::backward(
+                &gg,
+                &m,
+                addr(&p),
+                d_tied,
+                addr(&saved),
+                dev_in,
+                addr(&dy),
+                d_gi.as_mut().map(|v| v.as_mut_ptr() as u64),
+                d_gp.as_mut_ptr() as u64,
+                d_gt.as_mut().map(|v| v.as_mut_ptr() as u64),
+            )
+            .unwrap();
+            close(&format!("{what} grad params"), &d_gp, &gp, 1e-4);
+            if let (Some(a), Some(b)) = (&d_gi, &gi) {
+                close(&format!("{what} grad input"), a, b, 1e-4);
+            }
+            if let (Some(a), Some(b)) = (&d_gt, &gt) {
+                close(&format!("{what} grad tied"), a, b, 1e-4);
+            }
+        }
+    }
+}
+
+/// One rank of the emulated CUDA backend: its arena, workspace and constants in host memory.
+struct EmuRank {
+    arena: Vec<u64>,
+    workspace: Vec<f32>,
+    tokens: Vec<i32>,
+    /// The loss and sum-of-squares accumulators.
+    accumulators: Vec<f64>,
+}
+
+/// The CUDA backend's host side on the emulated device, every rank in this process: the actions
+/// of [`RankView`] and the collectives as [`nccl_call`] describes them to NCCL, op by op in the
+/// plan's issue order on every rank at once (a collective meets all members at the same op).
+struct EmulatedBackend {
+    plan: Arc<Plan>,
+    x: HostExec,
+    ranks: Vec<EmuRank>,
+    rope: Option<Vec<f32>>,
+    decay: Vec<Vec<i64>>,
+}
+
+impl EmulatedBackend {
+    fn new(plan: Arc<Plan>, lib: &'static Lib) -> Self {
+        let t = (plan.job.model.micro_batch * plan.job.model.seq_len) as usize;
+        let rope = plan.maths.iter().find_map(rope_table);
+        let decay = plan
+            .decay
+            .iter()
+            .map(|d| {
+                d.iter()
+                    .flat_map(|r| [r.start as i64, r.end as i64])
+                    .collect()
+            })
+            .collect();
+        // Exactly what the CUDA backend would allocate for its busiest stream.
+        let workspace = plan
+            .actions
+            .iter()
+            .filter(|a| !matches!(a, Action::Collectives(_)))
+            .map(|a| super::actions::action_workspace(&plan, a))
+            .max()
+            .unwrap_or(0);
+        let ranks = (0..plan.ranks())
+            .map(|_| EmuRank {
+                arena: vec![0; (plan.program.arena_bytes as usize).div_ceil(8)],
+                workspace: vec![0.0; workspace],
+                tokens: vec![0; 2 * t * plan.program.micro_steps as usize],
+                accumulators: vec![0.0; 2],
+            })
+            .collect();
+        EmulatedBackend {
+            ranks,
+            rope,
+            decay,
+            x: HostExec { lib },
+            plan,
+        }
+    }
+
+    fn base(&self, rank: u32) -> u64 {
+        self.ranks[rank as usize].arena.as_ptr() as u64
+    }
+
+    /// One plan collective across every group of its communicator, with NCCL's semantics: chunk
+    /// `j` is member `j`'s, sums in f32 in member order rounded once, broadcasts from member 0;
+    /// every member's input is read before any output is written.
+    fn collective(&self, c: &schedc::ir::CollectiveOp) {
+        let p = &self.plan;
+        for group in &p.program.comms[c.comm].groups {
+            let members = group.len() as u64;
+            let calls: Vec<NcclCall> = group
+                .iter()
+                .map(|&r| {
+                    nccl_call(
+                        c.kind,
+                        c.count,
+                        members,
+                        self.base(r) + p.at(r, &c.input),
+                        self.base(r) + p.at(r, &c.output),
+                    )
+                })
+                .collect();
+            let (d, n) = (c.dtype, calls[0].n);
+            match c.kind {
+                Collective::AllGather => {
+                    let whole: Vec<f32> = calls.iter().flat_map(|k| read(k.send, n, d)).collect();
+                    calls.iter().for_each(|k| write(k.recv, d, &whole));
+                }
+                Collective::ReduceScatter | Collective::AllReduce => {
+                    let len = if c.kind == Collective::AllReduce {
+                        n
+                    } else {
+                        n * group.len()
+                    };
+                    let mut sum = vec![0f32; len];
+                    for k in &calls {
+                        sum.iter_mut()
+                            .zip(read(k.send, len, d))
+                            .for_each(|(s, x)| *s += x);
+                    }
+                    for (j, k) in calls.iter().enumerate() {
+                        let part = if c.kind == Collective::AllReduce {
+                            &sum[..]
+                        } else {
+                            &sum[j * n..(j + 1) * n]
+                        };
+                        write(k.recv, d, part);
+                    }
+                }
+                Collective::Broadcast => {
+                    let v = read(calls[0].send, n, d);
+                    calls.iter().for_each(|k| write(k.recv, d, &v));
+                }
+            }
+        }
+    }
+}
+
+/// `n` values of `dtype` at host address `at`, decoded as the CPU arena does.
+fn read(at: u64, n: usize, dtype: Dtype) -> Vec<f32> {
+    let bytes = n as u64 * dtype.bytes();
+    let mut halves = vec![0u16; (bytes / 2) as usize];
+    // SAFETY: `at` lies in an emulated arena, sized by the plan.
+    unsafe { std::ptr::copy_nonoverlapping(at as *const u16, halves.as_mut_ptr(), halves.len()) };
+    let a = crate::arena::Arena::new(bytes);
+    a.write_bytes(0, &halves).unwrap();
+    a.read(0, n, dtype).unwrap()
+}
+
+fn write(at: u64, dtype: Dtype, values: &[f32]) {
+    let a = crate::arena::Arena::new(values.len() as u64 * dtype.bytes());
+    a.write(0, dtype, values).unwrap();
+    let halves = a.read_bytes(0, a.bytes()).unwrap();
+    // SAFETY: as in `read`.
+    unsafe { std::ptr::copy_nonoverlapping(halves.as_ptr(), at as *mut u16, halves.len()) };
+}
+
+impl Backend for EmulatedBackend {
+    fn name(&self) -> &'static str {
+        "cuda-emulated"
+    }
+
+    fn ranks(&self) -> Vec<u32> {
+        (0..self.plan.ranks()).collect()
+    }
+
+    fn upload(&self, rank: u32, offset: u64, dtype: Dtype, values: &[f32]) -> Result<(), RunError> {
+        write(self.base(rank) + offset, dtype, values);
+        Ok(())
+    }
+
+    fn download(
+        &self,
+        rank: u32,
+        offset: u64,
+        n: usize,
+        dtype: Dtype,
+    ) -> Result<Vec<f32>, RunError> {
+        Ok(read(self.base(rank) + offset, n, dtype))
+    }
+
+    fn run_step(&mut self, input: &StepInput) -> Result<StepOutcome, RunError> {
+        let p = self.plan.clone();
+        let t = (p.job.model.micro_batch * p.job.model.seq_len) as usize;
+        for (r, rank) in self.ranks.iter_mut().enumerate() {
+            for (m, b) in input.batches[r].iter().enumerate() {
+                for i in 0..t {
+                    rank.tokens[2 * m * t + i] = b.inputs[i] as i32;
+                    rank.tokens[(2 * m + 1) * t + i] = b.targets[i] as i32;
+                }
+            }
+            rank.accumulators.fill(0.0);
+        }
+        let consts: Vec<Consts> = self
+            .ranks
+            .iter()
+            .map(|rank| Consts {
+                tokens: addr(&rank.tokens),
+                loss: addr(&rank.accumulators),
+                sumsq: addr(&rank.accumulators) + 8,
+                rope: self.rope.as_deref().map(addr),
+                decay: self.decay.iter().map(|d| (addr(d), d.len() / 2)).collect(),
+                t,
+            })
+            .collect();
+        for (op, o) in p.program.ops.iter() {
+            match &p.actions[op.index()] {
+                Action::Collectives(cs) => cs.iter().for_each(|c| self.collective(c)),
+                a => {
+                    for (r, rank) in self.ranks.iter().enumerate() {
+                        let view = RankView {
+                            plan: &p,
+                            rank: r as u32,
+                            arena_base: rank.arena.as_ptr() as u64,
+                            consts: &consts[r],
+                        };
+                        let gg = G {
+                            x: &self.x,
+                            ws_base: rank.workspace.as_ptr() as u64,
+                            ws_len: rank.workspace.len(),
+                            used: Cell::new(0),
+                            rope: consts[r].rope,
+                        };
+                        view.compute(&gg, a, o.micro_step, input)
+                            .map_err(|e| RunError::at(r as u32, Some(p.describe(op)), e))?;
+                    }
+                }
+            }
+        }
+        Ok(StepOutcome {
+            // The CUDA backend's loss all-reduce over the world.
+            loss_sum: self.ranks.iter().map(|r| r.accumulators[0]).sum(),
+            waits: vec![],
+        })
+    }
+
+    fn memory(&self) -> Vec<RankMemory> {
+        vec![]
+    }
+}
+
+use cranelift_entity::EntityRef;
+
+const CLUSTERS: &str = r#"
+cluster one { nodes = 1  gpus_per_node = 1  gpu_memory = 4 GiB  peak_flops = 1 TFLOPS
+    intra_node { bandwidth = 10 GB/s  latency = 1 us }  inter_node { bandwidth = 1 Gbps  latency = 50 us } }
+cluster four { nodes = 1  gpus_per_node = 4  gpu_memory = 4 GiB  peak_flops = 1 TFLOPS
+    intra_node { bandwidth = 10 GB/s  latency = 1 us }  inter_node { bandwidth = 1 Gbps  latency = 50 us } }
+cluster two_by_two { nodes = 2  gpus_per_node = 2  gpu_memory = 4 GiB  peak_flops = 1 TFLOPS
+    intra_node { bandwidth = 10 GB/s  latency = 1 us }  inter_node { bandwidth = 1 Gbps  latency = 50 us } }
+"#;
+
+/// Whole training runs on the emulated device match the CPU backend: losses within 1e-4 relative
+/// and the final weights (fp32), 20 steps of one-rank plans and 5 of sharded 4-rank ones (ZeRO-3,
+/// hierarchical MiCS, hpZ, an AMSP mesh), with clipping, micro-steps and recomputation.
+#[test]
+fn training_on_the_emulated_device_matches_the_cpu_backend() {
+    let Some(lib) = library() else { return };
+    let text = format!(
+        "{MODELS}\n{}\n\
+         schedule a {{ model = gpt_naive  cluster = one  preset = ddp  micro_steps = 2  train {{ lr = 1e-3  seed = 1  clip = 0.5 }} }}\n\
+         schedule b {{ model = llama_gqa  cluster = one  preset = zero3  recompute = full  train {{ lr = 1e-3  seed = 2 }} }}\n\
+         schedule c {{ model = gpt_naive  cluster = four  preset = zero3  micro_steps = 2  train {{ lr = 1e-3  seed = 4  clip = 0.5 }} }}\n\
+         schedule d {{ model = llama_gqa  cluster = two_by_two  preset = mics(partition = 4)  train {{ lr = 1e-3  seed = 5 }} }}\n\
+         schedule e {{ model = gpt_naive  cluster = two_by_two  preset = hpz(secondary = 2)  train {{ lr = 1e-3  seed = 6 }} }}\n\
+         schedule f {{ model = llama_gqa  cluster = four  shard {{ params = 1  grads = 2  optimizer = 4 }}  grad_sync = flat  micro_steps = 2  train {{ lr = 1e-3  seed = 7 }} }}\n",
+        CLUSTERS
+    );
+    let loader = schedc::MemLoader::default()
+        .in_dir("/mem")
+        .with("/mem/s.sched", &text);
+    let a = schedc::analyze(std::path::Path::new("/mem/s.sched"), &loader).expect("readable");
+    assert!(!a.has_errors(), "{}", a.render());
+    for job in a.jobs.iter() {
+        let (program, _) = schedc::compile(job).unwrap();
+        let plan = Arc::new(Plan::unverified(program, job.clone()).unwrap());
+        // The contract's 20 steps on one rank; 5 on four ranks keep the test quick.
+        let steps = if plan.ranks() == 1 { 20 } else { 5 };
+        let cpu = go(
+            plan.clone(),
+            CpuBackend::new(plan.clone(), RunOptions::default()),
+            steps,
+        );
+        let emu = go(plan.clone(), EmulatedBackend::new(plan.clone(), lib), steps);
+        for (i, ((le, _), (lc, _))) in emu.iter().zip(&cpu).enumerate() {
+            assert!(
+                (le - lc).abs() <= 1e-4 * lc.abs(),
+                "{}: step {}: emulated cuda loss {le}, cpu {lc}",
+                job.schedule.name,
+                i + 1
+            );
+        }
+        let (we, wc) = (&emu.last().unwrap().1, &cpu.last().unwrap().1);
+        close(
+            &format!("{} final weights", job.schedule.name),
+            we,
+            wc,
+            1e-4,
+        );
+    }
+}
+
+/// Runs `steps` steps; per step, the loss and (after the last) the weights.
+fn go<B: Backend>(plan: Arc<Plan>, backend: B, steps: u64) -> Vec<(f64, Vec<f32>)> {
+    let train = plan.job.schedule.train.clone();
+    let mut t = Trainer::new(plan, backend, crate::data::Corpus::builtin());
+    let init = t.initial_state(train.seed);
+    t.load(&init).unwrap();
+    let mut out = vec![];
+    for _ in 0..steps {
+        let r = t.step(train.lr, train.clip).unwrap();
+        out.push((r.loss, vec![]));
+    }
+    let w = t
+        .state()
+        .unwrap()
+        .layers
+        .into_iter()
+        .flat_map(|l| l.params)
+        .collect();
+    out.last_mut().unwrap().1 = w;
+    out
+}

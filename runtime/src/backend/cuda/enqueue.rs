@@ -1,0 +1,183 @@
+//! What the device code asks of a GPU stream, as an interface: launch a kernel of `kernels.cu`
+//! with raw arguments, run a row-major matrix product, copy bytes. The CUDA backend implements
+//! it with cudarc (a stream, its cuBLAS handle, the loaded kernels); the tests implement it on
+//! the host (`emulate.rs`: `kernels.cu` compiled as C++, the BLAS definition for products), so
+//! the layer math and the argument marshalling are checked without a GPU.
+#![cfg_attr(not(feature = "cuda"), allow(dead_code))]
+
+use crate::math::Precision;
+use schedc::job::{Collective, Dtype};
+
+/// One kernel argument (all are scalars or raw device pointers).
+#[derive(Clone, Copy, Debug)]
+pub enum A {
+    /// A device pointer (0 for NULL).
+    P(u64),
+    L(i64),
+    I(i32),
+    F(f32),
+    D(f64),
+}
+
+/// A launch shape: `blocks` of `threads`; `per_row` kernels index rows by block (one block per
+/// row) and reduce across their threads, the others are grid-stride loops over elements.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Grid {
+    pub blocks: u32,
+    pub threads: u32,
+    pub per_row: bool,
+}
+
+pub const THREADS: u32 = 256;
+
+/// A grid-stride launch over `n` elements.
+pub fn elems(n: usize) -> Grid {
+    Grid {
+        blocks: (n as u64).div_ceil(u64::from(THREADS)).clamp(1, 1 << 16) as u32,
+        threads: THREADS,
+        per_row: false,
+    }
+}
+
+/// One block of 256 threads per row (the row kernels' shared arrays hold 256).
+pub fn rows(n: usize) -> Grid {
+    Grid {
+        blocks: n.max(1) as u32,
+        threads: THREADS,
+        per_row: true,
+    }
+}
+
+/// The dtype code of `kernels.cu`.
+pub fn dtype_code(d: Dtype) -> i32 {
+    match d {
+        Dtype::Fp32 => 0,
+        Dtype::Bf16 => 1,
+        Dtype::Fp16 => 2,
+    }
+}
+
+/// The rounding code of `kernels.cu` for a [`Precision`].
+pub fn prec_code(p: Precision) -> i32 {
+    match p {
+        Precision::F32 => 0,
+        Precision::Bf16 => 1,
+        Precision::F16 => 2,
+    }
+}
+
+/// A row-major matrix operand: device pointer, leading dimension (elements between rows), and
+/// whether it is used transposed.
+#[derive(Clone, Copy, Debug)]
+pub struct M {
+    pub ptr: u64,
+    pub ld: usize,
+    pub t: bool,
+}
+
+pub fn m(ptr: u64, ld: usize) -> M {
+    M { ptr, ld, t: false }
+}
+
+pub fn mt(ptr: u64, ld: usize) -> M {
+    M { ptr, ld, t: true }
+}
+
+/// A column-major `sgemm[_strided_batched]` call, as cuBLAS takes it:
+/// C ← α·op(A)·op(B) + β·C with op(A) m × k, op(B) k × n, C m × n.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ColMajor {
+    pub transa: bool,
+    pub transb: bool,
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub alpha: f32,
+    pub a: u64,
+    pub lda: usize,
+    pub stride_a: usize,
+    pub b: u64,
+    pub ldb: usize,
+    pub stride_b: usize,
+    pub beta: f32,
+    pub c: u64,
+    pub ldc: usize,
+    pub stride_c: usize,
+    pub batch: usize,
+}
+
+/// The row-major product C[rows × cols] ← α·op(A)[rows × k]·op(B)[k × cols] + β·C (C's rows
+/// `ldc` apart; `batch` of them, operands `stride_*` elements apart, 0 reusing one) as the
+/// column-major call that computes it: a row-major C is a column-major Cᵀ = op(B)ᵀ·op(A)ᵀ, so
+/// the operands swap and keep their transpose flags.
+#[allow(clippy::too_many_arguments)]
+pub fn row_major(
+    rows: usize,
+    cols: usize,
+    k: usize,
+    alpha: f32,
+    a: M,
+    stride_a: usize,
+    b: M,
+    stride_b: usize,
+    beta: f32,
+    c: u64,
+    ldc: usize,
+    stride_c: usize,
+    batch: usize,
+) -> ColMajor {
+    ColMajor {
+        transa: b.t,
+        transb: a.t,
+        m: cols,
+        n: rows,
+        k,
+        alpha,
+        a: b.ptr,
+        lda: b.ld,
+        stride_a: stride_b,
+        b: a.ptr,
+        ldb: a.ld,
+        stride_b: stride_a,
+        beta,
+        c,
+        ldc,
+        stride_c,
+        batch,
+    }
+}
+
+/// One NCCL call: `ncclAllGather(send, recv, n)` (n = elements each member sends),
+/// `ncclReduceScatter(send, recv, n)` (n = elements each member receives), `ncclAllReduce` and
+/// `ncclBroadcast` (root: the group's first member) over n elements; sums for reductions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct NcclCall {
+    pub kind: Collective,
+    pub send: u64,
+    pub recv: u64,
+    pub n: usize,
+}
+
+/// The NCCL call of one plan collective on one rank: `count` elements of payload (the gathered
+/// output of an all-gather, the input of a reduce-scatter, the buffer of an all-reduce or
+/// broadcast) over `members` ranks, between the device addresses `input` and `output`.
+pub fn nccl_call(kind: Collective, count: u64, members: u64, input: u64, output: u64) -> NcclCall {
+    let n = match kind {
+        Collective::AllGather | Collective::ReduceScatter => count / members,
+        Collective::AllReduce | Collective::Broadcast => count,
+    } as usize;
+    NcclCall {
+        kind,
+        send: input,
+        recv: output,
+        n,
+    }
+}
+
+/// A stream's view of the device.
+pub trait Exec {
+    fn launch(&self, name: &str, grid: Grid, args: &[A]) -> Result<(), String>;
+    fn gemm(&self, call: &ColMajor) -> Result<(), String>;
+    /// Copies `bytes` from `src` to `dst` (device addresses), in stream order.
+    fn copy_bytes(&self, dst: u64, src: u64, bytes: usize) -> Result<(), String>;
+}

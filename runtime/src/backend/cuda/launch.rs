@@ -1,0 +1,332 @@
+//! Processes of a CUDA run: which rank this process is, and the local launcher.
+//!
+//! Under an external launcher (torchrun, Slurm, mpirun wrappers) the environment says who this
+//! process is: `RANK`, `WORLD_SIZE`, `LOCAL_RANK` (the GPU to use), `MASTER_ADDR`,
+//! `MASTER_PORT`, with Slurm's `SLURM_PROCID`, `SLURM_NTASKS` and `SLURM_LOCALID` as fallbacks.
+//! Without them `schedrun --backend cuda` is the launcher: it starts `--nproc-per-node` copies of
+//! itself with that environment set (master on loopback, a free port), waits for them, and when
+//! one fails stops the others and exits naming the rank.
+
+use std::process::{Child, Command, ExitStatus};
+use std::time::Duration;
+
+/// torchrun's default master port.
+pub const DEFAULT_MASTER_PORT: u16 = 29500;
+
+/// Who this process is in a multi-process run.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DistEnv {
+    pub rank: u32,
+    pub world: u32,
+    /// The GPU ordinal this process drives.
+    pub local_rank: u32,
+    pub master_addr: String,
+    pub master_port: u16,
+}
+
+impl DistEnv {
+    /// The `host:port` the rendezvous listens on.
+    pub fn master(&self) -> String {
+        if self.master_addr.contains(':') && !self.master_addr.starts_with('[') {
+            format!("[{}]:{}", self.master_addr, self.master_port)
+        } else {
+            format!("{}:{}", self.master_addr, self.master_port)
+        }
+    }
+
+    /// Reads the environment of this process.
+    pub fn from_env() -> Result<Option<DistEnv>, String> {
+        Self::from_vars(|k| std::env::var(k).ok())
+    }
+
+    /// Reads a launcher's variables through `var`: `None` when no rank is set (this process is
+    /// then the launcher), an error naming the variable when one is malformed or half set.
+    pub fn from_vars(var: impl Fn(&str) -> Option<String>) -> Result<Option<DistEnv>, String> {
+        let pick = |names: &[&str]| -> Option<(String, String)> {
+            names
+                .iter()
+                .find_map(|n| var(n).filter(|v| !v.is_empty()).map(|v| (n.to_string(), v)))
+        };
+        let number = |(name, v): (String, String)| -> Result<u32, String> {
+            v.trim()
+                .parse::<u32>()
+                .map_err(|_| format!("{name}={v:?} is not a whole number"))
+        };
+        let rank = pick(&["RANK", "SLURM_PROCID"]);
+        let world = pick(&["WORLD_SIZE", "SLURM_NTASKS"]);
+        let (rank, world) = match (rank, world) {
+            (None, None) => return Ok(None),
+            (Some(r), Some(w)) => (number(r)?, number(w)?),
+            (Some((n, _)), None) => return Err(format!("{n} is set but WORLD_SIZE is not")),
+            (None, Some((n, _))) => return Err(format!("{n} is set but RANK is not")),
+        };
+        if world == 0 || rank >= world {
+            return Err(format!("RANK={rank} is not below WORLD_SIZE={world}"));
+        }
+        let local_rank = match pick(&["LOCAL_RANK", "SLURM_LOCALID"]) {
+            Some(v) => number(v)?,
+            None => rank,
+        };
+        let master_addr = match pick(&["MASTER_ADDR"]) {
+            Some((_, v)) => v,
+            None if world == 1 => "127.0.0.1".to_string(),
+            None => return Err(format!("MASTER_ADDR is not set (WORLD_SIZE={world})")),
+        };
+        let master_port = match pick(&["MASTER_PORT"]) {
+            Some((n, v)) => v
+                .trim()
+                .parse::<u16>()
+                .map_err(|_| format!("{n}={v:?} is not a port number"))?,
+            None => DEFAULT_MASTER_PORT,
+        };
+        Ok(Some(DistEnv {
+            rank,
+            world,
+            local_rank,
+            master_addr,
+            master_port,
+        }))
+    }
+
+    /// The variables a launched child gets.
+    pub fn vars(&self) -> Vec<(&'static str, String)> {
+        vec![
+            ("RANK", self.rank.to_string()),
+            ("WORLD_SIZE", self.world.to_string()),
+            ("LOCAL_RANK", self.local_rank.to_string()),
+            ("MASTER_ADDR", self.master_addr.clone()),
+            ("MASTER_PORT", self.master_port.to_string()),
+        ]
+    }
+}
+
+/// A free loopback port for a local run's rendezvous (bound, read, released).
+pub fn free_port() -> Result<u16, String> {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .map_err(|e| format!("cannot find a free port for the rendezvous: {e}"))
+}
+
+/// The environments of `nproc` ranks on this machine.
+pub fn local_envs(nproc: u32, port: u16) -> Vec<DistEnv> {
+    (0..nproc)
+        .map(|r| DistEnv {
+            rank: r,
+            world: nproc,
+            local_rank: r,
+            master_addr: "127.0.0.1".into(),
+            master_port: port,
+        })
+        .collect()
+}
+
+/// Why a launched run failed.
+#[derive(Debug, PartialEq, Eq)]
+pub struct LaunchError {
+    /// The first rank that failed, when one did.
+    pub rank: Option<u32>,
+    pub message: String,
+}
+
+impl std::fmt::Display for LaunchError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+fn describe(s: ExitStatus) -> String {
+    match s.code() {
+        Some(c) => format!("exit status {c}"),
+        None => format!("{s}"),
+    }
+}
+
+/// Starts one process per command (command `i` is rank `i`) and waits for all of them. When one
+/// exits unsuccessfully, the others are killed (they would wait for it until their timeouts) and
+/// the error names the first rank that failed.
+pub fn run_ranks(commands: Vec<Command>) -> Result<(), LaunchError> {
+    let mut children: Vec<Option<Child>> = vec![];
+    for (rank, mut c) in commands.into_iter().enumerate() {
+        match c.spawn() {
+            Ok(ch) => children.push(Some(ch)),
+            Err(e) => {
+                stop(&mut children);
+                return Err(LaunchError {
+                    rank: Some(rank as u32),
+                    message: format!("cannot start rank {rank}: {e}"),
+                });
+            }
+        }
+    }
+    loop {
+        let mut running = 0;
+        for rank in 0..children.len() {
+            let Some(ch) = children[rank].as_mut() else {
+                continue;
+            };
+            match ch.try_wait() {
+                Ok(Some(s)) if s.success() => children[rank] = None,
+                Ok(Some(s)) => {
+                    children[rank] = None;
+                    stop(&mut children);
+                    return Err(LaunchError {
+                        rank: Some(rank as u32),
+                        message: format!(
+                            "rank {rank} failed ({}); stopped the other ranks",
+                            describe(s)
+                        ),
+                    });
+                }
+                Ok(None) => running += 1,
+                Err(e) => {
+                    stop(&mut children);
+                    return Err(LaunchError {
+                        rank: Some(rank as u32),
+                        message: format!("cannot wait for rank {rank}: {e}"),
+                    });
+                }
+            }
+        }
+        if running == 0 {
+            return Ok(());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Kills and reaps the children still running (only the processes this launcher started).
+fn stop(children: &mut [Option<Child>]) {
+    for ch in children.iter_mut().flatten() {
+        let _ = ch.kill();
+        let _ = ch.wait();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn env(pairs: &[(&str, &str)]) -> Result<Option<DistEnv>, String> {
+        let m: HashMap<String, String> = pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        DistEnv::from_vars(|k| m.get(k).cloned())
+    }
+
+    #[test]
+    fn torchrun_variables() {
+        let e = env(&[
+            ("RANK", "3"),
+            ("WORLD_SIZE", "8"),
+            ("LOCAL_RANK", "1"),
+            ("MASTER_ADDR", "node0"),
+            ("MASTER_PORT", "1234"),
+        ])
+        .unwrap()
+        .unwrap();
+        assert_eq!(
+            e,
+            DistEnv {
+                rank: 3,
+                world: 8,
+                local_rank: 1,
+                master_addr: "node0".into(),
+                master_port: 1234
+            }
+        );
+        assert_eq!(e.master(), "node0:1234");
+    }
+
+    #[test]
+    fn slurm_fallbacks_and_defaults() {
+        let e = env(&[
+            ("SLURM_PROCID", "5"),
+            ("SLURM_NTASKS", "16"),
+            ("SLURM_LOCALID", "5"),
+            ("MASTER_ADDR", "10.0.0.1"),
+        ])
+        .unwrap()
+        .unwrap();
+        assert_eq!((e.rank, e.world, e.local_rank), (5, 16, 5));
+        assert_eq!(e.master_port, DEFAULT_MASTER_PORT);
+        let single = env(&[("RANK", "0"), ("WORLD_SIZE", "1")]).unwrap().unwrap();
+        assert_eq!(single.master(), "127.0.0.1:29500");
+        assert_eq!(single.local_rank, 0);
+    }
+
+    #[test]
+    fn no_rank_means_launcher() {
+        assert_eq!(env(&[("MASTER_PORT", "1")]).unwrap(), None);
+    }
+
+    #[test]
+    fn malformed_variables_are_named() {
+        let e = env(&[("RANK", "x"), ("WORLD_SIZE", "2")]).unwrap_err();
+        assert!(e.contains("RANK=\"x\""), "{e}");
+        let e = env(&[("RANK", "1")]).unwrap_err();
+        assert!(e.contains("WORLD_SIZE is not"), "{e}");
+        let e = env(&[("RANK", "2"), ("WORLD_SIZE", "2")]).unwrap_err();
+        assert!(e.contains("not below"), "{e}");
+        let e = env(&[("RANK", "1"), ("WORLD_SIZE", "2")]).unwrap_err();
+        assert!(e.contains("MASTER_ADDR"), "{e}");
+        let e = env(&[
+            ("RANK", "1"),
+            ("WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "a"),
+            ("MASTER_PORT", "99999"),
+        ])
+        .unwrap_err();
+        assert!(e.contains("port"), "{e}");
+    }
+
+    #[test]
+    fn child_variables_round_trip() {
+        let envs = local_envs(3, 4000);
+        let back = DistEnv::from_vars(|k| {
+            envs[2]
+                .vars()
+                .into_iter()
+                .find(|(n, _)| *n == k)
+                .map(|(_, v)| v)
+        })
+        .unwrap()
+        .unwrap();
+        assert_eq!(back, envs[2]);
+    }
+
+    fn sh(script: &str) -> Command {
+        let mut c = Command::new("sh");
+        c.args(["-c", script]);
+        c
+    }
+
+    #[test]
+    fn all_ranks_succeeding_is_success() {
+        assert_eq!(run_ranks(vec![sh("exit 0"), sh("exit 0")]), Ok(()));
+    }
+
+    #[test]
+    fn a_failing_rank_stops_the_others_and_is_named() {
+        let t = std::time::Instant::now();
+        let e = run_ranks(vec![sh("sleep 30"), sh("exit 3"), sh("sleep 30")]).unwrap_err();
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "the sleepers were stopped"
+        );
+        assert_eq!(e.rank, Some(1));
+        assert!(
+            e.message.contains("rank 1 failed (exit status 3)"),
+            "{}",
+            e.message
+        );
+    }
+
+    #[test]
+    fn a_missing_program_is_named() {
+        let e = run_ranks(vec![Command::new("/nonexistent/schedrun-x")]).unwrap_err();
+        assert_eq!(e.rank, Some(0));
+    }
+}

@@ -1,0 +1,363 @@
+//! The CUDA backend: one process per GPU, each driving one rank of the plan.
+//!
+//! Design (issue 6; `shared/spec/runtime.md`, backends):
+//! - **Memory.** One device allocation per rank of exactly the plan's `arena_bytes`; every tensor
+//!   lives at its planned offset inside it, in the same byte layout as the CPU backend's arena
+//!   (fp32 as its bits, bf16/fp16 as 16-bit words). Kernels compute in f32 in a per-stream
+//!   workspace allocated once at start-up (the device twin of the CPU backend's scratch pools),
+//!   reading regions in and rounding results out to the buffer's dtype exactly where the CPU
+//!   backend does. Nothing is allocated while a step runs. cudarc's automatic event tracking is
+//!   turned off: the plan's events are the only synchronisation.
+//! - **Streams and events.** One CUDA stream per plan stream and one CUDA event per plan event.
+//!   The host enqueues every op of the plan in its single issue order (each op on its stream:
+//!   `cuStreamWaitEvent` for its waits, the op, `cuEventRecord` for its record), then waits for
+//!   the streams. Enqueueing never blocks on the device, so one host thread issues all streams.
+//! - **Compute.** Matrix multiplies through cuBLAS (fp32 sgemm; attention's per-head products as
+//!   strided-batched sgemm), every other kernel in `kernels.cu`, compiled by NVRTC on first use
+//!   and cached as PTX. The layer math mirrors `crate::math` one function for one function.
+//! - **Collectives.** NCCL through cudarc, one communicator per (communicator group, stream) the
+//!   plan uses ([`rendezvous::CommKey`]), each from its own unique id; a coalesced op is one
+//!   `ncclGroupStart`/`ncclGroupEnd`. A watchdog aborts the communicators and names the rank and
+//!   op when a collective takes longer than the run's timeout.
+//! - **Processes.** [`launch`] reads torchrun/Slurm variables or starts one process per local GPU;
+//!   [`rendezvous`] (plain TCP on the master) checks that every rank holds the same plan and hands
+//!   out the NCCL ids.
+//!
+//! Feature checks live here only. Always built (and tested without a GPU): [`launch`],
+//! [`rendezvous`], the plan checks ([`comm_keys`], [`plan_hash`], [`check_issue_order`],
+//! [`check_collectives`]), and the device code that only enqueues work through the `Exec`
+//! interface (`enqueue.rs`: launch shapes, the row-major to column-major product mapping, NCCL
+//! call descriptions; `layers.rs`: the layer math; `actions.rs`: each op's reads, math and
+//! writes), which the tests run on the host (`emulate.rs`). Behind the `cuda` cargo feature: the
+//! cudarc side (`device.rs`, `kernels.rs`, `blas.rs`, `nccl.rs`, `step.rs`); without it
+//! [`CudaBackend::new`] and [`probe`] say "built without CUDA". With it, [`probe`] finds out at
+//! run time which of the driver, NVRTC, cuBLAS and NCCL libraries are missing before cudarc
+//! touches them (cudarc panics on a missing library).
+
+mod actions;
+mod enqueue;
+pub mod launch;
+mod layers;
+pub mod rendezvous;
+
+#[cfg(feature = "cuda")]
+mod blas;
+#[cfg(feature = "cuda")]
+mod device;
+#[cfg(all(test, target_os = "linux"))]
+mod emulate;
+#[cfg(feature = "cuda")]
+mod kernels;
+#[cfg(feature = "cuda")]
+mod nccl;
+#[cfg(feature = "cuda")]
+mod step;
+
+#[cfg(not(feature = "cuda"))]
+pub use stand_in::CudaBackend;
+#[cfg(feature = "cuda")]
+pub use step::CudaBackend;
+
+use crate::plan::Plan;
+use cranelift_entity::EntityRef;
+use rendezvous::CommKey;
+use std::collections::BTreeSet;
+
+/// The kernels' CUDA C source (compiled by NVRTC on a GPU, as C++ by the host emulation).
+#[cfg_attr(not(any(test, feature = "cuda")), allow(dead_code))]
+pub(crate) fn kernels_source() -> &'static str {
+    include_str!("kernels.cu")
+}
+
+/// Whether this build contains the CUDA backend.
+pub const BUILT: bool = cfg!(feature = "cuda");
+
+/// Every NCCL communicator the plan needs, over all ranks: for each collective's communicator and
+/// stream, one per group of that communicator. Sorted, so every rank computes the same list.
+pub fn comm_keys(plan: &Plan) -> Vec<CommKey> {
+    let mut keys = BTreeSet::new();
+    for op in plan.program.ops.values() {
+        for c in op.collectives() {
+            let comm = &plan.program.comms[c.comm];
+            for g in 0..comm.groups.len() {
+                keys.insert(CommKey {
+                    comm: c.comm.index() as u32,
+                    group: g as u32,
+                    stream: op.stream.index() as u32,
+                });
+            }
+        }
+    }
+    keys.into_iter().collect()
+}
+
+/// The communicators `rank` is a member of (its group of each).
+pub fn rank_keys(plan: &Plan, rank: u32) -> Vec<CommKey> {
+    comm_keys(plan)
+        .into_iter()
+        .filter(|k| plan.members[k.comm as usize][rank as usize].0 == k.group as usize)
+        .collect()
+}
+
+/// Checks that the plan's issue order can be enqueued by one host thread: every event an op waits
+/// for is recorded by an op issued before it (`cuStreamWaitEvent` waits for the latest record
+/// already enqueued, and for nothing when there is none), and no event is recorded twice.
+pub fn check_issue_order(plan: &Plan) -> Result<(), String> {
+    let mut recorded = vec![false; plan.program.events.len()];
+    for (op, o) in plan.program.ops.iter() {
+        for e in &o.wait {
+            if !recorded[e.index()] {
+                return Err(format!(
+                    "{} waits for {e}, which {} records later in the issue order; the cuda \
+                     backend enqueues ops in that order and cannot run this plan",
+                    plan.describe(op),
+                    plan.describe(plan.program.events[*e].recorder)
+                ));
+            }
+        }
+        if let Some(e) = o.record {
+            if std::mem::replace(&mut recorded[e.index()], true) {
+                return Err(format!("{} records {e} a second time", plan.describe(op)));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Checks that NCCL can run every collective as the plan places it on every rank: input and
+/// output either disjoint, or in place the way NCCL defines it (an all-gather's input is the
+/// member's own chunk of its output, a reduce-scatter's output the member's own chunk of its
+/// input, an all-reduce or broadcast on one buffer). The CPU backend allows any overlap; NCCL
+/// leaves others undefined.
+pub fn check_collectives(plan: &Plan) -> Result<(), String> {
+    use schedc::job::Collective;
+    for (op, o) in plan.program.ops.iter() {
+        for c in o.collectives() {
+            let comm = &plan.program.comms[c.comm];
+            for r in 0..plan.ranks() {
+                let (g, pos) = plan.members[c.comm.index()][r as usize];
+                if !comm.groups[g].contains(&r) {
+                    continue;
+                }
+                let b = c.dtype.bytes();
+                let all = c.count * b;
+                let chunk = all / comm.groups[g].len() as u64;
+                let (i, out) = (plan.at(r, &c.input), plan.at(r, &c.output));
+                let (send, recv) = match c.kind {
+                    Collective::AllGather => (chunk, all),
+                    Collective::ReduceScatter => (all, chunk),
+                    Collective::AllReduce | Collective::Broadcast => (all, all),
+                };
+                let disjoint = i + send <= out || out + recv <= i;
+                let in_place = match c.kind {
+                    Collective::AllGather => i == out + pos as u64 * chunk,
+                    Collective::ReduceScatter => out == i + pos as u64 * chunk,
+                    Collective::AllReduce | Collective::Broadcast => i == out,
+                };
+                if !disjoint && !in_place {
+                    return Err(format!(
+                        "{} on rank {r}: its input (bytes {i}..{}) and output (bytes {out}..{}) \
+                         overlap in a way NCCL does not define",
+                        plan.describe(op),
+                        i + send,
+                        out + recv
+                    ));
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A hash of the whole plan (its plan-file JSON), compared across ranks before anything runs.
+pub fn plan_hash(plan: &Plan) -> u64 {
+    let file = schedc::emit::plan::emit_plan(&plan.program, &plan.job);
+    let text = serde_json::to_string(&file).unwrap_or_default();
+    rendezvous::fnv1a(text.as_bytes())
+}
+
+/// Checks that the libraries the CUDA backend loads are present; the error is one line naming
+/// what is missing.
+pub fn probe() -> Result<(), String> {
+    #[cfg(feature = "cuda")]
+    {
+        device::probe_libraries()
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        Err(stand_in::MESSAGE.to_string())
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+mod stand_in {
+    //! The CUDA backend of a build without the `cuda` feature: it only says so.
+
+    use super::launch::DistEnv;
+    use crate::backend::{Backend, RankMemory, RunError, RunOptions, StepInput, StepOutcome};
+    use crate::plan::Plan;
+    use schedc::job::Dtype;
+    use std::sync::Arc;
+
+    pub const MESSAGE: &str =
+        "this schedrun was built without CUDA; rebuild with `cargo build --features cuda`";
+
+    /// Never constructed: [`CudaBackend::new`] always fails.
+    pub struct CudaBackend(());
+
+    fn unavailable() -> RunError {
+        RunError {
+            rank: None,
+            op: None,
+            message: MESSAGE.into(),
+        }
+    }
+
+    impl CudaBackend {
+        pub fn new(_: Arc<Plan>, _: RunOptions, _: &DistEnv) -> Result<Self, RunError> {
+            Err(unavailable())
+        }
+    }
+
+    impl Backend for CudaBackend {
+        fn name(&self) -> &'static str {
+            "cuda"
+        }
+        fn ranks(&self) -> Vec<u32> {
+            vec![]
+        }
+        fn upload(&self, _: u32, _: u64, _: Dtype, _: &[f32]) -> Result<(), RunError> {
+            Err(unavailable())
+        }
+        fn download(&self, _: u32, _: u64, _: usize, _: Dtype) -> Result<Vec<f32>, RunError> {
+            Err(unavailable())
+        }
+        fn run_step(&mut self, _: &StepInput) -> Result<StepOutcome, RunError> {
+            Err(unavailable())
+        }
+        fn memory(&self) -> Vec<RankMemory> {
+            vec![]
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! Static checks of the device code that run without a GPU (and without the `cuda` feature):
+    //! every kernel launch in the Rust sources passes exactly the argument kinds its `kernels.cu`
+    //! signature declares, since a mismatch would corrupt memory silently on the device.
+
+    const CU: &str = include_str!("kernels.cu");
+    const RUST: [(&str, &str); 3] = [
+        ("layers.rs", include_str!("layers.rs")),
+        ("actions.rs", include_str!("actions.rs")),
+        ("step.rs", include_str!("step.rs")),
+    ];
+
+    /// (kernel, argument kinds as P/L/I/F/D) of every `extern "C" __global__` function.
+    fn signatures() -> Vec<(String, String)> {
+        let mut out = vec![];
+        for part in CU.split("extern \"C\" __global__ void ").skip(1) {
+            let name = part[..part.find('(').unwrap()].trim().to_string();
+            let params = &part[part.find('(').unwrap() + 1..part.find(')').unwrap()];
+            let kinds: String = params
+                .split(',')
+                .map(|p| {
+                    let p = p.trim();
+                    if p.contains('*') {
+                        'P'
+                    } else if p.starts_with("long long") {
+                        'L'
+                    } else if p.starts_with("int") {
+                        'I'
+                    } else if p.starts_with("float") {
+                        'F'
+                    } else if p.starts_with("double") {
+                        'D'
+                    } else {
+                        panic!("kernel {name}: unknown parameter type in {p:?}")
+                    }
+                })
+                .collect();
+            out.push((name, kinds));
+        }
+        out
+    }
+
+    /// (file, kernel, argument kinds) of every launch `"name", …, &[A::X(…), …]` in the sources.
+    fn launches() -> Vec<(&'static str, String, String)> {
+        let names: Vec<String> = signatures().into_iter().map(|(n, _)| n).collect();
+        let mut out = vec![];
+        for (file, src) in RUST {
+            for n in &names {
+                let lit = format!("\"{n}\",");
+                let mut rest = src;
+                while let Some(i) = rest.find(&lit) {
+                    rest = &rest[i + lit.len()..];
+                    let open = rest
+                        .find("&[")
+                        .expect("an argument list after a kernel name");
+                    // The argument list must belong to this call: nothing quoted in between.
+                    assert!(
+                        !rest[..open].contains('"'),
+                        "{file}: cannot find the arguments of a launch of {n}"
+                    );
+                    let mut depth = 0;
+                    let mut end = open + 2;
+                    for (k, c) in rest[open + 2..].char_indices() {
+                        match c {
+                            '[' | '(' => depth += 1,
+                            ')' => depth -= 1,
+                            ']' if depth == 0 => {
+                                end = open + 2 + k;
+                                break;
+                            }
+                            ']' => depth -= 1,
+                            _ => {}
+                        }
+                    }
+                    let list = &rest[open + 2..end];
+                    let kinds: String = list
+                        .match_indices("A::")
+                        .map(|(j, _)| list.as_bytes()[j + 3] as char)
+                        .collect();
+                    out.push((file, n.clone(), kinds));
+                }
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn every_launch_matches_its_kernel_signature() {
+        let sigs = signatures();
+        assert!(sigs.len() >= 25, "found {} kernels", sigs.len());
+        let calls = launches();
+        let mut used = std::collections::BTreeSet::new();
+        for (file, name, kinds) in &calls {
+            let want = &sigs.iter().find(|(n, _)| n == name).unwrap().1;
+            assert_eq!(kinds, want, "{file}: launch of {name}");
+            used.insert(name.clone());
+        }
+        let unused: Vec<&String> = sigs
+            .iter()
+            .map(|(n, _)| n)
+            .filter(|n| !used.contains(*n))
+            .collect();
+        assert!(unused.is_empty(), "kernels never launched: {unused:?}");
+    }
+
+    #[test]
+    fn the_kernel_list_is_the_source_list() {
+        let kernels_rs = include_str!("kernels.rs");
+        let list = &kernels_rs[kernels_rs.find("const NAMES").unwrap()..];
+        let list = &list[..list.find("];").unwrap()];
+        for (name, _) in signatures() {
+            assert!(
+                list.contains(&format!("\"{name}\"")),
+                "{name} missing from NAMES"
+            );
+        }
+        assert_eq!(list.matches('"').count() / 2, signatures().len());
+    }
+}

@@ -1,0 +1,516 @@
+//! [`CudaBackend`]: one rank on one GPU. Enqueues a step's ops in the plan's issue order and
+//! watches its collectives. Compiled, never run on a GPU yet.
+
+use super::actions::{Consts, RankView};
+use super::blas::Blas;
+use super::device::{drv, Device};
+use super::enqueue::{nccl_call, ColMajor, Exec, Grid, A};
+use super::kernels::Kernels;
+use super::launch::DistEnv;
+use super::layers::G;
+use super::nccl::{self, Comms, LOSS_KEY};
+use super::rendezvous::{self, CommKey, Hello};
+use crate::backend::{
+    Backend, RankMemory, RunError, RunOptions, StepInput, StepOutcome, StreamWait,
+};
+use crate::exec::Action;
+use crate::plan::Plan;
+use cranelift_entity::EntityRef;
+use cudarc::driver::CudaEvent;
+use schedc::job::Dtype;
+use std::cell::Cell;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// One rank of a plan on this process's GPU.
+pub struct CudaBackend {
+    plan: Arc<Plan>,
+    options: RunOptions,
+    rank: u32,
+    dev: Device,
+    kernels: Kernels,
+    blas: Vec<Blas>,
+    comms: Comms,
+    /// One event after each collective op, watched by the timeout (observation only: nothing
+    /// waits on them).
+    markers: Vec<Option<CudaEvent>>,
+    /// Device constants: the batch tokens, the loss accumulator, rotary tables, decay ranges.
+    consts: Consts,
+    world: u32,
+}
+
+fn fault(rank: u32, m: impl Into<String>) -> RunError {
+    RunError::at(rank, None, m)
+}
+
+impl CudaBackend {
+    /// Checks the libraries, joins the rendezvous (with every rank's plan hash), opens the GPU
+    /// `env.local_rank`, allocates the arena and workspaces, compiles or loads the kernels and
+    /// creates the NCCL communicators.
+    pub fn new(plan: Arc<Plan>, options: RunOptions, env: &DistEnv) -> Result<Self, RunError> {
+        let rank = env.rank;
+        let f = |m: String| fault(rank, m);
+        super::probe().map_err(f)?;
+        super::check_issue_order(&plan).map_err(f)?;
+        super::check_collectives(&plan).map_err(f)?;
+        if env.world != plan.ranks() {
+            return Err(f(format!(
+                "the plan has {} ranks but WORLD_SIZE is {}",
+                plan.ranks(),
+                env.world
+            )));
+        }
+        let mut keys = super::comm_keys(&plan);
+        if env.world > 1 {
+            keys.push(LOSS_KEY);
+        }
+        let hello = Hello {
+            rank,
+            world: env.world,
+            plan_hash: super::plan_hash(&plan),
+        };
+        let timeout = options.timeout;
+        // The driver must be initialised before ncclGetUniqueId; open the device first.
+        let p = &*plan;
+        let streams = p.stream_ops.len();
+        let ws: Vec<usize> = (0..streams)
+            .map(|s| {
+                let ops = &p.stream_ops[s];
+                ops.iter()
+                    .filter_map(|op| match &p.actions[op.index()] {
+                        Action::Collectives(_) => None,
+                        a => Some(super::actions::action_workspace(p, a)),
+                    })
+                    .max()
+                    .unwrap_or(0)
+            })
+            .collect();
+        let dev = Device::open(
+            env.local_rank as usize,
+            streams,
+            p.program.events.len(),
+            p.program.arena_bytes,
+            &ws,
+        )
+        .map_err(f)?;
+        let ids = if env.world == 1 {
+            keys.iter()
+                .map(|k| nccl::new_id().map(|id| (*k, id)))
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(f)?
+        } else if rank == 0 {
+            let listener = std::net::TcpListener::bind(format!("0.0.0.0:{}", env.master_port))
+                .map_err(|e| {
+                    f(format!(
+                        "rendezvous: cannot listen on {}: {e}",
+                        env.master()
+                    ))
+                })?;
+            rendezvous::serve(listener, &hello, &keys, timeout, |_| nccl::new_id())
+                .map_err(|e| f(e.0))?
+        } else {
+            rendezvous::join(&env.master(), &hello, timeout).map_err(|e| f(e.0))?
+        };
+        let mine: Vec<(CommKey, [u8; 128], u32, u32)> = ids
+            .iter()
+            .filter_map(|(k, id)| {
+                if *k == LOSS_KEY {
+                    return Some((*k, *id, env.world, rank));
+                }
+                let (g, pos) = p.members[k.comm as usize][rank as usize];
+                let comm = &p.program.comms[schedc::ir::CommId::new(k.comm as usize)];
+                (g == k.group as usize).then(|| (*k, *id, comm.groups[g].len() as u32, pos as u32))
+            })
+            .collect();
+        dev.ctx.bind_to_thread().map_err(|e| f(format!("{e:?}")))?;
+        let comms = Comms::init(&mine).map_err(f)?;
+        let kernels = Kernels::load(&dev.ctx).map_err(f)?;
+        let blas = dev
+            .streams
+            .iter()
+            .map(|s| Blas::new(s))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(f)?;
+        let markers = p
+            .program
+            .ops
+            .values()
+            .map(|o| {
+                (!o.collectives().is_empty())
+                    .then(|| dev.ctx.new_event(None))
+                    .transpose()
+            })
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| f(format!("creating marker events: {e:?}")))?;
+        let consts = new_consts(p, &dev).map_err(f)?;
+        Ok(CudaBackend {
+            plan,
+            options,
+            rank,
+            dev,
+            kernels,
+            blas,
+            comms,
+            markers,
+            consts,
+            world: env.world,
+        })
+    }
+}
+
+/// Allocates and fills a rank's constants (once; they live as long as the process).
+fn new_consts(p: &Plan, dev: &Device) -> Result<Consts, String> {
+    let model = &p.job.model;
+    let t = (model.micro_batch * model.seq_len) as usize;
+    let micro = p.program.micro_steps as usize;
+    let rope = p.maths.iter().find_map(|m| match m.kind() {
+        crate::math::Kind::Transformer(bp) => bp.rope.as_ref(),
+        _ => None,
+    });
+    let rope_floats = rope.map_or(0, |r| r.cos.len() + r.sin.len());
+    let decay_pairs: usize = p.decay.iter().map(|d| d.len()).sum();
+    // Layout (bytes): tokens, loss (f64), sumsq (f64), rope tables, decay ranges.
+    let tokens_bytes = micro * 2 * t * 4;
+    let bytes = tokens_bytes.div_ceil(8) * 8 + 16 + rope_floats * 4 + decay_pairs * 16 + 64;
+    let ctx = &dev.ctx;
+    let s0 = &dev.streams[0];
+    let buf = s0
+        .alloc_zeros::<u8>(bytes)
+        .map_err(drv("allocating device constants"))?;
+    use cudarc::driver::DevicePtr;
+    let base = buf.device_ptr(s0).0;
+    std::mem::forget(buf); // lives as long as the process; freed with the context
+    let tokens = base;
+    let loss = base + (tokens_bytes.div_ceil(8) * 8) as u64;
+    let sumsq = loss + 8;
+    let mut at = sumsq + 8;
+    ctx.bind_to_thread().map_err(drv("binding the context"))?;
+    let put = |ptr: u64, bytes: &[u8]| -> Result<(), String> {
+        // SAFETY: inside the constants buffer sized above.
+        unsafe { cudarc::driver::result::memcpy_htod_sync(ptr, bytes) }
+            .map_err(drv("uploading constants"))
+    };
+    let rope_ptr = match rope {
+        Some(r) => {
+            let v: Vec<u8> = r
+                .cos
+                .iter()
+                .chain(&r.sin)
+                .flat_map(|x| x.to_le_bytes())
+                .collect();
+            put(at, &v)?;
+            let ptr = at;
+            at += v.len() as u64;
+            Some(ptr)
+        }
+        None => None,
+    };
+    at = at.div_ceil(8) * 8;
+    let mut decay = vec![];
+    for d in &p.decay {
+        let v: Vec<u8> = d
+            .iter()
+            .flat_map(|r| [r.start as i64, r.end as i64])
+            .flat_map(|x| x.to_le_bytes())
+            .collect();
+        if !v.is_empty() {
+            put(at, &v)?;
+        }
+        decay.push((at, d.len()));
+        at += v.len() as u64;
+    }
+    let _ = base;
+    Ok(Consts {
+        tokens,
+        loss,
+        sumsq,
+        rope: rope_ptr,
+        decay,
+        t,
+    })
+}
+
+impl Backend for CudaBackend {
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn ranks(&self) -> Vec<u32> {
+        vec![self.rank]
+    }
+
+    fn upload(&self, rank: u32, offset: u64, dtype: Dtype, values: &[f32]) -> Result<(), RunError> {
+        // The CPU arena's encoding, so both backends hold the same bytes.
+        let a = crate::arena::Arena::new(values.len() as u64 * dtype.bytes());
+        a.write(0, dtype, values).map_err(|e| fault(rank, e.0))?;
+        let halves = a
+            .read_bytes(0, values.len() as u64 * dtype.bytes())
+            .map_err(|e| fault(rank, e.0))?;
+        let bytes: Vec<u8> = halves.iter().flat_map(|h| h.to_le_bytes()).collect();
+        self.dev
+            .write_bytes(offset, &bytes)
+            .map_err(|m| fault(rank, m))
+    }
+
+    fn download(
+        &self,
+        rank: u32,
+        offset: u64,
+        n: usize,
+        dtype: Dtype,
+    ) -> Result<Vec<f32>, RunError> {
+        let bytes = self
+            .dev
+            .read_bytes(offset, n * dtype.bytes() as usize)
+            .map_err(|m| fault(rank, m))?;
+        let halves: Vec<u16> = bytes
+            .chunks_exact(2)
+            .map(|c| u16::from_le_bytes([c[0], c[1]]))
+            .collect();
+        let a = crate::arena::Arena::new(bytes.len() as u64);
+        a.write_bytes(0, &halves).map_err(|e| fault(rank, e.0))?;
+        a.read(0, n, dtype).map_err(|e| fault(rank, e.0))
+    }
+
+    fn run_step(&mut self, input: &StepInput) -> Result<StepOutcome, RunError> {
+        let started = Instant::now();
+        let rank = self.rank;
+        self.upload_batches(input)?;
+        if let Err(e) = self.issue(input) {
+            // Work may be in flight that other ranks will never match: abort the communicators
+            // so nothing waits on them, and fail (the process exits).
+            self.comms.abort();
+            return Err(e);
+        }
+        self.watch()?;
+        let loss = self.finish_loss()?;
+        let busy = started.elapsed();
+        Ok(StepOutcome {
+            loss_sum: loss,
+            waits: self
+                .plan
+                .stream_ops
+                .iter()
+                .enumerate()
+                .map(|(s, _)| StreamWait {
+                    rank,
+                    stream: self.plan.stream_name(schedc::ir::StreamId::new(s)),
+                    waiting: Duration::ZERO,
+                    busy,
+                })
+                .collect(),
+        })
+    }
+
+    fn memory(&self) -> Vec<RankMemory> {
+        vec![RankMemory {
+            rank: self.rank,
+            allocated: self.dev.arena_bytes,
+            touched: self.dev.arena_bytes,
+        }]
+    }
+}
+
+impl CudaBackend {
+    fn upload_batches(&self, input: &StepInput) -> Result<(), RunError> {
+        let t = self.consts.t;
+        let mut v: Vec<u8> = vec![];
+        for b in &input.batches[0] {
+            if b.inputs.len() != t || b.targets.len() != t {
+                return Err(fault(self.rank, "a batch of the wrong size"));
+            }
+            v.extend(b.inputs.iter().flat_map(|x| (*x as i32).to_le_bytes()));
+            v.extend(b.targets.iter().flat_map(|x| (*x as i32).to_le_bytes()));
+        }
+        v.extend([0u8; 16]);
+        // Tokens, then zero the loss and sum-of-squares accumulators right after them (the
+        // previous step has finished: run_step synchronises before returning).
+        let f = |e| fault(self.rank, format!("uploading the batch: {e:?}"));
+        self.dev.ctx.bind_to_thread().map_err(f)?;
+        // SAFETY: inside the constants buffer; tokens end where the accumulators begin only
+        // when the token bytes are a multiple of 8, which they are (2·T·4 per micro-step).
+        unsafe { cudarc::driver::result::memcpy_htod_sync(self.consts.tokens, &v) }.map_err(f)?;
+        Ok(())
+    }
+
+    /// Enqueues every op in the plan's issue order.
+    fn issue(&self, input: &StepInput) -> Result<(), RunError> {
+        let p = &*self.plan;
+        self.dev
+            .ctx
+            .bind_to_thread()
+            .map_err(|e| fault(self.rank, format!("{e:?}")))?;
+        for (op, o) in p.program.ops.iter() {
+            let s = o.stream.index();
+            let stream = &self.dev.streams[s];
+            let fail = |m: String| RunError::at(self.rank, Some(p.describe(op)), m);
+            for e in &o.wait {
+                stream
+                    .wait(&self.dev.events[e.index()])
+                    .map_err(|e| fail(format!("cuStreamWaitEvent: {e:?}")))?;
+            }
+            let (ws_base, ws_len) = self.dev.workspace[s];
+            let x = DevExec {
+                k: &self.kernels,
+                blas: &self.blas[s],
+                s: stream,
+            };
+            let g = G {
+                x: &x,
+                ws_base,
+                ws_len,
+                used: Cell::new(0),
+                rope: self.consts.rope,
+            };
+            match &p.actions[op.index()] {
+                Action::Collectives(cs) => {
+                    self.collectives(op, cs, stream).map_err(fail)?;
+                    if let Some(m) = &self.markers[op.index()] {
+                        m.record(stream)
+                            .map_err(|e| fail(format!("marker record: {e:?}")))?;
+                    }
+                }
+                a => self
+                    .view()
+                    .compute(&g, a, o.micro_step, input)
+                    .map_err(fail)?,
+            }
+            if let Some(e) = o.record {
+                self.dev.events[e.index()]
+                    .record(stream)
+                    .map_err(|e| fail(format!("cuEventRecord: {e:?}")))?;
+            }
+        }
+        Ok(())
+    }
+
+    fn collectives(
+        &self,
+        op: schedc::ir::OpId,
+        cs: &[schedc::ir::CollectiveOp],
+        stream: &cudarc::driver::CudaStream,
+    ) -> Result<(), String> {
+        let p = &*self.plan;
+        let s = p.program.ops[op].stream.index() as u32;
+        nccl::group_start()?;
+        for c in cs {
+            let (g, _) = p.members[c.comm.index()][self.rank as usize];
+            let key = CommKey {
+                comm: c.comm.index() as u32,
+                group: g as u32,
+                stream: s,
+            };
+            let members = p.program.comms[c.comm].groups[g].len() as u64;
+            let comm = self.comms.get(&key)?;
+            let input = self.dev.arena_base + p.at(self.rank, &c.input);
+            let output = self.dev.arena_base + p.at(self.rank, &c.output);
+            let call = nccl_call(c.kind, c.count, members, input, output);
+            // SAFETY: both regions lie in the arena (the plan's verifier checked them, and
+            // check_collectives that they overlap only as NCCL allows).
+            unsafe { nccl::collective(comm, stream.cu_stream(), c.dtype, &call)? };
+        }
+        nccl::group_end()
+    }
+
+    /// Waits for the step, aborting when a collective takes longer than the timeout.
+    fn watch(&self) -> Result<(), RunError> {
+        let p = &*self.plan;
+        // Per stream: its collective ops in order.
+        let mut pending: Vec<std::collections::VecDeque<schedc::ir::OpId>> =
+            vec![Default::default(); p.stream_ops.len()];
+        for (op, o) in p.program.ops.iter() {
+            if self.markers[op.index()].is_some() {
+                pending[o.stream.index()].push_back(op);
+            }
+        }
+        let mut since = vec![Instant::now(); pending.len()];
+        loop {
+            let mut left = 0;
+            for (s, q) in pending.iter_mut().enumerate() {
+                while let Some(&op) = q.front() {
+                    let done = self.markers[op.index()]
+                        .as_ref()
+                        .map(|m| m.is_complete())
+                        .unwrap_or(true);
+                    if !done {
+                        break;
+                    }
+                    q.pop_front();
+                    since[s] = Instant::now();
+                }
+                if let Some(&op) = q.front() {
+                    left += 1;
+                    if since[s].elapsed() > self.options.timeout {
+                        self.comms.abort();
+                        let e = RunError::at(
+                            self.rank,
+                            Some(p.describe(op)),
+                            format!(
+                                "the collective did not complete within {:?}; aborted the NCCL \
+                                 communicators (another rank failed or stopped answering)",
+                                self.options.timeout
+                            ),
+                        );
+                        // Exit here rather than unwind: after an abort, tearing down streams that
+                        // still hold NCCL work could block, and this must never hang.
+                        eprintln!("error: {e}");
+                        std::process::exit(2);
+                    }
+                }
+            }
+            if left == 0 {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        self.dev.synchronize().map_err(|m| fault(self.rank, m))
+    }
+
+    fn view(&self) -> RankView<'_> {
+        RankView {
+            plan: &self.plan,
+            rank: self.rank,
+            arena_base: self.dev.arena_base,
+            consts: &self.consts,
+        }
+    }
+
+    fn finish_loss(&self) -> Result<f64, RunError> {
+        let f = |m: String| fault(self.rank, m);
+        if self.world > 1 {
+            let comm = self.comms.get(&LOSS_KEY).map_err(f)?;
+            let s = &self.dev.streams[0];
+            // SAFETY: the loss accumulator is one f64 in the constants buffer.
+            unsafe { nccl::sum_f64(comm, s.cu_stream(), self.consts.loss) }.map_err(f)?;
+            s.synchronize().map_err(|e| f(format!("{e:?}")))?;
+        }
+        let mut out = [0u8; 8];
+        // SAFETY: one f64 in the constants buffer; every stream is idle.
+        unsafe { cudarc::driver::result::memcpy_dtoh_sync(&mut out, self.consts.loss) }
+            .map_err(|e| f(format!("reading the loss: {e:?}")))?;
+        Ok(f64::from_le_bytes(out))
+    }
+}
+
+/// One stream of the GPU as the device code's [`Exec`].
+struct DevExec<'a> {
+    k: &'a Kernels,
+    blas: &'a Blas,
+    s: &'a cudarc::driver::CudaStream,
+}
+
+impl Exec for DevExec<'_> {
+    fn launch(&self, name: &str, grid: Grid, args: &[A]) -> Result<(), String> {
+        self.k.launch(self.s, name, grid, args)
+    }
+
+    fn gemm(&self, call: &ColMajor) -> Result<(), String> {
+        self.blas.run(call)
+    }
+
+    fn copy_bytes(&self, dst: u64, src: u64, bytes: usize) -> Result<(), String> {
+        // SAFETY: both ranges lie in the arena or the workspace (the callers size them).
+        unsafe { cudarc::driver::result::memcpy_dtod_async(dst, src, bytes, self.s.cu_stream()) }
+            .map_err(|e| format!("device copy: {e:?}"))
+    }
+}
