@@ -11,6 +11,8 @@
 //! - [`verify`]: proves the program race-free, deadlock-free and its memory plan sound before
 //!   anything is written; success yields the [`verify::PlanInfo`] emitters need.
 //! - [`emit`]: the resolved-job listing, the plan file, the program listing and stats.
+//! - [`planner`]: `schedc plan`, the search for the fastest schedule that fits, over compiled and
+//!   simulated candidates pruned by analytic floors.
 //!
 //! [`compile`] runs lowering and verification together, so an unverified program never escapes.
 
@@ -20,6 +22,7 @@ pub mod ir;
 pub mod job;
 pub mod lower;
 pub mod passes;
+pub mod planner;
 pub mod sema;
 pub mod verify;
 

@@ -50,6 +50,27 @@ enum Command {
     },
     /// Re-run every proof of the lowering spec on a plan file.
     Verify { plan: PathBuf },
+    /// Search sharding factors and knobs for the fastest schedule that fits in GPU memory.
+    ///
+    /// The schedule named (or the file's only one) fixes the model, cluster, nodes and GPUs used,
+    /// micro-steps, recompute, streams, overlap and training settings; the search chooses the
+    /// three shard meshes, reshard_after_forward, grad_sync, all_gather, prefetch depths and
+    /// bucket sizes.
+    Plan {
+        file: PathBuf,
+        /// Which schedule to start from, when the file defines several.
+        #[arg(long)]
+        schedule: Option<String>,
+        /// How many schedules to list.
+        #[arg(long, default_value_t = 5)]
+        top: usize,
+        /// Print a JSON list with a `.sched` fragment for each schedule instead of a table.
+        #[arg(long)]
+        json: bool,
+        /// Keep the starting schedule's prefetch depths and bucket sizes instead of tuning them.
+        #[arg(long)]
+        no_tune: bool,
+    },
     /// Rewrite files in canonical layout, keeping comments.
     Fmt {
         #[arg(required = true)]
@@ -94,6 +115,13 @@ fn main() -> ExitCode {
             time_passes,
         )),
         Command::Verify { plan } => Some(verify(&plan)),
+        Command::Plan {
+            file,
+            schedule,
+            top,
+            json,
+            no_tune,
+        } => Some(plan(&file, schedule.as_deref(), top, json, !no_tune)),
     };
     ExitCode::from(status.unwrap_or(Status::Ok) as u8)
 }
@@ -290,6 +318,67 @@ fn verify(path: &Path) -> Status {
             Status::BadInput
         }
     }
+}
+
+fn plan(file: &Path, schedule: Option<&str>, top: usize, json: bool, tune_knobs: bool) -> Status {
+    let analysis = match analyze_and_report(file) {
+        Ok(a) => a,
+        Err(status) => return status,
+    };
+    let base = match analysis.select(schedule) {
+        Ok(j) => j,
+        Err(e) => {
+            eprintln!("error: {}: {e}", file.display());
+            return Status::BadInput;
+        }
+    };
+    if top == 0 {
+        eprintln!("error: --top must be at least 1");
+        return Status::BadInput;
+    }
+    let options = schedc::planner::Options {
+        top,
+        tune_knobs,
+        ..Default::default()
+    };
+    let bar = std::io::stderr().is_terminal().then(|| {
+        let bar = indicatif::ProgressBar::new(0);
+        bar.set_style(
+            indicatif::ProgressStyle::with_template(
+                "{spinner} searching [{bar:30}] {pos}/{len} structures  {msg}",
+            )
+            .expect("a valid template")
+            .progress_chars("=> "),
+        );
+        bar
+    });
+    let progress = |p: schedc::planner::Progress| {
+        if let Some(bar) = &bar {
+            bar.set_length(p.total as u64);
+            bar.set_position(p.settled as u64);
+            if let Some(best) = p.best_s {
+                bar.set_message(format!("best {best:.3} s"));
+            }
+        }
+    };
+    let result = schedc::planner::plan(base, &options, &progress);
+    if let Some(bar) = &bar {
+        bar.finish_and_clear();
+    }
+    let result = match result {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return Status::Fault;
+        }
+    };
+    if json {
+        let list = schedc::planner::output::json(base, &result);
+        println!("{}", serde_json::to_string_pretty(&list).expect("plans serialise"));
+    } else {
+        print!("{}", schedc::planner::output::table(base, &result));
+    }
+    Status::Ok
 }
 
 fn plural(n: u32, word: &str) -> String {
