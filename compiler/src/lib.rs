@@ -17,6 +17,7 @@
 //! [`compile`] runs lowering and verification together, so an unverified program never escapes.
 
 pub mod emit;
+pub mod files;
 pub mod intervals;
 pub mod ir;
 pub mod job;

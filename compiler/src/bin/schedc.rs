@@ -418,21 +418,7 @@ fn fmt(file: &Path, check_only: bool) -> Status {
     }
 }
 
-/// Writes through a temporary file in the same directory and renames it over `path`, so a failure
-/// never leaves a half-written file.
+/// Writes without leaving a half-written file (see [`schedc::files`]).
 fn write_atomically(path: &Path, text: &str) -> std::io::Result<()> {
-    let dir = path
-        .parent()
-        .filter(|d| !d.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    let tmp = dir.join(format!(".{name}.schedc-fmt.tmp"));
-    let result = std::fs::write(&tmp, text).and_then(|()| std::fs::rename(&tmp, path));
-    if result.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    result
+    schedc::files::write_atomically(path, text.as_bytes())
 }
