@@ -12,15 +12,19 @@
 //!   anything is written; success yields the [`verify::PlanInfo`] emitters need.
 //! - [`sim`]: the cost model and discrete-event simulator: step time, MFU, a Chrome trace.
 //! - [`emit`]: the resolved-job listing, the plan file, the program listing and stats.
+//! - [`planner`]: `schedc plan`, the search for the fastest schedule that fits, over compiled and
+//!   simulated candidates pruned by analytic floors.
 //!
 //! [`compile`] runs lowering and verification together, so an unverified program never escapes.
 
 pub mod emit;
+pub mod files;
 pub mod intervals;
 pub mod ir;
 pub mod job;
 pub mod lower;
 pub mod passes;
+pub mod planner;
 pub mod sema;
 pub mod sim;
 pub mod verify;

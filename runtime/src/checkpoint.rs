@@ -73,13 +73,8 @@ pub fn save(path: &Path, model: &Model, state: &State, contents: Contents) -> Re
     }
     let bytes = safetensors::serialize(views, &Some(meta))
         .map_err(|e| format!("cannot serialise {}: {e}", path.display()))?;
-    let tmp = path.with_extension("safetensors.tmp");
-    std::fs::write(&tmp, bytes)
-        .and_then(|()| std::fs::rename(&tmp, path))
-        .map_err(|e| {
-            let _ = std::fs::remove_file(&tmp);
-            format!("cannot write {}: {e}", path.display())
-        })
+    schedc::files::write_atomically(path, &bytes)
+        .map_err(|e| format!("cannot write {}: {e}", path.display()))
 }
 
 /// Reads a weights file or checkpoint of `model` from `path`. With `Contents::Checkpoint` the

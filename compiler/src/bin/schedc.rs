@@ -64,6 +64,27 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Search sharding factors and knobs for the fastest schedule that fits in GPU memory.
+    ///
+    /// The schedule named (or the file's only one) fixes the model, cluster, nodes and GPUs used,
+    /// micro-steps, recompute, streams, overlap and training settings; the search chooses the
+    /// three shard meshes, reshard_after_forward, grad_sync, all_gather, prefetch depths and
+    /// bucket sizes.
+    Plan {
+        file: PathBuf,
+        /// Which schedule to start from, when the file defines several.
+        #[arg(long)]
+        schedule: Option<String>,
+        /// How many schedules to list.
+        #[arg(long, default_value_t = 5)]
+        top: usize,
+        /// Print a JSON list with a `.sched` fragment for each schedule instead of a table.
+        #[arg(long)]
+        json: bool,
+        /// Keep the starting schedule's prefetch depths and bucket sizes instead of tuning them.
+        #[arg(long)]
+        no_tune: bool,
+    },
     /// Rewrite files in canonical layout, keeping comments.
     Fmt {
         #[arg(required = true)]
@@ -114,6 +135,13 @@ fn main() -> ExitCode {
             trace,
             json,
         } => Some(simulate(&file, schedule.as_deref(), trace.as_deref(), json)),
+        Command::Plan {
+            file,
+            schedule,
+            top,
+            json,
+            no_tune,
+        } => Some(plan(&file, schedule.as_deref(), top, json, !no_tune)),
     };
     ExitCode::from(status.unwrap_or(Status::Ok) as u8)
 }
@@ -440,6 +468,70 @@ fn simulation_table(r: &schedc::sim::SimReport) -> String {
     out
 }
 
+fn plan(file: &Path, schedule: Option<&str>, top: usize, json: bool, tune_knobs: bool) -> Status {
+    let analysis = match analyze_and_report(file) {
+        Ok(a) => a,
+        Err(status) => return status,
+    };
+    let base = match analysis.select(schedule) {
+        Ok(j) => j,
+        Err(e) => {
+            eprintln!("error: {}: {e}", file.display());
+            return Status::BadInput;
+        }
+    };
+    if top == 0 {
+        eprintln!("error: --top must be at least 1");
+        return Status::BadInput;
+    }
+    let options = schedc::planner::Options {
+        top,
+        tune_knobs,
+        ..Default::default()
+    };
+    let bar = std::io::stderr().is_terminal().then(|| {
+        let bar = indicatif::ProgressBar::new(0);
+        bar.set_style(
+            indicatif::ProgressStyle::with_template(
+                "{spinner} searching [{bar:30}] {pos}/{len} structures  {msg}",
+            )
+            .expect("a valid template")
+            .progress_chars("=> "),
+        );
+        bar
+    });
+    let progress = |p: schedc::planner::Progress| {
+        if let Some(bar) = &bar {
+            bar.set_length(p.total as u64);
+            bar.set_position(p.settled as u64);
+            if let Some(best) = p.best_s {
+                bar.set_message(format!("best {best:.3} s"));
+            }
+        }
+    };
+    let result = schedc::planner::plan(base, &options, &progress);
+    if let Some(bar) = &bar {
+        bar.finish_and_clear();
+    }
+    let result = match result {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return Status::Fault;
+        }
+    };
+    if json {
+        let list = schedc::planner::output::json(base, &result);
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&list).expect("plans serialise")
+        );
+    } else {
+        print!("{}", schedc::planner::output::table(base, &result));
+    }
+    Status::Ok
+}
+
 fn plural(n: u32, word: &str) -> String {
     format!("{n} {word}{}", if n == 1 { "" } else { "s" })
 }
@@ -477,21 +569,7 @@ fn fmt(file: &Path, check_only: bool) -> Status {
     }
 }
 
-/// Writes through a temporary file in the same directory and renames it over `path`, so a failure
-/// never leaves a half-written file.
+/// Writes without leaving a half-written file (see [`schedc::files`]).
 fn write_atomically(path: &Path, text: &str) -> std::io::Result<()> {
-    let dir = path
-        .parent()
-        .filter(|d| !d.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    let tmp = dir.join(format!(".{name}.schedc-fmt.tmp"));
-    let result = std::fs::write(&tmp, text).and_then(|()| std::fs::rename(&tmp, path));
-    if result.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    result
+    schedc::files::write_atomically(path, text.as_bytes())
 }

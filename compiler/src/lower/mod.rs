@@ -92,6 +92,24 @@ impl PassTimes {
 
 /// [`lower`], recording each pass's time in `times`.
 pub fn lower_timed(job: &Job, times: &mut PassTimes) -> Result<Program, LowerError> {
+    let mut program = lower_unplanned_timed(job, times)?;
+    let reuse = times.time("memory", || passes::memory::run(&mut program));
+    // Keep only the orderings something needs: flow-control fences the placement did not use go.
+    times.time("events (final)", || {
+        passes::events::run(&mut program, &reuse)
+    });
+    Ok(program)
+}
+
+/// The program before memory planning: issue order, streams and events final, every flow-control
+/// fence still in place and every offset 0. What `schedc plan` screens candidates with: the
+/// placed program's orderings are a subset of these (placement only reuses bytes between buffers
+/// these already order, and drops the fences it does not use).
+pub fn lower_unplanned(job: &Job) -> Result<Program, LowerError> {
+    lower_unplanned_timed(job, &mut PassTimes::default())
+}
+
+fn lower_unplanned_timed(job: &Job, times: &mut PassTimes) -> Result<Program, LowerError> {
     let draft = times.time("build", || build(job))?;
     let (streams, overlap) = (draft.job_streams, draft.overlap);
     let (mut program, fences) = times.time("prefetch", || passes::prefetch::run(draft))?;
@@ -99,11 +117,6 @@ pub fn lower_timed(job: &Job, times: &mut PassTimes) -> Result<Program, LowerErr
         passes::streams::run(&mut program, streams, overlap)
     });
     times.time("events", || passes::events::run(&mut program, &fences));
-    let reuse = times.time("memory", || passes::memory::run(&mut program));
-    // Keep only the orderings something needs: flow-control fences the placement did not use go.
-    times.time("events (final)", || {
-        passes::events::run(&mut program, &reuse)
-    });
     Ok(program)
 }
 

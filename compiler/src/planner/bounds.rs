@@ -1,0 +1,402 @@
+//! Analytic floors that let `schedc plan` skip schedules without compiling them.
+//!
+//! Each figure is a lower bound of what the compiler and simulator would report, so a candidate
+//! whose floor is already worse than the K-th best simulated schedule, or whose memory floor
+//! exceeds the GPU, can be dropped without changing the answer:
+//! - **memory**: the persistent shards exactly as lowering sizes them (lowering §2, with its
+//!   padding), plus, without recompute, every layer's saved activations of one micro-step (all of
+//!   them are alive at the loss); after lowering, [`arena_floor`] adds the most transient bytes
+//!   alive at one position of the issue order (buffers alive at one issue position can never share
+//!   bytes: sharing needs every access of one to happen before every access of the other, and
+//!   happens-before implies issue order).
+//! - **time**: every compute-stream op (forward, backward, recompute, loss) runs one after another
+//!   on one stream, and every collective is chained behind the one issued before it (see
+//!   `passes::events`), so the step is a flow shop on two machines, and three floors hold: the sum
+//!   of the compute, the sum of the collectives, and the critical path through both (see
+//!   [`step_time_floor`]). A collective's duration is floored by the bandwidth terms of the cost
+//!   model's algorithm (`sim::cost`): a ring moves (p−1)/p of the payload per member, twice for
+//!   all-reduce (its tree moves more), over the member's intra-node link and, for groups spanning
+//!   nodes, through the node's network shared by the G/a groups of the call on it; MiCS's
+//!   hierarchical all-gather moves (p−a)/p per group through the network, then (a−1)/a inside the
+//!   node. Each ring step's latency counts too, except for collectives a bucket may coalesce (a
+//!   coalesced call pays latency once for all its members); contention only adds. A collective the cluster gives `measured` bandwidths
+//!   for is floored at zero (a measurement may beat the link model).
+
+use crate::ir::{ComputeKind, Program};
+use crate::job::{Collective, GradSync, Job, Layer, Mesh, Recompute, Refresh, ReshardAfterForward};
+use crate::lower::activations::saved_bytes;
+use cranelift_entity::EntityRef;
+
+/// Elements every layer's flat parameter vector is padded to a multiple of (lowering §1).
+fn padding(job: &Job) -> u64 {
+    let s = &job.schedule;
+    let secondary = match s.reshard_after_forward {
+        ReshardAfterForward::Node { secondary } => u64::from(secondary),
+        _ => 1,
+    };
+    let os = s.shard.optimizer.size();
+    os / gcd(os, secondary) * secondary
+}
+
+fn gcd(a: u64, b: u64) -> u64 {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
+    }
+}
+
+/// Bytes of one rank's persistent shards: param shard, gradient accumulator, optimizer state.
+pub fn model_state_bytes(job: &Job) -> u64 {
+    let s = &job.schedule;
+    let m = &job.model;
+    let pad = padding(job);
+    let opt = m.optimizer.state_bytes_per_param();
+    m.layers
+        .iter()
+        .map(|l| {
+            let padded = l.params.div_ceil(pad) * pad;
+            padded / s.shard.params.size() * m.dtype.bytes()
+                + padded / s.shard.grads.size() * m.grad_dtype.bytes()
+                + padded / s.shard.optimizer.size() * opt
+        })
+        .sum()
+}
+
+/// Bytes every rank needs at least before lowering: its shards, and without recompute the
+/// activations one micro-step saves for backward.
+pub fn memory_floor(job: &Job) -> u64 {
+    let activations = match job.schedule.recompute {
+        Recompute::None => job
+            .model
+            .layers
+            .iter()
+            .map(|l| saved_bytes(&l.kind, &job.model))
+            .sum(),
+        Recompute::Full => 0,
+    };
+    model_state_bytes(job) + activations
+}
+
+/// A lowered program's arena floor: persistent bytes plus the most transient bytes alive at one
+/// issue position.
+pub fn arena_floor(p: &Program) -> u64 {
+    let n = p.buffers.len();
+    let (mut first, mut last) = (vec![usize::MAX; n], vec![0usize; n]);
+    for (i, op) in p.ops.values().enumerate() {
+        for r in op.reads.iter().chain(&op.writes) {
+            let b = r.buffer.index();
+            first[b] = first[b].min(i);
+            last[b] = last[b].max(i);
+        }
+    }
+    let mut delta = vec![0i128; p.ops.len() + 1];
+    let mut persistent = 0u64;
+    for (id, b) in p.buffers.iter() {
+        if b.kind.is_persistent() {
+            persistent += b.bytes;
+        } else if first[id.index()] != usize::MAX {
+            delta[first[id.index()]] += i128::from(b.bytes);
+            delta[last[id.index()] + 1] -= i128::from(b.bytes);
+        }
+    }
+    let (mut live, mut peak) = (0i128, 0i128);
+    for d in delta {
+        live += d;
+        peak = peak.max(live);
+    }
+    persistent + peak as u64
+}
+
+/// The mesh of the ranks inside an `outer` group that share an `inner` group position: the group
+/// shape of a collective between inner shards of one outer group.
+fn quotient(outer: Mesh, inner: Mesh) -> Mesh {
+    Mesh {
+        intra: outer.intra / inner.intra,
+        inter: outer.inter / inner.inter,
+    }
+}
+
+/// The least time one collective of `payload` bytes on groups of shape `group` can take in the
+/// cost model: the bandwidth terms of its algorithm, plus its latency terms when `latency` (when no
+/// bucket may coalesce it with others into one call that pays latency once), without contention
+/// (see the module doc). `hierarchical` is MiCS's three-stage all-gather: its inter-node stage,
+/// then its intra-node stage.
+fn collective_floor(
+    job: &Job,
+    kind: Collective,
+    group: Mesh,
+    payload: u64,
+    hierarchical: bool,
+    latency: bool,
+) -> f64 {
+    let c = &job.cluster;
+    let p = group.size();
+    if p <= 1 || c.measured.iter().any(|t| t.collective == kind) {
+        return 0.0;
+    }
+    let (a, b) = (u64::from(group.intra), u64::from(group.inter));
+    let m = payload as f64;
+    let latency = |alpha: f64| if latency { alpha } else { 0.0 };
+    let (intra_alpha, inter_alpha) = (latency(c.intra_node.latency), latency(c.inter_node.latency));
+    // Groups of one call on one node: they share its network.
+    let per_node = f64::from(job.schedule.gpus_per_node) / a as f64;
+    if hierarchical && kind == Collective::AllGather && a > 1 && b > 1 {
+        let inter = (b - 1) as f64 * inter_alpha
+            + per_node * (p - a) as f64 / p as f64 * m / c.inter_node.bandwidth;
+        let intra =
+            (a - 1) as f64 * intra_alpha + (a - 1) as f64 / a as f64 * m / c.intra_node.bandwidth;
+        return inter + intra;
+    }
+    let alpha = if b > 1 {
+        inter_alpha.max(if a > 1 { intra_alpha } else { 0.0 })
+    } else {
+        intra_alpha
+    };
+    // Seconds for a member sending `sent` bytes in `steps` latency steps.
+    let time = |sent: f64, steps: f64| {
+        let intra = if a > 1 {
+            sent / c.intra_node.bandwidth
+        } else {
+            0.0
+        };
+        let inter = if b > 1 {
+            per_node * sent / c.inter_node.bandwidth
+        } else {
+            0.0
+        };
+        steps * alpha + intra.max(inter)
+    };
+    let ring = (p - 1) as f64 / p as f64 * m;
+    let steps = (p - 1) as f64;
+    match kind {
+        Collective::AllGather | Collective::ReduceScatter => time(ring, steps),
+        // Ring, or the double-binary tree (2 payloads, 2⌈log₂ p⌉ steps), whichever is faster.
+        Collective::AllReduce => {
+            time(2.0 * ring, 2.0 * steps).min(time(2.0 * m, 2.0 * (p as f64).log2().ceil()))
+        }
+        // A pipelined ring.
+        Collective::Broadcast => time(m, steps),
+    }
+}
+
+/// The floors of a step's time.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct TimeFloor {
+    /// Every compute-stream op of the step, one after another.
+    pub compute_s: f64,
+    /// Every collective of the step, one after another (they are chained).
+    pub comm_s: f64,
+    /// The compute stream's ops with what must come before the first and after the last (see
+    /// [`step_time_floor`]).
+    pub critical_s: f64,
+}
+
+impl TimeFloor {
+    /// The step takes at least this long.
+    pub fn seconds(&self) -> f64 {
+        self.compute_s.max(self.comm_s).max(self.critical_s)
+    }
+}
+
+/// One layer's share of the floors.
+#[derive(Clone, Copy, Default)]
+struct LayerFloor {
+    /// Forward of one micro-step.
+    forward: f64,
+    /// Backward (and recompute) of one micro-step.
+    backward: f64,
+    /// Parameter gathers of one micro-step: before forward, before backward.
+    gather_forward: f64,
+    gather_backward: f64,
+    /// The gradient reduction of one micro-step.
+    reduce: f64,
+    /// The boundary synchronisation, the refresh, the optimizer update.
+    boundary: f64,
+    refresh: f64,
+    update: f64,
+}
+
+/// The floors of a job's step time; `compute` is the cost model's time of one layer's compute op
+/// for one micro-step (forward, backward, recompute, loss, update).
+///
+/// Beyond the two sums, a critical-path floor: the first forward cannot start before the first
+/// layer's gather (and, with `refresh = next_forward`, its refresh) completes; the last micro-step's
+/// backward of layer l cannot complete before everything the compute stream runs before it, and
+/// every collective issued after it (the last micro-step's reductions of layers l … 0, their
+/// boundary synchronisations, and without deferral their refreshes) starts after it, one after
+/// another; the first layer's update follows the last of those, and its refresh follows the update.
+/// This is a flow-shop bound in the two machines "compute stream" and "collective chain".
+pub fn step_time_floor(job: &Job, compute: impl Fn(&Layer, ComputeKind) -> f64) -> TimeFloor {
+    let s = &job.schedule;
+    let m = &job.model;
+    let ranks = Mesh {
+        intra: s.gpus_per_node,
+        inter: s.nodes,
+    };
+    let sh = s.shard;
+    let pad = padding(job);
+    let (d, gd) = (m.dtype.bytes(), m.grad_dtype.bytes());
+    let hierarchical = s.all_gather == crate::job::AllGatherAlgo::Hierarchical;
+    // Latency counts only for collectives no bucket can coalesce.
+    let (gather_alone, reduce_alone) = (s.buckets.gather == 0, s.buckets.reduce == 0);
+    let gather = |group, payload| {
+        collective_floor(
+            job,
+            Collective::AllGather,
+            group,
+            payload,
+            false,
+            gather_alone,
+        )
+    };
+    let reduce =
+        |kind, group, payload| collective_floor(job, kind, group, payload, false, reduce_alone);
+    let layers: Vec<LayerFloor> = m
+        .layers
+        .iter()
+        .map(|layer| {
+            let mut backward = compute(layer, ComputeKind::Backward);
+            if s.recompute == Recompute::Full {
+                backward += compute(layer, ComputeKind::Recompute);
+            }
+            let mut f = LayerFloor {
+                forward: compute(layer, ComputeKind::Forward),
+                backward,
+                ..LayerFloor::default()
+            };
+            if layer.params == 0 {
+                return f;
+            }
+            f.update = compute(layer, ComputeKind::Update);
+            let padded = layer.params.div_ceil(pad) * pad;
+            let full = padded * d;
+            // Parameters, every micro-step: forward gather, then backward's (lowering §3).
+            f.gather_forward = collective_floor(
+                job,
+                Collective::AllGather,
+                sh.params,
+                full,
+                hierarchical,
+                gather_alone,
+            );
+            f.gather_backward = match s.reshard_after_forward {
+                ReshardAfterForward::True => f.gather_forward,
+                ReshardAfterForward::False => 0.0,
+                ReshardAfterForward::Node { secondary } => gather(
+                    Mesh {
+                        intra: secondary,
+                        inter: 1,
+                    },
+                    full,
+                ),
+            };
+            f.reduce = match s.grad_sync {
+                GradSync::TwoHop => reduce(Collective::ReduceScatter, sh.grads, padded * gd),
+                GradSync::Flat => reduce(Collective::AllReduce, ranks, padded * gd),
+            };
+            if s.grad_sync == GradSync::TwoHop {
+                f.boundary = reduce(
+                    Collective::ReduceScatter,
+                    quotient(sh.optimizer, sh.grads),
+                    padded / sh.grads.size() * gd,
+                ) + reduce(
+                    Collective::AllReduce,
+                    quotient(ranks, sh.optimizer),
+                    padded / sh.optimizer.size() * gd,
+                );
+            }
+            f.refresh = gather(
+                quotient(sh.optimizer, sh.params),
+                padded / sh.params.size() * d,
+            );
+            f
+        })
+        .collect();
+    let loss = match m.layers.last() {
+        Some(l) if matches!(l.kind, crate::job::LayerKind::LmHead { .. }) => {
+            compute(l, ComputeKind::Loss)
+        }
+        _ => 0.0,
+    };
+    let deferred = s.overlap.refresh == Refresh::NextForward;
+    let slots = slots(&layers, s.micro_steps, loss, deferred);
+    let compute_s = slots.iter().map(|x| x.compute).sum();
+    let comm_s = slots.iter().map(|x| x.needs + x.produces).sum();
+    let (first_update, first_refresh) =
+        layers.first().map_or((0.0, 0.0), |f| (f.update, f.refresh));
+    // The step as a flow shop: for slots j ≤ k, the gathers of slots ≤ j finish (one after another)
+    // before slot j starts, slots j … k compute one after another, and what slots ≥ k produce starts
+    // after slot k ends, one after another; or, through the first layer's update, the same without
+    // refreshes, then that update, then its refresh.
+    let n = slots.len();
+    let mut after = vec![0.0; n + 1];
+    let mut after_no_refresh = vec![0.0; n + 1];
+    for k in (0..n).rev() {
+        after[k] = after[k + 1] + slots[k].produces;
+        after_no_refresh[k] = after_no_refresh[k + 1] + slots[k].produces - slots[k].refresh;
+    }
+    let through_update = first_update + if deferred { 0.0 } else { first_refresh };
+    let (mut needs, mut computed, mut best_start, mut critical_s) =
+        (0.0, 0.0, f64::NEG_INFINITY, 0.0f64);
+    for (k, slot) in slots.iter().enumerate() {
+        needs += slot.needs;
+        // best_start: the latest slot j ≤ k can start, less the compute of slots before j.
+        best_start = f64::max(best_start, needs - computed);
+        computed += slot.compute;
+        let end = best_start + computed;
+        critical_s = critical_s
+            .max(end + after[k])
+            .max(end + after_no_refresh[k] + through_update);
+    }
+    TimeFloor {
+        compute_s,
+        comm_s,
+        critical_s,
+    }
+}
+
+/// One compute slot of the step, for the flow-shop floor.
+#[derive(Clone, Copy, Default)]
+struct Slot {
+    /// Collectives that must complete before it starts (its parameter gathers).
+    needs: f64,
+    compute: f64,
+    /// Collectives that depend on it (its gradient reduction; after the last micro-step also the
+    /// boundary synchronisation and the refresh).
+    produces: f64,
+    /// The refresh part of `produces`.
+    refresh: f64,
+}
+
+/// The compute slots of a step in order: per micro-step every forward, the loss, every backward in
+/// reverse.
+fn slots(layers: &[LayerFloor], micro_steps: u32, loss: f64, deferred: bool) -> Vec<Slot> {
+    let mut out = vec![];
+    for m in 0..micro_steps {
+        for f in layers {
+            let refresh = if deferred && m == 0 { f.refresh } else { 0.0 };
+            out.push(Slot {
+                needs: f.gather_forward + refresh,
+                compute: f.forward,
+                ..Slot::default()
+            });
+        }
+        out.push(Slot {
+            compute: loss,
+            ..Slot::default()
+        });
+        let last = m + 1 == micro_steps;
+        for f in layers.iter().rev() {
+            let refresh = if last && !deferred { f.refresh } else { 0.0 };
+            let boundary = if last { f.boundary } else { 0.0 };
+            out.push(Slot {
+                needs: f.gather_backward,
+                compute: f.backward,
+                produces: f.reduce + boundary + refresh,
+                refresh,
+            });
+        }
+    }
+    out
+}

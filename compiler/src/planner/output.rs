@@ -1,0 +1,220 @@
+//! What `schedc plan` prints: a table of the best schedules, or (`--json`) a list of objects with
+//! a `.sched` fragment each.
+
+use super::{fragment, PlanResult, Ranked};
+use crate::job::{Job, ReshardAfterForward};
+use serde::Serialize;
+use std::fmt::Write;
+
+/// One planned schedule as `--json` writes it.
+#[derive(Serialize)]
+pub struct PlannedJson {
+    pub rank: usize,
+    pub name: String,
+    pub shard: ShardJson,
+    pub reshard_after_forward: String,
+    pub grad_sync: &'static str,
+    pub all_gather: &'static str,
+    pub prefetch: PrefetchJson,
+    pub buckets: BucketsJson,
+    pub step_time_s: f64,
+    pub mfu: f64,
+    pub tflops_per_gpu: f64,
+    pub tokens_per_gpu_per_s: f64,
+    pub peak_memory_bytes: u64,
+    pub gpu_memory_bytes: u64,
+    pub fits: bool,
+    /// A schedule block that reproduces this schedule, next to the base schedule's model and
+    /// cluster.
+    pub fragment: String,
+}
+
+#[derive(Serialize)]
+pub struct ShardJson {
+    pub params: String,
+    pub grads: String,
+    pub optimizer: String,
+}
+
+#[derive(Serialize)]
+pub struct PrefetchJson {
+    pub forward: u32,
+    pub backward: u32,
+}
+
+#[derive(Serialize)]
+pub struct BucketsJson {
+    pub gather: u64,
+    pub reduce: u64,
+}
+
+/// The name the `rank`-th (from 1) planned schedule of `base` gets.
+pub fn planned_name(base: &Job, rank: usize) -> String {
+    format!("{}_plan{rank}", base.schedule.name)
+}
+
+fn reshard(r: ReshardAfterForward) -> String {
+    match r {
+        ReshardAfterForward::True => "true".into(),
+        ReshardAfterForward::False => "false".into(),
+        ReshardAfterForward::Node { secondary } => format!("node({secondary})"),
+    }
+}
+
+/// The `--json` objects, best first.
+pub fn json(base: &Job, result: &PlanResult) -> Vec<PlannedJson> {
+    result
+        .ranked
+        .iter()
+        .enumerate()
+        .map(|(i, Ranked { job, report })| {
+            let s = &job.schedule;
+            let name = planned_name(base, i + 1);
+            PlannedJson {
+                rank: i + 1,
+                fragment: fragment::fragment(job, &name),
+                name,
+                shard: ShardJson {
+                    params: s.shard.params.to_string(),
+                    grads: s.shard.grads.to_string(),
+                    optimizer: s.shard.optimizer.to_string(),
+                },
+                reshard_after_forward: reshard(s.reshard_after_forward),
+                grad_sync: s.grad_sync.name(),
+                all_gather: s.all_gather.name(),
+                prefetch: PrefetchJson {
+                    forward: s.prefetch.forward,
+                    backward: s.prefetch.backward,
+                },
+                buckets: BucketsJson {
+                    gather: s.buckets.gather,
+                    reduce: s.buckets.reduce,
+                },
+                step_time_s: report.step_time_s,
+                mfu: report.mfu,
+                tflops_per_gpu: report.tflops_per_gpu,
+                tokens_per_gpu_per_s: report.tokens_per_gpu_per_s,
+                peak_memory_bytes: report.peak_memory_bytes,
+                gpu_memory_bytes: job.cluster.gpu_memory,
+                fits: report.fits,
+            }
+        })
+        .collect()
+}
+
+fn gib(bytes: u64) -> String {
+    format!("{:.1} GiB", bytes as f64 / f64::from(1u32 << 30))
+}
+
+fn mib(bytes: u64) -> String {
+    if bytes == 0 {
+        "off".into()
+    } else {
+        format!("{}M", bytes >> 20)
+    }
+}
+
+/// The table of the best schedules, with a header naming the job and a closing line on what the
+/// search did.
+pub fn table(base: &Job, result: &PlanResult) -> String {
+    let s = &base.schedule;
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "{}: model {} on {} x {} GPUs of {} ({} GPU memory), {} micro-steps",
+        s.name,
+        base.model.name,
+        s.nodes,
+        s.gpus_per_node,
+        base.cluster.name,
+        gib(base.cluster.gpu_memory),
+        s.micro_steps
+    );
+    let header = [
+        "#",
+        "params",
+        "grads",
+        "optimizer",
+        "reshard",
+        "grad_sync",
+        "all_gather",
+        "prefetch",
+        "buckets",
+        "step",
+        "MFU",
+        "TFLOPS",
+        "peak memory",
+    ];
+    let rows: Vec<Vec<String>> = result
+        .ranked
+        .iter()
+        .enumerate()
+        .map(|(i, r)| {
+            let j = &r.job.schedule;
+            vec![
+                (i + 1).to_string(),
+                j.shard.params.to_string(),
+                j.shard.grads.to_string(),
+                j.shard.optimizer.to_string(),
+                reshard(j.reshard_after_forward),
+                j.grad_sync.name().to_string(),
+                j.all_gather.name().to_string(),
+                format!("{}/{}", j.prefetch.forward, j.prefetch.backward),
+                format!("{}/{}", mib(j.buckets.gather), mib(j.buckets.reduce)),
+                format!("{:.3} s", r.report.step_time_s),
+                format!("{:.1}%", 100.0 * r.report.mfu),
+                format!("{:.1}", r.report.tflops_per_gpu),
+                gib(r.report.peak_memory_bytes),
+            ]
+        })
+        .collect();
+    let widths: Vec<usize> = (0..header.len())
+        .map(|c| {
+            rows.iter()
+                .map(|r| r[c].len())
+                .chain([header[c].len()])
+                .max()
+                .unwrap_or(0)
+        })
+        .collect();
+    let mut line = |cells: Vec<String>| {
+        let text: Vec<String> = cells
+            .iter()
+            .zip(&widths)
+            .enumerate()
+            .map(|(c, (cell, w))| {
+                // Numbers right-aligned, words left-aligned.
+                if c == 0 || c >= 9 {
+                    format!("{cell:>w$}")
+                } else {
+                    format!("{cell:<w$}")
+                }
+            })
+            .collect();
+        let _ = writeln!(out, "{}", text.join("  ").trim_end());
+    };
+    line(header.iter().map(|h| h.to_string()).collect());
+    for r in rows {
+        line(r);
+    }
+    if result.ranked.is_empty() {
+        let _ = writeln!(
+            out,
+            "(no schedule fits in {})",
+            gib(base.cluster.gpu_memory)
+        );
+    }
+    let st = &result.stats;
+    let _ = writeln!(
+        out,
+        "searched {} structures: {} over memory before lowering, {} over memory after lowering, {} pruned by the time floor, {} simulated, {} compiled ({} did not fit once placed)",
+        st.structures,
+        st.over_memory_floor,
+        st.over_arena_floor,
+        st.pruned_by_time_floor,
+        st.simulated,
+        st.compiled,
+        st.over_gpu_after_placement
+    );
+    out
+}

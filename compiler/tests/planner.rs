@@ -1,0 +1,265 @@
+//! `schedc plan`: its floors are lower bounds of what the compiler and simulator report, its
+//! branch and bound finds what an exhaustive simulation finds, its fragments reproduce the
+//! schedules they describe, and the command prints a table or JSON.
+
+use schedc::planner::{self, bounds, fragment, space, Options};
+use schedc::{analyze, Job, MemLoader};
+use std::path::Path;
+
+/// A small model on two nodes of four GPUs with a tight GPU memory, so that memory matters.
+const SOURCE: &str = r#"
+cluster c {
+    nodes = 2
+    gpus_per_node = 4
+    gpu_memory = 160 MiB
+    peak_flops = 100 TFLOPS
+    intra_node { bandwidth = 100 GB/s  latency = 2 us }
+    inter_node { bandwidth = 100 Gbps  latency = 10 us }
+}
+
+model m {
+    dtype = bf16
+    seq_len = 256
+    micro_batch = 2
+    layer embed = embedding(vocab = 8192, hidden = 512)
+    layer block[2] = transformer(hidden = 512, heads = 8, ffn = 2048)
+    layer head = lm_head(hidden = 512, vocab = 8192, tied = true)
+}
+
+schedule base {
+    model = m
+    cluster = c
+    nodes = 2
+    micro_steps = 2
+    preset = zero3
+    train { steps = 3  lr = 1e-3  seed = 7  clip = 1.0 }
+}
+
+schedule deferred {
+    model = m
+    cluster = c
+    nodes = 2
+    micro_steps = 3
+    preset = zero1
+    recompute = full
+    overlap { refresh = next_forward }
+    buckets { gather = 4 MiB  reduce = 4 MiB }
+}
+"#;
+
+fn job(name: &str) -> Job {
+    job_from(SOURCE, name)
+}
+
+fn job_from(source: &str, name: &str) -> Job {
+    let loader = MemLoader::default().with("/p/plan.sched", source);
+    let a = analyze(Path::new("/p/plan.sched"), &loader).unwrap();
+    assert!(!a.has_errors(), "{}", a.render());
+    a.select(Some(name)).unwrap().clone()
+}
+
+/// Every `step`-th structure of `base`, with its knobs.
+fn sample(base: &Job, step: usize) -> Vec<Job> {
+    let knobs = space::Knobs::of(&base.schedule);
+    space::structures(&base.schedule)
+        .iter()
+        .step_by(step)
+        .map(|s| space::apply(base, s, &knobs))
+        .collect()
+}
+
+#[test]
+fn floors_never_exceed_what_the_compiler_and_simulator_report() {
+    for name in ["base", "deferred"] {
+        let base = job(name);
+        let cost = schedc::sim::cost::CostModel::new(&base);
+        let mut checked = 0;
+        for job in sample(&base, 2) {
+            let Ok(program) = schedc::lower::lower(&job) else {
+                continue;
+            };
+            let label = format!("{name}: {:?}", space::structure_of(&job.schedule));
+            let report = schedc::sim::simulate(&program, &job);
+            let floor = bounds::step_time_floor(&job, |l, k| cost.compute_seconds(l, k));
+            assert!(
+                floor.seconds() <= report.step_time_s * (1.0 + 1e-9),
+                "{label}: floor {floor:?} above the simulated {} s",
+                report.step_time_s
+            );
+            let unplanned = schedc::lower::lower_unplanned(&job).unwrap();
+            let screened = schedc::sim::simulate(&unplanned, &job).step_time_s;
+            assert!(floor.seconds() <= screened * (1.0 + 1e-9), "{label}");
+            // Memory: the floors are below the placed arena; the shards are exact.
+            assert!(bounds::memory_floor(&job) <= program.arena_bytes, "{label}");
+            assert!(
+                bounds::arena_floor(&unplanned) <= program.arena_bytes,
+                "{label}"
+            );
+            let persistent: u64 = program
+                .buffers
+                .values()
+                .filter(|b| b.kind.is_persistent())
+                .map(|b| b.bytes)
+                .sum();
+            assert_eq!(bounds::model_state_bytes(&job), persistent, "{label}");
+            checked += 1;
+        }
+        assert!(checked > 20, "{name}: only {checked} structures lowered");
+    }
+}
+
+#[test]
+fn branch_and_bound_finds_the_exhaustive_top_k() {
+    // Without knob tuning the search ranks structures with the base knobs; an exhaustive run
+    // compiles and simulates every one of them.
+    let base = job("base");
+    let options = Options {
+        top: 4,
+        threads: 2,
+        tune_knobs: false,
+    };
+    let result = planner::plan(&base, &options, &|_| {}).unwrap();
+    let mut all: Vec<(f64, Job)> = sample(&base, 1)
+        .into_iter()
+        .filter_map(|job| {
+            let program = schedc::lower::lower(&job).ok()?;
+            let r = schedc::sim::simulate(&program, &job);
+            r.fits.then_some((r.step_time_s, job))
+        })
+        .collect();
+    all.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let found: Vec<f64> = result.ranked.iter().map(|r| r.report.step_time_s).collect();
+    let expected: Vec<f64> = all.iter().take(4).map(|x| x.0).collect();
+    assert_eq!(found, expected, "search {:?}", result.stats);
+    assert!(
+        result.stats.pruned_by_time_floor + result.stats.over_memory_floor > 0,
+        "nothing was pruned: {:?}",
+        result.stats
+    );
+    for r in &result.ranked {
+        assert!(r.report.fits && r.report.peak_memory_bytes <= base.cluster.gpu_memory);
+    }
+}
+
+#[test]
+fn tuning_knobs_never_makes_a_schedule_slower() {
+    let base = job("base");
+    let plain = Options {
+        top: 2,
+        threads: 2,
+        tune_knobs: false,
+    };
+    let tuned = Options {
+        tune_knobs: true,
+        ..plain.clone()
+    };
+    let a = planner::plan(&base, &plain, &|_| {}).unwrap();
+    let b = planner::plan(&base, &tuned, &|_| {}).unwrap();
+    assert!(b.ranked[0].report.step_time_s <= a.ranked[0].report.step_time_s);
+}
+
+#[test]
+fn fragments_reproduce_the_planned_schedules() {
+    for name in ["base", "deferred"] {
+        let base = job(name);
+        let mut jobs = sample(&base, 7);
+        // Knob variations too.
+        let s = space::structure_of(&jobs[1].schedule);
+        for k in space::Knobs::of(&base.schedule).neighbours(&s) {
+            jobs.push(space::apply(&base, &s, &k));
+        }
+        for (i, job) in jobs.iter().enumerate() {
+            let text = fragment::fragment(job, &format!("planned_{i}"));
+            let back = job_from(&format!("{SOURCE}\n{text}"), &format!("planned_{i}"));
+            let (mut want, mut got) = (job.schedule.clone(), back.schedule.clone());
+            want.name = got.name.clone();
+            (want.preset, got.preset) = (None, None);
+            assert_eq!(got, want, "{text}");
+        }
+    }
+}
+
+#[test]
+fn fragment_sizes_use_exact_units() {
+    assert_eq!(fragment::bytes(256 << 20), "256 MiB");
+    assert_eq!(fragment::bytes(3 << 30), "3 GiB");
+    assert_eq!(fragment::bytes(1536), "1536 B");
+    assert_eq!(fragment::bytes(3072), "3 KiB");
+    assert_eq!(fragment::bytes(1000), "1000 B");
+    assert_eq!(fragment::bytes(0), "0 B");
+}
+
+#[test]
+fn the_command_prints_a_table_and_json_with_fragments() {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("plan_cli");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("p.sched"), SOURCE).unwrap();
+    let run = |args: &[&str]| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_schedc"))
+            .args(args)
+            .current_dir(&dir)
+            .output()
+            .unwrap()
+    };
+    let out = run(&["plan", "p.sched", "--schedule", "base", "--top", "3"]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("step") && stdout.contains("MFU"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("searched "), "{stdout}");
+    // Header, column titles, three rows, the summary.
+    assert_eq!(stdout.lines().count(), 6, "{stdout}");
+    let out = run(&[
+        "plan",
+        "p.sched",
+        "--schedule",
+        "base",
+        "--top",
+        "3",
+        "--json",
+    ]);
+    assert_eq!(out.status.code(), Some(0));
+    let list: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let list = list.as_array().unwrap();
+    assert_eq!(list.len(), 3);
+    let times: Vec<f64> = list
+        .iter()
+        .map(|x| x["step_time_s"].as_f64().unwrap())
+        .collect();
+    assert!(times.windows(2).all(|w| w[0] <= w[1]), "{times:?}");
+    for x in list {
+        let frag = x["fragment"].as_str().unwrap();
+        assert!(frag.starts_with("schedule base_plan"), "{frag}");
+        assert!(x["fits"].as_bool().unwrap());
+    }
+    // The fragment compiles next to its source.
+    let frag = list[0]["fragment"].as_str().unwrap();
+    std::fs::write(dir.join("q.sched"), format!("{SOURCE}\n{frag}")).unwrap();
+    let out = run(&[
+        "compile",
+        "q.sched",
+        "--schedule",
+        "base_plan1",
+        "--emit",
+        "stats",
+    ]);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // Bad input: an unknown schedule is exit 1 with the choices listed; no stdout.
+    let out = run(&["plan", "p.sched", "--schedule", "nope"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("base, deferred"));
+    assert!(out.stdout.is_empty());
+}
