@@ -45,13 +45,23 @@ mod tests {
         let leftovers: Vec<_> = std::fs::read_dir(&dir).unwrap().collect();
         assert_eq!(leftovers.len(), 1, "a temporary file was left behind");
         std::fs::remove_dir_all(&dir).unwrap();
-        // A character device stays one.
+        // A FIFO stays one, and the reader gets the bytes.
         #[cfg(unix)]
         {
             use std::os::unix::fs::FileTypeExt;
-            write_atomically(Path::new("/dev/null"), b"x").unwrap();
-            let meta = std::fs::metadata("/dev/null").unwrap();
-            assert!(meta.file_type().is_char_device());
+            let fifo = std::env::temp_dir().join(format!("schedc-fifo-{}", std::process::id()));
+            let made = std::process::Command::new("mkfifo").arg(&fifo).status();
+            if made.is_ok_and(|s| s.success()) {
+                let reader = {
+                    let fifo = fifo.clone();
+                    std::thread::spawn(move || std::fs::read(fifo).unwrap())
+                };
+                write_atomically(&fifo, b"through").unwrap();
+                assert_eq!(reader.join().unwrap(), b"through");
+                let meta = std::fs::symlink_metadata(&fifo).unwrap();
+                assert!(meta.file_type().is_fifo(), "the FIFO was replaced");
+                std::fs::remove_file(&fifo).unwrap();
+            }
         }
     }
 }
