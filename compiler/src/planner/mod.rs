@@ -8,19 +8,21 @@
 //!    algorithm) with the base schedule's knobs.
 //! 2. **Floor** each one analytically ([`bounds`]): a memory floor (its shards, and the
 //!    activations of one micro-step) above the GPU drops it; a step-time floor orders the rest.
-//! 3. **Branch and bound**: take structures in order of their time floor, a batch per worker
-//!    thread at a time; stop when the next floor is no better than the K-th best schedule found.
-//!    Each taken structure is lowered without its memory plan; if its arena floor (shards plus the
-//!    most transient bytes alive at one issue position) exceeds the GPU it is dropped, else it is
-//!    simulated. One that would enter the top K is then compiled for real (memory plan and all)
-//!    and simulated again: only a placed arena that fits the GPU and its simulated time rank it.
+//! 3. **Branch and bound**: take structures in order of their time floor, a batch of a few per
+//!    worker thread at a time, and **screen** each: lower it without its memory plan; if its arena
+//!    floor (shards plus the most transient bytes alive at one issue position) exceeds the GPU,
+//!    drop it, else simulate it. Stop when the next floor is no better than the K-th best screened
+//!    time. Then compile the K best for real (memory plan and all) and simulate them again; one
+//!    whose placed arena does not fit leaves the list and the search resumes with the next.
+//!    Screening keeps every flow-control fence the memory plan may later drop, so a screened time
+//!    is, as far as the simulator's monotony goes, no better than the compiled one.
 //! 4. **Tune knobs** of each structure in the top K by coordinate descent over prefetch depths and
-//!    bucket sizes ([`space::Knobs::neighbours`]): neighbours are screened, the most promising
-//!    compiled, and a change is kept when the placed program simulates faster and still fits. The
-//!    list holds one schedule per structure, with its best knobs. (Knobs are tuned only for the
+//!    bucket sizes ([`space::Knobs::neighbours`]) on screened times; the result is compiled and
+//!    kept when its placed program fits and simulates faster. The list holds one schedule per
+//!    structure, with its best knobs. (Knobs are tuned only for the
 //!    structures that rank with the base knobs: a structure just outside the top K might overtake
 //!    one inside after tuning; the search does not chase that second-order effect.)
-//! 5. **Verify** the final K with every proof of lowering §7 ([`crate::compile`]).
+//! 5. **Verify** the final K's programs with every proof of lowering §7 ([`crate::verify`]).
 //!
 //! The floors are lower bounds of what the simulator reports (tested), so the pruning of step 3
 //! never drops a structure that would have ranked in the top K with the base knobs.
@@ -30,6 +32,7 @@ pub mod fragment;
 pub mod output;
 pub mod space;
 
+use crate::ir::Program;
 use crate::job::Job;
 use crate::sim::{self, cost::CostModel, SimReport};
 use crate::{lower, CompileError};
@@ -64,6 +67,8 @@ pub struct Ranked {
     pub job: Job,
     /// The simulation of its compiled, placed and verified program.
     pub report: SimReport,
+    /// That program.
+    pub program: Program,
 }
 
 /// What the search did, for the summary line and the tests.
@@ -134,6 +139,12 @@ enum Screened {
     Simulated(f64),
 }
 
+/// A screened candidate: its unplanned program's simulated time.
+struct Candidate {
+    job: Job,
+    screened_s: f64,
+}
+
 /// Searches for the fastest schedules of `base`'s model on `base`'s cluster, nodes and GPUs.
 pub fn plan(
     base: &Job,
@@ -141,6 +152,7 @@ pub fn plan(
     progress: &(dyn Fn(Progress) + Sync),
 ) -> Result<PlanResult, PlanError> {
     let top = options.top.max(1);
+    let threads = options.threads.max(1);
     let gpu = base.cluster.gpu_memory;
     let knobs = Knobs::of(&base.schedule);
     let cost = CostModel::new(base);
@@ -164,56 +176,92 @@ pub fn plan(
     }
     floored.sort_by(|a, b| a.time_floor.total_cmp(&b.time_floor));
     let total = stats.structures;
-    let mut settled = stats.over_memory_floor;
-    let mut best = Best::new(top);
+    // Screened candidates, fastest first; the bar is the K-th of them.
+    let mut screened: Vec<Candidate> = vec![];
+    let bar = |screened: &[Candidate]| {
+        screened
+            .get(top - 1)
+            .map_or(f64::INFINITY, |c| c.screened_s)
+    };
+    let mut ranked: Vec<Ranked> = vec![];
     let mut next = 0;
-    let threads = options.threads.max(1);
-    while next < floored.len() && floored[next].time_floor < best.bar() {
-        let end = (next + 2 * threads).min(floored.len());
-        let batch: Vec<Job> = floored[next..end]
-            .iter()
-            .take_while(|f| f.time_floor < best.bar())
-            .map(|f| space::apply(base, &f.structure, &knobs))
-            .collect();
-        next += batch.len();
-        let screened = parallel_map(&batch, threads, screen);
-        for (job, outcome) in batch.into_iter().zip(screened) {
-            match outcome {
-                Screened::NotLowerable => stats.not_lowerable += 1,
-                Screened::OverArena => stats.over_arena_floor += 1,
-                Screened::Simulated(t) => {
-                    stats.simulated += 1;
-                    if t < best.bar() {
-                        if let Some(r) = finalize(job, &mut stats) {
-                            best.offer(r);
-                        }
-                    }
+    loop {
+        // Branch and bound over the structures not yet screened.
+        while next < floored.len() && floored[next].time_floor < bar(&screened) {
+            let end = (next + 4 * threads).min(floored.len());
+            let limit = bar(&screened);
+            let batch: Vec<Job> = floored[next..end]
+                .iter()
+                .take_while(|f| f.time_floor < limit)
+                .map(|f| space::apply(base, &f.structure, &knobs))
+                .collect();
+            next += batch.len();
+            let outcomes = parallel_map(&batch, threads, screen);
+            for (job, outcome) in batch.into_iter().zip(outcomes) {
+                if let Some(screened_s) = tally(outcome, &mut stats) {
+                    let at = screened.partition_point(|c| c.screened_s <= screened_s);
+                    screened.insert(at, Candidate { job, screened_s });
                 }
             }
+            progress(Progress {
+                settled: stats.over_memory_floor + next,
+                total,
+                best_s: screened.first().map(|c| c.screened_s),
+            });
         }
-        settled = stats.over_memory_floor + next;
-        progress(Progress {
-            settled,
-            total,
-            best_s: best.best(),
-        });
+        // Compile the best screened candidates; one whose placed arena does not fit leaves the
+        // list, which may lower the bar's rank and reopen the search.
+        let finalists: Vec<Job> = screened.iter().take(top).map(|c| c.job.clone()).collect();
+        let outcomes = parallel_map(&finalists, threads, finalize);
+        let mut misfits = vec![];
+        for (job, outcome) in finalists.into_iter().zip(outcomes) {
+            match tally_final(outcome, &mut stats) {
+                Some(r) => ranked.push(r),
+                None => misfits.push(job.schedule),
+            }
+        }
+        if misfits.is_empty() {
+            break;
+        }
+        // Rare: compile the new top K afresh.
+        screened.retain(|c| !misfits.contains(&c.job.schedule));
+        ranked.clear();
     }
     stats.pruned_by_time_floor = floored.len() - next;
     progress(Progress {
-        settled: total.max(settled),
+        settled: total,
         total,
-        best_s: best.best(),
+        best_s: screened.first().map(|c| c.screened_s),
     });
     if options.tune_knobs {
-        tune(&mut best, &mut stats, threads);
+        ranked = ranked
+            .into_iter()
+            .map(|r| tune(r, &mut stats, threads))
+            .collect();
     }
-    let mut ranked = best.ranked;
-    for r in &mut ranked {
-        let (program, _) = crate::compile(&r.job)
-            .map_err(|e| PlanError::Verify(r.job.schedule.name.clone(), e))?;
-        r.report = sim::simulate(&program, &r.job);
+    ranked.sort_by(|a, b| a.report.step_time_s.total_cmp(&b.report.step_time_s));
+    for r in &ranked {
+        crate::verify::verify(&r.program, crate::verify_ctx(&r.job)).map_err(|errors| {
+            PlanError::Verify(
+                r.job.schedule.name.clone(),
+                CompileError::Verify(Box::new(r.program.clone()), errors),
+            )
+        })?;
     }
     Ok(PlanResult { ranked, stats })
+}
+
+/// Counts a screening outcome; the screened time when there is one.
+fn tally(outcome: Screened, stats: &mut SearchStats) -> Option<f64> {
+    match outcome {
+        Screened::NotLowerable => stats.not_lowerable += 1,
+        Screened::OverArena => stats.over_arena_floor += 1,
+        Screened::Simulated(t) => {
+            stats.simulated += 1;
+            return Some(t);
+        }
+    }
+    None
 }
 
 /// Lowers without a memory plan, checks the arena floor, simulates.
@@ -227,123 +275,83 @@ fn screen(job: &Job) -> Screened {
     Screened::Simulated(sim::simulate(&program, job).step_time_s)
 }
 
-/// Compiles with the memory plan and simulates; `None` when it does not lower or fit.
-fn finalize(job: Job, stats: &mut SearchStats) -> Option<Ranked> {
-    let Ok(program) = lower::lower(&job) else {
-        stats.not_lowerable += 1;
-        return None;
+/// The outcome of compiling one candidate with its memory plan.
+enum Finalized {
+    NotLowerable,
+    OverGpu,
+    Fits(Ranked),
+}
+
+/// Compiles with the memory plan and simulates.
+fn finalize(job: &Job) -> Finalized {
+    let Ok(program) = lower::lower(job) else {
+        return Finalized::NotLowerable;
     };
-    stats.compiled += 1;
-    stats.simulated += 1;
-    let report = sim::simulate(&program, &job);
+    let report = sim::simulate(&program, job);
     if !report.fits {
-        stats.over_gpu_after_placement += 1;
-        return None;
+        return Finalized::OverGpu;
     }
-    Some(Ranked { job, report })
+    Finalized::Fits(Ranked {
+        job: job.clone(),
+        report,
+        program,
+    })
 }
 
-/// Coordinate descent over the knobs of each structure in the top K: every neighbour of the current
-/// knobs is screened; the fastest that beats the current compiled time is compiled, and kept when
-/// its placed program fits and is still faster.
-fn tune(best: &mut Best, stats: &mut SearchStats, threads: usize) {
-    let seeds: Vec<Ranked> = best.ranked.clone();
-    for seed in seeds {
-        let structure = space::structure_of(&seed.job.schedule);
-        let mut current = seed;
-        loop {
-            let knobs = Knobs::of(&current.job.schedule);
-            let trials: Vec<Job> = knobs
-                .neighbours(&structure)
-                .iter()
-                .map(|k| space::apply(&current.job, &structure, k))
-                .collect();
-            let screened = parallel_map(&trials, threads, screen);
-            let mut order: Vec<(f64, Job)> = vec![];
-            for (job, outcome) in trials.into_iter().zip(screened) {
-                match outcome {
-                    Screened::NotLowerable => stats.not_lowerable += 1,
-                    Screened::OverArena => stats.over_arena_floor += 1,
-                    Screened::Simulated(t) => {
-                        stats.simulated += 1;
-                        order.push((t, job));
-                    }
-                }
-            }
-            order.sort_by(|a, b| a.0.total_cmp(&b.0));
-            let mut improved = None;
-            // Screened times are close to, not exactly, the placed program's: try the best few.
-            for (t, job) in order.into_iter().take(3) {
-                if t >= current.report.step_time_s * (1.0 + SCREEN_SLACK) {
-                    break;
-                }
-                if let Some(r) = finalize(job, stats) {
-                    // Keep only changes that beat rounding noise.
-                    if r.report.step_time_s < current.report.step_time_s * (1.0 - 1e-9) {
-                        improved = Some(r);
-                        break;
-                    }
-                }
-            }
-            match improved {
-                Some(r) => {
-                    best.offer(r.clone());
-                    current = r;
-                }
-                None => break,
-            }
+/// Counts a compile outcome; the ranked schedule when it fits.
+fn tally_final(outcome: Finalized, stats: &mut SearchStats) -> Option<Ranked> {
+    match outcome {
+        Finalized::NotLowerable => stats.not_lowerable += 1,
+        Finalized::OverGpu => {
+            stats.compiled += 1;
+            stats.simulated += 1;
+            stats.over_gpu_after_placement += 1;
+        }
+        Finalized::Fits(r) => {
+            stats.compiled += 1;
+            stats.simulated += 1;
+            return Some(r);
         }
     }
+    None
 }
 
-/// How much slower than the current schedule a screened knob trial may look and still be compiled:
-/// placing memory removes unused fences, which can only help.
-const SCREEN_SLACK: f64 = 0.002;
-
-/// The K best schedules so far, fastest first, one per structure (with its best knobs).
-struct Best {
-    top: usize,
-    ranked: Vec<Ranked>,
-}
-
-impl Best {
-    fn new(top: usize) -> Self {
-        Best {
-            top,
-            ranked: vec![],
-        }
-    }
-
-    /// A candidate must beat this to enter.
-    fn bar(&self) -> f64 {
-        if self.ranked.len() < self.top {
-            f64::INFINITY
-        } else {
-            self.ranked[self.top - 1].report.step_time_s
-        }
-    }
-
-    fn best(&self) -> Option<f64> {
-        self.ranked.first().map(|r| r.report.step_time_s)
-    }
-
-    fn offer(&mut self, r: Ranked) {
-        let structure = space::structure_of(&r.job.schedule);
-        if let Some(i) = self
-            .ranked
+/// Coordinate descent over one compiled schedule's knobs on screened times: every neighbour of the
+/// current knobs is screened and the fastest taken while it improves; the result is compiled and
+/// kept if its placed program fits and simulates faster than `start`.
+fn tune(start: Ranked, stats: &mut SearchStats, threads: usize) -> Ranked {
+    let structure = space::structure_of(&start.job.schedule);
+    let mut current = start.job.clone();
+    let Some(mut current_s) = tally(screen(&current), stats) else {
+        return start;
+    };
+    loop {
+        let trials: Vec<Job> = Knobs::of(&current.schedule)
+            .neighbours(&structure)
             .iter()
-            .position(|x| space::structure_of(&x.job.schedule) == structure)
-        {
-            if self.ranked[i].report.step_time_s <= r.report.step_time_s {
-                return;
+            .map(|k| space::apply(&current, &structure, k))
+            .collect();
+        let outcomes = parallel_map(&trials, threads, screen);
+        let mut best: Option<(f64, Job)> = None;
+        for (job, outcome) in trials.into_iter().zip(outcomes) {
+            if let Some(t) = tally(outcome, stats) {
+                // Keep only changes that beat rounding noise.
+                if t < best.as_ref().map_or(current_s, |b| b.0) * (1.0 - 1e-9) {
+                    best = Some((t, job));
+                }
             }
-            self.ranked.remove(i);
         }
-        let at = self
-            .ranked
-            .partition_point(|x| x.report.step_time_s <= r.report.step_time_s);
-        self.ranked.insert(at, r);
-        self.ranked.truncate(self.top);
+        match best {
+            Some((t, job)) => (current_s, current) = (t, job),
+            None => break,
+        }
+    }
+    if current.schedule == start.job.schedule {
+        return start;
+    }
+    match tally_final(finalize(&current), stats) {
+        Some(r) if r.report.step_time_s < start.report.step_time_s => r,
+        _ => start,
     }
 }
 

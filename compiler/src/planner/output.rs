@@ -67,7 +67,7 @@ pub fn json(base: &Job, result: &PlanResult) -> Vec<PlannedJson> {
         .ranked
         .iter()
         .enumerate()
-        .map(|(i, Ranked { job, report })| {
+        .map(|(i, Ranked { job, report, .. })| {
             let s = &job.schedule;
             let name = planned_name(base, i + 1);
             PlannedJson {
