@@ -1,30 +1,72 @@
 //! Lower bounds on the transient bytes any valid placement of a program needs (`plan_tightness`
 //! in `--emit stats` divides the arena's transient part by them).
+//!
+//! Every figure here is *bytes simultaneously alive*: the bytes of a set of transient buffers
+//! that are all in use at one instant of some execution the program allows (any timing that
+//! respects stream order and waits), a buffer being in use from the start of its first access to
+//! the end of its last. No valid placement lets two such buffers share bytes (sharing needs every
+//! access of one to happen before every access of the other, and then they are never in use at
+//! once), so each figure is a lower bound on the transient part of every valid arena. Each comes
+//! with its execution: the issue order run serially (`verify`'s live bound), each op run right
+//! after everything that happens before it, and the cut of a maximum-weight antichain below.
 
 use super::{access_ends, spans, transient_by_first_access, Lifetimes};
 use crate::ir::*;
 use crate::passes::hb::Clocks;
 use cranelift_entity::EntityRef;
 
-/// A lower bound on the transient bytes any placement of this program needs: the weight of a set
-/// of buffers that pairwise may be in use together (an antichain of the order "every access of `a`
-/// happens before every access of `b`"), so that none of their bytes can be shared. The heavier of:
-/// - at each op `o`, the buffers with an access happening before or at `o` and an access not
-///   happening before `o`;
-/// - a maximum-weight antichain, by Dilworth's theorem as `Σ bytes − max flow` in the network
+/// A lower bound on the transient bytes any placement of this program needs: the most bytes
+/// simultaneously alive (module doc) this finds a witness for. The heavier of:
+/// - at each op `o`, run after everything that happens before it and before anything else, the
+///   buffers with an access happening before or at `o` and an access not happening before `o`;
+/// - a maximum-weight antichain of the order "every access of `a` happens before every access
+///   of `b`", by Dilworth's theorem as `Σ bytes − max flow` in the network
 ///   `source → a⁺ (bytes) → b⁻ (a before b) → b⁺ (transit) … → b⁻ → sink (bytes)`, read off the
 ///   minimum cut. The order's edges are pruned (each buffer keeps at most [`SUCCESSORS`]
 ///   successors not already implied by its kept ones), which can only make the cut's set too
-///   heavy, so the set is checked pairwise and used only when it is an antichain.
+///   heavy, so the set is checked pairwise and used only when it is an antichain; then
+///   [`alive_together`] keeps the part of it that one execution has in use at once.
 pub fn lower_bound(p: &Program) -> u64 {
     let clocks = Clocks::new(p);
     let life = Lifetimes::new(p, &clocks);
     let transient = transient_by_first_access(p, &life);
     let span = spans(p, &clocks, &life, &transient);
-    concurrency_bound(p, &clocks, &transient, &span).max(antichain_bound(p, &life, &transient))
+    let antichain = antichain(p, &life, &transient);
+    let together = alive_together(p, &clocks, &life, antichain);
+    concurrency_bound(p, &clocks, &transient, &span)
+        .max(together.iter().map(|&b| p.buffers[b].bytes).sum())
 }
 
-/// Successors each buffer keeps in [`antichain_bound`]'s network.
+/// The buffers of `set` in use at one instant of one execution: every op that happens strictly
+/// before some member's first access (issue order) has finished, and those first accesses that
+/// remain run together (they are pairwise unordered, so on distinct streams). A member is in use
+/// then when some access of it has not finished. Members that are not are dropped, which only
+/// shrinks the finished part, until all are.
+fn alive_together(
+    p: &Program,
+    clocks: &Clocks,
+    life: &Lifetimes,
+    mut set: Vec<BufferId>,
+) -> Vec<BufferId> {
+    loop {
+        // Per stream, how many of its ops have finished.
+        let mut done = vec![0u32; clocks.streams()];
+        for &b in &set {
+            let first = life.first[b].expect("accessed");
+            let own = p.ops[first].stream.index();
+            for (s, (d, &c)) in done.iter_mut().zip(clocks.clock(first)).enumerate() {
+                *d = (*d).max(if s == own { c - 1 } else { c });
+            }
+        }
+        let before = set.len();
+        set.retain(|&b| life.last[b].iter().zip(&done).any(|(&last, &d)| last > d));
+        if set.len() == before {
+            return set;
+        }
+    }
+}
+
+/// Successors each buffer keeps in [`antichain`]'s network.
 const SUCCESSORS: usize = 64;
 
 fn concurrency_bound(
@@ -58,7 +100,9 @@ fn concurrency_bound(
     best
 }
 
-fn antichain_bound(p: &Program, life: &Lifetimes, t: &[BufferId]) -> u64 {
+/// A maximum-weight antichain (see [`lower_bound`]), or none when the pruned network's cut is not
+/// one.
+fn antichain(p: &Program, life: &Lifetimes, t: &[BufferId]) -> Vec<BufferId> {
     let t: Vec<BufferId> = t
         .iter()
         .copied()
@@ -97,9 +141,9 @@ fn antichain_bound(p: &Program, life: &Lifetimes, t: &[BufferId]) -> u64 {
             .all(|&j| !life.dead_before(t[i], t[j]) && !life.dead_before(t[j], t[i]))
     });
     if antichain {
-        set.iter().map(|&i| weight[i]).sum()
+        set.iter().map(|&i| t[i]).collect()
     } else {
-        0
+        vec![]
     }
 }
 

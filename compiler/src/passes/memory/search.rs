@@ -22,6 +22,17 @@ use std::cmp::Reverse;
 /// Buffer-placements the improvement steps may spend, divided by the number of transient buffers.
 const IMPROVE_WORK: usize = 60_000;
 
+/// Distinct layers a size class's buffers must belong to for it to be placed as slots: a family
+/// repeated layer after layer (gathered parameters, full gradients, saved activations), not a few
+/// unrelated buffers that happen to share a size (embedding and head).
+const FAMILY_LAYERS: usize = 4;
+
+/// Most improvement placements for any program.
+const MAX_IMPROVE: usize = 128;
+
+/// Bisection steps of the two-ended fit's target, per split and units.
+const BISECTIONS: usize = 6;
+
 /// Offsets (indexed by buffer id) and the arena top of the best placement found for `transient`
 /// (sorted by first access) above `base`.
 pub(super) fn plan(
@@ -48,7 +59,12 @@ pub(super) fn plan(
         }
     }
     let mut class_units: Vec<Option<std::ops::Range<usize>>> = vec![];
+    let mut family: Vec<bool> = vec![];
     for (_, members) in &classes {
+        let mut layers: Vec<LayerId> = members.iter().filter_map(|&b| p.buffers[b].layer).collect();
+        layers.sort_unstable();
+        layers.dedup();
+        family.push(layers.len() >= FAMILY_LAYERS);
         class_units.push(
             (members.len() > 1)
                 .then(|| slots(life, span, members))
@@ -91,7 +107,8 @@ pub(super) fn plan(
     let mut orders = vec![singles, area, first_access];
     for slotted in [
         &(|c: usize| c == 0) as &dyn Fn(usize) -> bool,
-        &|c: usize| classes[c].0 >= largest / 4,
+        &|c: usize| family[c] && classes[c].0 >= largest / 4,
+        &|c: usize| family[c],
         &|_| true,
     ] {
         if (0..classes.len()).any(|c| slotted(c) && class_units[c].is_some()) {
@@ -102,35 +119,92 @@ pub(super) fn plan(
         }
     }
     let place = |order: &[usize], fit: Fit| place(p, life, span, &units, order, base, fit);
-    let mut best = orders
+    let candidates: Vec<((Vec<u64>, u64), usize, Fit)> = orders
         .iter()
-        .flat_map(|order| [Fit::First, Fit::Best].map(|fit| (place(order, fit), order, fit)))
-        .min_by_key(|((_, top), _, _)| *top)
-        .map(|(placed, order, fit)| (placed, order.clone(), fit))
-        .expect("at least six placements");
-    let mut budget = (IMPROVE_WORK / transient.len().max(1)).min(64);
-    // 1. Two-ended: the best order's largest units as they come, every smaller one in the highest
-    //    gap below a target top, so that long-lived stacks of small buffers (hidden states,
-    //    activations) sit on one side and the large working set on the other; the target is found
-    //    by bisection, for each of the three largest sizes as the split.
-    let mut two_ended = best.1.clone();
-    two_ended.sort_by_key(|&u| (Reverse(unit_bytes(u)), first_span(u), units[u][0]));
-    for &(split, _) in classes.iter().take(3) {
-        let (mut lo, mut hi) = (base, best.0 .1);
-        for _ in 0..8 {
-            if budget == 0 || hi - lo <= ALIGN {
-                break;
-            }
-            budget -= 1;
-            let target = lo + (hi - lo) / 2;
-            let r = place(&two_ended, Fit::TwoEnded { split, target });
-            if r.1 <= target {
-                hi = target;
+        .enumerate()
+        .flat_map(|(i, order)| {
+            // Best fit rarely differs from first fit for slots; the single buffers try both.
+            let fits: &[Fit] = if i < 3 {
+                &[Fit::First, Fit::Best]
             } else {
-                lo = target;
-            }
-            if r.1 < best.0 .1 {
-                best = (r, two_ended.clone(), Fit::TwoEnded { split, target });
+                &[Fit::First]
+            };
+            fits.iter().map(move |&fit| (place(order, fit), i, fit))
+        })
+        .collect();
+    let mut best = candidates
+        .iter()
+        .min_by_key(|((_, top), _, _)| *top)
+        .map(|(placed, i, fit)| (placed.clone(), orders[*i].clone(), *fit))
+        .expect("at least six placements");
+    let mut budget = (IMPROVE_WORK / transient.len().max(1)).min(MAX_IMPROVE);
+    // 1. Two-ended: the largest units first fit, every smaller one in the highest gap below a
+    //    target top, so that long-lived stacks of small buffers (hidden states kept for
+    //    backward) grow down from the top while the large working set stays low; the target is
+    //    found by bisection between the issue-order live bytes and the best top. Units: single
+    //    buffers, and slots for the sizes placed low. Splits: just above the two size classes
+    //    whose buffers live longest on average (the stacks), then the three largest sizes.
+    let mut by_life: Vec<usize> = (1..classes.len())
+        .filter(|&c| classes[c].1.len() > 1)
+        .collect();
+    by_life.sort_by_key(|&c| {
+        let members = &classes[c].1;
+        let life: usize = members
+            .iter()
+            .map(|b| span[b.index()].1 - span[b.index()].0)
+            .sum();
+        (Reverse(life / members.len()), c)
+    });
+    // (split, units): the stack splits with the best candidate's units, with slots for the
+    // families placed low, and with single buffers; then the largest sizes.
+    let mut best_units = best.1.clone();
+    best_units.sort_by_key(|&u| (Reverse(unit_bytes(u)), first_span(u), units[u][0]));
+    let mut tries: Vec<(u64, Vec<usize>)> = vec![];
+    for (split, units) in by_life
+        .iter()
+        .take(2)
+        .flat_map(|&c| {
+            let split = classes[c - 1].0;
+            [
+                (split, Some(&best_units)),
+                (split, None),
+                (split, Some(&orders[0])),
+            ]
+        })
+        .chain(
+            classes
+                .iter()
+                .take(3)
+                .flat_map(|c| [(c.0, Some(&best_units)), (c.0, Some(&orders[0]))]),
+        )
+    {
+        let order = units
+            .cloned()
+            .unwrap_or_else(|| by_size(&|c| family[c] && classes[c].0 >= split));
+        if !tries.iter().any(|t| t.0 == split && t.1 == order) {
+            tries.push((split, order));
+        }
+    }
+    let live = base + issue_order_live(p, life, transient);
+    for (split, two_ended) in &tries {
+        let split = *split;
+        {
+            let (mut lo, mut hi) = (live.min(best.0 .1), best.0 .1);
+            for _ in 0..BISECTIONS {
+                if budget == 0 || hi - lo <= ALIGN {
+                    break;
+                }
+                budget -= 1;
+                let target = lo + (hi - lo) / 2;
+                let r = place(two_ended, Fit::TwoEnded { split, target });
+                if r.1 <= target {
+                    hi = target;
+                } else {
+                    lo = target;
+                }
+                if r.1 < best.0 .1 {
+                    best = (r, two_ended.clone(), Fit::TwoEnded { split, target });
+                }
             }
         }
     }
@@ -154,4 +228,21 @@ pub(super) fn plan(
         }
     }
     best.0
+}
+
+/// The most bytes of `transient` buffers whose issue-order lifetimes (first to last access)
+/// contain one op: no placement is lower (happens-before follows issue order).
+fn issue_order_live(p: &Program, life: &Lifetimes, transient: &[BufferId]) -> u64 {
+    let mut delta = vec![0i128; p.ops.len() + 1];
+    for &b in transient {
+        let first = life.first[b].expect("accessed").index();
+        delta[first] += i128::from(p.buffers[b].bytes);
+        delta[life.last_index[b.index()] + 1] -= i128::from(p.buffers[b].bytes);
+    }
+    let (mut live, mut most) = (0i128, 0i128);
+    for d in delta {
+        live += d;
+        most = most.max(live);
+    }
+    most as u64
 }
