@@ -1116,6 +1116,5 @@ const TIGHTNESS_ABOVE_2_PERCENT: &[(&str, &str, f64)] = &[
     ("llama13b_hpz.sched", "llama13b_hpz", 1.0503),
     ("llama13b_hpz.sched", "llama13b_hpz_4", 1.0436),
     ("llama13b_hpz.sched", "llama13b_zero3_200g", 1.0664),
-    ("llama13b_hsdp.sched", "llama13b_hsdp", 1.0215),
     ("llama13b_hsdp.sched", "llama13b_hsdp_flat_sync", 1.0670),
 ];

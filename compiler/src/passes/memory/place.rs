@@ -5,9 +5,9 @@
 //! turn. Slots come from [`slots`]: the buffers of one size in order of first access, each joining
 //! the slot whose last buffer is dead before it and was retired latest. The placer then puts a
 //! unit in a gap clear of every placed buffer that any of its members may be in use with, so a
-//! placement of units is as sound as one of single buffers; slots only stop a family of large
-//! buffers (gathered parameters, full gradients) from spreading over more offsets than it ever
-//! has members in use at once.
+//! placement of units is as sound as one of single buffers; slots keep a family of large buffers
+//! (gathered parameters, full gradients) from spreading over more offsets than it has members in
+//! use at once, which first fit by size alone does.
 
 use super::{Lifetimes, ALIGN};
 use crate::ir::*;

@@ -2,16 +2,19 @@
 //! budget of improvements; the lowest arena top wins (ties: the first found), so the result is
 //! deterministic.
 //!
-//! Candidates, each with first-fit and best-fit gaps:
-//! - single buffers largest first, largest size × lifetime first, and in order of first access;
-//! - slots (see [`super::place::slots`]) for the buffers of the largest size, of every size at
-//!   least a quarter of it, and of every size, largest first: the families of equal-size gathered
-//!   parameters and full gradients then take as many offsets as they have members in use at once
-//!   (their interference is a co-comparability graph, where this greedy is near optimal), and the
-//!   smaller buffers fill around them.
+//! Candidates:
+//! - single buffers largest first, largest size × lifetime first, and in order of first access,
+//!   each with first-fit and best-fit gaps;
+//! - largest first with slots (see [`super::place::slots`]) for the largest size, for the
+//!   families (sizes shared by buffers of [`FAMILY_LAYERS`] layers or more) of at least a quarter
+//!   of it, for every family, and for every size, first fit. A family of equal-size gathered
+//!   parameters or full gradients then keeps to about as many offsets as it has members in use
+//!   at once (exactly that many for the largest family of the examples checked; one size's
+//!   interference graph is a co-comparability graph, whose chromatic number is its clique
+//!   number, while first fit by size alone spread it wider), and smaller buffers fill around.
 //!
 //! Then, within a budget of placements that shrinks as the program grows (each costs about one
-//! greedy pass), a two-ended fit and a repair loop on the best candidate's units.
+//! greedy pass), a two-ended fit and a repair loop.
 
 use super::place::{place, slots, Fit, Units};
 use super::{Lifetimes, ALIGN};
@@ -141,7 +144,7 @@ pub(super) fn plan(
     // 1. Two-ended: the largest units first fit, every smaller one in the highest gap below a
     //    target top, so that long-lived stacks of small buffers (hidden states kept for
     //    backward) grow down from the top while the large working set stays low; the target is
-    //    found by bisection between the issue-order live bytes and the best top. Units: single
+    //    found by bisection between the arena's base and the best top. Units: single
     //    buffers, and slots for the sizes placed low. Splits: just above the two size classes
     //    whose buffers live longest on average (the stacks), then the three largest sizes.
     let mut by_life: Vec<usize> = (1..classes.len())
@@ -157,8 +160,8 @@ pub(super) fn plan(
     });
     // (split, units): the stack splits with the best candidate's units, with slots for the
     // families placed low, and with single buffers; then the largest sizes.
-    let mut best_units = best.1.clone();
-    best_units.sort_by_key(|&u| (Reverse(unit_bytes(u)), first_span(u), units[u][0]));
+    let mut best_order = best.1.clone();
+    best_order.sort_by_key(|&u| (Reverse(unit_bytes(u)), first_span(u), units[u][0]));
     let mut tries: Vec<(u64, Vec<usize>)> = vec![];
     for (split, units) in by_life
         .iter()
@@ -166,7 +169,7 @@ pub(super) fn plan(
         .flat_map(|&c| {
             let split = classes[c - 1].0;
             [
-                (split, Some(&best_units)),
+                (split, Some(&best_order)),
                 (split, None),
                 (split, Some(&orders[0])),
             ]
@@ -175,7 +178,7 @@ pub(super) fn plan(
             classes
                 .iter()
                 .take(3)
-                .flat_map(|c| [(c.0, Some(&best_units)), (c.0, Some(&orders[0]))]),
+                .flat_map(|c| [(c.0, Some(&best_order)), (c.0, Some(&orders[0]))]),
         )
     {
         let order = units
@@ -185,26 +188,26 @@ pub(super) fn plan(
             tries.push((split, order));
         }
     }
-    let live = base + issue_order_live(p, life, transient);
     for (split, two_ended) in &tries {
-        let split = *split;
-        {
-            let (mut lo, mut hi) = (live.min(best.0 .1), best.0 .1);
-            for _ in 0..BISECTIONS {
-                if budget == 0 || hi - lo <= ALIGN {
-                    break;
-                }
-                budget -= 1;
-                let target = lo + (hi - lo) / 2;
-                let r = place(two_ended, Fit::TwoEnded { split, target });
-                if r.1 <= target {
-                    hi = target;
-                } else {
-                    lo = target;
-                }
-                if r.1 < best.0 .1 {
-                    best = (r, two_ended.clone(), Fit::TwoEnded { split, target });
-                }
+        let (mut lo, mut hi) = (base, best.0 .1);
+        for _ in 0..BISECTIONS {
+            if budget == 0 || hi - lo <= ALIGN {
+                break;
+            }
+            budget -= 1;
+            let target = lo + (hi - lo) / 2;
+            let fit = Fit::TwoEnded {
+                split: *split,
+                target,
+            };
+            let r = place(two_ended, fit);
+            if r.1 <= target {
+                hi = target;
+            } else {
+                lo = target;
+            }
+            if r.1 < best.0 .1 {
+                best = (r, two_ended.clone(), fit);
             }
         }
     }
@@ -228,21 +231,4 @@ pub(super) fn plan(
         }
     }
     best.0
-}
-
-/// The most bytes of `transient` buffers whose issue-order lifetimes (first to last access)
-/// contain one op: no placement is lower (happens-before follows issue order).
-fn issue_order_live(p: &Program, life: &Lifetimes, transient: &[BufferId]) -> u64 {
-    let mut delta = vec![0i128; p.ops.len() + 1];
-    for &b in transient {
-        let first = life.first[b].expect("accessed").index();
-        delta[first] += i128::from(p.buffers[b].bytes);
-        delta[life.last_index[b.index()] + 1] -= i128::from(p.buffers[b].bytes);
-    }
-    let (mut live, mut most) = (0i128, 0i128);
-    for d in delta {
-        live += d;
-        most = most.max(live);
-    }
-    most as u64
 }
