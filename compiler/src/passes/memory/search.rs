@@ -3,11 +3,12 @@
 //! deterministic.
 //!
 //! Candidates:
-//! - single buffers largest first, largest size × lifetime first, and in order of first access,
-//!   each with first-fit and best-fit gaps;
+//! - single buffers largest first, largest size × lifetime first, and (up to
+//!   [`FIRST_ACCESS_MAX`] buffers) in order of first access, each with first-fit and best-fit
+//!   gaps;
 //! - largest first with slots (see [`super::place::slots`]) for the largest size, for the
 //!   families (sizes shared by buffers of [`FAMILY_LAYERS`] layers or more) of at least a quarter
-//!   of it, for every family, and for every size, first fit. A family of equal-size gathered
+//!   of it, and for every size, first fit. A family of equal-size gathered
 //!   parameters or full gradients then keeps to about as many offsets as it has members in use
 //!   at once (exactly that many for the largest family of the examples checked; one size's
 //!   interference graph is a co-comparability graph, whose chromatic number is its clique
@@ -29,6 +30,10 @@ const IMPROVE_WORK: usize = 60_000;
 /// repeated layer after layer (gathered parameters, full gradients, saved activations), not a few
 /// unrelated buffers that happen to share a size (embedding and head).
 const FAMILY_LAYERS: usize = 4;
+
+/// Most transient buffers a program may have for the first-access order to be tried (in larger
+/// programs it never placed lowest, and each try costs a full pass).
+const FIRST_ACCESS_MAX: usize = 2_000;
 
 /// Most improvement placements for any program.
 const MAX_IMPROVE: usize = 128;
@@ -105,13 +110,15 @@ pub(super) fn plan(
             units[u][0],
         )
     });
-    let first_access: Vec<usize> = (0..transient.len()).collect();
+    let mut orders = vec![singles, area];
+    if transient.len() <= FIRST_ACCESS_MAX {
+        orders.push((0..transient.len()).collect());
+    }
+    let single_orders = orders.len();
     let largest = classes.first().map_or(0, |c| c.0);
-    let mut orders = vec![singles, area, first_access];
     for slotted in [
         &(|c: usize| c == 0) as &dyn Fn(usize) -> bool,
         &|c: usize| family[c] && classes[c].0 >= largest / 4,
-        &|c: usize| family[c],
         &|_| true,
     ] {
         if (0..classes.len()).any(|c| slotted(c) && class_units[c].is_some()) {
@@ -127,7 +134,7 @@ pub(super) fn plan(
         .enumerate()
         .flat_map(|(i, order)| {
             // Best fit rarely differs from first fit for slots; the single buffers try both.
-            let fits: &[Fit] = if i < 3 {
+            let fits: &[Fit] = if i < single_orders {
                 &[Fit::First, Fit::Best]
             } else {
                 &[Fit::First]
