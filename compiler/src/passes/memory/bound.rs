@@ -25,7 +25,7 @@ use cranelift_entity::EntityRef;
 ///   minimum cut. The order's edges are pruned (each buffer keeps at most [`SUCCESSORS`]
 ///   successors not already implied by its kept ones), which can only make the cut's set too
 ///   heavy, so the set is checked pairwise and used only when it is an antichain; then
-///   [`alive_together`] keeps the part of it that one execution has in use at once.
+///   `alive_together` keeps the part of it that one execution has in use at once.
 pub fn lower_bound(p: &Program) -> u64 {
     let clocks = Clocks::new(p);
     let life = Lifetimes::new(p, &clocks);

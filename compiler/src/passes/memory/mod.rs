@@ -2,12 +2,17 @@
 //! at a fixed offset, no allocator at run time.
 //!
 //! Reads regions, streams and waits; writes `Buffer::offset` and `Program::arena_bytes`. Persistent
-//! buffers (param, grad and optimizer shards) sit at the bottom, never shared. Transient buffers are
-//! placed greedily by size, largest first, each at the lowest 256-byte-aligned offset where it
-//! overlaps no placed buffer that might be in use at the same time: two buffers share bytes only
-//! when every access to one happens-before every access to the other (vector clocks, see
-//! [`super::hb`]). Candidates are narrowed by each buffer's span of issue positions, from its first
-//! access to where every stream has seen it finish. A buffer no op touches gets no space.
+//! buffers (param, grad and optimizer shards) sit at the bottom, never shared. Transient buffers
+//! above them, at 256-byte-aligned offsets where each overlaps no placed buffer that might be in
+//! use at the same time: two buffers share bytes only when every access to one happens-before
+//! every access to the other (vector clocks, see [`super::hb`]). Candidates are narrowed by each
+//! buffer's span of issue positions, from its first access to where every stream has seen it
+//! finish. A buffer no op touches gets no space.
+//!
+//! - `place`: one greedy placement of units (single buffers, or slots of equal-size buffers
+//!   used in turn) in a given order and fit;
+//! - `search`: which placements are tried and which is kept (deterministic);
+//! - `bound`: the lower bound `plan_tightness` is measured against (bytes simultaneously alive).
 
 mod bound;
 mod place;
