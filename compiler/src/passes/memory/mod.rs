@@ -1,0 +1,237 @@
+//! Static memory planning (lowering spec §6; ZeRO §VI-C, MiCS §4): one arena per rank, every buffer
+//! at a fixed offset, no allocator at run time.
+//!
+//! Reads regions, streams and waits; writes `Buffer::offset` and `Program::arena_bytes`. Persistent
+//! buffers (param, grad and optimizer shards) sit at the bottom, never shared. Transient buffers
+//! above them, at 256-byte-aligned offsets where each overlaps no placed buffer that might be in
+//! use at the same time: two buffers share bytes only when every access to one happens-before
+//! every access to the other (vector clocks, see [`super::hb`]). Candidates are narrowed by each
+//! buffer's span of issue positions, from its first access to where every stream has seen it
+//! finish. A buffer no op touches gets no space.
+//!
+//! - `place`: one greedy placement of units (single buffers, or slots of equal-size buffers
+//!   used in turn) in a given order and fit;
+//! - `search`: which placements are tried and which is kept (deterministic);
+//! - `bound`: the lower bound `plan_tightness` is measured against (bytes simultaneously alive).
+
+mod bound;
+mod place;
+mod search;
+
+pub use bound::lower_bound;
+
+use super::hb::Clocks;
+use crate::ir::*;
+use cranelift_entity::{EntityRef, SecondaryMap};
+
+/// Alignment of every buffer's offset (what CUDA allocations and vector loads want).
+pub const ALIGN: u64 = 256;
+
+/// When each transient buffer is in use, as vector-clock facts.
+pub struct Lifetimes {
+    /// First op (issue order) touching each buffer.
+    pub first: SecondaryMap<BufferId, Option<OpId>>,
+    /// Per stream, the position of the last op touching the buffer (0: none).
+    pub last: SecondaryMap<BufferId, Vec<u32>>,
+    /// Per stream, the least over the ops touching the buffer of how many ops of that stream
+    /// happen strictly before the op.
+    pub min_clock: SecondaryMap<BufferId, Vec<u32>>,
+    /// Issue position of the last op touching each buffer (by buffer index).
+    pub last_index: Vec<usize>,
+}
+
+impl Lifetimes {
+    pub fn new(p: &Program, clocks: &Clocks) -> Self {
+        let s = clocks.streams();
+        let mut l = Lifetimes {
+            first: SecondaryMap::new(),
+            last: SecondaryMap::new(),
+            min_clock: SecondaryMap::new(),
+            last_index: vec![0; p.buffers.len()],
+        };
+        for (id, op) in p.ops.iter() {
+            let mut before = clocks.clock(id).to_vec();
+            before[op.stream.index()] -= 1;
+            for r in op.reads.iter().chain(&op.writes) {
+                let b = r.buffer;
+                if l.first[b].is_none() {
+                    l.first[b] = Some(id);
+                    l.last[b] = vec![0; s];
+                    l.min_clock[b] = before.clone();
+                }
+                l.last_index[b.index()] = id.index();
+                let last = &mut l.last[b][op.stream.index()];
+                *last = (*last).max(clocks.seq(id));
+                l.min_clock[b]
+                    .iter_mut()
+                    .zip(&before)
+                    .for_each(|(m, &c)| *m = (*m).min(c));
+            }
+        }
+        l
+    }
+
+    /// Every access to `a` happens before every access to `b`.
+    pub fn dead_before(&self, a: BufferId, b: BufferId) -> bool {
+        self.last[a]
+            .iter()
+            .zip(&self.min_clock[b])
+            .all(|(&last, &min)| last == 0 || min >= last)
+    }
+}
+
+/// Places every buffer; returns the orderings the placement relies on (waiter, waited): each
+/// buffer's first access on each stream after the last accesses, on each stream, of every buffer
+/// placed before it on overlapping bytes.
+pub fn run(p: &mut Program) -> Vec<(OpId, OpId)> {
+    let clocks = Clocks::new(p);
+    let life = Lifetimes::new(p, &clocks);
+    let align = |x: u64| x.div_ceil(ALIGN) * ALIGN;
+    let mut top = 0;
+    for b in p.buffers.values_mut().filter(|b| b.kind.is_persistent()) {
+        b.offset = top;
+        top = align(top + b.bytes);
+    }
+    let base = top;
+    let transient = transient_by_first_access(p, &life);
+    let span = spans(p, &clocks, &life, &transient);
+
+    let best = search::plan(p, &life, &span, &transient, base);
+    for &b in &transient {
+        p.buffers[b].offset = best.0[b.index()];
+    }
+    p.arena_bytes = best.1.max(top);
+
+    // Each buffer after the ones whose bytes it takes over, in order of first access.
+    let (firsts, lasts) = access_ends(p);
+    let mut reuse: Vec<(OpId, OpId)> = vec![];
+    let mut occupants = crate::intervals::Occupants::default();
+    for b in transient {
+        let at = p.buffers[b].offset;
+        for a in occupants.replace(at, at + p.buffers[b].bytes, b) {
+            for &waiter in firsts[b.index()].iter().flatten() {
+                reuse.extend(
+                    lasts[a.index()]
+                        .iter()
+                        .flatten()
+                        .map(|&waited| (waiter, waited)),
+                );
+            }
+        }
+    }
+    reuse
+}
+
+/// The transient buffers some op touches, in order of their first access.
+fn transient_by_first_access(p: &Program, life: &Lifetimes) -> Vec<BufferId> {
+    let mut transient: Vec<BufferId> = p
+        .buffers
+        .iter()
+        .filter(|(id, b)| !b.kind.is_persistent() && life.first[*id].is_some())
+        .map(|(id, _)| id)
+        .collect();
+    transient.sort_by_key(|&b| (life.first[b].map(|o| o.index()), b));
+    transient
+}
+
+/// Per buffer (indexed by id), the issue positions `[first access, retired)`: from `retired` on,
+/// every op on every stream happens after all its accesses. Buffers whose spans do not overlap
+/// are never in use together. `transient` is sorted by first access.
+fn spans(
+    p: &Program,
+    clocks: &Clocks,
+    life: &Lifetimes,
+    transient: &[BufferId],
+) -> Vec<(usize, usize)> {
+    let n = p.ops.len();
+    let mut span = vec![(0, 0); p.buffers.len()];
+    let mut by_last: Vec<(usize, BufferId)> = transient
+        .iter()
+        .map(|&b| (life.last_index[b.index()], b))
+        .collect();
+    by_last.sort_unstable();
+    let mut frontier = Frontier::new(p);
+    let mut pending: Vec<BufferId> = vec![];
+    let mut next = 0;
+    for pos in 0..=n {
+        frontier.advance(pos);
+        while next < by_last.len() && by_last[next].0 < pos {
+            pending.push(by_last[next].1);
+            next += 1;
+        }
+        pending.retain(|&b| {
+            let done = frontier.covers(clocks, &life.last[b]);
+            if done {
+                span[b.index()].1 = pos;
+            }
+            !done
+        });
+    }
+    for &b in transient {
+        span[b.index()].0 = life.first[b].expect("accessed").index();
+        if span[b.index()].1 == 0 {
+            span[b.index()].1 = n + 1;
+        }
+    }
+    span
+}
+
+/// Each stream's next op from some point of the issue order on.
+struct Frontier {
+    on_stream: Vec<Vec<OpId>>,
+    cursor: Vec<usize>,
+}
+
+impl Frontier {
+    fn new(p: &Program) -> Self {
+        let mut on_stream = vec![vec![]; p.streams.len()];
+        for (id, op) in p.ops.iter() {
+            on_stream[op.stream.index()].push(id);
+        }
+        Frontier {
+            cursor: vec![0; on_stream.len()],
+            on_stream,
+        }
+    }
+
+    /// Moves every stream's cursor to its first op at or after issue position `from`.
+    fn advance(&mut self, from: usize) {
+        for (ops, c) in self.on_stream.iter().zip(&mut self.cursor) {
+            while *c < ops.len() && ops[*c].index() < from {
+                *c += 1;
+            }
+        }
+    }
+
+    /// Every op from here on, on every stream, happens after the accesses `last` (per-stream
+    /// positions): true when each stream's next op does, since clocks only grow along a stream.
+    fn covers(&self, clocks: &Clocks, last: &[u32]) -> bool {
+        self.on_stream
+            .iter()
+            .zip(&self.cursor)
+            .enumerate()
+            .all(|(s, (ops, &c))| {
+                let Some(&op) = ops.get(c) else { return true };
+                clocks.clock(op).iter().enumerate().all(|(t, &v)| {
+                    let before = if t == s { v - 1 } else { v };
+                    before >= last[t]
+                })
+            })
+    }
+}
+
+/// Per buffer, its first and its last accessing op on each stream.
+#[allow(clippy::type_complexity)]
+fn access_ends(p: &Program) -> (Vec<Vec<Option<OpId>>>, Vec<Vec<Option<OpId>>>) {
+    let s = p.streams.len();
+    let mut firsts = vec![vec![None; s]; p.buffers.len()];
+    let mut lasts = vec![vec![None; s]; p.buffers.len()];
+    for (id, op) in p.ops.iter() {
+        for r in op.reads.iter().chain(&op.writes) {
+            let (b, st) = (r.buffer.index(), op.stream.index());
+            firsts[b][st].get_or_insert(id);
+            lasts[b][st] = Some(id);
+        }
+    }
+    (firsts, lasts)
+}

@@ -1,0 +1,161 @@
+//! Greedy placement of transient buffers, one unit at a time, in a given order.
+//!
+//! A unit is one buffer, or a *slot*: a chain of equal-size buffers, each dead before the next
+//! (every access of one happens before every access of the next), which take the same offset in
+//! turn. Slots come from [`slots`]: the buffers of one size in order of first access, each joining
+//! the slot whose last buffer is dead before it and was retired latest. The placer then puts a
+//! unit in a gap clear of every placed buffer that any of its members may be in use with, so a
+//! placement of units is as sound as one of single buffers; slots keep a family of large buffers
+//! (gathered parameters, full gradients) from spreading over more offsets than it has members in
+//! use at once, which first fit by size alone does.
+
+use super::{Lifetimes, ALIGN};
+use crate::ir::*;
+use cranelift_entity::EntityRef;
+
+/// Which gap a unit takes among those clear of the buffers it may be in use with.
+#[derive(Clone, Copy, Debug)]
+pub(super) enum Fit {
+    /// The lowest.
+    First,
+    /// The smallest that holds it.
+    Best,
+    /// Units of `split` bytes or more the lowest; smaller ones the highest below `target`
+    /// (the lowest above all others when none is).
+    TwoEnded { split: u64, target: u64 },
+}
+
+/// Units to place: each a list of equal-size buffers that share one offset.
+pub(super) type Units = Vec<Vec<BufferId>>;
+
+/// The buffers of `class` (all of one size, in order of first access) as slots: each buffer joins
+/// the slot whose last buffer is dead before it and leaves latest (its span ends last), else opens
+/// a slot. Past [`MAX_SLOTS`] slots the class is left as single buffers (`None`).
+pub(super) fn slots(
+    life: &Lifetimes,
+    span: &[(usize, usize)],
+    class: &[BufferId],
+) -> Option<Units> {
+    let mut slots: Units = vec![];
+    for &b in class {
+        let free = (0..slots.len())
+            .filter(|&s| life.dead_before(*slots[s].last().expect("never empty"), b))
+            .max_by_key(|&s| {
+                let a = *slots[s].last().expect("never empty");
+                (span[a.index()].1, life.last_index[a.index()])
+            });
+        match free {
+            Some(s) => slots[s].push(b),
+            None if slots.len() < MAX_SLOTS => slots.push(vec![b]),
+            None => return None,
+        }
+    }
+    Some(slots)
+}
+
+/// Most slots one size class may use (bounds [`slots`]'s work at `MAX_SLOTS` checks a buffer).
+const MAX_SLOTS: usize = 256;
+
+/// Places `order`'s units one by one in the gap `fit` chooses, clear of the placed buffers any of
+/// their members may be in use together with; returns every buffer's offset (indexed by id) and
+/// the arena top.
+pub(super) fn place(
+    p: &Program,
+    life: &Lifetimes,
+    span: &[(usize, usize)],
+    units: &Units,
+    order: &[usize],
+    base: u64,
+    fit: Fit,
+) -> (Vec<u64>, u64) {
+    let align = |x: u64| x.div_ceil(ALIGN) * ALIGN;
+    let mut offset = vec![0u64; p.buffers.len()];
+    // Placed buffers by the blocks of issue positions their spans cover.
+    let mut blocks: Vec<Vec<BufferId>> = vec![vec![]; (p.ops.len() + 1) / BLOCK + 2];
+    // The last member each placed buffer was checked against, and the last unit it was found busy for.
+    let (mut checked, mut counted) = (
+        vec![usize::MAX; p.buffers.len()],
+        vec![usize::MAX; p.buffers.len()],
+    );
+    let mut top = base;
+    let mut busy: Vec<(u64, u64)> = vec![];
+    let mut member = 0;
+    for (step, &u) in order.iter().enumerate() {
+        let unit = &units[u];
+        let bytes = p.buffers[unit[0]].bytes;
+        busy.clear();
+        for &b in unit {
+            member += 1;
+            let (b0, b1) = span[b.index()];
+            for blk in cover(b0, b1) {
+                for &a in &blocks[blk] {
+                    if std::mem::replace(&mut checked[a.index()], member) == member
+                        || counted[a.index()] == step
+                    {
+                        continue;
+                    }
+                    let (a0, a1) = span[a.index()];
+                    if a0 < b1 && b0 < a1 && !life.dead_before(a, b) && !life.dead_before(b, a) {
+                        counted[a.index()] = step;
+                        busy.push((offset[a.index()], offset[a.index()] + p.buffers[a].bytes));
+                    }
+                }
+            }
+        }
+        busy.sort_unstable();
+        let high = match fit {
+            Fit::TwoEnded { split, target } if bytes < split => {
+                highest_below(&busy, base, bytes, target)
+            }
+            _ => None,
+        };
+        let at = high.unwrap_or_else(|| {
+            let best_fit = matches!(fit, Fit::Best);
+            // The lowest gap that holds the unit, or (best fit) the smallest; above all if none does.
+            let mut at = base;
+            let mut chosen: Option<(u64, u64)> = None; // (gap size, offset)
+            for &(start, end) in &busy {
+                if start >= at + bytes && chosen.is_none_or(|(g, _)| best_fit && start - at < g) {
+                    chosen = Some((start - at, at));
+                }
+                at = at.max(align(end));
+            }
+            chosen.map_or(at, |(_, o)| o)
+        });
+        top = top.max(align(at + bytes));
+        for &b in unit {
+            offset[b.index()] = at;
+            let (b0, b1) = span[b.index()];
+            for blk in cover(b0, b1) {
+                blocks[blk].push(b);
+            }
+        }
+    }
+    (offset, top)
+}
+
+/// Issue positions per block of [`place`]'s index of placed buffers.
+const BLOCK: usize = 64;
+
+/// The blocks of issue positions a span `[b0, b1)` covers.
+fn cover(b0: usize, b1: usize) -> std::ops::RangeInclusive<usize> {
+    b0 / BLOCK..=(b1.max(b0 + 1) - 1) / BLOCK
+}
+
+/// The highest aligned offset below `target` where `bytes` fit between the `busy` ranges (sorted).
+fn highest_below(busy: &[(u64, u64)], base: u64, bytes: u64, target: u64) -> Option<u64> {
+    let align = |x: u64| x.div_ceil(ALIGN) * ALIGN;
+    let mut gaps: Vec<(u64, u64)> = Vec::with_capacity(busy.len() + 1);
+    let mut at = base;
+    for &(start, end) in busy {
+        if start > at {
+            gaps.push((at, start));
+        }
+        at = at.max(align(end));
+    }
+    gaps.push((at, u64::MAX));
+    gaps.iter().rev().find_map(|&(start, end)| {
+        let o = end.min(target).checked_sub(bytes)? / ALIGN * ALIGN;
+        (o >= start).then_some(o)
+    })
+}

@@ -1,0 +1,241 @@
+//! Which placement [`super::run`] keeps: several greedy placements ([`super::place`]), then a
+//! budget of improvements; the lowest arena top wins (ties: the first found), so the result is
+//! deterministic.
+//!
+//! Candidates:
+//! - single buffers largest first, largest size × lifetime first, and (up to
+//!   [`FIRST_ACCESS_MAX`] buffers) in order of first access, each with first-fit and best-fit
+//!   gaps;
+//! - largest first with slots (see [`super::place::slots`]) for the largest size, for the
+//!   families (sizes shared by buffers of [`FAMILY_LAYERS`] layers or more) of at least a quarter
+//!   of it, and for every size, first fit. A family of equal-size gathered
+//!   parameters or full gradients then keeps to about as many offsets as it has members in use
+//!   at once (exactly that many for the largest family of the examples checked; one size's
+//!   interference graph is a co-comparability graph, whose chromatic number is its clique
+//!   number, while first fit by size alone spread it wider), and smaller buffers fill around.
+//!
+//! Then, within a budget of placements that shrinks as the program grows (each costs about one
+//! greedy pass), a two-ended fit and a repair loop.
+
+use super::place::{place, slots, Fit, Units};
+use super::{Lifetimes, ALIGN};
+use crate::ir::*;
+use cranelift_entity::EntityRef;
+use std::cmp::Reverse;
+
+/// Buffer-placements the improvement steps may spend, divided by the number of transient buffers.
+const IMPROVE_WORK: usize = 60_000;
+
+/// Distinct layers a size class's buffers must belong to for it to be placed as slots: a family
+/// repeated layer after layer (gathered parameters, full gradients, saved activations), not a few
+/// unrelated buffers that happen to share a size (embedding and head).
+const FAMILY_LAYERS: usize = 4;
+
+/// Most transient buffers a program may have for the first-access order to be tried (in larger
+/// programs it never placed lowest, and each try costs a full pass).
+const FIRST_ACCESS_MAX: usize = 2_000;
+
+/// Most improvement placements for any program.
+const MAX_IMPROVE: usize = 128;
+
+/// Bisection steps of the two-ended fit's target, per split and units.
+const BISECTIONS: usize = 6;
+
+/// Offsets (indexed by buffer id) and the arena top of the best placement found for `transient`
+/// (sorted by first access) above `base`.
+pub(super) fn plan(
+    p: &Program,
+    life: &Lifetimes,
+    span: &[(usize, usize)],
+    transient: &[BufferId],
+    base: u64,
+) -> (Vec<u64>, u64) {
+    let align = |x: u64| x.div_ceil(ALIGN) * ALIGN;
+    let bytes = |b: BufferId| p.buffers[b].bytes;
+    // Units: every buffer alone (index = position in `transient`), then the slots of each size
+    // class (classes listed largest first).
+    let mut units: Units = transient.iter().map(|&b| vec![b]).collect();
+    let mut classes: Vec<(u64, Vec<BufferId>)> = vec![];
+    {
+        let mut by_size: Vec<BufferId> = transient.to_vec();
+        by_size.sort_by_key(|&b| Reverse(bytes(b))); // stable: first access within a size
+        for b in by_size {
+            match classes.last_mut() {
+                Some((s, members)) if *s == bytes(b) => members.push(b),
+                _ => classes.push((bytes(b), vec![b])),
+            }
+        }
+    }
+    let mut class_units: Vec<Option<std::ops::Range<usize>>> = vec![];
+    let mut family: Vec<bool> = vec![];
+    for (_, members) in &classes {
+        let mut layers: Vec<LayerId> = members.iter().filter_map(|&b| p.buffers[b].layer).collect();
+        layers.sort_unstable();
+        layers.dedup();
+        family.push(layers.len() >= FAMILY_LAYERS);
+        class_units.push(
+            (members.len() > 1)
+                .then(|| slots(life, span, members))
+                .flatten()
+                .map(|s| {
+                    let from = units.len();
+                    units.extend(s);
+                    from..units.len()
+                }),
+        );
+    }
+    let position: std::collections::HashMap<BufferId, usize> =
+        transient.iter().enumerate().map(|(i, &b)| (b, i)).collect();
+    let first_span = |u: usize| span[units[u][0].index()].0;
+    let unit_bytes = |u: usize| bytes(units[u][0]);
+    // An order of units, largest first then by first access, with the classes whose index
+    // satisfies `slotted` as slots and the rest as single buffers.
+    let by_size = |slotted: &dyn Fn(usize) -> bool| -> Vec<usize> {
+        let mut order: Vec<usize> = vec![];
+        for (c, (_, members)) in classes.iter().enumerate() {
+            match &class_units[c] {
+                Some(r) if slotted(c) => order.extend(r.clone()),
+                _ => order.extend(members.iter().map(|b| position[b])),
+            }
+        }
+        order.sort_by_key(|&u| (Reverse(unit_bytes(u)), first_span(u), units[u][0]));
+        order
+    };
+    let singles = by_size(&|_| false);
+    let mut area: Vec<usize> = (0..transient.len()).collect();
+    area.sort_by_key(|&u| {
+        let (s0, s1) = span[units[u][0].index()];
+        (
+            Reverse(u128::from(unit_bytes(u)) * (s1 - s0) as u128),
+            units[u][0],
+        )
+    });
+    let mut orders = vec![singles, area];
+    if transient.len() <= FIRST_ACCESS_MAX {
+        orders.push((0..transient.len()).collect());
+    }
+    let single_orders = orders.len();
+    let largest = classes.first().map_or(0, |c| c.0);
+    for slotted in [
+        &(|c: usize| c == 0) as &dyn Fn(usize) -> bool,
+        &|c: usize| family[c] && classes[c].0 >= largest / 4,
+        &|_| true,
+    ] {
+        if (0..classes.len()).any(|c| slotted(c) && class_units[c].is_some()) {
+            let order = by_size(slotted);
+            if !orders.contains(&order) {
+                orders.push(order);
+            }
+        }
+    }
+    let place = |order: &[usize], fit: Fit| place(p, life, span, &units, order, base, fit);
+    let candidates: Vec<((Vec<u64>, u64), usize, Fit)> = orders
+        .iter()
+        .enumerate()
+        .flat_map(|(i, order)| {
+            // Best fit rarely differs from first fit for slots; the single buffers try both.
+            let fits: &[Fit] = if i < single_orders {
+                &[Fit::First, Fit::Best]
+            } else {
+                &[Fit::First]
+            };
+            fits.iter().map(move |&fit| (place(order, fit), i, fit))
+        })
+        .collect();
+    let mut best = candidates
+        .iter()
+        .min_by_key(|((_, top), _, _)| *top)
+        .map(|(placed, i, fit)| (placed.clone(), orders[*i].clone(), *fit))
+        .expect("at least six placements");
+    let mut budget = (IMPROVE_WORK / transient.len().max(1)).min(MAX_IMPROVE);
+    // 1. Two-ended: the largest units first fit, every smaller one in the highest gap below a
+    //    target top, so that long-lived stacks of small buffers (hidden states kept for
+    //    backward) grow down from the top while the large working set stays low; the target is
+    //    found by bisection between the arena's base and the best top. Units: single
+    //    buffers, and slots for the sizes placed low. Splits: just above the two size classes
+    //    whose buffers live longest on average (the stacks), then the three largest sizes.
+    let mut by_life: Vec<usize> = (1..classes.len())
+        .filter(|&c| classes[c].1.len() > 1)
+        .collect();
+    by_life.sort_by_key(|&c| {
+        let members = &classes[c].1;
+        let life: usize = members
+            .iter()
+            .map(|b| span[b.index()].1 - span[b.index()].0)
+            .sum();
+        (Reverse(life / members.len()), c)
+    });
+    // (split, units): the stack splits with the best candidate's units, with slots for the
+    // families placed low, and with single buffers; then the largest sizes.
+    let mut best_order = best.1.clone();
+    best_order.sort_by_key(|&u| (Reverse(unit_bytes(u)), first_span(u), units[u][0]));
+    let mut tries: Vec<(u64, Vec<usize>)> = vec![];
+    for (split, units) in by_life
+        .iter()
+        .take(2)
+        .flat_map(|&c| {
+            let split = classes[c - 1].0;
+            [
+                (split, Some(&best_order)),
+                (split, None),
+                (split, Some(&orders[0])),
+            ]
+        })
+        .chain(
+            classes
+                .iter()
+                .take(3)
+                .flat_map(|c| [(c.0, Some(&best_order)), (c.0, Some(&orders[0]))]),
+        )
+    {
+        let order = units
+            .cloned()
+            .unwrap_or_else(|| by_size(&|c| family[c] && classes[c].0 >= split));
+        if !tries.iter().any(|t| t.0 == split && t.1 == order) {
+            tries.push((split, order));
+        }
+    }
+    for (split, two_ended) in &tries {
+        let (mut lo, mut hi) = (base, best.0 .1);
+        for _ in 0..BISECTIONS {
+            if budget == 0 || hi - lo <= ALIGN {
+                break;
+            }
+            budget -= 1;
+            let target = lo + (hi - lo) / 2;
+            let fit = Fit::TwoEnded {
+                split: *split,
+                target,
+            };
+            let r = place(two_ended, fit);
+            if r.1 <= target {
+                hi = target;
+            } else {
+                lo = target;
+            }
+            if r.1 < best.0 .1 {
+                best = (r, two_ended.clone(), fit);
+            }
+        }
+    }
+    // 2. Repair ("squeaky wheel"): the units that reach the top of the best placement go first
+    //    in its order, and it is placed again; kept when lower.
+    let (mut order, mut placed) = (best.1.clone(), best.0.clone());
+    while budget > 0 {
+        budget -= 1;
+        let top = placed.1;
+        let (mut front, rest): (Vec<usize>, Vec<usize>) = order
+            .iter()
+            .partition(|&&u| align(placed.0[units[u][0].index()] + unit_bytes(u)) >= top);
+        if rest.is_empty() {
+            break;
+        }
+        front.extend(rest);
+        order = front;
+        placed = place(&order, best.2);
+        if placed.1 < best.0 .1 {
+            best = (placed.clone(), order.clone(), best.2);
+        }
+    }
+    best.0
+}
