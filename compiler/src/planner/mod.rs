@@ -279,7 +279,7 @@ fn screen(job: &Job) -> Screened {
 enum Finalized {
     NotLowerable,
     OverGpu,
-    Fits(Ranked),
+    Fits(Box<Ranked>),
 }
 
 /// Compiles with the memory plan and simulates.
@@ -291,11 +291,11 @@ fn finalize(job: &Job) -> Finalized {
     if !report.fits {
         return Finalized::OverGpu;
     }
-    Finalized::Fits(Ranked {
+    Finalized::Fits(Box::new(Ranked {
         job: job.clone(),
         report,
         program,
-    })
+    }))
 }
 
 /// Counts a compile outcome; the ranked schedule when it fits.
@@ -310,7 +310,7 @@ fn tally_final(outcome: Finalized, stats: &mut SearchStats) -> Option<Ranked> {
         Finalized::Fits(r) => {
             stats.compiled += 1;
             stats.simulated += 1;
-            return Some(r);
+            return Some(*r);
         }
     }
     None

@@ -682,6 +682,42 @@ pub fn forward(
     }
 }
 
+/// Where a transformer's saved tensors lie in its `saved` region, in `math/layers.rs`'s order;
+/// the MLP's follow, carved from `mlp`.
+struct TransformerSaved {
+    a1: u64,
+    st1: u64,
+    qkv: u64,
+    att: u64,
+    /// Flash: each row's log-sum-exp; naive: the probabilities.
+    keep: u64,
+    resid: u64,
+    a2: u64,
+    st2: u64,
+    mlp: Carve,
+}
+
+impl TransformerSaved {
+    fn carve(bp: &BlockP, t: usize, s: usize, saved: u64) -> Self {
+        let (sh, h) = (&bp.shape, bp.hidden);
+        let mut c = Carve(saved);
+        TransformerSaved {
+            a1: c.take(t * h),
+            st1: c.take(2 * t),
+            qkv: c.take(t * sh.width()),
+            att: c.take(t * h),
+            keep: match bp.attention {
+                Attention::Flash => c.take(sh.heads * t),
+                Attention::Naive => c.take(sh.heads * t * s),
+            },
+            resid: c.take(t * h),
+            a2: c.take(t * h),
+            st2: c.take(2 * t),
+            mlp: c,
+        }
+    }
+}
+
 fn transformer_forward(
     g: &G,
     lm: &LayerMath,
@@ -694,20 +730,18 @@ fn transformer_forward(
     let d = lm.dims();
     let (t, s, h) = (d.t, d.s, bp.hidden);
     let act = lm.precisions().0;
-    let sh = &bp.shape;
-    let w = sh.width();
-    let mut c = Carve(saved);
-    let a1 = c.take(t * h);
-    let st1 = c.take(2 * t);
-    let qkv = c.take(t * w);
-    let att = c.take(t * h);
-    let keep = match bp.attention {
-        Attention::Flash => c.take(sh.heads * t),
-        Attention::Naive => c.take(sh.heads * t * s),
-    };
-    let resid = c.take(t * h);
-    let a2 = c.take(t * h);
-    let st2 = c.take(2 * t);
+    let w = bp.shape.width();
+    let TransformerSaved {
+        a1,
+        st1,
+        qkv,
+        att,
+        keep,
+        resid,
+        a2,
+        st2,
+        mlp: mut c,
+    } = TransformerSaved::carve(bp, t, s, saved);
 
     norm_fwd(g, &bp.ln1, p, t, h, x, a1, st1)?;
     g.round(act, a1, t * h)?;
@@ -859,20 +893,18 @@ fn transformer_backward(
 ) -> Result<(), String> {
     let d = lm.dims();
     let (t, s, h) = (d.t, d.s, bp.hidden);
-    let sh = &bp.shape;
-    let w = sh.width();
-    let mut c = Carve(saved);
-    let a1 = c.take(t * h);
-    let st1 = c.take(2 * t);
-    let qkv = c.take(t * w);
-    let att = c.take(t * h);
-    let kept = match bp.attention {
-        Attention::Flash => c.take(sh.heads * t),
-        Attention::Naive => c.take(sh.heads * t * s),
-    };
-    let resid = c.take(t * h);
-    let a2 = c.take(t * h);
-    let st2 = c.take(2 * t);
+    let w = bp.shape.width();
+    let TransformerSaved {
+        a1,
+        st1,
+        qkv,
+        att,
+        keep: kept,
+        resid,
+        a2,
+        st2,
+        mlp: mut c,
+    } = TransformerSaved::carve(bp, t, s, saved);
 
     let dr = g.alloc(t * h)?;
     let da = g.alloc(t * h)?;
