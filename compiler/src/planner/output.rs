@@ -102,8 +102,33 @@ pub fn json(base: &Job, result: &PlanResult) -> Vec<PlannedJson> {
         .collect()
 }
 
+/// Bytes in GiB, or MiB below one GiB.
 fn gib(bytes: u64) -> String {
-    format!("{:.1} GiB", bytes as f64 / f64::from(1u32 << 30))
+    let b = bytes as f64;
+    if b >= f64::from(1u32 << 30) {
+        format!("{:.1} GiB", b / f64::from(1u32 << 30))
+    } else {
+        format!("{:.1} MiB", b / f64::from(1u32 << 20))
+    }
+}
+
+/// Seconds, or milliseconds below one second.
+fn seconds(s: f64) -> String {
+    if s >= 1.0 {
+        format!("{s:.3} s")
+    } else {
+        format!("{:.3} ms", s * 1e3)
+    }
+}
+
+/// Three significant digits.
+fn sig3(x: f64) -> String {
+    let digits = if x <= 0.0 {
+        0
+    } else {
+        2 - x.abs().log10().floor() as i32
+    };
+    format!("{x:.*}", digits.clamp(0, 9) as usize)
 }
 
 fn mib(bytes: u64) -> String {
@@ -161,9 +186,9 @@ pub fn table(base: &Job, result: &PlanResult) -> String {
                 j.all_gather.name().to_string(),
                 format!("{}/{}", j.prefetch.forward, j.prefetch.backward),
                 format!("{}/{}", mib(j.buckets.gather), mib(j.buckets.reduce)),
-                format!("{:.3} s", r.report.step_time_s),
+                seconds(r.report.step_time_s),
                 format!("{:.1}%", 100.0 * r.report.mfu),
-                format!("{:.1}", r.report.tflops_per_gpu),
+                sig3(r.report.tflops_per_gpu),
                 gib(r.report.peak_memory_bytes),
             ]
         })
@@ -207,7 +232,7 @@ pub fn table(base: &Job, result: &PlanResult) -> String {
     let st = &result.stats;
     let _ = writeln!(
         out,
-        "searched {} structures: {} over memory before lowering, {} over memory after lowering, {} pruned by the time floor, {} simulated, {} compiled ({} did not fit once placed)",
+        "searched {} structures: {} over memory before lowering, {} over memory after lowering, {} pruned by the time floor; {} simulations (knob trials included), {} compiled ({} did not fit once placed)",
         st.structures,
         st.over_memory_floor,
         st.over_arena_floor,
