@@ -83,43 +83,48 @@ pub(crate) fn forward(
     prec: Precision,
     scratch: &mut [f32],
 ) {
-    let (s, w, h) = (sh.s, sh.width(), sh.hidden());
-    for b in 0..sh.b {
-        for n in 0..sh.heads {
-            let (q, k, v) = sh.offsets(b, n);
-            let bh = b * sh.heads + n;
-            for r0 in (0..s).step_by(BLOCK) {
-                let r1 = (r0 + BLOCK).min(s);
-                let p = &mut scratch[..(r1 - r0) * r1];
-                scores(sh, qkv, q, k, r0, r1, p);
-                for (ii, row) in p.chunks_exact_mut(r1).enumerate() {
-                    let i = r0 + ii;
-                    let live = &mut row[..=i];
-                    let max = live.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
-                    let sum = ops::sum_exp(live, max);
-                    let lse = max + sum.ln();
-                    live.iter_mut().for_each(|x| *x = ops::exp(*x - lse));
-                    row[i + 1..].fill(0.0);
-                    match &mut keep {
-                        Keep::Lse(l) => l[bh * s + i] = lse,
-                        Keep::Probs(pr) => {
-                            prec.round(row);
-                            let dst = &mut pr[(bh * s + i) * s..(bh * s + i + 1) * s];
-                            dst[..r1].copy_from_slice(row);
-                            dst[r1..].fill(0.0);
+    super::ops::wide(
+        #[inline(always)]
+        || {
+            let (s, w, h) = (sh.s, sh.width(), sh.hidden());
+            for b in 0..sh.b {
+                for n in 0..sh.heads {
+                    let (q, k, v) = sh.offsets(b, n);
+                    let bh = b * sh.heads + n;
+                    for r0 in (0..s).step_by(BLOCK) {
+                        let r1 = (r0 + BLOCK).min(s);
+                        let p = &mut scratch[..(r1 - r0) * r1];
+                        scores(sh, qkv, q, k, r0, r1, p);
+                        for (ii, row) in p.chunks_exact_mut(r1).enumerate() {
+                            let i = r0 + ii;
+                            let live = &mut row[..=i];
+                            let max = live.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+                            let sum = ops::sum_exp(live, max);
+                            let lse = max + sum.ln();
+                            live.iter_mut().for_each(|x| *x = ops::exp(*x - lse));
+                            row[i + 1..].fill(0.0);
+                            match &mut keep {
+                                Keep::Lse(l) => l[bh * s + i] = lse,
+                                Keep::Probs(pr) => {
+                                    prec.round(row);
+                                    let dst = &mut pr[(bh * s + i) * s..(bh * s + i + 1) * s];
+                                    dst[..r1].copy_from_slice(row);
+                                    dst[r1..].fill(0.0);
+                                }
+                            }
                         }
+                        gemm(
+                            1.0,
+                            Mat::dense(p, r1 - r0, r1),
+                            Mat::rows(&qkv[v..], r1, sh.d, w),
+                            0.0,
+                            MatMut::rows(&mut out[(b * s + r0) * h + n * sh.d..], r1 - r0, sh.d, h),
+                        );
                     }
                 }
-                gemm(
-                    1.0,
-                    Mat::dense(p, r1 - r0, r1),
-                    Mat::rows(&qkv[v..], r1, sh.d, w),
-                    0.0,
-                    MatMut::rows(&mut out[(b * s + r0) * h + n * sh.d..], r1 - r0, sh.d, h),
-                );
             }
-        }
-    }
+        },
+    )
 }
 
 /// Attention backward: `dqkv` (same layout as `qkv`) is overwritten with the gradient of the
@@ -132,75 +137,80 @@ pub(crate) fn backward(
     dqkv: &mut [f32],
     scratch: &mut [f32],
 ) {
-    let (s, w, h) = (sh.s, sh.width(), sh.hidden());
-    dqkv.fill(0.0);
-    let (p_buf, dp_buf) = scratch.split_at_mut(sh.scratch());
-    for b in 0..sh.b {
-        for n in 0..sh.heads {
-            let (q, k, v) = sh.offsets(b, n);
-            let bh = b * sh.heads + n;
-            for r0 in (0..s).step_by(BLOCK) {
-                let r1 = (r0 + BLOCK).min(s);
-                let rows = r1 - r0;
-                let p = &mut p_buf[..rows * r1];
-                match kept {
-                    Kept::Probs(pr) => {
-                        for (ii, row) in p.chunks_exact_mut(r1).enumerate() {
-                            let src = (bh * s + r0 + ii) * s;
-                            row.copy_from_slice(&pr[src..src + r1]);
+    super::ops::wide(
+        #[inline(always)]
+        || {
+            let (s, w, h) = (sh.s, sh.width(), sh.hidden());
+            dqkv.fill(0.0);
+            let (p_buf, dp_buf) = scratch.split_at_mut(sh.scratch());
+            for b in 0..sh.b {
+                for n in 0..sh.heads {
+                    let (q, k, v) = sh.offsets(b, n);
+                    let bh = b * sh.heads + n;
+                    for r0 in (0..s).step_by(BLOCK) {
+                        let r1 = (r0 + BLOCK).min(s);
+                        let rows = r1 - r0;
+                        let p = &mut p_buf[..rows * r1];
+                        match kept {
+                            Kept::Probs(pr) => {
+                                for (ii, row) in p.chunks_exact_mut(r1).enumerate() {
+                                    let src = (bh * s + r0 + ii) * s;
+                                    row.copy_from_slice(&pr[src..src + r1]);
+                                }
+                            }
+                            Kept::Lse(l) => {
+                                scores(sh, qkv, q, k, r0, r1, p);
+                                for (ii, row) in p.chunks_exact_mut(r1).enumerate() {
+                                    let i = r0 + ii;
+                                    let lse = l[bh * s + i];
+                                    row[..=i].iter_mut().for_each(|x| *x = ops::exp(*x - lse));
+                                    row[i + 1..].fill(0.0);
+                                }
+                            }
                         }
-                    }
-                    Kept::Lse(l) => {
-                        scores(sh, qkv, q, k, r0, r1, p);
-                        for (ii, row) in p.chunks_exact_mut(r1).enumerate() {
-                            let i = r0 + ii;
-                            let lse = l[bh * s + i];
-                            row[..=i].iter_mut().for_each(|x| *x = ops::exp(*x - lse));
-                            row[i + 1..].fill(0.0);
+                        let d_o = Mat::rows(&dout[(b * s + r0) * h + n * sh.d..], rows, sh.d, h);
+                        // dV[0..r1] += Pᵀ·dO
+                        gemm(
+                            1.0,
+                            Mat::dense(p, rows, r1).t(),
+                            d_o,
+                            1.0,
+                            MatMut::rows(&mut dqkv[v..], r1, sh.d, w),
+                        );
+                        // dP = dO·V[0..r1]ᵀ, then dS = P ∘ (dP − rowsum(P ∘ dP)) · scale
+                        let dp = &mut dp_buf[..rows * r1];
+                        gemm(
+                            1.0,
+                            d_o,
+                            Mat::rows(&qkv[v..], r1, sh.d, w).t(),
+                            0.0,
+                            MatMut::dense(dp, rows, r1),
+                        );
+                        let scale = sh.scale();
+                        for (prow, dprow) in p.chunks_exact(r1).zip(dp.chunks_exact_mut(r1)) {
+                            let dot: f32 = prow.iter().zip(dprow.iter()).map(|(a, b)| a * b).sum();
+                            for (d, &pv) in dprow.iter_mut().zip(prow) {
+                                *d = pv * (*d - dot) * scale;
+                            }
                         }
+                        // dQ[r0..r1] = dS·K[0..r1]; dK[0..r1] += dSᵀ·Q[r0..r1]
+                        gemm(
+                            1.0,
+                            Mat::dense(dp, rows, r1),
+                            Mat::rows(&qkv[k..], r1, sh.d, w),
+                            0.0,
+                            MatMut::rows(&mut dqkv[q + r0 * w..], rows, sh.d, w),
+                        );
+                        gemm(
+                            1.0,
+                            Mat::dense(dp, rows, r1).t(),
+                            Mat::rows(&qkv[q + r0 * w..], rows, sh.d, w),
+                            1.0,
+                            MatMut::rows(&mut dqkv[k..], r1, sh.d, w),
+                        );
                     }
                 }
-                let d_o = Mat::rows(&dout[(b * s + r0) * h + n * sh.d..], rows, sh.d, h);
-                // dV[0..r1] += Pᵀ·dO
-                gemm(
-                    1.0,
-                    Mat::dense(p, rows, r1).t(),
-                    d_o,
-                    1.0,
-                    MatMut::rows(&mut dqkv[v..], r1, sh.d, w),
-                );
-                // dP = dO·V[0..r1]ᵀ, then dS = P ∘ (dP − rowsum(P ∘ dP)) · scale
-                let dp = &mut dp_buf[..rows * r1];
-                gemm(
-                    1.0,
-                    d_o,
-                    Mat::rows(&qkv[v..], r1, sh.d, w).t(),
-                    0.0,
-                    MatMut::dense(dp, rows, r1),
-                );
-                let scale = sh.scale();
-                for (prow, dprow) in p.chunks_exact(r1).zip(dp.chunks_exact_mut(r1)) {
-                    let dot: f32 = prow.iter().zip(dprow.iter()).map(|(a, b)| a * b).sum();
-                    for (d, &pv) in dprow.iter_mut().zip(prow) {
-                        *d = pv * (*d - dot) * scale;
-                    }
-                }
-                // dQ[r0..r1] = dS·K[0..r1]; dK[0..r1] += dSᵀ·Q[r0..r1]
-                gemm(
-                    1.0,
-                    Mat::dense(dp, rows, r1),
-                    Mat::rows(&qkv[k..], r1, sh.d, w),
-                    0.0,
-                    MatMut::rows(&mut dqkv[q + r0 * w..], rows, sh.d, w),
-                );
-                gemm(
-                    1.0,
-                    Mat::dense(dp, rows, r1).t(),
-                    Mat::rows(&qkv[q + r0 * w..], rows, sh.d, w),
-                    1.0,
-                    MatMut::rows(&mut dqkv[k..], r1, sh.d, w),
-                );
             }
-        }
-    }
+        },
+    )
 }

@@ -1,6 +1,7 @@
-//! Strided single-precision matrix multiply over slices, through `matrixmultiply::sgemm`.
+//! Strided single-precision matrix multiply over slices, through the `gemm` crate (single-threaded:
+//! the CPU backend already runs one thread per rank).
 //!
-//! Every view is checked against its slice before the call (the one `unsafe` block of the math), so
+//! Every view is checked against its slice before the call (this module's one `unsafe` block), so
 //! a shape mistake panics instead of reading out of bounds. Transposes are strides, never copies.
 
 /// A read-only matrix view: element (i, j) is `data[i·rs + j·cs]`.
@@ -92,24 +93,39 @@ pub(crate) fn gemm(alpha: f32, a: Mat<'_>, b: Mat<'_>, beta: f32, c: MatMut<'_>)
     if c.rows == 0 || c.cols == 0 {
         return;
     }
+    if a.cols == 0 {
+        // An empty sum: C ← β·C (β = 0 writes zeros without reading C).
+        for row in c.data.chunks_mut(c.ld).take(c.rows) {
+            for v in &mut row[..c.cols] {
+                *v = if beta == 0.0 { 0.0 } else { beta * *v };
+            }
+        }
+        return;
+    }
     // SAFETY: the asserts above keep every element of A, B and C inside its slice, C's rows do not
-    // overlap, and C is borrowed mutably so it aliases neither A nor B.
+    // overlap, and C is borrowed mutably so it aliases neither A nor B. `gemm` computes
+    // dst ← α'·dst + β'·lhs·rhs (dst read only when asked), so our α and β trade places.
     unsafe {
-        matrixmultiply::sgemm(
-            a.rows,
+        gemm::gemm(
+            c.rows,
+            c.cols,
             a.cols,
-            b.cols,
-            alpha,
-            a.data.as_ptr(),
-            a.rs as isize,
-            a.cs as isize,
-            b.data.as_ptr(),
-            b.rs as isize,
-            b.cs as isize,
-            beta,
             c.data.as_mut_ptr(),
-            c.ld as isize,
             1,
+            c.ld as isize,
+            beta != 0.0,
+            a.data.as_ptr(),
+            a.cs as isize,
+            a.rs as isize,
+            b.data.as_ptr(),
+            b.cs as isize,
+            b.rs as isize,
+            beta,
+            alpha,
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
         );
     }
 }

@@ -69,8 +69,13 @@ fn pair<'a>(
 }
 
 fn norm_fwd(np: &NormP, p: &[f32], h: usize, x: &[f32], out: &mut [f32], st: &mut [f32]) {
-    let b = np.b.clone().map(|r| &p[r]);
-    norm_forward(np.kind, h, x, &p[np.w.clone()], b, out, st);
+    super::ops::wide(
+        #[inline(always)]
+        || {
+            let b = np.b.clone().map(|r| &p[r]);
+            norm_forward(np.kind, h, x, &p[np.w.clone()], b, out, st);
+        },
+    )
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -84,8 +89,13 @@ fn norm_bwd(
     dx: Option<&mut [f32]>,
     gp: &mut [f32],
 ) {
-    let (dw, db) = pair(gp, &np.w, &np.b);
-    norm_backward(np.kind, h, x, &p[np.w.clone()], st, dy, dx, dw, db);
+    super::ops::wide(
+        #[inline(always)]
+        || {
+            let (dw, db) = pair(gp, &np.w, &np.b);
+            norm_backward(np.kind, h, x, &p[np.w.clone()], st, dy, dx, dw, db);
+        },
+    )
 }
 
 fn bias<'a>(p: &'a [f32], r: &Option<Range<usize>>) -> Option<&'a [f32]> {
@@ -112,47 +122,52 @@ fn rope_rows(rope: &Option<Rope>, p: &BlockP, s: usize, qkv: &mut [f32], inverse
 
 /// out += MLP(a), keeping the MLP's tensors in `c`.
 fn mlp_forward(m: &LayerMath, mp: &MlpP, p: &[f32], a: &[f32], c: &mut Carve<'_>, out: &mut [f32]) {
-    let (t, h, f) = (m.dims.t, mp.hidden, mp.ffn);
-    let w1 = &p[mp.w1.clone()];
-    let b1 = bias(p, &mp.b1);
-    let mid = match mp.act {
-        Activation::Gelu => {
-            let pre = c.take(t * f);
-            let post = c.take(t * f);
-            linear(a, w1, b1, pre, t, h, f, 0.0);
-            m.act.round(pre);
-            for (y, &x) in post.iter_mut().zip(pre.iter()) {
-                *y = gelu(x);
-            }
-            m.act.round(post);
-            post
-        }
-        Activation::SwiGlu => {
-            let gate = c.take(t * f);
-            let up = c.take(t * f);
-            let prod = c.take(t * f);
-            let (wu, bu) = mp.up.as_ref().expect("swiglu has an up projection");
-            linear(a, w1, b1, gate, t, h, f, 0.0);
-            linear(a, &p[wu.clone()], bias(p, bu), up, t, h, f, 0.0);
-            m.act.round(gate);
-            m.act.round(up);
-            for ((y, &g), &u) in prod.iter_mut().zip(gate.iter()).zip(up.iter()) {
-                *y = g * sigmoid(g) * u;
-            }
-            m.act.round(prod);
-            prod
-        }
-    };
-    linear(
-        mid,
-        &p[mp.proj.clone()],
-        bias(p, &mp.proj_b),
-        out,
-        t,
-        f,
-        h,
-        1.0,
-    );
+    super::ops::wide(
+        #[inline(always)]
+        || {
+            let (t, h, f) = (m.dims.t, mp.hidden, mp.ffn);
+            let w1 = &p[mp.w1.clone()];
+            let b1 = bias(p, &mp.b1);
+            let mid = match mp.act {
+                Activation::Gelu => {
+                    let pre = c.take(t * f);
+                    let post = c.take(t * f);
+                    linear(a, w1, b1, pre, t, h, f, 0.0);
+                    m.act.round(pre);
+                    for (y, &x) in post.iter_mut().zip(pre.iter()) {
+                        *y = gelu(x);
+                    }
+                    m.act.round(post);
+                    post
+                }
+                Activation::SwiGlu => {
+                    let gate = c.take(t * f);
+                    let up = c.take(t * f);
+                    let prod = c.take(t * f);
+                    let (wu, bu) = mp.up.as_ref().expect("swiglu has an up projection");
+                    linear(a, w1, b1, gate, t, h, f, 0.0);
+                    linear(a, &p[wu.clone()], bias(p, bu), up, t, h, f, 0.0);
+                    m.act.round(gate);
+                    m.act.round(up);
+                    for ((y, &g), &u) in prod.iter_mut().zip(gate.iter()).zip(up.iter()) {
+                        *y = g * sigmoid(g) * u;
+                    }
+                    m.act.round(prod);
+                    prod
+                }
+            };
+            linear(
+                mid,
+                &p[mp.proj.clone()],
+                bias(p, &mp.proj_b),
+                out,
+                t,
+                f,
+                h,
+                1.0,
+            );
+        },
+    )
 }
 
 /// The MLP's backward: parameter gradients accumulate into `gp`; `da` (the gradient of the MLP's
@@ -170,49 +185,54 @@ fn mlp_backward(
     s1: &mut [f32],
     s2: &mut [f32],
 ) {
-    let (t, h, f) = (m.dims.t, mp.hidden, mp.ffn);
-    let wp = &p[mp.proj.clone()];
-    match mp.act {
-        Activation::Gelu => {
-            let pre = c.take(t * f);
-            let post = c.take(t * f);
-            let (dw, db) = pair(gp, &mp.proj, &mp.proj_b);
-            linear_backward(post, wp, g, dw, db, Some((s1, 0.0)), t, f, h);
-            for (d, &x) in s1.iter_mut().zip(pre) {
-                *d *= gelu_grad(x);
+    super::ops::wide(
+        #[inline(always)]
+        || {
+            let (t, h, f) = (m.dims.t, mp.hidden, mp.ffn);
+            let wp = &p[mp.proj.clone()];
+            match mp.act {
+                Activation::Gelu => {
+                    let pre = c.take(t * f);
+                    let post = c.take(t * f);
+                    let (dw, db) = pair(gp, &mp.proj, &mp.proj_b);
+                    linear_backward(post, wp, g, dw, db, Some((s1, 0.0)), t, f, h);
+                    for (d, &x) in s1.iter_mut().zip(pre) {
+                        *d *= gelu_grad(x);
+                    }
+                    let (dw, db) = pair(gp, &mp.w1, &mp.b1);
+                    linear_backward(a, &p[mp.w1.clone()], s1, dw, db, Some((da, 0.0)), t, h, f);
+                }
+                Activation::SwiGlu => {
+                    let gate = c.take(t * f);
+                    let up = c.take(t * f);
+                    let prod = c.take(t * f);
+                    let (dw, db) = pair(gp, &mp.proj, &mp.proj_b);
+                    linear_backward(prod, wp, g, dw, db, Some((s1, 0.0)), t, f, h);
+                    for (((dg, du), &x), &u) in s1.iter_mut().zip(s2.iter_mut()).zip(gate).zip(up) {
+                        let sg = sigmoid(x);
+                        let dprod = *dg;
+                        *du = dprod * x * sg;
+                        *dg = dprod * u * sg * (1.0 + x * (1.0 - sg));
+                    }
+                    let (wu, bu) = mp.up.as_ref().expect("swiglu has an up projection");
+                    let (dw, db) = pair(gp, &mp.w1, &mp.b1);
+                    linear_backward(
+                        a,
+                        &p[mp.w1.clone()],
+                        s1,
+                        dw,
+                        db,
+                        Some((&mut *da, 0.0)),
+                        t,
+                        h,
+                        f,
+                    );
+                    let (dw, db) = pair(gp, wu, bu);
+                    linear_backward(a, &p[wu.clone()], s2, dw, db, Some((da, 1.0)), t, h, f);
+                }
             }
-            let (dw, db) = pair(gp, &mp.w1, &mp.b1);
-            linear_backward(a, &p[mp.w1.clone()], s1, dw, db, Some((da, 0.0)), t, h, f);
-        }
-        Activation::SwiGlu => {
-            let gate = c.take(t * f);
-            let up = c.take(t * f);
-            let prod = c.take(t * f);
-            let (dw, db) = pair(gp, &mp.proj, &mp.proj_b);
-            linear_backward(prod, wp, g, dw, db, Some((s1, 0.0)), t, f, h);
-            for (((dg, du), &x), &u) in s1.iter_mut().zip(s2.iter_mut()).zip(gate).zip(up) {
-                let sg = sigmoid(x);
-                let dprod = *dg;
-                *du = dprod * x * sg;
-                *dg = dprod * u * sg * (1.0 + x * (1.0 - sg));
-            }
-            let (wu, bu) = mp.up.as_ref().expect("swiglu has an up projection");
-            let (dw, db) = pair(gp, &mp.w1, &mp.b1);
-            linear_backward(
-                a,
-                &p[mp.w1.clone()],
-                s1,
-                dw,
-                db,
-                Some((&mut *da, 0.0)),
-                t,
-                h,
-                f,
-            );
-            let (dw, db) = pair(gp, wu, bu);
-            linear_backward(a, &p[wu.clone()], s2, dw, db, Some((da, 1.0)), t, h, f);
-        }
-    }
+        },
+    )
 }
 
 pub(super) fn forward(

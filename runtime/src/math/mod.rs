@@ -621,31 +621,36 @@ pub fn cross_entropy(
     vocab: usize,
     grad_logits: &mut [f32],
 ) -> f64 {
-    let n = targets.len();
-    assert_eq!(logits.len(), n * vocab, "cross_entropy: logits length");
-    assert_eq!(grad_logits.len(), n * vocab, "cross_entropy: grad length");
-    let inv = 1.0 / n as f32;
-    let mut total = 0f64;
-    for ((row, grad), &target) in logits
-        .chunks_exact(vocab)
-        .zip(grad_logits.chunks_exact_mut(vocab))
-        .zip(targets)
-    {
-        let target = target as usize;
-        assert!(
-            target < vocab,
-            "cross_entropy: target {target} not below vocab {vocab}"
-        );
-        let max = row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
-        let sum = ops::sum_exp(row, max);
-        let lse = max + sum.ln();
-        total += f64::from(lse - row[target]);
-        for (g, &x) in grad.iter_mut().zip(row) {
-            *g = ops::exp(x - lse) * inv;
-        }
-        grad[target] -= inv;
-    }
-    total
+    ops::wide(
+        #[inline(always)]
+        || {
+            let n = targets.len();
+            assert_eq!(logits.len(), n * vocab, "cross_entropy: logits length");
+            assert_eq!(grad_logits.len(), n * vocab, "cross_entropy: grad length");
+            let inv = 1.0 / n as f32;
+            let mut total = 0f64;
+            for ((row, grad), &target) in logits
+                .chunks_exact(vocab)
+                .zip(grad_logits.chunks_exact_mut(vocab))
+                .zip(targets)
+            {
+                let target = target as usize;
+                assert!(
+                    target < vocab,
+                    "cross_entropy: target {target} not below vocab {vocab}"
+                );
+                let max = row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+                let sum = ops::sum_exp(row, max);
+                let lse = max + sum.ln();
+                total += f64::from(lse - row[target]);
+                for (g, &x) in grad.iter_mut().zip(row) {
+                    *g = ops::exp(x - lse) * inv;
+                }
+                grad[target] -= inv;
+            }
+            total
+        },
+    )
 }
 
 /// Flat-vector ranges of a layer's 2-D tensors, the ones AdamW decays (embeddings included).

@@ -63,54 +63,59 @@ pub fn optimizer_step(
     first: usize,
     decay: &[Range<usize>],
 ) {
-    let n = grad.len();
-    assert!(step >= 1, "optimizer steps count from 1");
-    assert_eq!(
-        state.len(),
-        cfg.state_per_param() * n,
-        "optimizer state length"
-    );
-    if cfg.kind == Optimizer::Sgd {
-        for (p, &g) in state.iter_mut().zip(grad) {
-            *p -= cfg.lr * (g * grad_scale);
-        }
-        return;
-    }
-    let (master, mv) = state.split_at_mut(n);
-    let (m, v) = mv.split_at_mut(n);
-    let bc1 = 1.0 - f64::from(cfg.beta1).powf(step as f64);
-    let bc2 = 1.0 - f64::from(cfg.beta2).powf(step as f64);
-    let step_size = (f64::from(cfg.lr) / bc1) as f32;
-    let bc2_sqrt = bc2.sqrt() as f32;
-    let shrink = 1.0 - cfg.lr * cfg.weight_decay;
-    let decays = cfg.kind == Optimizer::AdamW && cfg.weight_decay != 0.0;
-
-    // Walk the slice in runs that are all decayed or all not.
-    let mut i = 0;
-    while i < n {
-        let at = first + i;
-        let inside = decay.iter().find(|r| r.contains(&at));
-        let end = match inside {
-            Some(r) => r.end - first,
-            None => decay
-                .iter()
-                .filter(|r| r.start > at)
-                .map(|r| r.start - first)
-                .min()
-                .unwrap_or(n),
-        }
-        .min(n);
-        let decayed = decays && inside.is_some();
-        for j in i..end {
-            let g = grad[j] * grad_scale;
-            m[j] = cfg.beta1 * m[j] + (1.0 - cfg.beta1) * g;
-            v[j] = cfg.beta2 * v[j] + (1.0 - cfg.beta2) * g * g;
-            if decayed {
-                master[j] *= shrink;
+    super::ops::wide(
+        #[inline(always)]
+        || {
+            let n = grad.len();
+            assert!(step >= 1, "optimizer steps count from 1");
+            assert_eq!(
+                state.len(),
+                cfg.state_per_param() * n,
+                "optimizer state length"
+            );
+            if cfg.kind == Optimizer::Sgd {
+                for (p, &g) in state.iter_mut().zip(grad) {
+                    *p -= cfg.lr * (g * grad_scale);
+                }
+                return;
             }
-            let denom = v[j].sqrt() / bc2_sqrt + cfg.eps;
-            master[j] -= step_size * m[j] / denom;
-        }
-        i = end;
-    }
+            let (master, mv) = state.split_at_mut(n);
+            let (m, v) = mv.split_at_mut(n);
+            let bc1 = 1.0 - f64::from(cfg.beta1).powf(step as f64);
+            let bc2 = 1.0 - f64::from(cfg.beta2).powf(step as f64);
+            let step_size = (f64::from(cfg.lr) / bc1) as f32;
+            let bc2_sqrt = bc2.sqrt() as f32;
+            let shrink = 1.0 - cfg.lr * cfg.weight_decay;
+            let decays = cfg.kind == Optimizer::AdamW && cfg.weight_decay != 0.0;
+
+            // Walk the slice in runs that are all decayed or all not.
+            let mut i = 0;
+            while i < n {
+                let at = first + i;
+                let inside = decay.iter().find(|r| r.contains(&at));
+                let end = match inside {
+                    Some(r) => r.end - first,
+                    None => decay
+                        .iter()
+                        .filter(|r| r.start > at)
+                        .map(|r| r.start - first)
+                        .min()
+                        .unwrap_or(n),
+                }
+                .min(n);
+                let decayed = decays && inside.is_some();
+                for j in i..end {
+                    let g = grad[j] * grad_scale;
+                    m[j] = cfg.beta1 * m[j] + (1.0 - cfg.beta1) * g;
+                    v[j] = cfg.beta2 * v[j] + (1.0 - cfg.beta2) * g * g;
+                    if decayed {
+                        master[j] *= shrink;
+                    }
+                    let denom = v[j].sqrt() / bc2_sqrt + cfg.eps;
+                    master[j] -= step_size * m[j] / denom;
+                }
+                i = end;
+            }
+        },
+    )
 }
