@@ -649,13 +649,11 @@ pub fn forward(
             let In::Hidden(x) = input else {
                 return Err("an mlp takes hidden states".into());
             };
-            let mut c = Carve(saved);
-            let a = c.take(t * h);
-            let st = c.take(2 * t);
+            let NormedSaved { a, st, mut rest } = NormedSaved::carve(t, *h, saved);
             norm_fwd(g, ln, p, t, *h, x, a, st)?;
             g.round(act, a, t * h)?;
             g.copy(out, x, t * h)?;
-            mlp_forward(g, lm, mlp, p, a, &mut c, out)?;
+            mlp_forward(g, lm, mlp, p, a, &mut rest, out)?;
             g.round(act, out, t * h)
         }
         Kind::LmHead {
@@ -667,9 +665,7 @@ pub fn forward(
             let In::Hidden(x) = input else {
                 return Err("an lm_head takes hidden states".into());
             };
-            let mut c = Carve(saved);
-            let a = c.take(t * h);
-            let st = c.take(2 * t);
+            let NormedSaved { a, st, .. } = NormedSaved::carve(t, *h, saved);
             norm_fwd(g, norm, p, t, *h, x, a, st)?;
             g.round(act, a, t * h)?;
             let w = match weight {
@@ -678,6 +674,25 @@ pub fn forward(
             };
             linear(g, a, w, 0, out, t, *h, *vocab, 0.0)?;
             g.round(act, out, t * vocab)
+        }
+    }
+}
+
+/// Where an mlp or lm_head layer's saved norm output `a` and statistics `st` lie in its `saved`
+/// region, in `math/layers.rs`'s order; an mlp's own tensors follow, carved from `rest`.
+struct NormedSaved {
+    a: u64,
+    st: u64,
+    rest: Carve,
+}
+
+impl NormedSaved {
+    fn carve(t: usize, h: usize, saved: u64) -> Self {
+        let mut c = Carve(saved);
+        NormedSaved {
+            a: c.take(t * h),
+            st: c.take(2 * t),
+            rest: c,
         }
     }
 }
@@ -820,11 +835,9 @@ pub fn backward(
             let In::Hidden(x) = input else {
                 return Err("an mlp takes hidden states".into());
             };
-            let mut c = Carve(saved);
-            let a = c.take(t * h);
-            let st = c.take(2 * t);
+            let NormedSaved { a, st, mut rest } = NormedSaved::carve(t, *h, saved);
             let da = g.alloc(t * h)?;
-            mlp_backward(g, lm, mlp, p, a, &mut c, dy, da, gp)?;
+            mlp_backward(g, lm, mlp, p, a, &mut rest, dy, da, gp)?;
             if let Some(gi) = gi {
                 g.copy(gi, dy, t * h)?;
             }
@@ -839,9 +852,7 @@ pub fn backward(
             let In::Hidden(x) = input else {
                 return Err("an lm_head takes hidden states".into());
             };
-            let mut c = Carve(saved);
-            let a = c.take(t * h);
-            let st = c.take(2 * t);
+            let NormedSaved { a, st, .. } = NormedSaved::carve(t, *h, saved);
             let da = g.alloc(t * h)?;
             match weight {
                 Some(r) => linear_backward(
