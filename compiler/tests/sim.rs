@@ -49,6 +49,23 @@ fn compile(job: &Job) -> Program {
         .0
 }
 
+/// Most test clusters' links within a node...
+const INTRA: &str = "bandwidth = 200 GB/s  latency = 3 us";
+/// ... and between nodes.
+const INTER: &str = "bandwidth = 400 Gbps  latency = 10 us";
+
+/// Each job of `LLAMA_SMALL` on `cluster` (a `cluster c` block) under `schedules` (blocks naming
+/// `model = m` and `cluster = c`), with its compiled program, ready to simulate.
+fn llama_small_programs(cluster: &str, schedules: &str) -> Vec<(Job, Program)> {
+    jobs(&format!("{cluster}{LLAMA_SMALL}{schedules}"))
+        .into_iter()
+        .map(|job| {
+            let p = compile(&job);
+            (job, p)
+        })
+        .collect()
+}
+
 fn close(a: f64, b: f64, rel: f64) -> bool {
     (a - b).abs() <= rel * a.abs().max(b.abs())
 }
@@ -240,12 +257,11 @@ fn a_coalesced_group_pays_one_latency_per_ring_step() {
 
 #[test]
 fn a_single_stream_takes_the_sum_of_its_ops() {
-    let src = format!(
-        "{}{LLAMA_SMALL}schedule s {{ model = m\n cluster = c\n micro_steps = 2\n preset = mics(partition = 8 x 2)\n streams = single }}\n",
-        cluster(4, 8, "bandwidth = 200 GB/s  latency = 3 us", "bandwidth = 400 Gbps  latency = 10 us", "")
-    );
-    let job = jobs(&src).remove(0);
-    let p = compile(&job);
+    let (job, p) = llama_small_programs(
+        &cluster(4, 8, INTRA, INTER, ""),
+        "schedule s { model = m\n cluster = c\n micro_steps = 2\n preset = mics(partition = 8 x 2)\n streams = single }\n",
+    )
+    .remove(0);
     assert_eq!(p.streams.len(), 1);
     let classes = sim::classes::rank_classes(&p);
     let cm = CostModel::new(&job);
@@ -349,20 +365,12 @@ fn two_hop_sync_meets_the_mics_bound() {
             "schedule {name} {{ model = m\n cluster = c\n micro_steps = 4\n shard {{ params = 2\n grads = 2\n optimizer = 2 }}\n grad_sync = {sync}\n streams = single }}\n"
         )
     };
-    let src = format!(
-        "{}{LLAMA_SMALL}{}{}",
-        cluster(
-            1,
-            8,
-            "bandwidth = 100 GB/s  latency = 1 us",
-            "bandwidth = 100 GB/s  latency = 1 us",
-            ""
-        ),
-        sched("two_hop", "two_hop"),
-        sched("flat", "flat")
+    let links = "bandwidth = 100 GB/s  latency = 1 us";
+    let js = llama_small_programs(
+        &cluster(1, 8, links, links, ""),
+        &(sched("two_hop", "two_hop") + &sched("flat", "flat")),
     );
-    let js = jobs(&src);
-    let cost = |j: &Job| collective_seconds(&compile(j), j, &[OpRole::Reduce, OpRole::Sync]);
+    let cost = |(j, p): &(Job, Program)| collective_seconds(p, j, &[OpRole::Reduce, OpRole::Sync]);
     let (two_hop, flat) = (cost(&js[0]), cost(&js[1]));
     let ratio = flat / two_hop;
     let (s, n, p) = (4.0, 8.0, 2.0);
@@ -385,20 +393,17 @@ fn hierarchical_all_gather_gains_the_traffic_ratio() {
             "schedule {name} {{ model = m\n cluster = c\n shard {{ params = 8 x 2\n grads = 8 x 2\n optimizer = 8 x 2 }}\n all_gather = {ag}\n streams = single }}\n"
         )
     };
-    let src = format!(
-        "{}{LLAMA_SMALL}{}{}",
-        cluster(
+    let js = llama_small_programs(
+        &cluster(
             2,
             8,
             "bandwidth = 2000 GB/s  latency = 1 ns",
             "bandwidth = 160 Gbps  latency = 1 ns",
-            ""
+            "",
         ),
-        sched("flat", "flat"),
-        sched("hier", "hierarchical")
+        &(sched("flat", "flat") + &sched("hier", "hierarchical")),
     );
-    let js = jobs(&src);
-    let cost = |j: &Job| collective_seconds(&compile(j), j, &[OpRole::Gather]);
+    let cost = |(j, p): &(Job, Program)| collective_seconds(p, j, &[OpRole::Gather]);
     let ratio = cost(&js[0]) / cost(&js[1]);
     let (p, a) = (16.0, 8.0);
     let want = (p - 1.0) / (p - a);
@@ -453,13 +458,7 @@ fn mfu_is_megatrons_formula() {
          layer block[{l}] = transformer(hidden = {h}, heads = {heads}, ffn = {})\n \
          layer head = lm_head(hidden = {h}, vocab = {v}, tied = true)\n}}\n\
          schedule s {{ model = gpt\n cluster = c\n micro_steps = 3\n preset = zero2 }}\n",
-        cluster(
-            2,
-            4,
-            "bandwidth = 200 GB/s  latency = 3 us",
-            "bandwidth = 400 Gbps  latency = 10 us",
-            ""
-        ),
+        cluster(2, 4, INTRA, INTER, ""),
         4 * h
     );
     let job = jobs(&src).remove(0);
@@ -479,13 +478,7 @@ fn measured_tables_override_the_model_interpolated_in_log_size() {
     let table = "measured all_gather 8 x 1 { 1 MiB = 20 GB/s; 64 MiB = 80 GB/s }";
     let src = format!(
         "{}{LLAMA_SMALL}schedule s {{ model = m\n cluster = c }}\n",
-        cluster(
-            2,
-            8,
-            "bandwidth = 200 GB/s  latency = 3 us",
-            "bandwidth = 400 Gbps  latency = 10 us",
-            table
-        )
+        cluster(2, 8, INTRA, INTER, table)
     );
     let job = jobs(&src).remove(0);
     let cm = CostModel::new(&job);
@@ -502,12 +495,11 @@ fn measured_tables_override_the_model_interpolated_in_log_size() {
 
 #[test]
 fn the_trace_has_a_process_per_rank_a_thread_per_stream_and_a_slice_per_op() {
-    let src = format!(
-        "{}{LLAMA_SMALL}schedule s {{ model = m\n cluster = c\n micro_steps = 2\n preset = mics(partition = 8 x 2) }}\n",
-        cluster(4, 8, "bandwidth = 200 GB/s  latency = 3 us", "bandwidth = 400 Gbps  latency = 10 us", "")
-    );
-    let job = jobs(&src).remove(0);
-    let p = compile(&job);
+    let (job, p) = llama_small_programs(
+        &cluster(4, 8, INTRA, INTER, ""),
+        "schedule s { model = m\n cluster = c\n micro_steps = 2\n preset = mics(partition = 8 x 2) }\n",
+    )
+    .remove(0);
     let (r, trace) = sim::simulate_traced(&p, &job);
     let v: serde_json::Value =
         serde_json::from_str(&serde_json::to_string(&trace).unwrap()).unwrap();
@@ -550,12 +542,11 @@ fn the_trace_has_a_process_per_rank_a_thread_per_stream_and_a_slice_per_op() {
 fn the_planners_scale_simulates_in_one_representative() {
     // The benchmark times the planner's scale (1,024 ranks); here a 256-rank AMSP mesh checks that
     // one class stands for every rank of a compiled schedule.
-    let src = format!(
-        "{}{LLAMA_SMALL}schedule s {{ model = m\n cluster = c\n shard {{ params = 8 x 1\n grads = 8 x 4\n optimizer = 8 x 16 }} }}\n",
-        cluster(32, 8, "bandwidth = 200 GB/s  latency = 3 us", "bandwidth = 400 Gbps  latency = 10 us", "")
-    );
-    let job = jobs(&src).remove(0);
-    let p = compile(&job);
+    let (job, p) = llama_small_programs(
+        &cluster(32, 8, INTRA, INTER, ""),
+        "schedule s { model = m\n cluster = c\n shard { params = 8 x 1\n grads = 8 x 4\n optimizer = 8 x 16 } }\n",
+    )
+    .remove(0);
     let c = sim::classes::rank_classes(&p);
     assert_eq!(c.representatives, [0]);
     assert_eq!(c.sizes, [256]);
@@ -565,13 +556,12 @@ fn the_planners_scale_simulates_in_one_representative() {
 #[test]
 fn one_representative_gives_the_same_step_as_every_rank() {
     // Simulate every rank as its own class (rendezvous across all of them) and compare.
-    let src = format!(
-        "{}{LLAMA_SMALL}schedule s {{ model = m\n cluster = c\n micro_steps = 2\n preset = mics(partition = 8 x 2)\n buckets {{ gather = 64 MiB  reduce = 64 MiB }} }}\n\
-         schedule t {{ model = m\n cluster = c\n shard {{ params = 4 x 1\n grads = 8 x 1\n optimizer = 8 x 4 }} }}\n",
-        cluster(4, 8, "bandwidth = 200 GB/s  latency = 3 us", "bandwidth = 400 Gbps  latency = 10 us", "")
+    let programs = llama_small_programs(
+        &cluster(4, 8, INTRA, INTER, ""),
+        "schedule s { model = m\n cluster = c\n micro_steps = 2\n preset = mics(partition = 8 x 2)\n buckets { gather = 64 MiB  reduce = 64 MiB } }\n\
+         schedule t { model = m\n cluster = c\n shard { params = 4 x 1\n grads = 8 x 1\n optimizer = 8 x 4 } }\n",
     );
-    for job in jobs(&src) {
-        let p = compile(&job);
+    for (job, p) in programs {
         let one = sim::run(&p, &job);
         let mut each = sim::classes::rank_classes(&p);
         each.class_of = (0..p.ranks).collect();
