@@ -6,19 +6,14 @@
 
 mod common;
 
-use common::{job, AMSP, MICS, ZERO3};
+use common::{job, target_jobs, ZERO3};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use schedc::compile;
 
 fn targets(c: &mut Criterion) {
     let mut g = c.benchmark_group("compile+verify 80 layers, 16 micro-steps, 1024 ranks");
     g.sample_size(10);
-    for (name, shard) in [
-        ("zero3", ZERO3),
-        ("mics 8x2 hierarchical", MICS),
-        ("amsp 8x1/8x4/8x16", AMSP),
-    ] {
-        let j = job(80, 16, 128, shard);
+    for (name, j) in target_jobs() {
         g.bench_function(name, |b| b.iter(|| compile(&j).unwrap()));
     }
     g.finish();

@@ -6,19 +6,14 @@
 
 mod common;
 
-use common::{job, AMSP, MICS, ZERO3};
+use common::target_jobs;
 use criterion::{criterion_group, criterion_main, Criterion};
 use schedc::{compile, sim};
 
 fn simulate(c: &mut Criterion) {
     let mut g = c.benchmark_group("simulate 80 layers, 16 micro-steps, 1024 ranks");
     g.sample_size(10);
-    for (name, shard) in [
-        ("zero3", ZERO3),
-        ("mics 8x2 hierarchical", MICS),
-        ("amsp 8x1/8x4/8x16", AMSP),
-    ] {
-        let j = job(80, 16, 128, shard);
+    for (name, j) in target_jobs() {
         let (program, _) = compile(&j).unwrap();
         g.bench_function(name, |b| b.iter(|| sim::simulate(&program, &j)));
     }

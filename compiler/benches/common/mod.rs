@@ -8,6 +8,18 @@ pub const ZERO3: &str = "preset = zero3";
 pub const MICS: &str = "preset = mics(partition = 8 x 2)\n    all_gather = hierarchical";
 pub const AMSP: &str = "shard { params = 8 x 1  grads = 8 x 4  optimizer = 8 x 16 }";
 
+/// The headline targets, by name: 80 layers, 16 micro-steps, 128 nodes (1,024 ranks), under
+/// ZeRO-3, MiCS over 8 x 2 with the hierarchical all-gather, and an AMSP mesh.
+pub fn target_jobs() -> impl Iterator<Item = (&'static str, Job)> {
+    [
+        ("zero3", ZERO3),
+        ("mics 8x2 hierarchical", MICS),
+        ("amsp 8x1/8x4/8x16", AMSP),
+    ]
+    .into_iter()
+    .map(|(name, shard)| (name, job(80, 16, 128, shard)))
+}
+
 pub fn job(layers: u32, micro_steps: u32, nodes: u32, shard: &str) -> Job {
     let src = format!(
         r#"
