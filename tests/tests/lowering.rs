@@ -1035,9 +1035,7 @@ fn check_hierarchical(uneven: bool) {
 
 /// The memory plan's tightness for every example schedule (transient bytes placed over the most transient bytes
 /// simultaneously alive that `schedc` finds a witness execution for, a lower bound on any valid placement; see
-/// `passes/memory/bound.rs`), printed as a table (`--nocapture`). Issue 3 asks for 2%: every example meets it
-/// except those in [`TIGHTNESS_ABOVE_2_PERCENT`], whose figures are pinned as upper bounds (README, "Compilation
-/// notes", says why they stay above).
+/// `passes/memory/bound.rs`), printed as a table (`--nocapture`). Issue 3 asks for 2%, and every example meets it.
 #[test]
 fn plan_tightness_of_the_examples() {
     let mut table = String::from(
@@ -1062,7 +1060,6 @@ fn plan_tightness_of_the_examples() {
         }
     }
     eprintln!("{table}");
-    let mut pinned_seen = vec![];
     for f in examples() {
         for c in &f.schedules {
             if let Ok(o) = &c.result {
@@ -1073,35 +1070,16 @@ fn plan_tightness_of_the_examples() {
                     c.name,
                     o.tightness
                 );
-                let pinned = TIGHTNESS_ABOVE_2_PERCENT
-                    .iter()
-                    .find(|(file, name, _)| *file == f.file && *name == c.name);
-                let limit = pinned.map_or(1.02, |&(_, _, at_most)| at_most);
                 assert!(
-                    o.tightness <= limit,
-                    "{} `{}`: plan tightness {:.4} above {limit}",
+                    o.tightness <= 1.02,
+                    "{} `{}`: plan tightness {:.4} above 1.02",
                     f.file,
                     c.name,
                     o.tightness
                 );
-                if pinned.is_some() {
-                    assert!(
-                        o.tightness > 1.02,
-                        "{} `{}`: plan tightness {:.4} now meets 2%: take it off TIGHTNESS_ABOVE_2_PERCENT",
-                        f.file,
-                        c.name,
-                        o.tightness
-                    );
-                    pinned_seen.push(c.name.as_str());
-                }
             }
         }
     }
-    assert_eq!(
-        pinned_seen.len(),
-        TIGHTNESS_ABOVE_2_PERCENT.len(),
-        "a pinned example is missing: {pinned_seen:?}"
-    );
     let failed = failures(examples());
     assert!(
         failed.is_empty(),
@@ -1110,11 +1088,3 @@ fn plan_tightness_of_the_examples() {
         failed.join("\n")
     );
 }
-
-/// The examples whose plans stay above issue 3's 2% (file, schedule, the tightness pinned as an upper bound).
-const TIGHTNESS_ABOVE_2_PERCENT: &[(&str, &str, f64)] = &[
-    ("llama13b_hpz.sched", "llama13b_hpz", 1.0503),
-    ("llama13b_hpz.sched", "llama13b_hpz_4", 1.0436),
-    ("llama13b_hpz.sched", "llama13b_zero3_200g", 1.0664),
-    ("llama13b_hsdp.sched", "llama13b_hsdp_flat_sync", 1.0670),
-];

@@ -75,8 +75,26 @@ fn concurrency_bound(
     transient: &[BufferId],
     span: &[(usize, usize)],
 ) -> u64 {
+    let mut best = 0u64;
+    for_each_live_set(p, clocks, transient, span, |_, live| {
+        best = best.max(live.iter().map(|&b| p.buffers[b].bytes).sum());
+    });
+    best
+}
+
+/// Calls `f` with each op (issue order) and the transient buffers in use at it when it runs right
+/// after everything that happens before it and before anything else: those with an access
+/// happening before or at the op and an access not happening before it. `transient` is sorted by
+/// first access.
+pub(super) fn for_each_live_set(
+    p: &Program,
+    clocks: &Clocks,
+    transient: &[BufferId],
+    span: &[(usize, usize)],
+    mut f: impl FnMut(OpId, &[BufferId]),
+) {
     let (firsts, lasts) = access_ends(p);
-    let (mut next, mut active, mut best) = (0, Vec::<BufferId>::new(), 0u64);
+    let (mut next, mut active, mut live) = (0, Vec::<BufferId>::new(), Vec::<BufferId>::new());
     for (o, _) in p.ops.iter() {
         while next < transient.len() && span[transient[next].index()].0 <= o.index() {
             active.push(transient[next]);
@@ -84,20 +102,16 @@ fn concurrency_bound(
         }
         active.retain(|&b| span[b.index()].1 > o.index());
         let started = |x: OpId| x == o || clocks.hb(p, x, o);
-        let live: u64 = active
-            .iter()
-            .filter(|&&b| {
-                firsts[b.index()].iter().flatten().any(|&x| started(x))
-                    && lasts[b.index()]
-                        .iter()
-                        .flatten()
-                        .any(|&y| y == o || !clocks.hb(p, y, o))
-            })
-            .map(|&b| p.buffers[b].bytes)
-            .sum();
-        best = best.max(live);
+        live.clear();
+        live.extend(active.iter().copied().filter(|&b| {
+            firsts[b.index()].iter().flatten().any(|&x| started(x))
+                && lasts[b.index()]
+                    .iter()
+                    .flatten()
+                    .any(|&y| y == o || !clocks.hb(p, y, o))
+        }));
+        f(o, &live);
     }
-    best
 }
 
 /// A maximum-weight antichain (see [`lower_bound`]), or none when the pruned network's cut is not

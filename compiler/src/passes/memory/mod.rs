@@ -96,7 +96,7 @@ pub fn run(p: &mut Program) -> Vec<(OpId, OpId)> {
     let transient = transient_by_first_access(p, &life);
     let span = spans(p, &clocks, &life, &transient);
 
-    let best = search::plan(p, &life, &span, &transient, base);
+    let best = search::plan(p, &clocks, &life, &span, &transient, base);
     for &b in &transient {
         p.buffers[b].offset = best.0[b.index()];
     }
