@@ -24,8 +24,9 @@
 //!   op's set, in room that set leaves (LLaMA-13B hpZ and HSDP-flat examples: 1.05–1.07 before,
 //!   1.00–1.014 with it).
 //!
-//! Then, within a budget of placements that shrinks as the program grows (each costs about one
-//! greedy pass), a two-ended fit and a repair loop.
+//! Then, in programs of up to [`SMALL_PROGRAM`] transient buffers, within a budget of placements
+//! that shrinks as the program grows (each costs about one greedy pass), a two-ended fit and a
+//! repair loop.
 
 use super::place::{place, slots, Fit, Units};
 use super::{Lifetimes, ALIGN};
@@ -198,7 +199,13 @@ pub(super) fn plan(
         .min_by_key(|((_, top), _, _)| *top)
         .map(|(placed, i, fit)| (placed.clone(), orders[*i].clone(), *fit))
         .expect("at least six placements");
-    let mut budget = (IMPROVE_WORK / transient.len().max(1)).min(MAX_IMPROVE);
+    // Programs past SMALL_PROGRAM skip the improvements: none lowered any example's or benchmark
+    // program's arena there, and each costs a full pass.
+    let mut budget = if small {
+        (IMPROVE_WORK / transient.len().max(1)).min(MAX_IMPROVE)
+    } else {
+        0
+    };
     // 1. Two-ended: the largest units first fit, every smaller one in the highest gap below a
     //    target top, so that long-lived stacks of small buffers (hidden states kept for
     //    backward) grow down from the top while the large working set stays low; the target is
