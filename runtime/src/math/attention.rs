@@ -24,15 +24,10 @@ pub(crate) struct Shape {
 }
 
 /// What forward keeps: the probabilities ([b][head][i][j], zero above the diagonal) or the
-/// log-sum-exp of each row ([b][head][i]).
-pub(crate) enum Keep<'a> {
-    Probs(&'a mut [f32]),
-    Lse(&'a mut [f32]),
-}
-
-pub(crate) enum Kept<'a> {
-    Probs(&'a [f32]),
-    Lse(&'a [f32]),
+/// log-sum-exp of each row ([b][head][i]); `&mut [f32]` in forward, `&[f32]` in backward.
+pub(crate) enum Keep<S> {
+    Probs(S),
+    Lse(S),
 }
 
 impl Shape {
@@ -79,7 +74,7 @@ pub(crate) fn forward(
     sh: &Shape,
     qkv: &[f32],
     out: &mut [f32],
-    mut keep: Keep<'_>,
+    mut keep: Keep<&mut [f32]>,
     prec: Precision,
     scratch: &mut [f32],
 ) {
@@ -132,7 +127,7 @@ pub(crate) fn forward(
 pub(crate) fn backward(
     sh: &Shape,
     qkv: &[f32],
-    kept: Kept<'_>,
+    kept: Keep<&[f32]>,
     dout: &[f32],
     dqkv: &mut [f32],
     scratch: &mut [f32],
@@ -152,13 +147,13 @@ pub(crate) fn backward(
                         let rows = r1 - r0;
                         let p = &mut p_buf[..rows * r1];
                         match kept {
-                            Kept::Probs(pr) => {
+                            Keep::Probs(pr) => {
                                 for (ii, row) in p.chunks_exact_mut(r1).enumerate() {
                                     let src = (bh * s + r0 + ii) * s;
                                     row.copy_from_slice(&pr[src..src + r1]);
                                 }
                             }
-                            Kept::Lse(l) => {
+                            Keep::Lse(l) => {
                                 scores(sh, qkv, q, k, r0, r1, p);
                                 for (ii, row) in p.chunks_exact_mut(r1).enumerate() {
                                     let i = r0 + ii;

@@ -1,6 +1,6 @@
 //! Forward and backward of each layer kind, over the buffers the executor hands in.
 
-use super::attention::{self, Keep, Kept};
+use super::attention::{self, Keep};
 use super::gemm::{linear, linear_backward};
 use super::ops::{gelu, gelu_grad, norm_backward, norm_forward, sigmoid, Rope};
 use super::{BlockP, Input, Kind, LayerMath, MlpP, NormP};
@@ -26,25 +26,106 @@ fn with_scratch<R>(n: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
     })
 }
 
-/// Cuts consecutive pieces off a mutable buffer.
-struct Carve<'a>(&'a mut [f32]);
+/// A slice that pieces can be cut off the front of: `&mut [f32]` where forward writes what it
+/// keeps for backward, `&[f32]` where backward reads it.
+trait Piece: Sized + Default {
+    fn split(self, n: usize) -> (Self, Self);
+}
 
-impl<'a> Carve<'a> {
-    fn take(&mut self, n: usize) -> &'a mut [f32] {
-        let (head, tail) = std::mem::take(&mut self.0).split_at_mut(n);
+impl Piece for &mut [f32] {
+    fn split(self, n: usize) -> (Self, Self) {
+        self.split_at_mut(n)
+    }
+}
+
+impl Piece for &[f32] {
+    fn split(self, n: usize) -> (Self, Self) {
+        self.split_at(n)
+    }
+}
+
+/// Cuts consecutive pieces off a buffer.
+struct Carve<S>(S);
+
+impl<S: Piece> Carve<S> {
+    fn take(&mut self, n: usize) -> S {
+        let (head, tail) = std::mem::take(&mut self.0).split(n);
         self.0 = tail;
         head
     }
 }
 
-/// Cuts consecutive pieces off a shared buffer.
-struct CarveRef<'a>(&'a [f32]);
+/// The front of what an mlp or lm_head layer keeps: the norm's output and its statistics, then
+/// (mlp) the MLP's tensors.
+struct NormedSaved<S> {
+    a: S,
+    st: S,
+    rest: Carve<S>,
+}
 
-impl<'a> CarveRef<'a> {
-    fn take(&mut self, n: usize) -> &'a [f32] {
-        let (head, tail) = self.0.split_at(n);
-        self.0 = tail;
-        head
+impl<S: Piece> NormedSaved<S> {
+    fn carve(t: usize, h: usize, saved: S) -> Self {
+        let mut c = Carve(saved);
+        let (a, st) = (c.take(t * h), c.take(2 * t));
+        NormedSaved { a, st, rest: c }
+    }
+}
+
+/// The MLP's kept tensors, by activation.
+enum MlpSaved<S> {
+    Gelu { pre: S, post: S },
+    SwiGlu { gate: S, up: S, prod: S },
+}
+
+impl<S: Piece> MlpSaved<S> {
+    fn carve(t: usize, mp: &MlpP, c: &mut Carve<S>) -> Self {
+        let f = mp.ffn;
+        match mp.act {
+            Activation::Gelu => MlpSaved::Gelu {
+                pre: c.take(t * f),
+                post: c.take(t * f),
+            },
+            Activation::SwiGlu => MlpSaved::SwiGlu {
+                gate: c.take(t * f),
+                up: c.take(t * f),
+                prod: c.take(t * f),
+            },
+        }
+    }
+}
+
+/// What a transformer block keeps for backward, in the order of its saved buffer.
+struct BlockSaved<S> {
+    a1: S,
+    st1: S,
+    qkv: S,
+    att: S,
+    keep: Keep<S>,
+    resid: S,
+    a2: S,
+    st2: S,
+    mlp: Carve<S>,
+}
+
+impl<S: Piece> BlockSaved<S> {
+    fn carve(m: &LayerMath, bp: &BlockP, saved: S) -> Self {
+        let (t, s, h) = (m.dims.t, m.dims.s, bp.hidden);
+        let sh = &bp.shape;
+        let mut c = Carve(saved);
+        BlockSaved {
+            a1: c.take(t * h),
+            st1: c.take(2 * t),
+            qkv: c.take(t * sh.width()),
+            att: c.take(t * h),
+            keep: match bp.attention {
+                Attention::Flash => Keep::Lse(c.take(sh.heads * t)),
+                Attention::Naive => Keep::Probs(c.take(sh.heads * t * s)),
+            },
+            resid: c.take(t * h),
+            a2: c.take(t * h),
+            st2: c.take(2 * t),
+            mlp: c,
+        }
     }
 }
 
@@ -120,18 +201,23 @@ fn rope_rows(rope: &Option<Rope>, p: &BlockP, s: usize, qkv: &mut [f32], inverse
     }
 }
 
-/// out += MLP(a), keeping the MLP's tensors in `c`.
-fn mlp_forward(m: &LayerMath, mp: &MlpP, p: &[f32], a: &[f32], c: &mut Carve<'_>, out: &mut [f32]) {
+/// out += MLP(a), keeping the MLP's tensors in `kept`.
+fn mlp_forward(
+    m: &LayerMath,
+    mp: &MlpP,
+    p: &[f32],
+    a: &[f32],
+    kept: MlpSaved<&mut [f32]>,
+    out: &mut [f32],
+) {
     super::ops::wide(
         #[inline(always)]
         || {
             let (t, h, f) = (m.dims.t, mp.hidden, mp.ffn);
             let w1 = &p[mp.w1.clone()];
             let b1 = bias(p, &mp.b1);
-            let mid = match mp.act {
-                Activation::Gelu => {
-                    let pre = c.take(t * f);
-                    let post = c.take(t * f);
+            let mid = match kept {
+                MlpSaved::Gelu { pre, post } => {
                     linear(a, w1, b1, pre, t, h, f, 0.0);
                     m.act.round(pre);
                     for (y, &x) in post.iter_mut().zip(pre.iter()) {
@@ -140,10 +226,7 @@ fn mlp_forward(m: &LayerMath, mp: &MlpP, p: &[f32], a: &[f32], c: &mut Carve<'_>
                     m.act.round(post);
                     post
                 }
-                Activation::SwiGlu => {
-                    let gate = c.take(t * f);
-                    let up = c.take(t * f);
-                    let prod = c.take(t * f);
+                MlpSaved::SwiGlu { gate, up, prod } => {
                     let (wu, bu) = mp.up.as_ref().expect("swiglu has an up projection");
                     linear(a, w1, b1, gate, t, h, f, 0.0);
                     linear(a, &p[wu.clone()], bias(p, bu), up, t, h, f, 0.0);
@@ -178,7 +261,7 @@ fn mlp_backward(
     mp: &MlpP,
     p: &[f32],
     a: &[f32],
-    c: &mut CarveRef<'_>,
+    kept: MlpSaved<&[f32]>,
     g: &[f32],
     da: &mut [f32],
     gp: &mut [f32],
@@ -190,10 +273,8 @@ fn mlp_backward(
         || {
             let (t, h, f) = (m.dims.t, mp.hidden, mp.ffn);
             let wp = &p[mp.proj.clone()];
-            match mp.act {
-                Activation::Gelu => {
-                    let pre = c.take(t * f);
-                    let post = c.take(t * f);
+            match kept {
+                MlpSaved::Gelu { pre, post } => {
                     let (dw, db) = pair(gp, &mp.proj, &mp.proj_b);
                     linear_backward(post, wp, g, dw, db, Some((s1, 0.0)), t, f, h);
                     for (d, &x) in s1.iter_mut().zip(pre) {
@@ -202,10 +283,7 @@ fn mlp_backward(
                     let (dw, db) = pair(gp, &mp.w1, &mp.b1);
                     linear_backward(a, &p[mp.w1.clone()], s1, dw, db, Some((da, 0.0)), t, h, f);
                 }
-                Activation::SwiGlu => {
-                    let gate = c.take(t * f);
-                    let up = c.take(t * f);
-                    let prod = c.take(t * f);
+                MlpSaved::SwiGlu { gate, up, prod } => {
                     let (dw, db) = pair(gp, &mp.proj, &mp.proj_b);
                     linear_backward(prod, wp, g, dw, db, Some((s1, 0.0)), t, f, h);
                     for (((dg, du), &x), &u) in s1.iter_mut().zip(s2.iter_mut()).zip(gate).zip(up) {
@@ -273,12 +351,11 @@ pub(super) fn forward(
         Kind::Transformer(bp) => transformer_forward(m, bp, p, hidden(input), out, saved),
         Kind::Mlp { hidden: h, ln, mlp } => {
             let x = hidden(input);
-            let mut c = Carve(saved);
-            let a = c.take(t * h);
-            norm_fwd(ln, p, *h, x, a, c.take(2 * t));
+            let NormedSaved { a, st, mut rest } = NormedSaved::carve(t, *h, saved);
+            norm_fwd(ln, p, *h, x, a, st);
             m.act.round(a);
             out.copy_from_slice(x);
-            mlp_forward(m, mlp, p, a, &mut c, out);
+            mlp_forward(m, mlp, p, a, MlpSaved::carve(t, mlp, &mut rest), out);
             m.act.round(out);
         }
         Kind::LmHead {
@@ -287,9 +364,8 @@ pub(super) fn forward(
             norm,
             weight,
         } => {
-            let mut c = Carve(saved);
-            let a = c.take(t * h);
-            norm_fwd(norm, p, *h, hidden(input), a, c.take(2 * t));
+            let NormedSaved { a, st, .. } = NormedSaved::carve(t, *h, saved);
+            norm_fwd(norm, p, *h, hidden(input), a, st);
             m.act.round(a);
             let w = match weight {
                 Some(r) => &p[r.clone()],
@@ -312,18 +388,17 @@ fn transformer_forward(
     let (t, s, h) = (m.dims.t, m.dims.s, bp.hidden);
     let sh = &bp.shape;
     let w = sh.width();
-    let mut c = Carve(saved);
-    let a1 = c.take(t * h);
-    let st1 = c.take(2 * t);
-    let qkv = c.take(t * w);
-    let att = c.take(t * h);
-    let keep = match bp.attention {
-        Attention::Flash => Keep::Lse(c.take(sh.heads * t)),
-        Attention::Naive => Keep::Probs(c.take(sh.heads * t * s)),
-    };
-    let resid = c.take(t * h);
-    let a2 = c.take(t * h);
-    let st2 = c.take(2 * t);
+    let BlockSaved {
+        a1,
+        st1,
+        qkv,
+        att,
+        keep,
+        resid,
+        a2,
+        st2,
+        mut mlp,
+    } = BlockSaved::carve(m, bp, saved);
 
     norm_fwd(&bp.ln1, p, h, x, a1, st1);
     m.act.round(a1);
@@ -358,7 +433,14 @@ fn transformer_forward(
     norm_fwd(&bp.ln2, p, h, resid, a2, st2);
     m.act.round(a2);
     out.copy_from_slice(resid);
-    mlp_forward(m, &bp.mlp, p, a2, &mut c, out);
+    mlp_forward(
+        m,
+        &bp.mlp,
+        p,
+        a2,
+        MlpSaved::carve(t, &bp.mlp, &mut mlp),
+        out,
+    );
     m.act.round(out);
 }
 
@@ -405,15 +487,14 @@ pub(super) fn backward(
         }
         Kind::Mlp { hidden: h, ln, mlp } => {
             let x = hidden(input);
-            let mut c = CarveRef(saved);
-            let a = c.take(t * h);
-            let st = c.take(2 * t);
+            let NormedSaved { a, st, mut rest } = NormedSaved::carve(t, *h, saved);
             let f = mlp.ffn;
             with_scratch(t * h + 2 * t * f, |scratch| {
                 let mut sc = Carve(scratch);
                 let da = sc.take(t * h);
                 let (s1, s2) = (sc.take(t * f), sc.take(t * f));
-                mlp_backward(m, mlp, p, a, &mut c, g, da, gp, s1, s2);
+                let kept = MlpSaved::carve(t, mlp, &mut rest);
+                mlp_backward(m, mlp, p, a, kept, g, da, gp, s1, s2);
                 if let Some(gi) = gi.as_deref_mut() {
                     gi.copy_from_slice(g);
                 }
@@ -426,9 +507,7 @@ pub(super) fn backward(
             norm,
             weight,
         } => {
-            let mut c = CarveRef(saved);
-            let a = c.take(t * h);
-            let st = c.take(2 * t);
+            let NormedSaved { a, st, .. } = NormedSaved::carve(t, *h, saved);
             with_scratch(t * h, |da| {
                 match weight {
                     Some(r) => linear_backward(
@@ -479,18 +558,17 @@ fn transformer_backward(
     let (t, s, h, f) = (m.dims.t, m.dims.s, bp.hidden, bp.mlp.ffn);
     let sh = &bp.shape;
     let w = sh.width();
-    let mut c = CarveRef(saved);
-    let a1 = c.take(t * h);
-    let st1 = c.take(2 * t);
-    let qkv = c.take(t * w);
-    let att = c.take(t * h);
-    let kept = match bp.attention {
-        Attention::Flash => Kept::Lse(c.take(sh.heads * t)),
-        Attention::Naive => Kept::Probs(c.take(sh.heads * t * s)),
-    };
-    let resid = c.take(t * h);
-    let a2 = c.take(t * h);
-    let st2 = c.take(2 * t);
+    let BlockSaved {
+        a1,
+        st1,
+        qkv,
+        att,
+        keep: kept,
+        resid,
+        a2,
+        st2,
+        mut mlp,
+    } = BlockSaved::carve(m, bp, saved);
 
     let need = 3 * t * h + 2 * t * f + t * w + 2 * sh.scratch();
     with_scratch(need, |scratch| {
@@ -502,7 +580,8 @@ fn transformer_backward(
         let dqkv = sc.take(t * w);
         let attn_scratch = sc.take(2 * sh.scratch());
 
-        mlp_backward(m, &bp.mlp, p, a2, &mut c, g, da, gp, s1, s2);
+        let mlp_kept = MlpSaved::carve(t, &bp.mlp, &mut mlp);
+        mlp_backward(m, &bp.mlp, p, a2, mlp_kept, g, da, gp, s1, s2);
         dr.copy_from_slice(g);
         norm_bwd(&bp.ln2, p, h, resid, st2, da, Some(&mut *dr), gp);
 
