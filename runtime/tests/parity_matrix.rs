@@ -7,16 +7,13 @@
 //! outside the contract (rounding happens at different points in sharded and whole runs), so they
 //! are held to 1e-2.
 
+mod common;
+
+use common::{assert_parity, reference, scheduled};
 use schedc::sema::Loader;
 use schedc::{analyze, Job};
-use schedrun::backend::cpu::CpuBackend;
 use schedrun::backend::RunOptions;
-use schedrun::data::Corpus;
-use schedrun::plan::Plan;
-use schedrun::reference::Reference;
-use schedrun::train::Trainer;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::time::Duration;
 
 /// (name, cluster, keys): each is compiled for tiny_gpt and for tiny_llama.
@@ -99,74 +96,13 @@ fn matrix() -> Vec<Job> {
     a.jobs.clone()
 }
 
-fn reference(job: &Job, steps: u64) -> (Vec<f64>, Vec<f32>) {
-    let corpus = Corpus::builtin();
-    let model = &job.model;
-    let sequences =
-        job.ranks() as usize * job.schedule.micro_steps as usize * model.micro_batch as usize;
-    let mut r = Reference::new(model, &job.schedule.train).unwrap();
-    let losses = (0..steps)
-        .map(|t| {
-            let b = corpus
-                .global_batch(t, sequences, model.seq_len as usize)
-                .unwrap();
-            r.step(t, &b)
-        })
-        .collect();
-    (
-        losses,
-        r.weights().into_iter().flat_map(|(_, w)| w).collect(),
-    )
-}
-
-fn scheduled(job: &Job, steps: u64, options: RunOptions) -> (Vec<f64>, Vec<f32>) {
-    let (program, _) =
-        schedc::compile(job).unwrap_or_else(|e| panic!("{}: {e}", job.schedule.name));
-    let plan = Arc::new(Plan::unverified(program, job.clone()).unwrap());
-    let backend = CpuBackend::new(plan.clone(), options);
-    let mut t = Trainer::new(plan, backend, Corpus::builtin());
-    let init = t.initial_state(job.schedule.train.seed);
-    t.load(&init).unwrap();
-    let losses = (0..steps)
-        .map(|_| t.step(job.schedule.train.lr, None).unwrap().loss)
-        .collect();
-    let weights = t
-        .state()
-        .unwrap()
-        .layers
-        .into_iter()
-        .flat_map(|l| l.params)
-        .collect();
-    (losses, weights)
-}
-
+/// Parity, and over a 20-step run the loss falls.
 fn check(job: &Job, got: &(Vec<f64>, Vec<f32>), want: &(Vec<f64>, Vec<f32>), what: &str) {
-    let name = &job.schedule.name;
-    let tolerance = if job.model.dtype == schedc::job::Dtype::Fp32 {
-        1e-5
-    } else {
-        1e-2
-    };
-    for (i, (g, w)) in got.0.iter().zip(&want.0).enumerate() {
-        assert!(
-            ((g - w) / w).abs() <= tolerance,
-            "{name} ({what}): step {} loss {g}, reference {w}",
-            i + 1
-        );
-    }
-    let worst = got
-        .1
-        .iter()
-        .zip(&want.1)
-        .map(|(a, b)| (a - b).abs())
-        .fold(0.0f32, f32::max);
-    assert!(
-        worst <= tolerance as f32,
-        "{name} ({what}): final weights differ by {worst}"
-    );
+    assert_parity(job, got, want, what);
     assert!(
         got.0.len() < 20 || got.0[19] < 0.9 * got.0[0],
-        "{name}: the loss does not fall"
+        "{}: the loss does not fall",
+        job.schedule.name
     );
 }
 

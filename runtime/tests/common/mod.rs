@@ -1,11 +1,19 @@
 //! Helpers shared by the runtime's tests: models from sched text or the repository's schedules,
-//! and seeded random buffers.
+//! seeded random buffers, and training runs (the single-process reference and a plan on the CPU
+//! backend) that parity tests compare.
 #![allow(dead_code)]
 
 use schedc::job::{Job, Model};
 use schedc::{analyze, FsLoader, MemLoader};
+use schedrun::backend::cpu::CpuBackend;
+use schedrun::backend::RunOptions;
+use schedrun::data::Corpus;
 use schedrun::math::Rng;
+use schedrun::plan::Plan;
+use schedrun::reference::Reference;
+use schedrun::train::Trainer;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 /// The models of a sched source held in memory (every model it defines).
 pub fn models(text: &str) -> Vec<Model> {
@@ -48,4 +56,82 @@ pub fn tiny(name: &str) -> Model {
 
 pub fn normal(rng: &mut Rng, n: usize, std: f64) -> Vec<f32> {
     (0..n).map(|_| (rng.normal() * std) as f32).collect()
+}
+
+/// Per-step losses and final weights (`LAYER.TENSOR` order) of the single-process reference
+/// trainer on the job's global batch.
+pub fn reference(job: &Job, steps: u64) -> (Vec<f64>, Vec<f32>) {
+    let corpus = Corpus::builtin();
+    let model = &job.model;
+    let sequences =
+        job.ranks() as usize * job.schedule.micro_steps as usize * model.micro_batch as usize;
+    let mut r = Reference::new(model, &job.schedule.train).unwrap();
+    let losses = (0..steps)
+        .map(|t| {
+            let batch = corpus
+                .global_batch(t, sequences, model.seq_len as usize)
+                .unwrap();
+            r.step(t, &batch)
+        })
+        .collect();
+    let weights = r.weights().into_iter().flat_map(|(_, w)| w).collect();
+    (losses, weights)
+}
+
+/// The same with the job compiled and run on the CPU backend.
+pub fn scheduled(job: &Job, steps: u64, options: RunOptions) -> (Vec<f64>, Vec<f32>) {
+    let (program, _) =
+        schedc::compile(job).unwrap_or_else(|e| panic!("{}: {e}", job.schedule.name));
+    let plan = Arc::new(Plan::unverified(program, job.clone()).unwrap());
+    let backend = CpuBackend::new(plan.clone(), options);
+    let mut t = Trainer::new(plan, backend, Corpus::builtin());
+    let init = t.initial_state(job.schedule.train.seed);
+    t.load(&init).unwrap();
+    let train = &job.schedule.train;
+    let losses = (0..steps)
+        .map(|_| t.step(train.lr, train.clip).unwrap().loss)
+        .collect();
+    let weights = t
+        .state()
+        .unwrap()
+        .layers
+        .into_iter()
+        .flat_map(|l| l.params)
+        .collect();
+    (losses, weights)
+}
+
+/// `got` matches `want` (losses, weights) as runtime.md's parity contract asks: within 1e-5
+/// relative per loss and absolute per weight in fp32, 1e-2 with a bf16/fp16 model.
+pub fn assert_parity(
+    job: &Job,
+    got: &(Vec<f64>, Vec<f32>),
+    want: &(Vec<f64>, Vec<f32>),
+    what: &str,
+) {
+    let name = &job.schedule.name;
+    let tolerance = if job.model.dtype == schedc::job::Dtype::Fp32 {
+        1e-5
+    } else {
+        1e-2
+    };
+    for (i, (g, w)) in got.0.iter().zip(&want.0).enumerate() {
+        assert!(
+            ((g - w) / w).abs() <= tolerance,
+            "{name} ({what}): step {} loss {g} vs the reference's {w}",
+            i + 1
+        );
+    }
+    assert_eq!(got.1.len(), want.1.len(), "{name} ({what}): weight count");
+    let (worst, at) = got
+        .1
+        .iter()
+        .zip(&want.1)
+        .enumerate()
+        .map(|(i, (g, w))| ((g - w).abs(), i))
+        .fold((0.0f32, 0), |a, b| if b.0 > a.0 { b } else { a });
+    assert!(
+        worst <= tolerance as f32,
+        "{name} ({what}): final weight {at} differs by {worst}"
+    );
 }
