@@ -32,6 +32,13 @@ pub struct State {
     pub step: u64,
 }
 
+impl State {
+    /// Every layer's parameters, in layer order, as one vector (what parity checks compare).
+    pub fn into_params(self) -> Vec<f32> {
+        self.layers.into_iter().flat_map(|l| l.params).collect()
+    }
+}
+
 /// What one step measured.
 #[derive(Clone, Debug)]
 pub struct StepReport {

@@ -90,13 +90,7 @@ fn run<B: Backend>(plan: Arc<Plan>, backend: B, steps: u64) -> (Vec<f64>, Vec<f3
     let losses = (0..steps)
         .map(|_| t.step(job.schedule.train.lr, None).unwrap().loss)
         .collect();
-    let weights = t
-        .state()
-        .unwrap()
-        .layers
-        .into_iter()
-        .flat_map(|l| l.params)
-        .collect();
+    let weights = t.state().unwrap().into_params();
     let allocated = t.backend.memory().iter().map(|m| m.allocated).collect();
     (losses, weights, allocated)
 }

@@ -91,13 +91,7 @@ pub fn scheduled(job: &Job, steps: u64, options: RunOptions) -> (Vec<f64>, Vec<f
     let losses = (0..steps)
         .map(|_| t.step(train.lr, train.clip).unwrap().loss)
         .collect();
-    let weights = t
-        .state()
-        .unwrap()
-        .layers
-        .into_iter()
-        .flat_map(|l| l.params)
-        .collect();
+    let weights = t.state().unwrap().into_params();
     (losses, weights)
 }
 

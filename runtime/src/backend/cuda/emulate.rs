@@ -713,13 +713,7 @@ fn go<B: Backend>(plan: Arc<Plan>, backend: B, steps: u64) -> Vec<(f64, Vec<f32>
         let r = t.step(train.lr, train.clip).unwrap();
         out.push((r.loss, vec![]));
     }
-    let w = t
-        .state()
-        .unwrap()
-        .layers
-        .into_iter()
-        .flat_map(|l| l.params)
-        .collect();
+    let w = t.state().unwrap().into_params();
     out.last_mut().unwrap().1 = w;
     out
 }
