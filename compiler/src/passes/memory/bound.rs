@@ -76,13 +76,13 @@ fn concurrency_bound(
     span: &[(usize, usize)],
 ) -> u64 {
     let mut best = 0u64;
-    for_each_live_set(p, clocks, transient, span, |_, live| {
+    for_each_live_set(p, clocks, transient, span, |live| {
         best = best.max(live.iter().map(|&b| p.buffers[b].bytes).sum());
     });
     best
 }
 
-/// Calls `f` with each op (issue order) and the transient buffers in use at it when it runs right
+/// Calls `f`, for each op in issue order, with the transient buffers in use at it when it runs right
 /// after everything that happens before it and before anything else: those with an access
 /// happening before or at the op and an access not happening before it. `transient` is sorted by
 /// first access.
@@ -91,7 +91,7 @@ pub(super) fn for_each_live_set(
     clocks: &Clocks,
     transient: &[BufferId],
     span: &[(usize, usize)],
-    mut f: impl FnMut(OpId, &[BufferId]),
+    mut f: impl FnMut(&[BufferId]),
 ) {
     let (firsts, lasts) = access_ends(p);
     let (mut next, mut active, mut live) = (0, Vec::<BufferId>::new(), Vec::<BufferId>::new());
@@ -110,7 +110,7 @@ pub(super) fn for_each_live_set(
                     .flatten()
                     .any(|&y| y == o || !clocks.hb(p, y, o))
         }));
-        f(o, &live);
+        f(&live);
     }
 }
 

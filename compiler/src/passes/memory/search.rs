@@ -97,21 +97,30 @@ pub(super) fn plan(
                 }),
         );
     }
-    let position: std::collections::HashMap<BufferId, usize> =
-        transient.iter().enumerate().map(|(i, &b)| (b, i)).collect();
     let first_span = |u: usize| span[units[u][0].index()].0;
     let unit_bytes = |u: usize| bytes(units[u][0]);
-    // An order of units, largest first then by first access, with the classes whose index
-    // satisfies `slotted` as slots and the rest as single buffers.
-    let by_size = |slotted: &dyn Fn(usize) -> bool| -> Vec<usize> {
-        let mut order: Vec<usize> = vec![];
-        for (c, (_, members)) in classes.iter().enumerate() {
-            match &class_units[c] {
-                Some(r) if slotted(c) => order.extend(r.clone()),
-                _ => order.extend(members.iter().map(|b| position[b])),
+    // Each buffer's unit (indexed by buffer id) with the classes whose index satisfies `slotted`
+    // as slots and the rest as single buffers.
+    let unit_of = |slotted: &dyn Fn(usize) -> bool| -> Vec<usize> {
+        let mut of = vec![usize::MAX; p.buffers.len()];
+        for (i, &b) in transient.iter().enumerate() {
+            of[b.index()] = i;
+        }
+        for (c, r) in class_units.iter().enumerate() {
+            for u in r.clone().filter(|_| slotted(c)).into_iter().flatten() {
+                for &b in &units[u] {
+                    of[b.index()] = u;
+                }
             }
         }
+        of
+    };
+    // An order of those units, largest first then by first access.
+    let by_size = |slotted: &dyn Fn(usize) -> bool| -> Vec<usize> {
+        let of = unit_of(slotted);
+        let mut order: Vec<usize> = transient.iter().map(|b| of[b.index()]).collect();
         order.sort_by_key(|&u| (Reverse(unit_bytes(u)), first_span(u), units[u][0]));
+        order.dedup();
         order
     };
     let singles = by_size(&|_| false);
@@ -142,44 +151,23 @@ pub(super) fn plan(
             }
         }
     }
-    // Greedy by breadth: the buffers in use at the op with the most bytes in use first (largest
-    // first), then those of the next heaviest op not placed yet, and so on; with single buffers,
-    // and with slots for the families.
-    let mut live_sets: Vec<(u64, Vec<BufferId>)> = vec![];
-    super::bound::for_each_live_set(p, clocks, transient, span, |_, live| {
-        let mut live = live.to_vec();
-        live.sort_by_key(|&b| (Reverse(bytes(b)), b));
-        live_sets.push((live.iter().map(|&b| bytes(b)).sum(), live));
-    });
-    live_sets.sort_by_key(|(weight, _)| Reverse(*weight)); // stable: issue order among equals
+    // Greedy by breadth, with single buffers and with slots for the families.
+    let heaviest_first = live_sets_by_weight(p, clocks, transient, span);
     for slotted in [
         &(|_: usize| false) as &dyn Fn(usize) -> bool,
         &|c: usize| family[c],
     ] {
-        let mut unit_of: Vec<usize> = vec![usize::MAX; p.buffers.len()];
-        for (i, &b) in transient.iter().enumerate() {
-            unit_of[b.index()] = i;
-        }
-        for (c, r) in class_units.iter().enumerate() {
-            for u in r.iter().flat_map(|r| r.clone()).filter(|_| slotted(c)) {
-                for &b in &units[u] {
-                    unit_of[b.index()] = u;
-                }
-            }
-        }
-        let mut placed = vec![false; units.len()];
-        let order: Vec<usize> = live_sets
-            .iter()
-            .flat_map(|(_, live)| live)
-            .chain(transient)
-            .map(|b| unit_of[b.index()])
-            .filter(|&u| !std::mem::replace(&mut placed[u], true))
-            .collect();
+        let order = breadth_order(
+            p,
+            &heaviest_first,
+            transient,
+            &unit_of(slotted),
+            units.len(),
+        );
         if !orders.contains(&order) {
             orders.push(order);
         }
     }
-    drop(live_sets);
     let place = |order: &[usize], fit: Fit| place(p, life, span, &units, order, base, fit);
     let candidates: Vec<((Vec<u64>, u64), usize, Fit)> = orders
         .iter()
@@ -198,7 +186,7 @@ pub(super) fn plan(
         .iter()
         .min_by_key(|((_, top), _, _)| *top)
         .map(|(placed, i, fit)| (placed.clone(), orders[*i].clone(), *fit))
-        .expect("at least six placements");
+        .expect("at least two placements");
     // Programs past SMALL_PROGRAM skip the improvements: none lowered any example's or benchmark
     // program's arena there, and each costs a full pass.
     let mut budget = if small {
@@ -296,4 +284,50 @@ pub(super) fn plan(
         }
     }
     best.0
+}
+
+/// Every op's live set (see [`super::bound::for_each_live_set`]), the heaviest first (issue order
+/// among equals).
+fn live_sets_by_weight(
+    p: &Program,
+    clocks: &Clocks,
+    transient: &[BufferId],
+    span: &[(usize, usize)],
+) -> Vec<Vec<BufferId>> {
+    let mut sets: Vec<(u64, Vec<BufferId>)> = vec![];
+    super::bound::for_each_live_set(p, clocks, transient, span, |live| {
+        sets.push((
+            live.iter().map(|&b| p.buffers[b].bytes).sum(),
+            live.to_vec(),
+        ));
+    });
+    sets.sort_by_key(|(weight, _)| Reverse(*weight)); // stable
+    sets.into_iter().map(|(_, live)| live).collect()
+}
+
+/// Greedy by breadth: the units (`unit_of`, by buffer id) of the buffers in use at the heaviest
+/// op, largest first, then those of the next heaviest op not placed yet, and so on.
+fn breadth_order(
+    p: &Program,
+    heaviest_first: &[Vec<BufferId>],
+    transient: &[BufferId],
+    unit_of: &[usize],
+    units: usize,
+) -> Vec<usize> {
+    let mut placed = vec![false; units];
+    let mut order = vec![];
+    let mut fresh: Vec<BufferId> = vec![];
+    // Every buffer is in use at its first access, so `transient` only restates the set.
+    for live in heaviest_first.iter().map(Vec::as_slice).chain([transient]) {
+        fresh.clear();
+        fresh.extend(live.iter().filter(|b| !placed[unit_of[b.index()]]));
+        fresh.sort_by_key(|&b| (Reverse(p.buffers[b].bytes), b));
+        for b in &fresh {
+            let u = unit_of[b.index()];
+            if !std::mem::replace(&mut placed[u], true) {
+                order.push(u);
+            }
+        }
+    }
+    order
 }
