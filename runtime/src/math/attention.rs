@@ -51,10 +51,42 @@ impl Shape {
         (row + n * self.d, row + k, row + k + self.kv_heads * self.d)
     }
 
+    /// The blocks of at most [`BLOCK`] query rows of every head of every sequence, the unit
+    /// [`forward`] and [`backward`] work in.
+    fn row_blocks(&self) -> impl Iterator<Item = RowBlock> + '_ {
+        (0..self.b).flat_map(move |b| {
+            (0..self.heads).flat_map(move |n| {
+                let (q, k, v) = self.offsets(b, n);
+                (0..self.s).step_by(BLOCK).map(move |r0| RowBlock {
+                    q,
+                    k,
+                    v,
+                    bh: b * self.heads + n,
+                    r0,
+                    r1: (r0 + BLOCK).min(self.s),
+                    o: (b * self.s + r0) * self.hidden() + n * self.d,
+                })
+            })
+        })
+    }
+
     /// Scratch floats that [`forward`] needs ([`backward`] needs twice this).
     pub fn scratch(&self) -> usize {
         BLOCK.min(self.s) * self.s
     }
+}
+
+/// Query rows `r0..r1` of head `bh` (sequence · heads + head): the offsets in `qkv` of its q, k
+/// and v columns (first row of the sequence), and `o`, the offset of row `r0`'s head slice in the
+/// attention output.
+struct RowBlock {
+    q: usize,
+    k: usize,
+    v: usize,
+    bh: usize,
+    r0: usize,
+    r1: usize,
+    o: usize,
 }
 
 /// scores ← scale·Q[r0..r1]·K[0..r1]ᵀ, as a dense (r1−r0) × r1 block.
@@ -82,41 +114,43 @@ pub(crate) fn forward(
         #[inline(always)]
         || {
             let (s, w, h) = (sh.s, sh.width(), sh.hidden());
-            for b in 0..sh.b {
-                for n in 0..sh.heads {
-                    let (q, k, v) = sh.offsets(b, n);
-                    let bh = b * sh.heads + n;
-                    for r0 in (0..s).step_by(BLOCK) {
-                        let r1 = (r0 + BLOCK).min(s);
-                        let p = &mut scratch[..(r1 - r0) * r1];
-                        scores(sh, qkv, q, k, r0, r1, p);
-                        for (ii, row) in p.chunks_exact_mut(r1).enumerate() {
-                            let i = r0 + ii;
-                            let live = &mut row[..=i];
-                            let max = live.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
-                            let sum = ops::sum_exp(live, max);
-                            let lse = max + sum.ln();
-                            live.iter_mut().for_each(|x| *x = ops::exp(*x - lse));
-                            row[i + 1..].fill(0.0);
-                            match &mut keep {
-                                Keep::Lse(l) => l[bh * s + i] = lse,
-                                Keep::Probs(pr) => {
-                                    prec.round(row);
-                                    let dst = &mut pr[(bh * s + i) * s..(bh * s + i + 1) * s];
-                                    dst[..r1].copy_from_slice(row);
-                                    dst[r1..].fill(0.0);
-                                }
-                            }
+            for RowBlock {
+                q,
+                k,
+                v,
+                bh,
+                r0,
+                r1,
+                o,
+            } in sh.row_blocks()
+            {
+                let p = &mut scratch[..(r1 - r0) * r1];
+                scores(sh, qkv, q, k, r0, r1, p);
+                for (ii, row) in p.chunks_exact_mut(r1).enumerate() {
+                    let i = r0 + ii;
+                    let live = &mut row[..=i];
+                    let max = live.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+                    let sum = ops::sum_exp(live, max);
+                    let lse = max + sum.ln();
+                    live.iter_mut().for_each(|x| *x = ops::exp(*x - lse));
+                    row[i + 1..].fill(0.0);
+                    match &mut keep {
+                        Keep::Lse(l) => l[bh * s + i] = lse,
+                        Keep::Probs(pr) => {
+                            prec.round(row);
+                            let dst = &mut pr[(bh * s + i) * s..(bh * s + i + 1) * s];
+                            dst[..r1].copy_from_slice(row);
+                            dst[r1..].fill(0.0);
                         }
-                        gemm(
-                            1.0,
-                            Mat::dense(p, r1 - r0, r1),
-                            Mat::rows(&qkv[v..], r1, sh.d, w),
-                            0.0,
-                            MatMut::rows(&mut out[(b * s + r0) * h + n * sh.d..], r1 - r0, sh.d, h),
-                        );
                     }
                 }
+                gemm(
+                    1.0,
+                    Mat::dense(p, r1 - r0, r1),
+                    Mat::rows(&qkv[v..], r1, sh.d, w),
+                    0.0,
+                    MatMut::rows(&mut out[o..], r1 - r0, sh.d, h),
+                );
             }
         },
     )
@@ -138,73 +172,75 @@ pub(crate) fn backward(
             let (s, w, h) = (sh.s, sh.width(), sh.hidden());
             dqkv.fill(0.0);
             let (p_buf, dp_buf) = scratch.split_at_mut(sh.scratch());
-            for b in 0..sh.b {
-                for n in 0..sh.heads {
-                    let (q, k, v) = sh.offsets(b, n);
-                    let bh = b * sh.heads + n;
-                    for r0 in (0..s).step_by(BLOCK) {
-                        let r1 = (r0 + BLOCK).min(s);
-                        let rows = r1 - r0;
-                        let p = &mut p_buf[..rows * r1];
-                        match kept {
-                            Keep::Probs(pr) => {
-                                for (ii, row) in p.chunks_exact_mut(r1).enumerate() {
-                                    let src = (bh * s + r0 + ii) * s;
-                                    row.copy_from_slice(&pr[src..src + r1]);
-                                }
-                            }
-                            Keep::Lse(l) => {
-                                scores(sh, qkv, q, k, r0, r1, p);
-                                for (ii, row) in p.chunks_exact_mut(r1).enumerate() {
-                                    let i = r0 + ii;
-                                    let lse = l[bh * s + i];
-                                    row[..=i].iter_mut().for_each(|x| *x = ops::exp(*x - lse));
-                                    row[i + 1..].fill(0.0);
-                                }
-                            }
+            for RowBlock {
+                q,
+                k,
+                v,
+                bh,
+                r0,
+                r1,
+                o,
+            } in sh.row_blocks()
+            {
+                let rows = r1 - r0;
+                let p = &mut p_buf[..rows * r1];
+                match kept {
+                    Keep::Probs(pr) => {
+                        for (ii, row) in p.chunks_exact_mut(r1).enumerate() {
+                            let src = (bh * s + r0 + ii) * s;
+                            row.copy_from_slice(&pr[src..src + r1]);
                         }
-                        let d_o = Mat::rows(&dout[(b * s + r0) * h + n * sh.d..], rows, sh.d, h);
-                        // dV[0..r1] += Pᵀ·dO
-                        gemm(
-                            1.0,
-                            Mat::dense(p, rows, r1).t(),
-                            d_o,
-                            1.0,
-                            MatMut::rows(&mut dqkv[v..], r1, sh.d, w),
-                        );
-                        // dP = dO·V[0..r1]ᵀ, then dS = P ∘ (dP − rowsum(P ∘ dP)) · scale
-                        let dp = &mut dp_buf[..rows * r1];
-                        gemm(
-                            1.0,
-                            d_o,
-                            Mat::rows(&qkv[v..], r1, sh.d, w).t(),
-                            0.0,
-                            MatMut::dense(dp, rows, r1),
-                        );
-                        let scale = sh.scale();
-                        for (prow, dprow) in p.chunks_exact(r1).zip(dp.chunks_exact_mut(r1)) {
-                            let dot: f32 = prow.iter().zip(dprow.iter()).map(|(a, b)| a * b).sum();
-                            for (d, &pv) in dprow.iter_mut().zip(prow) {
-                                *d = pv * (*d - dot) * scale;
-                            }
+                    }
+                    Keep::Lse(l) => {
+                        scores(sh, qkv, q, k, r0, r1, p);
+                        for (ii, row) in p.chunks_exact_mut(r1).enumerate() {
+                            let i = r0 + ii;
+                            let lse = l[bh * s + i];
+                            row[..=i].iter_mut().for_each(|x| *x = ops::exp(*x - lse));
+                            row[i + 1..].fill(0.0);
                         }
-                        // dQ[r0..r1] = dS·K[0..r1]; dK[0..r1] += dSᵀ·Q[r0..r1]
-                        gemm(
-                            1.0,
-                            Mat::dense(dp, rows, r1),
-                            Mat::rows(&qkv[k..], r1, sh.d, w),
-                            0.0,
-                            MatMut::rows(&mut dqkv[q + r0 * w..], rows, sh.d, w),
-                        );
-                        gemm(
-                            1.0,
-                            Mat::dense(dp, rows, r1).t(),
-                            Mat::rows(&qkv[q + r0 * w..], rows, sh.d, w),
-                            1.0,
-                            MatMut::rows(&mut dqkv[k..], r1, sh.d, w),
-                        );
                     }
                 }
+                let d_o = Mat::rows(&dout[o..], rows, sh.d, h);
+                // dV[0..r1] += Pᵀ·dO
+                gemm(
+                    1.0,
+                    Mat::dense(p, rows, r1).t(),
+                    d_o,
+                    1.0,
+                    MatMut::rows(&mut dqkv[v..], r1, sh.d, w),
+                );
+                // dP = dO·V[0..r1]ᵀ, then dS = P ∘ (dP − rowsum(P ∘ dP)) · scale
+                let dp = &mut dp_buf[..rows * r1];
+                gemm(
+                    1.0,
+                    d_o,
+                    Mat::rows(&qkv[v..], r1, sh.d, w).t(),
+                    0.0,
+                    MatMut::dense(dp, rows, r1),
+                );
+                let scale = sh.scale();
+                for (prow, dprow) in p.chunks_exact(r1).zip(dp.chunks_exact_mut(r1)) {
+                    let dot: f32 = prow.iter().zip(dprow.iter()).map(|(a, b)| a * b).sum();
+                    for (d, &pv) in dprow.iter_mut().zip(prow) {
+                        *d = pv * (*d - dot) * scale;
+                    }
+                }
+                // dQ[r0..r1] = dS·K[0..r1]; dK[0..r1] += dSᵀ·Q[r0..r1]
+                gemm(
+                    1.0,
+                    Mat::dense(dp, rows, r1),
+                    Mat::rows(&qkv[k..], r1, sh.d, w),
+                    0.0,
+                    MatMut::rows(&mut dqkv[q + r0 * w..], rows, sh.d, w),
+                );
+                gemm(
+                    1.0,
+                    Mat::dense(dp, rows, r1).t(),
+                    Mat::rows(&qkv[q + r0 * w..], rows, sh.d, w),
+                    1.0,
+                    MatMut::rows(&mut dqkv[k..], r1, sh.d, w),
+                );
             }
         },
     )
