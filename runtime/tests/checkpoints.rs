@@ -3,15 +3,15 @@
 //! an uninterrupted ZeRO-3 run; weights files round-trip exactly; files that do not fit the model
 //! are refused with the tensor named.
 
+mod common;
+
 use schedc::{analyze, FsLoader, Job};
 use schedrun::backend::cpu::CpuBackend;
 use schedrun::backend::RunOptions;
 use schedrun::checkpoint::{self, Contents};
 use schedrun::data::Corpus;
-use schedrun::plan::Plan;
 use schedrun::train::{State, Trainer};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 
 fn jobs() -> Vec<Job> {
     let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/inputs/resume.sched");
@@ -21,8 +21,7 @@ fn jobs() -> Vec<Job> {
 }
 
 fn trainer(job: &Job, state: &State) -> Trainer<CpuBackend> {
-    let (program, _) = schedc::compile(job).unwrap();
-    let plan = Arc::new(Plan::unverified(program, job.clone()).unwrap());
+    let plan = common::plan_of(job);
     let backend = CpuBackend::new(plan.clone(), RunOptions::default());
     let mut t = Trainer::new(plan, backend, Corpus::builtin());
     t.load(state).unwrap();

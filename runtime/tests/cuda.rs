@@ -7,6 +7,9 @@
 //!   is exactly the plan's `arena_bytes`.
 //! - `gpt2_small_step_mfu` (ignored): a GPT-2-small step on one GPU, reporting step time and MFU.
 
+mod common;
+
+use common::{plan_of, train};
 use schedc::sema::Loader;
 use schedc::{analyze, Job};
 use schedrun::backend::cpu::CpuBackend;
@@ -14,10 +17,8 @@ use schedrun::backend::cuda::launch::DistEnv;
 use schedrun::backend::cuda::{self, CudaBackend};
 use schedrun::backend::{Backend, RunOptions};
 use schedrun::data::Corpus;
-use schedrun::plan::Plan;
 use schedrun::train::Trainer;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 
 /// Whether the CUDA backend can run here; prints why not.
 fn gpu() -> bool {
@@ -80,24 +81,6 @@ fn env1() -> DistEnv {
         master_addr: "127.0.0.1".into(),
         master_port: 0,
     }
-}
-
-fn run<B: Backend>(plan: Arc<Plan>, backend: B, steps: u64) -> (Vec<f64>, Vec<f32>, Vec<u64>) {
-    let job = plan.job.clone();
-    let mut t = Trainer::new(plan, backend, Corpus::builtin());
-    let init = t.initial_state(job.schedule.train.seed);
-    t.load(&init).unwrap();
-    let losses = (0..steps)
-        .map(|_| t.step(job.schedule.train.lr, None).unwrap().loss)
-        .collect();
-    let weights = t.state().unwrap().into_params();
-    let allocated = t.backend.memory().iter().map(|m| m.allocated).collect();
-    (losses, weights, allocated)
-}
-
-fn plan_of(job: &Job) -> Arc<Plan> {
-    let (program, _) = schedc::compile(job).unwrap();
-    Arc::new(Plan::unverified(program, job.clone()).unwrap())
 }
 
 const GPT2: &str = r#"
@@ -197,14 +180,14 @@ fn tiny_models_on_one_gpu_match_the_cpu_backend() {
     for job in jobs(TINY) {
         let name = job.schedule.name.clone();
         let plan = plan_of(&job);
-        let want = run(
+        let want = train(
             plan.clone(),
             CpuBackend::new(plan.clone(), RunOptions::default()),
             20,
         );
         let backend = CudaBackend::new(plan.clone(), RunOptions::default(), &env1())
             .unwrap_or_else(|e| panic!("{name}: {e}"));
-        let got = run(plan.clone(), backend, 20);
+        let got = train(plan.clone(), backend, 20);
         for (i, (g, w)) in got.0.iter().zip(&want.0).enumerate() {
             assert!(
                 (g - w).abs() <= 1e-4 * w.abs(),
@@ -219,8 +202,9 @@ fn tiny_models_on_one_gpu_match_the_cpu_backend() {
             .map(|(a, b)| (a - b).abs())
             .fold(0f32, f32::max);
         assert!(worst <= 1e-3, "{name}: final weights differ by {worst}");
+        let allocated: Vec<u64> = got.2.backend.memory().iter().map(|m| m.allocated).collect();
         assert_eq!(
-            got.2,
+            allocated,
             vec![plan.program.arena_bytes],
             "{name}: the device arena is the plan's"
         );

@@ -6,7 +6,7 @@
 use schedc::job::{Job, Model};
 use schedc::{analyze, FsLoader, MemLoader};
 use schedrun::backend::cpu::CpuBackend;
-use schedrun::backend::RunOptions;
+use schedrun::backend::{Backend, RunOptions};
 use schedrun::data::Corpus;
 use schedrun::math::Rng;
 use schedrun::plan::Plan;
@@ -78,20 +78,35 @@ pub fn reference(job: &Job, steps: u64) -> (Vec<f64>, Vec<f32>) {
     (losses, weights)
 }
 
-/// The same with the job compiled and run on the CPU backend.
-pub fn scheduled(job: &Job, steps: u64, options: RunOptions) -> (Vec<f64>, Vec<f32>) {
+/// The job compiled and made a plan (not verified again: `compile` already proved it).
+pub fn plan_of(job: &Job) -> Arc<Plan> {
     let (program, _) =
         schedc::compile(job).unwrap_or_else(|e| panic!("{}: {e}", job.schedule.name));
-    let plan = Arc::new(Plan::unverified(program, job.clone()).unwrap());
-    let backend = CpuBackend::new(plan.clone(), options);
+    Arc::new(Plan::unverified(program, job.clone()).unwrap())
+}
+
+/// `plan` on `backend` from the job's seeded initial state: per-step losses over `steps` steps at
+/// the job's learning rate and clipping, the final weights, and the trainer.
+pub fn train<B: Backend>(
+    plan: Arc<Plan>,
+    backend: B,
+    steps: u64,
+) -> (Vec<f64>, Vec<f32>, Trainer<B>) {
+    let train = plan.job.schedule.train.clone();
     let mut t = Trainer::new(plan, backend, Corpus::builtin());
-    let init = t.initial_state(job.schedule.train.seed);
+    let init = t.initial_state(train.seed);
     t.load(&init).unwrap();
-    let train = &job.schedule.train;
     let losses = (0..steps)
         .map(|_| t.step(train.lr, train.clip).unwrap().loss)
         .collect();
     let weights = t.state().unwrap().into_params();
+    (losses, weights, t)
+}
+
+/// [`reference`]'s figures with the job compiled and run on the CPU backend.
+pub fn scheduled(job: &Job, steps: u64, options: RunOptions) -> (Vec<f64>, Vec<f32>) {
+    let plan = plan_of(job);
+    let (losses, weights, _) = train(plan.clone(), CpuBackend::new(plan, options), steps);
     (losses, weights)
 }
 
