@@ -1,10 +1,10 @@
 //! Forward and backward of each layer kind, over the buffers the executor hands in.
 
-use super::attention::{self, Keep};
+use super::attention;
 use super::gemm::{linear, linear_backward};
 use super::ops::{gelu, gelu_grad, norm_backward, norm_forward, sigmoid, Rope};
+use super::saved::{BlockSaved, Carve, MlpSaved, NormedSaved};
 use super::{BlockP, Input, Kind, LayerMath, MlpP, NormP};
-use schedc::job::{Activation, Attention};
 use std::cell::RefCell;
 use std::ops::Range;
 
@@ -24,109 +24,6 @@ fn with_scratch<R>(n: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
         }
         Err(_) => f(&mut vec![0.0; n]),
     })
-}
-
-/// A slice that pieces can be cut off the front of: `&mut [f32]` where forward writes what it
-/// keeps for backward, `&[f32]` where backward reads it.
-trait Piece: Sized + Default {
-    fn split(self, n: usize) -> (Self, Self);
-}
-
-impl Piece for &mut [f32] {
-    fn split(self, n: usize) -> (Self, Self) {
-        self.split_at_mut(n)
-    }
-}
-
-impl Piece for &[f32] {
-    fn split(self, n: usize) -> (Self, Self) {
-        self.split_at(n)
-    }
-}
-
-/// Cuts consecutive pieces off a buffer.
-struct Carve<S>(S);
-
-impl<S: Piece> Carve<S> {
-    fn take(&mut self, n: usize) -> S {
-        let (head, tail) = std::mem::take(&mut self.0).split(n);
-        self.0 = tail;
-        head
-    }
-}
-
-/// The front of what an mlp or lm_head layer keeps: the norm's output and its statistics, then
-/// (mlp) the MLP's tensors.
-struct NormedSaved<S> {
-    a: S,
-    st: S,
-    rest: Carve<S>,
-}
-
-impl<S: Piece> NormedSaved<S> {
-    fn carve(t: usize, h: usize, saved: S) -> Self {
-        let mut c = Carve(saved);
-        let (a, st) = (c.take(t * h), c.take(2 * t));
-        NormedSaved { a, st, rest: c }
-    }
-}
-
-/// The MLP's kept tensors, by activation.
-enum MlpSaved<S> {
-    Gelu { pre: S, post: S },
-    SwiGlu { gate: S, up: S, prod: S },
-}
-
-impl<S: Piece> MlpSaved<S> {
-    fn carve(t: usize, mp: &MlpP, c: &mut Carve<S>) -> Self {
-        let f = mp.ffn;
-        match mp.act {
-            Activation::Gelu => MlpSaved::Gelu {
-                pre: c.take(t * f),
-                post: c.take(t * f),
-            },
-            Activation::SwiGlu => MlpSaved::SwiGlu {
-                gate: c.take(t * f),
-                up: c.take(t * f),
-                prod: c.take(t * f),
-            },
-        }
-    }
-}
-
-/// What a transformer block keeps for backward, in the order of its saved buffer.
-struct BlockSaved<S> {
-    a1: S,
-    st1: S,
-    qkv: S,
-    att: S,
-    keep: Keep<S>,
-    resid: S,
-    a2: S,
-    st2: S,
-    mlp: Carve<S>,
-}
-
-impl<S: Piece> BlockSaved<S> {
-    fn carve(m: &LayerMath, bp: &BlockP, saved: S) -> Self {
-        let (t, s, h) = (m.dims.t, m.dims.s, bp.hidden);
-        let sh = &bp.shape;
-        let mut c = Carve(saved);
-        BlockSaved {
-            a1: c.take(t * h),
-            st1: c.take(2 * t),
-            qkv: c.take(t * sh.width()),
-            att: c.take(t * h),
-            keep: match bp.attention {
-                Attention::Flash => Keep::Lse(c.take(sh.heads * t)),
-                Attention::Naive => Keep::Probs(c.take(sh.heads * t * s)),
-            },
-            resid: c.take(t * h),
-            a2: c.take(t * h),
-            st2: c.take(2 * t),
-            mlp: c,
-        }
-    }
 }
 
 /// Two disjoint mutable ranges of one buffer (the second optional).
@@ -398,7 +295,7 @@ fn transformer_forward(
         a2,
         st2,
         mut mlp,
-    } = BlockSaved::carve(m, bp, saved);
+    } = BlockSaved::carve(bp, m.dims.t, m.dims.s, saved);
 
     norm_fwd(&bp.ln1, p, h, x, a1, st1);
     m.act.round(a1);
@@ -568,7 +465,7 @@ fn transformer_backward(
         a2,
         st2,
         mut mlp,
-    } = BlockSaved::carve(m, bp, saved);
+    } = BlockSaved::carve(bp, m.dims.t, m.dims.s, saved);
 
     let need = 3 * t * h + 2 * t * f + t * w + 2 * sh.scratch();
     with_scratch(need, |scratch| {

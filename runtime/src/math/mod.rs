@@ -21,13 +21,14 @@
 //! pairing: in each head of width d, element i pairs with i + d/2 and turns by
 //! position · 10000^(−2i/d). The `attn.qkv` activation is saved after the rotation.
 
-mod attention;
+pub(crate) mod attention;
 mod gemm;
 mod init;
 mod layers;
 mod ops;
 mod optim;
 mod precision;
+pub(crate) mod saved;
 
 pub use init::{init_layer, Rng};
 pub use optim::{grad_scale, optimizer_step, OptimizerConfig};

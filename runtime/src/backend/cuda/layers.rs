@@ -5,8 +5,9 @@
 #![cfg_attr(not(feature = "cuda"), allow(dead_code))]
 
 use super::enqueue::{elems, m, mt, prec_code, row_major, rows, Exec, A, M};
+use crate::math::saved::{BlockSaved, MlpSaved, NormedSaved, Piece};
 use crate::math::{BlockP, Kind, LayerMath, MlpP, NormP, Precision};
-use schedc::job::{Activation, Attention, Norm};
+use schedc::job::{Attention, Norm};
 use std::cell::Cell;
 use std::ops::Range;
 
@@ -268,14 +269,11 @@ fn norm_bwd(
     Ok(())
 }
 
-/// Consecutive pieces of a device buffer (the saved segments, in `saved_segments` order).
-struct Carve(u64);
-
-impl Carve {
-    fn take(&mut self, n: usize) -> u64 {
-        let p = self.0;
-        self.0 += n as u64 * F;
-        p
+/// A run of f32s on the device, by address: the [`Piece`] the shared saved-tensor layout
+/// ([`crate::math::saved`]) is cut into here.
+impl Piece for u64 {
+    fn split(self, n: usize) -> (Self, Self) {
+        (self, self + n as u64 * F)
     }
 }
 
@@ -286,17 +284,15 @@ fn mlp_forward(
     mp: &MlpP,
     p: u64,
     a: u64,
-    c: &mut Carve,
+    kept: MlpSaved<u64>,
     out: u64,
 ) -> Result<(), String> {
     let (t, h, f) = (lm.dims().t, mp.hidden, mp.ffn);
     let act = lm.precisions().0;
     let w1 = at(p, &mp.w1);
     let b1 = opt(p, &mp.b1);
-    let mid = match mp.act {
-        Activation::Gelu => {
-            let pre = c.take(t * f);
-            let post = c.take(t * f);
+    let mid = match kept {
+        MlpSaved::Gelu { pre, post } => {
             linear(g, a, w1, b1, pre, t, h, f, 0.0)?;
             g.round(act, pre, t * f)?;
             g.run(
@@ -307,10 +303,7 @@ fn mlp_forward(
             g.round(act, post, t * f)?;
             post
         }
-        Activation::SwiGlu => {
-            let gate = c.take(t * f);
-            let up = c.take(t * f);
-            let prod = c.take(t * f);
+        MlpSaved::SwiGlu { gate, up, prod } => {
             let (wu, bu) = mp.up.as_ref().ok_or("swiglu without an up projection")?;
             linear(g, a, w1, b1, gate, t, h, f, 0.0)?;
             linear(g, a, at(p, wu), opt(p, bu), up, t, h, f, 0.0)?;
@@ -346,7 +339,7 @@ fn mlp_backward(
     mp: &MlpP,
     p: u64,
     a: u64,
-    c: &mut Carve,
+    kept: MlpSaved<u64>,
     dy: u64,
     da: u64,
     gp: u64,
@@ -356,10 +349,8 @@ fn mlp_backward(
     let wp = at(p, &mp.proj);
     let (dwp, dbp) = (at(gp, &mp.proj), opt(gp, &mp.proj_b));
     let (dw1, db1) = (at(gp, &mp.w1), opt(gp, &mp.b1));
-    match mp.act {
-        Activation::Gelu => {
-            let pre = c.take(t * f);
-            let post = c.take(t * f);
+    match kept {
+        MlpSaved::Gelu { pre, post } => {
             linear_backward(g, post, wp, dy, dwp, dbp, Some((s1, 0.0)), t, f, h)?;
             g.run(
                 "gelu_backward",
@@ -368,10 +359,7 @@ fn mlp_backward(
             )?;
             linear_backward(g, a, at(p, &mp.w1), s1, dw1, db1, Some((da, 0.0)), t, h, f)
         }
-        Activation::SwiGlu => {
-            let gate = c.take(t * f);
-            let up = c.take(t * f);
-            let prod = c.take(t * f);
+        MlpSaved::SwiGlu { gate, up, prod } => {
             linear_backward(g, prod, wp, dy, dwp, dbp, Some((s1, 0.0)), t, f, h)?;
             g.run(
                 "swiglu_backward",
@@ -653,7 +641,7 @@ pub fn forward(
             norm_fwd(g, ln, p, t, *h, x, a, st)?;
             g.round(act, a, t * h)?;
             g.copy(out, x, t * h)?;
-            mlp_forward(g, lm, mlp, p, a, &mut rest, out)?;
+            mlp_forward(g, lm, mlp, p, a, MlpSaved::carve(t, mlp, &mut rest), out)?;
             g.round(act, out, t * h)
         }
         Kind::LmHead {
@@ -678,61 +666,6 @@ pub fn forward(
     }
 }
 
-/// Where an mlp or lm_head layer's saved norm output `a` and statistics `st` lie in its `saved`
-/// region, in `math/layers.rs`'s order; an mlp's own tensors follow, carved from `rest`.
-struct NormedSaved {
-    a: u64,
-    st: u64,
-    rest: Carve,
-}
-
-impl NormedSaved {
-    fn carve(t: usize, h: usize, saved: u64) -> Self {
-        let mut c = Carve(saved);
-        NormedSaved {
-            a: c.take(t * h),
-            st: c.take(2 * t),
-            rest: c,
-        }
-    }
-}
-
-/// Where a transformer's saved tensors lie in its `saved` region, in `math/layers.rs`'s order;
-/// the MLP's follow, carved from `mlp`.
-struct TransformerSaved {
-    a1: u64,
-    st1: u64,
-    qkv: u64,
-    att: u64,
-    /// Flash: each row's log-sum-exp; naive: the probabilities.
-    keep: u64,
-    resid: u64,
-    a2: u64,
-    st2: u64,
-    mlp: Carve,
-}
-
-impl TransformerSaved {
-    fn carve(bp: &BlockP, t: usize, s: usize, saved: u64) -> Self {
-        let (sh, h) = (&bp.shape, bp.hidden);
-        let mut c = Carve(saved);
-        TransformerSaved {
-            a1: c.take(t * h),
-            st1: c.take(2 * t),
-            qkv: c.take(t * sh.width()),
-            att: c.take(t * h),
-            keep: match bp.attention {
-                Attention::Flash => c.take(sh.heads * t),
-                Attention::Naive => c.take(sh.heads * t * s),
-            },
-            resid: c.take(t * h),
-            a2: c.take(t * h),
-            st2: c.take(2 * t),
-            mlp: c,
-        }
-    }
-}
-
 fn transformer_forward(
     g: &G,
     lm: &LayerMath,
@@ -746,7 +679,7 @@ fn transformer_forward(
     let (t, s, h) = (d.t, d.s, bp.hidden);
     let act = lm.precisions().0;
     let w = bp.shape.width();
-    let TransformerSaved {
+    let BlockSaved {
         a1,
         st1,
         qkv,
@@ -756,14 +689,14 @@ fn transformer_forward(
         a2,
         st2,
         mlp: mut c,
-    } = TransformerSaved::carve(bp, t, s, saved);
+    } = BlockSaved::carve(bp, t, s, saved);
 
     norm_fwd(g, &bp.ln1, p, t, h, x, a1, st1)?;
     g.round(act, a1, t * h)?;
     linear(g, a1, at(p, &bp.qkv), opt(p, &bp.qkv_b), qkv, t, h, w, 0.0)?;
     rope_rows(g, bp, t, s, qkv, false)?;
     g.round(act, qkv, t * w)?;
-    attention_forward(g, bp, act, qkv, att, keep)?;
+    attention_forward(g, bp, act, qkv, att, keep.into_inner())?;
     g.round(act, att, t * h)?;
     g.copy(resid, x, t * h)?;
     linear(
@@ -781,7 +714,15 @@ fn transformer_forward(
     norm_fwd(g, &bp.ln2, p, t, h, resid, a2, st2)?;
     g.round(act, a2, t * h)?;
     g.copy(out, resid, t * h)?;
-    mlp_forward(g, lm, &bp.mlp, p, a2, &mut c, out)?;
+    mlp_forward(
+        g,
+        lm,
+        &bp.mlp,
+        p,
+        a2,
+        MlpSaved::carve(t, &bp.mlp, &mut c),
+        out,
+    )?;
     g.round(act, out, t * h)
 }
 
@@ -837,7 +778,8 @@ pub fn backward(
             };
             let NormedSaved { a, st, mut rest } = NormedSaved::carve(t, *h, saved);
             let da = g.alloc(t * h)?;
-            mlp_backward(g, lm, mlp, p, a, &mut rest, dy, da, gp)?;
+            let kept = MlpSaved::carve(t, mlp, &mut rest);
+            mlp_backward(g, lm, mlp, p, a, kept, dy, da, gp)?;
             if let Some(gi) = gi {
                 g.copy(gi, dy, t * h)?;
             }
@@ -905,7 +847,7 @@ fn transformer_backward(
     let d = lm.dims();
     let (t, s, h) = (d.t, d.s, bp.hidden);
     let w = bp.shape.width();
-    let TransformerSaved {
+    let BlockSaved {
         a1,
         st1,
         qkv,
@@ -915,14 +857,15 @@ fn transformer_backward(
         a2,
         st2,
         mlp: mut c,
-    } = TransformerSaved::carve(bp, t, s, saved);
+    } = BlockSaved::carve(bp, t, s, saved);
 
     let dr = g.alloc(t * h)?;
     let da = g.alloc(t * h)?;
     let datt = g.alloc(t * h)?;
     let dqkv = g.alloc(t * w)?;
 
-    mlp_backward(g, lm, &bp.mlp, p, a2, &mut c, dy, da, gp)?;
+    let mlp_kept = MlpSaved::carve(t, &bp.mlp, &mut c);
+    mlp_backward(g, lm, &bp.mlp, p, a2, mlp_kept, dy, da, gp)?;
     g.copy(dr, dy, t * h)?;
     norm_bwd(g, &bp.ln2, p, t, h, resid, st2, da, dr, gp)?;
     linear_backward(
@@ -937,7 +880,7 @@ fn transformer_backward(
         h,
         h,
     )?;
-    attention_backward(g, bp, qkv, kept, datt, dqkv)?;
+    attention_backward(g, bp, qkv, kept.into_inner(), datt, dqkv)?;
     rope_rows(g, bp, t, s, dqkv, true)?;
     linear_backward(
         g,
