@@ -22,6 +22,7 @@ pub mod files;
 pub mod intervals;
 pub mod ir;
 pub mod job;
+pub mod kernels;
 pub mod lower;
 pub mod passes;
 pub mod planner;

@@ -1,0 +1,366 @@
+//! LLVM IR for the generated kernels and its two targets (the `llvm` feature).
+//!
+//! [`ptx`] builds a module of every kernel asked for, for `nvptx64-nvidia-cuda` at one SM
+//! version, and returns its PTX text. [`HostKernels::jit`] builds the same bodies for the
+//! processor this runs on and JIT-compiles them (MCJIT), handing out each kernel's entry
+//! address. Both call [`body`](super::codegen) once per kernel: the body is an internal
+//! `alwaysinline` function of the index and the parameters; the wrappers differ only in how
+//! they walk `begin..end` (a loop on the host, a grid-stride loop on the GPU) and in the calling
+//! convention (`ptx_kernel` on the GPU).
+//!
+//! Bodies live in [`bodies`](self::bodies); the arithmetic helpers they use (storage
+//! conversions, `exp`, `tanh`, loops, accumulators) in [`fx`](self::fx). Target differences are
+//! confined to [`Target`]: how `ln` is computed (libm's `logf` on the host, so the host kernels
+//! match the Rust math bit for bit; `lg2.approx` on the GPU) and the thread-index registers.
+
+mod bodies;
+mod fx;
+
+use super::{Kernel, Param};
+use fx::Fx;
+use inkwell::attributes::{Attribute, AttributeLoc};
+use inkwell::context::Context;
+use inkwell::execution_engine::ExecutionEngine;
+use inkwell::module::{Linkage, Module};
+use inkwell::passes::PassBuilderOptions;
+use inkwell::targets::{
+    CodeModel, FileType, InitializationConfig, RelocMode, Target as LlvmTarget, TargetMachine,
+    TargetTriple,
+};
+use inkwell::types::BasicMetadataTypeEnum;
+use inkwell::values::FunctionValue;
+use inkwell::OptimizationLevel;
+use std::collections::HashMap;
+use std::fmt;
+
+/// The GPU architectures the PTX is written for.
+pub const SMS: [u32; 2] = [80, 90];
+
+/// PTX ISA version of the emitted modules: 7.8 is the first with sm_90 and is loaded by every
+/// driver since CUDA 11.8.
+pub const PTX_FEATURES: &str = "+ptx78";
+
+/// LLVM's number for the `ptx_kernel` calling convention.
+const PTX_KERNEL_CC: u32 = 71;
+
+/// Where a module's code runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Target {
+    /// `nvptx64-nvidia-cuda` at `sm_XX`.
+    Ptx { sm: u32 },
+    /// The processor running this process.
+    Host,
+}
+
+/// Why code could not be generated.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CodegenError(pub String);
+
+impl fmt::Display for CodegenError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "kernel code generation: {}", self.0)
+    }
+}
+
+impl std::error::Error for CodegenError {}
+
+fn err(what: impl fmt::Display) -> CodegenError {
+    CodegenError(what.to_string())
+}
+
+/// The PTX of `kernels` for `sm_{sm}`, optimised (O3).
+pub fn ptx(kernels: &[Kernel], sm: u32) -> Result<String, CodegenError> {
+    let ctx = Context::create();
+    let target = Target::Ptx { sm };
+    let module = build(&ctx, kernels, target)?;
+    let tm = machine(target)?;
+    optimise(&module, &tm)?;
+    let buf = tm
+        .write_to_memory_buffer(&module, FileType::Assembly)
+        .map_err(err)?;
+    String::from_utf8(buf.as_slice().to_vec()).map_err(err)
+}
+
+/// The optimised LLVM IR text of `kernels` for `target` (for inspection and tests).
+pub fn ir(kernels: &[Kernel], target: Target) -> Result<String, CodegenError> {
+    let ctx = Context::create();
+    let module = build(&ctx, kernels, target)?;
+    optimise(&module, &machine(target)?)?;
+    Ok(module.print_to_string().to_string())
+}
+
+fn machine(target: Target) -> Result<TargetMachine, CodegenError> {
+    let (triple, cpu, features) = match target {
+        Target::Ptx { sm } => {
+            LlvmTarget::initialize_nvptx(&InitializationConfig::default());
+            (
+                TargetTriple::create("nvptx64-nvidia-cuda"),
+                format!("sm_{sm}"),
+                PTX_FEATURES.to_string(),
+            )
+        }
+        Target::Host => {
+            LlvmTarget::initialize_native(&InitializationConfig::default()).map_err(err)?;
+            (
+                TargetMachine::get_default_triple(),
+                host_cpu().0,
+                host_cpu().1,
+            )
+        }
+    };
+    let t = LlvmTarget::from_triple(&triple).map_err(err)?;
+    t.create_target_machine(
+        &triple,
+        &cpu,
+        &features,
+        OptimizationLevel::Aggressive,
+        RelocMode::Default,
+        CodeModel::Default,
+    )
+    .ok_or_else(|| err(format!("no target machine for {triple:?} {cpu}")))
+}
+
+fn host_cpu() -> (String, String) {
+    (
+        TargetMachine::get_host_cpu_name().to_string(),
+        TargetMachine::get_host_cpu_features().to_string(),
+    )
+}
+
+fn optimise(module: &Module<'_>, tm: &TargetMachine) -> Result<(), CodegenError> {
+    module.verify().map_err(|e| err(e.to_string()))?;
+    module
+        .run_passes("default<O3>", tm, PassBuilderOptions::create())
+        .map_err(|e| err(e.to_string()))
+}
+
+/// A module holding every kernel of `kernels` (each once) for `target`.
+fn build<'c>(
+    ctx: &'c Context,
+    kernels: &[Kernel],
+    target: Target,
+) -> Result<Module<'c>, CodegenError> {
+    let module = ctx.create_module("sched_kernels");
+    if let Target::Ptx { .. } = target {
+        module.set_triple(&TargetTriple::create("nvptx64-nvidia-cuda"));
+    }
+    let mut seen = std::collections::HashSet::new();
+    for k in kernels {
+        if seen.insert(k.name()) {
+            kernel(ctx, &module, k, target)?;
+        }
+    }
+    Ok(module)
+}
+
+/// The LLVM types of `k`'s parameters, then `begin` and `end`.
+fn param_types<'c>(ctx: &'c Context, k: &Kernel) -> Vec<BasicMetadataTypeEnum<'c>> {
+    let ptr = ctx.ptr_type(inkwell::AddressSpace::default());
+    let mut v: Vec<BasicMetadataTypeEnum> = k
+        .params()
+        .iter()
+        .map(|p| match p {
+            Param::F32(_) => ctx.f32_type().into(),
+            Param::I64(_) => ctx.i64_type().into(),
+            _ => ptr.into(),
+        })
+        .collect();
+    v.push(ctx.i64_type().into());
+    v.push(ctx.i64_type().into());
+    v
+}
+
+fn kernel<'c>(
+    ctx: &'c Context,
+    module: &Module<'c>,
+    k: &Kernel,
+    target: Target,
+) -> Result<(), CodegenError> {
+    let name = k.name();
+    let types = param_types(ctx, k);
+    let fn_type = ctx.void_type().fn_type(&types, false);
+
+    // The body: (params..., index, unused) -> void, inlined into the wrapper.
+    let body = module.add_function(&format!("{name}.body"), fn_type, Some(Linkage::Internal));
+    let inline = Attribute::get_named_enum_kind_id("alwaysinline");
+    body.add_attribute(AttributeLoc::Function, ctx.create_enum_attribute(inline, 0));
+    {
+        let mut fx = Fx::new(ctx, module, body, k, target);
+        let index = fx.param_int(types.len() - 2);
+        bodies::emit(&mut fx, k, index);
+        fx.ret();
+    }
+
+    // The entry: walks begin..end and calls the body.
+    let entry = module.add_function(&name, fn_type, None);
+    if let Target::Ptx { .. } = target {
+        entry.set_call_conventions(PTX_KERNEL_CC);
+    } else {
+        let (cpu, features) = host_cpu();
+        for f in [body, entry] {
+            f.add_attribute(
+                AttributeLoc::Function,
+                ctx.create_string_attribute("target-cpu", &cpu),
+            );
+            f.add_attribute(
+                AttributeLoc::Function,
+                ctx.create_string_attribute("target-features", &features),
+            );
+        }
+    }
+    let mut fx = Fx::new(ctx, module, entry, k, target);
+    let n = types.len();
+    let (begin, end) = (fx.param_int(n - 2), fx.param_int(n - 1));
+    let args = fx.params_as_args();
+    let (start, stride) = match target {
+        Target::Host => (begin, fx.i64c(1)),
+        Target::Ptx { .. } => {
+            let (tid, ntid, ctaid, nctaid) = fx.thread_registers();
+            let first = fx.imul(ctaid, ntid);
+            let first = fx.iadd(first, tid);
+            (fx.iadd(begin, first), fx.imul(ntid, nctaid))
+        }
+    };
+    fx.strided_loop(start, end, stride, |fx, i| {
+        let mut call_args = args.clone();
+        call_args[n - 2] = i.into();
+        fx.call_void(body, &call_args);
+    });
+    fx.ret();
+    if target == Target::Host {
+        packed(ctx, module, k, entry);
+    }
+    Ok(())
+}
+
+/// The host's uniform entry `{name}.packed(args: *const u64, begin: i64, end: i64)`: each
+/// parameter in one 8-byte slot (a pointer's address, an i64, an f32's bits in the low half),
+/// so Rust calls every kernel through one function type ([`HostKernels::run`]).
+fn packed<'c>(ctx: &'c Context, module: &Module<'c>, k: &Kernel, entry: FunctionValue<'c>) {
+    let i64t = ctx.i64_type();
+    let ptr = ctx.ptr_type(inkwell::AddressSpace::default());
+    let t = ctx
+        .void_type()
+        .fn_type(&[ptr.into(), i64t.into(), i64t.into()], false);
+    let f = module.add_function(&format!("{}.packed", k.name()), t, None);
+    let (cpu, features) = host_cpu();
+    f.add_attribute(AttributeLoc::Function, ctx.create_string_attribute("target-cpu", &cpu));
+    f.add_attribute(
+        AttributeLoc::Function,
+        ctx.create_string_attribute("target-features", &features),
+    );
+    let fx = Fx::new(ctx, module, f, k, Target::Host);
+    let slots = f.get_nth_param(0).expect("packed has 3 parameters").into_pointer_value();
+    let mut args: Vec<inkwell::values::BasicMetadataValueEnum> = vec![];
+    for (i, p) in k.params().iter().enumerate() {
+        let word = fx.slot(slots, i as u64);
+        args.push(match p {
+            Param::I64(_) => word.into(),
+            Param::F32(_) => fx.low_f32(word).into(),
+            _ => fx.int_to_ptr(word).into(),
+        });
+    }
+    args.push(fx.param_int(1).into());
+    args.push(fx.param_int(2).into());
+    fx.call_void(entry, &args);
+    fx.ret();
+}
+
+/// Kernels JIT-compiled for this processor: the CPU backend's copy of the GPU's code.
+pub struct HostKernels {
+    addresses: HashMap<String, usize>,
+    // Field order matters: the engine (which owns the module and the machine code) drops before
+    // the context it was created in.
+    _engine: ExecutionEngine<'static>,
+    _ctx: Box<Context>,
+}
+
+// SAFETY: after construction the engine and context are never touched again except by `Drop`
+// (which runs once, on whichever thread drops the last owner); the compiled functions are plain
+// machine code that reads only its arguments, so calling them from many threads is safe.
+unsafe impl Send for HostKernels {}
+unsafe impl Sync for HostKernels {}
+
+impl HostKernels {
+    /// Compiles `kernels` for this processor.
+    pub fn jit(kernels: &[Kernel]) -> Result<Self, CodegenError> {
+        let ctx = Box::new(Context::create());
+        // SAFETY: the context is boxed (its address is stable) and outlives the engine: both are
+        // fields of the returned value, the engine declared (and so dropped) first.
+        let ctx_ref: &'static Context = unsafe { &*(ctx.as_ref() as *const Context) };
+        let module = build(ctx_ref, kernels, Target::Host)?;
+        optimise(&module, &machine(Target::Host)?)?;
+        // MCJIT resolves libm's `logf` from this process (the engine makes the program's own
+        // symbols visible when it is created).
+        let engine = module
+            .create_jit_execution_engine(OptimizationLevel::Aggressive)
+            .map_err(|e| err(e.to_string()))?;
+        let mut addresses = HashMap::new();
+        for k in kernels {
+            let name = k.name();
+            let a = engine
+                .get_function_address(&format!("{name}.packed"))
+                .map_err(|e| err(format!("{name}: {e}")))?;
+            addresses.insert(name, a);
+        }
+        Ok(HostKernels {
+            addresses,
+            _engine: engine,
+            _ctx: ctx,
+        })
+    }
+
+    /// Whether `k` was compiled.
+    pub fn has(&self, k: &Kernel) -> bool {
+        self.addresses.contains_key(&k.name())
+    }
+
+    /// Runs `k` over indices `begin..end` with `args`, one per [`Kernel::params`] entry (see
+    /// [`slot_ptr`], [`slot_f32`], [`slot_i64`]).
+    ///
+    /// # Errors
+    /// When `k` was not compiled or `args` has the wrong length.
+    ///
+    /// # Safety
+    /// Every pointer argument must be valid for every element the kernel touches over
+    /// `begin..end` (its [`super::Op`] documents which), with no other thread writing them.
+    pub unsafe fn run(
+        &self,
+        k: &Kernel,
+        args: &[u64],
+        begin: usize,
+        end: usize,
+    ) -> Result<(), CodegenError> {
+        let name = k.name();
+        let a = self
+            .addresses
+            .get(&name)
+            .ok_or_else(|| err(format!("{name} was not compiled")))?;
+        if args.len() != k.params().len() {
+            return Err(err(format!(
+                "{name} takes {} arguments, {} given",
+                k.params().len(),
+                args.len()
+            )));
+        }
+        // SAFETY: the address is the `.packed` entry built for exactly this signature.
+        let f: extern "C" fn(*const u64, i64, i64) = unsafe { std::mem::transmute(*a) };
+        f(args.as_ptr(), begin as i64, end as i64);
+        Ok(())
+    }
+}
+
+/// A pointer argument of [`HostKernels::run`].
+pub fn slot_ptr<T>(p: *const T) -> u64 {
+    p as usize as u64
+}
+
+/// An f32 argument of [`HostKernels::run`].
+pub fn slot_f32(x: f32) -> u64 {
+    u64::from(x.to_bits())
+}
+
+/// An i64 argument of [`HostKernels::run`].
+pub fn slot_i64(x: i64) -> u64 {
+    x as u64
+}

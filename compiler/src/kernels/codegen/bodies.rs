@@ -1,0 +1,306 @@
+//! Each op's body for one index, written once for both targets.
+//!
+//! Every body mirrors the CPU backend's Rust math (`schedrun::math`: `ops.rs`, `layers.rs`,
+//! `gemm.rs`, `optim.rs`, `cross_entropy`) operation for operation and in the same order:
+//! sums fold left from Rust's starting value (−0.0 for `Iterator::sum`, 0.0 for explicit
+//! accumulators), the loss's `sum_exp` keeps its eight lanes, and no expression is reassociated.
+
+use super::fx::{Fx, I};
+use crate::job::Norm;
+use crate::kernels::{Kernel, Op, SUMSQ_CHUNK};
+use inkwell::IntPredicate;
+
+const NORM_EPS: f32 = 1e-5;
+
+pub fn emit<'c>(fx: &mut Fx<'c, '_>, k: &Kernel, i: I<'c>) {
+    match k.op {
+        Op::Convert => {
+            let v = fx.load("src", i);
+            fx.store("dst", i, v);
+        }
+        Op::Accumulate => {
+            let v = fx.add(fx.load("acc", i), fx.load("x", i));
+            fx.store("acc", i, v);
+        }
+        Op::Gelu => {
+            let v = fx.gelu(fx.load("pre", i));
+            fx.store("post", i, v);
+        }
+        Op::GeluBackward => {
+            let v = fx.mul(fx.load("d", i), fx.gelu_grad(fx.load("pre", i)));
+            fx.store("d", i, v);
+        }
+        Op::SwiGlu => {
+            let g = fx.load("gate", i);
+            let v = fx.mul(fx.mul(g, fx.sigmoid(g)), fx.load("up", i));
+            fx.store("prod", i, v);
+        }
+        Op::SwiGluBackward => {
+            let (x, u) = (fx.load("gate", i), fx.load("up", i));
+            let sg = fx.sigmoid(x);
+            let dprod = fx.load("dgate", i);
+            fx.store("dup", i, fx.mul(fx.mul(dprod, x), sg));
+            let one = fx.f(1.0);
+            let shape = fx.add(one, fx.mul(x, fx.sub(one, sg)));
+            fx.store("dgate", i, fx.mul(fx.mul(fx.mul(dprod, u), sg), shape));
+        }
+        Op::BiasAdd { width } => {
+            let j = fx.urem(i, fx.i64c(width.into()));
+            let v = fx.add(fx.load("y", i), fx.load("b", j));
+            fx.store("y", i, v);
+        }
+        Op::BiasGrad { width } => column_sums(fx, width, i),
+        Op::Norm { norm, width, bias } => norm_forward(fx, norm, width, bias, i),
+        Op::NormBackwardInput { norm, width } => norm_backward_input(fx, norm, width, i),
+        Op::NormBackwardParams { width, bias } => norm_backward_params(fx, width, bias, i),
+        Op::CrossEntropy { vocab } => cross_entropy(fx, vocab, i),
+        Op::Rotary {
+            heads,
+            kv_heads,
+            head_dim,
+            width,
+            seq_len,
+            inverse,
+        } => {
+            let row = fx.imul(i, fx.i64c(width.into()));
+            let pos = fx.urem(i, fx.i64c(seq_len.into()));
+            let sign = fx.f(if inverse { -1.0 } else { 1.0 });
+            rotate(fx, row, pos, heads, head_dim, sign);
+            let k_at = fx.iadd(row, fx.i64c(u64::from(heads * head_dim)));
+            rotate(fx, k_at, pos, kv_heads, head_dim, sign);
+        }
+        Op::Adam { decayed } => adam(fx, decayed, i),
+        Op::Sgd => {
+            let g = fx.mul(fx.load("grad", i), fx.scalar("grad_scale"));
+            let p = fx.sub(fx.load("master", i), fx.mul(fx.scalar("lr"), g));
+            fx.store("master", i, p);
+            fx.store("param", i, p);
+        }
+        Op::SumSquares => {
+            let lo = fx.imul(i, fx.i64c(SUMSQ_CHUNK as u64));
+            let hi = fx.umin(fx.iadd(lo, fx.i64c(SUMSQ_CHUNK as u64)), fx.int_param("n"));
+            let acc = fx.var(fx.f64c(-0.0));
+            fx.range(lo, hi, |fx, e| {
+                let x = fx.to_f64(fx.load("x", e));
+                let s = fx.add(fx.get(&acc), fx.mul(x, x));
+                fx.set(&acc, s);
+            });
+            fx.store_f64("partial", i, fx.get(&acc));
+        }
+        Op::Gather2d => {
+            let block = fx.int_param("block");
+            let (b, o) = (fx.udiv(i, block), fx.urem(i, block));
+            let s = fx.iadd(fx.imul(b, fx.int_param("src_stride")), o);
+            let d = fx.iadd(fx.imul(b, fx.int_param("dst_stride")), o);
+            fx.copy_bits("src", s, "dst", d);
+        }
+    }
+}
+
+/// `db[j] += dy[r, j]` for each row r in order (`gemm::col_sums`).
+fn column_sums<'c>(fx: &mut Fx<'c, '_>, width: u32, j: I<'c>) {
+    let acc = fx.var(fx.load("db", j));
+    let w = fx.i64c(width.into());
+    let rows = fx.int_param("rows");
+    fx.range(fx.i64c(0), rows, |fx, r| {
+        let v = fx.load("dy", fx.iadd(fx.imul(r, w), j));
+        fx.set(&acc, fx.add(fx.get(&acc), v));
+    });
+    fx.store("db", j, fx.get(&acc));
+}
+
+/// `ops::norm_forward` on row `r`.
+fn norm_forward<'c>(fx: &mut Fx<'c, '_>, norm: Norm, width: u32, bias: bool, r: I<'c>) {
+    let h = fx.i64c(width.into());
+    let hf = fx.f(width as f32);
+    let row = fx.imul(r, h);
+    let at = |fx: &Fx<'c, '_>, j: I<'c>| fx.iadd(row, j);
+    let zero = fx.i64c(0);
+    let (mean, rstd) = match norm {
+        Norm::LayerNorm => {
+            let s = fx.var(fx.f(-0.0));
+            fx.range(zero, h, |fx, j| {
+                let v = fx.load("x", at(fx, j));
+                fx.set(&s, fx.add(fx.get(&s), v));
+            });
+            let mean = fx.div(fx.get(&s), hf);
+            let q = fx.var(fx.f(-0.0));
+            fx.range(zero, h, |fx, j| {
+                let d = fx.sub(fx.load("x", at(fx, j)), mean);
+                fx.set(&q, fx.add(fx.get(&q), fx.mul(d, d)));
+            });
+            let var = fx.div(fx.get(&q), hf);
+            (mean, fx.div(fx.f(1.0), fx.sqrt(fx.add(var, fx.f(NORM_EPS)))))
+        }
+        Norm::RmsNorm => {
+            let q = fx.var(fx.f(-0.0));
+            fx.range(zero, h, |fx, j| {
+                let v = fx.load("x", at(fx, j));
+                fx.set(&q, fx.add(fx.get(&q), fx.mul(v, v)));
+            });
+            let ms = fx.div(fx.get(&q), hf);
+            (fx.f(0.0), fx.div(fx.f(1.0), fx.sqrt(fx.add(ms, fx.f(NORM_EPS)))))
+        }
+    };
+    let two_r = fx.imul(r, fx.i64c(2));
+    fx.store("stats", two_r, mean);
+    fx.store("stats", fx.iadd(two_r, fx.i64c(1)), rstd);
+    fx.range(zero, h, |fx, j| {
+        let x = fx.load("x", at(fx, j));
+        let y = fx.mul(fx.mul(fx.sub(x, mean), rstd), fx.load("w", j));
+        let y = if bias { fx.add(y, fx.load("b", j)) } else { y };
+        fx.store("out", at(fx, j), y);
+    });
+}
+
+/// The row part of `ops::norm_backward`: `dx += rstd·(d − mean(d) − x̂·mean(d·x̂))`.
+fn norm_backward_input<'c>(fx: &mut Fx<'c, '_>, norm: Norm, width: u32, r: I<'c>) {
+    let h = fx.i64c(width.into());
+    let hf = fx.f(width as f32);
+    let row = fx.imul(r, h);
+    let zero = fx.i64c(0);
+    let two_r = fx.imul(r, fx.i64c(2));
+    let mean = fx.load("stats", two_r);
+    let rstd = fx.load("stats", fx.iadd(two_r, fx.i64c(1)));
+    let terms = |fx: &Fx<'c, '_>, j: I<'c>| {
+        let e = fx.iadd(row, j);
+        let xhat = fx.mul(fx.sub(fx.load("x", e), mean), rstd);
+        let d = fx.mul(fx.load("dy", e), fx.load("w", j));
+        (e, xhat, d)
+    };
+    let sum_d = fx.var(fx.f(0.0));
+    let sum_dx = fx.var(fx.f(0.0));
+    fx.range(zero, h, |fx, j| {
+        let (_, xhat, d) = terms(fx, j);
+        fx.set(&sum_d, fx.add(fx.get(&sum_d), d));
+        fx.set(&sum_dx, fx.add(fx.get(&sum_dx), fx.mul(d, xhat)));
+    });
+    let mean_d = match norm {
+        Norm::LayerNorm => fx.div(fx.get(&sum_d), hf),
+        Norm::RmsNorm => fx.f(0.0),
+    };
+    let mean_dx = fx.div(fx.get(&sum_dx), hf);
+    fx.range(zero, h, |fx, j| {
+        let (e, xhat, d) = terms(fx, j);
+        let g = fx.sub(fx.sub(d, mean_d), fx.mul(xhat, mean_dx));
+        let v = fx.add(fx.load("dx", e), fx.mul(rstd, g));
+        fx.store("dx", e, v);
+    });
+}
+
+/// The column part of `ops::norm_backward`: `dw[j] += Σ_r dy·x̂`, `db[j] += Σ_r dy`.
+fn norm_backward_params<'c>(fx: &mut Fx<'c, '_>, width: u32, bias: bool, j: I<'c>) {
+    let h = fx.i64c(width.into());
+    let dw = fx.var(fx.load("dw", j));
+    let db = bias.then(|| fx.var(fx.load("db", j)));
+    let rows = fx.int_param("rows");
+    fx.range(fx.i64c(0), rows, |fx, r| {
+        let two_r = fx.imul(r, fx.i64c(2));
+        let mean = fx.load("stats", two_r);
+        let rstd = fx.load("stats", fx.iadd(two_r, fx.i64c(1)));
+        let e = fx.iadd(fx.imul(r, h), j);
+        let xhat = fx.mul(fx.sub(fx.load("x", e), mean), rstd);
+        let dy = fx.load("dy", e);
+        fx.set(&dw, fx.add(fx.get(&dw), fx.mul(dy, xhat)));
+        if let Some(db) = &db {
+            fx.set(db, fx.add(fx.get(db), dy));
+        }
+    });
+    fx.store("dw", j, fx.get(&dw));
+    if let Some(db) = &db {
+        fx.store("db", j, fx.get(db));
+    }
+}
+
+/// One row of `math::cross_entropy`: log-sum-exp with `ops::sum_exp`'s eight lanes, the row's
+/// loss, and the gradient `(softmax − onehot)·inv`. A target outside the vocabulary gives a NaN
+/// loss rather than a read out of bounds.
+fn cross_entropy<'c>(fx: &mut Fx<'c, '_>, vocab: u32, r: I<'c>) {
+    let v = u64::from(vocab);
+    let row = fx.imul(r, fx.i64c(v));
+    let at = |fx: &Fx<'c, '_>, j: I<'c>| fx.iadd(row, j);
+    let zero = fx.i64c(0);
+    let vv = fx.i64c(v);
+    let max = fx.var(fx.f(f32::NEG_INFINITY));
+    fx.range(zero, vv, |fx, j| {
+        let x = fx.load("logits", at(fx, j));
+        fx.set(&max, fx.maxnum(fx.get(&max), x));
+    });
+    let max = fx.get(&max);
+    // Eight lane accumulators over whole chunks, then the tail, then lanes summed in order.
+    let lanes: Vec<_> = (0..8).map(|_| fx.var(fx.f(0.0))).collect();
+    let whole = v / 8 * 8;
+    fx.strided_loop(zero, fx.i64c(whole), fx.i64c(8), |fx, c| {
+        for (k, lane) in lanes.iter().enumerate() {
+            let x = fx.load("logits", at(fx, fx.iadd(c, fx.i64c(k as u64))));
+            let e = fx.exp(fx.sub(x, max));
+            fx.set(lane, fx.add(fx.get(lane), e));
+        }
+    });
+    let tail = fx.var(fx.f(-0.0));
+    fx.range(fx.i64c(whole), vv, |fx, j| {
+        let e = fx.exp(fx.sub(fx.load("logits", at(fx, j)), max));
+        fx.set(&tail, fx.add(fx.get(&tail), e));
+    });
+    let mut sum = fx.f(-0.0);
+    for lane in &lanes {
+        sum = fx.add(sum, fx.get(lane));
+    }
+    let sum = fx.add(sum, fx.get(&tail));
+    let lse = fx.add(max, fx.ln(sum));
+    let target = fx.load_index("targets", r);
+    let valid = fx.icmp(IntPredicate::ULT, target, vv);
+    let safe = fx.iselect(valid, target, zero);
+    let loss = fx.sub(lse, fx.load("logits", at(fx, safe)));
+    let loss = fx.fselect(valid, loss, fx.f(f32::NAN));
+    fx.store("loss", r, loss);
+    let inv = fx.scalar("inv");
+    fx.range(zero, vv, |fx, j| {
+        let g = fx.mul(fx.exp(fx.sub(fx.load("logits", at(fx, j)), lse)), inv);
+        let hit = fx.icmp(IntPredicate::EQ, j, target);
+        let g = fx.fselect(hit, fx.sub(g, inv), g);
+        fx.store("grad", at(fx, j), g);
+    });
+}
+
+/// `ops::Rope::apply` on `heads` heads of `qkv` starting at element `at`.
+fn rotate<'c>(fx: &mut Fx<'c, '_>, at: I<'c>, pos: I<'c>, heads: u32, d: u32, sign: super::fx::F<'c>) {
+    let half = u64::from(d / 2);
+    let table = fx.imul(pos, fx.i64c(half));
+    let n = fx.i64c(u64::from(heads) * half);
+    fx.range(fx.i64c(0), n, |fx, hi| {
+        let head = fx.udiv(hi, fx.i64c(half));
+        let i = fx.urem(hi, fx.i64c(half));
+        let a = fx.iadd(at, fx.iadd(fx.imul(head, fx.i64c(u64::from(d))), i));
+        let b = fx.iadd(a, fx.i64c(half));
+        let (x1, x2) = (fx.load("qkv", a), fx.load("qkv", b));
+        let t = fx.iadd(table, i);
+        let (c, s) = (fx.load("cos", t), fx.mul(sign, fx.load("sin", t)));
+        fx.store("qkv", a, fx.sub(fx.mul(x1, c), fx.mul(x2, s)));
+        fx.store("qkv", b, fx.add(fx.mul(x2, c), fx.mul(x1, s)));
+    });
+}
+
+/// One element of `optim::optimizer_step` for Adam/AdamW (PyTorch's single-tensor AdamW), and
+/// the parameter written back in its dtype.
+fn adam<'c>(fx: &mut Fx<'c, '_>, decayed: bool, i: I<'c>) {
+    let g = fx.mul(fx.load("grad", i), fx.scalar("grad_scale"));
+    let m = fx.add(
+        fx.mul(fx.scalar("beta1"), fx.load("m", i)),
+        fx.mul(fx.scalar("one_minus_beta1"), g),
+    );
+    let v = fx.add(
+        fx.mul(fx.scalar("beta2"), fx.load("v", i)),
+        fx.mul(fx.mul(fx.scalar("one_minus_beta2"), g), g),
+    );
+    fx.store("m", i, m);
+    fx.store("v", i, v);
+    let mut p = fx.load("master", i);
+    if decayed {
+        p = fx.mul(p, fx.scalar("shrink"));
+    }
+    let denom = fx.add(fx.div(fx.sqrt(v), fx.scalar("bc2_sqrt")), fx.scalar("eps"));
+    let p = fx.sub(p, fx.div(fx.mul(fx.scalar("step_size"), m), denom));
+    fx.store("master", i, p);
+    fx.store("param", i, p);
+}

@@ -1,0 +1,640 @@
+//! The function builder kernel bodies are written with: typed loads and stores through a
+//! tensor's storage dtype, f32/f64 arithmetic without fast-math flags, the Rust math's `exp`,
+//! `tanh`, `gelu` and `sigmoid` operation for operation, counted loops and stack accumulators
+//! (promoted to registers by the optimiser).
+//!
+//! Builder calls fail only when the builder is misused (no insertion point, a wrong operand
+//! type), never on a kernel's sizes, so they are unwrapped with one message.
+
+use super::Target;
+use crate::job::Dtype;
+use crate::kernels::{Kernel, Param};
+use inkwell::basic_block::BasicBlock;
+use inkwell::builder::Builder;
+use inkwell::context::Context;
+use inkwell::intrinsics::Intrinsic;
+use inkwell::module::Module;
+use inkwell::types::{BasicType, BasicTypeEnum};
+use inkwell::values::{
+    BasicMetadataValueEnum, BasicValue, BasicValueEnum, FloatValue, FunctionValue, IntValue,
+    PointerValue,
+};
+use inkwell::{FloatPredicate, IntPredicate};
+
+const BUILD: &str = "the kernel builder is used as LLVM expects";
+
+/// A value of a kernel: f32 unless said otherwise.
+pub type F<'c> = FloatValue<'c>;
+pub type I<'c> = IntValue<'c>;
+
+pub struct Fx<'c, 'm> {
+    pub ctx: &'c Context,
+    module: &'m Module<'c>,
+    pub b: Builder<'c>,
+    func: FunctionValue<'c>,
+    params: Vec<Param>,
+    target: Target,
+    entry: BasicBlock<'c>,
+}
+
+impl<'c, 'm> Fx<'c, 'm> {
+    pub fn new(
+        ctx: &'c Context,
+        module: &'m Module<'c>,
+        func: FunctionValue<'c>,
+        k: &Kernel,
+        target: Target,
+    ) -> Self {
+        let b = ctx.create_builder();
+        let entry = ctx.append_basic_block(func, "entry");
+        b.position_at_end(entry);
+        Fx {
+            ctx,
+            module,
+            b,
+            func,
+            params: k.params(),
+            target,
+            entry,
+        }
+    }
+
+    pub fn ret(&self) {
+        self.b.build_return(None).expect(BUILD);
+    }
+
+    // ----- parameters -----
+
+    pub fn param_int(&self, i: usize) -> I<'c> {
+        self.func.get_nth_param(i as u32).expect(BUILD).into_int_value()
+    }
+
+    fn index_of(&self, name: &str) -> usize {
+        self.params
+            .iter()
+            .position(|p| p.name() == name)
+            .unwrap_or_else(|| panic!("the kernel has no parameter `{name}`"))
+    }
+
+    fn param(&self, name: &str) -> (Param, BasicValueEnum<'c>) {
+        let i = self.index_of(name);
+        (
+            self.params[i],
+            self.func.get_nth_param(i as u32).expect(BUILD),
+        )
+    }
+
+    pub fn scalar(&self, name: &str) -> F<'c> {
+        self.param(name).1.into_float_value()
+    }
+
+    pub fn int_param(&self, name: &str) -> I<'c> {
+        self.param(name).1.into_int_value()
+    }
+
+    pub fn params_as_args(&self) -> Vec<BasicMetadataValueEnum<'c>> {
+        self.func
+            .get_param_iter()
+            .map(BasicMetadataValueEnum::from)
+            .collect()
+    }
+
+    /// Slot `i` of an array of u64 words.
+    pub fn slot(&self, slots: PointerValue<'c>, i: u64) -> I<'c> {
+        let t = self.ctx.i64_type();
+        let p = self.gep(slots, t.into(), self.i64c(i));
+        self.b.build_load(t, p, "").expect(BUILD).into_int_value()
+    }
+
+    /// The f32 whose bits are the low half of `word`.
+    pub fn low_f32(&self, word: I<'c>) -> F<'c> {
+        let w = self
+            .b
+            .build_int_truncate(word, self.ctx.i32_type(), "")
+            .expect(BUILD);
+        self.from_bits(w)
+    }
+
+    pub fn int_to_ptr(&self, word: I<'c>) -> PointerValue<'c> {
+        self.b
+            .build_int_to_ptr(word, self.ctx.ptr_type(inkwell::AddressSpace::default()), "")
+            .expect(BUILD)
+    }
+
+    // ----- constants and integer arithmetic -----
+
+    pub fn f(&self, v: f32) -> F<'c> {
+        self.ctx.f32_type().const_float(f64::from(v))
+    }
+
+    pub fn f64c(&self, v: f64) -> F<'c> {
+        self.ctx.f64_type().const_float(v)
+    }
+
+    pub fn i64c(&self, v: u64) -> I<'c> {
+        self.ctx.i64_type().const_int(v, false)
+    }
+
+    fn i32c(&self, v: u64) -> I<'c> {
+        self.ctx.i32_type().const_int(v, false)
+    }
+
+    pub fn iadd(&self, a: I<'c>, b: I<'c>) -> I<'c> {
+        self.b.build_int_add(a, b, "").expect(BUILD)
+    }
+
+    pub fn imul(&self, a: I<'c>, b: I<'c>) -> I<'c> {
+        self.b.build_int_mul(a, b, "").expect(BUILD)
+    }
+
+    pub fn udiv(&self, a: I<'c>, b: I<'c>) -> I<'c> {
+        self.b.build_int_unsigned_div(a, b, "").expect(BUILD)
+    }
+
+    pub fn urem(&self, a: I<'c>, b: I<'c>) -> I<'c> {
+        self.b.build_int_unsigned_rem(a, b, "").expect(BUILD)
+    }
+
+    pub fn umin(&self, a: I<'c>, b: I<'c>) -> I<'c> {
+        let lt = self.icmp(IntPredicate::ULT, a, b);
+        self.b
+            .build_select(lt, a, b, "")
+            .expect(BUILD)
+            .into_int_value()
+    }
+
+    pub fn icmp(&self, p: IntPredicate, a: I<'c>, b: I<'c>) -> I<'c> {
+        self.b.build_int_compare(p, a, b, "").expect(BUILD)
+    }
+
+    // ----- float arithmetic (f32 or f64, no flags) -----
+
+    pub fn add(&self, a: F<'c>, b: F<'c>) -> F<'c> {
+        self.b.build_float_add(a, b, "").expect(BUILD)
+    }
+
+    pub fn sub(&self, a: F<'c>, b: F<'c>) -> F<'c> {
+        self.b.build_float_sub(a, b, "").expect(BUILD)
+    }
+
+    pub fn mul(&self, a: F<'c>, b: F<'c>) -> F<'c> {
+        self.b.build_float_mul(a, b, "").expect(BUILD)
+    }
+
+    pub fn div(&self, a: F<'c>, b: F<'c>) -> F<'c> {
+        self.b.build_float_div(a, b, "").expect(BUILD)
+    }
+
+    pub fn fcmp(&self, p: FloatPredicate, a: F<'c>, b: F<'c>) -> I<'c> {
+        self.b.build_float_compare(p, a, b, "").expect(BUILD)
+    }
+
+    pub fn select<V: BasicValue<'c>>(&self, c: I<'c>, a: V, b: V) -> BasicValueEnum<'c> {
+        self.b.build_select(c, a, b, "").expect(BUILD)
+    }
+
+    pub fn fselect(&self, c: I<'c>, a: F<'c>, b: F<'c>) -> F<'c> {
+        self.select(c, a, b).into_float_value()
+    }
+
+    pub fn iselect(&self, c: I<'c>, a: I<'c>, b: I<'c>) -> I<'c> {
+        self.select(c, a, b).into_int_value()
+    }
+
+    pub fn to_f64(&self, x: F<'c>) -> F<'c> {
+        self.b
+            .build_float_ext(x, self.ctx.f64_type(), "")
+            .expect(BUILD)
+    }
+
+    fn intrinsic(&self, name: &str, types: &[BasicTypeEnum<'c>], args: &[BasicValueEnum<'c>]) -> BasicValueEnum<'c> {
+        let f = Intrinsic::find(name)
+            .unwrap_or_else(|| panic!("LLVM has no intrinsic {name}"))
+            .get_declaration(self.module, types)
+            .unwrap_or_else(|| panic!("no declaration of {name} for {types:?}"));
+        self.call(f, args)
+    }
+
+    fn call(&self, f: FunctionValue<'c>, args: &[BasicValueEnum<'c>]) -> BasicValueEnum<'c> {
+        let args: Vec<BasicMetadataValueEnum> = args.iter().map(|&a| a.into()).collect();
+        self.b
+            .build_call(f, &args, "")
+            .expect(BUILD)
+            .try_as_basic_value()
+            .basic()
+            .expect("the call returns a value")
+    }
+
+    pub fn call_void(&self, f: FunctionValue<'c>, args: &[BasicMetadataValueEnum<'c>]) {
+        self.b.build_call(f, args, "").expect(BUILD);
+    }
+
+    fn f32_intrinsic(&self, name: &str, args: &[F<'c>]) -> F<'c> {
+        let t = self.ctx.f32_type().as_basic_type_enum();
+        let args: Vec<BasicValueEnum> = args.iter().map(|&a| a.into()).collect();
+        self.intrinsic(name, &[t], &args).into_float_value()
+    }
+
+    pub fn sqrt(&self, x: F<'c>) -> F<'c> {
+        self.f32_intrinsic("llvm.sqrt", &[x])
+    }
+
+    pub fn fabs(&self, x: F<'c>) -> F<'c> {
+        self.f32_intrinsic("llvm.fabs", &[x])
+    }
+
+    pub fn copysign(&self, x: F<'c>, s: F<'c>) -> F<'c> {
+        self.f32_intrinsic("llvm.copysign", &[x, s])
+    }
+
+    /// IEEE maxNum: the other operand when one is NaN (Rust's `f32::max`).
+    pub fn maxnum(&self, a: F<'c>, b: F<'c>) -> F<'c> {
+        self.f32_intrinsic("llvm.maxnum", &[a, b])
+    }
+
+    pub fn roundeven(&self, x: F<'c>) -> F<'c> {
+        self.f32_intrinsic("llvm.roundeven", &[x])
+    }
+
+    /// Natural log: libm's `logf` on the host (what Rust's `f32::ln` calls), `lg2.approx`
+    /// times ln 2 on the GPU.
+    pub fn ln(&self, x: F<'c>) -> F<'c> {
+        match self.target {
+            Target::Host => self.f32_intrinsic("llvm.log", &[x]),
+            Target::Ptx { .. } => {
+                let f = self.module.get_function("llvm.nvvm.lg2.approx.f").unwrap_or_else(|| {
+                    let t = self.ctx.f32_type();
+                    self.module
+                        .add_function("llvm.nvvm.lg2.approx.f", t.fn_type(&[t.into()], false), None)
+                });
+                let l2 = self.call(f, &[x.into()]).into_float_value();
+                self.mul(l2, self.f(std::f32::consts::LN_2))
+            }
+        }
+    }
+
+    /// `x as i32` with Rust's saturating semantics (NaN gives 0).
+    fn f32_to_i32_sat(&self, x: F<'c>) -> I<'c> {
+        let i32t = self.ctx.i32_type().as_basic_type_enum();
+        let f32t = self.ctx.f32_type().as_basic_type_enum();
+        self.intrinsic("llvm.fptosi.sat", &[i32t, f32t], &[x.into()])
+            .into_int_value()
+    }
+
+    fn bits(&self, x: F<'c>) -> I<'c> {
+        self.b
+            .build_bit_cast(x, self.ctx.i32_type(), "")
+            .expect(BUILD)
+            .into_int_value()
+    }
+
+    fn from_bits(&self, x: I<'c>) -> F<'c> {
+        self.b
+            .build_bit_cast(x, self.ctx.f32_type(), "")
+            .expect(BUILD)
+            .into_float_value()
+    }
+
+    // ----- the Rust math's functions, operation for operation -----
+
+    /// `schedrun::math::ops::exp`: Cephes' reduction and degree-6 polynomial.
+    pub fn exp(&self, x: F<'c>) -> F<'c> {
+        let lo = self.f(-87.33);
+        let hi = self.f(88.37);
+        // x.clamp(lo, hi): `if x < lo { lo }`, then `if x > hi { hi }`; NaN passes.
+        let xc = self.fselect(self.fcmp(FloatPredicate::OLT, x, lo), lo, x);
+        let xc = self.fselect(self.fcmp(FloatPredicate::OGT, xc, hi), hi, xc);
+        let round = self.f(12_582_912.0);
+        let n = self.sub(
+            self.add(self.mul(xc, self.f(std::f32::consts::LOG2_E)), round),
+            round,
+        );
+        let r = self.sub(
+            self.sub(xc, self.mul(n, self.f(0.693_359_4))),
+            self.mul(n, self.f(-2.121_944_4e-4)),
+        );
+        let mut p = self.f(1.987_569_1e-4);
+        for c in [1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 0.5] {
+            p = self.add(self.mul(p, r), self.f(c));
+        }
+        let y = self.add(self.add(self.mul(self.mul(p, r), r), r), self.f(1.0));
+        let ni = self.f32_to_i32_sat(n);
+        let e = self.b.build_int_add(ni, self.i32c(127), "").expect(BUILD);
+        let e = self.b.build_left_shift(e, self.i32c(23), "").expect(BUILD);
+        let v = self.mul(y, self.from_bits(e));
+        let v = self.fselect(self.fcmp(FloatPredicate::OLT, x, lo), self.f(0.0), v);
+        self.fselect(
+            self.fcmp(FloatPredicate::OGT, x, hi),
+            self.f(f32::INFINITY),
+            v,
+        )
+    }
+
+    /// tanh through one `exp`: (1 − e)/(1 + e), e = exp(−2|u|), with u's sign.
+    pub fn tanh(&self, u: F<'c>) -> F<'c> {
+        let e = self.exp(self.mul(self.f(-2.0), self.fabs(u)));
+        let one = self.f(1.0);
+        self.copysign(self.div(self.sub(one, e), self.add(one, e)), u)
+    }
+
+    fn gelu_inner(&self, x: F<'c>) -> F<'c> {
+        // GELU_C * (x + GELU_A * x * x * x)
+        let cube = self.mul(self.mul(self.mul(self.f(GELU_A), x), x), x);
+        self.tanh(self.mul(self.f(GELU_C), self.add(x, cube)))
+    }
+
+    pub fn gelu(&self, x: F<'c>) -> F<'c> {
+        let t = self.gelu_inner(x);
+        self.mul(self.mul(self.f(0.5), x), self.add(self.f(1.0), t))
+    }
+
+    pub fn gelu_grad(&self, x: F<'c>) -> F<'c> {
+        let t = self.gelu_inner(x);
+        let one = self.f(1.0);
+        let a = self.mul(self.f(0.5), self.add(one, t));
+        let b = self.mul(self.mul(self.f(0.5), x), self.sub(one, self.mul(t, t)));
+        let b = self.mul(b, self.f(GELU_C));
+        let c = self.add(one, self.mul(self.mul(self.f(3.0 * GELU_A), x), x));
+        self.add(a, self.mul(b, c))
+    }
+
+    pub fn sigmoid(&self, x: F<'c>) -> F<'c> {
+        let e = self.exp(self.b.build_float_neg(x, "").expect(BUILD));
+        self.div(self.f(1.0), self.add(self.f(1.0), e))
+    }
+
+    // ----- memory -----
+
+    fn gep(&self, ptr: PointerValue<'c>, elem: BasicTypeEnum<'c>, i: I<'c>) -> PointerValue<'c> {
+        // SAFETY (of the generated code): indices are within the tensors the caller passes;
+        // the kernel's contract.
+        unsafe { self.b.build_in_bounds_gep(elem, ptr, &[i], "").expect(BUILD) }
+    }
+
+    fn ptr(&self, name: &str) -> (Param, PointerValue<'c>) {
+        let (p, v) = self.param(name);
+        (p, v.into_pointer_value())
+    }
+
+    /// Element `i` of tensor `name`, widened to f32.
+    pub fn load(&self, name: &str, i: I<'c>) -> F<'c> {
+        let (p, ptr) = self.ptr(name);
+        match p {
+            Param::Tensor(_, Dtype::Fp32) | Param::F32s(_) => self.load_f32(ptr, i),
+            Param::Tensor(_, Dtype::Bf16) => {
+                let h = self.load_i16(ptr, i);
+                let w = self.b.build_int_z_extend(h, self.ctx.i32_type(), "").expect(BUILD);
+                let w = self.b.build_left_shift(w, self.i32c(16), "").expect(BUILD);
+                self.from_bits(w)
+            }
+            Param::Tensor(_, Dtype::Fp16) => {
+                let h = self.load_i16(ptr, i);
+                self.f16_to_f32(h)
+            }
+            other => panic!("`{name}` ({other:?}) is not an f32-valued tensor"),
+        }
+    }
+
+    fn load_f32(&self, ptr: PointerValue<'c>, i: I<'c>) -> F<'c> {
+        let t = self.ctx.f32_type();
+        let p = self.gep(ptr, t.into(), i);
+        self.b.build_load(t, p, "").expect(BUILD).into_float_value()
+    }
+
+    fn load_i16(&self, ptr: PointerValue<'c>, i: I<'c>) -> I<'c> {
+        let t = self.ctx.i16_type();
+        let p = self.gep(ptr, t.into(), i);
+        self.b.build_load(t, p, "").expect(BUILD).into_int_value()
+    }
+
+    /// Element `i` of a u32 tensor, zero-extended to i64.
+    pub fn load_index(&self, name: &str, i: I<'c>) -> I<'c> {
+        let (_, ptr) = self.ptr(name);
+        let t = self.ctx.i32_type();
+        let p = self.gep(ptr, t.into(), i);
+        let v = self.b.build_load(t, p, "").expect(BUILD).into_int_value();
+        self.b
+            .build_int_z_extend(v, self.ctx.i64_type(), "")
+            .expect(BUILD)
+    }
+
+    /// Stores f32 `v` as element `i` of `name`, rounded to its dtype.
+    pub fn store(&self, name: &str, i: I<'c>, v: F<'c>) {
+        let (p, ptr) = self.ptr(name);
+        match p {
+            Param::Tensor(_, Dtype::Fp32) | Param::F32s(_) => {
+                let q = self.gep(ptr, self.ctx.f32_type().into(), i);
+                self.b.build_store(q, v).expect(BUILD);
+            }
+            Param::Tensor(_, Dtype::Bf16) => {
+                let h = self.f32_to_bf16(v);
+                let q = self.gep(ptr, self.ctx.i16_type().into(), i);
+                self.b.build_store(q, h).expect(BUILD);
+            }
+            Param::Tensor(_, Dtype::Fp16) => {
+                let h = self.f32_to_f16(v);
+                let q = self.gep(ptr, self.ctx.i16_type().into(), i);
+                self.b.build_store(q, h).expect(BUILD);
+            }
+            other => panic!("`{name}` ({other:?}) is not an f32-valued tensor"),
+        }
+    }
+
+    /// Stores f64 `v` as element `i` of the f64 tensor `name`.
+    pub fn store_f64(&self, name: &str, i: I<'c>, v: F<'c>) {
+        let (_, ptr) = self.ptr(name);
+        let q = self.gep(ptr, self.ctx.f64_type().into(), i);
+        self.b.build_store(q, v).expect(BUILD);
+    }
+
+    /// Copies element `s` of `src` to element `d` of `dst` as raw bits of the dtype.
+    pub fn copy_bits(&self, src: &str, s: I<'c>, dst: &str, d: I<'c>) {
+        let (p, sp) = self.ptr(src);
+        let (_, dp) = self.ptr(dst);
+        let t: BasicTypeEnum = match p {
+            Param::Tensor(_, Dtype::Fp32) => self.ctx.i32_type().into(),
+            _ => self.ctx.i16_type().into(),
+        };
+        let v = self.b.build_load(t, self.gep(sp, t, s), "").expect(BUILD);
+        self.b.build_store(self.gep(dp, t, d), v).expect(BUILD);
+    }
+
+    /// `schedrun::math::f32_to_bf16_bits` in integer IR: round to nearest even, NaN kept quiet.
+    fn f32_to_bf16(&self, x: F<'c>) -> I<'c> {
+        let b = self.bits(x);
+        let hi = self.b.build_right_shift(b, self.i32c(16), false, "").expect(BUILD);
+        let lsb = self.b.build_and(hi, self.i32c(1), "").expect(BUILD);
+        let bias = self.iadd(self.i32c(0x7fff), lsb);
+        let rounded = self.iadd(b, bias);
+        let rounded = self.b.build_right_shift(rounded, self.i32c(16), false, "").expect(BUILD);
+        let nan = self.b.build_or(hi, self.i32c(0x40), "").expect(BUILD);
+        let is_nan = self.fcmp(FloatPredicate::UNO, x, x);
+        let v = self.iselect(is_nan, nan, rounded);
+        self.b
+            .build_int_truncate(v, self.ctx.i16_type(), "")
+            .expect(BUILD)
+    }
+
+    /// IEEE half bits to f32, exactly (subnormals, infinities and NaN payloads included).
+    fn f16_to_f32(&self, h: I<'c>) -> F<'c> {
+        let i32t = self.ctx.i32_type();
+        let w = self.b.build_int_z_extend(h, i32t, "").expect(BUILD);
+        let sign = self.b.build_and(w, self.i32c(0x8000), "").expect(BUILD);
+        let sign = self.b.build_left_shift(sign, self.i32c(16), "").expect(BUILD);
+        let exp = self.b.build_right_shift(w, self.i32c(10), false, "").expect(BUILD);
+        let exp = self.b.build_and(exp, self.i32c(0x1f), "").expect(BUILD);
+        let man = self.b.build_and(w, self.i32c(0x3ff), "").expect(BUILD);
+        // Normal: rebias the exponent by 127 − 15 = 112.
+        let ne = self.b.build_left_shift(self.iadd(exp, self.i32c(112)), self.i32c(23), "").expect(BUILD);
+        let nm = self.b.build_left_shift(man, self.i32c(13), "").expect(BUILD);
+        let normal = self.b.build_or(ne, nm, "").expect(BUILD);
+        // Infinity or NaN: exponent all ones.
+        let special = self.b.build_or(self.i32c(0x7f80_0000), nm, "").expect(BUILD);
+        // Zero or subnormal: man · 2^−24, exact in f32.
+        let mf = self
+            .b
+            .build_unsigned_int_to_float(man, self.ctx.f32_type(), "")
+            .expect(BUILD);
+        let sub = self.bits(self.mul(mf, self.f(2f32.powi(-24))));
+        let is_sub = self.icmp(IntPredicate::EQ, exp, self.i32c(0));
+        let is_special = self.icmp(IntPredicate::EQ, exp, self.i32c(0x1f));
+        let mag = self.iselect(is_special, special, normal);
+        let mag = self.iselect(is_sub, sub, mag);
+        self.from_bits(self.b.build_or(mag, sign, "").expect(BUILD))
+    }
+
+    /// f32 to IEEE half bits, round to nearest even (the `half` crate's `f16::from_f32`), through
+    /// the Rust math's `round_f16`: scale to the half's quantum, round, then pack exactly.
+    fn f32_to_f16(&self, x: F<'c>) -> I<'c> {
+        let b = self.bits(x);
+        let sign = self.b.build_right_shift(b, self.i32c(16), false, "").expect(BUILD);
+        let sign = self.b.build_and(sign, self.i32c(0x8000), "").expect(BUILD);
+        let man32 = self.b.build_and(b, self.i32c(0x7f_ffff), "").expect(BUILD);
+        let nan = self.b.build_or(
+            self.b.build_or(sign, self.i32c(0x7e00), "").expect(BUILD),
+            self.b.build_right_shift(man32, self.i32c(13), false, "").expect(BUILD),
+            "",
+        )
+        .expect(BUILD);
+        let inf = self.b.build_or(sign, self.i32c(0x7c00), "").expect(BUILD);
+        let a = self.fabs(x);
+        // q = 2^max(e − 10, −24) where e is x's unbiased exponent.
+        let e = self.b.build_right_shift(self.bits(a), self.i32c(23), false, "").expect(BUILD);
+        let small = self.fcmp(FloatPredicate::OLT, a, self.f(2f32.powi(-14)));
+        // The biased exponent of q: e − 10 + 127 (normal range) or −24 + 127.
+        let qe = self.iselect(
+            small,
+            self.i32c(103),
+            self.b.build_int_sub(e, self.i32c(10), "").expect(BUILD),
+        );
+        let q = self.from_bits(self.b.build_left_shift(qe, self.i32c(23), "").expect(BUILD));
+        let r = self.mul(self.roundeven(self.div(a, q)), q);
+        // Pack r (now exactly a half value).
+        let rb = self.bits(r);
+        let re = self.b.build_right_shift(rb, self.i32c(23), false, "").expect(BUILD);
+        let rm = self.b.build_and(rb, self.i32c(0x7f_ffff), "").expect(BUILD);
+        let normal = self.b.build_or(
+            self.b.build_left_shift(self.b.build_int_sub(re, self.i32c(112), "").expect(BUILD), self.i32c(10), "").expect(BUILD),
+            self.b.build_right_shift(rm, self.i32c(13), false, "").expect(BUILD),
+            "",
+        )
+        .expect(BUILD);
+        let subn = self
+            .b
+            .build_float_to_unsigned_int(self.mul(r, self.f(2f32.powi(24))), self.ctx.i32_type(), "")
+            .expect(BUILD);
+        let r_small = self.fcmp(FloatPredicate::OLT, r, self.f(2f32.powi(-14)));
+        let mag = self.iselect(r_small, subn, normal);
+        let v = self.b.build_or(sign, mag, "").expect(BUILD);
+        let big = self.fcmp(FloatPredicate::OGE, a, self.f(65520.0));
+        let v = self.iselect(big, inf, v);
+        let is_nan = self.fcmp(FloatPredicate::UNO, x, x);
+        let v = self.iselect(is_nan, nan, v);
+        self.b
+            .build_int_truncate(v, self.ctx.i16_type(), "")
+            .expect(BUILD)
+    }
+
+    // ----- control flow -----
+
+    /// An f32 (or f64, by `init`'s type) accumulator on the stack, set to `init`.
+    pub fn var(&self, init: F<'c>) -> Var<'c> {
+        let here = self.b.get_insert_block().expect(BUILD);
+        match self.entry.get_first_instruction() {
+            Some(first) => self.b.position_before(&first),
+            None => self.b.position_at_end(self.entry),
+        }
+        let slot = self.b.build_alloca(init.get_type(), "").expect(BUILD);
+        self.b.position_at_end(here);
+        self.b.build_store(slot, init).expect(BUILD);
+        Var {
+            slot,
+            ty: init.get_type().as_basic_type_enum(),
+        }
+    }
+
+    pub fn get(&self, v: &Var<'c>) -> F<'c> {
+        self.b.build_load(v.ty, v.slot, "").expect(BUILD).into_float_value()
+    }
+
+    pub fn set(&self, v: &Var<'c>, x: F<'c>) {
+        self.b.build_store(v.slot, x).expect(BUILD);
+    }
+
+    /// `for i in (start..end).step_by(stride) { body(i) }` (unsigned compare).
+    pub fn strided_loop(&mut self, start: I<'c>, end: I<'c>, stride: I<'c>, body: impl FnOnce(&mut Self, I<'c>)) {
+        let pre = self.b.get_insert_block().expect(BUILD);
+        let head = self.ctx.append_basic_block(self.func, "head");
+        let step = self.ctx.append_basic_block(self.func, "body");
+        let exit = self.ctx.append_basic_block(self.func, "exit");
+        self.b.build_unconditional_branch(head).expect(BUILD);
+        self.b.position_at_end(head);
+        let i = self.b.build_phi(self.ctx.i64_type(), "i").expect(BUILD);
+        i.add_incoming(&[(&start, pre)]);
+        let iv = i.as_basic_value().into_int_value();
+        let more = self.icmp(IntPredicate::ULT, iv, end);
+        self.b.build_conditional_branch(more, step, exit).expect(BUILD);
+        self.b.position_at_end(step);
+        body(self, iv);
+        let next = self.iadd(iv, stride);
+        let latch = self.b.get_insert_block().expect(BUILD);
+        i.add_incoming(&[(&next, latch)]);
+        self.b.build_unconditional_branch(head).expect(BUILD);
+        self.b.position_at_end(exit);
+    }
+
+    /// `for i in start..end { body(i) }`.
+    pub fn range(&mut self, start: I<'c>, end: I<'c>, body: impl FnOnce(&mut Self, I<'c>)) {
+        let one = self.i64c(1);
+        self.strided_loop(start, end, one, body);
+    }
+
+    /// The GPU's (tid.x, ntid.x, ctaid.x, nctaid.x), as i64.
+    pub fn thread_registers(&self) -> (I<'c>, I<'c>, I<'c>, I<'c>) {
+        let read = |name: &str| {
+            let f = self.module.get_function(name).unwrap_or_else(|| {
+                let t = self.ctx.i32_type();
+                self.module.add_function(name, t.fn_type(&[], false), None)
+            });
+            let v = self.call(f, &[]).into_int_value();
+            self.b
+                .build_int_z_extend(v, self.ctx.i64_type(), "")
+                .expect(BUILD)
+        };
+        (
+            read("llvm.nvvm.read.ptx.sreg.tid.x"),
+            read("llvm.nvvm.read.ptx.sreg.ntid.x"),
+            read("llvm.nvvm.read.ptx.sreg.ctaid.x"),
+            read("llvm.nvvm.read.ptx.sreg.nctaid.x"),
+        )
+    }
+}
+
+/// A stack slot holding an accumulator.
+pub struct Var<'c> {
+    slot: PointerValue<'c>,
+    ty: BasicTypeEnum<'c>,
+}
+
+const GELU_C: f32 = 0.797_884_6; // sqrt(2/π)
+const GELU_A: f32 = 0.044_715;

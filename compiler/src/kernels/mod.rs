@@ -1,0 +1,430 @@
+//! The generated kernels: every non-GEMM kernel of a training step, written once and emitted for
+//! the GPU (PTX) and for the CPU (JIT-compiled host code).
+//!
+//! This module is the catalogue, always built: a [`Kernel`] is one operation ([`Op`]) specialised
+//! to the sizes the plan fixes (row widths, head shapes, the vocabulary) and to the storage dtype
+//! of each of its tensors. [`Kernel::params`] is its ABI, the same on both targets: the op's
+//! parameters in order, then `begin` and `end` (i64), the half-open range of indices it covers. An
+//! index is an element, a row or a column, as [`Op::space`] says; the host splits the range across
+//! threads, the GPU covers it with a grid-stride loop. [`for_job`] lists the kernels a job needs.
+//!
+//! The code generator ([`codegen`], behind the `llvm` cargo feature, LLVM 19 through inkwell)
+//! writes each kernel's body once as target-neutral LLVM IR in an `alwaysinline` function and
+//! wraps it twice: in a `ptx_kernel` for `nvptx64-nvidia-cuda` (sm_80 and sm_90, PTX ISA 7.8) and
+//! in a host function JIT-compiled for the processor running the CPU backend. Bodies follow the
+//! CPU backend's Rust math (`schedrun::math`) operation for operation, with no fast-math flags and
+//! no contraction, so element-wise and optimizer kernels give the same bits as that math.
+//!
+//! Storage: a pointer's dtype says how values are loaded (widened to f32) and stored (rounded to
+//! nearest even, in integer IR, NaN kept quiet). Statistics, master weights and optimizer moments
+//! are always fp32; gradient-norm partial sums are f64.
+
+#[cfg(feature = "llvm")]
+pub mod codegen;
+
+use crate::job::{Activation, Dtype, Job, LayerKind, MlpSpec, Norm, Optimizer, Positions};
+use std::fmt;
+
+/// Elements per partial sum of [`Op::SumSquares`].
+pub const SUMSQ_CHUNK: usize = 4096;
+
+/// How a kernel's index range is read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Space {
+    /// One index per element.
+    Elements,
+    /// One index per row of the op's width.
+    Rows,
+    /// One index per column: the op walks the rows (`rows` parameter) in order.
+    Columns,
+    /// One index per chunk of [`SUMSQ_CHUNK`] elements.
+    Chunks,
+}
+
+/// A kernel parameter's kind.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Param {
+    /// A tensor stored in the given dtype (the `i`-th of the kernel's dtypes).
+    Tensor(&'static str, Dtype),
+    /// A tensor of f32 whatever the model dtype (statistics, master weights, moments, tables).
+    F32s(&'static str),
+    /// f64 partial sums.
+    F64s(&'static str),
+    /// u32 token ids.
+    Tokens(&'static str),
+    /// An f32 scalar.
+    F32(&'static str),
+    /// An i64 scalar.
+    I64(&'static str),
+}
+
+impl Param {
+    pub fn name(&self) -> &'static str {
+        match *self {
+            Param::Tensor(n, _)
+            | Param::F32s(n)
+            | Param::F64s(n)
+            | Param::Tokens(n)
+            | Param::F32(n)
+            | Param::I64(n) => n,
+        }
+    }
+
+    pub fn is_pointer(&self) -> bool {
+        !matches!(self, Param::F32(_) | Param::I64(_))
+    }
+}
+
+/// An operation before storage dtypes are chosen. Sizes that shape the code are constants.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Op {
+    /// `dst[i] = src[i]` converted between dtypes.
+    Convert,
+    /// `acc[i] += x[i]` (gradient accumulation; `acc` rounded to its dtype).
+    Accumulate,
+    /// `post[i] = gelu(pre[i])`, tanh approximation.
+    Gelu,
+    /// `d[i] *= gelu'(pre[i])`.
+    GeluBackward,
+    /// `prod[i] = gate[i]·σ(gate[i])·up[i]`.
+    SwiGlu,
+    /// From `dprod` (in `dgate`): `dup = dprod·g·σ(g)`, `dgate = dprod·u·σ(g)·(1 + g(1 − σ(g)))`.
+    SwiGluBackward,
+    /// `y[i] += b[i mod width]`.
+    BiasAdd { width: u32 },
+    /// `db[j] += Σ_rows dy[r, j]`, rows in order.
+    BiasGrad { width: u32 },
+    /// Layer or RMS norm of each row into `out`, with (mean, 1/σ) per row in `stats`.
+    Norm { norm: Norm, width: u32, bias: bool },
+    /// A norm's input gradient, accumulated into `dx`, per row.
+    NormBackwardInput { norm: Norm, width: u32 },
+    /// A norm's parameter gradients, accumulated into `dw` (and `db`), per column over the rows.
+    NormBackwardParams { width: u32, bias: bool },
+    /// Softmax cross-entropy of each row: `grad = (softmax − onehot)·inv`, `loss[r]` the row's loss.
+    CrossEntropy { vocab: u32 },
+    /// Rotary positions on the q and k heads of each token row of a fused qkv tensor
+    /// (rotate-half pairing); `inverse` turns the other way (for gradients).
+    Rotary {
+        heads: u32,
+        kv_heads: u32,
+        head_dim: u32,
+        width: u32,
+        seq_len: u32,
+        inverse: bool,
+    },
+    /// Adam or AdamW on a flat shard: fp32 master, m, v updated, the parameter written in its
+    /// dtype. `decayed` applies AdamW's decoupled weight decay (`shrink`).
+    Adam { decayed: bool },
+    /// SGD on a flat shard: fp32 master updated, the parameter written in its dtype.
+    Sgd,
+    /// `partial[c] = Σ x²` in f64 over chunk `c` of [`SUMSQ_CHUNK`] elements, in order.
+    SumSquares,
+    /// Strided block copy of raw elements (both tensors of one dtype): element `i` of block `i / block` moves from `src[b·src_stride + i mod
+    /// block]` to `dst[b·dst_stride + i mod block]` (bucket pack/unpack, the hierarchical
+    /// all-gather's rearrange).
+    Gather2d,
+}
+
+impl Op {
+    pub fn space(&self) -> Space {
+        match self {
+            Op::Norm { .. }
+            | Op::NormBackwardInput { .. }
+            | Op::CrossEntropy { .. }
+            | Op::Rotary { .. } => Space::Rows,
+            Op::BiasGrad { .. } | Op::NormBackwardParams { .. } => Space::Columns,
+            Op::SumSquares => Space::Chunks,
+            _ => Space::Elements,
+        }
+    }
+
+    /// How many storage dtypes the op takes (its [`Param::Tensor`]s, in order).
+    pub fn tensors(&self) -> usize {
+        self.params_with(&[Dtype::Fp32; 8])
+            .iter()
+            .filter(|p| matches!(p, Param::Tensor(..)))
+            .count()
+    }
+
+    fn params_with(&self, d: &[Dtype]) -> Vec<Param> {
+        use Param::*;
+        match *self {
+            Op::Convert => vec![Tensor("src", d[0]), Tensor("dst", d[1])],
+            Op::Accumulate => vec![Tensor("x", d[0]), Tensor("acc", d[1])],
+            Op::Gelu => vec![Tensor("pre", d[0]), Tensor("post", d[1])],
+            Op::GeluBackward => vec![Tensor("d", d[0]), Tensor("pre", d[1])],
+            Op::SwiGlu => vec![
+                Tensor("gate", d[0]),
+                Tensor("up", d[1]),
+                Tensor("prod", d[2]),
+            ],
+            Op::SwiGluBackward => vec![
+                Tensor("dgate", d[0]),
+                Tensor("dup", d[1]),
+                Tensor("gate", d[2]),
+                Tensor("up", d[3]),
+            ],
+            Op::BiasAdd { .. } => vec![Tensor("y", d[0]), Tensor("b", d[1])],
+            Op::BiasGrad { .. } => vec![Tensor("dy", d[0]), Tensor("db", d[1]), I64("rows")],
+            Op::Norm { bias, .. } => {
+                let mut v = vec![Tensor("x", d[0]), Tensor("w", d[1])];
+                if bias {
+                    v.push(Tensor("b", d[2]));
+                }
+                v.push(Tensor("out", d[if bias { 3 } else { 2 }]));
+                v.push(F32s("stats"));
+                v
+            }
+            Op::NormBackwardInput { .. } => vec![
+                Tensor("x", d[0]),
+                Tensor("w", d[1]),
+                F32s("stats"),
+                Tensor("dy", d[2]),
+                Tensor("dx", d[3]),
+            ],
+            Op::NormBackwardParams { bias, .. } => {
+                let mut v = vec![
+                    Tensor("x", d[0]),
+                    F32s("stats"),
+                    Tensor("dy", d[1]),
+                    Tensor("dw", d[2]),
+                ];
+                if bias {
+                    v.push(Tensor("db", d[3]));
+                }
+                v.push(I64("rows"));
+                v
+            }
+            Op::CrossEntropy { .. } => vec![
+                Tensor("logits", d[0]),
+                Tokens("targets"),
+                Tensor("grad", d[1]),
+                F32s("loss"),
+                F32("inv"),
+            ],
+            Op::Rotary { .. } => vec![Tensor("qkv", d[0]), F32s("cos"), F32s("sin")],
+            Op::Adam { .. } => vec![
+                F32s("master"),
+                F32s("m"),
+                F32s("v"),
+                Tensor("grad", d[0]),
+                Tensor("param", d[1]),
+                F32("grad_scale"),
+                F32("beta1"),
+                F32("one_minus_beta1"),
+                F32("beta2"),
+                F32("one_minus_beta2"),
+                F32("eps"),
+                F32("step_size"),
+                F32("bc2_sqrt"),
+                F32("shrink"),
+            ],
+            Op::Sgd => vec![
+                F32s("master"),
+                Tensor("grad", d[0]),
+                Tensor("param", d[1]),
+                F32("grad_scale"),
+                F32("lr"),
+            ],
+            Op::SumSquares => vec![Tensor("x", d[0]), F64s("partial"), I64("n")],
+            Op::Gather2d => vec![
+                Tensor("src", d[0]),
+                Tensor("dst", d[1]),
+                I64("block"),
+                I64("src_stride"),
+                I64("dst_stride"),
+            ],
+        }
+    }
+
+    fn stem(&self) -> String {
+        let nb = |b: bool| if b { "_bias" } else { "" };
+        let norm = |n: Norm| match n {
+            Norm::LayerNorm => "layernorm",
+            Norm::RmsNorm => "rmsnorm",
+        };
+        match *self {
+            Op::Convert => "convert".into(),
+            Op::Accumulate => "accumulate".into(),
+            Op::Gelu => "gelu".into(),
+            Op::GeluBackward => "gelu_backward".into(),
+            Op::SwiGlu => "swiglu".into(),
+            Op::SwiGluBackward => "swiglu_backward".into(),
+            Op::BiasAdd { width } => format!("bias_add_w{width}"),
+            Op::BiasGrad { width } => format!("bias_grad_w{width}"),
+            Op::Norm { norm: n, width, bias } => format!("{}{}_w{width}", norm(n), nb(bias)),
+            Op::NormBackwardInput { norm: n, width } => {
+                format!("{}_backward_input_w{width}", norm(n))
+            }
+            Op::NormBackwardParams { width, bias } => {
+                format!("norm_backward_params{}_w{width}", nb(bias))
+            }
+            Op::CrossEntropy { vocab } => format!("cross_entropy_v{vocab}"),
+            Op::Rotary {
+                heads,
+                kv_heads,
+                head_dim,
+                width,
+                seq_len,
+                inverse,
+            } => format!(
+                "rotary{}_h{heads}_kv{kv_heads}_d{head_dim}_w{width}_s{seq_len}",
+                if inverse { "_inverse" } else { "" }
+            ),
+            Op::Adam { decayed } => format!("adam{}", if decayed { "_decayed" } else { "" }),
+            Op::Sgd => "sgd".into(),
+            Op::SumSquares => "sum_squares".into(),
+            Op::Gather2d => "gather2d".into(),
+        }
+    }
+}
+
+/// One generated kernel: an op with a storage dtype for each of its tensors.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Kernel {
+    pub op: Op,
+    pub dtypes: Vec<Dtype>,
+}
+
+impl Kernel {
+    /// `op` with `dtypes` (one per tensor parameter).
+    ///
+    /// # Panics
+    /// When the number of dtypes is not the op's number of tensors (a caller's bug).
+    pub fn new(op: Op, dtypes: &[Dtype]) -> Self {
+        assert_eq!(dtypes.len(), op.tensors(), "dtypes of {op:?}");
+        Kernel {
+            op,
+            dtypes: dtypes.to_vec(),
+        }
+    }
+
+    /// The symbol both targets export: the op, its constants and its dtypes.
+    pub fn name(&self) -> String {
+        let mut s = self.op.stem();
+        for d in &self.dtypes {
+            s.push('_');
+            s.push_str(d.name());
+        }
+        s
+    }
+
+    /// The kernel's parameters, before the trailing `begin` and `end`.
+    pub fn params(&self) -> Vec<Param> {
+        self.op.params_with(&self.dtypes)
+    }
+}
+
+impl fmt::Display for Kernel {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.name())
+    }
+}
+
+/// Every kernel a job's step needs, without duplicates, in a fixed order: per layer its
+/// activations, norms, rotary and bias kernels, then the loss, the optimizer, the gradient norm,
+/// the conversions and the copies.
+pub fn for_job(job: &Job) -> Vec<Kernel> {
+    let model = &job.model;
+    let (a, g) = (model.dtype, model.grad_dtype);
+    let f = Dtype::Fp32;
+    let mut out: Vec<Kernel> = vec![];
+    let mut add = |k: Kernel| {
+        if !out.contains(&k) {
+            out.push(k);
+        }
+    };
+    let norm = |add: &mut dyn FnMut(Kernel), n: Norm, width: u32| {
+        let bias = n == Norm::LayerNorm;
+        let ws = if bias { vec![a, a, a, a] } else { vec![a, a, a] };
+        add(Kernel::new(Op::Norm { norm: n, width, bias }, &ws));
+        add(Kernel::new(Op::NormBackwardInput { norm: n, width }, &[a, a, f, f]));
+        let ps = if bias { vec![a, f, g, g] } else { vec![a, f, g] };
+        add(Kernel::new(Op::NormBackwardParams { width, bias }, &ps));
+    };
+    let rope = model.layers.iter().any(|l| {
+        matches!(
+            l.kind,
+            LayerKind::Embedding {
+                positions: Positions::Rope,
+                ..
+            }
+        )
+    });
+    for layer in &model.layers {
+        match layer.kind {
+            LayerKind::Transformer(t) => {
+                norm(&mut add, t.norm, t.hidden as u32);
+                mlp_kernels(&mut add, t.mlp(), a, f);
+                let width = (t.hidden + 2 * t.kv_dim()) as u32;
+                if t.bias {
+                    add(Kernel::new(Op::BiasAdd { width }, &[f, a]));
+                    add(Kernel::new(Op::BiasGrad { width }, &[f, f]));
+                }
+                if rope {
+                    for inverse in [false, true] {
+                        let op = Op::Rotary {
+                            heads: t.heads as u32,
+                            kv_heads: t.kv_heads as u32,
+                            head_dim: t.head_dim() as u32,
+                            width,
+                            seq_len: model.seq_len as u32,
+                            inverse,
+                        };
+                        add(Kernel::new(op, &[f]));
+                    }
+                }
+            }
+            LayerKind::Mlp(m) => {
+                norm(&mut add, m.norm, m.hidden as u32);
+                mlp_kernels(&mut add, m, a, f);
+            }
+            LayerKind::LmHead {
+                vocab, hidden, norm: n, ..
+            } => {
+                norm(&mut add, n, hidden as u32);
+                add(Kernel::new(Op::CrossEntropy { vocab: vocab as u32 }, &[a, f]));
+            }
+            LayerKind::Embedding { .. } | LayerKind::Dense { .. } => {}
+        }
+    }
+    match model.optimizer {
+        Optimizer::Adam => add(Kernel::new(Op::Adam { decayed: false }, &[g, a])),
+        Optimizer::AdamW => {
+            add(Kernel::new(Op::Adam { decayed: false }, &[g, a]));
+            add(Kernel::new(Op::Adam { decayed: true }, &[g, a]));
+        }
+        Optimizer::Sgd => add(Kernel::new(Op::Sgd, &[g, a])),
+    }
+    add(Kernel::new(Op::SumSquares, &[g]));
+    add(Kernel::new(Op::Accumulate, &[g, g]));
+    for (from, to) in [(a, f), (f, a), (g, f), (f, g)] {
+        if from != to {
+            add(Kernel::new(Op::Convert, &[from, to]));
+        }
+    }
+    add(Kernel::new(Op::Gather2d, &[a, a]));
+    if g != a {
+        add(Kernel::new(Op::Gather2d, &[g, g]));
+    }
+    out
+}
+
+fn mlp_kernels(add: &mut dyn FnMut(Kernel), m: MlpSpec, a: Dtype, f: Dtype) {
+    match m.act {
+        Activation::Gelu => {
+            add(Kernel::new(Op::Gelu, &[a, a]));
+            add(Kernel::new(Op::GeluBackward, &[f, a]));
+        }
+        Activation::SwiGlu => {
+            add(Kernel::new(Op::SwiGlu, &[a, a, a]));
+            add(Kernel::new(Op::SwiGluBackward, &[f, f, a, a]));
+        }
+    }
+    if m.bias {
+        for width in [m.ffn as u32, m.hidden as u32] {
+            add(Kernel::new(Op::BiasAdd { width }, &[f, a]));
+            add(Kernel::new(Op::BiasGrad { width }, &[f, f]));
+        }
+    }
+}
