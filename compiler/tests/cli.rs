@@ -161,6 +161,49 @@ fn compile_writes_a_plan_that_verify_accepts() {
     }
 }
 
+/// `--emit ptx` writes the plan and one PTX module per architecture beside it, each kernel of
+/// the job an entry; a build without LLVM says what it needs and writes nothing.
+#[test]
+fn compile_emits_ptx_beside_the_plan() {
+    let dir = scratch("compile_ptx");
+    tiny(&dir);
+    std::fs::create_dir_all(dir.join("out")).unwrap();
+    let out = schedc(
+        &[
+            "compile",
+            "z.sched",
+            "--emit",
+            "ptx",
+            "-o",
+            "out/z.plan.json",
+        ],
+        &dir,
+    );
+    let written: Vec<_> = ["z.plan.json", "z.sm_80.ptx", "z.sm_90.ptx"]
+        .iter()
+        .filter(|f| dir.join("out").join(f).exists())
+        .collect();
+    if cfg!(feature = "llvm") {
+        assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+        assert_eq!(written.len(), 3, "{written:?}");
+        let ptx = std::fs::read_to_string(dir.join("out/z.sm_90.ptx")).unwrap();
+        assert!(ptx.contains(".target sm_90"));
+        assert!(
+            ptx.contains(".entry gelu_bf16_bf16("),
+            "the model's GELU in bf16"
+        );
+        assert!(ptx.contains(".entry cross_entropy_v256_bf16_fp32("));
+    } else {
+        assert_eq!(out.status.code(), Some(2));
+        assert!(
+            text(&out.stderr).contains("--features llvm"),
+            "{}",
+            text(&out.stderr)
+        );
+        assert!(written.is_empty(), "{written:?}");
+    }
+}
+
 #[test]
 fn verify_refuses_edited_truncated_and_foreign_plans() {
     let dir = scratch("verify_bad");

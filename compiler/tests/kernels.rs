@@ -80,7 +80,10 @@ fn every_kernel_has_an_entry_for_each_sm() {
         }
         // Every call is resolved inside the module (an unknown intrinsic would be an
         // `.extern .func` that only ptxas rejects).
-        assert!(!text.contains(".extern .func"), "unresolved call on sm_{sm}");
+        assert!(
+            !text.contains(".extern .func"),
+            "unresolved call on sm_{sm}"
+        );
     }
 }
 
@@ -123,7 +126,10 @@ fn resources(ptxas: &Path, text: &str, sm: u32) -> BTreeMap<String, String> {
 #[test]
 fn ptxas_assembles_every_kernel_and_pins_its_resources() {
     let Some(ptxas) = ptxas() else {
-        assert!(!required("ptxas"), "SCHED_REQUIRE has ptxas but no ptxas was found");
+        assert!(
+            !required("ptxas"),
+            "SCHED_REQUIRE has ptxas but no ptxas was found"
+        );
         eprintln!("skipped: no ptxas (pip install nvidia-cuda-nvcc-cu12, or set PTXAS)");
         return;
     };

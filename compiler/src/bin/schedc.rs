@@ -100,6 +100,9 @@ enum Emit {
     Plan,
     Listing,
     Stats,
+    /// The plan file and, beside it, the step's generated kernels as PTX for each GPU
+    /// architecture (`NAME.sm_80.ptx`, `NAME.sm_90.ptx`); needs a build with `--features llvm`.
+    Ptx,
 }
 
 /// Outcome of a command: the worst status seen.
@@ -261,7 +264,7 @@ fn compile(
         }
     };
     let text = match emit {
-        Emit::Plan => {
+        Emit::Plan | Emit::Ptx => {
             let plan = schedc::emit::plan::emit_plan(&program, job);
             serde_json::to_string(&plan).expect("plans serialise") + "\n"
         }
@@ -274,22 +277,58 @@ fn compile(
     };
     let target = match (output, emit) {
         (Some(o), _) => o,
-        (None, Emit::Plan) => PathBuf::from(format!("{}.plan.json", job.schedule.name)),
+        (None, Emit::Plan | Emit::Ptx) => PathBuf::from(format!("{}.plan.json", job.schedule.name)),
         (None, _) => {
             print!("{text}");
             return Status::Ok;
         }
     };
-    match write_atomically(&target, &text) {
-        Ok(()) => {
-            eprintln!("wrote {}", target.display());
-            Status::Ok
-        }
-        Err(e) => {
-            eprintln!("error: cannot write {}: {e}", target.display());
-            Status::Fault
+    let mut files = vec![];
+    if emit == Emit::Ptx {
+        match ptx_modules(job, &target) {
+            Ok(modules) => files = modules,
+            Err(e) => {
+                eprintln!("error: {e}");
+                return Status::Fault;
+            }
         }
     }
+    files.push((target, text));
+    for (path, text) in &files {
+        if let Err(e) = write_atomically(path, text) {
+            eprintln!("error: cannot write {}: {e}", path.display());
+            return Status::Fault;
+        }
+        eprintln!("wrote {}", path.display());
+    }
+    Status::Ok
+}
+
+/// The job's kernels as PTX, one module per architecture, named after the plan file
+/// (`x.plan.json` gives `x.sm_80.ptx`); all generated before anything is written.
+#[cfg(feature = "llvm")]
+fn ptx_modules(job: &schedc::Job, plan: &Path) -> Result<Vec<(PathBuf, String)>, String> {
+    use schedc::kernels::codegen::{ptx, SMS};
+    let kernels = schedc::kernels::for_job(job);
+    let name = plan
+        .file_name()
+        .map(|n| n.to_string_lossy().to_string())
+        .unwrap_or_default();
+    let stem = name
+        .strip_suffix(".plan.json")
+        .or_else(|| name.strip_suffix(".json"));
+    let stem = stem.unwrap_or(&name);
+    SMS.iter()
+        .map(|&sm| {
+            let text = ptx(&kernels, sm).map_err(|e| e.to_string())?;
+            Ok((plan.with_file_name(format!("{stem}.sm_{sm}.ptx")), text))
+        })
+        .collect()
+}
+
+#[cfg(not(feature = "llvm"))]
+fn ptx_modules(_: &schedc::Job, _: &Path) -> Result<Vec<(PathBuf, String)>, String> {
+    Err("--emit ptx needs schedc built with `--features llvm` (LLVM 19)".into())
 }
 
 fn verify(path: &Path) -> Status {

@@ -244,13 +244,19 @@ fn packed<'c>(ctx: &'c Context, module: &Module<'c>, k: &Kernel, entry: Function
         .fn_type(&[ptr.into(), i64t.into(), i64t.into()], false);
     let f = module.add_function(&format!("{}.packed", k.name()), t, None);
     let (cpu, features) = host_cpu();
-    f.add_attribute(AttributeLoc::Function, ctx.create_string_attribute("target-cpu", &cpu));
+    f.add_attribute(
+        AttributeLoc::Function,
+        ctx.create_string_attribute("target-cpu", &cpu),
+    );
     f.add_attribute(
         AttributeLoc::Function,
         ctx.create_string_attribute("target-features", &features),
     );
     let fx = Fx::new(ctx, module, f, k, Target::Host);
-    let slots = f.get_nth_param(0).expect("packed has 3 parameters").into_pointer_value();
+    let slots = f
+        .get_nth_param(0)
+        .expect("packed has 3 parameters")
+        .into_pointer_value();
     let mut args: Vec<inkwell::values::BasicMetadataValueEnum> = vec![];
     for (i, p) in k.params().iter().enumerate() {
         let word = fx.slot(slots, i as u64);

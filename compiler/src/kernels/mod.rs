@@ -252,7 +252,11 @@ impl Op {
             Op::SwiGluBackward => "swiglu_backward".into(),
             Op::BiasAdd { width } => format!("bias_add_w{width}"),
             Op::BiasGrad { width } => format!("bias_grad_w{width}"),
-            Op::Norm { norm: n, width, bias } => format!("{}{}_w{width}", norm(n), nb(bias)),
+            Op::Norm {
+                norm: n,
+                width,
+                bias,
+            } => format!("{}{}_w{width}", norm(n), nb(bias)),
             Op::NormBackwardInput { norm: n, width } => {
                 format!("{}_backward_input_w{width}", norm(n))
             }
@@ -336,10 +340,28 @@ pub fn for_job(job: &Job) -> Vec<Kernel> {
     };
     let norm = |add: &mut dyn FnMut(Kernel), n: Norm, width: u32| {
         let bias = n == Norm::LayerNorm;
-        let ws = if bias { vec![a, a, a, a] } else { vec![a, a, a] };
-        add(Kernel::new(Op::Norm { norm: n, width, bias }, &ws));
-        add(Kernel::new(Op::NormBackwardInput { norm: n, width }, &[a, a, f, f]));
-        let ps = if bias { vec![a, f, g, g] } else { vec![a, f, g] };
+        let ws = if bias {
+            vec![a, a, a, a]
+        } else {
+            vec![a, a, a]
+        };
+        add(Kernel::new(
+            Op::Norm {
+                norm: n,
+                width,
+                bias,
+            },
+            &ws,
+        ));
+        add(Kernel::new(
+            Op::NormBackwardInput { norm: n, width },
+            &[a, a, f, f],
+        ));
+        let ps = if bias {
+            vec![a, f, g, g]
+        } else {
+            vec![a, f, g]
+        };
         add(Kernel::new(Op::NormBackwardParams { width, bias }, &ps));
     };
     let rope = model.layers.iter().any(|l| {
@@ -380,10 +402,18 @@ pub fn for_job(job: &Job) -> Vec<Kernel> {
                 mlp_kernels(&mut add, m, a, f);
             }
             LayerKind::LmHead {
-                vocab, hidden, norm: n, ..
+                vocab,
+                hidden,
+                norm: n,
+                ..
             } => {
                 norm(&mut add, n, hidden as u32);
-                add(Kernel::new(Op::CrossEntropy { vocab: vocab as u32 }, &[a, f]));
+                add(Kernel::new(
+                    Op::CrossEntropy {
+                        vocab: vocab as u32,
+                    },
+                    &[a, f],
+                ));
             }
             LayerKind::Embedding { .. } | LayerKind::Dense { .. } => {}
         }

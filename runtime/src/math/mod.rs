@@ -23,6 +23,8 @@
 
 pub(crate) mod attention;
 mod gemm;
+#[cfg(all(test, feature = "llvm"))]
+mod generated_parity;
 mod init;
 mod layers;
 mod ops;

@@ -130,7 +130,10 @@ fn norm_forward<'c>(fx: &mut Fx<'c, '_>, norm: Norm, width: u32, bias: bool, r: 
                 fx.set(&q, fx.add(fx.get(&q), fx.mul(d, d)));
             });
             let var = fx.div(fx.get(&q), hf);
-            (mean, fx.div(fx.f(1.0), fx.sqrt(fx.add(var, fx.f(NORM_EPS)))))
+            (
+                mean,
+                fx.div(fx.f(1.0), fx.sqrt(fx.add(var, fx.f(NORM_EPS)))),
+            )
         }
         Norm::RmsNorm => {
             let q = fx.var(fx.f(-0.0));
@@ -139,7 +142,10 @@ fn norm_forward<'c>(fx: &mut Fx<'c, '_>, norm: Norm, width: u32, bias: bool, r: 
                 fx.set(&q, fx.add(fx.get(&q), fx.mul(v, v)));
             });
             let ms = fx.div(fx.get(&q), hf);
-            (fx.f(0.0), fx.div(fx.f(1.0), fx.sqrt(fx.add(ms, fx.f(NORM_EPS)))))
+            (
+                fx.f(0.0),
+                fx.div(fx.f(1.0), fx.sqrt(fx.add(ms, fx.f(NORM_EPS)))),
+            )
         }
     };
     let two_r = fx.imul(r, fx.i64c(2));
@@ -264,7 +270,14 @@ fn cross_entropy<'c>(fx: &mut Fx<'c, '_>, vocab: u32, r: I<'c>) {
 }
 
 /// `ops::Rope::apply` on `heads` heads of `qkv` starting at element `at`.
-fn rotate<'c>(fx: &mut Fx<'c, '_>, at: I<'c>, pos: I<'c>, heads: u32, d: u32, sign: super::fx::F<'c>) {
+fn rotate<'c>(
+    fx: &mut Fx<'c, '_>,
+    at: I<'c>,
+    pos: I<'c>,
+    heads: u32,
+    d: u32,
+    sign: super::fx::F<'c>,
+) {
     let half = u64::from(d / 2);
     let table = fx.imul(pos, fx.i64c(half));
     let n = fx.i64c(u64::from(heads) * half);

@@ -66,7 +66,10 @@ impl<'c, 'm> Fx<'c, 'm> {
     // ----- parameters -----
 
     pub fn param_int(&self, i: usize) -> I<'c> {
-        self.func.get_nth_param(i as u32).expect(BUILD).into_int_value()
+        self.func
+            .get_nth_param(i as u32)
+            .expect(BUILD)
+            .into_int_value()
     }
 
     fn index_of(&self, name: &str) -> usize {
@@ -112,12 +115,16 @@ impl<'c, 'm> Fx<'c, 'm> {
             .b
             .build_int_truncate(word, self.ctx.i32_type(), "")
             .expect(BUILD);
-        self.from_bits(w)
+        self.float_of_bits(w)
     }
 
     pub fn int_to_ptr(&self, word: I<'c>) -> PointerValue<'c> {
         self.b
-            .build_int_to_ptr(word, self.ctx.ptr_type(inkwell::AddressSpace::default()), "")
+            .build_int_to_ptr(
+                word,
+                self.ctx.ptr_type(inkwell::AddressSpace::default()),
+                "",
+            )
             .expect(BUILD)
     }
 
@@ -207,7 +214,12 @@ impl<'c, 'm> Fx<'c, 'm> {
             .expect(BUILD)
     }
 
-    fn intrinsic(&self, name: &str, types: &[BasicTypeEnum<'c>], args: &[BasicValueEnum<'c>]) -> BasicValueEnum<'c> {
+    fn intrinsic(
+        &self,
+        name: &str,
+        types: &[BasicTypeEnum<'c>],
+        args: &[BasicValueEnum<'c>],
+    ) -> BasicValueEnum<'c> {
         let f = Intrinsic::find(name)
             .unwrap_or_else(|| panic!("LLVM has no intrinsic {name}"))
             .get_declaration(self.module, types)
@@ -262,11 +274,17 @@ impl<'c, 'm> Fx<'c, 'm> {
         match self.target {
             Target::Host => self.f32_intrinsic("llvm.log", &[x]),
             Target::Ptx { .. } => {
-                let f = self.module.get_function("llvm.nvvm.lg2.approx.f").unwrap_or_else(|| {
-                    let t = self.ctx.f32_type();
-                    self.module
-                        .add_function("llvm.nvvm.lg2.approx.f", t.fn_type(&[t.into()], false), None)
-                });
+                let f = self
+                    .module
+                    .get_function("llvm.nvvm.lg2.approx.f")
+                    .unwrap_or_else(|| {
+                        let t = self.ctx.f32_type();
+                        self.module.add_function(
+                            "llvm.nvvm.lg2.approx.f",
+                            t.fn_type(&[t.into()], false),
+                            None,
+                        )
+                    });
                 let l2 = self.call(f, &[x.into()]).into_float_value();
                 self.mul(l2, self.f(std::f32::consts::LN_2))
             }
@@ -288,7 +306,7 @@ impl<'c, 'm> Fx<'c, 'm> {
             .into_int_value()
     }
 
-    fn from_bits(&self, x: I<'c>) -> F<'c> {
+    fn float_of_bits(&self, x: I<'c>) -> F<'c> {
         self.b
             .build_bit_cast(x, self.ctx.f32_type(), "")
             .expect(BUILD)
@@ -314,14 +332,20 @@ impl<'c, 'm> Fx<'c, 'm> {
             self.mul(n, self.f(-2.121_944_4e-4)),
         );
         let mut p = self.f(1.987_569_1e-4);
-        for c in [1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 0.5] {
+        for c in [
+            1.398_199_9e-3,
+            8.333_452e-3,
+            4.166_579_6e-2,
+            1.666_666_5e-1,
+            0.5,
+        ] {
             p = self.add(self.mul(p, r), self.f(c));
         }
         let y = self.add(self.add(self.mul(self.mul(p, r), r), r), self.f(1.0));
         let ni = self.f32_to_i32_sat(n);
         let e = self.b.build_int_add(ni, self.i32c(127), "").expect(BUILD);
         let e = self.b.build_left_shift(e, self.i32c(23), "").expect(BUILD);
-        let v = self.mul(y, self.from_bits(e));
+        let v = self.mul(y, self.float_of_bits(e));
         let v = self.fselect(self.fcmp(FloatPredicate::OLT, x, lo), self.f(0.0), v);
         self.fselect(
             self.fcmp(FloatPredicate::OGT, x, hi),
@@ -368,7 +392,11 @@ impl<'c, 'm> Fx<'c, 'm> {
     fn gep(&self, ptr: PointerValue<'c>, elem: BasicTypeEnum<'c>, i: I<'c>) -> PointerValue<'c> {
         // SAFETY (of the generated code): indices are within the tensors the caller passes;
         // the kernel's contract.
-        unsafe { self.b.build_in_bounds_gep(elem, ptr, &[i], "").expect(BUILD) }
+        unsafe {
+            self.b
+                .build_in_bounds_gep(elem, ptr, &[i], "")
+                .expect(BUILD)
+        }
     }
 
     fn ptr(&self, name: &str) -> (Param, PointerValue<'c>) {
@@ -383,9 +411,12 @@ impl<'c, 'm> Fx<'c, 'm> {
             Param::Tensor(_, Dtype::Fp32) | Param::F32s(_) => self.load_f32(ptr, i),
             Param::Tensor(_, Dtype::Bf16) => {
                 let h = self.load_i16(ptr, i);
-                let w = self.b.build_int_z_extend(h, self.ctx.i32_type(), "").expect(BUILD);
+                let w = self
+                    .b
+                    .build_int_z_extend(h, self.ctx.i32_type(), "")
+                    .expect(BUILD);
                 let w = self.b.build_left_shift(w, self.i32c(16), "").expect(BUILD);
-                self.from_bits(w)
+                self.float_of_bits(w)
             }
             Param::Tensor(_, Dtype::Fp16) => {
                 let h = self.load_i16(ptr, i);
@@ -462,11 +493,17 @@ impl<'c, 'm> Fx<'c, 'm> {
     /// `schedrun::math::f32_to_bf16_bits` in integer IR: round to nearest even, NaN kept quiet.
     fn f32_to_bf16(&self, x: F<'c>) -> I<'c> {
         let b = self.bits(x);
-        let hi = self.b.build_right_shift(b, self.i32c(16), false, "").expect(BUILD);
+        let hi = self
+            .b
+            .build_right_shift(b, self.i32c(16), false, "")
+            .expect(BUILD);
         let lsb = self.b.build_and(hi, self.i32c(1), "").expect(BUILD);
         let bias = self.iadd(self.i32c(0x7fff), lsb);
         let rounded = self.iadd(b, bias);
-        let rounded = self.b.build_right_shift(rounded, self.i32c(16), false, "").expect(BUILD);
+        let rounded = self
+            .b
+            .build_right_shift(rounded, self.i32c(16), false, "")
+            .expect(BUILD);
         let nan = self.b.build_or(hi, self.i32c(0x40), "").expect(BUILD);
         let is_nan = self.fcmp(FloatPredicate::UNO, x, x);
         let v = self.iselect(is_nan, nan, rounded);
@@ -480,16 +517,31 @@ impl<'c, 'm> Fx<'c, 'm> {
         let i32t = self.ctx.i32_type();
         let w = self.b.build_int_z_extend(h, i32t, "").expect(BUILD);
         let sign = self.b.build_and(w, self.i32c(0x8000), "").expect(BUILD);
-        let sign = self.b.build_left_shift(sign, self.i32c(16), "").expect(BUILD);
-        let exp = self.b.build_right_shift(w, self.i32c(10), false, "").expect(BUILD);
+        let sign = self
+            .b
+            .build_left_shift(sign, self.i32c(16), "")
+            .expect(BUILD);
+        let exp = self
+            .b
+            .build_right_shift(w, self.i32c(10), false, "")
+            .expect(BUILD);
         let exp = self.b.build_and(exp, self.i32c(0x1f), "").expect(BUILD);
         let man = self.b.build_and(w, self.i32c(0x3ff), "").expect(BUILD);
         // Normal: rebias the exponent by 127 − 15 = 112.
-        let ne = self.b.build_left_shift(self.iadd(exp, self.i32c(112)), self.i32c(23), "").expect(BUILD);
-        let nm = self.b.build_left_shift(man, self.i32c(13), "").expect(BUILD);
+        let ne = self
+            .b
+            .build_left_shift(self.iadd(exp, self.i32c(112)), self.i32c(23), "")
+            .expect(BUILD);
+        let nm = self
+            .b
+            .build_left_shift(man, self.i32c(13), "")
+            .expect(BUILD);
         let normal = self.b.build_or(ne, nm, "").expect(BUILD);
         // Infinity or NaN: exponent all ones.
-        let special = self.b.build_or(self.i32c(0x7f80_0000), nm, "").expect(BUILD);
+        let special = self
+            .b
+            .build_or(self.i32c(0x7f80_0000), nm, "")
+            .expect(BUILD);
         // Zero or subnormal: man · 2^−24, exact in f32.
         let mf = self
             .b
@@ -500,26 +552,36 @@ impl<'c, 'm> Fx<'c, 'm> {
         let is_special = self.icmp(IntPredicate::EQ, exp, self.i32c(0x1f));
         let mag = self.iselect(is_special, special, normal);
         let mag = self.iselect(is_sub, sub, mag);
-        self.from_bits(self.b.build_or(mag, sign, "").expect(BUILD))
+        self.float_of_bits(self.b.build_or(mag, sign, "").expect(BUILD))
     }
 
     /// f32 to IEEE half bits, round to nearest even (the `half` crate's `f16::from_f32`), through
     /// the Rust math's `round_f16`: scale to the half's quantum, round, then pack exactly.
     fn f32_to_f16(&self, x: F<'c>) -> I<'c> {
         let b = self.bits(x);
-        let sign = self.b.build_right_shift(b, self.i32c(16), false, "").expect(BUILD);
+        let sign = self
+            .b
+            .build_right_shift(b, self.i32c(16), false, "")
+            .expect(BUILD);
         let sign = self.b.build_and(sign, self.i32c(0x8000), "").expect(BUILD);
         let man32 = self.b.build_and(b, self.i32c(0x7f_ffff), "").expect(BUILD);
-        let nan = self.b.build_or(
-            self.b.build_or(sign, self.i32c(0x7e00), "").expect(BUILD),
-            self.b.build_right_shift(man32, self.i32c(13), false, "").expect(BUILD),
-            "",
-        )
-        .expect(BUILD);
+        let nan = self
+            .b
+            .build_or(
+                self.b.build_or(sign, self.i32c(0x7e00), "").expect(BUILD),
+                self.b
+                    .build_right_shift(man32, self.i32c(13), false, "")
+                    .expect(BUILD),
+                "",
+            )
+            .expect(BUILD);
         let inf = self.b.build_or(sign, self.i32c(0x7c00), "").expect(BUILD);
         let a = self.fabs(x);
         // q = 2^max(e − 10, −24) where e is x's unbiased exponent.
-        let e = self.b.build_right_shift(self.bits(a), self.i32c(23), false, "").expect(BUILD);
+        let e = self
+            .b
+            .build_right_shift(self.bits(a), self.i32c(23), false, "")
+            .expect(BUILD);
         let small = self.fcmp(FloatPredicate::OLT, a, self.f(2f32.powi(-14)));
         // The biased exponent of q: e − 10 + 127 (normal range) or −24 + 127.
         let qe = self.iselect(
@@ -527,21 +589,38 @@ impl<'c, 'm> Fx<'c, 'm> {
             self.i32c(103),
             self.b.build_int_sub(e, self.i32c(10), "").expect(BUILD),
         );
-        let q = self.from_bits(self.b.build_left_shift(qe, self.i32c(23), "").expect(BUILD));
+        let q = self.float_of_bits(self.b.build_left_shift(qe, self.i32c(23), "").expect(BUILD));
         let r = self.mul(self.roundeven(self.div(a, q)), q);
         // Pack r (now exactly a half value).
         let rb = self.bits(r);
-        let re = self.b.build_right_shift(rb, self.i32c(23), false, "").expect(BUILD);
+        let re = self
+            .b
+            .build_right_shift(rb, self.i32c(23), false, "")
+            .expect(BUILD);
         let rm = self.b.build_and(rb, self.i32c(0x7f_ffff), "").expect(BUILD);
-        let normal = self.b.build_or(
-            self.b.build_left_shift(self.b.build_int_sub(re, self.i32c(112), "").expect(BUILD), self.i32c(10), "").expect(BUILD),
-            self.b.build_right_shift(rm, self.i32c(13), false, "").expect(BUILD),
-            "",
-        )
-        .expect(BUILD);
+        let normal = self
+            .b
+            .build_or(
+                self.b
+                    .build_left_shift(
+                        self.b.build_int_sub(re, self.i32c(112), "").expect(BUILD),
+                        self.i32c(10),
+                        "",
+                    )
+                    .expect(BUILD),
+                self.b
+                    .build_right_shift(rm, self.i32c(13), false, "")
+                    .expect(BUILD),
+                "",
+            )
+            .expect(BUILD);
         let subn = self
             .b
-            .build_float_to_unsigned_int(self.mul(r, self.f(2f32.powi(24))), self.ctx.i32_type(), "")
+            .build_float_to_unsigned_int(
+                self.mul(r, self.f(2f32.powi(24))),
+                self.ctx.i32_type(),
+                "",
+            )
             .expect(BUILD);
         let r_small = self.fcmp(FloatPredicate::OLT, r, self.f(2f32.powi(-14)));
         let mag = self.iselect(r_small, subn, normal);
@@ -574,7 +653,10 @@ impl<'c, 'm> Fx<'c, 'm> {
     }
 
     pub fn get(&self, v: &Var<'c>) -> F<'c> {
-        self.b.build_load(v.ty, v.slot, "").expect(BUILD).into_float_value()
+        self.b
+            .build_load(v.ty, v.slot, "")
+            .expect(BUILD)
+            .into_float_value()
     }
 
     pub fn set(&self, v: &Var<'c>, x: F<'c>) {
@@ -582,7 +664,13 @@ impl<'c, 'm> Fx<'c, 'm> {
     }
 
     /// `for i in (start..end).step_by(stride) { body(i) }` (unsigned compare).
-    pub fn strided_loop(&mut self, start: I<'c>, end: I<'c>, stride: I<'c>, body: impl FnOnce(&mut Self, I<'c>)) {
+    pub fn strided_loop(
+        &mut self,
+        start: I<'c>,
+        end: I<'c>,
+        stride: I<'c>,
+        body: impl FnOnce(&mut Self, I<'c>),
+    ) {
         let pre = self.b.get_insert_block().expect(BUILD);
         let head = self.ctx.append_basic_block(self.func, "head");
         let step = self.ctx.append_basic_block(self.func, "body");
@@ -593,7 +681,9 @@ impl<'c, 'm> Fx<'c, 'm> {
         i.add_incoming(&[(&start, pre)]);
         let iv = i.as_basic_value().into_int_value();
         let more = self.icmp(IntPredicate::ULT, iv, end);
-        self.b.build_conditional_branch(more, step, exit).expect(BUILD);
+        self.b
+            .build_conditional_branch(more, step, exit)
+            .expect(BUILD);
         self.b.position_at_end(step);
         body(self, iv);
         let next = self.iadd(iv, stride);
