@@ -8,6 +8,8 @@
 //! - [`plan`]: a loaded, verified plan with each op decoded ([`exec`]) and the layer math bound.
 //! - [`backend`]: the interface a machine implements (arenas, streams, events, collectives,
 //!   kernels) and the CPU backend, which runs all ranks in this process on real threads.
+//! - `device`: the device layer: one interpreter of compute ops (`run_action`) and one layer
+//!   math over the primitives each backend implements (the CPU's on host memory).
 //! - [`math`]: the model math in f32 (zoo layers forward and backward, loss, optimizers, bf16).
 //! - [`train`]: the host side: initial state, batches by `runtime.md`'s rule, steps, whole-tensor
 //!   state in and out; [`checkpoint`] stores that state in safetensors files.
@@ -18,6 +20,7 @@ pub mod arena;
 pub mod backend;
 pub mod checkpoint;
 pub mod data;
+pub(crate) mod device;
 pub mod exec;
 pub mod math;
 pub mod plan;

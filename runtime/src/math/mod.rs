@@ -22,12 +22,11 @@
 //! position · 10000^(−2i/d). The `attn.qkv` activation is saved after the rotation.
 
 pub(crate) mod attention;
-mod gemm;
+pub(crate) mod gemm;
 #[cfg(all(test, feature = "llvm"))]
 mod generated_parity;
 mod init;
-mod layers;
-mod ops;
+pub(crate) mod ops;
 mod optim;
 mod precision;
 pub(crate) mod saved;
@@ -36,6 +35,8 @@ pub use init::{init_layer, Rng};
 pub use optim::{grad_scale, optimizer_step, OptimizerConfig};
 pub use precision::{bf16_bits_to_f32, f32_to_bf16_bits, round_bf16, round_f16};
 
+use crate::device::host::{Host, HostPtr, HostTokens};
+use crate::device::layers::{self, In};
 pub(crate) use precision::Precision;
 use schedc::job::{Activation, Attention, Layer, LayerKind, Model, Norm, Positions};
 use std::fmt;
@@ -530,7 +531,12 @@ impl LayerMath {
         saved: &mut [f32],
     ) {
         self.check(params, tied_wte, input, output.len(), saved.len());
-        layers::forward(self, params, tied_wte, input, output, saved);
+        let done = Host::with_slices(|d| {
+            let (p, tied) = (HostPtr::read_only(params), tied_wte.map(HostPtr::read_only));
+            let x = host_input(input);
+            layers::forward(d, self, p, tied, x, HostPtr::of(output), HostPtr::of(saved))
+        });
+        done.unwrap_or_else(|e| panic!("{}: {e}", self.name));
     }
 
     /// Runs the layer backward: overwrites `grad_input` (when given; never for an embedding),
@@ -573,17 +579,22 @@ impl LayerMath {
             "{}: grad_tied must be given exactly for a tied lm_head, with vocab·hidden elements",
             self.name
         );
-        layers::backward(
-            self,
-            params,
-            tied_wte,
-            saved,
-            input,
-            grad_output,
-            grad_input,
-            grad_params,
-            grad_tied,
-        );
+        let done = Host::with_slices(|d| {
+            let (p, tied) = (HostPtr::read_only(params), tied_wte.map(HostPtr::read_only));
+            layers::backward(
+                d,
+                self,
+                p,
+                tied,
+                HostPtr::read_only(saved),
+                host_input(input),
+                HostPtr::read_only(grad_output),
+                grad_input.map(HostPtr::of),
+                HostPtr::of(grad_params),
+                grad_tied.map(HostPtr::of),
+            )
+        });
+        done.unwrap_or_else(|e| panic!("{}: {e}", self.name));
     }
 
     fn check(
@@ -613,6 +624,14 @@ impl LayerMath {
             self.is_tied().then_some(self.tied_elements()),
             "{n}: tied_wte must be given exactly for a tied lm_head, with vocab·hidden elements"
         );
+    }
+}
+
+/// A slice input as the host device takes it.
+fn host_input<'h>(input: Input<'_>) -> In<Host<'h>> {
+    match input {
+        Input::Tokens(t) => In::Tokens(HostTokens::of(t)),
+        Input::Hidden(x) => In::Hidden(HostPtr::read_only(x)),
     }
 }
 

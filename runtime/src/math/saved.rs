@@ -1,28 +1,15 @@
 //! The layout of what each layer keeps for backward in its `saved` buffer, defined once for every
-//! backend: forward writes the pieces and backward reads them in this order. A [`Piece`] is a run
-//! of f32s: `&mut [f32]` where the CPU forward writes, `&[f32]` where its backward reads, and a
-//! device address on the CUDA backend (`backend::cuda::layers`).
+//! backend: forward writes the pieces and backward reads them in this order. A [`Piece`] is the
+//! start of a run of f32s on a device (`crate::device`): a host address on the CPU, a device
+//! address on the CUDA backend.
 
 use super::attention::Keep;
 use super::{BlockP, MlpP};
 use schedc::job::{Activation, Attention};
 
-/// A slice that pieces can be cut off the front of: `&mut [f32]` where forward writes what it
-/// keeps for backward, `&[f32]` where backward reads it.
+/// The start of a run of f32s that pieces can be cut off the front of.
 pub(crate) trait Piece: Sized + Default {
     fn split(self, n: usize) -> (Self, Self);
-}
-
-impl Piece for &mut [f32] {
-    fn split(self, n: usize) -> (Self, Self) {
-        self.split_at_mut(n)
-    }
-}
-
-impl Piece for &[f32] {
-    fn split(self, n: usize) -> (Self, Self) {
-        self.split_at(n)
-    }
 }
 
 /// Cuts consecutive pieces off a buffer.

@@ -12,16 +12,16 @@
 //! op.
 
 mod collectives;
-mod kernels;
 mod sync;
 
 use super::{Backend, RankMemory, RunError, RunOptions, StepInput, StepOutcome, StreamWait};
 use crate::arena::Arena;
+use crate::device::action::{run_action, Rank};
+use crate::device::host::Host;
 use crate::exec::Action;
 use crate::plan::Plan;
 use schedc::ir::StreamId;
 use schedc::job::Dtype;
-use std::cell::RefCell;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use sync::{Abort, Events, Rendezvous, Stop};
@@ -66,15 +66,10 @@ struct StepShared<'a> {
     pools: &'a [Mutex<Vec<Vec<f32>>>],
 }
 
-/// One rank's view while it runs an op.
+/// One rank's view while it runs an op: its compute ops run on `device`.
 pub struct RankCtx<'a> {
-    pub plan: &'a Plan,
-    pub arenas: &'a [Arena],
     pub rank: u32,
-    /// Index of the rank among the backend's ranks (into the step's batches).
-    pub local: usize,
-    /// The thread's scratch vectors.
-    pub scratch: RefCell<Vec<Vec<f32>>>,
+    pub device: Host<'a>,
 }
 
 struct ThreadResult {
@@ -184,14 +179,15 @@ fn run_stream(sh: &StepShared<'_>, rank: u32, stream: usize) -> Option<ThreadRes
     let p = sh.plan;
     let pool = &sh.pools[rank as usize * p.stream_ops.len() + stream];
     let ctx = RankCtx {
-        plan: p,
-        arenas: sh.arenas,
         rank,
-        local: rank as usize,
-        scratch: RefCell::new(std::mem::take(&mut *pool.lock().expect("pool lock"))),
+        device: Host::new(
+            &sh.arenas[rank as usize],
+            &sh.input.batches[rank as usize],
+            std::mem::take(&mut *pool.lock().expect("pool lock")),
+        ),
     };
     let result = run_ops(sh, &ctx, stream);
-    *pool.lock().expect("pool lock") = ctx.scratch.into_inner();
+    *pool.lock().expect("pool lock") = ctx.device.into_pool();
     result
 }
 
@@ -246,7 +242,14 @@ fn run_ops(sh: &StepShared<'_>, ctx: &RankCtx<'_>, stream: usize) -> Option<Thre
                 waiting += t.elapsed();
                 r.map(|()| 0.0)
             }
-            a => kernels::run(ctx, a, o.micro_step, sh.input),
+            a => {
+                let r = Rank {
+                    plan: p,
+                    rank,
+                    device: &ctx.device,
+                };
+                run_action(&r, a, o.micro_step, sh.input).map(|()| ctx.device.take_loss())
+            }
         };
         match result {
             Ok(l) => loss += l,

@@ -8,11 +8,13 @@
 //!
 //! Needs a C++20 compiler (`$CXX`, else `c++`); the tests say so and pass where there is none.
 
-use super::actions::{Consts, RankView};
 use super::enqueue::{nccl_call, ColMajor, Exec, Grid, NcclCall, A};
-use super::layers::{self, In, G};
+use super::gpu::{action_workspace, Consts, Gpu};
 use crate::backend::cpu::CpuBackend;
 use crate::backend::{Backend, RankMemory, RunError, RunOptions, StepInput, StepOutcome};
+use crate::device::action::{run_action, Rank};
+use crate::device::layers::{self, In};
+use crate::device::Device;
 use crate::exec::Action;
 use crate::math::{Input, LayerMath, Rng};
 use crate::plan::Plan;
@@ -262,13 +264,27 @@ fn addr<T>(v: &[T]) -> u64 {
     v.as_ptr() as u64
 }
 
-fn g<'a>(x: &'a HostExec, ws: &'a mut [f32], rope: Option<u64>) -> G<'a> {
-    G {
+/// A stream over `ws` with no arena (the layer tests pass every tensor by address).
+fn g<'a>(x: &'a HostExec, ws: &'a mut [f32], consts: &'a Consts) -> Gpu<'a> {
+    Gpu {
         x,
         ws_base: ws.as_mut_ptr() as u64,
         ws_len: ws.len(),
         used: Cell::new(0),
+        arena_base: 0,
+        consts,
+    }
+}
+
+/// Constants with only the rotary tables (the layer tests give tokens by address).
+fn table_consts(rope: Option<u64>) -> Consts {
+    Consts {
+        tokens: 0,
+        loss: 0,
+        sumsq: 0,
         rope,
+        decay: vec![],
+        t: 0,
     }
 }
 
@@ -377,7 +393,8 @@ fn layers_on_the_emulated_device_match_the_cpu_math() {
             // Emulated device.
             let rope = rope_table(&m);
             let mut ws = vec![0f32; 1 << 20];
-            let gg = g(&x, &mut ws, rope.as_deref().map(addr));
+            let consts = table_consts(rope.as_deref().map(addr));
+            let gg = g(&x, &mut ws, &consts);
             let mut d_out = vec![f32::NAN; m.output_elements()];
             let mut d_saved = vec![f32::NAN; m.saved_elements()];
             let d_tied = tied.as_deref().map(addr);
@@ -396,7 +413,7 @@ fn layers_on_the_emulated_device_match_the_cpu_math() {
             let mut d_gi = gi.as_ref().map(|v| vec![f32::NAN; v.len()]);
             let mut d_gp = vec![f32::NAN; m.params()];
             let mut d_gt = gt.as_ref().map(|v| vec![f32::NAN; v.len()]);
-            gg.used.set(0);
+            gg.reset();
             layers::backward(
                 &gg,
                 &m,
@@ -431,7 +448,7 @@ struct EmuRank {
 }
 
 /// The CUDA backend's host side on the emulated device, every rank in this process: the actions
-/// of [`RankView`] and the collectives as [`nccl_call`] describes them to NCCL, op by op in the
+/// of the device layer on [`Gpu`] and the collectives as [`nccl_call`] describes them to NCCL, op by op in the
 /// plan's issue order on every rank at once (a collective meets all members at the same op).
 struct EmulatedBackend {
     plan: Arc<Plan>,
@@ -459,7 +476,7 @@ impl EmulatedBackend {
             .actions
             .iter()
             .filter(|a| !matches!(a, Action::Collectives(_)))
-            .map(|a| super::actions::action_workspace(&plan, a))
+            .map(|a| action_workspace(&plan, a))
             .max()
             .unwrap_or(0);
         let ranks = (0..plan.ranks())
@@ -610,20 +627,20 @@ impl Backend for EmulatedBackend {
                 Action::Collectives(cs) => cs.iter().for_each(|c| self.collective(c)),
                 a => {
                     for (r, rank) in self.ranks.iter().enumerate() {
-                        let view = RankView {
-                            plan: &p,
-                            rank: r as u32,
-                            arena_base: rank.arena.as_ptr() as u64,
-                            consts: &consts[r],
-                        };
-                        let gg = G {
+                        let gpu = Gpu {
                             x: &self.x,
                             ws_base: rank.workspace.as_ptr() as u64,
                             ws_len: rank.workspace.len(),
                             used: Cell::new(0),
-                            rope: consts[r].rope,
+                            arena_base: rank.arena.as_ptr() as u64,
+                            consts: &consts[r],
                         };
-                        view.compute(&gg, a, o.micro_step, input)
+                        let view = Rank {
+                            plan: &p,
+                            rank: r as u32,
+                            device: &gpu,
+                        };
+                        run_action(&view, a, o.micro_step, input)
                             .map_err(|e| RunError::at(r as u32, Some(p.describe(op)), e))?;
                     }
                 }

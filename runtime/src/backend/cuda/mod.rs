@@ -14,7 +14,8 @@
 //!   the streams. Enqueueing never blocks on the device, so one host thread issues all streams.
 //! - **Compute.** Matrix multiplies through cuBLAS (fp32 sgemm; attention's per-head products as
 //!   strided-batched sgemm), every other kernel in `kernels.cu`, compiled by NVRTC on first use
-//!   and cached as PTX. The layer math mirrors `crate::math` one function for one function.
+//!   and cached as PTX. The layer math and each op's reads and writes are the device layer's
+//!   (`crate::device`), the same code the CPU backend runs.
 //! - **Collectives.** NCCL through cudarc, one communicator per (communicator group, stream) the
 //!   plan uses ([`rendezvous::CommKey`]), each from its own unique id; a coalesced op is one
 //!   `ncclGroupStart`/`ncclGroupEnd`. A watchdog aborts the communicators and names the rank and
@@ -27,17 +28,17 @@
 //! [`rendezvous`], the plan checks ([`comm_keys`], [`plan_hash`], [`check_issue_order`],
 //! [`check_collectives`]), and the device code that only enqueues work through the `Exec`
 //! interface (`enqueue.rs`: launch shapes, the row-major to column-major product mapping, NCCL
-//! call descriptions; `layers.rs`: the layer math; `actions.rs`: each op's reads, math and
-//! writes), which the tests run on the host (`emulate.rs`). Behind the `cuda` cargo feature: the
+//! call descriptions; `gpu.rs`: the device layer's primitives as launches and products, under
+//! the layer math and op interpreter the CPU backend shares, `crate::device`), which the tests
+//! run on the host (`emulate.rs`). Behind the `cuda` cargo feature: the
 //! cudarc side (`device.rs`, `kernels.rs`, `blas.rs`, `nccl.rs`, `step.rs`); without it
 //! [`CudaBackend::new`] and [`probe`] say "built without CUDA". With it, [`probe`] finds out at
 //! run time which of the driver, NVRTC, cuBLAS and NCCL libraries are missing before cudarc
 //! touches them (cudarc panics on a missing library).
 
-mod actions;
 mod enqueue;
+mod gpu;
 pub mod launch;
-mod layers;
 pub mod rendezvous;
 
 #[cfg(feature = "cuda")]
@@ -248,9 +249,8 @@ mod tests {
     //! signature declares, since a mismatch would corrupt memory silently on the device.
 
     const CU: &str = include_str!("kernels.cu");
-    const RUST: [(&str, &str); 3] = [
-        ("layers.rs", include_str!("layers.rs")),
-        ("actions.rs", include_str!("actions.rs")),
+    const RUST: [(&str, &str); 2] = [
+        ("gpu.rs", include_str!("gpu.rs")),
         ("step.rs", include_str!("step.rs")),
     ];
 

@@ -1,18 +1,18 @@
 //! [`CudaBackend`]: one rank on one GPU. Enqueues a step's ops in the plan's issue order and
 //! watches its collectives. Compiled, never run on a GPU yet.
 
-use super::actions::{Consts, RankView};
 use super::blas::Blas;
 use super::device::{drv, Device};
 use super::enqueue::{nccl_call, ColMajor, Exec, Grid, A};
+use super::gpu::{action_workspace, Consts, Gpu};
 use super::kernels::Kernels;
 use super::launch::DistEnv;
-use super::layers::G;
 use super::nccl::{self, Comms, LOSS_KEY};
 use super::rendezvous::{self, CommKey, Hello};
 use crate::backend::{
     Backend, RankMemory, RunError, RunOptions, StepInput, StepOutcome, StreamWait,
 };
+use crate::device::action::{run_action, Rank};
 use crate::exec::Action;
 use crate::plan::Plan;
 use cranelift_entity::EntityRef;
@@ -79,7 +79,7 @@ impl CudaBackend {
                 ops.iter()
                     .filter_map(|op| match &p.actions[op.index()] {
                         Action::Collectives(_) => None,
-                        a => Some(super::actions::action_workspace(p, a)),
+                        a => Some(action_workspace(p, a)),
                     })
                     .max()
                     .unwrap_or(0)
@@ -355,12 +355,13 @@ impl CudaBackend {
                 blas: &self.blas[s],
                 s: stream,
             };
-            let g = G {
+            let gpu = Gpu {
                 x: &x,
                 ws_base,
                 ws_len,
                 used: Cell::new(0),
-                rope: self.consts.rope,
+                arena_base: self.dev.arena_base,
+                consts: &self.consts,
             };
             match &p.actions[op.index()] {
                 Action::Collectives(cs) => {
@@ -370,10 +371,14 @@ impl CudaBackend {
                             .map_err(|e| fail(format!("marker record: {e:?}")))?;
                     }
                 }
-                a => self
-                    .view()
-                    .compute(&g, a, o.micro_step, input)
-                    .map_err(fail)?,
+                a => {
+                    let r = Rank {
+                        plan: p,
+                        rank: self.rank,
+                        device: &gpu,
+                    };
+                    run_action(&r, a, o.micro_step, input).map_err(fail)?
+                }
             }
             if let Some(e) = o.record {
                 self.dev.events[e.index()]
@@ -464,15 +469,6 @@ impl CudaBackend {
             std::thread::sleep(Duration::from_millis(2));
         }
         self.dev.synchronize().map_err(|m| fault(self.rank, m))
-    }
-
-    fn view(&self) -> RankView<'_> {
-        RankView {
-            plan: &self.plan,
-            rank: self.rank,
-            arena_base: self.dev.arena_base,
-            consts: &self.consts,
-        }
     }
 
     fn finish_loss(&self) -> Result<f64, RunError> {

@@ -1,0 +1,707 @@
+//! The device layer's primitives on a GPU stream: kernel launches of `kernels.cu` and cuBLAS
+//! products over device addresses ([`crate::device::Device`] for [`Gpu`]). Regions of the arena
+//! are loaded into the stream's f32 workspace and rounded back to their dtype by kernels; the
+//! layer math and each op's reads and writes are the device layer's, shared with the CPU.
+//! Built everywhere (it only enqueues through [`Exec`]), so the host emulation in the tests runs
+//! it; on a GPU it runs inside [`super::CudaBackend`].
+#![cfg_attr(not(feature = "cuda"), allow(dead_code))]
+
+use super::enqueue::{dtype_code, elems, m, mt, prec_code, row_major, rows, Exec, A, M};
+use crate::device::{ArenaSpan, Device, Ptr, Update};
+use crate::exec::Action;
+use crate::math::attention::Keep;
+use crate::math::{BlockP, NormP, Precision};
+use crate::plan::Plan;
+use cranelift_entity::EntityRef;
+use schedc::ir::Region;
+use schedc::job::{Attention, Dtype, LayerKind, Norm, Optimizer};
+use std::cell::Cell;
+
+/// Device addresses of a rank's constants: the batch tokens, the loss and sum-of-squares
+/// accumulators, rotary tables, decay ranges.
+pub struct Consts {
+    /// i32 tokens: [micro_step][inputs | targets] of T each.
+    pub tokens: u64,
+    /// One f64: the step's loss sum on this rank.
+    pub loss: u64,
+    /// One f64: the gradient norm's sum of squares.
+    pub sumsq: u64,
+    /// cos then sin tables, seq_len × head_dim/2 each.
+    pub rope: Option<u64>,
+    /// Per layer: (pointer to i64 [start, end) pairs, count).
+    pub decay: Vec<(u64, usize)>,
+    /// Tokens per micro-batch.
+    pub t: usize,
+}
+
+/// One stream of one rank: where to enqueue ([`Exec`]), its workspace (a bump pointer reset
+/// after each op), where the rank's arena starts, and the rank's constants.
+pub struct Gpu<'a> {
+    pub x: &'a dyn Exec,
+    pub ws_base: u64,
+    pub ws_len: usize,
+    pub used: Cell<usize>,
+    pub arena_base: u64,
+    pub consts: &'a Consts,
+}
+
+const F: u64 = 4;
+
+impl Gpu<'_> {
+    fn run(&self, name: &str, n: usize, args: &[A]) -> Result<(), String> {
+        self.x.launch(name, elems(n), args)
+    }
+
+    fn run_rows(&self, name: &str, r: usize, args: &[A]) -> Result<(), String> {
+        self.x.launch(name, rows(r), args)
+    }
+
+    /// Row-major C[rows × cols] ← α·op(A)·op(B) + β·C (see [`row_major`]).
+    #[allow(clippy::too_many_arguments)]
+    fn gemm(
+        &self,
+        rows: usize,
+        cols: usize,
+        k: usize,
+        alpha: f32,
+        a: M,
+        b: M,
+        beta: f32,
+        c: u64,
+        ldc: usize,
+    ) -> Result<(), String> {
+        self.batched(rows, cols, k, alpha, a, 0, b, 0, beta, c, ldc, 0, 1)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn batched(
+        &self,
+        rows: usize,
+        cols: usize,
+        k: usize,
+        alpha: f32,
+        a: M,
+        stride_a: usize,
+        b: M,
+        stride_b: usize,
+        beta: f32,
+        c: u64,
+        ldc: usize,
+        stride_c: usize,
+        batch: usize,
+    ) -> Result<(), String> {
+        if rows == 0 || cols == 0 || batch == 0 {
+            return Ok(());
+        }
+        self.x.gemm(&row_major(
+            rows, cols, k, alpha, a, stride_a, b, stride_b, beta, c, ldc, stride_c, batch,
+        ))
+    }
+
+    fn copy_bytes(&self, dst: u64, src: u64, bytes: usize) -> Result<(), String> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        self.x.copy_bytes(dst, src, bytes)
+    }
+}
+
+fn norm_code(k: Norm) -> i32 {
+    match k {
+        Norm::LayerNorm => 0,
+        Norm::RmsNorm => 1,
+    }
+}
+
+/// Offsets (in floats) in `qkv` of sequence `b`'s q for head `n`, and k and v of its kv group.
+fn offsets(bp: &BlockP, b: usize, n: usize) -> (usize, usize, usize) {
+    let sh = &bp.shape;
+    let row = b * sh.s * sh.width();
+    let grp = n / (sh.heads / sh.kv_heads);
+    let k = sh.heads * sh.d + grp * sh.d;
+    (row + n * sh.d, row + k, row + k + sh.kv_heads * sh.d)
+}
+
+fn or_null(p: Option<u64>) -> u64 {
+    p.unwrap_or(0)
+}
+
+impl Device for Gpu<'_> {
+    type Ptr = u64;
+    type Tokens = u64;
+
+    fn alloc(&self, n: usize) -> Result<u64, String> {
+        let at = self.used.get();
+        // 64-float alignment keeps every piece 256-byte aligned for cuBLAS.
+        let next = at + n.div_ceil(64) * 64;
+        if next > self.ws_len {
+            return Err(format!(
+                "the stream workspace of {} floats is too small ({next} needed)",
+                self.ws_len
+            ));
+        }
+        self.used.set(next);
+        Ok(self.ws_base + at as u64 * F)
+    }
+
+    fn reset(&self) {
+        self.used.set(0);
+    }
+
+    fn tokens(&self, m: u32, targets: bool) -> Result<u64, String> {
+        let t = self.consts.t as u64;
+        Ok(self.consts.tokens + (2 * u64::from(m) + u64::from(targets)) * t * 4)
+    }
+
+    fn load(&self, at: u64, dtype: Dtype, dst: u64, n: usize) -> Result<(), String> {
+        let src = self.arena_base + at;
+        self.run(
+            "load",
+            n,
+            &[
+                A::P(src),
+                A::I(dtype_code(dtype)),
+                A::P(dst),
+                A::L(n as i64),
+            ],
+        )
+    }
+
+    fn store(
+        &self,
+        src: u64,
+        at: u64,
+        dtype: Dtype,
+        n: usize,
+        accumulate: bool,
+    ) -> Result<(), String> {
+        let dst = self.arena_base + at;
+        let d = dtype_code(dtype);
+        if accumulate {
+            self.run(
+                "add_store",
+                n,
+                &[A::P(src), A::P(dst), A::I(d), A::L(n as i64)],
+            )
+        } else {
+            self.run("store", n, &[A::P(src), A::P(dst), A::I(d), A::L(n as i64)])
+        }
+    }
+
+    fn load_f32(&self, at: u64, dst: u64, n: usize) -> Result<(), String> {
+        let src = self.arena_base + at;
+        self.run("load_halves", n, &[A::P(src), A::P(dst), A::L(n as i64)])
+    }
+
+    fn store_f32(&self, src: u64, at: u64, n: usize) -> Result<(), String> {
+        let dst = self.arena_base + at;
+        self.run("store_halves", n, &[A::P(src), A::P(dst), A::L(n as i64)])
+    }
+
+    fn copy_arena(&self, dst: u64, src: u64, bytes: u64) -> Result<(), String> {
+        let b = self.arena_base;
+        self.copy_bytes(b + dst, b + src, bytes as usize)
+    }
+
+    fn fill(&self, p: u64, n: usize, v: f32) -> Result<(), String> {
+        self.run("fill", n, &[A::P(p), A::F(v), A::L(n as i64)])
+    }
+
+    fn copy(&self, dst: u64, src: u64, n: usize) -> Result<(), String> {
+        self.copy_bytes(dst, src, n * 4)
+    }
+
+    fn round(&self, prec: Precision, p: u64, n: usize) -> Result<(), String> {
+        if prec == Precision::F32 {
+            return Ok(());
+        }
+        self.run(
+            "round_in_place",
+            n,
+            &[A::P(p), A::I(prec_code(prec)), A::L(n as i64)],
+        )
+    }
+
+    fn linear(
+        &self,
+        x: u64,
+        w: u64,
+        bias: Option<u64>,
+        y: u64,
+        t: usize,
+        inp: usize,
+        out: usize,
+        beta: f32,
+    ) -> Result<(), String> {
+        self.gemm(t, out, inp, 1.0, m(x, inp), mt(w, inp), beta, y, out)?;
+        if let Some(b) = bias {
+            self.run(
+                "bias_add",
+                t * out,
+                &[A::P(y), A::P(b), A::L(t as i64), A::L(out as i64)],
+            )?;
+        }
+        Ok(())
+    }
+
+    fn linear_backward(
+        &self,
+        x: u64,
+        w: u64,
+        dy: u64,
+        dw: u64,
+        dbias: Option<u64>,
+        dx: Option<(u64, f32)>,
+        t: usize,
+        inp: usize,
+        out: usize,
+    ) -> Result<(), String> {
+        self.gemm(out, inp, t, 1.0, mt(dy, out), m(x, inp), 1.0, dw, inp)?;
+        if let Some(db) = dbias {
+            self.run(
+                "col_sums",
+                out,
+                &[A::P(dy), A::L(t as i64), A::L(out as i64), A::P(db)],
+            )?;
+        }
+        if let Some((dx, beta)) = dx {
+            self.gemm(t, inp, out, 1.0, m(dy, out), m(w, inp), beta, dx, inp)?;
+        }
+        Ok(())
+    }
+
+    fn norm_forward(
+        &self,
+        np: &NormP,
+        params: u64,
+        t: usize,
+        h: usize,
+        x: u64,
+        out: u64,
+        stats: u64,
+    ) -> Result<(), String> {
+        let b = or_null(np.b.as_ref().map(|r| params.at(r)));
+        self.run_rows(
+            "norm_forward",
+            t,
+            &[
+                A::I(norm_code(np.kind)),
+                A::P(x),
+                A::P(params.at(&np.w)),
+                A::P(b),
+                A::P(out),
+                A::P(stats),
+                A::L(h as i64),
+            ],
+        )
+    }
+
+    fn norm_backward(
+        &self,
+        np: &NormP,
+        params: u64,
+        t: usize,
+        h: usize,
+        x: u64,
+        stats: u64,
+        dy: u64,
+        dx: Option<u64>,
+        grads: u64,
+    ) -> Result<(), String> {
+        let db = or_null(np.b.as_ref().map(|r| grads.at(r)));
+        self.run(
+            "norm_backward_params",
+            h,
+            &[
+                A::P(x),
+                A::P(stats),
+                A::P(dy),
+                A::P(grads.at(&np.w)),
+                A::P(db),
+                A::L(t as i64),
+                A::L(h as i64),
+            ],
+        )?;
+        if let Some(dx) = dx {
+            self.run_rows(
+                "norm_backward_input",
+                t,
+                &[
+                    A::I(norm_code(np.kind)),
+                    A::P(x),
+                    A::P(params.at(&np.w)),
+                    A::P(stats),
+                    A::P(dy),
+                    A::P(dx),
+                    A::L(h as i64),
+                ],
+            )?;
+        }
+        Ok(())
+    }
+
+    fn gelu(&self, pre: u64, post: u64, n: usize) -> Result<(), String> {
+        self.run("gelu_forward", n, &[A::P(pre), A::P(post), A::L(n as i64)])
+    }
+
+    fn gelu_backward(&self, pre: u64, d: u64, n: usize) -> Result<(), String> {
+        self.run("gelu_backward", n, &[A::P(pre), A::P(d), A::L(n as i64)])
+    }
+
+    fn swiglu(&self, gate: u64, up: u64, prod: u64, n: usize) -> Result<(), String> {
+        self.run(
+            "swiglu_forward",
+            n,
+            &[A::P(gate), A::P(up), A::P(prod), A::L(n as i64)],
+        )
+    }
+
+    fn swiglu_backward(
+        &self,
+        gate: u64,
+        up: u64,
+        dgate: u64,
+        dup: u64,
+        n: usize,
+    ) -> Result<(), String> {
+        self.run(
+            "swiglu_backward",
+            n,
+            &[A::P(gate), A::P(up), A::P(dgate), A::P(dup), A::L(n as i64)],
+        )
+    }
+
+    fn rope(&self, bp: &BlockP, t: usize, qkv: u64, inverse: bool) -> Result<(), String> {
+        let Some(r) = &bp.rope else { return Ok(()) };
+        let tables = self.consts.rope.ok_or("no rotary tables on the device")?;
+        let sh = &bp.shape;
+        let (s, half) = (sh.s, r.half);
+        let n = t * (sh.heads + sh.kv_heads) * half;
+        self.run(
+            "rope",
+            n,
+            &[
+                A::P(qkv),
+                A::P(tables),
+                A::P(tables + (s * half) as u64 * F),
+                A::L(t as i64),
+                A::L(s as i64),
+                A::L(sh.width() as i64),
+                A::I(sh.heads as i32),
+                A::I(sh.kv_heads as i32),
+                A::I(half as i32),
+                A::I(i32::from(inverse)),
+            ],
+        )
+    }
+
+    /// Probabilities for every (sequence, head) as [heads][s][s] blocks of one sequence at a
+    /// time; the query heads of one kv group share K and V (stride 0 in a strided-batched
+    /// product).
+    fn attention(
+        &self,
+        bp: &BlockP,
+        act: Precision,
+        qkv: u64,
+        out: u64,
+        keep: Keep<u64>,
+    ) -> Result<(), String> {
+        let keep = keep.into_inner();
+        let sh = &bp.shape;
+        let (s, w, h, d) = (sh.s, sh.width(), sh.heads * sh.d, sh.d);
+        let r = sh.heads / sh.kv_heads;
+        let scale = 1.0 / (d as f32).sqrt();
+        let probs = self.alloc(sh.heads * s * s)?;
+        for b in 0..sh.b {
+            for grp in 0..sh.kv_heads {
+                let n0 = grp * r;
+                let (q, k, _) = offsets(bp, b, n0);
+                let (q, k) = (m(qkv.offset(q), w), mt(qkv.offset(k), w));
+                let c = probs.offset(n0 * s * s);
+                self.batched(s, s, d, scale, q, d, k, 0, 0.0, c, s, s * s, r)?;
+            }
+            let (lse_ptr, prec) = match bp.attention {
+                Attention::Flash => (keep.offset(b * sh.heads * s), 0),
+                Attention::Naive => (0, prec_code(act)),
+            };
+            self.run_rows(
+                "causal_softmax",
+                sh.heads * s,
+                &[A::P(probs), A::P(lse_ptr), A::L(s as i64), A::I(prec)],
+            )?;
+            if bp.attention == Attention::Naive {
+                let n = sh.heads * s * s;
+                self.copy(keep.offset(b * n), probs, n)?;
+            }
+            for grp in 0..sh.kv_heads {
+                let n0 = grp * r;
+                let (_, _, v) = offsets(bp, b, n0);
+                let p = m(probs.offset(n0 * s * s), s);
+                let c = out.offset(b * s * h + n0 * d);
+                self.batched(
+                    s,
+                    d,
+                    s,
+                    1.0,
+                    p,
+                    s * s,
+                    m(qkv.offset(v), w),
+                    0,
+                    0.0,
+                    c,
+                    h,
+                    d,
+                    r,
+                )?;
+            }
+        }
+        Ok(())
+    }
+
+    /// dK and dV of a kv group sum over its query heads, so those products run head by head
+    /// (β = 1) rather than batched.
+    fn attention_backward(
+        &self,
+        bp: &BlockP,
+        qkv: u64,
+        keep: Keep<u64>,
+        dout: u64,
+        dqkv: u64,
+    ) -> Result<(), String> {
+        let kept = keep.into_inner();
+        let sh = &bp.shape;
+        let (s, w, h, d) = (sh.s, sh.width(), sh.heads * sh.d, sh.d);
+        let scale = 1.0 / (d as f32).sqrt();
+        self.fill(dqkv, sh.b * s * w, 0.0)?;
+        let p = self.alloc(s * s)?;
+        let dp = self.alloc(s * s)?;
+        for b in 0..sh.b {
+            for n in 0..sh.heads {
+                let (q, k, v) = offsets(bp, b, n);
+                let (q_m, k_m, v_m) = (qkv.offset(q), qkv.offset(k), qkv.offset(v));
+                let bh = b * sh.heads + n;
+                match bp.attention {
+                    Attention::Naive => self.copy(p, kept.offset(bh * s * s), s * s)?,
+                    Attention::Flash => {
+                        self.gemm(s, s, d, scale, m(q_m, w), mt(k_m, w), 0.0, p, s)?;
+                        self.run(
+                            "probs_from_lse",
+                            s * s,
+                            &[
+                                A::P(p),
+                                A::P(kept.offset(bh * s)),
+                                A::L(s as i64),
+                                A::L(s as i64),
+                            ],
+                        )?;
+                    }
+                }
+                let d_o = dout.offset(b * s * h + n * d);
+                // dV += Pᵀ·dO
+                self.gemm(s, d, s, 1.0, mt(p, s), m(d_o, h), 1.0, dqkv.offset(v), w)?;
+                // dP = dO·Vᵀ; dS = P ∘ (dP − rowsum(P ∘ dP)) · scale
+                self.gemm(s, s, d, 1.0, m(d_o, h), mt(v_m, w), 0.0, dp, s)?;
+                self.run_rows(
+                    "softmax_backward",
+                    s,
+                    &[A::P(p), A::P(dp), A::L(s as i64), A::F(scale)],
+                )?;
+                // dQ = dS·K; dK += dSᵀ·Q
+                self.gemm(s, d, s, 1.0, m(dp, s), m(k_m, w), 0.0, dqkv.offset(q), w)?;
+                self.gemm(s, d, s, 1.0, mt(dp, s), m(q_m, w), 1.0, dqkv.offset(k), w)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn embedding(
+        &self,
+        tokens: u64,
+        _vocab: usize,
+        h: usize,
+        s: usize,
+        wte: u64,
+        wpe: Option<u64>,
+        out: u64,
+        t: usize,
+    ) -> Result<(), String> {
+        self.run(
+            "embedding_forward",
+            t * h,
+            &[
+                A::P(tokens),
+                A::P(wte),
+                A::P(or_null(wpe)),
+                A::P(out),
+                A::L(t as i64),
+                A::L(h as i64),
+                A::L(s as i64),
+            ],
+        )
+    }
+
+    fn embedding_backward(
+        &self,
+        tokens: u64,
+        _vocab: usize,
+        h: usize,
+        s: usize,
+        dy: u64,
+        dwte: u64,
+        dwpe: Option<u64>,
+        t: usize,
+    ) -> Result<(), String> {
+        self.run(
+            "embedding_backward",
+            h,
+            &[
+                A::P(tokens),
+                A::P(dy),
+                A::P(dwte),
+                A::P(or_null(dwpe)),
+                A::L(t as i64),
+                A::L(h as i64),
+                A::L(s as i64),
+            ],
+        )
+    }
+
+    fn cross_entropy(
+        &self,
+        logits: u64,
+        targets: u64,
+        vocab: usize,
+        n: usize,
+        grad: u64,
+    ) -> Result<(), String> {
+        self.run_rows(
+            "cross_entropy",
+            n,
+            &[
+                A::P(logits),
+                A::P(targets),
+                A::L(vocab as i64),
+                A::L(n as i64),
+                A::P(grad),
+                A::P(self.consts.loss),
+            ],
+        )
+    }
+
+    fn update(&self, u: &Update<'_>, state: u64, grad: u64) -> Result<(), String> {
+        let cfg = u.cfg;
+        let (sq, sq_dtype, clip) = match u.clip {
+            Some((s, clip)) => (self.arena_base + s.at, dtype_code(s.dtype), clip),
+            None => (0, 0, 0.0),
+        };
+        let n = u.n as i64;
+        if cfg.kind == Optimizer::Sgd {
+            return self.run(
+                "sgd",
+                u.n,
+                &[
+                    A::P(state),
+                    A::P(grad),
+                    A::L(n),
+                    A::P(sq),
+                    A::I(sq_dtype),
+                    A::D(u.contributions),
+                    A::D(clip),
+                    A::F(cfg.lr),
+                ],
+            );
+        }
+        let bc1 = 1.0 - f64::from(cfg.beta1).powf(u.step as f64);
+        let bc2 = 1.0 - f64::from(cfg.beta2).powf(u.step as f64);
+        let (decay, ranges) = self.consts.decay[u.layer];
+        let decays = cfg.kind == Optimizer::AdamW && cfg.weight_decay != 0.0;
+        self.run(
+            "adam",
+            u.n,
+            &[
+                A::P(state),
+                A::P(grad),
+                A::L(n),
+                A::L(u.first as i64),
+                A::P(decay),
+                A::I(ranges as i32),
+                A::I(i32::from(decays)),
+                A::P(sq),
+                A::I(sq_dtype),
+                A::D(u.contributions),
+                A::D(clip),
+                A::F(cfg.beta1),
+                A::F(cfg.beta2),
+                A::F(cfg.eps),
+                A::F((f64::from(cfg.lr) / bc1) as f32),
+                A::F(bc2.sqrt() as f32),
+                A::F(1.0 - cfg.lr * cfg.weight_decay),
+            ],
+        )
+    }
+
+    fn grad_norm(&self, grads: &[ArenaSpan], out: ArenaSpan) -> Result<(), String> {
+        let acc = self.consts.sumsq;
+        // Zeroed on this stream before the sums (a step may hold several grad_norm ops only on
+        // one stream, in order).
+        self.run("fill", 2, &[A::P(acc), A::F(0.0), A::L(2)])?;
+        for g in grads {
+            let v = self.alloc(g.elements)?;
+            self.load(g.at, g.dtype, v, g.elements)?;
+            let n = g.elements as i64;
+            self.run("sum_squares", g.elements, &[A::P(v), A::L(n), A::P(acc)])?;
+            self.reset();
+        }
+        self.x.launch(
+            "store_double",
+            elems(1),
+            &[
+                A::P(acc),
+                A::P(self.arena_base + out.at),
+                A::I(dtype_code(out.dtype)),
+            ],
+        )
+    }
+}
+
+/// Floats of f32 workspace one op of `layer` can need (an over-estimate: every input and output
+/// converted, plus the math's scratch).
+pub fn layer_workspace(plan: &Plan, layer: usize) -> usize {
+    let m = &plan.maths[layer];
+    let model = &plan.job.model;
+    let t = (model.micro_batch * model.seq_len) as usize;
+    let s = model.seq_len as usize;
+    let big = match &model.layers[layer].kind {
+        LayerKind::Transformer(tr) => {
+            let (h, f, n) = (tr.hidden as usize, tr.ffn as usize, tr.heads as usize);
+            6 * t * h + 3 * t * f + 2 * t * (h + 2 * h) + n * s * s + 2 * s * s
+        }
+        LayerKind::Mlp(mm) => 2 * t * mm.hidden as usize + 3 * t * mm.ffn as usize,
+        LayerKind::LmHead { hidden, .. } => 2 * t * *hidden as usize,
+        _ => 0,
+    };
+    let padded = plan.program.layers[schedc::ir::LayerId::new(layer)].padded as usize;
+    2 * m.params()
+        + 2 * m.tied_elements()
+        + 2 * m.input_elements()
+        + 2 * m.output_elements()
+        + 2 * m.saved_elements()
+        + 4 * padded
+        + big
+        + 64 * 64
+}
+
+/// Workspace floats of one compute action.
+pub fn action_workspace(p: &Plan, a: &Action) -> usize {
+    let elems = |r: &Region| (r.bytes / p.program.buffers[r.buffer].dtype.bytes()) as usize;
+    match a {
+        Action::Forward { layer, .. } | Action::Backward { layer, .. } => {
+            layer_workspace(p, *layer)
+        }
+        Action::Loss { logits, .. } => 2 * elems(logits) + 64,
+        Action::Update { grad, state, .. } => elems(grad) + elems(state) + 128,
+        Action::GradNorm { grads, .. } => grads.iter().map(elems).max().unwrap_or(0) + 64,
+        Action::Accumulate { from, .. } => elems(from) + 64,
+        Action::Copy { .. } | Action::Collectives(_) => 0,
+    }
+}

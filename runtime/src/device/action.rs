@@ -1,0 +1,324 @@
+//! `run_action`: one compute op of a plan on one rank, for every device. Regions of the rank's
+//! arena are loaded into f32 workspace in their dtype and stored back rounded to it at the same
+//! points on every backend; parameters, saved activations, gradient parts and optimizer state
+//! are found at the plan's offsets. Collectives are the backends' own (rendezvous or NCCL).
+
+use super::layers::{self, In};
+use super::{ArenaSpan, Device, Ptr, Update};
+use crate::backend::StepInput;
+use crate::exec::{Action, GradPart};
+use crate::math::{OptimizerConfig, Stored};
+use crate::plan::Plan;
+use schedc::ir::{Region, ShardIndex};
+use schedc::job::{Dtype, LayerKind};
+
+/// What an op of one rank runs against: the plan, the rank, and the device of its stream.
+pub struct Rank<'a, D> {
+    pub plan: &'a Plan,
+    pub rank: u32,
+    pub device: &'a D,
+}
+
+/// Runs one compute action (`m`: its micro-step); the device's workspace is given back after.
+pub fn run_action<D: Device>(
+    r: &Rank<'_, D>,
+    a: &Action,
+    m: Option<u32>,
+    input: &StepInput,
+) -> Result<(), String> {
+    let out = r.action(a, m, input);
+    r.device.reset();
+    out
+}
+
+impl<D: Device> Rank<'_, D> {
+    fn dtype(&self, r: &Region) -> Dtype {
+        self.plan.program.buffers[r.buffer].dtype
+    }
+
+    fn elements(&self, r: &Region) -> usize {
+        (r.bytes / self.dtype(r).bytes()) as usize
+    }
+
+    fn at(&self, r: &Region) -> u64 {
+        self.plan.at(self.rank, r)
+    }
+
+    fn span(&self, r: &Region) -> ArenaSpan {
+        ArenaSpan {
+            at: self.at(r),
+            dtype: self.dtype(r),
+            elements: self.elements(r),
+        }
+    }
+
+    /// The first `n` values of `r`, in workspace.
+    fn read(&self, r: &Region, n: usize) -> Result<D::Ptr, String> {
+        if n > self.elements(r) {
+            return Err(format!(
+                "reads {n} values from a region of {}",
+                self.elements(r)
+            ));
+        }
+        let dst = self.device.alloc(n)?;
+        self.device.load(self.at(r), self.dtype(r), dst, n)?;
+        Ok(dst)
+    }
+
+    fn read_opt(&self, r: &Option<Region>, n: usize) -> Result<D::Ptr, String> {
+        match r {
+            Some(r) => self.read(r, n),
+            None => self.device.alloc(0),
+        }
+    }
+
+    /// `n` values at `src` written (or added) into `r`.
+    fn write(&self, r: &Region, src: D::Ptr, n: usize, accumulate: bool) -> Result<(), String> {
+        if n > self.elements(r) {
+            return Err(format!(
+                "writes {n} values into a region of {}",
+                self.elements(r)
+            ));
+        }
+        self.device
+            .store(src, self.at(r), self.dtype(r), n, accumulate)
+    }
+
+    /// A layer's gradient written (or added) into its parts; elements past the gradient (the
+    /// padding up to a multiple of the optimizer shards) are zero.
+    fn write_grads(&self, parts: &[GradPart], grad: D::Ptr, len: usize) -> Result<(), String> {
+        for part in parts {
+            let n = self.elements(&part.region);
+            let v = self.device.alloc(n)?;
+            self.device.fill(v, n, 0.0)?;
+            let lo = part.first.min(len);
+            let hi = (part.first + n).min(len);
+            self.device.copy(v, grad.offset(lo), hi - lo)?;
+            self.write(&part.region, v, n, part.accumulate)?;
+        }
+        Ok(())
+    }
+
+    /// Saved activations, segment by segment: model-dtype segments in the buffer's dtype, fp32
+    /// statistics as fp32 (at any 2-byte offset).
+    fn write_saved(&self, layer: usize, r: &Region, v: D::Ptr) -> Result<(), String> {
+        let (mut at, d) = (self.at(r), self.dtype(r));
+        let mut src = v;
+        for seg in self.plan.maths[layer].saved_segments() {
+            let n = seg.elements;
+            match seg.stored {
+                Stored::Model => self.device.store(src, at, d, n, false)?,
+                Stored::F32 => self.device.store_f32(src, at, n)?,
+            }
+            at += n as u64 * stored_bytes(seg.stored, d);
+            src = src.offset(n);
+        }
+        Ok(())
+    }
+
+    fn read_saved(&self, layer: usize, r: &Region) -> Result<D::Ptr, String> {
+        let (mut at, d) = (self.at(r), self.dtype(r));
+        let out = self.device.alloc(self.plan.maths[layer].saved_elements())?;
+        let mut dst = out;
+        for seg in self.plan.maths[layer].saved_segments() {
+            let n = seg.elements;
+            match seg.stored {
+                Stored::Model => self.device.load(at, d, dst, n)?,
+                Stored::F32 => self.device.load_f32(at, dst, n)?,
+            }
+            at += n as u64 * stored_bytes(seg.stored, d);
+            dst = dst.offset(n);
+        }
+        Ok(out)
+    }
+
+    /// A tied head's embedding matrix: the first vocab × hidden values of the embedding's
+    /// parameters (zeros for a recompute, which needs only the saved activations).
+    fn tied(&self, layer: usize, r: &Option<Region>) -> Result<Option<D::Ptr>, String> {
+        let LayerKind::LmHead {
+            tied: true,
+            vocab,
+            hidden,
+            ..
+        } = self.plan.job.model.layers[layer].kind
+        else {
+            return Ok(None);
+        };
+        let n = (vocab * hidden) as usize;
+        match r {
+            Some(r) => self.read(r, n).map(Some),
+            None => {
+                let z = self.device.alloc(n)?;
+                self.device.fill(z, n, 0.0)?;
+                Ok(Some(z))
+            }
+        }
+    }
+
+    fn layer_input(
+        &self,
+        layer: usize,
+        hidden: &Option<Region>,
+        m: Option<u32>,
+    ) -> Result<In<D>, String> {
+        match hidden {
+            Some(r) => Ok(In::Hidden(
+                self.read(r, self.plan.maths[layer].input_elements())?,
+            )),
+            None => {
+                let m = m.ok_or("a layer op without a micro-step")?;
+                Ok(In::Tokens(self.device.tokens(m, false)?))
+            }
+        }
+    }
+
+    fn action(&self, a: &Action, m: Option<u32>, input: &StepInput) -> Result<(), String> {
+        let (p, d) = (self.plan, self.device);
+        match a {
+            Action::Forward {
+                layer,
+                params,
+                tied,
+                input: hidden,
+                output,
+                saved,
+            } => {
+                let math = &p.maths[*layer];
+                let pp = self.read_opt(params, math.params())?;
+                let t = self.tied(*layer, tied)?;
+                let x = self.layer_input(*layer, hidden, m)?;
+                let out = d.alloc(math.output_elements())?;
+                let keep = d.alloc(math.saved_elements())?;
+                layers::forward(d, math, pp, t, x, out, keep)?;
+                if let Some(o) = output {
+                    self.write(o, out, math.output_elements(), false)?;
+                }
+                if let Some(s) = saved {
+                    self.write_saved(*layer, s, keep)?;
+                }
+            }
+            Action::Backward {
+                layer,
+                params,
+                tied,
+                saved,
+                input: hidden,
+                grad_output,
+                grad_input,
+                grads,
+                tied_grads,
+            } => {
+                let math = &p.maths[*layer];
+                let pp = self.read_opt(params, math.params())?;
+                let t = self.tied(*layer, tied)?;
+                let keep = match saved {
+                    Some(s) => self.read_saved(*layer, s)?,
+                    None => d.alloc(0)?,
+                };
+                let x = self.layer_input(*layer, hidden, m)?;
+                let dy = self.read(grad_output, math.output_elements())?;
+                let dx = grad_input
+                    .map(|_| d.alloc(math.input_elements()))
+                    .transpose()?;
+                let dp = d.alloc(math.params())?;
+                let dt = t.map(|_| d.alloc(math.tied_elements())).transpose()?;
+                layers::backward(d, math, pp, t, keep, x, dy, dx, dp, dt)?;
+                if let (Some(r), Some(dx)) = (grad_input, dx) {
+                    self.write(r, dx, math.input_elements(), false)?;
+                }
+                self.write_grads(grads, dp, math.params())?;
+                if let Some(dt) = dt {
+                    self.write_grads(tied_grads, dt, math.tied_elements())?;
+                }
+            }
+            Action::Loss { logits, grad } => {
+                let vocab = match p.job.model.layers.last().map(|l| l.kind) {
+                    Some(LayerKind::LmHead { vocab, .. }) => vocab as usize,
+                    _ => return Err("the model does not end in an lm_head".into()),
+                };
+                let n = (p.job.model.micro_batch * p.job.model.seq_len) as usize;
+                let m = m.ok_or("a loss op without a micro-step")?;
+                let z = self.read(logits, n * vocab)?;
+                let dz = d.alloc(n * vocab)?;
+                d.cross_entropy(z, d.tokens(m, true)?, vocab, n, dz)?;
+                self.write(grad, dz, n * vocab, false)?;
+            }
+            Action::Update {
+                layer,
+                grad,
+                state,
+                param,
+                sumsq,
+            } => {
+                let contributions = f64::from(p.program.ranks) * f64::from(p.program.micro_steps);
+                let n = self.elements(grad);
+                let g = self.read(grad, n)?;
+                let st = self.read(state, self.elements(state))?;
+                let cfg = OptimizerConfig::new(p.job.model.optimizer, input.lr);
+                if self.elements(state) != cfg.state_per_param() * n {
+                    return Err(format!(
+                        "optimizer state of {} values for a shard of {n}",
+                        self.elements(state)
+                    ));
+                }
+                let u = Update {
+                    cfg: &cfg,
+                    step: input.step,
+                    n,
+                    first: p.index(self.rank, ShardIndex::Optimizer) as usize * n,
+                    layer: *layer,
+                    decay: &p.decay[*layer],
+                    clip: sumsq
+                        .as_ref()
+                        .zip(input.clip)
+                        .map(|(s, clip)| (self.span(s), clip)),
+                    contributions,
+                };
+                d.update(&u, st, g)?;
+                self.write(state, st, self.elements(state), false)?;
+                self.write(param, st, n, false)?;
+            }
+            Action::GradNorm { grads, sumsq } => {
+                let spans: Vec<ArenaSpan> = grads.iter().map(|g| self.span(g)).collect();
+                d.grad_norm(&spans, self.span(sumsq))?;
+            }
+            Action::Accumulate { from, acc } => {
+                let n = self.elements(from);
+                let v = self.read(from, n)?;
+                self.write(acc, v, n, true)?;
+            }
+            Action::Copy { from, to } => {
+                // The concatenation of `from` into the concatenation of `to`, piece by piece.
+                let (mut fi, mut fo, mut ti, mut tof) = (0usize, 0u64, 0usize, 0u64);
+                while fi < from.len() && ti < to.len() {
+                    let (f, t) = (&from[fi], &to[ti]);
+                    let n = (f.bytes - fo).min(t.bytes - tof);
+                    if n > 0 {
+                        d.copy_arena(self.at(t) + tof, self.at(f) + fo, n)?;
+                    }
+                    fo += n;
+                    tof += n;
+                    if fo == f.bytes {
+                        fi += 1;
+                        fo = 0;
+                    }
+                    if tof == t.bytes {
+                        ti += 1;
+                        tof = 0;
+                    }
+                }
+            }
+            Action::Collectives(_) => {
+                return Err("collectives run through the backend's communicators".into())
+            }
+        }
+        Ok(())
+    }
+}
+
+fn stored_bytes(s: Stored, model: Dtype) -> u64 {
+    match s {
+        Stored::Model => model.bytes(),
+        Stored::F32 => 4,
+    }
+}

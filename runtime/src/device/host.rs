@@ -1,0 +1,587 @@
+//! The host device: the primitives on this machine's memory, for the CPU backend (one per rank
+//! and stream, over the rank's [`Arena`]) and for [`crate::math::LayerMath`]'s slice interface
+//! (no arena). Each primitive is the function of [`crate::math`] that the CPU math has always
+//! used, so the results are the same bits; element-wise bodies run through
+//! [`crate::math::ops::wide`] (AVX2 where the processor has it, same results).
+//!
+//! Workspace comes from a pool of vectors kept between ops and steps: an allocation takes a
+//! vector off the free list and parks it on the used list until [`Device::reset`], so its
+//! address is stable while the op runs and steady-state steps allocate nothing.
+
+use super::{ArenaSpan, Device, Ptr, Update};
+use crate::arena::Arena;
+use crate::backend::Batch;
+use crate::math::attention::{self, Keep};
+use crate::math::gemm::{linear, linear_backward};
+use crate::math::ops::{gelu, gelu_grad, norm_backward, norm_forward, sigmoid, wide};
+use crate::math::saved::Piece;
+use crate::math::{cross_entropy, optimizer_step, BlockP, NormP, Precision};
+use schedc::job::Dtype;
+use std::cell::{Cell, RefCell};
+
+/// f32 values in host memory, by address.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HostPtr(*mut f32);
+
+impl Default for HostPtr {
+    fn default() -> Self {
+        HostPtr(std::ptr::NonNull::dangling().as_ptr())
+    }
+}
+
+impl Piece for HostPtr {
+    fn split(self, n: usize) -> (Self, Self) {
+        (self, self.offset(n))
+    }
+}
+
+impl Ptr for HostPtr {
+    fn offset(self, n: usize) -> Self {
+        HostPtr(self.0.wrapping_add(n))
+    }
+}
+
+impl HostPtr {
+    /// The start of a slice the device reads and writes.
+    pub fn of(v: &mut [f32]) -> Self {
+        HostPtr(v.as_mut_ptr())
+    }
+
+    /// The start of a slice the device only reads (the layer math never writes an input).
+    pub fn read_only(v: &[f32]) -> Self {
+        HostPtr(v.as_ptr().cast_mut())
+    }
+
+    /// # Safety
+    /// `n` values from here lie in one live allocation, and no `&mut` view overlaps them.
+    unsafe fn r<'a>(self, n: usize) -> &'a [f32] {
+        std::slice::from_raw_parts(self.0, n)
+    }
+
+    /// # Safety
+    /// `n` values from here lie in one live allocation that nothing else views meanwhile.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn w<'a>(self, n: usize) -> &'a mut [f32] {
+        std::slice::from_raw_parts_mut(self.0, n)
+    }
+}
+
+/// Token ids in host memory.
+#[derive(Clone, Copy, Debug)]
+pub struct HostTokens(*const u32);
+
+impl HostTokens {
+    pub fn of(v: &[u32]) -> Self {
+        HostTokens(v.as_ptr())
+    }
+
+    /// # Safety
+    /// `n` ids from here lie in one live allocation.
+    unsafe fn get<'a>(self, n: usize) -> &'a [u32] {
+        std::slice::from_raw_parts(self.0, n)
+    }
+}
+
+/// One stream of one rank on the host (or, without an arena, the slice interface).
+pub struct Host<'a> {
+    arena: Option<&'a Arena>,
+    /// The rank's micro-batches of this step.
+    batches: &'a [Batch],
+    free: RefCell<Vec<Vec<f32>>>,
+    used: RefCell<Vec<Vec<f32>>>,
+    loss: Cell<f64>,
+}
+
+thread_local! {
+    static POOL: RefCell<Vec<Vec<f32>>> = const { RefCell::new(Vec::new()) };
+}
+
+impl<'a> Host<'a> {
+    /// A device over `arena` reading `batches`, with workspace vectors kept from earlier steps.
+    pub fn new(arena: &'a Arena, batches: &'a [Batch], pool: Vec<Vec<f32>>) -> Self {
+        Host {
+            arena: Some(arena),
+            batches,
+            free: RefCell::new(pool),
+            used: RefCell::new(vec![]),
+            loss: Cell::new(0.0),
+        }
+    }
+
+    /// A device without an arena, over caller-owned slices, for `f`; its workspace is this
+    /// thread's pool.
+    pub(crate) fn with_slices<R>(f: impl FnOnce(&Host<'_>) -> R) -> R {
+        let pool = POOL.with(|p| std::mem::take(&mut *p.borrow_mut()));
+        let host = Host {
+            arena: None,
+            batches: &[],
+            free: RefCell::new(pool),
+            used: RefCell::new(vec![]),
+            loss: Cell::new(0.0),
+        };
+        let out = f(&host);
+        host.reset();
+        let pool = host.into_pool();
+        POOL.with(|p| *p.borrow_mut() = pool);
+        out
+    }
+
+    /// The loss added by cross-entropy since the last call.
+    pub fn take_loss(&self) -> f64 {
+        self.loss.replace(0.0)
+    }
+
+    /// The workspace vectors, for the next step.
+    pub fn into_pool(self) -> Vec<Vec<f32>> {
+        let mut v = self.free.into_inner();
+        v.extend(self.used.into_inner());
+        v
+    }
+
+    fn arena(&self) -> Result<&Arena, String> {
+        self.arena
+            .ok_or_else(|| "the host device has no arena here".to_string())
+    }
+}
+
+fn access(e: crate::arena::AccessError) -> String {
+    e.0
+}
+
+fn check_token(tok: u32, vocab: usize) -> Result<usize, String> {
+    let t = tok as usize;
+    if t < vocab {
+        Ok(t)
+    } else {
+        Err(format!("token {tok} not below vocab {vocab}"))
+    }
+}
+
+// SAFETY (every `unsafe` block below): pointers come from `alloc` (live until `reset`, which
+// runs after the op), from caller slices that outlive the call (`with_slices`), or from the
+// rank's batches; the layer math passes disjoint runs as a primitive's inputs and outputs, except
+// where a primitive is documented to work in place on one run.
+impl Device for Host<'_> {
+    type Ptr = HostPtr;
+    type Tokens = HostTokens;
+
+    fn alloc(&self, n: usize) -> Result<HostPtr, String> {
+        let mut v = self.free.borrow_mut().pop().unwrap_or_default();
+        v.resize(n, 0.0);
+        let p = HostPtr::of(&mut v);
+        // Moving the vector moves only its header: the values stay where `p` points.
+        self.used.borrow_mut().push(v);
+        Ok(p)
+    }
+
+    fn reset(&self) {
+        let mut used = self.used.borrow_mut();
+        self.free.borrow_mut().extend(used.drain(..));
+    }
+
+    fn tokens(&self, m: u32, targets: bool) -> Result<HostTokens, String> {
+        let b = self
+            .batches
+            .get(m as usize)
+            .ok_or(format!("no batch for micro-step {m}"))?;
+        Ok(HostTokens::of(if targets { &b.targets } else { &b.inputs }))
+    }
+
+    fn load(&self, at: u64, dtype: Dtype, dst: HostPtr, n: usize) -> Result<(), String> {
+        let out = unsafe { dst.w(n) };
+        self.arena()?.read_into(at, dtype, out).map_err(access)
+    }
+
+    fn store(
+        &self,
+        src: HostPtr,
+        at: u64,
+        dtype: Dtype,
+        n: usize,
+        accumulate: bool,
+    ) -> Result<(), String> {
+        let v = unsafe { src.r(n) };
+        let a = self.arena()?;
+        if accumulate {
+            a.add(at, dtype, v)
+        } else {
+            a.write(at, dtype, v)
+        }
+        .map_err(access)
+    }
+
+    fn load_f32(&self, at: u64, dst: HostPtr, n: usize) -> Result<(), String> {
+        let h = self.arena()?.read_bytes(at, 4 * n as u64).map_err(access)?;
+        let out = unsafe { dst.w(n) };
+        for (x, p) in out.iter_mut().zip(h.chunks_exact(2)) {
+            *x = f32::from_bits(u32::from(p[0]) | (u32::from(p[1]) << 16));
+        }
+        Ok(())
+    }
+
+    fn store_f32(&self, src: HostPtr, at: u64, n: usize) -> Result<(), String> {
+        let halves: Vec<u16> = unsafe { src.r(n) }
+            .iter()
+            .flat_map(|x| {
+                let b = x.to_bits();
+                [b as u16, (b >> 16) as u16]
+            })
+            .collect();
+        self.arena()?.write_bytes(at, &halves).map_err(access)
+    }
+
+    fn copy_arena(&self, dst: u64, src: u64, bytes: u64) -> Result<(), String> {
+        let a = self.arena()?;
+        let h = a.read_bytes(src, bytes).map_err(access)?;
+        a.write_bytes(dst, &h).map_err(access)
+    }
+
+    fn fill(&self, p: HostPtr, n: usize, v: f32) -> Result<(), String> {
+        unsafe { p.w(n) }.fill(v);
+        Ok(())
+    }
+
+    fn copy(&self, dst: HostPtr, src: HostPtr, n: usize) -> Result<(), String> {
+        if n > 0 {
+            unsafe { dst.w(n) }.copy_from_slice(unsafe { src.r(n) });
+        }
+        Ok(())
+    }
+
+    fn round(&self, prec: Precision, p: HostPtr, n: usize) -> Result<(), String> {
+        prec.round(unsafe { p.w(n) });
+        Ok(())
+    }
+
+    fn linear(
+        &self,
+        x: HostPtr,
+        w: HostPtr,
+        bias: Option<HostPtr>,
+        y: HostPtr,
+        t: usize,
+        inp: usize,
+        out: usize,
+        beta: f32,
+    ) -> Result<(), String> {
+        wide(
+            #[inline(always)]
+            || unsafe {
+                let b = bias.map(|b| b.r(out));
+                linear(
+                    x.r(t * inp),
+                    w.r(out * inp),
+                    b,
+                    y.w(t * out),
+                    t,
+                    inp,
+                    out,
+                    beta,
+                )
+            },
+        );
+        Ok(())
+    }
+
+    fn linear_backward(
+        &self,
+        x: HostPtr,
+        w: HostPtr,
+        dy: HostPtr,
+        dw: HostPtr,
+        dbias: Option<HostPtr>,
+        dx: Option<(HostPtr, f32)>,
+        t: usize,
+        inp: usize,
+        out: usize,
+    ) -> Result<(), String> {
+        wide(
+            #[inline(always)]
+            || unsafe {
+                linear_backward(
+                    x.r(t * inp),
+                    w.r(out * inp),
+                    dy.r(t * out),
+                    dw.w(out * inp),
+                    dbias.map(|b| b.w(out)),
+                    dx.map(|(p, beta)| (p.w(t * inp), beta)),
+                    t,
+                    inp,
+                    out,
+                )
+            },
+        );
+        Ok(())
+    }
+
+    fn norm_forward(
+        &self,
+        np: &NormP,
+        params: HostPtr,
+        t: usize,
+        h: usize,
+        x: HostPtr,
+        out: HostPtr,
+        stats: HostPtr,
+    ) -> Result<(), String> {
+        wide(
+            #[inline(always)]
+            || unsafe {
+                let b = np.b.as_ref().map(|r| params.at(r).r(h));
+                let w = params.at(&np.w).r(h);
+                norm_forward(np.kind, h, x.r(t * h), w, b, out.w(t * h), stats.w(2 * t))
+            },
+        );
+        Ok(())
+    }
+
+    fn norm_backward(
+        &self,
+        np: &NormP,
+        params: HostPtr,
+        t: usize,
+        h: usize,
+        x: HostPtr,
+        stats: HostPtr,
+        dy: HostPtr,
+        dx: Option<HostPtr>,
+        grads: HostPtr,
+    ) -> Result<(), String> {
+        wide(
+            #[inline(always)]
+            || unsafe {
+                let w = params.at(&np.w).r(h);
+                let db = np.b.as_ref().map(|r| grads.at(r).w(h));
+                norm_backward(
+                    np.kind,
+                    h,
+                    x.r(t * h),
+                    w,
+                    stats.r(2 * t),
+                    dy.r(t * h),
+                    dx.map(|p| p.w(t * h)),
+                    grads.at(&np.w).w(h),
+                    db,
+                )
+            },
+        );
+        Ok(())
+    }
+
+    fn gelu(&self, pre: HostPtr, post: HostPtr, n: usize) -> Result<(), String> {
+        wide(
+            #[inline(always)]
+            || unsafe {
+                for (y, &x) in post.w(n).iter_mut().zip(pre.r(n)) {
+                    *y = gelu(x);
+                }
+            },
+        );
+        Ok(())
+    }
+
+    fn gelu_backward(&self, pre: HostPtr, d: HostPtr, n: usize) -> Result<(), String> {
+        wide(
+            #[inline(always)]
+            || unsafe {
+                for (d, &x) in d.w(n).iter_mut().zip(pre.r(n)) {
+                    *d *= gelu_grad(x);
+                }
+            },
+        );
+        Ok(())
+    }
+
+    fn swiglu(&self, gate: HostPtr, up: HostPtr, prod: HostPtr, n: usize) -> Result<(), String> {
+        wide(
+            #[inline(always)]
+            || unsafe {
+                for ((y, &g), &u) in prod.w(n).iter_mut().zip(gate.r(n)).zip(up.r(n)) {
+                    *y = g * sigmoid(g) * u;
+                }
+            },
+        );
+        Ok(())
+    }
+
+    fn swiglu_backward(
+        &self,
+        gate: HostPtr,
+        up: HostPtr,
+        dgate: HostPtr,
+        dup: HostPtr,
+        n: usize,
+    ) -> Result<(), String> {
+        wide(
+            #[inline(always)]
+            || unsafe {
+                let rows = dgate.w(n).iter_mut().zip(dup.w(n));
+                for (((dg, du), &x), &u) in rows.zip(gate.r(n)).zip(up.r(n)) {
+                    let sg = sigmoid(x);
+                    let dprod = *dg;
+                    *du = dprod * x * sg;
+                    *dg = dprod * u * sg * (1.0 + x * (1.0 - sg));
+                }
+            },
+        );
+        Ok(())
+    }
+
+    fn rope(&self, bp: &BlockP, t: usize, qkv: HostPtr, inverse: bool) -> Result<(), String> {
+        let Some(rope) = &bp.rope else { return Ok(()) };
+        let sh = &bp.shape;
+        let (h, kv) = (sh.hidden(), sh.kv_heads * sh.d);
+        let rows = unsafe { qkv.w(t * sh.width()) };
+        for (i, row) in rows.chunks_exact_mut(sh.width()).enumerate() {
+            let pos = i % sh.s;
+            rope.apply(&mut row[..h], sh.heads, pos, inverse);
+            rope.apply(&mut row[h..h + kv], sh.kv_heads, pos, inverse);
+        }
+        Ok(())
+    }
+
+    fn attention(
+        &self,
+        bp: &BlockP,
+        act: Precision,
+        qkv: HostPtr,
+        out: HostPtr,
+        keep: Keep<HostPtr>,
+    ) -> Result<(), String> {
+        let sh = &bp.shape;
+        let t = sh.b * sh.s;
+        let scratch = self.alloc(sh.scratch())?;
+        unsafe {
+            let keep = match keep {
+                Keep::Probs(p) => Keep::Probs(p.w(sh.heads * t * sh.s)),
+                Keep::Lse(p) => Keep::Lse(p.w(sh.heads * t)),
+            };
+            let (x, o) = (qkv.r(t * sh.width()), out.w(t * sh.hidden()));
+            attention::forward(sh, x, o, keep, act, scratch.w(sh.scratch()));
+        }
+        Ok(())
+    }
+
+    fn attention_backward(
+        &self,
+        bp: &BlockP,
+        qkv: HostPtr,
+        keep: Keep<HostPtr>,
+        dout: HostPtr,
+        dqkv: HostPtr,
+    ) -> Result<(), String> {
+        let sh = &bp.shape;
+        let t = sh.b * sh.s;
+        let scratch = self.alloc(2 * sh.scratch())?;
+        unsafe {
+            let keep = match keep {
+                Keep::Probs(p) => Keep::Probs(p.r(sh.heads * t * sh.s)),
+                Keep::Lse(p) => Keep::Lse(p.r(sh.heads * t)),
+            };
+            attention::backward(
+                sh,
+                qkv.r(t * sh.width()),
+                keep,
+                dout.r(t * sh.hidden()),
+                dqkv.w(t * sh.width()),
+                scratch.w(2 * sh.scratch()),
+            );
+        }
+        Ok(())
+    }
+
+    fn embedding(
+        &self,
+        tokens: HostTokens,
+        vocab: usize,
+        h: usize,
+        s: usize,
+        wte: HostPtr,
+        wpe: Option<HostPtr>,
+        out: HostPtr,
+        t: usize,
+    ) -> Result<(), String> {
+        let (tokens, out) = unsafe { (tokens.get(t), out.w(t * h)) };
+        for (i, (&tok, row)) in tokens.iter().zip(out.chunks_exact_mut(h)).enumerate() {
+            let tok = check_token(tok, vocab)?;
+            row.copy_from_slice(unsafe { wte.offset(tok * h).r(h) });
+            if let Some(wpe) = wpe {
+                let pos = unsafe { wpe.offset((i % s) * h).r(h) };
+                row.iter_mut().zip(pos).for_each(|(y, &v)| *y += v);
+            }
+        }
+        Ok(())
+    }
+
+    fn embedding_backward(
+        &self,
+        tokens: HostTokens,
+        vocab: usize,
+        h: usize,
+        s: usize,
+        dy: HostPtr,
+        dwte: HostPtr,
+        dwpe: Option<HostPtr>,
+        t: usize,
+    ) -> Result<(), String> {
+        let (tokens, dy) = unsafe { (tokens.get(t), dy.r(t * h)) };
+        for (i, (&tok, row)) in tokens.iter().zip(dy.chunks_exact(h)).enumerate() {
+            let tok = check_token(tok, vocab)?;
+            let d = unsafe { dwte.offset(tok * h).w(h) };
+            d.iter_mut().zip(row).for_each(|(a, &v)| *a += v);
+            if let Some(dwpe) = dwpe {
+                let d = unsafe { dwpe.offset((i % s) * h).w(h) };
+                d.iter_mut().zip(row).for_each(|(a, &v)| *a += v);
+            }
+        }
+        Ok(())
+    }
+
+    fn cross_entropy(
+        &self,
+        logits: HostPtr,
+        targets: HostTokens,
+        vocab: usize,
+        n: usize,
+        grad: HostPtr,
+    ) -> Result<(), String> {
+        let targets = unsafe { targets.get(n) };
+        if let Some(&bad) = targets.iter().find(|&&t| t as usize >= vocab) {
+            return Err(format!("target {bad} not below vocab {vocab}"));
+        }
+        let (z, dz) = unsafe { (logits.r(n * vocab), grad.w(n * vocab)) };
+        let loss = cross_entropy(z, targets, vocab, dz);
+        self.loss.set(self.loss.get() + loss);
+        Ok(())
+    }
+
+    fn update(&self, u: &Update<'_>, state: HostPtr, grad: HostPtr) -> Result<(), String> {
+        let factor = match u.clip {
+            Some((s, clip)) => {
+                let mut v = [0f32];
+                self.arena()?
+                    .read_into(s.at, s.dtype, &mut v)
+                    .map_err(access)?;
+                let norm = f64::from(v[0]).sqrt() / u.contributions;
+                (clip / (norm + 1e-6)).min(1.0)
+            }
+            None => 1.0,
+        };
+        let (st, g) = unsafe { (state.w(u.cfg.state_per_param() * u.n), grad.r(u.n)) };
+        let scale = (factor / u.contributions) as f32;
+        optimizer_step(u.cfg, st, g, scale, u.step, u.first, u.decay);
+        Ok(())
+    }
+
+    fn grad_norm(&self, grads: &[ArenaSpan], out: ArenaSpan) -> Result<(), String> {
+        let a = self.arena()?;
+        let mut total = 0.0f64;
+        for g in grads {
+            let v = self.alloc(g.elements)?;
+            let v = unsafe { v.w(g.elements) };
+            a.read_into(g.at, g.dtype, v).map_err(access)?;
+            total += v.iter().map(|x| f64::from(*x) * f64::from(*x)).sum::<f64>();
+        }
+        a.write(out.at, out.dtype, &[total as f32]).map_err(access)
+    }
+}

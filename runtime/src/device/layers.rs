@@ -1,0 +1,351 @@
+//! Each layer kind's forward and backward, once for every device: which primitives run in which
+//! order, where values are rounded to the activation and gradient dtypes (`runtime.md`: bf16
+//! storage, fp32 compute), and where the saved tensors go ([`crate::math::saved`]).
+//!
+//! Contracts (those of [`crate::math::LayerMath`]): `forward` overwrites `out` and all of
+//! `saved`; `backward` overwrites the input gradient (when asked for), the parameter gradient and
+//! a tied head's embedding gradient, never accumulating across calls.
+
+use super::{Device, Ptr};
+use crate::math::saved::{BlockSaved, MlpSaved, NormedSaved};
+use crate::math::{BlockP, Kind, LayerMath, MlpP};
+
+/// A layer's input: token ids (the embedding) or hidden states.
+pub(crate) enum In<D: Device> {
+    Tokens(D::Tokens),
+    Hidden(D::Ptr),
+}
+
+impl<D: Device> Clone for In<D> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<D: Device> Copy for In<D> {}
+
+fn hidden<D: Device>(input: In<D>, lm: &LayerMath) -> Result<D::Ptr, String> {
+    match input {
+        In::Hidden(x) => Ok(x),
+        In::Tokens(_) => Err(format!("{} takes hidden states, not tokens", lm.name())),
+    }
+}
+
+fn tokens<D: Device>(input: In<D>, lm: &LayerMath) -> Result<D::Tokens, String> {
+    match input {
+        In::Tokens(t) => Ok(t),
+        In::Hidden(_) => Err(format!("{} takes tokens, not hidden states", lm.name())),
+    }
+}
+
+/// out += MLP(a), keeping the MLP's tensors in `kept`.
+fn mlp_forward<D: Device>(
+    d: &D,
+    lm: &LayerMath,
+    mp: &MlpP,
+    p: D::Ptr,
+    a: D::Ptr,
+    kept: MlpSaved<D::Ptr>,
+    out: D::Ptr,
+) -> Result<(), String> {
+    let (t, h, f) = (lm.dims().t, mp.hidden, mp.ffn);
+    let act = lm.precisions().0;
+    let (w1, b1) = (p.at(&mp.w1), mp.b1.as_ref().map(|r| p.at(r)));
+    let mid = match kept {
+        MlpSaved::Gelu { pre, post } => {
+            d.linear(a, w1, b1, pre, t, h, f, 0.0)?;
+            d.round(act, pre, t * f)?;
+            d.gelu(pre, post, t * f)?;
+            d.round(act, post, t * f)?;
+            post
+        }
+        MlpSaved::SwiGlu { gate, up, prod } => {
+            let (wu, bu) = mp.up.as_ref().ok_or("swiglu without an up projection")?;
+            d.linear(a, w1, b1, gate, t, h, f, 0.0)?;
+            d.linear(a, p.at(wu), bu.as_ref().map(|r| p.at(r)), up, t, h, f, 0.0)?;
+            d.round(act, gate, t * f)?;
+            d.round(act, up, t * f)?;
+            d.swiglu(gate, up, prod, t * f)?;
+            d.round(act, prod, t * f)?;
+            prod
+        }
+    };
+    let proj_b = mp.proj_b.as_ref().map(|r| p.at(r));
+    d.linear(mid, p.at(&mp.proj), proj_b, out, t, f, h, 1.0)
+}
+
+/// The MLP's backward: parameter gradients accumulate into `gp`; `da` (the gradient of the
+/// MLP's input) is overwritten.
+#[allow(clippy::too_many_arguments)]
+fn mlp_backward<D: Device>(
+    d: &D,
+    lm: &LayerMath,
+    mp: &MlpP,
+    p: D::Ptr,
+    a: D::Ptr,
+    kept: MlpSaved<D::Ptr>,
+    dy: D::Ptr,
+    da: D::Ptr,
+    gp: D::Ptr,
+) -> Result<(), String> {
+    let (t, h, f) = (lm.dims().t, mp.hidden, mp.ffn);
+    let (s1, s2) = (d.alloc(t * f)?, d.alloc(t * f)?);
+    let wp = p.at(&mp.proj);
+    let (dwp, dbp) = (gp.at(&mp.proj), mp.proj_b.as_ref().map(|r| gp.at(r)));
+    let (w1, dw1, db1) = (
+        p.at(&mp.w1),
+        gp.at(&mp.w1),
+        mp.b1.as_ref().map(|r| gp.at(r)),
+    );
+    match kept {
+        MlpSaved::Gelu { pre, post } => {
+            d.linear_backward(post, wp, dy, dwp, dbp, Some((s1, 0.0)), t, f, h)?;
+            d.gelu_backward(pre, s1, t * f)?;
+            d.linear_backward(a, w1, s1, dw1, db1, Some((da, 0.0)), t, h, f)
+        }
+        MlpSaved::SwiGlu { gate, up, prod } => {
+            d.linear_backward(prod, wp, dy, dwp, dbp, Some((s1, 0.0)), t, f, h)?;
+            d.swiglu_backward(gate, up, s1, s2, t * f)?;
+            let (wu, bu) = mp.up.as_ref().ok_or("swiglu without an up projection")?;
+            d.linear_backward(a, w1, s1, dw1, db1, Some((da, 0.0)), t, h, f)?;
+            let dbu = bu.as_ref().map(|r| gp.at(r));
+            d.linear_backward(a, p.at(wu), s2, gp.at(wu), dbu, Some((da, 1.0)), t, h, f)
+        }
+    }
+}
+
+/// Forward of one layer: overwrites `out` and `saved`.
+pub(crate) fn forward<D: Device>(
+    d: &D,
+    lm: &LayerMath,
+    p: D::Ptr,
+    tied: Option<D::Ptr>,
+    input: In<D>,
+    out: D::Ptr,
+    saved: D::Ptr,
+) -> Result<(), String> {
+    let t = lm.dims().t;
+    let act = lm.precisions().0;
+    match lm.kind() {
+        Kind::Embedding {
+            vocab,
+            hidden: h,
+            wte,
+            wpe,
+        } => {
+            let toks = tokens(input, lm)?;
+            let wpe = wpe.as_ref().map(|r| p.at(r));
+            d.embedding(toks, *vocab, *h, lm.dims().s, p.at(wte), wpe, out, t)?;
+            d.round(act, out, t * h)
+        }
+        Kind::Transformer(bp) => transformer_forward(d, lm, bp, p, hidden(input, lm)?, out, saved),
+        Kind::Mlp { hidden: h, ln, mlp } => {
+            let x = hidden(input, lm)?;
+            let NormedSaved { a, st, mut rest } = NormedSaved::carve(t, *h, saved);
+            d.norm_forward(ln, p, t, *h, x, a, st)?;
+            d.round(act, a, t * h)?;
+            d.copy(out, x, t * h)?;
+            mlp_forward(d, lm, mlp, p, a, MlpSaved::carve(t, mlp, &mut rest), out)?;
+            d.round(act, out, t * h)
+        }
+        Kind::LmHead {
+            hidden: h,
+            vocab,
+            norm,
+            weight,
+        } => {
+            let x = hidden(input, lm)?;
+            let NormedSaved { a, st, .. } = NormedSaved::carve(t, *h, saved);
+            d.norm_forward(norm, p, t, *h, x, a, st)?;
+            d.round(act, a, t * h)?;
+            let w = match weight {
+                Some(r) => p.at(r),
+                None => tied.ok_or("a tied lm_head needs the embedding")?,
+            };
+            d.linear(a, w, None, out, t, *h, *vocab, 0.0)?;
+            d.round(act, out, t * vocab)
+        }
+    }
+}
+
+fn transformer_forward<D: Device>(
+    d: &D,
+    lm: &LayerMath,
+    bp: &BlockP,
+    p: D::Ptr,
+    x: D::Ptr,
+    out: D::Ptr,
+    saved: D::Ptr,
+) -> Result<(), String> {
+    let (t, s, h) = (lm.dims().t, lm.dims().s, bp.hidden);
+    let act = lm.precisions().0;
+    let w = bp.shape.width();
+    let BlockSaved {
+        a1,
+        st1,
+        qkv,
+        att,
+        keep,
+        resid,
+        a2,
+        st2,
+        mut mlp,
+    } = BlockSaved::carve(bp, t, s, saved);
+    let bias = |r: &Option<std::ops::Range<usize>>| r.as_ref().map(|r| p.at(r));
+
+    d.norm_forward(&bp.ln1, p, t, h, x, a1, st1)?;
+    d.round(act, a1, t * h)?;
+    d.linear(a1, p.at(&bp.qkv), bias(&bp.qkv_b), qkv, t, h, w, 0.0)?;
+    if bp.rope.is_some() {
+        d.rope(bp, t, qkv, false)?;
+    }
+    d.round(act, qkv, t * w)?;
+    d.attention(bp, act, qkv, att, keep)?;
+    d.round(act, att, t * h)?;
+    d.copy(resid, x, t * h)?;
+    d.linear(att, p.at(&bp.proj), bias(&bp.proj_b), resid, t, h, h, 1.0)?;
+    d.round(act, resid, t * h)?;
+    d.norm_forward(&bp.ln2, p, t, h, resid, a2, st2)?;
+    d.round(act, a2, t * h)?;
+    d.copy(out, resid, t * h)?;
+    let kept = MlpSaved::carve(t, &bp.mlp, &mut mlp);
+    mlp_forward(d, lm, &bp.mlp, p, a2, kept, out)?;
+    d.round(act, out, t * h)
+}
+
+/// Backward of one layer: overwrites `gi` (when given), `gp` and `gt` (a tied head's embedding
+/// gradient).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn backward<D: Device>(
+    d: &D,
+    lm: &LayerMath,
+    p: D::Ptr,
+    tied: Option<D::Ptr>,
+    saved: D::Ptr,
+    input: In<D>,
+    dy: D::Ptr,
+    gi: Option<D::Ptr>,
+    gp: D::Ptr,
+    gt: Option<D::Ptr>,
+) -> Result<(), String> {
+    let t = lm.dims().t;
+    let grad = lm.precisions().1;
+    d.fill(gp, lm.params(), 0.0)?;
+    match lm.kind() {
+        Kind::Embedding {
+            vocab,
+            hidden: h,
+            wte,
+            wpe,
+        } => {
+            let toks = tokens(input, lm)?;
+            let dwpe = wpe.as_ref().map(|r| gp.at(r));
+            d.embedding_backward(toks, *vocab, *h, lm.dims().s, dy, gp.at(wte), dwpe, t)?;
+        }
+        Kind::Transformer(bp) => {
+            transformer_backward(d, lm, bp, p, saved, hidden(input, lm)?, dy, gi, gp)?;
+        }
+        Kind::Mlp { hidden: h, ln, mlp } => {
+            let x = hidden(input, lm)?;
+            let NormedSaved { a, st, mut rest } = NormedSaved::carve(t, *h, saved);
+            let da = d.alloc(t * h)?;
+            let kept = MlpSaved::carve(t, mlp, &mut rest);
+            mlp_backward(d, lm, mlp, p, a, kept, dy, da, gp)?;
+            if let Some(gi) = gi {
+                d.copy(gi, dy, t * h)?;
+            }
+            d.norm_backward(ln, p, t, *h, x, st, da, gi, gp)?;
+        }
+        Kind::LmHead {
+            hidden: h,
+            vocab,
+            norm,
+            weight,
+        } => {
+            let x = hidden(input, lm)?;
+            let NormedSaved { a, st, .. } = NormedSaved::carve(t, *h, saved);
+            let da = d.alloc(t * h)?;
+            match weight {
+                Some(r) => {
+                    let (w, dw) = (p.at(r), gp.at(r));
+                    d.linear_backward(a, w, dy, dw, None, Some((da, 0.0)), t, *h, *vocab)?
+                }
+                None => {
+                    let dw = gt.ok_or("a tied lm_head needs the embedding's gradient")?;
+                    d.fill(dw, vocab * h, 0.0)?;
+                    let w = tied.ok_or("a tied lm_head needs the embedding")?;
+                    d.linear_backward(a, w, dy, dw, None, Some((da, 0.0)), t, *h, *vocab)?;
+                }
+            }
+            if let Some(gi) = gi {
+                d.fill(gi, t * h, 0.0)?;
+            }
+            d.norm_backward(norm, p, t, *h, x, st, da, gi, gp)?;
+        }
+    }
+    d.round(grad, gp, lm.params())?;
+    if let Some(gi) = gi {
+        d.round(grad, gi, lm.input_elements())?;
+    }
+    if let Some(gt) = gt {
+        d.round(grad, gt, lm.tied_elements())?;
+    }
+    Ok(())
+}
+
+#[allow(clippy::too_many_arguments)]
+fn transformer_backward<D: Device>(
+    d: &D,
+    lm: &LayerMath,
+    bp: &BlockP,
+    p: D::Ptr,
+    saved: D::Ptr,
+    x: D::Ptr,
+    dy: D::Ptr,
+    gi: Option<D::Ptr>,
+    gp: D::Ptr,
+) -> Result<(), String> {
+    let (t, s, h) = (lm.dims().t, lm.dims().s, bp.hidden);
+    let w = bp.shape.width();
+    let BlockSaved {
+        a1,
+        st1,
+        qkv,
+        att,
+        keep,
+        resid,
+        a2,
+        st2,
+        mut mlp,
+    } = BlockSaved::carve(bp, t, s, saved);
+    let (dr, da, datt) = (d.alloc(t * h)?, d.alloc(t * h)?, d.alloc(t * h)?);
+    let dqkv = d.alloc(t * w)?;
+    let bias = |r: &Option<std::ops::Range<usize>>| r.as_ref().map(|r| gp.at(r));
+
+    let mlp_kept = MlpSaved::carve(t, &bp.mlp, &mut mlp);
+    mlp_backward(d, lm, &bp.mlp, p, a2, mlp_kept, dy, da, gp)?;
+    d.copy(dr, dy, t * h)?;
+    d.norm_backward(&bp.ln2, p, t, h, resid, st2, da, Some(dr), gp)?;
+    let (wp, dwp) = (p.at(&bp.proj), gp.at(&bp.proj));
+    d.linear_backward(
+        att,
+        wp,
+        dr,
+        dwp,
+        bias(&bp.proj_b),
+        Some((datt, 0.0)),
+        t,
+        h,
+        h,
+    )?;
+    d.attention_backward(bp, qkv, keep, datt, dqkv)?;
+    if bp.rope.is_some() {
+        d.rope(bp, t, dqkv, true)?;
+    }
+    let (wq, dwq) = (p.at(&bp.qkv), gp.at(&bp.qkv));
+    d.linear_backward(a1, wq, dqkv, dwq, bias(&bp.qkv_b), Some((da, 0.0)), t, h, w)?;
+    if let Some(gi) = gi {
+        d.copy(gi, dr, t * h)?;
+    }
+    d.norm_backward(&bp.ln1, p, t, h, x, st1, da, gi, gp)
+}

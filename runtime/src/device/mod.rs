@@ -1,0 +1,260 @@
+//! The device layer: one interpreter of a plan's compute ops and one layer math for every
+//! backend, over the primitives a machine provides.
+//!
+//! A [`Device`] is one stream of one rank. Its primitives are what a GPU library or a CPU kernel
+//! does in one call: move a region of the rank's arena into f32 workspace and back (in the
+//! region's dtype), matrix products with a bias epilogue, norms, activations, rotary positions,
+//! causal attention, the embedding, the loss, the optimizer update over a flat shard, the gradient
+//! norm's sum of squares, byte copies. Values in workspace are addressed by [`Device::Ptr`], a
+//! start address that pieces are cut off (the saved-tensor layout of [`crate::math::saved`] is
+//! defined over it). Everything above the primitives is written once and generic:
+//! [`layers`] is each layer kind's forward and backward (where rounding to the activation and
+//! gradient dtypes happens, which tensors are kept), [`action`] is `run_action`, one plan op on
+//! one rank (reading parameters, writing gradient parts, saved activations, the optimizer step).
+//!
+//! The CPU backend implements the primitives with [`host::Host`] on host memory, and every
+//! result is the same bits as the math in [`crate::math`]; the CUDA backend implements them with
+//! kernel launches and cuBLAS (`backend::cuda::gpu`). A primitive's outputs never overlap its
+//! inputs unless its documentation says it works in place; workspace from [`Device::alloc`] lives
+//! until [`Device::reset`], which the caller runs after every op.
+
+pub mod action;
+pub mod host;
+pub(crate) mod layers;
+
+use crate::math::attention::Keep;
+use crate::math::saved::Piece;
+use crate::math::{BlockP, NormP, OptimizerConfig, Precision};
+use schedc::job::Dtype;
+use std::ops::Range;
+
+/// A run of f32 values on a device, by its first element's address.
+pub(crate) trait Ptr: Piece + Copy {
+    /// The address `n` floats further on.
+    fn offset(self, n: usize) -> Self;
+
+    /// The start of `r` within the run.
+    fn at(self, r: &Range<usize>) -> Self {
+        self.offset(r.start)
+    }
+}
+
+/// A device address (the CUDA backend's workspace and arena).
+impl Piece for u64 {
+    fn split(self, n: usize) -> (Self, Self) {
+        (self, self.offset(n))
+    }
+}
+
+impl Ptr for u64 {
+    fn offset(self, n: usize) -> Self {
+        self + n as u64 * 4
+    }
+}
+
+/// Where one gradient-norm input lies: `elements` values of `dtype` at byte `at` of the arena.
+#[derive(Clone, Copy, Debug)]
+pub struct ArenaSpan {
+    pub at: u64,
+    pub dtype: Dtype,
+    pub elements: usize,
+}
+
+/// One optimizer update of a layer's flat shard (`runtime.md`, "Optimizer"): `state` is
+/// `[master | m | v]` (Adam/AdamW) or `[master]` (SGD) over `n` elements starting at element
+/// `first` of the layer's flat vector; the gradient is the sum of `contributions` micro-batch
+/// gradients, clipped by the global norm when `clip` gives the sum of squares and the limit.
+pub struct Update<'a> {
+    pub cfg: &'a OptimizerConfig,
+    /// 1-based step (Adam's bias correction).
+    pub step: u64,
+    pub n: usize,
+    pub first: usize,
+    pub layer: usize,
+    /// The flat-vector ranges weight decay applies to.
+    pub decay: &'a [Range<usize>],
+    /// The global sum of squares (one value at this arena span) and the norm limit.
+    pub clip: Option<(ArenaSpan, f64)>,
+    pub contributions: f64,
+}
+
+/// The primitives of one stream of one rank; see the module documentation.
+pub(crate) trait Device {
+    /// f32 values in workspace (or any f32 buffer of the device).
+    type Ptr: Ptr;
+    /// One micro-batch's token ids.
+    type Tokens: Copy;
+
+    /// `n` floats of workspace, contents unspecified, valid until [`Device::reset`].
+    fn alloc(&self, n: usize) -> Result<Self::Ptr, String>;
+    /// Gives back every workspace allocation (the end of an op).
+    fn reset(&self);
+    /// The inputs (or, with `targets`, the targets) of micro-step `m`.
+    fn tokens(&self, m: u32, targets: bool) -> Result<Self::Tokens, String>;
+
+    /// dst ← the `n` values of `dtype` at byte `at` of the arena.
+    fn load(&self, at: u64, dtype: Dtype, dst: Self::Ptr, n: usize) -> Result<(), String>;
+    /// The `n` values at `src`, rounded to `dtype`, written (or, with `accumulate`, added in
+    /// f32 and rounded once) at byte `at` of the arena.
+    fn store(
+        &self,
+        src: Self::Ptr,
+        at: u64,
+        dtype: Dtype,
+        n: usize,
+        accumulate: bool,
+    ) -> Result<(), String>;
+    /// dst ← `n` fp32 values at byte `at` of the arena (2-byte aligned: saved statistics).
+    fn load_f32(&self, at: u64, dst: Self::Ptr, n: usize) -> Result<(), String>;
+    /// `n` fp32 values written at byte `at` of the arena (2-byte aligned).
+    fn store_f32(&self, src: Self::Ptr, at: u64, n: usize) -> Result<(), String>;
+    /// Copies `bytes` within the arena.
+    fn copy_arena(&self, dst: u64, src: u64, bytes: u64) -> Result<(), String>;
+
+    fn fill(&self, p: Self::Ptr, n: usize, v: f32) -> Result<(), String>;
+    /// dst ← src, `n` floats.
+    fn copy(&self, dst: Self::Ptr, src: Self::Ptr, n: usize) -> Result<(), String>;
+    /// Rounds `n` values in place to `prec`.
+    fn round(&self, prec: Precision, p: Self::Ptr, n: usize) -> Result<(), String>;
+
+    /// y (β)= x·Wᵀ (+ bias): x [t, inp], w [out, inp], y [t, out]; y is read when β ≠ 0.
+    #[allow(clippy::too_many_arguments)]
+    fn linear(
+        &self,
+        x: Self::Ptr,
+        w: Self::Ptr,
+        bias: Option<Self::Ptr>,
+        y: Self::Ptr,
+        t: usize,
+        inp: usize,
+        out: usize,
+        beta: f32,
+    ) -> Result<(), String>;
+    /// dW += dyᵀ·x, dbias += Σ_rows dy, dx (β)= dy·W.
+    #[allow(clippy::too_many_arguments)]
+    fn linear_backward(
+        &self,
+        x: Self::Ptr,
+        w: Self::Ptr,
+        dy: Self::Ptr,
+        dw: Self::Ptr,
+        dbias: Option<Self::Ptr>,
+        dx: Option<(Self::Ptr, f32)>,
+        t: usize,
+        inp: usize,
+        out: usize,
+    ) -> Result<(), String>;
+
+    /// Layer or RMS norm of `t` rows of `h`: out and the statistics (2 per row).
+    #[allow(clippy::too_many_arguments)]
+    fn norm_forward(
+        &self,
+        np: &NormP,
+        params: Self::Ptr,
+        t: usize,
+        h: usize,
+        x: Self::Ptr,
+        out: Self::Ptr,
+        stats: Self::Ptr,
+    ) -> Result<(), String>;
+    /// The norm's backward: parameter gradients accumulate into `grads` (the layer's flat
+    /// gradient) and, when given, the input gradient into `dx`.
+    #[allow(clippy::too_many_arguments)]
+    fn norm_backward(
+        &self,
+        np: &NormP,
+        params: Self::Ptr,
+        t: usize,
+        h: usize,
+        x: Self::Ptr,
+        stats: Self::Ptr,
+        dy: Self::Ptr,
+        dx: Option<Self::Ptr>,
+        grads: Self::Ptr,
+    ) -> Result<(), String>;
+
+    /// post ← gelu(pre).
+    fn gelu(&self, pre: Self::Ptr, post: Self::Ptr, n: usize) -> Result<(), String>;
+    /// d ← d ∘ gelu′(pre), in place.
+    fn gelu_backward(&self, pre: Self::Ptr, d: Self::Ptr, n: usize) -> Result<(), String>;
+    /// prod ← silu(gate) ∘ up.
+    fn swiglu(
+        &self,
+        gate: Self::Ptr,
+        up: Self::Ptr,
+        prod: Self::Ptr,
+        n: usize,
+    ) -> Result<(), String>;
+    /// From dprod in `dgate`: dgate and dup, in place.
+    fn swiglu_backward(
+        &self,
+        gate: Self::Ptr,
+        up: Self::Ptr,
+        dgate: Self::Ptr,
+        dup: Self::Ptr,
+        n: usize,
+    ) -> Result<(), String>;
+    /// Rotary positions on the q and k heads of `t` rows of `qkv`, in place (`inverse` for
+    /// gradients). Only called for blocks with rotary positions.
+    fn rope(&self, bp: &BlockP, t: usize, qkv: Self::Ptr, inverse: bool) -> Result<(), String>;
+    /// Causal attention of the packed `qkv`: `out` and what backward needs in `keep`.
+    fn attention(
+        &self,
+        bp: &BlockP,
+        act: Precision,
+        qkv: Self::Ptr,
+        out: Self::Ptr,
+        keep: Keep<Self::Ptr>,
+    ) -> Result<(), String>;
+    /// Attention's backward: `dqkv` is overwritten.
+    fn attention_backward(
+        &self,
+        bp: &BlockP,
+        qkv: Self::Ptr,
+        keep: Keep<Self::Ptr>,
+        dout: Self::Ptr,
+        dqkv: Self::Ptr,
+    ) -> Result<(), String>;
+
+    /// out ← wte[token] (+ wpe[position]) for `t` tokens of width `h`, position = token index
+    /// mod `s` (the sequence length).
+    #[allow(clippy::too_many_arguments)]
+    fn embedding(
+        &self,
+        tokens: Self::Tokens,
+        vocab: usize,
+        h: usize,
+        s: usize,
+        wte: Self::Ptr,
+        wpe: Option<Self::Ptr>,
+        out: Self::Ptr,
+        t: usize,
+    ) -> Result<(), String>;
+    /// dwte[token] += dy row, dwpe[position] += dy row.
+    #[allow(clippy::too_many_arguments)]
+    fn embedding_backward(
+        &self,
+        tokens: Self::Tokens,
+        vocab: usize,
+        h: usize,
+        s: usize,
+        dy: Self::Ptr,
+        dwte: Self::Ptr,
+        dwpe: Option<Self::Ptr>,
+        t: usize,
+    ) -> Result<(), String>;
+    /// Softmax cross-entropy of `n` rows of `logits` against `targets`: `grad` ← (softmax −
+    /// onehot)/n, and the rows' loss sum added to the device's loss accumulator.
+    fn cross_entropy(
+        &self,
+        logits: Self::Ptr,
+        targets: Self::Tokens,
+        vocab: usize,
+        n: usize,
+        grad: Self::Ptr,
+    ) -> Result<(), String>;
+    /// One optimizer step on `state` from the summed gradient `grad`.
+    fn update(&self, u: &Update<'_>, state: Self::Ptr, grad: Self::Ptr) -> Result<(), String>;
+    /// The sum of squares of every value of `grads`, stored as one value at `out`.
+    fn grad_norm(&self, grads: &[ArenaSpan], out: ArenaSpan) -> Result<(), String>;
+}
