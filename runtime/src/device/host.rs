@@ -19,6 +19,22 @@ use crate::math::{cross_entropy, optimizer_step, BlockP, NormP, Precision};
 use schedc::job::Dtype;
 use std::cell::{Cell, RefCell};
 
+#[cfg(feature = "llvm")]
+use {
+    super::jit::{self, Arg},
+    crate::math::optim::decay_runs,
+    schedc::job::Optimizer,
+    schedc::kernels::Op,
+};
+
+/// With the `llvm` feature (and unless a test turned them off), runs the generated kernel of
+/// `op` over `0..n` instead of the Rust math.
+#[cfg(feature = "llvm")]
+fn generated(op: Op, args: &[Arg], n: usize) -> Option<Result<(), String>> {
+    // SAFETY: every caller passes the pointers of its primitive, sized for `n` indices of `op`.
+    jit::enabled().then(|| unsafe { jit::run(&jit::kernel(op), args, n) })
+}
+
 /// f32 values in host memory, by address.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct HostPtr(*mut f32);
@@ -50,6 +66,11 @@ impl HostPtr {
     /// The start of a slice the device only reads (the layer math never writes an input).
     pub fn read_only(v: &[f32]) -> Self {
         HostPtr(v.as_ptr().cast_mut())
+    }
+
+    #[cfg(feature = "llvm")]
+    fn arg(self) -> Arg {
+        Arg::Ptr(self.0)
     }
 
     /// # Safety
@@ -264,6 +285,24 @@ impl Device for Host<'_> {
         out: usize,
         beta: f32,
     ) -> Result<(), String> {
+        #[cfg(feature = "llvm")]
+        if jit::enabled() {
+            unsafe {
+                linear(
+                    x.r(t * inp),
+                    w.r(out * inp),
+                    None,
+                    y.w(t * out),
+                    t,
+                    inp,
+                    out,
+                    beta,
+                )
+            };
+            let Some(b) = bias else { return Ok(()) };
+            let op = Op::BiasAdd { width: out as u32 };
+            return generated(op, &[y.arg(), b.arg()], t * out).unwrap_or(Ok(()));
+        }
         wide(
             #[inline(always)]
             || unsafe {
@@ -295,6 +334,13 @@ impl Device for Host<'_> {
         inp: usize,
         out: usize,
     ) -> Result<(), String> {
+        #[cfg(feature = "llvm")]
+        if let (true, Some(db)) = (jit::enabled(), dbias) {
+            self.linear_backward(x, w, dy, dw, None, dx, t, inp, out)?;
+            let args = [dy.arg(), db.arg(), Arg::I64(t as i64)];
+            let op = Op::BiasGrad { width: out as u32 };
+            return generated(op, &args, out).unwrap_or(Ok(()));
+        }
         wide(
             #[inline(always)]
             || unsafe {
@@ -324,6 +370,20 @@ impl Device for Host<'_> {
         out: HostPtr,
         stats: HostPtr,
     ) -> Result<(), String> {
+        #[cfg(feature = "llvm")]
+        {
+            let op = Op::Norm {
+                norm: np.kind,
+                width: h as u32,
+                bias: np.b.is_some(),
+            };
+            let mut args = vec![x.arg(), params.at(&np.w).arg()];
+            args.extend(np.b.as_ref().map(|r| params.at(r).arg()));
+            args.extend([out.arg(), stats.arg()]);
+            if let Some(r) = generated(op, &args, t) {
+                return r;
+            }
+        }
         wide(
             #[inline(always)]
             || unsafe {
@@ -347,6 +407,28 @@ impl Device for Host<'_> {
         dx: Option<HostPtr>,
         grads: HostPtr,
     ) -> Result<(), String> {
+        #[cfg(feature = "llvm")]
+        if jit::enabled() {
+            let width = h as u32;
+            let op = Op::NormBackwardParams {
+                width,
+                bias: np.b.is_some(),
+            };
+            let mut args = vec![x.arg(), stats.arg(), dy.arg(), grads.at(&np.w).arg()];
+            args.extend(np.b.as_ref().map(|r| grads.at(r).arg()));
+            args.push(Arg::I64(t as i64));
+            generated(op, &args, h).unwrap_or(Ok(()))?;
+            if let Some(dx) = dx {
+                let op = Op::NormBackwardInput {
+                    norm: np.kind,
+                    width,
+                };
+                let w = params.at(&np.w);
+                let args = [x.arg(), w.arg(), stats.arg(), dy.arg(), dx.arg()];
+                generated(op, &args, t).unwrap_or(Ok(()))?;
+            }
+            return Ok(());
+        }
         wide(
             #[inline(always)]
             || unsafe {
@@ -369,6 +451,10 @@ impl Device for Host<'_> {
     }
 
     fn gelu(&self, pre: HostPtr, post: HostPtr, n: usize) -> Result<(), String> {
+        #[cfg(feature = "llvm")]
+        if let Some(r) = generated(Op::Gelu, &[pre.arg(), post.arg()], n) {
+            return r;
+        }
         wide(
             #[inline(always)]
             || unsafe {
@@ -381,6 +467,10 @@ impl Device for Host<'_> {
     }
 
     fn gelu_backward(&self, pre: HostPtr, d: HostPtr, n: usize) -> Result<(), String> {
+        #[cfg(feature = "llvm")]
+        if let Some(r) = generated(Op::GeluBackward, &[d.arg(), pre.arg()], n) {
+            return r;
+        }
         wide(
             #[inline(always)]
             || unsafe {
@@ -393,6 +483,10 @@ impl Device for Host<'_> {
     }
 
     fn swiglu(&self, gate: HostPtr, up: HostPtr, prod: HostPtr, n: usize) -> Result<(), String> {
+        #[cfg(feature = "llvm")]
+        if let Some(r) = generated(Op::SwiGlu, &[gate.arg(), up.arg(), prod.arg()], n) {
+            return r;
+        }
         wide(
             #[inline(always)]
             || unsafe {
@@ -412,6 +506,13 @@ impl Device for Host<'_> {
         dup: HostPtr,
         n: usize,
     ) -> Result<(), String> {
+        #[cfg(feature = "llvm")]
+        {
+            let args = [dgate.arg(), dup.arg(), gate.arg(), up.arg()];
+            if let Some(r) = generated(Op::SwiGluBackward, &args, n) {
+                return r;
+            }
+        }
         wide(
             #[inline(always)]
             || unsafe {
@@ -430,6 +531,21 @@ impl Device for Host<'_> {
     fn rope(&self, bp: &BlockP, t: usize, qkv: HostPtr, inverse: bool) -> Result<(), String> {
         let Some(rope) = &bp.rope else { return Ok(()) };
         let sh = &bp.shape;
+        #[cfg(feature = "llvm")]
+        {
+            let op = Op::Rotary {
+                heads: sh.heads as u32,
+                kv_heads: sh.kv_heads as u32,
+                head_dim: sh.d as u32,
+                width: sh.width() as u32,
+                seq_len: sh.s as u32,
+                inverse,
+            };
+            let (cos, sin) = (Arg::Ptr(rope.cos.as_ptr()), Arg::Ptr(rope.sin.as_ptr()));
+            if let Some(r) = generated(op, &[qkv.arg(), cos, sin], t) {
+                return r;
+            }
+        }
         let (h, kv) = (sh.hidden(), sh.kv_heads * sh.d);
         let rows = unsafe { qkv.w(t * sh.width()) };
         for (i, row) in rows.chunks_exact_mut(sh.width()).enumerate() {
@@ -549,6 +665,24 @@ impl Device for Host<'_> {
         if let Some(&bad) = targets.iter().find(|&&t| t as usize >= vocab) {
             return Err(format!("target {bad} not below vocab {vocab}"));
         }
+        #[cfg(feature = "llvm")]
+        if jit::enabled() {
+            let rows = self.alloc(n)?;
+            let op = Op::CrossEntropy {
+                vocab: vocab as u32,
+            };
+            let args = [
+                logits.arg(),
+                Arg::Tokens(targets.as_ptr()),
+                grad.arg(),
+                rows.arg(),
+                Arg::F32(1.0 / n as f32),
+            ];
+            generated(op, &args, n).unwrap_or(Ok(()))?;
+            let loss: f64 = unsafe { rows.r(n) }.iter().map(|&l| f64::from(l)).sum();
+            self.loss.set(self.loss.get() + loss);
+            return Ok(());
+        }
         let (z, dz) = unsafe { (logits.r(n * vocab), grad.w(n * vocab)) };
         let loss = cross_entropy(z, targets, vocab, dz);
         self.loss.set(self.loss.get() + loss);
@@ -567,8 +701,12 @@ impl Device for Host<'_> {
             }
             None => 1.0,
         };
-        let (st, g) = unsafe { (state.w(u.cfg.state_per_param() * u.n), grad.r(u.n)) };
         let scale = (factor / u.contributions) as f32;
+        #[cfg(feature = "llvm")]
+        if jit::enabled() {
+            return self.generated_update(u, scale, state, grad);
+        }
+        let (st, g) = unsafe { (state.w(u.cfg.state_per_param() * u.n), grad.r(u.n)) };
         optimizer_step(u.cfg, st, g, scale, u.step, u.first, u.decay);
         Ok(())
     }
@@ -583,5 +721,64 @@ impl Device for Host<'_> {
             total += v.iter().map(|x| f64::from(*x) * f64::from(*x)).sum::<f64>();
         }
         a.write(out.at, out.dtype, &[total as f32]).map_err(access)
+    }
+}
+
+#[cfg(feature = "llvm")]
+impl Host<'_> {
+    /// The optimizer step with the generated Adam or SGD kernel, run by run of elements all
+    /// inside or all outside the decayed ranges (as `optimizer_step` walks them). The kernels
+    /// also write the parameter in its dtype; here it goes to scratch, since `run_action` stores
+    /// the master weights into the parameter region itself.
+    fn generated_update(
+        &self,
+        u: &Update<'_>,
+        scale: f32,
+        state: HostPtr,
+        grad: HostPtr,
+    ) -> Result<(), String> {
+        let (cfg, n) = (u.cfg, u.n);
+        let param = self.alloc(n)?;
+        if cfg.kind == Optimizer::Sgd {
+            let args = [
+                state.arg(),
+                grad.arg(),
+                param.arg(),
+                Arg::F32(scale),
+                Arg::F32(cfg.lr),
+            ];
+            return generated(Op::Sgd, &args, n).unwrap_or(Ok(()));
+        }
+        if u.step == 0 {
+            return Err("optimizer steps count from 1".into());
+        }
+        let bc1 = 1.0 - f64::from(cfg.beta1).powf(u.step as f64);
+        let bc2 = 1.0 - f64::from(cfg.beta2).powf(u.step as f64);
+        let decays = cfg.kind == Optimizer::AdamW && cfg.weight_decay != 0.0;
+        let (m, v) = (state.offset(n), state.offset(2 * n));
+        for (run, inside) in decay_runs(n, u.first, u.decay) {
+            let i = run.start;
+            let args = [
+                state.offset(i).arg(),
+                m.offset(i).arg(),
+                v.offset(i).arg(),
+                grad.offset(i).arg(),
+                param.offset(i).arg(),
+                Arg::F32(scale),
+                Arg::F32(cfg.beta1),
+                Arg::F32(1.0 - cfg.beta1),
+                Arg::F32(cfg.beta2),
+                Arg::F32(1.0 - cfg.beta2),
+                Arg::F32(cfg.eps),
+                Arg::F32((f64::from(cfg.lr) / bc1) as f32),
+                Arg::F32(bc2.sqrt() as f32),
+                Arg::F32(1.0 - cfg.lr * cfg.weight_decay),
+            ];
+            let op = Op::Adam {
+                decayed: decays && inside,
+            };
+            generated(op, &args, run.len()).unwrap_or(Ok(()))?;
+        }
+        Ok(())
     }
 }

@@ -20,6 +20,8 @@
 
 pub mod action;
 pub mod host;
+#[cfg(feature = "llvm")]
+pub mod jit;
 pub(crate) mod layers;
 
 use crate::math::attention::Keep;

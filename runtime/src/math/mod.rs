@@ -27,7 +27,7 @@ pub(crate) mod gemm;
 mod generated_parity;
 mod init;
 pub(crate) mod ops;
-mod optim;
+pub(crate) mod optim;
 mod precision;
 pub(crate) mod saved;
 

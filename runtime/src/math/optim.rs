@@ -88,23 +88,9 @@ pub fn optimizer_step(
             let shrink = 1.0 - cfg.lr * cfg.weight_decay;
             let decays = cfg.kind == Optimizer::AdamW && cfg.weight_decay != 0.0;
 
-            // Walk the slice in runs that are all decayed or all not.
-            let mut i = 0;
-            while i < n {
-                let at = first + i;
-                let inside = decay.iter().find(|r| r.contains(&at));
-                let end = match inside {
-                    Some(r) => r.end - first,
-                    None => decay
-                        .iter()
-                        .filter(|r| r.start > at)
-                        .map(|r| r.start - first)
-                        .min()
-                        .unwrap_or(n),
-                }
-                .min(n);
-                let decayed = decays && inside.is_some();
-                for j in i..end {
+            for (run, inside) in decay_runs(n, first, decay) {
+                let decayed = decays && inside;
+                for j in run {
                     let g = grad[j] * grad_scale;
                     m[j] = cfg.beta1 * m[j] + (1.0 - cfg.beta1) * g;
                     v[j] = cfg.beta2 * v[j] + (1.0 - cfg.beta2) * g * g;
@@ -114,8 +100,37 @@ pub fn optimizer_step(
                     let denom = v[j].sqrt() / bc2_sqrt + cfg.eps;
                     master[j] -= step_size * m[j] / denom;
                 }
-                i = end;
             }
         },
     )
+}
+
+/// The shard's elements `0..n` (flat-vector elements `first..first + n`) in runs that lie all
+/// inside `decay`'s ranges or all outside, in order, with whether the run is inside.
+pub(crate) fn decay_runs(
+    n: usize,
+    first: usize,
+    decay: &[Range<usize>],
+) -> impl Iterator<Item = (Range<usize>, bool)> + '_ {
+    let mut i = 0;
+    std::iter::from_fn(move || {
+        if i >= n {
+            return None;
+        }
+        let at = first + i;
+        let inside = decay.iter().find(|r| r.contains(&at));
+        let end = match inside {
+            Some(r) => r.end - first,
+            None => decay
+                .iter()
+                .filter(|r| r.start > at)
+                .map(|r| r.start - first)
+                .min()
+                .unwrap_or(n),
+        }
+        .min(n);
+        let run = i..end;
+        i = end;
+        Some((run, inside.is_some()))
+    })
 }
