@@ -215,10 +215,10 @@ fn run_steps<B: Backend>(
     let clip = cli.clip.or(train.clip);
     let model = plan.job.model.clone();
     let state = match (&cli.init, &cli.resume) {
-        (Some(f), _) => checkpoint::load(f, &model, Contents::Weights).map_err(Failure::Input)?,
-        (_, Some(f)) => {
-            checkpoint::load(f, &model, Contents::Checkpoint).map_err(Failure::Input)?
-        }
+        (Some(f), _) => checkpoint::load(f, &model, Contents::Weights)
+            .map_err(|e| Failure::Input(e.to_string()))?,
+        (_, Some(f)) => checkpoint::load(f, &model, Contents::Checkpoint)
+            .map_err(|e| Failure::Input(e.to_string()))?,
         _ => trainer.initial_state(seed),
     };
     trainer
@@ -233,7 +233,8 @@ fn run_steps<B: Backend>(
         return Ok(());
     }
     if let Some(f) = &cli.save_init {
-        checkpoint::save(f, &model, &state, Contents::Weights).map_err(Failure::Fault)?;
+        checkpoint::save(f, &model, &state, Contents::Weights)
+            .map_err(|e| Failure::Fault(e.to_string()))?;
     }
     eprintln!(
         "schedrun: {} ({} on {}): {} ranks x {} micro-steps x {} sequences of {} bytes = {} tokens per step, {} backend",
@@ -281,7 +282,8 @@ fn run_steps<B: Backend>(
     }
     if let Some(f) = &cli.save {
         let state = trainer.state().map_err(|e| Failure::Fault(e.to_string()))?;
-        checkpoint::save(f, &model, &state, Contents::Checkpoint).map_err(Failure::Fault)?;
+        checkpoint::save(f, &model, &state, Contents::Checkpoint)
+            .map_err(|e| Failure::Fault(e.to_string()))?;
     }
     summary(cli.json, &plan, &trainer, &reports);
     Ok(())

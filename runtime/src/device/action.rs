@@ -4,7 +4,7 @@
 //! are found at the plan's offsets. Collectives are the backends' own (rendezvous or NCCL).
 
 use super::layers::{self, In};
-use super::{ArenaSpan, Device, Ptr, Update};
+use super::{plan_error, ArenaSpan, Device, DeviceError, Ptr, Update};
 use crate::backend::StepInput;
 use crate::exec::{Action, GradPart};
 use crate::math::{OptimizerConfig, Stored};
@@ -25,7 +25,7 @@ pub fn run_action<D: Device>(
     a: &Action,
     m: Option<u32>,
     input: &StepInput,
-) -> Result<(), String> {
+) -> Result<(), DeviceError> {
     let out = r.action(a, m, input);
     r.device.reset();
     out
@@ -53,19 +53,20 @@ impl<D: Device> Rank<'_, D> {
     }
 
     /// The first `n` values of `r`, in workspace.
-    fn read(&self, r: &Region, n: usize) -> Result<D::Ptr, String> {
+    fn read(&self, r: &Region, n: usize) -> Result<D::Ptr, DeviceError> {
         if n > self.elements(r) {
-            return Err(format!(
-                "reads {n} values from a region of {}",
-                self.elements(r)
-            ));
+            return Err(DeviceError::RegionSize {
+                values: n,
+                region: self.elements(r),
+                write: false,
+            });
         }
         let dst = self.device.alloc(n)?;
         self.device.load(self.at(r), self.dtype(r), dst, n)?;
         Ok(dst)
     }
 
-    fn read_opt(&self, r: &Option<Region>, n: usize) -> Result<D::Ptr, String> {
+    fn read_opt(&self, r: &Option<Region>, n: usize) -> Result<D::Ptr, DeviceError> {
         match r {
             Some(r) => self.read(r, n),
             None => self.device.alloc(0),
@@ -73,12 +74,19 @@ impl<D: Device> Rank<'_, D> {
     }
 
     /// `n` values at `src` written (or added) into `r`.
-    fn write(&self, r: &Region, src: D::Ptr, n: usize, accumulate: bool) -> Result<(), String> {
+    fn write(
+        &self,
+        r: &Region,
+        src: D::Ptr,
+        n: usize,
+        accumulate: bool,
+    ) -> Result<(), DeviceError> {
         if n > self.elements(r) {
-            return Err(format!(
-                "writes {n} values into a region of {}",
-                self.elements(r)
-            ));
+            return Err(DeviceError::RegionSize {
+                values: n,
+                region: self.elements(r),
+                write: true,
+            });
         }
         self.device
             .store(src, self.at(r), self.dtype(r), n, accumulate)
@@ -86,7 +94,7 @@ impl<D: Device> Rank<'_, D> {
 
     /// A layer's gradient written (or added) into its parts; elements past the gradient (the
     /// padding up to a multiple of the optimizer shards) are zero.
-    fn write_grads(&self, parts: &[GradPart], grad: D::Ptr, len: usize) -> Result<(), String> {
+    fn write_grads(&self, parts: &[GradPart], grad: D::Ptr, len: usize) -> Result<(), DeviceError> {
         for part in parts {
             let n = self.elements(&part.region);
             let v = self.device.alloc(n)?;
@@ -101,7 +109,7 @@ impl<D: Device> Rank<'_, D> {
 
     /// Saved activations, segment by segment: model-dtype segments in the buffer's dtype, fp32
     /// statistics as fp32 (at any 2-byte offset).
-    fn write_saved(&self, layer: usize, r: &Region, v: D::Ptr) -> Result<(), String> {
+    fn write_saved(&self, layer: usize, r: &Region, v: D::Ptr) -> Result<(), DeviceError> {
         let (mut at, d) = (self.at(r), self.dtype(r));
         let mut src = v;
         for seg in self.plan.maths[layer].saved_segments() {
@@ -116,7 +124,7 @@ impl<D: Device> Rank<'_, D> {
         Ok(())
     }
 
-    fn read_saved(&self, layer: usize, r: &Region) -> Result<D::Ptr, String> {
+    fn read_saved(&self, layer: usize, r: &Region) -> Result<D::Ptr, DeviceError> {
         let (mut at, d) = (self.at(r), self.dtype(r));
         let out = self.device.alloc(self.plan.maths[layer].saved_elements())?;
         let mut dst = out;
@@ -134,7 +142,7 @@ impl<D: Device> Rank<'_, D> {
 
     /// A tied head's embedding matrix: the first vocab × hidden values of the embedding's
     /// parameters (zeros for a recompute, which needs only the saved activations).
-    fn tied(&self, layer: usize, r: &Option<Region>) -> Result<Option<D::Ptr>, String> {
+    fn tied(&self, layer: usize, r: &Option<Region>) -> Result<Option<D::Ptr>, DeviceError> {
         let LayerKind::LmHead {
             tied: true,
             vocab,
@@ -160,19 +168,19 @@ impl<D: Device> Rank<'_, D> {
         layer: usize,
         hidden: &Option<Region>,
         m: Option<u32>,
-    ) -> Result<In<D>, String> {
+    ) -> Result<In<D>, DeviceError> {
         match hidden {
             Some(r) => Ok(In::Hidden(
                 self.read(r, self.plan.maths[layer].input_elements())?,
             )),
             None => {
-                let m = m.ok_or("a layer op without a micro-step")?;
+                let m = m.ok_or_else(|| plan_error("a layer op without a micro-step"))?;
                 Ok(In::Tokens(self.device.tokens(m, false)?))
             }
         }
     }
 
-    fn action(&self, a: &Action, m: Option<u32>, input: &StepInput) -> Result<(), String> {
+    fn action(&self, a: &Action, m: Option<u32>, input: &StepInput) -> Result<(), DeviceError> {
         let (p, d) = (self.plan, self.device);
         match a {
             Action::Forward {
@@ -234,10 +242,10 @@ impl<D: Device> Rank<'_, D> {
             Action::Loss { logits, grad } => {
                 let vocab = match p.job.model.layers.last().map(|l| l.kind) {
                     Some(LayerKind::LmHead { vocab, .. }) => vocab as usize,
-                    _ => return Err("the model does not end in an lm_head".into()),
+                    _ => return Err(plan_error("the model does not end in an lm_head")),
                 };
                 let n = (p.job.model.micro_batch * p.job.model.seq_len) as usize;
-                let m = m.ok_or("a loss op without a micro-step")?;
+                let m = m.ok_or_else(|| plan_error("a loss op without a micro-step"))?;
                 let z = self.read(logits, n * vocab)?;
                 let dz = d.alloc(n * vocab)?;
                 d.cross_entropy(z, d.tokens(m, true)?, vocab, n, dz)?;
@@ -256,10 +264,10 @@ impl<D: Device> Rank<'_, D> {
                 let st = self.read(state, self.elements(state))?;
                 let cfg = OptimizerConfig::new(p.job.model.optimizer, input.lr);
                 if self.elements(state) != cfg.state_per_param() * n {
-                    return Err(format!(
+                    return Err(plan_error(format!(
                         "optimizer state of {} values for a shard of {n}",
                         self.elements(state)
-                    ));
+                    )));
                 }
                 let u = Update {
                     cfg: &cfg,
@@ -309,7 +317,9 @@ impl<D: Device> Rank<'_, D> {
                 }
             }
             Action::Collectives(_) => {
-                return Err("collectives run through the backend's communicators".into())
+                return Err(plan_error(
+                    "collectives run through the backend's communicators",
+                ))
             }
         }
         Ok(())

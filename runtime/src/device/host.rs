@@ -8,7 +8,7 @@
 //! vector off the free list and parks it on the used list until [`Device::reset`], so its
 //! address is stable while the op runs and steady-state steps allocate nothing.
 
-use super::{ArenaSpan, Device, Ptr, Update};
+use super::{plan_error, ArenaSpan, Device, DeviceError, Ptr, Update};
 use crate::arena::Arena;
 use crate::backend::Batch;
 use crate::math::attention::{self, Keep};
@@ -30,7 +30,7 @@ use {
 /// With the `llvm` feature (and unless a test turned them off), runs the generated kernel of
 /// `op` over `0..n` instead of the Rust math.
 #[cfg(feature = "llvm")]
-fn generated(op: Op, args: &[Arg], n: usize) -> Option<Result<(), String>> {
+fn generated(op: Op, args: &[Arg], n: usize) -> Option<Result<(), DeviceError>> {
     // SAFETY: every caller passes the pointers of its primitive, sized for `n` indices of `op`.
     jit::enabled().then(|| unsafe { jit::run(&jit::kernel(op), args, n) })
 }
@@ -159,22 +159,18 @@ impl<'a> Host<'a> {
         v
     }
 
-    fn arena(&self) -> Result<&Arena, String> {
+    fn arena(&self) -> Result<&Arena, DeviceError> {
         self.arena
-            .ok_or_else(|| "the host device has no arena here".to_string())
+            .ok_or_else(|| plan_error("the host device has no arena here"))
     }
 }
 
-fn access(e: crate::arena::AccessError) -> String {
-    e.0
-}
-
-fn check_token(tok: u32, vocab: usize) -> Result<usize, String> {
+fn check_token(tok: u32, vocab: usize) -> Result<usize, DeviceError> {
     let t = tok as usize;
     if t < vocab {
         Ok(t)
     } else {
-        Err(format!("token {tok} not below vocab {vocab}"))
+        Err(DeviceError::Token { token: tok, vocab })
     }
 }
 
@@ -186,7 +182,7 @@ impl Device for Host<'_> {
     type Ptr = HostPtr;
     type Tokens = HostTokens;
 
-    fn alloc(&self, n: usize) -> Result<HostPtr, String> {
+    fn alloc(&self, n: usize) -> Result<HostPtr, DeviceError> {
         let mut v = self.free.borrow_mut().pop().unwrap_or_default();
         v.resize(n, 0.0);
         let p = HostPtr::of(&mut v);
@@ -200,17 +196,19 @@ impl Device for Host<'_> {
         self.free.borrow_mut().extend(used.drain(..));
     }
 
-    fn tokens(&self, m: u32, targets: bool) -> Result<HostTokens, String> {
+    fn tokens(&self, m: u32, targets: bool) -> Result<HostTokens, DeviceError> {
         let b = self
             .batches
             .get(m as usize)
-            .ok_or(format!("no batch for micro-step {m}"))?;
+            .ok_or_else(|| plan_error(format!("no batch for micro-step {m}")))?;
         Ok(HostTokens::of(if targets { &b.targets } else { &b.inputs }))
     }
 
-    fn load(&self, at: u64, dtype: Dtype, dst: HostPtr, n: usize) -> Result<(), String> {
+    fn load(&self, at: u64, dtype: Dtype, dst: HostPtr, n: usize) -> Result<(), DeviceError> {
         let out = unsafe { dst.w(n) };
-        self.arena()?.read_into(at, dtype, out).map_err(access)
+        self.arena()?
+            .read_into(at, dtype, out)
+            .map_err(DeviceError::from)
     }
 
     fn store(
@@ -220,7 +218,7 @@ impl Device for Host<'_> {
         dtype: Dtype,
         n: usize,
         accumulate: bool,
-    ) -> Result<(), String> {
+    ) -> Result<(), DeviceError> {
         let v = unsafe { src.r(n) };
         let a = self.arena()?;
         if accumulate {
@@ -228,11 +226,11 @@ impl Device for Host<'_> {
         } else {
             a.write(at, dtype, v)
         }
-        .map_err(access)
+        .map_err(DeviceError::from)
     }
 
-    fn load_f32(&self, at: u64, dst: HostPtr, n: usize) -> Result<(), String> {
-        let h = self.arena()?.read_bytes(at, 4 * n as u64).map_err(access)?;
+    fn load_f32(&self, at: u64, dst: HostPtr, n: usize) -> Result<(), DeviceError> {
+        let h = self.arena()?.read_bytes(at, 4 * n as u64)?;
         let out = unsafe { dst.w(n) };
         for (x, p) in out.iter_mut().zip(h.chunks_exact(2)) {
             *x = f32::from_bits(u32::from(p[0]) | (u32::from(p[1]) << 16));
@@ -240,7 +238,7 @@ impl Device for Host<'_> {
         Ok(())
     }
 
-    fn store_f32(&self, src: HostPtr, at: u64, n: usize) -> Result<(), String> {
+    fn store_f32(&self, src: HostPtr, at: u64, n: usize) -> Result<(), DeviceError> {
         let halves: Vec<u16> = unsafe { src.r(n) }
             .iter()
             .flat_map(|x| {
@@ -248,28 +246,30 @@ impl Device for Host<'_> {
                 [b as u16, (b >> 16) as u16]
             })
             .collect();
-        self.arena()?.write_bytes(at, &halves).map_err(access)
+        self.arena()?
+            .write_bytes(at, &halves)
+            .map_err(DeviceError::from)
     }
 
-    fn copy_arena(&self, dst: u64, src: u64, bytes: u64) -> Result<(), String> {
+    fn copy_arena(&self, dst: u64, src: u64, bytes: u64) -> Result<(), DeviceError> {
         let a = self.arena()?;
-        let h = a.read_bytes(src, bytes).map_err(access)?;
-        a.write_bytes(dst, &h).map_err(access)
+        let h = a.read_bytes(src, bytes)?;
+        a.write_bytes(dst, &h).map_err(DeviceError::from)
     }
 
-    fn fill(&self, p: HostPtr, n: usize, v: f32) -> Result<(), String> {
+    fn fill(&self, p: HostPtr, n: usize, v: f32) -> Result<(), DeviceError> {
         unsafe { p.w(n) }.fill(v);
         Ok(())
     }
 
-    fn copy(&self, dst: HostPtr, src: HostPtr, n: usize) -> Result<(), String> {
+    fn copy(&self, dst: HostPtr, src: HostPtr, n: usize) -> Result<(), DeviceError> {
         if n > 0 {
             unsafe { dst.w(n) }.copy_from_slice(unsafe { src.r(n) });
         }
         Ok(())
     }
 
-    fn round(&self, prec: Precision, p: HostPtr, n: usize) -> Result<(), String> {
+    fn round(&self, prec: Precision, p: HostPtr, n: usize) -> Result<(), DeviceError> {
         prec.round(unsafe { p.w(n) });
         Ok(())
     }
@@ -284,7 +284,7 @@ impl Device for Host<'_> {
         inp: usize,
         out: usize,
         beta: f32,
-    ) -> Result<(), String> {
+    ) -> Result<(), DeviceError> {
         #[cfg(feature = "llvm")]
         if jit::enabled() {
             unsafe {
@@ -333,7 +333,7 @@ impl Device for Host<'_> {
         t: usize,
         inp: usize,
         out: usize,
-    ) -> Result<(), String> {
+    ) -> Result<(), DeviceError> {
         #[cfg(feature = "llvm")]
         if let (true, Some(db)) = (jit::enabled(), dbias) {
             self.linear_backward(x, w, dy, dw, None, dx, t, inp, out)?;
@@ -369,7 +369,7 @@ impl Device for Host<'_> {
         x: HostPtr,
         out: HostPtr,
         stats: HostPtr,
-    ) -> Result<(), String> {
+    ) -> Result<(), DeviceError> {
         #[cfg(feature = "llvm")]
         {
             let op = Op::Norm {
@@ -406,7 +406,7 @@ impl Device for Host<'_> {
         dy: HostPtr,
         dx: Option<HostPtr>,
         grads: HostPtr,
-    ) -> Result<(), String> {
+    ) -> Result<(), DeviceError> {
         #[cfg(feature = "llvm")]
         if jit::enabled() {
             let width = h as u32;
@@ -450,7 +450,7 @@ impl Device for Host<'_> {
         Ok(())
     }
 
-    fn gelu(&self, pre: HostPtr, post: HostPtr, n: usize) -> Result<(), String> {
+    fn gelu(&self, pre: HostPtr, post: HostPtr, n: usize) -> Result<(), DeviceError> {
         #[cfg(feature = "llvm")]
         if let Some(r) = generated(Op::Gelu, &[pre.arg(), post.arg()], n) {
             return r;
@@ -466,7 +466,7 @@ impl Device for Host<'_> {
         Ok(())
     }
 
-    fn gelu_backward(&self, pre: HostPtr, d: HostPtr, n: usize) -> Result<(), String> {
+    fn gelu_backward(&self, pre: HostPtr, d: HostPtr, n: usize) -> Result<(), DeviceError> {
         #[cfg(feature = "llvm")]
         if let Some(r) = generated(Op::GeluBackward, &[d.arg(), pre.arg()], n) {
             return r;
@@ -482,7 +482,13 @@ impl Device for Host<'_> {
         Ok(())
     }
 
-    fn swiglu(&self, gate: HostPtr, up: HostPtr, prod: HostPtr, n: usize) -> Result<(), String> {
+    fn swiglu(
+        &self,
+        gate: HostPtr,
+        up: HostPtr,
+        prod: HostPtr,
+        n: usize,
+    ) -> Result<(), DeviceError> {
         #[cfg(feature = "llvm")]
         if let Some(r) = generated(Op::SwiGlu, &[gate.arg(), up.arg(), prod.arg()], n) {
             return r;
@@ -505,7 +511,7 @@ impl Device for Host<'_> {
         dgate: HostPtr,
         dup: HostPtr,
         n: usize,
-    ) -> Result<(), String> {
+    ) -> Result<(), DeviceError> {
         #[cfg(feature = "llvm")]
         {
             let args = [dgate.arg(), dup.arg(), gate.arg(), up.arg()];
@@ -528,7 +534,7 @@ impl Device for Host<'_> {
         Ok(())
     }
 
-    fn rope(&self, bp: &BlockP, t: usize, qkv: HostPtr, inverse: bool) -> Result<(), String> {
+    fn rope(&self, bp: &BlockP, t: usize, qkv: HostPtr, inverse: bool) -> Result<(), DeviceError> {
         let Some(rope) = &bp.rope else { return Ok(()) };
         let sh = &bp.shape;
         #[cfg(feature = "llvm")]
@@ -563,7 +569,7 @@ impl Device for Host<'_> {
         qkv: HostPtr,
         out: HostPtr,
         keep: Keep<HostPtr>,
-    ) -> Result<(), String> {
+    ) -> Result<(), DeviceError> {
         let sh = &bp.shape;
         let t = sh.b * sh.s;
         let scratch = self.alloc(sh.scratch())?;
@@ -585,7 +591,7 @@ impl Device for Host<'_> {
         keep: Keep<HostPtr>,
         dout: HostPtr,
         dqkv: HostPtr,
-    ) -> Result<(), String> {
+    ) -> Result<(), DeviceError> {
         let sh = &bp.shape;
         let t = sh.b * sh.s;
         let scratch = self.alloc(2 * sh.scratch())?;
@@ -616,7 +622,7 @@ impl Device for Host<'_> {
         wpe: Option<HostPtr>,
         out: HostPtr,
         t: usize,
-    ) -> Result<(), String> {
+    ) -> Result<(), DeviceError> {
         let (tokens, out) = unsafe { (tokens.get(t), out.w(t * h)) };
         for (i, (&tok, row)) in tokens.iter().zip(out.chunks_exact_mut(h)).enumerate() {
             let tok = check_token(tok, vocab)?;
@@ -639,7 +645,7 @@ impl Device for Host<'_> {
         dwte: HostPtr,
         dwpe: Option<HostPtr>,
         t: usize,
-    ) -> Result<(), String> {
+    ) -> Result<(), DeviceError> {
         let (tokens, dy) = unsafe { (tokens.get(t), dy.r(t * h)) };
         for (i, (&tok, row)) in tokens.iter().zip(dy.chunks_exact(h)).enumerate() {
             let tok = check_token(tok, vocab)?;
@@ -660,10 +666,10 @@ impl Device for Host<'_> {
         vocab: usize,
         n: usize,
         grad: HostPtr,
-    ) -> Result<(), String> {
+    ) -> Result<(), DeviceError> {
         let targets = unsafe { targets.get(n) };
         if let Some(&bad) = targets.iter().find(|&&t| t as usize >= vocab) {
-            return Err(format!("target {bad} not below vocab {vocab}"));
+            return Err(DeviceError::Token { token: bad, vocab });
         }
         #[cfg(feature = "llvm")]
         if jit::enabled() {
@@ -689,13 +695,11 @@ impl Device for Host<'_> {
         Ok(())
     }
 
-    fn update(&self, u: &Update<'_>, state: HostPtr, grad: HostPtr) -> Result<(), String> {
+    fn update(&self, u: &Update<'_>, state: HostPtr, grad: HostPtr) -> Result<(), DeviceError> {
         let factor = match u.clip {
             Some((s, clip)) => {
                 let mut v = [0f32];
-                self.arena()?
-                    .read_into(s.at, s.dtype, &mut v)
-                    .map_err(access)?;
+                self.arena()?.read_into(s.at, s.dtype, &mut v)?;
                 let norm = f64::from(v[0]).sqrt() / u.contributions;
                 (clip / (norm + 1e-6)).min(1.0)
             }
@@ -711,16 +715,17 @@ impl Device for Host<'_> {
         Ok(())
     }
 
-    fn grad_norm(&self, grads: &[ArenaSpan], out: ArenaSpan) -> Result<(), String> {
+    fn grad_norm(&self, grads: &[ArenaSpan], out: ArenaSpan) -> Result<(), DeviceError> {
         let a = self.arena()?;
         let mut total = 0.0f64;
         for g in grads {
             let v = self.alloc(g.elements)?;
             let v = unsafe { v.w(g.elements) };
-            a.read_into(g.at, g.dtype, v).map_err(access)?;
+            a.read_into(g.at, g.dtype, v)?;
             total += v.iter().map(|x| f64::from(*x) * f64::from(*x)).sum::<f64>();
         }
-        a.write(out.at, out.dtype, &[total as f32]).map_err(access)
+        a.write(out.at, out.dtype, &[total as f32])
+            .map_err(DeviceError::from)
     }
 }
 
@@ -736,7 +741,7 @@ impl Host<'_> {
         scale: f32,
         state: HostPtr,
         grad: HostPtr,
-    ) -> Result<(), String> {
+    ) -> Result<(), DeviceError> {
         let (cfg, n) = (u.cfg, u.n);
         let param = self.alloc(n)?;
         if cfg.kind == Optimizer::Sgd {
@@ -750,7 +755,7 @@ impl Host<'_> {
             return generated(Op::Sgd, &args, n).unwrap_or(Ok(()));
         }
         if u.step == 0 {
-            return Err("optimizer steps count from 1".into());
+            return Err(plan_error("optimizer steps count from 1"));
         }
         let bc1 = 1.0 - f64::from(cfg.beta1).powf(u.step as f64);
         let bc2 = 1.0 - f64::from(cfg.beta2).powf(u.step as f64);

@@ -11,6 +11,7 @@
 //! generated kernel sums in chunks of `SUMSQ_CHUNK`, a different order from the host's
 //! sequential sum) and the conversions to and from the arena.
 
+use super::DeviceError;
 use schedc::job::Dtype;
 use schedc::kernels::codegen::{slot_f32, slot_i64, slot_ptr, HostKernels};
 use schedc::kernels::{Kernel, Op};
@@ -73,11 +74,15 @@ pub fn kernel(op: Op) -> Kernel {
     Kernel::new(op, &vec![Dtype::Fp32; op.tensors()])
 }
 
+fn poisoned() -> DeviceError {
+    DeviceError::Kernel("the kernel cache is poisoned".into())
+}
+
 /// Runs `k` over indices `0..n`, compiling it on first use.
 ///
 /// # Safety
 /// Every pointer in `args` must be valid for everything the kernel touches over `0..n`.
-pub unsafe fn run(k: &Kernel, args: &[Arg], n: usize) -> Result<(), String> {
+pub unsafe fn run(k: &Kernel, args: &[Arg], n: usize) -> Result<(), DeviceError> {
     if n == 0 {
         return Ok(());
     }
@@ -85,7 +90,7 @@ pub unsafe fn run(k: &Kernel, args: &[Arg], n: usize) -> Result<(), String> {
     let found = cache()
         .compiled
         .read()
-        .map_err(|_| "the kernel cache is poisoned")?
+        .map_err(|_| poisoned())?
         .get(&name)
         .cloned();
     let host = match found {
@@ -93,12 +98,12 @@ pub unsafe fn run(k: &Kernel, args: &[Arg], n: usize) -> Result<(), String> {
         None => {
             let h = Arc::new(
                 HostKernels::jit(std::slice::from_ref(k))
-                    .map_err(|e| format!("compiling kernel {name}: {e}"))?,
+                    .map_err(|e| DeviceError::Kernel(format!("compiling {name}: {e}")))?,
             );
             cache()
                 .compiled
                 .write()
-                .map_err(|_| "the kernel cache is poisoned")?
+                .map_err(|_| poisoned())?
                 .entry(name)
                 .or_insert(h)
                 .clone()
@@ -106,7 +111,7 @@ pub unsafe fn run(k: &Kernel, args: &[Arg], n: usize) -> Result<(), String> {
     };
     let slots: Vec<u64> = args.iter().map(|a| a.slot()).collect();
     // SAFETY: the caller's promise.
-    unsafe { host.run(k, &slots, 0, n) }.map_err(|e| e.to_string())
+    unsafe { host.run(k, &slots, 0, n) }.map_err(|e| DeviceError::Kernel(e.to_string()))
 }
 
 #[cfg(test)]

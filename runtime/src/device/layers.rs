@@ -6,7 +6,7 @@
 //! `saved`; `backward` overwrites the input gradient (when asked for), the parameter gradient and
 //! a tied head's embedding gradient, never accumulating across calls.
 
-use super::{Device, Ptr};
+use super::{plan_error, Device, DeviceError, Ptr};
 use crate::math::saved::{BlockSaved, MlpSaved, NormedSaved};
 use crate::math::{BlockP, Kind, LayerMath, MlpP};
 
@@ -24,17 +24,23 @@ impl<D: Device> Clone for In<D> {
 
 impl<D: Device> Copy for In<D> {}
 
-fn hidden<D: Device>(input: In<D>, lm: &LayerMath) -> Result<D::Ptr, String> {
+fn hidden<D: Device>(input: In<D>, lm: &LayerMath) -> Result<D::Ptr, DeviceError> {
     match input {
         In::Hidden(x) => Ok(x),
-        In::Tokens(_) => Err(format!("{} takes hidden states, not tokens", lm.name())),
+        In::Tokens(_) => Err(plan_error(format!(
+            "{} takes hidden states, not tokens",
+            lm.name()
+        ))),
     }
 }
 
-fn tokens<D: Device>(input: In<D>, lm: &LayerMath) -> Result<D::Tokens, String> {
+fn tokens<D: Device>(input: In<D>, lm: &LayerMath) -> Result<D::Tokens, DeviceError> {
     match input {
         In::Tokens(t) => Ok(t),
-        In::Hidden(_) => Err(format!("{} takes tokens, not hidden states", lm.name())),
+        In::Hidden(_) => Err(plan_error(format!(
+            "{} takes tokens, not hidden states",
+            lm.name()
+        ))),
     }
 }
 
@@ -47,7 +53,7 @@ fn mlp_forward<D: Device>(
     a: D::Ptr,
     kept: MlpSaved<D::Ptr>,
     out: D::Ptr,
-) -> Result<(), String> {
+) -> Result<(), DeviceError> {
     let (t, h, f) = (lm.dims().t, mp.hidden, mp.ffn);
     let act = lm.precisions().0;
     let (w1, b1) = (p.at(&mp.w1), mp.b1.as_ref().map(|r| p.at(r)));
@@ -60,7 +66,10 @@ fn mlp_forward<D: Device>(
             post
         }
         MlpSaved::SwiGlu { gate, up, prod } => {
-            let (wu, bu) = mp.up.as_ref().ok_or("swiglu without an up projection")?;
+            let (wu, bu) = mp
+                .up
+                .as_ref()
+                .ok_or_else(|| plan_error("swiglu without an up projection"))?;
             d.linear(a, w1, b1, gate, t, h, f, 0.0)?;
             d.linear(a, p.at(wu), bu.as_ref().map(|r| p.at(r)), up, t, h, f, 0.0)?;
             d.round(act, gate, t * f)?;
@@ -87,7 +96,7 @@ fn mlp_backward<D: Device>(
     dy: D::Ptr,
     da: D::Ptr,
     gp: D::Ptr,
-) -> Result<(), String> {
+) -> Result<(), DeviceError> {
     let (t, h, f) = (lm.dims().t, mp.hidden, mp.ffn);
     let (s1, s2) = (d.alloc(t * f)?, d.alloc(t * f)?);
     let wp = p.at(&mp.proj);
@@ -106,7 +115,10 @@ fn mlp_backward<D: Device>(
         MlpSaved::SwiGlu { gate, up, prod } => {
             d.linear_backward(prod, wp, dy, dwp, dbp, Some((s1, 0.0)), t, f, h)?;
             d.swiglu_backward(gate, up, s1, s2, t * f)?;
-            let (wu, bu) = mp.up.as_ref().ok_or("swiglu without an up projection")?;
+            let (wu, bu) = mp
+                .up
+                .as_ref()
+                .ok_or_else(|| plan_error("swiglu without an up projection"))?;
             d.linear_backward(a, w1, s1, dw1, db1, Some((da, 0.0)), t, h, f)?;
             let dbu = bu.as_ref().map(|r| gp.at(r));
             d.linear_backward(a, p.at(wu), s2, gp.at(wu), dbu, Some((da, 1.0)), t, h, f)
@@ -123,7 +135,7 @@ pub(crate) fn forward<D: Device>(
     input: In<D>,
     out: D::Ptr,
     saved: D::Ptr,
-) -> Result<(), String> {
+) -> Result<(), DeviceError> {
     let t = lm.dims().t;
     let act = lm.precisions().0;
     match lm.kind() {
@@ -160,7 +172,7 @@ pub(crate) fn forward<D: Device>(
             d.round(act, a, t * h)?;
             let w = match weight {
                 Some(r) => p.at(r),
-                None => tied.ok_or("a tied lm_head needs the embedding")?,
+                None => tied.ok_or_else(|| plan_error("a tied lm_head needs the embedding"))?,
             };
             d.linear(a, w, None, out, t, *h, *vocab, 0.0)?;
             d.round(act, out, t * vocab)
@@ -176,7 +188,7 @@ fn transformer_forward<D: Device>(
     x: D::Ptr,
     out: D::Ptr,
     saved: D::Ptr,
-) -> Result<(), String> {
+) -> Result<(), DeviceError> {
     let (t, s, h) = (lm.dims().t, lm.dims().s, bp.hidden);
     let act = lm.precisions().0;
     let w = bp.shape.width();
@@ -227,7 +239,7 @@ pub(crate) fn backward<D: Device>(
     gi: Option<D::Ptr>,
     gp: D::Ptr,
     gt: Option<D::Ptr>,
-) -> Result<(), String> {
+) -> Result<(), DeviceError> {
     let t = lm.dims().t;
     let grad = lm.precisions().1;
     d.fill(gp, lm.params(), 0.0)?;
@@ -271,9 +283,11 @@ pub(crate) fn backward<D: Device>(
                     d.linear_backward(a, w, dy, dw, None, Some((da, 0.0)), t, *h, *vocab)?
                 }
                 None => {
-                    let dw = gt.ok_or("a tied lm_head needs the embedding's gradient")?;
+                    let dw = gt.ok_or_else(|| {
+                        plan_error("a tied lm_head needs the embedding's gradient")
+                    })?;
                     d.fill(dw, vocab * h, 0.0)?;
-                    let w = tied.ok_or("a tied lm_head needs the embedding")?;
+                    let w = tied.ok_or_else(|| plan_error("a tied lm_head needs the embedding"))?;
                     d.linear_backward(a, w, dy, dw, None, Some((da, 0.0)), t, *h, *vocab)?;
                 }
             }
@@ -304,7 +318,7 @@ fn transformer_backward<D: Device>(
     dy: D::Ptr,
     gi: Option<D::Ptr>,
     gp: D::Ptr,
-) -> Result<(), String> {
+) -> Result<(), DeviceError> {
     let (t, s, h) = (lm.dims().t, lm.dims().s, bp.hidden);
     let w = bp.shape.width();
     let BlockSaved {

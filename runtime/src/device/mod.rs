@@ -54,6 +54,73 @@ impl Ptr for u64 {
     }
 }
 
+/// Why a primitive or an op failed on a device.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum DeviceError {
+    /// An arena access outside the arena or misaligned for its dtype.
+    Access(String),
+    /// An op reads or writes more values than its region holds.
+    RegionSize {
+        values: usize,
+        region: usize,
+        write: bool,
+    },
+    /// The stream's workspace cannot hold what an op needs.
+    Workspace { needed: usize, available: usize },
+    /// A token id (input or target) outside the vocabulary.
+    Token { token: u32, vocab: usize },
+    /// The plan asks for something the model or the step cannot give (a layer input of the
+    /// wrong kind, a missing micro-batch, a tied head without its embedding, …).
+    Plan(String),
+    /// A generated kernel could not be compiled or run (only with the `llvm` feature).
+    #[cfg_attr(not(feature = "llvm"), allow(dead_code))]
+    Kernel(String),
+    /// The GPU's driver or libraries refused a launch, product or copy.
+    Gpu(String),
+}
+
+impl std::fmt::Display for DeviceError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            DeviceError::Access(m) | DeviceError::Plan(m) => f.write_str(m),
+            DeviceError::RegionSize {
+                values,
+                region,
+                write,
+            } => {
+                let (verb, prep) = if *write {
+                    ("writes", "into")
+                } else {
+                    ("reads", "from")
+                };
+                write!(f, "{verb} {values} values {prep} a region of {region}")
+            }
+            DeviceError::Workspace { needed, available } => write!(
+                f,
+                "the stream workspace of {available} floats is too small ({needed} needed)"
+            ),
+            DeviceError::Token { token, vocab } => {
+                write!(f, "token {token} not below vocab {vocab}")
+            }
+            DeviceError::Kernel(m) => write!(f, "generated kernel: {m}"),
+            DeviceError::Gpu(m) => write!(f, "GPU: {m}"),
+        }
+    }
+}
+
+impl std::error::Error for DeviceError {}
+
+impl From<crate::arena::AccessError> for DeviceError {
+    fn from(e: crate::arena::AccessError) -> Self {
+        DeviceError::Access(e.0)
+    }
+}
+
+/// A plan error from a message.
+pub(crate) fn plan_error(m: impl Into<String>) -> DeviceError {
+    DeviceError::Plan(m.into())
+}
+
 /// Where one gradient-norm input lies: `elements` values of `dtype` at byte `at` of the arena.
 #[derive(Clone, Copy, Debug)]
 pub struct ArenaSpan {
@@ -88,14 +155,14 @@ pub(crate) trait Device {
     type Tokens: Copy;
 
     /// `n` floats of workspace, contents unspecified, valid until [`Device::reset`].
-    fn alloc(&self, n: usize) -> Result<Self::Ptr, String>;
+    fn alloc(&self, n: usize) -> Result<Self::Ptr, DeviceError>;
     /// Gives back every workspace allocation (the end of an op).
     fn reset(&self);
     /// The inputs (or, with `targets`, the targets) of micro-step `m`.
-    fn tokens(&self, m: u32, targets: bool) -> Result<Self::Tokens, String>;
+    fn tokens(&self, m: u32, targets: bool) -> Result<Self::Tokens, DeviceError>;
 
     /// dst ← the `n` values of `dtype` at byte `at` of the arena.
-    fn load(&self, at: u64, dtype: Dtype, dst: Self::Ptr, n: usize) -> Result<(), String>;
+    fn load(&self, at: u64, dtype: Dtype, dst: Self::Ptr, n: usize) -> Result<(), DeviceError>;
     /// The `n` values at `src`, rounded to `dtype`, written (or, with `accumulate`, added in
     /// f32 and rounded once) at byte `at` of the arena.
     fn store(
@@ -105,19 +172,19 @@ pub(crate) trait Device {
         dtype: Dtype,
         n: usize,
         accumulate: bool,
-    ) -> Result<(), String>;
+    ) -> Result<(), DeviceError>;
     /// dst ← `n` fp32 values at byte `at` of the arena (2-byte aligned: saved statistics).
-    fn load_f32(&self, at: u64, dst: Self::Ptr, n: usize) -> Result<(), String>;
+    fn load_f32(&self, at: u64, dst: Self::Ptr, n: usize) -> Result<(), DeviceError>;
     /// `n` fp32 values written at byte `at` of the arena (2-byte aligned).
-    fn store_f32(&self, src: Self::Ptr, at: u64, n: usize) -> Result<(), String>;
+    fn store_f32(&self, src: Self::Ptr, at: u64, n: usize) -> Result<(), DeviceError>;
     /// Copies `bytes` within the arena.
-    fn copy_arena(&self, dst: u64, src: u64, bytes: u64) -> Result<(), String>;
+    fn copy_arena(&self, dst: u64, src: u64, bytes: u64) -> Result<(), DeviceError>;
 
-    fn fill(&self, p: Self::Ptr, n: usize, v: f32) -> Result<(), String>;
+    fn fill(&self, p: Self::Ptr, n: usize, v: f32) -> Result<(), DeviceError>;
     /// dst ← src, `n` floats.
-    fn copy(&self, dst: Self::Ptr, src: Self::Ptr, n: usize) -> Result<(), String>;
+    fn copy(&self, dst: Self::Ptr, src: Self::Ptr, n: usize) -> Result<(), DeviceError>;
     /// Rounds `n` values in place to `prec`.
-    fn round(&self, prec: Precision, p: Self::Ptr, n: usize) -> Result<(), String>;
+    fn round(&self, prec: Precision, p: Self::Ptr, n: usize) -> Result<(), DeviceError>;
 
     /// y (β)= x·Wᵀ (+ bias): x [t, inp], w [out, inp], y [t, out]; y is read when β ≠ 0.
     #[allow(clippy::too_many_arguments)]
@@ -131,7 +198,7 @@ pub(crate) trait Device {
         inp: usize,
         out: usize,
         beta: f32,
-    ) -> Result<(), String>;
+    ) -> Result<(), DeviceError>;
     /// dW += dyᵀ·x, dbias += Σ_rows dy, dx (β)= dy·W.
     #[allow(clippy::too_many_arguments)]
     fn linear_backward(
@@ -145,7 +212,7 @@ pub(crate) trait Device {
         t: usize,
         inp: usize,
         out: usize,
-    ) -> Result<(), String>;
+    ) -> Result<(), DeviceError>;
 
     /// Layer or RMS norm of `t` rows of `h`: out and the statistics (2 per row).
     #[allow(clippy::too_many_arguments)]
@@ -158,7 +225,7 @@ pub(crate) trait Device {
         x: Self::Ptr,
         out: Self::Ptr,
         stats: Self::Ptr,
-    ) -> Result<(), String>;
+    ) -> Result<(), DeviceError>;
     /// The norm's backward: parameter gradients accumulate into `grads` (the layer's flat
     /// gradient) and, when given, the input gradient into `dx`.
     #[allow(clippy::too_many_arguments)]
@@ -173,12 +240,12 @@ pub(crate) trait Device {
         dy: Self::Ptr,
         dx: Option<Self::Ptr>,
         grads: Self::Ptr,
-    ) -> Result<(), String>;
+    ) -> Result<(), DeviceError>;
 
     /// post ← gelu(pre).
-    fn gelu(&self, pre: Self::Ptr, post: Self::Ptr, n: usize) -> Result<(), String>;
+    fn gelu(&self, pre: Self::Ptr, post: Self::Ptr, n: usize) -> Result<(), DeviceError>;
     /// d ← d ∘ gelu′(pre), in place.
-    fn gelu_backward(&self, pre: Self::Ptr, d: Self::Ptr, n: usize) -> Result<(), String>;
+    fn gelu_backward(&self, pre: Self::Ptr, d: Self::Ptr, n: usize) -> Result<(), DeviceError>;
     /// prod ← silu(gate) ∘ up.
     fn swiglu(
         &self,
@@ -186,7 +253,7 @@ pub(crate) trait Device {
         up: Self::Ptr,
         prod: Self::Ptr,
         n: usize,
-    ) -> Result<(), String>;
+    ) -> Result<(), DeviceError>;
     /// From dprod in `dgate`: dgate and dup, in place.
     fn swiglu_backward(
         &self,
@@ -195,10 +262,11 @@ pub(crate) trait Device {
         dgate: Self::Ptr,
         dup: Self::Ptr,
         n: usize,
-    ) -> Result<(), String>;
+    ) -> Result<(), DeviceError>;
     /// Rotary positions on the q and k heads of `t` rows of `qkv`, in place (`inverse` for
     /// gradients). Only called for blocks with rotary positions.
-    fn rope(&self, bp: &BlockP, t: usize, qkv: Self::Ptr, inverse: bool) -> Result<(), String>;
+    fn rope(&self, bp: &BlockP, t: usize, qkv: Self::Ptr, inverse: bool)
+        -> Result<(), DeviceError>;
     /// Causal attention of the packed `qkv`: `out` and what backward needs in `keep`.
     fn attention(
         &self,
@@ -207,7 +275,7 @@ pub(crate) trait Device {
         qkv: Self::Ptr,
         out: Self::Ptr,
         keep: Keep<Self::Ptr>,
-    ) -> Result<(), String>;
+    ) -> Result<(), DeviceError>;
     /// Attention's backward: `dqkv` is overwritten.
     fn attention_backward(
         &self,
@@ -216,7 +284,7 @@ pub(crate) trait Device {
         keep: Keep<Self::Ptr>,
         dout: Self::Ptr,
         dqkv: Self::Ptr,
-    ) -> Result<(), String>;
+    ) -> Result<(), DeviceError>;
 
     /// out ← wte[token] (+ wpe[position]) for `t` tokens of width `h`, position = token index
     /// mod `s` (the sequence length).
@@ -231,7 +299,7 @@ pub(crate) trait Device {
         wpe: Option<Self::Ptr>,
         out: Self::Ptr,
         t: usize,
-    ) -> Result<(), String>;
+    ) -> Result<(), DeviceError>;
     /// dwte[token] += dy row, dwpe[position] += dy row.
     #[allow(clippy::too_many_arguments)]
     fn embedding_backward(
@@ -244,7 +312,7 @@ pub(crate) trait Device {
         dwte: Self::Ptr,
         dwpe: Option<Self::Ptr>,
         t: usize,
-    ) -> Result<(), String>;
+    ) -> Result<(), DeviceError>;
     /// Softmax cross-entropy of `n` rows of `logits` against `targets`: `grad` ← (softmax −
     /// onehot)/n, and the rows' loss sum added to the device's loss accumulator.
     fn cross_entropy(
@@ -254,9 +322,9 @@ pub(crate) trait Device {
         vocab: usize,
         n: usize,
         grad: Self::Ptr,
-    ) -> Result<(), String>;
+    ) -> Result<(), DeviceError>;
     /// One optimizer step on `state` from the summed gradient `grad`.
-    fn update(&self, u: &Update<'_>, state: Self::Ptr, grad: Self::Ptr) -> Result<(), String>;
+    fn update(&self, u: &Update<'_>, state: Self::Ptr, grad: Self::Ptr) -> Result<(), DeviceError>;
     /// The sum of squares of every value of `grads`, stored as one value at `out`.
-    fn grad_norm(&self, grads: &[ArenaSpan], out: ArenaSpan) -> Result<(), String>;
+    fn grad_norm(&self, grads: &[ArenaSpan], out: ArenaSpan) -> Result<(), DeviceError>;
 }

@@ -7,20 +7,19 @@
 //! all-gather's intra-node stage writing around each member's chunk) are exact.
 
 use super::sync::Stop;
-use super::{RankCtx, StepShared};
+use super::{RankCtx, StepShared, Stopped};
 use crate::backend::RunError;
 use schedc::ir::{CollectiveOp, OpId};
 use schedc::job::Collective;
 
 /// Runs the collectives of op `op` on `ctx`'s rank, one after another (a coalesced group's
-/// members are issued together and every member runs them in the same order). An empty error
-/// means the step was aborted elsewhere.
+/// members are issued together and every member runs them in the same order).
 pub fn run(
     sh: &StepShared<'_>,
     ctx: &RankCtx<'_>,
     op: OpId,
     cs: &[CollectiveOp],
-) -> Result<(), String> {
+) -> Result<(), Stopped> {
     let p = sh.plan;
     for (i, c) in cs.iter().enumerate() {
         let comm = &p.program.comms[c.comm];
@@ -34,18 +33,18 @@ pub fn run(
             Ok(Ok(())) => {}
             Ok(Err(e)) => {
                 sh.abort.set(e);
-                return Err(String::new());
+                return Err(Stopped::Aborted);
             }
-            Err((Stop::Aborted, _)) => return Err(String::new()),
+            Err((Stop::Aborted, _)) => return Err(Stopped::Aborted),
             Err((Stop::TimedOut, missing)) => {
                 let who: Vec<String> = missing.iter().map(|&m| group[m].to_string()).collect();
-                return Err(format!(
+                return Err(Stopped::Failed(format!(
                     "collective on {} waited {:?} for rank(s) {} of group {:?}, which never arrived",
                     c.comm,
                     sh.options.timeout,
                     who.join(", "),
                     group
-                ));
+                )));
             }
         }
     }

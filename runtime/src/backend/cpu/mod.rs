@@ -72,6 +72,13 @@ pub struct RankCtx<'a> {
     pub device: Host<'a>,
 }
 
+/// Why a stream stopped at an op: the step was aborted elsewhere (the first failure is already
+/// recorded), or this op failed.
+pub enum Stopped {
+    Aborted,
+    Failed(String),
+}
+
 struct ThreadResult {
     loss: f64,
     wait: StreamWait,
@@ -248,17 +255,18 @@ fn run_ops(sh: &StepShared<'_>, ctx: &RankCtx<'_>, stream: usize) -> Option<Thre
                     rank,
                     device: &ctx.device,
                 };
-                run_action(&r, a, o.micro_step, sh.input).map(|()| ctx.device.take_loss())
+                run_action(&r, a, o.micro_step, sh.input)
+                    .map(|()| ctx.device.take_loss())
+                    .map_err(|e| Stopped::Failed(e.to_string()))
             }
         };
         match result {
             Ok(l) => loss += l,
-            Err(e) => {
-                if !e.is_empty() {
-                    fail(e);
-                }
+            Err(Stopped::Failed(e)) => {
+                fail(e);
                 return None;
             }
+            Err(Stopped::Aborted) => return None,
         }
         if let Some(e) = o.record {
             sh.events[rank as usize].record(e.index(), sh.input.step);

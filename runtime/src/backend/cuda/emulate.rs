@@ -640,8 +640,9 @@ impl Backend for EmulatedBackend {
                             rank: r as u32,
                             device: &gpu,
                         };
-                        run_action(&view, a, o.micro_step, input)
-                            .map_err(|e| RunError::at(r as u32, Some(p.describe(op)), e))?;
+                        run_action(&view, a, o.micro_step, input).map_err(|e| {
+                            RunError::at(r as u32, Some(p.describe(op)), e.to_string())
+                        })?;
                     }
                 }
             }

@@ -7,7 +7,7 @@
 #![cfg_attr(not(feature = "cuda"), allow(dead_code))]
 
 use super::enqueue::{dtype_code, elems, m, mt, prec_code, row_major, rows, Exec, A, M};
-use crate::device::{ArenaSpan, Device, Ptr, Update};
+use crate::device::{plan_error, ArenaSpan, Device, DeviceError, Ptr, Update};
 use crate::exec::Action;
 use crate::math::attention::Keep;
 use crate::math::{BlockP, NormP, Precision};
@@ -48,12 +48,14 @@ pub struct Gpu<'a> {
 const F: u64 = 4;
 
 impl Gpu<'_> {
-    fn run(&self, name: &str, n: usize, args: &[A]) -> Result<(), String> {
-        self.x.launch(name, elems(n), args)
+    fn run(&self, name: &str, n: usize, args: &[A]) -> Result<(), DeviceError> {
+        self.x
+            .launch(name, elems(n), args)
+            .map_err(DeviceError::Gpu)
     }
 
-    fn run_rows(&self, name: &str, r: usize, args: &[A]) -> Result<(), String> {
-        self.x.launch(name, rows(r), args)
+    fn run_rows(&self, name: &str, r: usize, args: &[A]) -> Result<(), DeviceError> {
+        self.x.launch(name, rows(r), args).map_err(DeviceError::Gpu)
     }
 
     /// Row-major C[rows × cols] ← α·op(A)·op(B) + β·C (see [`row_major`]).
@@ -69,7 +71,7 @@ impl Gpu<'_> {
         beta: f32,
         c: u64,
         ldc: usize,
-    ) -> Result<(), String> {
+    ) -> Result<(), DeviceError> {
         self.batched(rows, cols, k, alpha, a, 0, b, 0, beta, c, ldc, 0, 1)
     }
 
@@ -89,20 +91,22 @@ impl Gpu<'_> {
         ldc: usize,
         stride_c: usize,
         batch: usize,
-    ) -> Result<(), String> {
+    ) -> Result<(), DeviceError> {
         if rows == 0 || cols == 0 || batch == 0 {
             return Ok(());
         }
-        self.x.gemm(&row_major(
-            rows, cols, k, alpha, a, stride_a, b, stride_b, beta, c, ldc, stride_c, batch,
-        ))
+        self.x
+            .gemm(&row_major(
+                rows, cols, k, alpha, a, stride_a, b, stride_b, beta, c, ldc, stride_c, batch,
+            ))
+            .map_err(DeviceError::Gpu)
     }
 
-    fn copy_bytes(&self, dst: u64, src: u64, bytes: usize) -> Result<(), String> {
+    fn copy_bytes(&self, dst: u64, src: u64, bytes: usize) -> Result<(), DeviceError> {
         if bytes == 0 {
             return Ok(());
         }
-        self.x.copy_bytes(dst, src, bytes)
+        self.x.copy_bytes(dst, src, bytes).map_err(DeviceError::Gpu)
     }
 }
 
@@ -130,15 +134,15 @@ impl Device for Gpu<'_> {
     type Ptr = u64;
     type Tokens = u64;
 
-    fn alloc(&self, n: usize) -> Result<u64, String> {
+    fn alloc(&self, n: usize) -> Result<u64, DeviceError> {
         let at = self.used.get();
         // 64-float alignment keeps every piece 256-byte aligned for cuBLAS.
         let next = at + n.div_ceil(64) * 64;
         if next > self.ws_len {
-            return Err(format!(
-                "the stream workspace of {} floats is too small ({next} needed)",
-                self.ws_len
-            ));
+            return Err(DeviceError::Workspace {
+                needed: next,
+                available: self.ws_len,
+            });
         }
         self.used.set(next);
         Ok(self.ws_base + at as u64 * F)
@@ -148,12 +152,12 @@ impl Device for Gpu<'_> {
         self.used.set(0);
     }
 
-    fn tokens(&self, m: u32, targets: bool) -> Result<u64, String> {
+    fn tokens(&self, m: u32, targets: bool) -> Result<u64, DeviceError> {
         let t = self.consts.t as u64;
         Ok(self.consts.tokens + (2 * u64::from(m) + u64::from(targets)) * t * 4)
     }
 
-    fn load(&self, at: u64, dtype: Dtype, dst: u64, n: usize) -> Result<(), String> {
+    fn load(&self, at: u64, dtype: Dtype, dst: u64, n: usize) -> Result<(), DeviceError> {
         let src = self.arena_base + at;
         self.run(
             "load",
@@ -174,7 +178,7 @@ impl Device for Gpu<'_> {
         dtype: Dtype,
         n: usize,
         accumulate: bool,
-    ) -> Result<(), String> {
+    ) -> Result<(), DeviceError> {
         let dst = self.arena_base + at;
         let d = dtype_code(dtype);
         if accumulate {
@@ -188,30 +192,30 @@ impl Device for Gpu<'_> {
         }
     }
 
-    fn load_f32(&self, at: u64, dst: u64, n: usize) -> Result<(), String> {
+    fn load_f32(&self, at: u64, dst: u64, n: usize) -> Result<(), DeviceError> {
         let src = self.arena_base + at;
         self.run("load_halves", n, &[A::P(src), A::P(dst), A::L(n as i64)])
     }
 
-    fn store_f32(&self, src: u64, at: u64, n: usize) -> Result<(), String> {
+    fn store_f32(&self, src: u64, at: u64, n: usize) -> Result<(), DeviceError> {
         let dst = self.arena_base + at;
         self.run("store_halves", n, &[A::P(src), A::P(dst), A::L(n as i64)])
     }
 
-    fn copy_arena(&self, dst: u64, src: u64, bytes: u64) -> Result<(), String> {
+    fn copy_arena(&self, dst: u64, src: u64, bytes: u64) -> Result<(), DeviceError> {
         let b = self.arena_base;
         self.copy_bytes(b + dst, b + src, bytes as usize)
     }
 
-    fn fill(&self, p: u64, n: usize, v: f32) -> Result<(), String> {
+    fn fill(&self, p: u64, n: usize, v: f32) -> Result<(), DeviceError> {
         self.run("fill", n, &[A::P(p), A::F(v), A::L(n as i64)])
     }
 
-    fn copy(&self, dst: u64, src: u64, n: usize) -> Result<(), String> {
+    fn copy(&self, dst: u64, src: u64, n: usize) -> Result<(), DeviceError> {
         self.copy_bytes(dst, src, n * 4)
     }
 
-    fn round(&self, prec: Precision, p: u64, n: usize) -> Result<(), String> {
+    fn round(&self, prec: Precision, p: u64, n: usize) -> Result<(), DeviceError> {
         if prec == Precision::F32 {
             return Ok(());
         }
@@ -232,7 +236,7 @@ impl Device for Gpu<'_> {
         inp: usize,
         out: usize,
         beta: f32,
-    ) -> Result<(), String> {
+    ) -> Result<(), DeviceError> {
         self.gemm(t, out, inp, 1.0, m(x, inp), mt(w, inp), beta, y, out)?;
         if let Some(b) = bias {
             self.run(
@@ -255,7 +259,7 @@ impl Device for Gpu<'_> {
         t: usize,
         inp: usize,
         out: usize,
-    ) -> Result<(), String> {
+    ) -> Result<(), DeviceError> {
         self.gemm(out, inp, t, 1.0, mt(dy, out), m(x, inp), 1.0, dw, inp)?;
         if let Some(db) = dbias {
             self.run(
@@ -279,7 +283,7 @@ impl Device for Gpu<'_> {
         x: u64,
         out: u64,
         stats: u64,
-    ) -> Result<(), String> {
+    ) -> Result<(), DeviceError> {
         let b = or_null(np.b.as_ref().map(|r| params.at(r)));
         self.run_rows(
             "norm_forward",
@@ -307,7 +311,7 @@ impl Device for Gpu<'_> {
         dy: u64,
         dx: Option<u64>,
         grads: u64,
-    ) -> Result<(), String> {
+    ) -> Result<(), DeviceError> {
         let db = or_null(np.b.as_ref().map(|r| grads.at(r)));
         self.run(
             "norm_backward_params",
@@ -340,15 +344,15 @@ impl Device for Gpu<'_> {
         Ok(())
     }
 
-    fn gelu(&self, pre: u64, post: u64, n: usize) -> Result<(), String> {
+    fn gelu(&self, pre: u64, post: u64, n: usize) -> Result<(), DeviceError> {
         self.run("gelu_forward", n, &[A::P(pre), A::P(post), A::L(n as i64)])
     }
 
-    fn gelu_backward(&self, pre: u64, d: u64, n: usize) -> Result<(), String> {
+    fn gelu_backward(&self, pre: u64, d: u64, n: usize) -> Result<(), DeviceError> {
         self.run("gelu_backward", n, &[A::P(pre), A::P(d), A::L(n as i64)])
     }
 
-    fn swiglu(&self, gate: u64, up: u64, prod: u64, n: usize) -> Result<(), String> {
+    fn swiglu(&self, gate: u64, up: u64, prod: u64, n: usize) -> Result<(), DeviceError> {
         self.run(
             "swiglu_forward",
             n,
@@ -363,7 +367,7 @@ impl Device for Gpu<'_> {
         dgate: u64,
         dup: u64,
         n: usize,
-    ) -> Result<(), String> {
+    ) -> Result<(), DeviceError> {
         self.run(
             "swiglu_backward",
             n,
@@ -371,9 +375,12 @@ impl Device for Gpu<'_> {
         )
     }
 
-    fn rope(&self, bp: &BlockP, t: usize, qkv: u64, inverse: bool) -> Result<(), String> {
+    fn rope(&self, bp: &BlockP, t: usize, qkv: u64, inverse: bool) -> Result<(), DeviceError> {
         let Some(r) = &bp.rope else { return Ok(()) };
-        let tables = self.consts.rope.ok_or("no rotary tables on the device")?;
+        let tables = self
+            .consts
+            .rope
+            .ok_or_else(|| plan_error("no rotary tables on the device"))?;
         let sh = &bp.shape;
         let (s, half) = (sh.s, r.half);
         let n = t * (sh.heads + sh.kv_heads) * half;
@@ -405,7 +412,7 @@ impl Device for Gpu<'_> {
         qkv: u64,
         out: u64,
         keep: Keep<u64>,
-    ) -> Result<(), String> {
+    ) -> Result<(), DeviceError> {
         let keep = keep.into_inner();
         let sh = &bp.shape;
         let (s, w, h, d) = (sh.s, sh.width(), sh.heads * sh.d, sh.d);
@@ -467,7 +474,7 @@ impl Device for Gpu<'_> {
         keep: Keep<u64>,
         dout: u64,
         dqkv: u64,
-    ) -> Result<(), String> {
+    ) -> Result<(), DeviceError> {
         let kept = keep.into_inner();
         let sh = &bp.shape;
         let (s, w, h, d) = (sh.s, sh.width(), sh.heads * sh.d, sh.d);
@@ -524,7 +531,7 @@ impl Device for Gpu<'_> {
         wpe: Option<u64>,
         out: u64,
         t: usize,
-    ) -> Result<(), String> {
+    ) -> Result<(), DeviceError> {
         self.run(
             "embedding_forward",
             t * h,
@@ -550,7 +557,7 @@ impl Device for Gpu<'_> {
         dwte: u64,
         dwpe: Option<u64>,
         t: usize,
-    ) -> Result<(), String> {
+    ) -> Result<(), DeviceError> {
         self.run(
             "embedding_backward",
             h,
@@ -573,7 +580,7 @@ impl Device for Gpu<'_> {
         vocab: usize,
         n: usize,
         grad: u64,
-    ) -> Result<(), String> {
+    ) -> Result<(), DeviceError> {
         self.run_rows(
             "cross_entropy",
             n,
@@ -588,7 +595,7 @@ impl Device for Gpu<'_> {
         )
     }
 
-    fn update(&self, u: &Update<'_>, state: u64, grad: u64) -> Result<(), String> {
+    fn update(&self, u: &Update<'_>, state: u64, grad: u64) -> Result<(), DeviceError> {
         let cfg = u.cfg;
         let (sq, sq_dtype, clip) = match u.clip {
             Some((s, clip)) => (self.arena_base + s.at, dtype_code(s.dtype), clip),
@@ -640,7 +647,7 @@ impl Device for Gpu<'_> {
         )
     }
 
-    fn grad_norm(&self, grads: &[ArenaSpan], out: ArenaSpan) -> Result<(), String> {
+    fn grad_norm(&self, grads: &[ArenaSpan], out: ArenaSpan) -> Result<(), DeviceError> {
         let acc = self.consts.sumsq;
         // Zeroed on this stream before the sums (a step may hold several grad_norm ops only on
         // one stream, in order).
@@ -652,15 +659,17 @@ impl Device for Gpu<'_> {
             self.run("sum_squares", g.elements, &[A::P(v), A::L(n), A::P(acc)])?;
             self.reset();
         }
-        self.x.launch(
-            "store_double",
-            elems(1),
-            &[
-                A::P(acc),
-                A::P(self.arena_base + out.at),
-                A::I(dtype_code(out.dtype)),
-            ],
-        )
+        self.x
+            .launch(
+                "store_double",
+                elems(1),
+                &[
+                    A::P(acc),
+                    A::P(self.arena_base + out.at),
+                    A::I(dtype_code(out.dtype)),
+                ],
+            )
+            .map_err(DeviceError::Gpu)
     }
 }
 

@@ -377,7 +377,7 @@ impl CudaBackend {
                         rank: self.rank,
                         device: &gpu,
                     };
-                    run_action(&r, a, o.micro_step, input).map_err(fail)?
+                    run_action(&r, a, o.micro_step, input).map_err(|e| fail(e.to_string()))?
                 }
             }
             if let Some(e) = o.record {
