@@ -41,19 +41,6 @@ pub(crate) trait Ptr: Piece + Copy {
     }
 }
 
-/// A device address (the CUDA backend's workspace and arena).
-impl Piece for u64 {
-    fn split(self, n: usize) -> (Self, Self) {
-        (self, self.offset(n))
-    }
-}
-
-impl Ptr for u64 {
-    fn offset(self, n: usize) -> Self {
-        self + n as u64 * 4
-    }
-}
-
 /// Why a primitive or an op failed on a device.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum DeviceError {

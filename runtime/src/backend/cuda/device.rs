@@ -1,6 +1,7 @@
 //! One GPU of the CUDA backend: library checks, the context, the rank's arena, streams, events
 //! and per-stream workspaces. Compiled, never run on a GPU yet.
 
+use super::enqueue::DevAddr;
 use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr};
 use std::sync::Arc;
 
@@ -53,11 +54,11 @@ pub struct Device {
     pub events: Vec<CudaEvent>,
     /// Kept alive for `arena_base`; never touched through the safe API.
     _arena: CudaSlice<u8>,
-    pub arena_base: u64,
+    pub arena_base: DevAddr,
     pub arena_bytes: u64,
     /// Per stream: (base, floats), empty for streams without compute.
     _workspaces: Vec<Option<CudaSlice<f32>>>,
-    pub workspace: Vec<(u64, usize)>,
+    pub workspace: Vec<(DevAddr, usize)>,
 }
 
 impl Device {
@@ -95,19 +96,19 @@ impl Device {
         let arena = s0
             .alloc_zeros::<u8>(arena_bytes.max(1) as usize)
             .map_err(drv("allocating the arena"))?;
-        let arena_base = arena.device_ptr(s0).0;
+        let arena_base = DevAddr(arena.device_ptr(s0).0);
         let mut keep = vec![];
         let mut workspace = vec![];
         for &n in workspace_floats {
             if n == 0 {
                 keep.push(None);
-                workspace.push((0, 0));
+                workspace.push((DevAddr::NULL, 0));
                 continue;
             }
             let w = s0
                 .alloc_zeros::<f32>(n)
                 .map_err(drv("allocating a stream workspace"))?;
-            workspace.push((w.device_ptr(s0).0, n));
+            workspace.push((DevAddr(w.device_ptr(s0).0), n));
             keep.push(Some(w));
         }
         s0.synchronize().map_err(drv("initialising the device"))?;
@@ -130,8 +131,10 @@ impl Device {
             .bind_to_thread()
             .map_err(drv("binding the context"))?;
         // SAFETY: the range lies inside the arena (checked) and no stream is running.
-        unsafe { cudarc::driver::result::memcpy_htod_sync(self.arena_base + offset, bytes) }
-            .map_err(drv("copying to the GPU"))
+        unsafe {
+            cudarc::driver::result::memcpy_htod_sync(self.arena_base.add_bytes(offset).0, bytes)
+        }
+        .map_err(drv("copying to the GPU"))
     }
 
     pub fn read_bytes(&self, offset: u64, n: usize) -> Result<Vec<u8>, String> {
@@ -141,8 +144,10 @@ impl Device {
             .map_err(drv("binding the context"))?;
         let mut out = vec![0u8; n];
         // SAFETY: as in write_bytes.
-        unsafe { cudarc::driver::result::memcpy_dtoh_sync(&mut out, self.arena_base + offset) }
-            .map_err(drv("copying from the GPU"))?;
+        unsafe {
+            cudarc::driver::result::memcpy_dtoh_sync(&mut out, self.arena_base.add_bytes(offset).0)
+        }
+        .map_err(drv("copying from the GPU"))?;
         Ok(out)
     }
 

@@ -8,7 +8,7 @@
 //!
 //! Needs a C++20 compiler (`$CXX`, else `c++`); the tests say so and pass where there is none.
 
-use super::enqueue::{nccl_call, ColMajor, Exec, Grid, NcclCall, A};
+use super::enqueue::{nccl_call, ColMajor, DevAddr, Exec, Grid, NcclCall, A};
 use super::gpu::{action_workspace, Consts, Gpu};
 use crate::backend::cpu::CpuBackend;
 use crate::backend::{Backend, RankMemory, RunError, RunOptions, StepInput, StepOutcome};
@@ -192,7 +192,7 @@ impl Exec for HostExec {
         let slots: Vec<u64> = args
             .iter()
             .map(|a| match *a {
-                A::P(v) => v,
+                A::P(v) => v.0,
                 A::L(v) => v as u64,
                 A::I(v) => u64::from(v as u32),
                 A::F(v) => u64::from(v.to_bits()),
@@ -218,9 +218,9 @@ impl Exec for HostExec {
     fn gemm(&self, c: &ColMajor) -> Result<(), String> {
         // The BLAS definition, column-major: C(i, j) = α Σ op(A)(i, l)·op(B)(l, j) + β C(i, j).
         for b in 0..c.batch {
-            let a = (c.a as *const f32).wrapping_add(b * c.stride_a);
-            let bb = (c.b as *const f32).wrapping_add(b * c.stride_b);
-            let cc = (c.c as *mut f32).wrapping_add(b * c.stride_c);
+            let a = (c.a.0 as *const f32).wrapping_add(b * c.stride_a);
+            let bb = (c.b.0 as *const f32).wrapping_add(b * c.stride_b);
+            let cc = (c.c.0 as *mut f32).wrapping_add(b * c.stride_c);
             for j in 0..c.n {
                 for i in 0..c.m {
                     let mut s = 0f32;
@@ -253,35 +253,35 @@ impl Exec for HostExec {
         Ok(())
     }
 
-    fn copy_bytes(&self, dst: u64, src: u64, bytes: usize) -> Result<(), String> {
+    fn copy_bytes(&self, dst: DevAddr, src: DevAddr, bytes: usize) -> Result<(), String> {
         // SAFETY: host buffers the test owns.
-        unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, bytes) };
+        unsafe { std::ptr::copy(src.0 as *const u8, dst.0 as *mut u8, bytes) };
         Ok(())
     }
 }
 
-fn addr<T>(v: &[T]) -> u64 {
-    v.as_ptr() as u64
+fn addr<T>(v: &[T]) -> DevAddr {
+    DevAddr(v.as_ptr() as u64)
 }
 
 /// A stream over `ws` with no arena (the layer tests pass every tensor by address).
 fn g<'a>(x: &'a HostExec, ws: &'a mut [f32], consts: &'a Consts) -> Gpu<'a> {
     Gpu {
         x,
-        ws_base: ws.as_mut_ptr() as u64,
+        ws_base: addr(ws),
         ws_len: ws.len(),
         used: Cell::new(0),
-        arena_base: 0,
+        arena_base: DevAddr::NULL,
         consts,
     }
 }
 
 /// Constants with only the rotary tables (the layer tests give tokens by address).
-fn table_consts(rope: Option<u64>) -> Consts {
+fn table_consts(rope: Option<DevAddr>) -> Consts {
     Consts {
-        tokens: 0,
-        loss: 0,
-        sumsq: 0,
+        tokens: DevAddr::NULL,
+        loss: DevAddr::NULL,
+        sumsq: DevAddr::NULL,
         rope,
         decay: vec![],
         t: 0,
@@ -404,8 +404,8 @@ fn layers_on_the_emulated_device_match_the_cpu_math() {
                 addr(&p),
                 d_tied,
                 dev_in,
-                d_out.as_mut_ptr() as u64,
-                d_saved.as_mut_ptr() as u64,
+                DevAddr(d_out.as_mut_ptr() as u64),
+                DevAddr(d_saved.as_mut_ptr() as u64),
             )
             .unwrap();
             close(&format!("{what} saved"), &d_saved, &saved, 1e-5);
@@ -422,9 +422,9 @@ fn layers_on_the_emulated_device_match_the_cpu_math() {
                 addr(&saved),
                 dev_in,
                 addr(&dy),
-                d_gi.as_mut().map(|v| v.as_mut_ptr() as u64),
-                d_gp.as_mut_ptr() as u64,
-                d_gt.as_mut().map(|v| v.as_mut_ptr() as u64),
+                d_gi.as_mut().map(|v| DevAddr(v.as_mut_ptr() as u64)),
+                DevAddr(d_gp.as_mut_ptr() as u64),
+                d_gt.as_mut().map(|v| DevAddr(v.as_mut_ptr() as u64)),
             )
             .unwrap();
             close(&format!("{what} grad params"), &d_gp, &gp, 1e-4);
@@ -496,8 +496,8 @@ impl EmulatedBackend {
         }
     }
 
-    fn base(&self, rank: u32) -> u64 {
-        self.ranks[rank as usize].arena.as_ptr() as u64
+    fn base(&self, rank: u32) -> DevAddr {
+        addr(&self.ranks[rank as usize].arena)
     }
 
     /// One plan collective across every group of its communicator, with NCCL's semantics: chunk
@@ -514,8 +514,8 @@ impl EmulatedBackend {
                         c.kind,
                         c.count,
                         members,
-                        self.base(r) + p.at(r, &c.input),
-                        self.base(r) + p.at(r, &c.output),
+                        self.base(r).add_bytes(p.at(r, &c.input)),
+                        self.base(r).add_bytes(p.at(r, &c.output)),
                     )
                 })
                 .collect();
@@ -556,22 +556,22 @@ impl EmulatedBackend {
 }
 
 /// `n` values of `dtype` at host address `at`, decoded as the CPU arena does.
-fn read(at: u64, n: usize, dtype: Dtype) -> Vec<f32> {
+fn read(at: DevAddr, n: usize, dtype: Dtype) -> Vec<f32> {
     let bytes = n as u64 * dtype.bytes();
     let mut halves = vec![0u16; (bytes / 2) as usize];
     // SAFETY: `at` lies in an emulated arena, sized by the plan.
-    unsafe { std::ptr::copy_nonoverlapping(at as *const u16, halves.as_mut_ptr(), halves.len()) };
+    unsafe { std::ptr::copy_nonoverlapping(at.0 as *const u16, halves.as_mut_ptr(), halves.len()) };
     let a = crate::arena::Arena::new(bytes);
     a.write_bytes(0, &halves).unwrap();
     a.read(0, n, dtype).unwrap()
 }
 
-fn write(at: u64, dtype: Dtype, values: &[f32]) {
+fn write(at: DevAddr, dtype: Dtype, values: &[f32]) {
     let a = crate::arena::Arena::new(values.len() as u64 * dtype.bytes());
     a.write(0, dtype, values).unwrap();
     let halves = a.read_bytes(0, a.bytes()).unwrap();
     // SAFETY: as in `read`.
-    unsafe { std::ptr::copy_nonoverlapping(halves.as_ptr(), at as *mut u16, halves.len()) };
+    unsafe { std::ptr::copy_nonoverlapping(halves.as_ptr(), at.0 as *mut u16, halves.len()) };
 }
 
 impl Backend for EmulatedBackend {
@@ -584,7 +584,7 @@ impl Backend for EmulatedBackend {
     }
 
     fn upload(&self, rank: u32, offset: u64, dtype: Dtype, values: &[f32]) -> Result<(), RunError> {
-        write(self.base(rank) + offset, dtype, values);
+        write(self.base(rank).add_bytes(offset), dtype, values);
         Ok(())
     }
 
@@ -595,7 +595,7 @@ impl Backend for EmulatedBackend {
         n: usize,
         dtype: Dtype,
     ) -> Result<Vec<f32>, RunError> {
-        Ok(read(self.base(rank) + offset, n, dtype))
+        Ok(read(self.base(rank).add_bytes(offset), n, dtype))
     }
 
     fn run_step(&mut self, input: &StepInput) -> Result<StepOutcome, RunError> {
@@ -616,7 +616,7 @@ impl Backend for EmulatedBackend {
             .map(|rank| Consts {
                 tokens: addr(&rank.tokens),
                 loss: addr(&rank.accumulators),
-                sumsq: addr(&rank.accumulators) + 8,
+                sumsq: addr(&rank.accumulators).add_bytes(8),
                 rope: self.rope.as_deref().map(addr),
                 decay: self.decay.iter().map(|d| (addr(d), d.len() / 2)).collect(),
                 t,
@@ -629,10 +629,10 @@ impl Backend for EmulatedBackend {
                     for (r, rank) in self.ranks.iter().enumerate() {
                         let gpu = Gpu {
                             x: &self.x,
-                            ws_base: rank.workspace.as_ptr() as u64,
+                            ws_base: addr(&rank.workspace),
                             ws_len: rank.workspace.len(),
                             used: Cell::new(0),
-                            arena_base: rank.arena.as_ptr() as u64,
+                            arena_base: addr(&rank.arena),
                             consts: &consts[r],
                         };
                         let view = Rank {

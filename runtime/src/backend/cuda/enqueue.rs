@@ -8,11 +8,25 @@
 use crate::math::Precision;
 use schedc::job::{Collective, Dtype};
 
+/// An address in GPU memory (in the host emulation, a host address): typed so that device
+/// addresses, byte offsets in the arena and element counts cannot be mixed up.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct DevAddr(pub u64);
+
+impl DevAddr {
+    pub const NULL: DevAddr = DevAddr(0);
+
+    /// The address `bytes` further on.
+    pub fn add_bytes(self, bytes: u64) -> DevAddr {
+        DevAddr(self.0 + bytes)
+    }
+}
+
 /// One kernel argument (all are scalars or raw device pointers).
 #[derive(Clone, Copy, Debug)]
 pub enum A {
-    /// A device pointer (0 for NULL).
-    P(u64),
+    /// A device pointer ([`DevAddr::NULL`] for NULL).
+    P(DevAddr),
     L(i64),
     I(i32),
     F(f32),
@@ -70,16 +84,16 @@ pub fn prec_code(p: Precision) -> i32 {
 /// whether it is used transposed.
 #[derive(Clone, Copy, Debug)]
 pub struct M {
-    pub ptr: u64,
+    pub ptr: DevAddr,
     pub ld: usize,
     pub t: bool,
 }
 
-pub fn m(ptr: u64, ld: usize) -> M {
+pub fn m(ptr: DevAddr, ld: usize) -> M {
     M { ptr, ld, t: false }
 }
 
-pub fn mt(ptr: u64, ld: usize) -> M {
+pub fn mt(ptr: DevAddr, ld: usize) -> M {
     M { ptr, ld, t: true }
 }
 
@@ -93,14 +107,14 @@ pub struct ColMajor {
     pub n: usize,
     pub k: usize,
     pub alpha: f32,
-    pub a: u64,
+    pub a: DevAddr,
     pub lda: usize,
     pub stride_a: usize,
-    pub b: u64,
+    pub b: DevAddr,
     pub ldb: usize,
     pub stride_b: usize,
     pub beta: f32,
-    pub c: u64,
+    pub c: DevAddr,
     pub ldc: usize,
     pub stride_c: usize,
     pub batch: usize,
@@ -121,7 +135,7 @@ pub fn row_major(
     b: M,
     stride_b: usize,
     beta: f32,
-    c: u64,
+    c: DevAddr,
     ldc: usize,
     stride_c: usize,
     batch: usize,
@@ -153,15 +167,21 @@ pub fn row_major(
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct NcclCall {
     pub kind: Collective,
-    pub send: u64,
-    pub recv: u64,
+    pub send: DevAddr,
+    pub recv: DevAddr,
     pub n: usize,
 }
 
 /// The NCCL call of one plan collective on one rank: `count` elements of payload (the gathered
 /// output of an all-gather, the input of a reduce-scatter, the buffer of an all-reduce or
 /// broadcast) over `members` ranks, between the device addresses `input` and `output`.
-pub fn nccl_call(kind: Collective, count: u64, members: u64, input: u64, output: u64) -> NcclCall {
+pub fn nccl_call(
+    kind: Collective,
+    count: u64,
+    members: u64,
+    input: DevAddr,
+    output: DevAddr,
+) -> NcclCall {
     let n = match kind {
         Collective::AllGather | Collective::ReduceScatter => count / members,
         Collective::AllReduce | Collective::Broadcast => count,
@@ -179,5 +199,5 @@ pub trait Exec {
     fn launch(&self, name: &str, grid: Grid, args: &[A]) -> Result<(), String>;
     fn gemm(&self, call: &ColMajor) -> Result<(), String>;
     /// Copies `bytes` from `src` to `dst` (device addresses), in stream order.
-    fn copy_bytes(&self, dst: u64, src: u64, bytes: usize) -> Result<(), String>;
+    fn copy_bytes(&self, dst: DevAddr, src: DevAddr, bytes: usize) -> Result<(), String>;
 }

@@ -6,10 +6,11 @@
 //! it; on a GPU it runs inside [`super::CudaBackend`].
 #![cfg_attr(not(feature = "cuda"), allow(dead_code))]
 
-use super::enqueue::{dtype_code, elems, m, mt, prec_code, row_major, rows, Exec, A, M};
+use super::enqueue::{dtype_code, elems, m, mt, prec_code, row_major, rows, DevAddr, Exec, A, M};
 use crate::device::{plan_error, ArenaSpan, Device, DeviceError, Ptr, Update};
 use crate::exec::Action;
 use crate::math::attention::Keep;
+use crate::math::saved::Piece;
 use crate::math::{BlockP, NormP, Precision};
 use crate::plan::Plan;
 use cranelift_entity::EntityRef;
@@ -21,15 +22,15 @@ use std::cell::Cell;
 /// accumulators, rotary tables, decay ranges.
 pub struct Consts {
     /// i32 tokens: [micro_step][inputs | targets] of T each.
-    pub tokens: u64,
+    pub tokens: DevAddr,
     /// One f64: the step's loss sum on this rank.
-    pub loss: u64,
+    pub loss: DevAddr,
     /// One f64: the gradient norm's sum of squares.
-    pub sumsq: u64,
+    pub sumsq: DevAddr,
     /// cos then sin tables, seq_len × head_dim/2 each.
-    pub rope: Option<u64>,
+    pub rope: Option<DevAddr>,
     /// Per layer: (pointer to i64 [start, end) pairs, count).
-    pub decay: Vec<(u64, usize)>,
+    pub decay: Vec<(DevAddr, usize)>,
     /// Tokens per micro-batch.
     pub t: usize,
 }
@@ -38,14 +39,27 @@ pub struct Consts {
 /// after each op), where the rank's arena starts, and the rank's constants.
 pub struct Gpu<'a> {
     pub x: &'a dyn Exec,
-    pub ws_base: u64,
+    pub ws_base: DevAddr,
     pub ws_len: usize,
     pub used: Cell<usize>,
-    pub arena_base: u64,
+    pub arena_base: DevAddr,
     pub consts: &'a Consts,
 }
 
 const F: u64 = 4;
+
+/// A run of f32s on the device, by address.
+impl Piece for DevAddr {
+    fn split(self, n: usize) -> (Self, Self) {
+        (self, self.offset(n))
+    }
+}
+
+impl Ptr for DevAddr {
+    fn offset(self, n: usize) -> Self {
+        self.add_bytes(n as u64 * F)
+    }
+}
 
 impl Gpu<'_> {
     fn run(&self, name: &str, n: usize, args: &[A]) -> Result<(), DeviceError> {
@@ -69,7 +83,7 @@ impl Gpu<'_> {
         a: M,
         b: M,
         beta: f32,
-        c: u64,
+        c: DevAddr,
         ldc: usize,
     ) -> Result<(), DeviceError> {
         self.batched(rows, cols, k, alpha, a, 0, b, 0, beta, c, ldc, 0, 1)
@@ -87,7 +101,7 @@ impl Gpu<'_> {
         b: M,
         stride_b: usize,
         beta: f32,
-        c: u64,
+        c: DevAddr,
         ldc: usize,
         stride_c: usize,
         batch: usize,
@@ -102,7 +116,7 @@ impl Gpu<'_> {
             .map_err(DeviceError::Gpu)
     }
 
-    fn copy_bytes(&self, dst: u64, src: u64, bytes: usize) -> Result<(), DeviceError> {
+    fn copy_bytes(&self, dst: DevAddr, src: DevAddr, bytes: usize) -> Result<(), DeviceError> {
         if bytes == 0 {
             return Ok(());
         }
@@ -126,15 +140,15 @@ fn offsets(bp: &BlockP, b: usize, n: usize) -> (usize, usize, usize) {
     (row + n * sh.d, row + k, row + k + sh.kv_heads * sh.d)
 }
 
-fn or_null(p: Option<u64>) -> u64 {
-    p.unwrap_or(0)
+fn or_null(p: Option<DevAddr>) -> DevAddr {
+    p.unwrap_or(DevAddr::NULL)
 }
 
 impl Device for Gpu<'_> {
-    type Ptr = u64;
-    type Tokens = u64;
+    type Ptr = DevAddr;
+    type Tokens = DevAddr;
 
-    fn alloc(&self, n: usize) -> Result<u64, DeviceError> {
+    fn alloc(&self, n: usize) -> Result<DevAddr, DeviceError> {
         let at = self.used.get();
         // 64-float alignment keeps every piece 256-byte aligned for cuBLAS.
         let next = at + n.div_ceil(64) * 64;
@@ -145,20 +159,23 @@ impl Device for Gpu<'_> {
             });
         }
         self.used.set(next);
-        Ok(self.ws_base + at as u64 * F)
+        Ok(self.ws_base.add_bytes(at as u64 * F))
     }
 
     fn reset(&self) {
         self.used.set(0);
     }
 
-    fn tokens(&self, m: u32, targets: bool) -> Result<u64, DeviceError> {
+    fn tokens(&self, m: u32, targets: bool) -> Result<DevAddr, DeviceError> {
         let t = self.consts.t as u64;
-        Ok(self.consts.tokens + (2 * u64::from(m) + u64::from(targets)) * t * 4)
+        Ok(self
+            .consts
+            .tokens
+            .add_bytes((2 * u64::from(m) + u64::from(targets)) * t * 4))
     }
 
-    fn load(&self, at: u64, dtype: Dtype, dst: u64, n: usize) -> Result<(), DeviceError> {
-        let src = self.arena_base + at;
+    fn load(&self, at: u64, dtype: Dtype, dst: DevAddr, n: usize) -> Result<(), DeviceError> {
+        let src = self.arena_base.add_bytes(at);
         self.run(
             "load",
             n,
@@ -173,13 +190,13 @@ impl Device for Gpu<'_> {
 
     fn store(
         &self,
-        src: u64,
+        src: DevAddr,
         at: u64,
         dtype: Dtype,
         n: usize,
         accumulate: bool,
     ) -> Result<(), DeviceError> {
-        let dst = self.arena_base + at;
+        let dst = self.arena_base.add_bytes(at);
         let d = dtype_code(dtype);
         if accumulate {
             self.run(
@@ -192,30 +209,30 @@ impl Device for Gpu<'_> {
         }
     }
 
-    fn load_f32(&self, at: u64, dst: u64, n: usize) -> Result<(), DeviceError> {
-        let src = self.arena_base + at;
+    fn load_f32(&self, at: u64, dst: DevAddr, n: usize) -> Result<(), DeviceError> {
+        let src = self.arena_base.add_bytes(at);
         self.run("load_halves", n, &[A::P(src), A::P(dst), A::L(n as i64)])
     }
 
-    fn store_f32(&self, src: u64, at: u64, n: usize) -> Result<(), DeviceError> {
-        let dst = self.arena_base + at;
+    fn store_f32(&self, src: DevAddr, at: u64, n: usize) -> Result<(), DeviceError> {
+        let dst = self.arena_base.add_bytes(at);
         self.run("store_halves", n, &[A::P(src), A::P(dst), A::L(n as i64)])
     }
 
     fn copy_arena(&self, dst: u64, src: u64, bytes: u64) -> Result<(), DeviceError> {
         let b = self.arena_base;
-        self.copy_bytes(b + dst, b + src, bytes as usize)
+        self.copy_bytes(b.add_bytes(dst), b.add_bytes(src), bytes as usize)
     }
 
-    fn fill(&self, p: u64, n: usize, v: f32) -> Result<(), DeviceError> {
+    fn fill(&self, p: DevAddr, n: usize, v: f32) -> Result<(), DeviceError> {
         self.run("fill", n, &[A::P(p), A::F(v), A::L(n as i64)])
     }
 
-    fn copy(&self, dst: u64, src: u64, n: usize) -> Result<(), DeviceError> {
+    fn copy(&self, dst: DevAddr, src: DevAddr, n: usize) -> Result<(), DeviceError> {
         self.copy_bytes(dst, src, n * 4)
     }
 
-    fn round(&self, prec: Precision, p: u64, n: usize) -> Result<(), DeviceError> {
+    fn round(&self, prec: Precision, p: DevAddr, n: usize) -> Result<(), DeviceError> {
         if prec == Precision::F32 {
             return Ok(());
         }
@@ -228,10 +245,10 @@ impl Device for Gpu<'_> {
 
     fn linear(
         &self,
-        x: u64,
-        w: u64,
-        bias: Option<u64>,
-        y: u64,
+        x: DevAddr,
+        w: DevAddr,
+        bias: Option<DevAddr>,
+        y: DevAddr,
         t: usize,
         inp: usize,
         out: usize,
@@ -250,12 +267,12 @@ impl Device for Gpu<'_> {
 
     fn linear_backward(
         &self,
-        x: u64,
-        w: u64,
-        dy: u64,
-        dw: u64,
-        dbias: Option<u64>,
-        dx: Option<(u64, f32)>,
+        x: DevAddr,
+        w: DevAddr,
+        dy: DevAddr,
+        dw: DevAddr,
+        dbias: Option<DevAddr>,
+        dx: Option<(DevAddr, f32)>,
         t: usize,
         inp: usize,
         out: usize,
@@ -277,12 +294,12 @@ impl Device for Gpu<'_> {
     fn norm_forward(
         &self,
         np: &NormP,
-        params: u64,
+        params: DevAddr,
         t: usize,
         h: usize,
-        x: u64,
-        out: u64,
-        stats: u64,
+        x: DevAddr,
+        out: DevAddr,
+        stats: DevAddr,
     ) -> Result<(), DeviceError> {
         let b = or_null(np.b.as_ref().map(|r| params.at(r)));
         self.run_rows(
@@ -303,14 +320,14 @@ impl Device for Gpu<'_> {
     fn norm_backward(
         &self,
         np: &NormP,
-        params: u64,
+        params: DevAddr,
         t: usize,
         h: usize,
-        x: u64,
-        stats: u64,
-        dy: u64,
-        dx: Option<u64>,
-        grads: u64,
+        x: DevAddr,
+        stats: DevAddr,
+        dy: DevAddr,
+        dx: Option<DevAddr>,
+        grads: DevAddr,
     ) -> Result<(), DeviceError> {
         let db = or_null(np.b.as_ref().map(|r| grads.at(r)));
         self.run(
@@ -344,15 +361,21 @@ impl Device for Gpu<'_> {
         Ok(())
     }
 
-    fn gelu(&self, pre: u64, post: u64, n: usize) -> Result<(), DeviceError> {
+    fn gelu(&self, pre: DevAddr, post: DevAddr, n: usize) -> Result<(), DeviceError> {
         self.run("gelu_forward", n, &[A::P(pre), A::P(post), A::L(n as i64)])
     }
 
-    fn gelu_backward(&self, pre: u64, d: u64, n: usize) -> Result<(), DeviceError> {
+    fn gelu_backward(&self, pre: DevAddr, d: DevAddr, n: usize) -> Result<(), DeviceError> {
         self.run("gelu_backward", n, &[A::P(pre), A::P(d), A::L(n as i64)])
     }
 
-    fn swiglu(&self, gate: u64, up: u64, prod: u64, n: usize) -> Result<(), DeviceError> {
+    fn swiglu(
+        &self,
+        gate: DevAddr,
+        up: DevAddr,
+        prod: DevAddr,
+        n: usize,
+    ) -> Result<(), DeviceError> {
         self.run(
             "swiglu_forward",
             n,
@@ -362,10 +385,10 @@ impl Device for Gpu<'_> {
 
     fn swiglu_backward(
         &self,
-        gate: u64,
-        up: u64,
-        dgate: u64,
-        dup: u64,
+        gate: DevAddr,
+        up: DevAddr,
+        dgate: DevAddr,
+        dup: DevAddr,
         n: usize,
     ) -> Result<(), DeviceError> {
         self.run(
@@ -375,7 +398,7 @@ impl Device for Gpu<'_> {
         )
     }
 
-    fn rope(&self, bp: &BlockP, t: usize, qkv: u64, inverse: bool) -> Result<(), DeviceError> {
+    fn rope(&self, bp: &BlockP, t: usize, qkv: DevAddr, inverse: bool) -> Result<(), DeviceError> {
         let Some(r) = &bp.rope else { return Ok(()) };
         let tables = self
             .consts
@@ -390,7 +413,7 @@ impl Device for Gpu<'_> {
             &[
                 A::P(qkv),
                 A::P(tables),
-                A::P(tables + (s * half) as u64 * F),
+                A::P(tables.offset(s * half)),
                 A::L(t as i64),
                 A::L(s as i64),
                 A::L(sh.width() as i64),
@@ -409,9 +432,9 @@ impl Device for Gpu<'_> {
         &self,
         bp: &BlockP,
         act: Precision,
-        qkv: u64,
-        out: u64,
-        keep: Keep<u64>,
+        qkv: DevAddr,
+        out: DevAddr,
+        keep: Keep<DevAddr>,
     ) -> Result<(), DeviceError> {
         let keep = keep.into_inner();
         let sh = &bp.shape;
@@ -429,7 +452,7 @@ impl Device for Gpu<'_> {
             }
             let (lse_ptr, prec) = match bp.attention {
                 Attention::Flash => (keep.offset(b * sh.heads * s), 0),
-                Attention::Naive => (0, prec_code(act)),
+                Attention::Naive => (DevAddr::NULL, prec_code(act)),
             };
             self.run_rows(
                 "causal_softmax",
@@ -470,10 +493,10 @@ impl Device for Gpu<'_> {
     fn attention_backward(
         &self,
         bp: &BlockP,
-        qkv: u64,
-        keep: Keep<u64>,
-        dout: u64,
-        dqkv: u64,
+        qkv: DevAddr,
+        keep: Keep<DevAddr>,
+        dout: DevAddr,
+        dqkv: DevAddr,
     ) -> Result<(), DeviceError> {
         let kept = keep.into_inner();
         let sh = &bp.shape;
@@ -523,13 +546,13 @@ impl Device for Gpu<'_> {
 
     fn embedding(
         &self,
-        tokens: u64,
+        tokens: DevAddr,
         _vocab: usize,
         h: usize,
         s: usize,
-        wte: u64,
-        wpe: Option<u64>,
-        out: u64,
+        wte: DevAddr,
+        wpe: Option<DevAddr>,
+        out: DevAddr,
         t: usize,
     ) -> Result<(), DeviceError> {
         self.run(
@@ -549,13 +572,13 @@ impl Device for Gpu<'_> {
 
     fn embedding_backward(
         &self,
-        tokens: u64,
+        tokens: DevAddr,
         _vocab: usize,
         h: usize,
         s: usize,
-        dy: u64,
-        dwte: u64,
-        dwpe: Option<u64>,
+        dy: DevAddr,
+        dwte: DevAddr,
+        dwpe: Option<DevAddr>,
         t: usize,
     ) -> Result<(), DeviceError> {
         self.run(
@@ -575,11 +598,11 @@ impl Device for Gpu<'_> {
 
     fn cross_entropy(
         &self,
-        logits: u64,
-        targets: u64,
+        logits: DevAddr,
+        targets: DevAddr,
         vocab: usize,
         n: usize,
-        grad: u64,
+        grad: DevAddr,
     ) -> Result<(), DeviceError> {
         self.run_rows(
             "cross_entropy",
@@ -595,11 +618,11 @@ impl Device for Gpu<'_> {
         )
     }
 
-    fn update(&self, u: &Update<'_>, state: u64, grad: u64) -> Result<(), DeviceError> {
+    fn update(&self, u: &Update<'_>, state: DevAddr, grad: DevAddr) -> Result<(), DeviceError> {
         let cfg = u.cfg;
         let (sq, sq_dtype, clip) = match u.clip {
-            Some((s, clip)) => (self.arena_base + s.at, dtype_code(s.dtype), clip),
-            None => (0, 0, 0.0),
+            Some((s, clip)) => (self.arena_base.add_bytes(s.at), dtype_code(s.dtype), clip),
+            None => (DevAddr::NULL, 0, 0.0),
         };
         let n = u.n as i64;
         if cfg.kind == Optimizer::Sgd {
@@ -665,7 +688,7 @@ impl Device for Gpu<'_> {
                 elems(1),
                 &[
                     A::P(acc),
-                    A::P(self.arena_base + out.at),
+                    A::P(self.arena_base.add_bytes(out.at)),
                     A::I(dtype_code(out.dtype)),
                 ],
             )

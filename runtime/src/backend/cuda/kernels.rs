@@ -115,7 +115,7 @@ impl Kernels {
         let mut b = stream.launch_builder(f);
         for a in args {
             match a {
-                A::P(v) => b.arg(v),
+                A::P(v) => b.arg(&v.0),
                 A::L(v) => b.arg(v),
                 A::I(v) => b.arg(v),
                 A::F(v) => b.arg(v),

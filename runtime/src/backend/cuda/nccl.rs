@@ -99,8 +99,8 @@ pub unsafe fn collective(
 ) -> Result<(), String> {
     let t = nccl_type(dtype);
     let (src, dst) = (
-        call.send as *const std::ffi::c_void,
-        call.recv as *mut std::ffi::c_void,
+        call.send.0 as *const std::ffi::c_void,
+        call.recv.0 as *mut std::ffi::c_void,
     );
     let s = stream as _;
     let n = call.n;

@@ -3,7 +3,7 @@
 
 use super::blas::Blas;
 use super::device::{drv, Device};
-use super::enqueue::{nccl_call, ColMajor, Exec, Grid, A};
+use super::enqueue::{nccl_call, ColMajor, DevAddr, Exec, Grid, A};
 use super::gpu::{action_workspace, Consts, Gpu};
 use super::kernels::Kernels;
 use super::launch::DistEnv;
@@ -221,11 +221,11 @@ fn new_consts(p: &Plan, dev: &Device) -> Result<Consts, String> {
     }
     let _ = base;
     Ok(Consts {
-        tokens,
-        loss,
-        sumsq,
-        rope: rope_ptr,
-        decay,
+        tokens: DevAddr(tokens),
+        loss: DevAddr(loss),
+        sumsq: DevAddr(sumsq),
+        rope: rope_ptr.map(DevAddr),
+        decay: decay.into_iter().map(|(p, n)| (DevAddr(p), n)).collect(),
         t,
     })
 }
@@ -329,7 +329,7 @@ impl CudaBackend {
         self.dev.ctx.bind_to_thread().map_err(f)?;
         // SAFETY: inside the constants buffer; tokens end where the accumulators begin only
         // when the token bytes are a multiple of 8, which they are (2·T·4 per micro-step).
-        unsafe { cudarc::driver::result::memcpy_htod_sync(self.consts.tokens, &v) }.map_err(f)?;
+        unsafe { cudarc::driver::result::memcpy_htod_sync(self.consts.tokens.0, &v) }.map_err(f)?;
         Ok(())
     }
 
@@ -407,8 +407,8 @@ impl CudaBackend {
             };
             let members = p.program.comms[c.comm].groups[g].len() as u64;
             let comm = self.comms.get(&key)?;
-            let input = self.dev.arena_base + p.at(self.rank, &c.input);
-            let output = self.dev.arena_base + p.at(self.rank, &c.output);
+            let input = self.dev.arena_base.add_bytes(p.at(self.rank, &c.input));
+            let output = self.dev.arena_base.add_bytes(p.at(self.rank, &c.output));
             let call = nccl_call(c.kind, c.count, members, input, output);
             // SAFETY: both regions lie in the arena (the plan's verifier checked them, and
             // check_collectives that they overlap only as NCCL allows).
@@ -477,12 +477,12 @@ impl CudaBackend {
             let comm = self.comms.get(&LOSS_KEY).map_err(f)?;
             let s = &self.dev.streams[0];
             // SAFETY: the loss accumulator is one f64 in the constants buffer.
-            unsafe { nccl::sum_f64(comm, s.cu_stream(), self.consts.loss) }.map_err(f)?;
+            unsafe { nccl::sum_f64(comm, s.cu_stream(), self.consts.loss.0) }.map_err(f)?;
             s.synchronize().map_err(|e| f(format!("{e:?}")))?;
         }
         let mut out = [0u8; 8];
         // SAFETY: one f64 in the constants buffer; every stream is idle.
-        unsafe { cudarc::driver::result::memcpy_dtoh_sync(&mut out, self.consts.loss) }
+        unsafe { cudarc::driver::result::memcpy_dtoh_sync(&mut out, self.consts.loss.0) }
             .map_err(|e| f(format!("reading the loss: {e:?}")))?;
         Ok(f64::from_le_bytes(out))
     }
@@ -504,9 +504,10 @@ impl Exec for DevExec<'_> {
         self.blas.run(call)
     }
 
-    fn copy_bytes(&self, dst: u64, src: u64, bytes: usize) -> Result<(), String> {
+    fn copy_bytes(&self, dst: DevAddr, src: DevAddr, bytes: usize) -> Result<(), String> {
+        let s = self.s.cu_stream();
         // SAFETY: both ranges lie in the arena or the workspace (the callers size them).
-        unsafe { cudarc::driver::result::memcpy_dtod_async(dst, src, bytes, self.s.cu_stream()) }
+        unsafe { cudarc::driver::result::memcpy_dtod_async(dst.0, src.0, bytes, s) }
             .map_err(|e| format!("device copy: {e:?}"))
     }
 }
