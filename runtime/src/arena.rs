@@ -6,19 +6,26 @@
 //! with a missing wait really races here, and produces wrong numbers rather than undefined
 //! behaviour — which is what the stress mode (`--jitter`) relies on to expose it.
 //!
+//! Bulk mode ([`Arena::set_bulk`]) moves fp32 runs with plain vectorised copies instead of word
+//! by word. It is for verified plans run without the stress mode: the plan's events order every
+//! conflicting access (through the backend's locks), so no access races and plain copies see
+//! the same values; a racing plan would be undefined behaviour there, so the stress mode keeps
+//! the atomic words.
+//!
 //! Values cross the arena boundary as `f32`: fp32 tensors are stored as their bits, bf16 tensors
 //! as the upper half of the fp32 bits rounded to nearest even (`math::f32_to_bf16_bits`). Every
 //! access also raises a high-water mark, the measured peak reported next to the plan's figure.
 
 use crate::math::{bf16_bits_to_f32, f32_to_bf16_bits};
 use schedc::job::Dtype;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering::Relaxed};
 
 /// A rank's arena.
 pub struct Arena {
     words: Box<[AtomicU32]>,
     bytes: u64,
     high_water: AtomicU64,
+    bulk: AtomicBool,
 }
 
 /// Why an access was refused: it lies outside the arena or is misaligned for its dtype.
@@ -39,7 +46,25 @@ impl Arena {
             words: (0..words).map(|_| AtomicU32::new(0)).collect(),
             bytes,
             high_water: AtomicU64::new(0),
+            bulk: AtomicBool::new(false),
         }
+    }
+
+    /// Moves fp32 runs with plain copies (see the module documentation for when that is sound).
+    pub fn set_bulk(&self, bulk: bool) {
+        self.bulk.store(bulk, Relaxed);
+    }
+
+    /// The words from `first`, `n` of them, as plain memory (bulk mode only).
+    fn raw(&self, first: usize, n: usize) -> *mut u32 {
+        assert!(first + n <= self.words.len(), "checked by `check`");
+        // AtomicU32 has u32's layout and interior mutability, so a pointer derived from the whole
+        // slice may read and write any of its words.
+        self.words
+            .as_ptr()
+            .cast::<u32>()
+            .cast_mut()
+            .wrapping_add(first)
     }
 
     /// Size in bytes: the plan's peak.
@@ -71,6 +96,16 @@ impl Arena {
         Ok(())
     }
 
+    /// In bulk mode, the `n` fp32 values at byte `offset` as plain memory the caller may read and
+    /// write in place (the host device computes on the arena this way); `None` otherwise.
+    pub fn view_f32(&self, offset: u64, n: usize) -> Result<Option<*mut f32>, AccessError> {
+        if !self.bulk.load(Relaxed) || !offset.is_multiple_of(4) {
+            return Ok(None);
+        }
+        self.check(offset, n as u64 * 4, 4)?;
+        Ok(Some(self.raw((offset / 4) as usize, n).cast::<f32>()))
+    }
+
     /// Reads `n` values of `dtype` at byte `offset`.
     pub fn read(&self, offset: u64, n: usize, dtype: Dtype) -> Result<Vec<f32>, AccessError> {
         let mut out = vec![0.0; n];
@@ -84,7 +119,14 @@ impl Arena {
         match dtype {
             Dtype::Fp32 => {
                 self.check(offset, n * 4, 4)?;
-                let w = &self.words[(offset / 4) as usize..][..out.len()];
+                let first = (offset / 4) as usize;
+                if self.bulk.load(Relaxed) {
+                    let src = self.raw(first, out.len()).cast::<f32>();
+                    // SAFETY: in bounds (checked); no access races in bulk mode.
+                    unsafe { std::ptr::copy_nonoverlapping(src, out.as_mut_ptr(), out.len()) };
+                    return Ok(());
+                }
+                let w = &self.words[first..][..out.len()];
                 for (o, w) in out.iter_mut().zip(w) {
                     *o = f32::from_bits(w.load(Relaxed));
                 }
@@ -105,7 +147,14 @@ impl Arena {
         match dtype {
             Dtype::Fp32 => {
                 self.check(offset, n * 4, 4)?;
-                let w = &self.words[(offset / 4) as usize..][..values.len()];
+                let first = (offset / 4) as usize;
+                if self.bulk.load(Relaxed) {
+                    let dst = self.raw(first, values.len()).cast::<f32>();
+                    // SAFETY: in bounds (checked); no access races in bulk mode.
+                    unsafe { std::ptr::copy_nonoverlapping(values.as_ptr(), dst, values.len()) };
+                    return Ok(());
+                }
+                let w = &self.words[first..][..values.len()];
                 for (v, w) in values.iter().zip(w) {
                     w.store(v.to_bits(), Relaxed);
                 }
@@ -132,6 +181,16 @@ impl Arena {
     /// Raw bytes at `offset` (any dtype; 2-byte granularity).
     pub fn read_bytes(&self, offset: u64, bytes: u64) -> Result<Vec<u16>, AccessError> {
         self.check(offset, bytes, 2)?;
+        if self.bulk.load(Relaxed) && offset.is_multiple_of(4) && bytes.is_multiple_of(4) {
+            let mut out = vec![0u16; (bytes / 2) as usize];
+            let src = self
+                .raw((offset / 4) as usize, (bytes / 4) as usize)
+                .cast::<u16>();
+            // SAFETY: in bounds (checked); no access races in bulk mode; little-endian words
+            // hold their lower half first, as `load_half` reads them.
+            unsafe { std::ptr::copy_nonoverlapping(src, out.as_mut_ptr(), out.len()) };
+            return Ok(out);
+        }
         Ok((0..bytes / 2)
             .map(|i| self.load_half(offset + 2 * i))
             .collect())
@@ -141,6 +200,14 @@ impl Arena {
     pub fn write_bytes(&self, offset: u64, halves: &[u16]) -> Result<(), AccessError> {
         self.check(offset, 2 * halves.len() as u64, 2)?;
         if offset.is_multiple_of(4) && halves.len().is_multiple_of(2) {
+            if self.bulk.load(Relaxed) {
+                let dst = self
+                    .raw((offset / 4) as usize, halves.len() / 2)
+                    .cast::<u16>();
+                // SAFETY: as in `read_bytes`.
+                unsafe { std::ptr::copy_nonoverlapping(halves.as_ptr(), dst, halves.len()) };
+                return Ok(());
+            }
             let w = &self.words[(offset / 4) as usize..][..halves.len() / 2];
             for (pair, w) in halves.chunks_exact(2).zip(w) {
                 w.store(u32::from(pair[0]) | (u32::from(pair[1]) << 16), Relaxed);
@@ -209,6 +276,22 @@ mod tests {
         assert!(a.write(62, Dtype::Fp32, &[1.0]).is_err());
         assert!(a.read(6, 1, Dtype::Fp32).is_err(), "misaligned fp32");
         assert_eq!(a.high_water(), 16);
+    }
+
+    #[test]
+    fn bulk_fp32_copies_are_the_atomic_words() {
+        let a = Arena::new(64);
+        a.write(4, Dtype::Fp32, &[1.5, -2.0, 3.25]).unwrap();
+        a.set_bulk(true);
+        assert_eq!(a.read(4, 3, Dtype::Fp32).unwrap(), vec![1.5, -2.0, 3.25]);
+        a.write(8, Dtype::Fp32, &[7.0]).unwrap();
+        a.set_bulk(false);
+        assert_eq!(a.read(4, 3, Dtype::Fp32).unwrap(), vec![1.5, 7.0, 3.25]);
+        a.set_bulk(true);
+        assert!(
+            a.write(60, Dtype::Fp32, &[1.0, 2.0]).is_err(),
+            "bounds still checked"
+        );
     }
 
     #[test]

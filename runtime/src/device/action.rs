@@ -52,14 +52,24 @@ impl<D: Device> Rank<'_, D> {
         }
     }
 
-    /// The first `n` values of `r`, in workspace.
-    fn read(&self, r: &Region, n: usize) -> Result<D::Ptr, DeviceError> {
+    fn check_size(&self, r: &Region, n: usize, write: bool) -> Result<(), DeviceError> {
         if n > self.elements(r) {
             return Err(DeviceError::RegionSize {
                 values: n,
                 region: self.elements(r),
-                write: false,
+                write,
             });
+        }
+        Ok(())
+    }
+
+    /// The first `n` values of `r`: on the arena itself where the device can compute there,
+    /// else loaded into workspace. The layer math never writes what it reads (the optimizer
+    /// updates its state in place, which is where the state goes anyway).
+    fn read(&self, r: &Region, n: usize) -> Result<D::Ptr, DeviceError> {
+        self.check_size(r, n, false)?;
+        if let Some(p) = self.device.view(self.at(r), self.dtype(r), n)? {
+            return Ok(p);
         }
         let dst = self.device.alloc(n)?;
         self.device.load(self.at(r), self.dtype(r), dst, n)?;
@@ -81,15 +91,46 @@ impl<D: Device> Rank<'_, D> {
         n: usize,
         accumulate: bool,
     ) -> Result<(), DeviceError> {
-        if n > self.elements(r) {
-            return Err(DeviceError::RegionSize {
-                values: n,
-                region: self.elements(r),
-                write: true,
-            });
+        self.check_size(r, n, true)?;
+        if !accumulate && self.device.view(self.at(r), self.dtype(r), n)? == Some(src) {
+            return Ok(()); // computed in place
         }
         self.device
             .store(src, self.at(r), self.dtype(r), n, accumulate)
+    }
+
+    /// Where an op's output of `n` values for `r` is computed: on the arena itself when the
+    /// device can and `r` shares no byte with the op's other regions, else in workspace (and
+    /// stored by [`Rank::write`]).
+    fn output(&self, r: Option<&Region>, n: usize, op: &[&Region]) -> Result<D::Ptr, DeviceError> {
+        if let Some(r) = r.filter(|r| self.alone(r, op)) {
+            self.check_size(r, n, true)?;
+            if let Some(p) = self.device.view(self.at(r), self.dtype(r), n)? {
+                return Ok(p);
+            }
+        }
+        self.device.alloc(n)
+    }
+
+    /// Whether `r`'s bytes overlap no other region of `op` (an output computed in place must
+    /// not be one of the op's inputs).
+    fn alone(&self, r: &Region, op: &[&Region]) -> bool {
+        let span = |x: &Region| (self.at(x), self.at(x) + x.bytes);
+        let (lo, hi) = span(r);
+        op.iter().filter(|x| !std::ptr::eq(**x, r)).all(|x| {
+            let (a, b) = span(x);
+            b <= lo || hi <= a
+        })
+    }
+
+    /// A saved region the device can compute on in place: every segment is fp32 then.
+    fn saved_view(&self, layer: usize, r: &Region) -> Result<Option<D::Ptr>, DeviceError> {
+        let n = self.plan.maths[layer].saved_elements();
+        if self.dtype(r) != Dtype::Fp32 {
+            return Ok(None);
+        }
+        self.check_size(r, n, true)?;
+        self.device.view(self.at(r), Dtype::Fp32, n)
     }
 
     /// A layer's gradient written (or added) into its parts; elements past the gradient (the
@@ -110,6 +151,9 @@ impl<D: Device> Rank<'_, D> {
     /// Saved activations, segment by segment: model-dtype segments in the buffer's dtype, fp32
     /// statistics as fp32 (at any 2-byte offset).
     fn write_saved(&self, layer: usize, r: &Region, v: D::Ptr) -> Result<(), DeviceError> {
+        if self.saved_view(layer, r)? == Some(v) {
+            return Ok(()); // computed in place
+        }
         let (mut at, d) = (self.at(r), self.dtype(r));
         let mut src = v;
         for seg in self.plan.maths[layer].saved_segments() {
@@ -125,6 +169,9 @@ impl<D: Device> Rank<'_, D> {
     }
 
     fn read_saved(&self, layer: usize, r: &Region) -> Result<D::Ptr, DeviceError> {
+        if let Some(p) = self.saved_view(layer, r)? {
+            return Ok(p);
+        }
         let (mut at, d) = (self.at(r), self.dtype(r));
         let out = self.device.alloc(self.plan.maths[layer].saved_elements())?;
         let mut dst = out;
@@ -192,11 +239,16 @@ impl<D: Device> Rank<'_, D> {
                 saved,
             } => {
                 let math = &p.maths[*layer];
+                let op = regions(&[params, tied, hidden, output, saved], &[]);
                 let pp = self.read_opt(params, math.params())?;
                 let t = self.tied(*layer, tied)?;
                 let x = self.layer_input(*layer, hidden, m)?;
-                let out = d.alloc(math.output_elements())?;
-                let keep = d.alloc(math.saved_elements())?;
+                let out = self.output(output.as_ref(), math.output_elements(), &op)?;
+                let keep = match saved.as_ref().filter(|s| self.alone(s, &op)) {
+                    Some(s) => self.saved_view(*layer, s)?,
+                    None => None,
+                };
+                let keep = keep.map_or_else(|| d.alloc(math.saved_elements()), Ok)?;
                 layers::forward(d, math, pp, t, x, out, keep)?;
                 if let Some(o) = output {
                     self.write(o, out, math.output_elements(), false)?;
@@ -217,6 +269,10 @@ impl<D: Device> Rank<'_, D> {
                 tied_grads,
             } => {
                 let math = &p.maths[*layer];
+                let parts: Vec<&Region> =
+                    grads.iter().chain(tied_grads).map(|g| &g.region).collect();
+                let named = [params, tied, saved, hidden, &Some(*grad_output), grad_input];
+                let op = regions(&named, &parts);
                 let pp = self.read_opt(params, math.params())?;
                 let t = self.tied(*layer, tied)?;
                 let keep = match saved {
@@ -226,7 +282,8 @@ impl<D: Device> Rank<'_, D> {
                 let x = self.layer_input(*layer, hidden, m)?;
                 let dy = self.read(grad_output, math.output_elements())?;
                 let dx = grad_input
-                    .map(|_| d.alloc(math.input_elements()))
+                    .as_ref()
+                    .map(|r| self.output(Some(r), math.input_elements(), &op))
                     .transpose()?;
                 let dp = d.alloc(math.params())?;
                 let dt = t.map(|_| d.alloc(math.tied_elements())).transpose()?;
@@ -247,7 +304,7 @@ impl<D: Device> Rank<'_, D> {
                 let n = (p.job.model.micro_batch * p.job.model.seq_len) as usize;
                 let m = m.ok_or_else(|| plan_error("a loss op without a micro-step"))?;
                 let z = self.read(logits, n * vocab)?;
-                let dz = d.alloc(n * vocab)?;
+                let dz = self.output(Some(grad), n * vocab, &[logits, grad])?;
                 d.cross_entropy(z, d.tokens(m, true)?, vocab, n, dz)?;
                 self.write(grad, dz, n * vocab, false)?;
             }
@@ -331,4 +388,13 @@ fn stored_bytes(s: Stored, model: Dtype) -> u64 {
         Stored::Model => model.bytes(),
         Stored::F32 => 4,
     }
+}
+
+/// The regions an op names, for [`Rank::alone`].
+fn regions<'a>(named: &[&'a Option<Region>], more: &[&'a Region]) -> Vec<&'a Region> {
+    named
+        .iter()
+        .filter_map(|r| r.as_ref())
+        .chain(more.iter().copied())
+        .collect()
 }

@@ -183,8 +183,20 @@ impl Device for Host<'_> {
     type Tokens = HostTokens;
 
     fn alloc(&self, n: usize) -> Result<HostPtr, DeviceError> {
-        let mut v = self.free.borrow_mut().pop().unwrap_or_default();
-        v.resize(n, 0.0);
+        // Best fit: the shortest free vector that holds `n`, else the longest, grown. Vectors
+        // are never shrunk, so steady steps neither reallocate nor zero anything (the values
+        // are stale: workspace contents are unspecified, and the layer math overwrites or fills
+        // what it reads).
+        let mut free = self.free.borrow_mut();
+        let fit = (0..free.len())
+            .filter(|&i| free[i].len() >= n)
+            .min_by_key(|&i| free[i].len())
+            .or_else(|| (0..free.len()).max_by_key(|&i| free[i].len()));
+        let mut v = fit.map(|i| free.swap_remove(i)).unwrap_or_default();
+        drop(free);
+        if v.len() < n {
+            v.resize(n, 0.0);
+        }
         let p = HostPtr::of(&mut v);
         // Moving the vector moves only its header: the values stay where `p` points.
         self.used.borrow_mut().push(v);
@@ -202,6 +214,13 @@ impl Device for Host<'_> {
             .get(m as usize)
             .ok_or_else(|| plan_error(format!("no batch for micro-step {m}")))?;
         Ok(HostTokens::of(if targets { &b.targets } else { &b.inputs }))
+    }
+
+    fn view(&self, at: u64, dtype: Dtype, n: usize) -> Result<Option<HostPtr>, DeviceError> {
+        match (self.arena, dtype) {
+            (Some(a), Dtype::Fp32) => Ok(a.view_f32(at, n)?.map(HostPtr)),
+            _ => Ok(None),
+        }
     }
 
     fn load(&self, at: u64, dtype: Dtype, dst: HostPtr, n: usize) -> Result<(), DeviceError> {

@@ -31,7 +31,7 @@ use schedc::job::Dtype;
 use std::ops::Range;
 
 /// A run of f32 values on a device, by its first element's address.
-pub(crate) trait Ptr: Piece + Copy {
+pub(crate) trait Ptr: Piece + Copy + PartialEq {
     /// The address `n` floats further on.
     fn offset(self, n: usize) -> Self;
 
@@ -147,6 +147,14 @@ pub(crate) trait Device {
     fn reset(&self);
     /// The inputs (or, with `targets`, the targets) of micro-step `m`.
     fn tokens(&self, m: u32, targets: bool) -> Result<Self::Tokens, DeviceError>;
+
+    /// The `n` values of `dtype` at byte `at` of the arena as f32 the primitives may read and
+    /// write in place, when the device can compute on the arena itself (an fp32 region); `None`
+    /// when they must be loaded into workspace.
+    fn view(&self, at: u64, dtype: Dtype, n: usize) -> Result<Option<Self::Ptr>, DeviceError> {
+        let _ = (at, dtype, n);
+        Ok(None)
+    }
 
     /// dst ← the `n` values of `dtype` at byte `at` of the arena.
     fn load(&self, at: u64, dtype: Dtype, dst: Self::Ptr, n: usize) -> Result<(), DeviceError>;

@@ -51,6 +51,13 @@ pub fn run(
     Ok(())
 }
 
+thread_local! {
+    /// A reduction's running sum and the member values being added.
+    static REDUCTION: std::cell::RefCell<(Vec<f32>, Vec<f32>)> = const {
+        std::cell::RefCell::new((Vec::new(), Vec::new()))
+    };
+}
+
 /// Moves every member's data for one collective (called by the last member to arrive).
 fn move_bytes(sh: &StepShared<'_>, group: &[u32], c: &CollectiveOp) -> Result<(), String> {
     let p = sh.plan;
@@ -75,11 +82,17 @@ fn move_bytes(sh: &StepShared<'_>, group: &[u32], c: &CollectiveOp) -> Result<()
                 arena(r).write_bytes(output_at(r), &whole).map_err(e)?;
             }
         }
-        Collective::ReduceScatter | Collective::AllReduce => {
-            let mut sum = vec![0.0f32; c.count as usize];
+        Collective::ReduceScatter | Collective::AllReduce => REDUCTION.with(|cell| {
+            // This thread's buffers, kept between calls: a reduction of a whole gradient
+            // allocates (and faults in) nothing in steady steps.
+            let (sum, v) = &mut *cell.borrow_mut();
+            let count = c.count as usize;
+            sum.clear();
+            sum.resize(count, 0.0);
+            v.resize(count, 0.0);
             for &r in group {
-                let v = arena(r).read(input_at(r), c.count as usize, d).map_err(e)?;
-                sum.iter_mut().zip(&v).for_each(|(s, x)| *s += x);
+                arena(r).read_into(input_at(r), d, v).map_err(e)?;
+                sum.iter_mut().zip(v.iter()).for_each(|(s, x)| *s += x);
             }
             for (j, &r) in group.iter().enumerate() {
                 let part = if c.kind == Collective::AllReduce {
@@ -89,7 +102,8 @@ fn move_bytes(sh: &StepShared<'_>, group: &[u32], c: &CollectiveOp) -> Result<()
                 };
                 arena(r).write(output_at(r), d, part).map_err(e)?;
             }
-        }
+            Ok::<(), String>(())
+        })?,
         Collective::Broadcast => {
             let root = group[0];
             let v = arena(root)

@@ -38,9 +38,14 @@ pub struct CpuBackend {
 impl CpuBackend {
     /// Allocates every rank's arena: exactly the plan's `arena_bytes` each.
     pub fn new(plan: Arc<Plan>, options: RunOptions) -> Self {
-        let arenas = (0..plan.ranks())
+        let arenas: Vec<Arena> = (0..plan.ranks())
             .map(|_| Arena::new(plan.program.arena_bytes))
             .collect();
+        // Plain copies, except in the stress mode, whose point is to let a racing plan show
+        // (as wrong numbers through the atomic words, never undefined behaviour).
+        for a in &arenas {
+            a.set_bulk(options.jitter.is_none());
+        }
         let pools = (0..plan.ranks() as usize * plan.stream_ops.len())
             .map(|_| Mutex::new(vec![]))
             .collect();
