@@ -140,6 +140,23 @@ fn offsets(bp: &BlockP, b: usize, n: usize) -> (usize, usize, usize) {
     (row + n * sh.d, row + k, row + k + sh.kv_heads * sh.d)
 }
 
+/// The fused attention kernels' launch: query rows, key rows, then their scalar arguments
+/// (sequence length, qkv row width, heads, kv heads, head width, scale).
+#[allow(clippy::type_complexity)]
+fn flash_shape(bp: &BlockP) -> (usize, usize, i64, i64, i32, i32, i32, f32) {
+    let sh = &bp.shape;
+    (
+        sh.b * sh.heads * sh.s,
+        sh.b * sh.kv_heads * sh.s,
+        sh.s as i64,
+        sh.width() as i64,
+        sh.heads as i32,
+        sh.kv_heads as i32,
+        sh.d as i32,
+        1.0 / (sh.d as f32).sqrt(),
+    )
+}
+
 fn or_null(p: Option<DevAddr>) -> DevAddr {
     p.unwrap_or(DevAddr::NULL)
 }
@@ -425,9 +442,10 @@ impl Device for Gpu<'_> {
         )
     }
 
-    /// Probabilities for every (sequence, head) as [heads][s][s] blocks of one sequence at a
-    /// time; the query heads of one kv group share K and V (stride 0 in a strided-batched
-    /// product).
+    /// `flash`: the fused kernel, one block per query row, never storing the s×s matrix.
+    /// `naive` (which keeps the probabilities): for every (sequence, head), [heads][s][s]
+    /// blocks of one sequence at a time; the query heads of one kv group share K and V (stride 0
+    /// in a strided-batched product).
     fn attention(
         &self,
         bp: &BlockP,
@@ -436,6 +454,24 @@ impl Device for Gpu<'_> {
         out: DevAddr,
         keep: Keep<DevAddr>,
     ) -> Result<(), DeviceError> {
+        if let Keep::Lse(lse) = keep {
+            let (rows, _, s, w, h, kv, d, scale) = flash_shape(bp);
+            return self.run_rows(
+                "flash_forward",
+                rows,
+                &[
+                    A::P(qkv),
+                    A::P(out),
+                    A::P(lse),
+                    A::L(s),
+                    A::L(w),
+                    A::I(h),
+                    A::I(kv),
+                    A::I(d),
+                    A::F(scale),
+                ],
+            );
+        }
         let keep = keep.into_inner();
         let sh = &bp.shape;
         let (s, w, h, d) = (sh.s, sh.width(), sh.heads * sh.d, sh.d);
@@ -488,8 +524,10 @@ impl Device for Gpu<'_> {
         Ok(())
     }
 
-    /// dK and dV of a kv group sum over its query heads, so those products run head by head
-    /// (β = 1) rather than batched.
+    /// `flash`: two fused kernels, the query side (dQ and each row's rowsum(P∘dP)) then the key
+    /// side (dK, dV over the group's heads), each block owning the rows it writes. `naive`: dK
+    /// and dV of a kv group sum over its query heads, so those products run head by head (β = 1)
+    /// rather than batched.
     fn attention_backward(
         &self,
         bp: &BlockP,
@@ -498,6 +536,44 @@ impl Device for Gpu<'_> {
         dout: DevAddr,
         dqkv: DevAddr,
     ) -> Result<(), DeviceError> {
+        if let Keep::Lse(lse) = keep {
+            let (rows, key_rows, s, w, h, kv, d, scale) = flash_shape(bp);
+            let dsum = self.alloc(rows)?;
+            self.run_rows(
+                "flash_backward_dq",
+                rows,
+                &[
+                    A::P(qkv),
+                    A::P(dout),
+                    A::P(lse),
+                    A::P(dsum),
+                    A::P(dqkv),
+                    A::L(s),
+                    A::L(w),
+                    A::I(h),
+                    A::I(kv),
+                    A::I(d),
+                    A::F(scale),
+                ],
+            )?;
+            return self.run_rows(
+                "flash_backward_dkv",
+                key_rows,
+                &[
+                    A::P(qkv),
+                    A::P(dout),
+                    A::P(lse),
+                    A::P(dsum),
+                    A::P(dqkv),
+                    A::L(s),
+                    A::L(w),
+                    A::I(h),
+                    A::I(kv),
+                    A::I(d),
+                    A::F(scale),
+                ],
+            );
+        }
         let kept = keep.into_inner();
         let sh = &bp.shape;
         let (s, w, h, d) = (sh.s, sh.width(), sh.heads * sh.d, sh.d);

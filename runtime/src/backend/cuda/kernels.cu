@@ -344,6 +344,174 @@ extern "C" __global__ void softmax_backward(const float* p, float* dp, long long
     for (long long j = threadIdx.x; j < s; j += blockDim.x) dr[j] = pr[j] * (dr[j] - dot) * scale;
 }
 
+// ---- fused causal attention (attention = flash): the s x s matrix is never stored. ----
+// qkv rows are tokens: [q (heads*d) | k (kv_heads*d) | v (kv_heads*d)]; query head n reads kv
+// head n / (heads / kv_heads). A "row" is (sequence b, head n, query i), numbered as the CPU's
+// lse: (b * heads + n) * s + i.
+
+__device__ float block_max(float v, float* sh) {
+    sh[threadIdx.x] = v;
+    __syncthreads();
+    for (int k = blockDim.x / 2; k > 0; k >>= 1) {
+        if ((int)threadIdx.x < k) sh[threadIdx.x] = fmaxf(sh[threadIdx.x], sh[threadIdx.x + k]);
+        __syncthreads();
+    }
+    float r = sh[0];
+    __syncthreads();
+    return r;
+}
+
+struct AttnRow {
+    const float* q;   // this row's query
+    const float* k0;  // key of token 0 of the sequence (rows `width` apart)
+    const float* v0;  // value of token 0
+    long long tok;    // the query's token: b * s + i
+    long long i;
+};
+
+__device__ AttnRow attn_row(const float* qkv, long long row, long long s, long long width,
+                            int heads, int kv_heads, int d) {
+    AttnRow r;
+    long long bn = row / s, b = bn / heads;
+    int n = (int)(bn % heads), g = n / (heads / kv_heads);
+    r.i = row % s;
+    r.tok = b * s + r.i;
+    r.q = qkv + r.tok * width + (long long)n * d;
+    r.k0 = qkv + b * s * width + (long long)heads * d + (long long)g * d;
+    r.v0 = r.k0 + (long long)kv_heads * d;
+    return r;
+}
+
+__device__ __forceinline__ float dot(const float* a, const float* b, int d) {
+    float acc = 0.0f;
+    for (int c = 0; c < d; ++c) acc += a[c] * b[c];
+    return acc;
+}
+
+// Forward, one block per row: keys a tile of blockDim at a time, each thread scoring one; the
+// running max and sum rescale the output accumulated in place (FlashAttention's online softmax).
+extern "C" __global__ void flash_forward(const float* qkv, float* out, float* lse, long long s,
+                                         long long width, int heads, int kv_heads, int d,
+                                         float scale) {
+    __shared__ float sc[256];
+    __shared__ float sh[256];
+    long long row = blockIdx.x;
+    AttnRow r = attn_row(qkv, row, s, width, heads, kv_heads, d);
+    int n = (int)((row / s) % heads);
+    float* o = out + r.tok * (long long)heads * d + (long long)n * d;
+    for (int c = threadIdx.x; c < d; c += blockDim.x) o[c] = 0.0f;
+    float m = NEG_INF, l = 0.0f;
+    for (long long j0 = 0; j0 <= r.i; j0 += blockDim.x) {
+        long long j = j0 + threadIdx.x;
+        float x = j <= r.i ? dot(r.q, r.k0 + j * width, d) * scale : NEG_INF;
+        float m_new = fmaxf(m, block_max(x, sh));
+        float p = j <= r.i ? expf(x - m_new) : 0.0f;
+        float alpha = expf(m - m_new);
+        l = l * alpha + block_sum(p, sh);
+        sc[threadIdx.x] = p;
+        __syncthreads();
+        long long tile = r.i - j0 + 1 < (long long)blockDim.x ? r.i - j0 + 1 : blockDim.x;
+        for (int c = threadIdx.x; c < d; c += blockDim.x) {
+            float acc = o[c] * alpha;
+            for (long long t = 0; t < tile; ++t) acc += sc[t] * r.v0[(j0 + t) * width + c];
+            o[c] = acc;
+        }
+        __syncthreads();
+        m = m_new;
+    }
+    float inv = 1.0f / l;
+    for (int c = threadIdx.x; c < d; c += blockDim.x) o[c] *= inv;
+    if (threadIdx.x == 0) lse[row] = m + logf(l);
+}
+
+// Backward, query side, one block per row: D = rowsum(P * dP) into dsum, then
+// dQ = sum_j P_ij (dP_ij - D) scale K_j, written (not added) at q's place in dqkv.
+extern "C" __global__ void flash_backward_dq(const float* qkv, const float* dout, const float* lse,
+                                             float* dsum, float* dqkv, long long s,
+                                             long long width, int heads, int kv_heads, int d,
+                                             float scale) {
+    __shared__ float sc[256];
+    __shared__ float sh[256];
+    long long row = blockIdx.x;
+    AttnRow r = attn_row(qkv, row, s, width, heads, kv_heads, d);
+    int n = (int)((row / s) % heads);
+    const float* g = dout + r.tok * (long long)heads * d + (long long)n * d;
+    float* dq = dqkv + (r.q - qkv);
+    float l = lse[row], acc = 0.0f;
+    for (long long j = threadIdx.x; j <= r.i; j += blockDim.x) {
+        float p = expf(dot(r.q, r.k0 + j * width, d) * scale - l);
+        acc += p * dot(g, r.v0 + j * width, d);
+    }
+    float dd = block_sum(acc, sh);
+    if (threadIdx.x == 0) dsum[row] = dd;
+    for (int c = threadIdx.x; c < d; c += blockDim.x) dq[c] = 0.0f;
+    for (long long j0 = 0; j0 <= r.i; j0 += blockDim.x) {
+        long long j = j0 + threadIdx.x;
+        float ds = 0.0f;
+        if (j <= r.i) {
+            float p = expf(dot(r.q, r.k0 + j * width, d) * scale - l);
+            ds = p * (dot(g, r.v0 + j * width, d) - dd) * scale;
+        }
+        sc[threadIdx.x] = ds;
+        __syncthreads();
+        long long tile = r.i - j0 + 1 < (long long)blockDim.x ? r.i - j0 + 1 : blockDim.x;
+        for (int c = threadIdx.x; c < d; c += blockDim.x) {
+            float a = dq[c];
+            for (long long t = 0; t < tile; ++t) a += sc[t] * r.k0[(j0 + t) * width + c];
+            dq[c] = a;
+        }
+        __syncthreads();
+    }
+}
+
+// Backward, key side, one block per (sequence b, kv head g, key j): dK_j and dV_j summed over the
+// group's query heads and the queries i >= j, a tile of blockDim queries at a time, written (not
+// added) at k's and v's places in dqkv. No atomics: each block owns its rows.
+extern "C" __global__ void flash_backward_dkv(const float* qkv, const float* dout, const float* lse,
+                                              const float* dsum, float* dqkv, long long s,
+                                              long long width, int heads, int kv_heads, int d,
+                                              float scale) {
+    __shared__ float sp[256];
+    __shared__ float sds[256];
+    long long row = blockIdx.x;
+    long long j = row % s, bg = row / s, b = bg / kv_heads;
+    int g = (int)(bg % kv_heads), group = heads / kv_heads;
+    long long hidden = (long long)heads * d;
+    const float* k = qkv + (b * s + j) * width + hidden + (long long)g * d;
+    const float* v = k + (long long)kv_heads * d;
+    float* dk = dqkv + (k - qkv);
+    float* dv = dqkv + (v - qkv);
+    for (int c = threadIdx.x; c < d; c += blockDim.x) dk[c] = dv[c] = 0.0f;
+    for (int n = g * group; n < (g + 1) * group; ++n) {
+        long long base = (b * heads + n) * s;
+        for (long long i0 = j; i0 < s; i0 += blockDim.x) {
+            long long i = i0 + threadIdx.x;
+            float p = 0.0f, ds = 0.0f;
+            if (i < s) {
+                const float* q = qkv + (b * s + i) * width + (long long)n * d;
+                const float* gi = dout + (b * s + i) * hidden + (long long)n * d;
+                p = expf(dot(q, k, d) * scale - lse[base + i]);
+                ds = p * (dot(gi, v, d) - dsum[base + i]) * scale;
+            }
+            sp[threadIdx.x] = p;
+            sds[threadIdx.x] = ds;
+            __syncthreads();
+            long long tile = s - i0 < (long long)blockDim.x ? s - i0 : blockDim.x;
+            for (int c = threadIdx.x; c < d; c += blockDim.x) {
+                float a = dk[c], bv = dv[c];
+                for (long long t = 0; t < tile; ++t) {
+                    long long tok = b * s + i0 + t;
+                    a += sds[t] * qkv[tok * width + (long long)n * d + c];
+                    bv += sp[t] * dout[tok * hidden + (long long)n * d + c];
+                }
+                dk[c] = a;
+                dv[c] = bv;
+            }
+            __syncthreads();
+        }
+    }
+}
+
 // ---- loss: math/mod.rs cross_entropy. One block per token row. ----
 
 extern "C" __global__ void cross_entropy(const float* logits, const int* targets, long long vocab,

@@ -13,6 +13,9 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 const NAMES: &[&str] = &[
+    "flash_forward",
+    "flash_backward_dq",
+    "flash_backward_dkv",
     "load",
     "store",
     "add_store",
