@@ -234,7 +234,7 @@ fn compile(
             return Status::BadInput;
         }
     };
-    let mut times = schedc::lower::PassTimes::default();
+    let mut times = schedc::pipeline::PassTimes::default();
     let compiled = schedc::compile_timed(job, &mut times);
     if time_passes {
         for (name, t) in &times.0 {
@@ -249,6 +249,22 @@ fn compile(
                 job.schedule.name
             );
             return Status::BadInput;
+        }
+        Err(schedc::CompileError::Pass {
+            pass,
+            program,
+            errors,
+        }) => {
+            eprintln!(
+                "error: the program for `{}` is malformed after the {pass} pass ({} errors):\n",
+                job.schedule.name,
+                errors.len()
+            );
+            eprint!(
+                "{}",
+                schedc::verify::render_context(&program, &errors[..errors.len().min(20)], 3)
+            );
+            return Status::Fault;
         }
         Err(schedc::CompileError::Verify(program, errors)) => {
             eprintln!(

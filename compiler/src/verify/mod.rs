@@ -4,8 +4,10 @@
 //! trusts nothing but the program. What it proves, in order (handle and range checks first, so
 //! the rest can index freely):
 //! 1. **Structure.** Every handle exists; every region lies inside its buffer for every rank; every
-//!    buffer lies inside the arena; events are recorded once and waited on only after they are
-//!    recorded in issue order; each communicator's groups partition the ranks into equal groups.
+//!    buffer lies inside the arena; each communicator's groups partition the ranks into equal
+//!    groups ([`verify_structure`] runs the part a half-built program can meet after each pass).
+//!    **Issue order** ([`issue`]): every event is recorded once, by the op it names, and waited on
+//!    only by ops issued after that op, so one host thread can enqueue the ops in issue order.
 //! 2. **Collective matching.** Every collective's count divides by its group size and agrees with
 //!    its regions and dtype for its kind. One program serves every rank, so every member of a group
 //!    issues the same sequence on every communicator.
@@ -27,11 +29,15 @@
 //!    ([`values`]). With gradient clipping, the norm reads each layer's optimizer-shard gradient
 //!    only once complete, is summed over every optimizer shard once, and every update reads it.
 //!
+//! Proof 1b is what the backends rely on to enqueue ops from one host thread without checks of
+//! their own.
+//!
 //! Errors are collected, each naming its op or buffer; [`render`] prints the listing with every
 //! error written under the op it concerns. Success returns [`PlanInfo`].
 
 mod clocks;
 mod collectives;
+mod issue;
 mod memory;
 mod structure;
 mod values;
@@ -75,9 +81,37 @@ impl Ctx {
     }
 }
 
+/// How far through the pipeline a program is: which structural facts it can already meet.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Stage {
+    /// Issue order fixed (after prefetch): handles, regions and communicators are checkable.
+    Ordered,
+    /// Every op on a stream that exists.
+    Streamed,
+    /// Waits and events in place: the issue-order proof holds.
+    Synchronised,
+    /// Every buffer placed inside the arena: the whole of proof 1.
+    Placed,
+}
+
+/// The structural checks a program at `stage` must pass (proof 1 and, from
+/// [`Stage::Synchronised`], the issue-order proof): cheap, run by the pipeline after each pass.
+pub fn verify_structure(p: &Program, ctx: Ctx, stage: Stage) -> Result<(), Vec<VerifyError>> {
+    let mut errors = structure::check(p, ctx, stage);
+    if stage >= Stage::Synchronised {
+        errors.extend(issue::check(p));
+    }
+    if errors.is_empty() {
+        Ok(())
+    } else {
+        Err(errors)
+    }
+}
+
 /// Runs every proof; all errors found, or the analysis.
 pub fn verify(p: &Program, ctx: Ctx) -> Result<PlanInfo, Vec<VerifyError>> {
-    let mut errors = structure::check(p, ctx);
+    let mut errors = structure::check(p, ctx, Stage::Placed);
+    errors.extend(issue::check(p));
     if !errors.is_empty() {
         return Err(errors);
     }
