@@ -28,8 +28,10 @@
 //!    contributions exactly once, and every param shard is refreshed for the next step
 //!    ([`values`]). With gradient clipping, the norm reads each layer's optimizer-shard gradient
 //!    only once complete, is summed over every optimizer shard once, and every update reads it.
+//! 8. **NCCL buffer rules** ([`nccl`]). On every rank, every collective's input and output are
+//!    disjoint in the arena or in place exactly as NCCL defines it.
 //!
-//! Proof 1b is what the backends rely on to enqueue ops from one host thread without checks of
+//! Proofs 1, 1b and 8 are what the backends rely on to enqueue and call NCCL without checks of
 //! their own.
 //!
 //! Errors are collected, each naming its op or buffer; [`render`] prints the listing with every
@@ -39,6 +41,7 @@ mod clocks;
 mod collectives;
 mod issue;
 mod memory;
+mod nccl;
 mod structure;
 mod values;
 
@@ -119,6 +122,7 @@ pub fn verify(p: &Program, ctx: Ctx) -> Result<PlanInfo, Vec<VerifyError>> {
     errors.extend(collectives::check(p, ctx, &clocks));
     let (mem_errors, live_bound) = memory::check(p, ctx, &clocks);
     errors.extend(mem_errors);
+    errors.extend(nccl::check(p, ctx));
     if errors.is_empty() {
         errors.extend(values::check(p, ctx));
         errors.extend(values::check_norm(p, ctx));
