@@ -16,7 +16,8 @@
 //! - [`planner`]: `schedc plan`, the search for the fastest schedule that fits, over compiled and
 //!   simulated candidates pruned by analytic floors.
 //!
-//! [`compile`] runs lowering and verification together, so an unverified program never escapes.
+//! [`compile`] runs lowering and verification together, so an unverified program never escapes;
+//! [`load`] is the one "plan file or `.sched`" loader both binaries use.
 
 pub mod draft;
 pub mod emit;
@@ -25,6 +26,7 @@ pub mod intervals;
 pub mod ir;
 pub mod job;
 pub mod kernels;
+pub mod load;
 pub mod lower;
 pub mod passes;
 pub mod pipeline;
