@@ -22,6 +22,7 @@
 pub mod draft;
 pub mod emit;
 pub mod files;
+pub mod hash;
 pub mod intervals;
 pub mod ir;
 pub mod job;
