@@ -164,8 +164,8 @@ pub fn check(p: &Program, ctx: Ctx) -> Vec<VerifyError> {
             ops_of[l].push(id);
         }
     }
-    let mut errs = vec![];
     let mut seen: HashMap<String, usize> = HashMap::new();
+    let mut runs: Vec<(LayerId, &[OpId])> = vec![];
     for (l, ops) in ops_of.iter().enumerate() {
         let layer = LayerId::new(l);
         if p.layers[layer].params == 0 {
@@ -175,6 +175,9 @@ pub fn check(p: &Program, ctx: Ctx) -> Vec<VerifyError> {
         if seen.insert(sig, l).is_some() {
             continue;
         }
+        runs.push((layer, ops));
+    }
+    let run = |&(layer, ops): &(LayerId, &[OpId])| {
         let mut run = Run {
             p,
             layout: &layout,
@@ -184,10 +187,42 @@ pub fn check(p: &Program, ctx: Ctx) -> Vec<VerifyError> {
             errs: vec![],
         };
         run.execute(ops);
-        errs.extend(run.errs);
+        run.errs
+    };
+    // The runs share nothing: large programs spread them over threads; errors keep layer order.
+    let work: usize = runs.iter().map(|(_, ops)| ops.len()).sum::<usize>() * p.ranks as usize;
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(runs.len());
+    if threads <= 1 || work < PARALLEL_WORK {
+        return runs.iter().flat_map(run).collect();
     }
-    errs
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let mut done: Vec<(usize, Vec<VerifyError>)> = std::thread::scope(|s| {
+        let workers: Vec<_> = (0..threads)
+            .map(|_| {
+                s.spawn(|| {
+                    let mut out = vec![];
+                    loop {
+                        let k = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        let Some(r) = runs.get(k) else { break out };
+                        out.push((k, run(r)));
+                    }
+                })
+            })
+            .collect();
+        workers
+            .into_iter()
+            .flat_map(|w| w.join().expect("a value-proof run panicked"))
+            .collect()
+    });
+    done.sort_by_key(|(k, _)| *k);
+    done.into_iter().flat_map(|(_, e)| e).collect()
 }
+
+/// Ops × ranks of the distinct layer runs above which they are spread over threads (the
+/// 1,024-rank benchmark programs have about 300,000; the examples a few thousand).
+const PARALLEL_WORK: usize = 100_000;
 
 /// What a layer's op sequence looks like, with buffer ids renamed by first use.
 fn signature(p: &Program, layer: LayerId, ops: &[OpId]) -> String {

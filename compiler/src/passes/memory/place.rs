@@ -119,7 +119,10 @@ pub(super) fn place_below(
                 }
             }
         }
-        busy.sort_unstable();
+        // By start only: among ranges that start together the scans below take the same gaps
+        // whatever their order (the first of them already sees the gap below; the later ones
+        // start below the end of the first), and the top is the largest end either way.
+        busy.sort_unstable_by_key(|r| r.0);
         let high = match fit {
             Fit::TwoEnded { split, target } if bytes < split => {
                 highest_below(&busy, base, bytes, target)
