@@ -14,7 +14,9 @@
 //!   the orderings its reuse relies on;
 //! - [`passes::events`] runs again with those orderings in place of the fences, so every wait left
 //!   is needed;
-//! - [`verify::verify`] runs every proof of lowering spec §7 on the result.
+//! - [`verify::verify`] runs every proof of lowering spec §7 on the result (on large programs the
+//!   value proof, which reads nothing memory planning or the final events pass change, runs on a
+//!   second thread beside memory planning; the final verification checks that and uses it).
 //!
 //! Each pass is timed by name ([`PassTimes`], `schedc compile --time-passes`). With
 //! [`Options::verify_each_pass`] (on in debug and test builds, like cranelift's `verify_if`), the
@@ -28,7 +30,7 @@ use crate::ir::Program;
 use crate::job::Job;
 use crate::passes;
 use crate::passes::prefetch::MaxLiveError;
-use crate::verify::{self, PlanInfo, Stage, VerifyError};
+use crate::verify::{self, PlanInfo, Stage, ValuesProof, VerifyError};
 
 /// Why a job did not compile.
 #[derive(Debug)]
@@ -128,15 +130,14 @@ pub fn compile_with(
     options: Options,
     times: &mut PassTimes,
 ) -> Result<(Program, PlanInfo), CompileError> {
-    let program = Pipeline {
+    let (program, values) = Pipeline {
         job,
         options,
         times,
     }
-    .placed()?;
-    match times.time("verify", || {
-        verify::verify(&program, crate::verify_ctx(job))
-    }) {
+    .placed(true)?;
+    let ctx = crate::verify_ctx(job);
+    match times.time("verify", || verify::verify_with(&program, ctx, values)) {
         Ok(info) => Ok((program, info)),
         Err(errs) => Err(CompileError::Verify(Box::new(program), errs)),
     }
@@ -149,7 +150,8 @@ pub fn lower(job: &Job) -> Result<Program, CompileError> {
         options: Options::default(),
         times: &mut PassTimes::default(),
     }
-    .placed()
+    .placed(false)
+    .map(|(program, _)| program)
 }
 
 /// The program before memory planning: issue order, streams and events final, every flow-control
@@ -165,6 +167,16 @@ pub fn lower_unplanned(job: &Job) -> Result<Program, CompileError> {
     .unplanned()
 }
 
+/// Ops × ranks from which the value proof runs beside memory planning (the 1,024-rank benchmark
+/// programs have tens of millions; the examples up to about a million), when there is a second
+/// core.
+const BESIDE_WORK: usize = 4_000_000;
+
+fn worth_a_thread(p: &Program) -> bool {
+    p.ops.len().saturating_mul(p.ranks as usize) >= BESIDE_WORK
+        && std::thread::available_parallelism().is_ok_and(|n| n.get() > 1)
+}
+
 /// One run of the passes over one job.
 struct Pipeline<'a> {
     job: &'a Job,
@@ -173,19 +185,44 @@ struct Pipeline<'a> {
 }
 
 impl Pipeline<'_> {
-    /// Every pass up to and including the final events pass.
-    fn placed(mut self) -> Result<Program, CompileError> {
+    /// Every pass up to and including the final events pass. With `prove_values` on a large
+    /// program, the value proof runs on another thread while memory planning decides the offsets:
+    /// it reads nothing the memory and final events passes change, and the final verification
+    /// takes its outcome only after checking that (see [`verify::ValuesProof`]).
+    fn placed(
+        mut self,
+        prove_values: bool,
+    ) -> Result<(Program, Option<ValuesProof>), CompileError> {
         let mut program = self.unplanned_program()?;
-        let reuse = self
-            .times
-            .time("memory", || passes::memory::run(&mut program));
+        let ctx = crate::verify_ctx(self.job);
+        let beside = prove_values && worth_a_thread(&program);
+        let mut values_time = None;
+        let (placement, values) = self.times.time("memory", || {
+            if !beside {
+                return (passes::memory::plan(&program), None);
+            }
+            std::thread::scope(|s| {
+                let values = s.spawn(|| {
+                    let start = std::time::Instant::now();
+                    (verify::prove_values(&program, ctx), start.elapsed())
+                });
+                let placement = passes::memory::plan(&program);
+                let (values, spent) = values.join().expect("the value proof does not panic");
+                values_time = Some(spent);
+                (placement, Some(values))
+            })
+        });
+        let reuse = passes::memory::apply(&mut program, placement);
+        if let Some(spent) = values_time {
+            self.times.0.push(("verify values", spent));
+        }
         self.check("memory", &program, Stage::Placed)?;
         // Keep only the orderings something needs: flow-control fences the placement did not use go.
         self.times.time("events (final)", || {
             passes::events::run(&mut program, &reuse)
         });
         self.check("events (final)", &program, Stage::Placed)?;
-        Ok(program)
+        Ok((program, values))
     }
 
     fn unplanned(mut self) -> Result<Program, CompileError> {

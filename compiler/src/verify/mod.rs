@@ -111,8 +111,66 @@ pub fn verify_structure(p: &Program, ctx: Ctx, stage: Stage) -> Result<(), Vec<V
     }
 }
 
+/// The value proof (7) run ahead of the others, for a caller that can run it beside other work
+/// (the pipeline runs it beside memory planning). It reads only what the later passes never
+/// change (ops' kinds, roles, layers, micro-steps and regions; buffers' kinds, dtypes, sizes and
+/// layers; communicators; layers; the shape of the cluster), and [`verify_with`] uses it only for
+/// a program whose fingerprint of exactly those fields is the same; otherwise it proves again.
+pub struct ValuesProof {
+    fingerprint: u64,
+    errors: Vec<VerifyError>,
+}
+
+/// Runs proof 7 (with clipping's norm) on `p` now; see [`ValuesProof`].
+pub fn prove_values(p: &Program, ctx: Ctx) -> ValuesProof {
+    let mut errors = values::check(p, ctx);
+    errors.extend(values::check_norm(p, ctx));
+    ValuesProof {
+        fingerprint: values_fingerprint(p),
+        errors,
+    }
+}
+
+/// A hash of every field of `p` the value proof reads.
+fn values_fingerprint(p: &Program) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = crate::hash::FxHasher::default();
+    (p.ranks, p.nodes, p.gpus_per_node, p.micro_steps).hash(&mut h);
+    for op in p.ops.values() {
+        (
+            &op.kind,
+            op.role,
+            op.layer,
+            op.micro_step,
+            &op.reads,
+            &op.writes,
+        )
+            .hash(&mut h);
+    }
+    for b in p.buffers.values() {
+        (b.kind, b.dtype, b.bytes, b.layer, &b.name).hash(&mut h);
+    }
+    for c in p.comms.values() {
+        c.groups.hash(&mut h);
+    }
+    for l in p.layers.values() {
+        (l.params, l.padded, &l.name).hash(&mut h);
+    }
+    h.finish()
+}
+
 /// Runs every proof; all errors found, or the analysis.
 pub fn verify(p: &Program, ctx: Ctx) -> Result<PlanInfo, Vec<VerifyError>> {
+    verify_with(p, ctx, None)
+}
+
+/// [`verify`], taking proof 7's outcome from `values` when it was run on a program equal to `p`
+/// in everything that proof reads.
+pub fn verify_with(
+    p: &Program,
+    ctx: Ctx,
+    values: Option<ValuesProof>,
+) -> Result<PlanInfo, Vec<VerifyError>> {
     let mut errors = structure::check(p, ctx, Stage::Placed);
     errors.extend(issue::check(p));
     if !errors.is_empty() {
@@ -124,8 +182,10 @@ pub fn verify(p: &Program, ctx: Ctx) -> Result<PlanInfo, Vec<VerifyError>> {
     errors.extend(mem_errors);
     errors.extend(nccl::check(p, ctx));
     if errors.is_empty() {
-        errors.extend(values::check(p, ctx));
-        errors.extend(values::check_norm(p, ctx));
+        match values.filter(|v| v.fingerprint == values_fingerprint(p)) {
+            Some(v) => errors.extend(v.errors),
+            None => errors.extend(prove_values(p, ctx).errors),
+        }
     }
     if errors.is_empty() {
         Ok(PlanInfo { live_bound })

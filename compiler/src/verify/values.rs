@@ -184,6 +184,7 @@ pub fn check(p: &Program, ctx: Ctx) -> Vec<VerifyError> {
             layer,
             contribs: Contribs::default(),
             state: State::new(p.ranks),
+            scratch: vec![],
             errs: vec![],
         };
         run.execute(ops);
@@ -270,6 +271,8 @@ struct Run<'a> {
     contribs: Contribs,
     /// (buffer, rank) → contents; empty means nothing written yet.
     state: State,
+    /// A spare contents list, so writes allocate nothing once warm.
+    scratch: Contents,
     errs: Vec<VerifyError>,
 }
 
@@ -322,6 +325,11 @@ impl Run<'_> {
         }
     }
 
+    /// [`Run::read`] without collecting: the segments of `b` on `rank` within `[start, end)`.
+    fn view(&self, b: BufferId, rank: u32, start: u64, end: u64) -> impl Iterator<Item = Seg> + '_ {
+        slice_iter(self.state.get(b, rank), start, end, self.elem_bytes(b))
+    }
+
     /// The segments of `b` on `rank` within `[start, end)`, rebased to start at 0.
     fn read(&self, b: BufferId, rank: u32, start: u64, end: u64) -> Contents {
         slice(self.state.get(b, rank), start, end, self.elem_bytes(b))
@@ -330,10 +338,11 @@ impl Run<'_> {
     /// Writes `segs` (rebased at 0) into `b` on `rank` at `at`, replacing what was there.
     fn write(&mut self, b: BufferId, rank: u32, at: u64, len: u64, segs: &[Seg]) {
         let d = self.elem_bytes(b);
+        let mut out = std::mem::take(&mut self.scratch);
+        out.clear();
         let cur = self.state.get_mut(b, rank);
         // What was there before `at`, the new segments, what was there after `at + len`: already
         // in order, since the old segments are sorted and disjoint and the new ones lie between.
-        let mut out: Contents = Vec::with_capacity(cur.len() + segs.len() + 1);
         let mut after: Option<Seg> = None;
         let mut rest = 0;
         for (k, s) in cur.iter().enumerate() {
@@ -372,7 +381,9 @@ impl Run<'_> {
         for s in &cur[rest..] {
             push_merged(&mut out, *s, d);
         }
-        *cur = out;
+        // The old contents' allocation serves the next write.
+        std::mem::swap(cur, &mut out);
+        self.scratch = out;
     }
 
     fn execute(&mut self, ops: &[OpId]) {
@@ -483,13 +494,16 @@ impl Run<'_> {
                 {
                     for rank in 0..self.p.ranks {
                         let (a, z) = range(r, self.layout, rank);
-                        let segs = self.read(r.buffer, rank, a, z);
                         let d = self.elem_bytes(r.buffer);
-                        let whole = segs.len() == 1
-                            && segs[0].start == 0
-                            && segs[0].end == padded * d
-                            && matches!(segs[0].val, Val::Param { elem: 0, version } if version == current);
+                        let mut segs = self.view(r.buffer, rank, a, z);
+                        let whole = matches!(
+                            (segs.next(), segs.next()),
+                            (Some(Seg { start: 0, end, val: Val::Param { elem: 0, version } }), None)
+                                if end == padded * d && version == current
+                        );
+                        drop(segs);
                         if !whole {
+                            let segs = self.read(r.buffer, rank, a, z);
                             let what = describe(&segs, d);
                             self.error(o, format!("{} of {} on rank {rank} reads {} holding {what}, not all {padded} parameters at version {current}", Op::compute_name(kind), self.p.layers[self.layer].name, r.buffer));
                             return;
@@ -788,9 +802,33 @@ impl Run<'_> {
         if !self.mine(c.input.buffer) && !self.mine(c.output.buffer) {
             return;
         }
-        let comm = &self.p.comms[c.comm];
-        for g in comm.groups.clone() {
+        let p = self.p;
+        let comm = &p.comms[c.comm];
+        let d_out = self.elem_bytes(c.output.buffer);
+        let mut out: Contents = vec![];
+        for g in &comm.groups {
             let gs = g.len() as u64;
+            if c.kind == Collective::AllGather {
+                // Member j's input lands as chunk j of every member's output.
+                let chunk = c.output.bytes / gs;
+                out.clear();
+                for (j, &r) in g.iter().enumerate() {
+                    let (a, z) = range(&c.input, self.layout, r);
+                    for s in self.view(c.input.buffer, r, a, z) {
+                        let s = Seg {
+                            start: s.start + j as u64 * chunk,
+                            end: s.end + j as u64 * chunk,
+                            val: s.val,
+                        };
+                        push_merged(&mut out, s, d_out);
+                    }
+                }
+                for &r in g {
+                    let (a, z) = range(&c.output, self.layout, r);
+                    self.write(c.output.buffer, r, a, z - a, &out);
+                }
+                continue;
+            }
             let inputs: Vec<Contents> = g
                 .iter()
                 .map(|&r| {
@@ -799,22 +837,7 @@ impl Run<'_> {
                 })
                 .collect();
             match c.kind {
-                Collective::AllGather => {
-                    let chunk = c.output.bytes / gs;
-                    let mut out = vec![];
-                    for (j, segs) in inputs.iter().enumerate() {
-                        out.extend(segs.iter().map(|s| Seg {
-                            start: s.start + j as u64 * chunk,
-                            end: s.end + j as u64 * chunk,
-                            val: s.val,
-                        }));
-                    }
-                    let out = merge(out, self.elem_bytes(c.output.buffer));
-                    for &r in &g {
-                        let (a, z) = range(&c.output, self.layout, r);
-                        self.write(c.output.buffer, r, a, z - a, &out);
-                    }
-                }
+                Collective::AllGather => unreachable!("handled above"),
                 Collective::ReduceScatter | Collective::AllReduce => {
                     let parts = if c.kind == Collective::ReduceScatter {
                         gs
@@ -975,6 +998,20 @@ fn single_grad(s: &[Seg]) -> Option<(u64, u32, u64)> {
         }] => Some((*elem, *contrib, *end)),
         _ => None,
     }
+}
+
+/// Bytes `[a, z)` of a content, rebased at 0, as they come.
+fn slice_iter(segs: &[Seg], a: u64, z: u64, d: u64) -> impl Iterator<Item = Seg> + '_ {
+    segs.iter()
+        .filter(move |s| s.end > a && s.start < z)
+        .map(move |s| {
+            let (lo, hi) = (s.start.max(a), s.end.min(z));
+            Seg {
+                start: lo - a,
+                end: hi - a,
+                val: s.val.advanced((lo - s.start) / d),
+            }
+        })
 }
 
 /// Bytes `[a, z)` of a content, rebased at 0.
