@@ -413,3 +413,127 @@ fn breaking_the_gradient_norm_is_caught() {
     }
     assert!(plans >= 4, "only {plans} plans clip");
 }
+
+/// The messages of every error `verify` reports (none when it accepts).
+fn messages(p: &Program, ctx: Ctx) -> Vec<String> {
+    verify(p, ctx)
+        .err()
+        .unwrap_or_default()
+        .into_iter()
+        .map(|e| e.message)
+        .collect()
+}
+
+/// Runs `mutate` on up to `limit` evenly spaced sites of every example and asserts that the
+/// verifier refuses each result with an error containing `says` (so that proof, not another,
+/// is shown to catch it); returns the sites tried.
+fn caught_by(
+    says: &str,
+    limit: usize,
+    sites: impl Fn(&Program) -> Vec<usize>,
+    mutate: impl Fn(&mut Program, usize) -> bool,
+) -> usize {
+    let mut tried = 0;
+    let mut missed = vec![];
+    for ex in examples() {
+        let all = sites(&ex.program);
+        let n = all.len();
+        let picked: Vec<usize> = if n <= limit {
+            all
+        } else {
+            (0..limit).map(|i| all[i * n / limit]).collect()
+        };
+        for site in picked {
+            let mut m = ex.program.clone();
+            if !mutate(&mut m, site) {
+                continue;
+            }
+            tried += 1;
+            let found = messages(&m, ex.ctx);
+            if !found.iter().any(|msg| msg.contains(says)) {
+                missed.push(format!("{}: site {site}: {found:?}", ex.name));
+            }
+        }
+    }
+    assert!(
+        missed.is_empty(),
+        "{} of {tried} mutations not caught by `{says}`:\n{}",
+        missed.len(),
+        missed.join("\n")
+    );
+    tried
+}
+
+/// Issue order (proof 1b): a second op recording an event (one host thread enqueueing in issue
+/// order would make every later wait on it wait for the second record, which the verifier's
+/// happens-before does not see), and a wait moved to an op issued before the event's record
+/// (on CUDA it would wait for nothing).
+#[test]
+fn breaking_the_issue_order_is_caught() {
+    let events = |p: &Program| (0..p.events.len()).collect::<Vec<_>>();
+    let recorded_twice = caught_by("may be recorded only once", 40, events, |p, e| {
+        let e = EventId::new(e);
+        let recorder = p.events[e].recorder;
+        // The next op without an event of its own records this one too.
+        let Some(second) = (recorder.index() + 1..p.ops.len())
+            .map(OpId::new)
+            .find(|&o| p.ops[o].record.is_none())
+        else {
+            return false;
+        };
+        p.ops[second].record = Some(e);
+        true
+    });
+    assert!(recorded_twice > 500, "only {recorded_twice} double records");
+    let flat_waits = |p: &Program| (0..waits(p).len()).collect::<Vec<_>>();
+    let early = caught_by("issued later", 40, flat_waits, |p, k| {
+        let (op, w) = waits(p)[k];
+        let e = p.ops[op].wait[w];
+        let recorder = p.events[e].recorder;
+        // The wait moves to the op issued just before its event's recorder.
+        let Some(before) = recorder.index().checked_sub(1).map(OpId::new) else {
+            return false;
+        };
+        p.ops[op].wait.remove(w);
+        p.ops[before].wait.push(e);
+        p.ops[before].wait.sort_unstable();
+        true
+    });
+    assert!(early > 500, "only {early} early waits");
+}
+
+/// Collectives whose input and output are different buffers over a group of several ranks, as
+/// (op, index of the collective in the op) flattened to one number per site.
+fn separate_collectives(p: &Program) -> Vec<(OpId, usize)> {
+    p.ops
+        .iter()
+        .flat_map(|(id, op)| {
+            op.collectives()
+                .iter()
+                .enumerate()
+                .filter(|(_, c)| {
+                    let (i, o) = (&p.buffers[c.input.buffer], &p.buffers[c.output.buffer]);
+                    c.input.buffer != c.output.buffer
+                        && p.comms[c.comm].group_size() > 1
+                        && i.offset + o.bytes <= p.arena_bytes
+                })
+                .map(move |(k, _)| (id, k))
+                .collect::<Vec<_>>()
+        })
+        .collect()
+}
+
+/// NCCL buffer rules (proof 8): a collective's output buffer moved to start where its input
+/// buffer starts. Member 0 then runs in place, every other member with input and output
+/// overlapping in a way NCCL leaves undefined, on every kind of collective the examples have.
+#[test]
+fn overlapping_a_collectives_input_and_output_is_caught() {
+    let sites = |p: &Program| (0..separate_collectives(p).len()).collect::<Vec<_>>();
+    let tried = caught_by("NCCL does not define", 40, sites, |p, k| {
+        let (op, i) = separate_collectives(p)[k];
+        let c = p.ops[op].collectives()[i];
+        p.buffers[c.output.buffer].offset = p.buffers[c.input.buffer].offset;
+        true
+    });
+    assert!(tried > 500, "only {tried} overlapping collectives");
+}

@@ -75,7 +75,7 @@ fn floors_never_exceed_what_the_compiler_and_simulator_report() {
         let cost = schedc::sim::cost::CostModel::new(&base);
         let mut checked = 0;
         for job in sample(&base, 2) {
-            let Ok(program) = schedc::lower::lower(&job) else {
+            let Ok(program) = schedc::pipeline::lower(&job) else {
                 continue;
             };
             let label = format!("{name}: {:?}", space::structure_of(&job.schedule));
@@ -86,7 +86,7 @@ fn floors_never_exceed_what_the_compiler_and_simulator_report() {
                 "{label}: floor {floor:?} above the simulated {} s",
                 report.step_time_s
             );
-            let unplanned = schedc::lower::lower_unplanned(&job).unwrap();
+            let unplanned = schedc::pipeline::lower_unplanned(&job).unwrap();
             let screened = schedc::sim::simulate(&unplanned, &job).step_time_s;
             assert!(floor.seconds() <= screened * (1.0 + 1e-9), "{label}");
             // Memory: the floors are below the placed arena; the shards are exact.
@@ -125,7 +125,7 @@ fn branch_and_bound_finds_the_exhaustive_top_k() {
     let mut screened: Vec<(f64, Job)> = sample(&base, 1)
         .into_iter()
         .filter_map(|job| {
-            let program = schedc::lower::lower_unplanned(&job).ok()?;
+            let program = schedc::pipeline::lower_unplanned(&job).ok()?;
             (bounds::arena_floor(&program) <= base.cluster.gpu_memory)
                 .then(|| (schedc::sim::simulate(&program, &job).step_time_s, job))
         })
@@ -133,7 +133,7 @@ fn branch_and_bound_finds_the_exhaustive_top_k() {
     screened.sort_by(|a, b| a.0.total_cmp(&b.0));
     let mut expected = vec![];
     for (_, job) in &screened {
-        let program = schedc::lower::lower(job).unwrap();
+        let program = schedc::pipeline::lower(job).unwrap();
         let r = schedc::sim::simulate(&program, job);
         if r.fits {
             expected.push(r.step_time_s);

@@ -11,7 +11,6 @@ use crate::math::{decay_ranges, LayerMath};
 use schedc::ir::layout::Layout;
 use schedc::ir::{BufferId, BufferKind, LayerId, OpId, Program, Region, ShardIndex, StreamId};
 use schedc::job::Job;
-use schedc::{analyze, FsLoader};
 use std::path::Path;
 
 /// Why a plan cannot run. `Input` errors are the user's (exit 1), `Fault` the machine's (exit 2).
@@ -51,41 +50,32 @@ pub struct Plan {
 
 impl Plan {
     /// Loads `path`: a plan file (JSON, starts with `{`) or a `.sched` file, picking `schedule`
-    /// when the file defines several.
+    /// when the file defines several, through schedc's shared loader ([`schedc::load`]), which
+    /// verifies either kind before anything runs.
     pub fn load(path: &Path, schedule: Option<&str>) -> Result<Plan, LoadError> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| LoadError::Fault(format!("cannot read {}: {e}", path.display())))?;
-        if text.trim_start().starts_with('{') {
-            let read = schedc::emit::plan::read_plan(&text)
-                .map_err(|e| LoadError::Input(format!("{}: {e}", path.display())))?;
-            if let Some(want) = schedule {
-                if want != read.job.schedule.name {
-                    return Err(LoadError::Input(format!(
-                        "{} holds schedule `{}`, not `{want}`",
-                        path.display(),
-                        read.job.schedule.name
-                    )));
-                }
-            }
-            if let Err(errs) = schedc::verify::verify(&read.program, schedc::verify_ctx(&read.job))
-            {
-                return Err(LoadError::Input(format!(
-                    "{}: the plan fails verification; refusing to run it:\n{}",
-                    path.display(),
-                    schedc::verify::render_context(&read.program, &errs[..errs.len().min(10)], 2)
-                )));
-            }
-            return Plan::unverified(read.program, read.job).map_err(LoadError::Input);
+        use schedc::load::LoadError as L;
+        match schedc::load::load(path, schedule) {
+            Ok(loaded) => Plan::unverified(loaded.program, loaded.job).map_err(LoadError::Input),
+            Err(e @ L::Read { .. }) => Err(LoadError::Fault(e.to_string())),
+            Err(L::Unverified {
+                path,
+                program,
+                errors,
+            }) => Err(LoadError::Input(format!(
+                "{}: the plan fails verification; refusing to run it:\n{}",
+                path.display(),
+                schedc::verify::render_context(&program, &errors[..errors.len().min(10)], 2)
+            ))),
+            Err(L::Compile {
+                path,
+                schedule,
+                error,
+            }) => Err(LoadError::Input(format!(
+                "{}: {schedule}: {error}",
+                path.display()
+            ))),
+            Err(e) => Err(LoadError::Input(e.to_string())),
         }
-        let analysis = analyze(path, &FsLoader).map_err(|e| LoadError::Fault(e.to_string()))?;
-        if analysis.has_errors() {
-            return Err(LoadError::Input(analysis.render()));
-        }
-        let job = analysis.select(schedule).map_err(LoadError::Input)?.clone();
-        let (program, _) = schedc::compile(&job).map_err(|e| {
-            LoadError::Input(format!("{}: {}: {e}", path.display(), job.schedule.name))
-        })?;
-        Plan::unverified(program, job).map_err(LoadError::Input)
     }
 
     /// Prepares `program` for running without verifying it (tests of the stress mode only).

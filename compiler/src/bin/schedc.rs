@@ -234,7 +234,7 @@ fn compile(
             return Status::BadInput;
         }
     };
-    let mut times = schedc::lower::PassTimes::default();
+    let mut times = schedc::pipeline::PassTimes::default();
     let compiled = schedc::compile_timed(job, &mut times);
     if time_passes {
         for (name, t) in &times.0 {
@@ -249,6 +249,22 @@ fn compile(
                 job.schedule.name
             );
             return Status::BadInput;
+        }
+        Err(schedc::CompileError::Pass {
+            pass,
+            program,
+            errors,
+        }) => {
+            eprintln!(
+                "error: the program for `{}` is malformed after the {pass} pass ({} errors):\n",
+                job.schedule.name,
+                errors.len()
+            );
+            eprint!(
+                "{}",
+                schedc::verify::render_context(&program, &errors[..errors.len().min(20)], 3)
+            );
+            return Status::Fault;
         }
         Err(schedc::CompileError::Verify(program, errors)) => {
             eprintln!(
@@ -379,55 +395,40 @@ fn verify(path: &Path) -> Status {
     }
 }
 
-/// A compiled program with its job: from a plan file, or compiled from a `.sched` file.
+/// A verified program with its job: from a plan file, or compiled from a `.sched` file (whose
+/// diagnostics are printed), through the shared loader.
 fn load_program(
     file: &Path,
     schedule: Option<&str>,
 ) -> Result<(schedc::ir::Program, schedc::Job), Status> {
-    let text = std::fs::read_to_string(file).map_err(|e| {
-        eprintln!("error: cannot read {}: {e}", file.display());
-        Status::Fault
-    })?;
-    if text.trim_start().starts_with('{') {
-        let plan = schedc::emit::plan::read_plan(&text).map_err(|e| {
-            eprintln!("error: {}: {e}", file.display());
-            Status::BadInput
-        })?;
-        let ctx = schedc::verify::Ctx {
-            shard: plan.shard,
-            secondary: plan.secondary,
-        };
-        if let Err(errors) = schedc::verify::verify(&plan.program, ctx) {
-            eprintln!(
-                "error: {} fails verification ({} errors):\n",
-                file.display(),
-                errors.len()
-            );
-            eprint!(
-                "{}",
-                schedc::verify::render_context(&plan.program, &errors[..errors.len().min(20)], 3)
-            );
-            return Err(Status::BadInput);
+    match schedc::load::load(file, schedule) {
+        Ok(loaded) => {
+            if let Some(a) = &loaded.analysis {
+                a.sources.emit(&mut stderr(), &a.diagnostics);
+            }
+            Ok((loaded.program, loaded.job))
         }
-        return Ok((plan.program, plan.job));
-    }
-    let analysis = analyze_and_report(file)?;
-    let job = analysis.select(schedule).map_err(|e| {
-        eprintln!("error: {}: {e}", file.display());
-        Status::BadInput
-    })?;
-    match schedc::compile(job) {
-        Ok((program, _)) => Ok((program, job.clone())),
-        Err(schedc::CompileError::Lower(e)) => {
-            eprintln!(
-                "error: schedule `{}` cannot be lowered: {e}",
-                job.schedule.name
-            );
+        Err(schedc::load::LoadError::Diagnostics(a)) => {
+            a.sources.emit(&mut stderr(), &a.diagnostics);
             Err(Status::BadInput)
         }
         Err(e) => {
-            eprintln!("error: schedule `{}`: {e}", job.schedule.name);
-            Err(Status::Fault)
+            eprint!("error: {}", e.render(20, 3));
+            if !matches!(
+                e,
+                schedc::load::LoadError::Unverified { .. }
+                    | schedc::load::LoadError::Compile {
+                        error: schedc::CompileError::Verify(..),
+                        ..
+                    }
+            ) {
+                eprintln!();
+            }
+            Err(if e.is_input() {
+                Status::BadInput
+            } else {
+                Status::Fault
+            })
         }
     }
 }

@@ -287,7 +287,7 @@ impl Region {
 }
 
 /// One collective call.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct CollectiveOp {
     pub kind: CollectiveKind,
     pub comm: CommId,
@@ -319,7 +319,7 @@ pub enum ComputeKind {
     GradNorm,
 }
 
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub enum OpKind {
     Compute(ComputeKind),
     Collective(CollectiveOp),

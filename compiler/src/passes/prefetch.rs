@@ -15,13 +15,25 @@
 //!   order) until enough is released, and then fences on the compute that released it. A unit its
 //!   own slot needs that still cannot fit makes the schedule infeasible: an error naming the slot.
 
+use crate::draft::{Draft, Slot, Unit};
 use crate::ir::*;
-use crate::lower::{Draft, LowerError};
 use cranelift_entity::{EntityRef, PrimaryMap};
 use std::collections::{HashMap, VecDeque};
 
+/// A `prefetch.max_live` cap the schedule cannot meet: the slot and the bytes that do not fit.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MaxLiveError(pub String);
+
+impl std::fmt::Display for MaxLiveError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for MaxLiveError {}
+
 /// Fixes the issue order and returns the renumbered program with its fences.
-pub fn run(draft: Draft) -> Result<(Program, Vec<(OpId, OpId)>), LowerError> {
+pub fn run(draft: Draft) -> Result<(Program, Vec<(OpId, OpId)>), MaxLiveError> {
     let Draft {
         program,
         slots,
@@ -29,7 +41,7 @@ pub fn run(draft: Draft) -> Result<(Program, Vec<(OpId, OpId)>), LowerError> {
         ..
     } = draft;
     let cap = max_live.unwrap_or(u64::MAX);
-    let mut units: Vec<(usize, usize, &crate::lower::Unit)> = vec![]; // (issue slot wanted, seq, unit)
+    let mut units: Vec<(usize, usize, &Unit)> = vec![]; // (issue slot wanted, seq, unit)
     for slot in &slots {
         for u in &slot.units {
             let wanted = u
@@ -41,8 +53,7 @@ pub fn run(draft: Draft) -> Result<(Program, Vec<(OpId, OpId)>), LowerError> {
         }
     }
     units.sort_by_key(|&(_, seq, u)| (u.consumer, seq));
-    let mut queue: VecDeque<(usize, &crate::lower::Unit)> =
-        units.iter().map(|&(w, _, u)| (w, u)).collect();
+    let mut queue: VecDeque<(usize, &Unit)> = units.iter().map(|&(w, _, u)| (w, u)).collect();
 
     let mut order: Vec<OpId> = Vec::with_capacity(program.ops.len());
     let mut fences: Vec<(OpId, OpId)> = vec![];
@@ -70,7 +81,7 @@ pub fn run(draft: Draft) -> Result<(Program, Vec<(OpId, OpId)>), LowerError> {
             let in_use: u64 = live.iter().map(|l| l.1).sum();
             if in_use.saturating_add(u.gathered_bytes) > cap {
                 if u.consumer == pos {
-                    return Err(LowerError(format!(
+                    return Err(MaxLiveError(format!(
                         "max_live = {cap} bytes cannot be met: before {} {} (micro-step {}), {in_use} bytes of gathered \
                          parameters are still needed and {} more must be gathered",
                         program.ops[slot.compute[0]].kind_name(),
@@ -118,7 +129,7 @@ pub fn run(draft: Draft) -> Result<(Program, Vec<(OpId, OpId)>), LowerError> {
     Ok(renumber(program, order, fences))
 }
 
-fn slot_layer_name(p: &Program, slot: &crate::lower::Slot) -> String {
+fn slot_layer_name(p: &Program, slot: &Slot) -> String {
     p.ops[slot.compute[0]]
         .layer
         .map_or_else(|| "the loss".to_string(), |l| p.layers[l].name.clone())

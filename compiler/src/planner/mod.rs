@@ -35,7 +35,7 @@ pub mod space;
 use crate::ir::Program;
 use crate::job::Job;
 use crate::sim::{self, cost::CostModel, SimReport};
-use crate::{lower, CompileError};
+use crate::{pipeline, CompileError};
 use space::{Knobs, Structure};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
@@ -266,7 +266,7 @@ fn tally(outcome: Screened, stats: &mut SearchStats) -> Option<f64> {
 
 /// Lowers without a memory plan, checks the arena floor, simulates.
 fn screen(job: &Job) -> Screened {
-    let Ok(program) = lower::lower_unplanned(job) else {
+    let Ok(program) = pipeline::lower_unplanned(job) else {
         return Screened::NotLowerable;
     };
     if bounds::arena_floor(&program) > job.cluster.gpu_memory {
@@ -284,7 +284,7 @@ enum Finalized {
 
 /// Compiles with the memory plan and simulates.
 fn finalize(job: &Job) -> Finalized {
-    let Ok(program) = lower::lower(job) else {
+    let Ok(program) = pipeline::lower(job) else {
         return Finalized::NotLowerable;
     };
     let report = sim::simulate(&program, job);

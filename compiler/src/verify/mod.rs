@@ -4,8 +4,10 @@
 //! trusts nothing but the program. What it proves, in order (handle and range checks first, so
 //! the rest can index freely):
 //! 1. **Structure.** Every handle exists; every region lies inside its buffer for every rank; every
-//!    buffer lies inside the arena; events are recorded once and waited on only after they are
-//!    recorded in issue order; each communicator's groups partition the ranks into equal groups.
+//!    buffer lies inside the arena; each communicator's groups partition the ranks into equal
+//!    groups ([`verify_structure`] runs the part a half-built program can meet after each pass).
+//!    **Issue order** ([`issue`]): every event is recorded once, by the op it names, and waited on
+//!    only by ops issued after that op, so one host thread can enqueue the ops in issue order.
 //! 2. **Collective matching.** Every collective's count divides by its group size and agrees with
 //!    its regions and dtype for its kind. One program serves every rank, so every member of a group
 //!    issues the same sequence on every communicator.
@@ -26,13 +28,20 @@
 //!    contributions exactly once, and every param shard is refreshed for the next step
 //!    ([`values`]). With gradient clipping, the norm reads each layer's optimizer-shard gradient
 //!    only once complete, is summed over every optimizer shard once, and every update reads it.
+//! 8. **NCCL buffer rules** ([`nccl`]). On every rank, every collective's input and output are
+//!    disjoint in the arena or in place exactly as NCCL defines it.
+//!
+//! Proofs 1, 1b and 8 are what the backends rely on to enqueue and call NCCL without checks of
+//! their own.
 //!
 //! Errors are collected, each naming its op or buffer; [`render`] prints the listing with every
 //! error written under the op it concerns. Success returns [`PlanInfo`].
 
 mod clocks;
 mod collectives;
+mod issue;
 mod memory;
+mod nccl;
 mod structure;
 mod values;
 
@@ -75,9 +84,95 @@ impl Ctx {
     }
 }
 
+/// How far through the pipeline a program is: which structural facts it can already meet.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Stage {
+    /// Issue order fixed (after prefetch): handles, regions and communicators are checkable.
+    Ordered,
+    /// Every op on a stream that exists.
+    Streamed,
+    /// Waits and events in place: the issue-order proof holds.
+    Synchronised,
+    /// Every buffer placed inside the arena: the whole of proof 1.
+    Placed,
+}
+
+/// The structural checks a program at `stage` must pass (proof 1 and, from
+/// [`Stage::Synchronised`], the issue-order proof): cheap, run by the pipeline after each pass.
+pub fn verify_structure(p: &Program, ctx: Ctx, stage: Stage) -> Result<(), Vec<VerifyError>> {
+    let mut errors = structure::check(p, ctx, stage);
+    if stage >= Stage::Synchronised {
+        errors.extend(issue::check(p));
+    }
+    if errors.is_empty() {
+        Ok(())
+    } else {
+        Err(errors)
+    }
+}
+
+/// The value proof (7) run ahead of the others, for a caller that can run it beside other work
+/// (the pipeline runs it beside memory planning). It reads only what the later passes never
+/// change (ops' kinds, roles, layers, micro-steps and regions; buffers' kinds, dtypes, sizes and
+/// layers; communicators; layers; the shape of the cluster), and [`verify_with`] uses it only for
+/// a program whose fingerprint of exactly those fields is the same; otherwise it proves again.
+pub struct ValuesProof {
+    fingerprint: u64,
+    errors: Vec<VerifyError>,
+}
+
+/// Runs proof 7 (with clipping's norm) on `p` now; see [`ValuesProof`].
+pub fn prove_values(p: &Program, ctx: Ctx) -> ValuesProof {
+    let mut errors = values::check(p, ctx);
+    errors.extend(values::check_norm(p, ctx));
+    ValuesProof {
+        fingerprint: values_fingerprint(p),
+        errors,
+    }
+}
+
+/// A hash of every field of `p` the value proof reads.
+fn values_fingerprint(p: &Program) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = crate::hash::FxHasher::default();
+    (p.ranks, p.nodes, p.gpus_per_node, p.micro_steps).hash(&mut h);
+    for op in p.ops.values() {
+        (
+            &op.kind,
+            op.role,
+            op.layer,
+            op.micro_step,
+            &op.reads,
+            &op.writes,
+        )
+            .hash(&mut h);
+    }
+    for b in p.buffers.values() {
+        (b.kind, b.dtype, b.bytes, b.layer, &b.name).hash(&mut h);
+    }
+    for c in p.comms.values() {
+        c.groups.hash(&mut h);
+    }
+    for l in p.layers.values() {
+        (l.params, l.padded, &l.name).hash(&mut h);
+    }
+    h.finish()
+}
+
 /// Runs every proof; all errors found, or the analysis.
 pub fn verify(p: &Program, ctx: Ctx) -> Result<PlanInfo, Vec<VerifyError>> {
-    let mut errors = structure::check(p, ctx);
+    verify_with(p, ctx, None)
+}
+
+/// [`verify`], taking proof 7's outcome from `values` when it was run on a program equal to `p`
+/// in everything that proof reads.
+pub fn verify_with(
+    p: &Program,
+    ctx: Ctx,
+    values: Option<ValuesProof>,
+) -> Result<PlanInfo, Vec<VerifyError>> {
+    let mut errors = structure::check(p, ctx, Stage::Placed);
+    errors.extend(issue::check(p));
     if !errors.is_empty() {
         return Err(errors);
     }
@@ -85,9 +180,12 @@ pub fn verify(p: &Program, ctx: Ctx) -> Result<PlanInfo, Vec<VerifyError>> {
     errors.extend(collectives::check(p, ctx, &clocks));
     let (mem_errors, live_bound) = memory::check(p, ctx, &clocks);
     errors.extend(mem_errors);
+    errors.extend(nccl::check(p, ctx));
     if errors.is_empty() {
-        errors.extend(values::check(p, ctx));
-        errors.extend(values::check_norm(p, ctx));
+        match values.filter(|v| v.fingerprint == values_fingerprint(p)) {
+            Some(v) => errors.extend(v.errors),
+            None => errors.extend(prove_values(p, ctx).errors),
+        }
     }
     if errors.is_empty() {
         Ok(PlanInfo { live_bound })

@@ -1,10 +1,16 @@
-//! Proof 1: handles, bounds, events and communicator shapes.
+//! Proof 1: handles, bounds and communicator shapes, as far as the pipeline's [`Stage`] allows
+//! (streams exist once assigned, buffers lie in the arena once placed).
+//!
+//! Cheap by construction, so the pipeline can run it after every pass: a rank-dependent region is
+//! checked at the largest value its shard index takes on any rank (its end grows with the index),
+//! and only a region that fails is walked rank by rank to name one.
 
-use super::{range, representative_ranks, Ctx, VerifyError};
+use super::{range, representative_ranks, Ctx, Stage, VerifyError};
+use crate::ir::layout::Layout;
 use crate::ir::*;
 use cranelift_entity::EntityRef;
 
-pub fn check(p: &Program, ctx: Ctx) -> Vec<VerifyError> {
+pub fn check(p: &Program, ctx: Ctx, stage: Stage) -> Vec<VerifyError> {
     let mut errs = vec![];
     let mut err = |op: Option<OpId>, m: String| errs.push(VerifyError { op, message: m });
     let sh = ctx.shard;
@@ -68,9 +74,10 @@ pub fn check(p: &Program, ctx: Ctx) -> Vec<VerifyError> {
         }
     }
     for (id, b) in p.buffers.iter() {
-        if b.offset
-            .checked_add(b.bytes)
-            .is_none_or(|end| end > p.arena_bytes)
+        if stage >= Stage::Placed
+            && b.offset
+                .checked_add(b.bytes)
+                .is_none_or(|end| end > p.arena_bytes)
         {
             err(
                 None,
@@ -91,24 +98,11 @@ pub fn check(p: &Program, ctx: Ctx) -> Vec<VerifyError> {
             );
         }
     }
-    for (e, ev) in p.events.iter() {
-        if p.ops.get(ev.recorder).and_then(|o| o.record) != Some(e) {
-            err(None, format!("{e} is not recorded by the op it names"));
-        }
-    }
+    let top = Highest::new(&layout, &reps);
     for (id, op) in p.ops.iter() {
-        if op.stream.index() >= p.streams.len() {
+        if stage >= Stage::Streamed && op.stream.index() >= p.streams.len() {
             err(Some(id), format!("stream {} does not exist", op.stream));
             continue;
-        }
-        for &w in &op.wait {
-            match p.events.get(w) {
-                None => err(Some(id), format!("waits on {w}, which does not exist")),
-                Some(ev) if ev.recorder >= id => {
-                    err(Some(id), format!("waits on {w}, recorded by {} which is issued later: the host would wait forever", ev.recorder))
-                }
-                Some(_) => {}
-            }
         }
         let regions = op
             .reads
@@ -123,6 +117,9 @@ pub fn check(p: &Program, ctx: Ctx) -> Vec<VerifyError> {
                 );
                 continue;
             };
+            if top.end(r) <= b.bytes {
+                continue;
+            }
             if let Some(rank) = reps
                 .iter()
                 .copied()
@@ -145,4 +142,38 @@ pub fn check(p: &Program, ctx: Ctx) -> Vec<VerifyError> {
         }
     }
     errs
+}
+
+/// The largest value each shard index takes over the ranks, for bounding regions at once.
+struct Highest([u64; ShardIndex::ALL.len()]);
+
+impl Highest {
+    fn new(layout: &Layout, reps: &[u32]) -> Self {
+        let mut top = [0; ShardIndex::ALL.len()];
+        for &r in reps {
+            for (t, i) in top.iter_mut().zip(ShardIndex::ALL) {
+                *t = (*t).max(layout.index(i, r));
+            }
+        }
+        Highest(top)
+    }
+
+    /// The end of `r` on the rank where it ends highest (saturating: an overflow is out of bounds).
+    fn end(&self, r: &Region) -> u64 {
+        let start = match r.offset {
+            Offset::Fixed(o) => o,
+            Offset::Shard {
+                index,
+                base,
+                stride,
+            } => {
+                let i = ShardIndex::ALL
+                    .iter()
+                    .position(|&x| x == index)
+                    .expect("every index is listed");
+                base.saturating_add(self.0[i].saturating_mul(stride))
+            }
+        };
+        start.saturating_add(r.bytes)
+    }
 }

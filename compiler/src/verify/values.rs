@@ -21,10 +21,11 @@
 //! whose op sequences are alike (the same shapes, communicators and regions) are checked once.
 
 use super::{range, Ctx, VerifyError};
+use crate::hash::FxHashMap;
 use crate::ir::layout::Layout;
 use crate::ir::*;
 use crate::job::Collective;
-use cranelift_entity::EntityRef;
+use cranelift_entity::{EntityRef, SecondaryMap};
 use std::collections::HashMap;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -60,15 +61,24 @@ struct Seg {
 /// The contents of one buffer on one rank: sorted, disjoint segments.
 type Contents = Vec<Seg>;
 
-/// Interned contribution sets: per (term, micro-step), a bitset of ranks.
+/// One contribution set: per (term, micro-step), sorted by them, a bitset of ranks.
+type ContribSet = Vec<(u32, u32, Vec<u64>)>;
+
+/// Interned contribution sets, so contents compare by id. Sets are only ever built by
+/// [`Contribs::single`] and by unions of disjoint sets, so a union (two members or more) never
+/// equals a singleton: singletons are interned by (term, micro-step, rank) alone, cheaply, and
+/// only union results by their whole set.
 #[derive(Default)]
 struct Contribs {
-    sets: Vec<Vec<(u32, u32, Vec<u64>)>>,
-    index: HashMap<Vec<(u32, u32, Vec<u64>)>, u32>,
+    sets: Vec<ContribSet>,
+    index: FxHashMap<ContribSet, u32>,
+    singles: FxHashMap<(u32, u32, u32), u32>,
+    /// Unions already taken, by the ids of their two sides.
+    unions: FxHashMap<(u32, u32), u32>,
 }
 
 impl Contribs {
-    fn intern(&mut self, set: Vec<(u32, u32, Vec<u64>)>) -> u32 {
+    fn intern(&mut self, set: ContribSet) -> u32 {
         if let Some(&i) = self.index.get(&set) {
             return i;
         }
@@ -79,27 +89,59 @@ impl Contribs {
     }
 
     fn single(&mut self, term: u32, m: u32, rank: u32, ranks: u32) -> u32 {
+        if let Some(&i) = self.singles.get(&(term, m, rank)) {
+            return i;
+        }
         let mut bits = vec![0u64; (ranks as usize).div_ceil(64)];
         bits[rank as usize / 64] |= 1 << (rank % 64);
-        self.intern(vec![(term, m, bits)])
+        let i = self.sets.len() as u32;
+        self.sets.push(vec![(term, m, bits)]);
+        self.singles.insert((term, m, rank), i);
+        i
     }
 
-    /// The union of two sets, or the (term, micro-step, rank) counted twice.
-    fn union(&mut self, a: u32, b: u32) -> Result<u32, (u32, u32, u32)> {
-        let mut out = self.sets[a as usize].clone();
-        for (t, m, bits) in self.sets[b as usize].clone() {
-            match out.iter_mut().find(|(t2, m2, _)| (*t2, *m2) == (t, m)) {
+    /// Adds set `b` into `out`, or the (term, micro-step, rank) counted twice.
+    fn add_into(&self, out: &mut ContribSet, b: u32) -> Result<(), (u32, u32, u32)> {
+        for (t, m, bits) in &self.sets[b as usize] {
+            match out.iter_mut().find(|(t2, m2, _)| (*t2, *m2) == (*t, *m)) {
                 Some((_, _, have)) => {
-                    for (w, (h, n)) in have.iter_mut().zip(&bits).enumerate() {
+                    for (w, (h, n)) in have.iter_mut().zip(bits).enumerate() {
                         if *h & n != 0 {
                             let bit = (*h & n).trailing_zeros();
-                            return Err((t, m, (w * 64) as u32 + bit));
+                            return Err((*t, *m, (w * 64) as u32 + bit));
                         }
                         *h |= n;
                     }
                 }
-                None => out.push((t, m, bits)),
+                None => out.push((*t, *m, bits.clone())),
             }
+        }
+        Ok(())
+    }
+
+    /// The union of two sets, or the (term, micro-step, rank) counted twice. Sets never change
+    /// once interned, so a union is remembered by its sides' ids.
+    fn union(&mut self, a: u32, b: u32) -> Result<u32, (u32, u32, u32)> {
+        if let Some(&u) = self.unions.get(&(a, b)) {
+            return Ok(u);
+        }
+        let u = self.union_all(&[a, b])?;
+        self.unions.insert((a, b), u);
+        Ok(u)
+    }
+
+    /// The union of `ids` taken in order (each added to the union of those before it), or the
+    /// first (term, micro-step, rank) counted twice; only the result is interned.
+    fn union_all(&mut self, ids: &[u32]) -> Result<u32, (u32, u32, u32)> {
+        let Some((&first, rest)) = ids.split_first() else {
+            return Ok(self.intern(vec![]));
+        };
+        if rest.is_empty() {
+            return Ok(first);
+        }
+        let mut out = self.sets[first as usize].clone();
+        for &b in rest {
+            self.add_into(&mut out, b)?;
         }
         out.sort_by_key(|(t, m, _)| (*t, *m));
         Ok(self.intern(out))
@@ -122,8 +164,8 @@ pub fn check(p: &Program, ctx: Ctx) -> Vec<VerifyError> {
             ops_of[l].push(id);
         }
     }
-    let mut errs = vec![];
     let mut seen: HashMap<String, usize> = HashMap::new();
+    let mut runs: Vec<(LayerId, &[OpId])> = vec![];
     for (l, ops) in ops_of.iter().enumerate() {
         let layer = LayerId::new(l);
         if p.layers[layer].params == 0 {
@@ -133,19 +175,55 @@ pub fn check(p: &Program, ctx: Ctx) -> Vec<VerifyError> {
         if seen.insert(sig, l).is_some() {
             continue;
         }
+        runs.push((layer, ops));
+    }
+    let run = |&(layer, ops): &(LayerId, &[OpId])| {
         let mut run = Run {
             p,
             layout: &layout,
             layer,
             contribs: Contribs::default(),
-            state: HashMap::new(),
+            state: State::new(p.ranks),
+            scratch: vec![],
             errs: vec![],
         };
         run.execute(ops);
-        errs.extend(run.errs);
+        run.errs
+    };
+    // The runs share nothing: large programs spread them over threads; errors keep layer order.
+    let work: usize = runs.iter().map(|(_, ops)| ops.len()).sum::<usize>() * p.ranks as usize;
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(runs.len());
+    if threads <= 1 || work < PARALLEL_WORK {
+        return runs.iter().flat_map(run).collect();
     }
-    errs
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let mut done: Vec<(usize, Vec<VerifyError>)> = std::thread::scope(|s| {
+        let workers: Vec<_> = (0..threads)
+            .map(|_| {
+                s.spawn(|| {
+                    let mut out = vec![];
+                    loop {
+                        let k = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        let Some(r) = runs.get(k) else { break out };
+                        out.push((k, run(r)));
+                    }
+                })
+            })
+            .collect();
+        workers
+            .into_iter()
+            .flat_map(|w| w.join().expect("a value-proof run panicked"))
+            .collect()
+    });
+    done.sort_by_key(|(k, _)| *k);
+    done.into_iter().flat_map(|(_, e)| e).collect()
 }
+
+/// Ops × ranks of the distinct layer runs above which they are spread over threads (the
+/// 1,024-rank benchmark programs have about 300,000; the examples a few thousand).
+const PARALLEL_WORK: usize = 100_000;
 
 /// What a layer's op sequence looks like, with buffer ids renamed by first use.
 fn signature(p: &Program, layer: LayerId, ops: &[OpId]) -> String {
@@ -191,9 +269,42 @@ struct Run<'a> {
     layout: &'a Layout,
     layer: LayerId,
     contribs: Contribs,
-    /// (buffer, rank) → contents; absent means nothing written yet.
-    state: HashMap<(BufferId, u32), Contents>,
+    /// (buffer, rank) → contents; empty means nothing written yet.
+    state: State,
+    /// A spare contents list, so writes allocate nothing once warm.
+    scratch: Contents,
     errs: Vec<VerifyError>,
+}
+
+/// The contents of every buffer on every rank, indexed directly (no hashing on the hot path).
+struct State {
+    ranks: usize,
+    /// Per buffer, per rank; an empty list until the buffer is first written.
+    of: SecondaryMap<BufferId, Vec<Contents>>,
+}
+
+impl State {
+    fn new(ranks: u32) -> Self {
+        State {
+            ranks: ranks as usize,
+            of: SecondaryMap::new(),
+        }
+    }
+
+    fn get(&self, b: BufferId, rank: u32) -> &[Seg] {
+        self.of
+            .get(b)
+            .and_then(|per| per.get(rank as usize))
+            .map_or(&[], |c| c.as_slice())
+    }
+
+    fn get_mut(&mut self, b: BufferId, rank: u32) -> &mut Contents {
+        let per = &mut self.of[b];
+        if per.is_empty() {
+            per.resize(self.ranks, Vec::new());
+        }
+        &mut per[rank as usize]
+    }
 }
 
 impl Run<'_> {
@@ -214,50 +325,72 @@ impl Run<'_> {
         }
     }
 
+    /// [`Run::read`] without collecting: the segments of `b` on `rank` within `[start, end)`.
+    fn view(&self, b: BufferId, rank: u32, start: u64, end: u64) -> impl Iterator<Item = Seg> + '_ {
+        slice_iter(self.state.get(b, rank), start, end, self.elem_bytes(b))
+    }
+
     /// The segments of `b` on `rank` within `[start, end)`, rebased to start at 0.
     fn read(&self, b: BufferId, rank: u32, start: u64, end: u64) -> Contents {
-        self.state
-            .get(&(b, rank))
-            .map_or_else(Vec::new, |segs| slice(segs, start, end, self.elem_bytes(b)))
+        slice(self.state.get(b, rank), start, end, self.elem_bytes(b))
     }
 
     /// Writes `segs` (rebased at 0) into `b` on `rank` at `at`, replacing what was there.
     fn write(&mut self, b: BufferId, rank: u32, at: u64, len: u64, segs: &[Seg]) {
         let d = self.elem_bytes(b);
-        let cur = self.state.entry((b, rank)).or_default();
-        let mut out: Contents = Vec::with_capacity(cur.len() + segs.len());
-        for s in cur.iter() {
-            if s.end <= at || s.start >= at + len {
-                out.push(*s);
+        let mut out = std::mem::take(&mut self.scratch);
+        out.clear();
+        let cur = self.state.get_mut(b, rank);
+        // What was there before `at`, the new segments, what was there after `at + len`: already
+        // in order, since the old segments are sorted and disjoint and the new ones lie between.
+        let mut after: Option<Seg> = None;
+        let mut rest = 0;
+        for (k, s) in cur.iter().enumerate() {
+            if s.start >= at + len {
+                rest = k;
+                break;
+            }
+            rest = k + 1;
+            if s.end <= at {
+                push_merged(&mut out, *s, d);
                 continue;
             }
             if s.start < at {
-                out.push(Seg { end: at, ..*s });
+                push_merged(&mut out, Seg { end: at, ..*s }, d);
             }
             if s.end > at + len {
                 let skip = (at + len - s.start) / d;
-                let val = s.val.advanced(skip);
-                out.push(Seg {
+                after = Some(Seg {
                     start: at + len,
                     end: s.end,
-                    val,
+                    val: s.val.advanced(skip),
                 });
             }
         }
-        out.extend(segs.iter().map(|s| Seg {
-            start: s.start + at,
-            end: s.end + at,
-            val: s.val,
-        }));
-        out.sort_by_key(|s| s.start);
-        *cur = merge(out, d);
+        for s in segs {
+            let s = Seg {
+                start: s.start + at,
+                end: s.end + at,
+                val: s.val,
+            };
+            push_merged(&mut out, s, d);
+        }
+        if let Some(s) = after {
+            push_merged(&mut out, s, d);
+        }
+        for s in &cur[rest..] {
+            push_merged(&mut out, *s, d);
+        }
+        // The old contents' allocation serves the next write.
+        std::mem::swap(cur, &mut out);
+        self.scratch = out;
     }
 
     fn execute(&mut self, ops: &[OpId]) {
         let deferred = self.deferred_refresh(ops);
         let start = self.initial(deferred);
         for (&(b, r), segs) in &start {
-            self.state.insert((b, r), segs.clone());
+            *self.state.get_mut(b, r) = segs.clone();
         }
         let current = u32::from(deferred);
         for &o in ops {
@@ -287,7 +420,7 @@ impl Run<'_> {
                     v => Seg { val: v, ..*s },
                 })
                 .collect();
-            let got = self.state.get(&(b, r)).cloned().unwrap_or_default();
+            let got = self.state.get(b, r).to_vec();
             if merge(got.clone(), self.elem_bytes(b)) != merge(want, self.elem_bytes(b)) {
                 let last = ops.last().copied().unwrap_or(OpId::new(0));
                 let name = &self.p.buffers[b].name;
@@ -361,13 +494,16 @@ impl Run<'_> {
                 {
                     for rank in 0..self.p.ranks {
                         let (a, z) = range(r, self.layout, rank);
-                        let segs = self.read(r.buffer, rank, a, z);
                         let d = self.elem_bytes(r.buffer);
-                        let whole = segs.len() == 1
-                            && segs[0].start == 0
-                            && segs[0].end == padded * d
-                            && matches!(segs[0].val, Val::Param { elem: 0, version } if version == current);
+                        let mut segs = self.view(r.buffer, rank, a, z);
+                        let whole = matches!(
+                            (segs.next(), segs.next()),
+                            (Some(Seg { start: 0, end, val: Val::Param { elem: 0, version } }), None)
+                                if end == padded * d && version == current
+                        );
+                        drop(segs);
                         if !whole {
+                            let segs = self.read(r.buffer, rank, a, z);
                             let what = describe(&segs, d);
                             self.error(o, format!("{} of {} on rank {rank} reads {} holding {what}, not all {padded} parameters at version {current}", Op::compute_name(kind), self.p.layers[self.layer].name, r.buffer));
                             return;
@@ -666,9 +802,33 @@ impl Run<'_> {
         if !self.mine(c.input.buffer) && !self.mine(c.output.buffer) {
             return;
         }
-        let comm = &self.p.comms[c.comm];
-        for g in comm.groups.clone() {
+        let p = self.p;
+        let comm = &p.comms[c.comm];
+        let d_out = self.elem_bytes(c.output.buffer);
+        let mut out: Contents = vec![];
+        for g in &comm.groups {
             let gs = g.len() as u64;
+            if c.kind == Collective::AllGather {
+                // Member j's input lands as chunk j of every member's output.
+                let chunk = c.output.bytes / gs;
+                out.clear();
+                for (j, &r) in g.iter().enumerate() {
+                    let (a, z) = range(&c.input, self.layout, r);
+                    for s in self.view(c.input.buffer, r, a, z) {
+                        let s = Seg {
+                            start: s.start + j as u64 * chunk,
+                            end: s.end + j as u64 * chunk,
+                            val: s.val,
+                        };
+                        push_merged(&mut out, s, d_out);
+                    }
+                }
+                for &r in g {
+                    let (a, z) = range(&c.output, self.layout, r);
+                    self.write(c.output.buffer, r, a, z - a, &out);
+                }
+                continue;
+            }
             let inputs: Vec<Contents> = g
                 .iter()
                 .map(|&r| {
@@ -677,22 +837,7 @@ impl Run<'_> {
                 })
                 .collect();
             match c.kind {
-                Collective::AllGather => {
-                    let chunk = c.output.bytes / gs;
-                    let mut out = vec![];
-                    for (j, segs) in inputs.iter().enumerate() {
-                        out.extend(segs.iter().map(|s| Seg {
-                            start: s.start + j as u64 * chunk,
-                            end: s.end + j as u64 * chunk,
-                            val: s.val,
-                        }));
-                    }
-                    let out = merge(out, self.elem_bytes(c.output.buffer));
-                    for &r in &g {
-                        let (a, z) = range(&c.output, self.layout, r);
-                        self.write(c.output.buffer, r, a, z - a, &out);
-                    }
-                }
+                Collective::AllGather => unreachable!("handled above"),
                 Collective::ReduceScatter | Collective::AllReduce => {
                     let parts = if c.kind == Collective::ReduceScatter {
                         gs
@@ -701,7 +846,7 @@ impl Run<'_> {
                     };
                     let chunk = c.input.bytes / parts;
                     let d = self.elem_bytes(c.input.buffer);
-                    let mut memo: HashMap<Vec<u32>, u32> = HashMap::new();
+                    let mut memo: FxHashMap<Vec<u32>, u32> = FxHashMap::default();
                     let mut results = Vec::with_capacity(parts as usize);
                     // Every member holding one gradient range over the whole input: one fold serves
                     // every chunk.
@@ -786,7 +931,7 @@ impl Run<'_> {
         z: u64,
         d: u64,
         buf: BufferId,
-        memo: &mut HashMap<Vec<u32>, u32>,
+        memo: &mut FxHashMap<Vec<u32>, u32>,
     ) -> Option<Contents> {
         let pieces: Vec<Contents> = inputs.iter().map(|segs| slice(segs, a, z, d)).collect();
         let uniform: Option<Vec<(u64, u32)>> = pieces
@@ -801,20 +946,16 @@ impl Run<'_> {
             let ids: Vec<u32> = u.iter().map(|(_, c)| *c).collect();
             let contrib = match memo.get(&ids) {
                 Some(&c) => c,
-                None => {
-                    let mut acc = ids[0];
-                    for &c in &ids[1..] {
-                        match self.contribs.union(acc, c) {
-                            Ok(x) => acc = x,
-                            Err((t, m, r)) => {
-                                self.error(o, format!("rank {r}'s gradient of micro-step {m} (from layer{t}'s backward) is added twice into {buf}"));
-                                return None;
-                            }
-                        }
+                None => match self.contribs.union_all(&ids) {
+                    Ok(acc) => {
+                        memo.insert(ids, acc);
+                        acc
                     }
-                    memo.insert(ids, acc);
-                    acc
-                }
+                    Err((t, m, r)) => {
+                        self.error(o, format!("rank {r}'s gradient of micro-step {m} (from layer{t}'s backward) is added twice into {buf}"));
+                        return None;
+                    }
+                },
             };
             return Some(vec![Seg {
                 start: 0,
@@ -859,6 +1000,20 @@ fn single_grad(s: &[Seg]) -> Option<(u64, u32, u64)> {
     }
 }
 
+/// Bytes `[a, z)` of a content, rebased at 0, as they come.
+fn slice_iter(segs: &[Seg], a: u64, z: u64, d: u64) -> impl Iterator<Item = Seg> + '_ {
+    segs.iter()
+        .filter(move |s| s.end > a && s.start < z)
+        .map(move |s| {
+            let (lo, hi) = (s.start.max(a), s.end.min(z));
+            Seg {
+                start: lo - a,
+                end: hi - a,
+                val: s.val.advanced((lo - s.start) / d),
+            }
+        })
+}
+
 /// Bytes `[a, z)` of a content, rebased at 0.
 fn slice(segs: &[Seg], a: u64, z: u64, d: u64) -> Contents {
     segs.iter()
@@ -897,39 +1052,44 @@ fn splice(segs: Contents, at: u64, len: u64, new: &[Seg], d: u64) -> Contents {
 fn merge(segs: Contents, d: u64) -> Contents {
     let mut out: Contents = Vec::with_capacity(segs.len());
     for s in segs {
-        if let Some(last) = out.last_mut() {
-            let continues = last.end == s.start
-                && match (last.val, s.val) {
-                    (
-                        Val::Param {
-                            elem: e1,
-                            version: v1,
-                        },
-                        Val::Param {
-                            elem: e2,
-                            version: v2,
-                        },
-                    ) => v1 == v2 && e1 + (last.end - last.start) / d == e2,
-                    (
-                        Val::Grad {
-                            elem: e1,
-                            contrib: c1,
-                        },
-                        Val::Grad {
-                            elem: e2,
-                            contrib: c2,
-                        },
-                    ) => c1 == c2 && e1 + (last.end - last.start) / d == e2,
-                    _ => false,
-                };
-            if continues {
-                last.end = s.end;
-                continue;
-            }
-        }
-        out.push(s);
+        push_merged(&mut out, s, d);
     }
     out
+}
+
+/// Appends `s` to `out`, extending the last segment when `s` continues it.
+fn push_merged(out: &mut Contents, s: Seg, d: u64) {
+    if let Some(last) = out.last_mut() {
+        let continues = last.end == s.start
+            && match (last.val, s.val) {
+                (
+                    Val::Param {
+                        elem: e1,
+                        version: v1,
+                    },
+                    Val::Param {
+                        elem: e2,
+                        version: v2,
+                    },
+                ) => v1 == v2 && e1 + (last.end - last.start) / d == e2,
+                (
+                    Val::Grad {
+                        elem: e1,
+                        contrib: c1,
+                    },
+                    Val::Grad {
+                        elem: e2,
+                        contrib: c2,
+                    },
+                ) => c1 == c2 && e1 + (last.end - last.start) / d == e2,
+                _ => false,
+            };
+        if continues {
+            last.end = s.end;
+            return;
+        }
+    }
+    out.push(s);
 }
 
 fn describe(segs: &[Seg], d: u64) -> String {

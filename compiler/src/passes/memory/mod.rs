@@ -84,12 +84,29 @@ impl Lifetimes {
 /// buffer's first access on each stream after the last accesses, on each stream, of every buffer
 /// placed before it on overlapping bytes.
 pub fn run(p: &mut Program) -> Vec<(OpId, OpId)> {
+    let placement = plan(p);
+    apply(p, placement)
+}
+
+/// Where [`plan`] puts every buffer.
+pub struct Placement {
+    /// Offset of each buffer, by buffer id (persistent and transient).
+    offsets: Vec<u64>,
+    /// The transient buffers, in order of first access.
+    transient: Vec<BufferId>,
+    arena_bytes: u64,
+}
+
+/// Decides every buffer's offset without changing the program (so other work may read it
+/// meanwhile); [`apply`] writes the offsets.
+pub fn plan(p: &Program) -> Placement {
     let clocks = Clocks::new(p);
     let life = Lifetimes::new(p, &clocks);
     let align = |x: u64| x.div_ceil(ALIGN) * ALIGN;
+    let mut offsets = vec![0; p.buffers.len()];
     let mut top = 0;
-    for b in p.buffers.values_mut().filter(|b| b.kind.is_persistent()) {
-        b.offset = top;
+    for (id, b) in p.buffers.iter().filter(|(_, b)| b.kind.is_persistent()) {
+        offsets[id.index()] = top;
         top = align(top + b.bytes);
     }
     let base = top;
@@ -98,15 +115,30 @@ pub fn run(p: &mut Program) -> Vec<(OpId, OpId)> {
 
     let best = search::plan(p, &clocks, &life, &span, &transient, base);
     for &b in &transient {
-        p.buffers[b].offset = best.0[b.index()];
+        offsets[b.index()] = best.0[b.index()];
     }
-    p.arena_bytes = best.1.max(top);
+    Placement {
+        offsets,
+        transient,
+        arena_bytes: best.1.max(top),
+    }
+}
+
+/// Writes `placement`'s offsets and arena size; returns the orderings it relies on (see [`run`]).
+pub fn apply(p: &mut Program, placement: Placement) -> Vec<(OpId, OpId)> {
+    for (id, b) in p.buffers.iter_mut().filter(|(_, b)| b.kind.is_persistent()) {
+        b.offset = placement.offsets[id.index()];
+    }
+    for &b in &placement.transient {
+        p.buffers[b].offset = placement.offsets[b.index()];
+    }
+    p.arena_bytes = placement.arena_bytes;
 
     // Each buffer after the ones whose bytes it takes over, in order of first access.
     let (firsts, lasts) = access_ends(p);
     let mut reuse: Vec<(OpId, OpId)> = vec![];
     let mut occupants = crate::intervals::Occupants::default();
-    for b in transient {
+    for b in placement.transient {
         let at = p.buffers[b].offset;
         for a in occupants.replace(at, at + p.buffers[b].bytes, b) {
             for &waiter in firsts[b.index()].iter().flatten() {

@@ -68,6 +68,23 @@ pub(super) fn place(
     base: u64,
     fit: Fit,
 ) -> (Vec<u64>, u64) {
+    place_below(p, life, span, units, order, base, fit, u64::MAX)
+        .expect("no placement reaches u64::MAX")
+}
+
+/// [`place`], given up (`None`) as soon as the arena top reaches `cap`: a candidate that cannot
+/// come out strictly lower than the best so far needs no finishing.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn place_below(
+    p: &Program,
+    life: &Lifetimes,
+    span: &[(usize, usize)],
+    units: &Units,
+    order: &[usize],
+    base: u64,
+    fit: Fit,
+    cap: u64,
+) -> Option<(Vec<u64>, u64)> {
     let align = |x: u64| x.div_ceil(ALIGN) * ALIGN;
     let mut offset = vec![0u64; p.buffers.len()];
     // Placed buffers by the blocks of issue positions their spans cover.
@@ -102,7 +119,10 @@ pub(super) fn place(
                 }
             }
         }
-        busy.sort_unstable();
+        // By start only: among ranges that start together the scans below take the same gaps
+        // whatever their order (the first of them already sees the gap below; the later ones
+        // start below the end of the first), and the top is the largest end either way.
+        busy.sort_unstable_by_key(|r| r.0);
         let high = match fit {
             Fit::TwoEnded { split, target } if bytes < split => {
                 highest_below(&busy, base, bytes, target)
@@ -123,6 +143,9 @@ pub(super) fn place(
             chosen.map_or(at, |(_, o)| o)
         });
         top = top.max(align(at + bytes));
+        if top >= cap {
+            return None;
+        }
         for &b in unit {
             offset[b.index()] = at;
             let (b0, b1) = span[b.index()];
@@ -131,7 +154,7 @@ pub(super) fn place(
             }
         }
     }
-    (offset, top)
+    Some((offset, top))
 }
 
 /// Issue positions per block of [`place`]'s index of placed buffers.

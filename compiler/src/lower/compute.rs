@@ -1,0 +1,180 @@
+//! Compute ops: each layer's forward, recompute and backward, with the hidden states between
+//! layers and the activations forward saves for backward (sized by [`super::activations`]).
+//!
+//! A compute op's regions follow one order the runtime decodes (`runtime/src/exec.rs`): layer
+//! parameters, tied embedding, input, then outputs.
+
+use super::{activations, Builder};
+use crate::ir::*;
+use crate::job::*;
+use std::collections::HashMap;
+
+impl Builder<'_> {
+    pub(super) fn hidden_buf(&mut self, grad: bool, m: u32, l: usize) -> BufferId {
+        let map = if grad {
+            &self.grad_hidden
+        } else {
+            &self.hidden
+        };
+        if let Some(&b) = map.get(&(m, l)) {
+            return b;
+        }
+        let layers = &self.job.model.layers;
+        // h[l] is produced by layer l-1; size it by its producer, else by its consumer.
+        let bytes = (l > 0)
+            .then(|| activations::output_bytes(&layers[l - 1].kind, &self.job.model))
+            .filter(|&b| b > 0)
+            .or_else(|| {
+                layers
+                    .get(l)
+                    .map(|x| activations::output_bytes(&x.kind, &self.job.model))
+            })
+            .unwrap_or(0);
+        let name = format!("{}.{}.m{m}", if grad { "grad_hidden" } else { "hidden" }, l);
+        let id = self.buffer(
+            name,
+            BufferKind::Hidden,
+            self.dtype,
+            bytes / self.dtype.bytes(),
+            None,
+        );
+        let map = if grad {
+            &mut self.grad_hidden
+        } else {
+            &mut self.hidden
+        };
+        map.insert((m, l), id);
+        id
+    }
+
+    /// Layer `l`'s saved activations in micro-step `m` (created on first use).
+    pub(super) fn act_buf(&mut self, l: usize, m: u32) -> Option<BufferId> {
+        if let Some(&b) = self.acts.get(&(l, m)) {
+            return Some(b);
+        }
+        let bytes = activations::saved_bytes(&self.job.model.layers[l].kind, &self.job.model);
+        (bytes > 0).then(|| {
+            let id = self.layers[l].id;
+            let name = format!("{}.act.m{m}", self.p.layers[id].name);
+            let b = self.buffer(
+                name,
+                BufferKind::Activation,
+                self.dtype,
+                bytes / self.dtype.bytes(),
+                Some(id),
+            );
+            self.acts.insert((l, m), b);
+            b
+        })
+    }
+
+    pub(super) fn forward(
+        &mut self,
+        l: usize,
+        m: u32,
+        full: &HashMap<usize, BufferId>,
+    ) -> Vec<OpId> {
+        let id = self.layers[l].id;
+        let recompute = self.job.schedule.recompute == Recompute::Full;
+        let mut reads: Vec<Region> = self.params_region(l, full).into_iter().collect();
+        if let Some(e) = self.tied_embedding(l) {
+            reads.extend(self.params_region(e, full));
+        }
+        if l > 0 {
+            let h = self.hidden_buf(false, m, l);
+            reads.push(Region::whole(h, self.p.buffers[h].bytes));
+        }
+        let out = self.hidden_buf(false, m, l + 1);
+        let mut writes = vec![Region::whole(out, self.p.buffers[out].bytes)];
+        if !recompute {
+            if let Some(a) = self.act_buf(l, m) {
+                writes.push(Region::whole(a, self.p.buffers[a].bytes));
+            }
+        }
+        let mut ops = vec![self.compute(ComputeKind::Forward, Some(id), Some(m), reads, writes)];
+        // hpZ keeps this rank's slice of the gathered parameters for backward.
+        if let (ReshardAfterForward::Node { secondary }, Some(&g)) =
+            (self.job.schedule.reshard_after_forward, full.get(&l))
+        {
+            let padded = self.layers[l].padded;
+            let chunk = padded / u64::from(secondary) * self.dtype.bytes();
+            let sec = self.secondary_buf(l, m);
+            let from = Region {
+                buffer: g,
+                offset: Offset::Shard {
+                    index: ShardIndex::Secondary,
+                    base: 0,
+                    stride: chunk,
+                },
+                bytes: chunk,
+            };
+            ops.push(self.compute(
+                ComputeKind::Copy,
+                Some(id),
+                Some(m),
+                vec![from],
+                vec![Region::whole(sec, chunk)],
+            ));
+        }
+        ops
+    }
+
+    pub(super) fn backward(
+        &mut self,
+        l: usize,
+        m: u32,
+        bwd_full: &HashMap<usize, BufferId>,
+        fwd_full: &HashMap<usize, BufferId>,
+        full_grads: &mut HashMap<usize, BufferId>,
+    ) -> Vec<OpId> {
+        let id = self.layers[l].id;
+        let mut ops = vec![];
+        let params = self.params_region(l, bwd_full);
+        let act = self.act_buf(l, m);
+        if self.job.schedule.recompute == Recompute::Full {
+            let mut reads: Vec<Region> = params.into_iter().collect();
+            if l > 0 {
+                let h = self.hidden_buf(false, m, l);
+                reads.push(Region::whole(h, self.p.buffers[h].bytes));
+            }
+            if let Some(a) = act {
+                let w = vec![Region::whole(a, self.p.buffers[a].bytes)];
+                ops.push(self.compute(ComputeKind::Recompute, Some(id), Some(m), reads, w));
+            }
+        }
+        let mut reads: Vec<Region> = params.into_iter().collect();
+        if let Some(a) = act {
+            reads.push(Region::whole(a, self.p.buffers[a].bytes));
+        }
+        let g_out = self.hidden_buf(true, m, l + 1);
+        reads.push(Region::whole(g_out, self.p.buffers[g_out].bytes));
+        let mut writes = vec![];
+        if l > 0 {
+            let h = self.hidden_buf(false, m, l);
+            reads.push(Region::whole(h, self.p.buffers[h].bytes));
+            let g_in = self.hidden_buf(true, m, l);
+            writes.push(Region::whole(g_in, self.p.buffers[g_in].bytes));
+        }
+        // Parameter gradients: into the accumulator directly when it is the full size, else a full buffer.
+        if self.layers[l].has_params {
+            let g = self.grad_target(l, m, full_grads);
+            self.grad_write(m, g, &mut reads, &mut writes);
+        }
+        if let Some(e) = self.tied_embedding(l) {
+            if let Some(p) = self.params_region(e, fwd_full) {
+                reads.push(p);
+            }
+            let g = self.grad_target(e, m, full_grads);
+            let LayerKind::Embedding { vocab, hidden, .. } = self.job.model.layers[e].kind else {
+                unreachable!()
+            };
+            let wte = Region {
+                bytes: vocab * hidden * self.grad_dtype.bytes(),
+                ..g
+            };
+            self.grad_write(m, wte, &mut reads, &mut writes);
+        }
+        ops.push(self.compute(ComputeKind::Backward, Some(id), Some(m), reads, writes));
+        ops
+    }
+}

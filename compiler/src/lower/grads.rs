@@ -1,0 +1,287 @@
+//! Gradients (lowering spec §3, "Gradients"): where each backward writes its parameter gradient
+//! (a full buffer, or the accumulator itself), the per-micro-step reductions into grad shards, the
+//! boundary synchronisation down to optimizer shards, gradient clipping's norm, and the optimizer
+//! update.
+//!
+//! Each optimizer shard receives each of the dp × M contributions exactly once: what the
+//! verifier's value proof checks.
+
+use super::comms::CommKind;
+use super::Builder;
+use crate::ir::*;
+use crate::job::*;
+use std::collections::HashMap;
+
+impl Builder<'_> {
+    /// Where backward writes layer `l`'s parameter gradient in micro-step `m`.
+    pub(super) fn grad_target(
+        &mut self,
+        l: usize,
+        m: u32,
+        full_grads: &mut HashMap<usize, BufferId>,
+    ) -> Region {
+        let st = &self.layers[l];
+        let bytes = st.padded * self.grad_dtype.bytes();
+        if self.direct_accumulation() {
+            return Region::whole(st.grad_shard, bytes);
+        }
+        let (id, padded) = (st.id, st.padded);
+        let buf = *full_grads.entry(l).or_insert_with(|| {
+            let name = format!("{}.grads.full.m{m}", self.p.layers[id].name);
+            self.p.buffers.push(Buffer {
+                name,
+                kind: BufferKind::FullGrad,
+                dtype: self.grad_dtype,
+                bytes: padded * self.grad_dtype.bytes(),
+                layer: Some(id),
+                offset: 0,
+            })
+        });
+        Region::whole(buf, bytes)
+    }
+
+    /// Backward adds into the accumulator itself: two-hop with unsharded gradients.
+    pub(super) fn direct_accumulation(&self) -> bool {
+        self.job.schedule.grad_sync == GradSync::TwoHop && self.shard().grads.size() == 1
+    }
+
+    /// A backward's write of gradient region `g` (a prefix of its buffer): it adds onto the bytes
+    /// already written in this micro-step (by a tied lm_head, or earlier micro-steps when backward
+    /// accumulates directly) and plainly writes the rest.
+    pub(super) fn grad_write(
+        &mut self,
+        m: u32,
+        g: Region,
+        reads: &mut Vec<Region>,
+        writes: &mut Vec<Region>,
+    ) {
+        let whole_before = self.direct_accumulation() && m > 0;
+        let written = self.grads_written.entry((g.buffer, m)).or_insert(0);
+        let added = if whole_before {
+            g.bytes
+        } else {
+            (*written).min(g.bytes)
+        };
+        *written = (*written).max(g.bytes);
+        if added > 0 {
+            let r = Region { bytes: added, ..g };
+            reads.push(r);
+            writes.push(r);
+        }
+        if g.bytes > added {
+            writes.push(Region {
+                offset: Offset::Fixed(added),
+                bytes: g.bytes - added,
+                ..g
+            });
+        }
+    }
+
+    /// Per-micro-step gradient reduction of a bucket (lowering spec §3, "Gradients").
+    pub(super) fn reduce(
+        &mut self,
+        bucket: &[usize],
+        m: u32,
+        full_grads: &HashMap<usize, BufferId>,
+    ) -> Vec<OpId> {
+        let sh = self.shard();
+        let gd = self.grad_dtype;
+        let flat = self.job.schedule.grad_sync == GradSync::Flat;
+        let layers = self.with_params(bucket);
+        if layers.is_empty() || self.direct_accumulation() {
+            return vec![];
+        }
+        let first = self.layers[layers[0]].id;
+        let mut cs = vec![];
+        let mut adds = vec![];
+        for &l in &layers {
+            let st = &self.layers[l];
+            let (id, padded, acc) = (st.id, st.padded, st.grad_shard);
+            let full = Region::whole(full_grads[&l], padded * gd.bytes());
+            let shard_bytes = padded / sh.grads.size() * gd.bytes();
+            if flat {
+                cs.push(self.collective(Collective::AllReduce, CommKind::All, gd, full, full));
+                let mine = Region {
+                    buffer: full.buffer,
+                    offset: Offset::Shard {
+                        index: ShardIndex::Grad,
+                        base: 0,
+                        stride: shard_bytes,
+                    },
+                    bytes: shard_bytes,
+                };
+                adds.push((id, mine, Region::whole(acc, shard_bytes)));
+            } else if m == 0 {
+                cs.push(self.collective(
+                    Collective::ReduceScatter,
+                    CommKind::Grads,
+                    gd,
+                    full,
+                    Region::whole(acc, shard_bytes),
+                ));
+            } else {
+                let name = format!("{}.grads.staging.m{m}", self.p.layers[id].name);
+                let stage = self.buffer(
+                    name,
+                    BufferKind::Staging,
+                    gd,
+                    padded / sh.grads.size(),
+                    Some(id),
+                );
+                let out = Region::whole(stage, shard_bytes);
+                cs.push(self.collective(Collective::ReduceScatter, CommKind::Grads, gd, full, out));
+                adds.push((id, out, Region::whole(acc, shard_bytes)));
+            }
+        }
+        let mut ops: Vec<OpId> = self
+            .issue(cs, OpRole::Reduce, Some(first), Some(m))
+            .into_iter()
+            .collect();
+        for (id, from, acc) in adds {
+            let (kind, reads) = if m == 0 {
+                (ComputeKind::Copy, vec![from])
+            } else {
+                (ComputeKind::Accumulate, vec![from, acc])
+            };
+            let op = self.compute(kind, Some(id), Some(m), reads, vec![acc]);
+            self.p.ops[op].role = OpRole::Reduce;
+            ops.push(op);
+        }
+        ops
+    }
+
+    /// Boundary synchronisation of a bucket (lowering spec §3): its ops, and each layer's
+    /// optimizer-shard gradient region (what the update reads).
+    pub(super) fn boundary(&mut self, bucket: &[usize]) -> (Vec<OpId>, Vec<(usize, Region)>) {
+        let sh = self.shard();
+        let gd = self.grad_dtype;
+        let ranks = u64::from(self.layout.ranks());
+        let layers = self.with_params(bucket);
+        if layers.is_empty() {
+            return (vec![], vec![]);
+        }
+        let first = self.layers[layers[0]].id;
+        let two_hop = self.job.schedule.grad_sync == GradSync::TwoHop;
+        let mut rs = vec![];
+        let mut ar = vec![];
+        let mut grads = vec![];
+        for &l in &layers {
+            let st = &self.layers[l];
+            let (id, padded, acc) = (st.id, st.padded, st.grad_shard);
+            let g_bytes = padded / sh.grads.size() * gd.bytes();
+            let os_bytes = padded / sh.optimizer.size() * gd.bytes();
+            let mut g = Region::whole(acc, g_bytes);
+            if two_hop && sh.optimizer.size() > sh.grads.size() {
+                let name = format!("{}.grads.optimizer", self.p.layers[id].name);
+                let os = self.buffer(
+                    name,
+                    BufferKind::Staging,
+                    gd,
+                    padded / sh.optimizer.size(),
+                    Some(id),
+                );
+                let out = Region::whole(os, os_bytes);
+                rs.push(self.collective(
+                    Collective::ReduceScatter,
+                    CommKind::OptimizerInGrad,
+                    gd,
+                    g,
+                    out,
+                ));
+                g = out;
+            } else if !two_hop && sh.optimizer.size() > sh.grads.size() {
+                g = Region {
+                    buffer: acc,
+                    offset: Offset::Shard {
+                        index: ShardIndex::OptimizerInGrad,
+                        base: 0,
+                        stride: os_bytes,
+                    },
+                    bytes: os_bytes,
+                };
+            }
+            if two_hop && ranks / sh.optimizer.size() > 1 {
+                ar.push(self.collective(Collective::AllReduce, CommKind::Replicas, gd, g, g));
+            }
+            grads.push((l, g));
+        }
+        let mut ops: Vec<OpId> = vec![];
+        ops.extend(self.issue(rs, OpRole::Sync, Some(first), None));
+        ops.extend(self.issue(ar, OpRole::Sync, Some(first), None));
+        (ops, grads)
+    }
+
+    /// Gradient clipping: the sum of squares of every layer's optimizer-shard gradient `grads`,
+    /// summed over the optimizer-shard group (see the IR module doc). Returns the ops and the
+    /// `clip.sumsq` region every update reads.
+    pub(super) fn grad_norm(&mut self, grads: &[(usize, Region)]) -> (Vec<OpId>, Region) {
+        let sumsq = self.buffer(
+            "clip.sumsq".to_string(),
+            BufferKind::Staging,
+            Dtype::Fp32,
+            1,
+            None,
+        );
+        let whole = Region::whole(sumsq, Dtype::Fp32.bytes());
+        let reads = grads.iter().map(|&(_, g)| g).collect();
+        let norm = self.compute(ComputeKind::GradNorm, None, None, reads, vec![whole]);
+        self.p.ops[norm].role = OpRole::Sync;
+        let mut ops = vec![norm];
+        if self.shard().optimizer.size() > 1 {
+            let c = self.collective(
+                Collective::AllReduce,
+                CommKind::Optimizer,
+                Dtype::Fp32,
+                whole,
+                whole,
+            );
+            ops.extend(self.issue(vec![c], OpRole::Sync, None, None));
+        }
+        (ops, whole)
+    }
+
+    /// Optimizer update of each layer of `grads` (reading its optimizer-shard gradient, then with
+    /// clipping the norm) and, unless deferred to the next step, the refresh of `bucket`.
+    pub(super) fn update_refresh(
+        &mut self,
+        bucket: &[usize],
+        grads: &[(usize, Region)],
+        norm: Option<Region>,
+    ) -> Vec<OpId> {
+        let sh = self.shard();
+        let mut ops: Vec<OpId> = vec![];
+        for &(l, g) in grads {
+            let st = &self.layers[l];
+            let (id, padded, shard) = (st.id, st.padded, st.param_shard);
+            let opt = self.optimizer_shards[l];
+            let opt_region = Region::whole(opt, self.p.buffers[opt].bytes);
+            let os_bytes = padded / sh.optimizer.size() * self.dtype.bytes();
+            let mine = Region {
+                buffer: shard,
+                offset: Offset::Shard {
+                    index: ShardIndex::OptimizerInParam,
+                    base: 0,
+                    stride: os_bytes,
+                },
+                bytes: os_bytes,
+            };
+            let mut reads = vec![g, opt_region];
+            reads.extend(norm);
+            let update = self.compute(
+                ComputeKind::Update,
+                Some(id),
+                None,
+                reads,
+                vec![opt_region, mine],
+            );
+            // Off the compute stream: the optimizer runs beside the remaining backward.
+            self.p.ops[update].role = OpRole::Sync;
+            ops.push(update);
+        }
+        if self.job.schedule.overlap.refresh != Refresh::NextForward {
+            let layers = self.with_params(bucket);
+            ops.extend(self.refresh(&layers));
+        }
+        ops
+    }
+}

@@ -1,0 +1,240 @@
+//! The step's shape: micro-steps of forward slots, the loss and backward slots; the buckets of
+//! gathers and reductions ([`super::buckets`]); which slot each gather unit serves and how far
+//! prefetch may hoist it; and the boundary, clipping, update and refresh after each layer's last
+//! backward of the last micro-step.
+
+use super::buckets::partition;
+use super::Builder;
+use crate::draft::Slot;
+use crate::ir::*;
+use crate::job::*;
+use std::collections::HashMap;
+
+/// The bucket partitions of one step, as layer indices (lowering spec §5, "Buckets").
+struct Buckets {
+    /// Forward gathers, in layer order.
+    forward: Vec<Vec<usize>>,
+    /// Backward gathers, in backward (reverse layer) order.
+    backward: Vec<Vec<usize>>,
+    /// Gradient reductions and the boundary, in backward order.
+    reduce: Vec<Vec<usize>>,
+}
+
+/// Where one micro-step's slots are: each layer's forward and backward slot, and the loss's.
+struct MicroStepSlots {
+    first: usize,
+    forward: Vec<usize>,
+    loss: usize,
+    backward: Vec<usize>,
+}
+
+impl Builder<'_> {
+    /// The whole step: every micro-step's slots, then boundary, update and refresh pinned after
+    /// each layer's last backward of the last micro-step.
+    pub(super) fn step(&mut self) -> Vec<Slot> {
+        let buckets = self.buckets();
+        let mut slots: Vec<Slot> = vec![];
+        for m in 0..self.job.schedule.micro_steps {
+            let at = self.micro_step(m, &buckets, &mut slots);
+            if m + 1 == self.job.schedule.micro_steps {
+                self.after_last_backward(&buckets, &at, &mut slots);
+            }
+        }
+        slots
+    }
+
+    /// Partitions the layers into gather and reduction buckets by payload.
+    fn buckets(&self) -> Buckets {
+        let n = self.layers.len();
+        let s = &self.job.schedule;
+        let gather_sizes = self.gather_sizes();
+        let bwd_order: Vec<usize> = (0..n).rev().collect();
+        let in_bwd_order = |sizes: &[u64], bucket: u64| -> Vec<Vec<usize>> {
+            let sizes: Vec<u64> = bwd_order.iter().map(|&l| sizes[l]).collect();
+            partition(&sizes, bucket)
+                .into_iter()
+                .map(|b| b.into_iter().map(|i| bwd_order[i]).collect())
+                .collect()
+        };
+        let red_sizes: Vec<u64> = self
+            .layers
+            .iter()
+            .map(|l| {
+                if l.has_params {
+                    l.padded * self.grad_dtype.bytes()
+                } else {
+                    0
+                }
+            })
+            .collect();
+        Buckets {
+            forward: partition(&gather_sizes, s.buckets.gather),
+            backward: in_bwd_order(&gather_sizes, s.buckets.gather),
+            reduce: in_bwd_order(&red_sizes, s.buckets.reduce),
+        }
+    }
+
+    /// Micro-step `m`: forward slots with their gather units, the loss, backward slots with
+    /// theirs, and each reduction bucket after its last backward.
+    fn micro_step(&mut self, m: u32, buckets: &Buckets, slots: &mut Vec<Slot>) -> MicroStepSlots {
+        let n = self.layers.len();
+        let first = slots.len();
+        let forward: Vec<usize> = (0..n).map(|l| first + l).collect();
+        let loss = first + n;
+        let mut backward = vec![0; n];
+        for (i, l) in (0..n).rev().enumerate() {
+            backward[l] = loss + 1 + i;
+        }
+        let at = MicroStepSlots {
+            first,
+            forward,
+            loss,
+            backward,
+        };
+        slots.extend((0..2 * n + 1).map(|_| Slot::default()));
+        let fwd_full = self.forward_slots(m, buckets, &at, slots);
+        // Loss.
+        let last = self.hidden_buf(false, m, n);
+        let dlast = self.hidden_buf(true, m, n);
+        let (lb, db) = (self.p.buffers[last].bytes, self.p.buffers[dlast].bytes);
+        let loss = self.compute(
+            ComputeKind::Loss,
+            None,
+            Some(m),
+            vec![Region::whole(last, lb)],
+            vec![Region::whole(dlast, db)],
+        );
+        slots[at.loss].compute.push(loss);
+        self.backward_slots(m, buckets, &at, &fwd_full, slots);
+        at
+    }
+
+    /// The forward gather units and forward compute of micro-step `m`; the gathered buffers.
+    fn forward_slots(
+        &mut self,
+        m: u32,
+        buckets: &Buckets,
+        at: &MicroStepSlots,
+        slots: &mut [Slot],
+    ) -> HashMap<usize, BufferId> {
+        let job = self.job;
+        let s = &job.schedule;
+        let gathers = s.shard.params.size() > 1;
+        let refresh = m == 0 && s.overlap.refresh == Refresh::NextForward;
+        let depth = s.prefetch.forward as usize;
+        let mut fwd_full: HashMap<usize, BufferId> = HashMap::new();
+        for bucket in &buckets.forward {
+            if let Some(mut unit) = self.forward_unit(bucket, m, gathers, refresh, &mut fwd_full) {
+                unit.consumer = at.forward[bucket[0]];
+                unit.earliest = if m == 0 {
+                    0
+                } else {
+                    at.first.saturating_sub(1)
+                };
+                unit.depth = depth;
+                // Released after the last forward that reads it (or kept to backward).
+                unit.last_consumer = at.forward[*bucket.last().expect("non-empty")];
+                slots[unit.consumer].units.push(unit);
+            }
+        }
+        for l in 0..self.layers.len() {
+            let ops = self.forward(l, m, &fwd_full);
+            slots[at.forward[l]].compute.extend(ops);
+        }
+        fwd_full
+    }
+
+    /// The backward gather units, backward compute and per-micro-step reductions of `m`.
+    fn backward_slots(
+        &mut self,
+        m: u32,
+        buckets: &Buckets,
+        at: &MicroStepSlots,
+        fwd_full: &HashMap<usize, BufferId>,
+        slots: &mut [Slot],
+    ) {
+        let n = self.layers.len();
+        let job = self.job;
+        let s = &job.schedule;
+        let gathers = s.shard.params.size() > 1;
+        let keep = gathers && s.reshard_after_forward == ReshardAfterForward::False;
+        let depth = s.prefetch.backward as usize;
+        let mut bwd_full: HashMap<usize, BufferId> = HashMap::new();
+        for bucket in &buckets.backward {
+            if keep {
+                for &l in bucket {
+                    if let Some(&b) = fwd_full.get(&l) {
+                        bwd_full.insert(l, b);
+                    }
+                }
+                continue;
+            }
+            if let Some(mut unit) = self.backward_unit(bucket, m, gathers, &mut bwd_full) {
+                unit.consumer = at.backward[bucket[0]];
+                unit.earliest = at.forward[bucket[0]] + 1;
+                unit.depth = depth;
+                unit.last_consumer = at.backward[*bucket.last().expect("non-empty")];
+                slots[unit.consumer].units.push(unit);
+            }
+        }
+        // Forward buffers kept for backward (reshard = false, or a tied lm_head's embedding)
+        // are released after their last backward reader.
+        let tied = (0..n).find_map(|l| self.tied_embedding(l).map(|e| (l, e)));
+        for slot in &mut slots[at.first..at.first + n] {
+            for u in &mut slot.units {
+                if keep {
+                    let last_bwd = u
+                        .layers
+                        .iter()
+                        .map(|&l| at.backward[l])
+                        .max()
+                        .unwrap_or(u.last_consumer);
+                    u.last_consumer = u.last_consumer.max(last_bwd);
+                }
+                if let Some((head, _)) = tied.filter(|(_, e)| u.layers.contains(e)) {
+                    u.last_consumer = u.last_consumer.max(at.backward[head]);
+                }
+            }
+        }
+        let mut full_grads: HashMap<usize, BufferId> = HashMap::new();
+        for l in (0..n).rev() {
+            let ops = self.backward(l, m, &bwd_full, fwd_full, &mut full_grads);
+            slots[at.backward[l]].compute.extend(ops);
+        }
+        // Gradient reductions, each bucket after its last backward.
+        for bucket in &buckets.reduce {
+            let ops = self.reduce(bucket, m, &full_grads);
+            let last = at.backward[*bucket.last().expect("non-empty")];
+            slots[last].after.extend(ops);
+        }
+    }
+
+    /// Boundary, update and refresh after the last micro-step's reductions. With clipping, every
+    /// update waits for the norm, which follows every layer's boundary.
+    fn after_last_backward(&mut self, buckets: &Buckets, at: &MicroStepSlots, slots: &mut [Slot]) {
+        let clip = self.job.schedule.train.clip.is_some();
+        let mut pending = vec![];
+        for bucket in &buckets.reduce {
+            let (mut ops, grads) = self.boundary(bucket);
+            let last = at.backward[*bucket.last().expect("non-empty")];
+            if clip {
+                pending.push((bucket, grads));
+            } else {
+                ops.extend(self.update_refresh(bucket, &grads, None));
+            }
+            slots[last].after.extend(ops);
+        }
+        let all: Vec<(usize, Region)> = pending
+            .iter()
+            .flat_map(|(_, g)| g.iter().copied())
+            .collect();
+        if !all.is_empty() {
+            let (mut ops, norm) = self.grad_norm(&all);
+            for (bucket, grads) in &pending {
+                ops.extend(self.update_refresh(bucket, grads, Some(norm)));
+            }
+            // The last backward slot is layer 0's.
+            slots[at.backward[0]].after.extend(ops);
+        }
+    }
+}

@@ -1,0 +1,272 @@
+//! The compilation pipeline: the one place that knows the pass order (cranelift's `Context`).
+//!
+//! ```text
+//! lower::draft → prefetch → streams → events → memory → events (final) → verify
+//! ```
+//!
+//! - [`crate::lower::draft`] makes every op of the step, grouped into slots and gather units;
+//! - [`passes::prefetch`] fixes the issue order and the flow-control fences (and refuses an
+//!   unmeetable `max_live`);
+//! - [`passes::streams`] maps roles to streams;
+//! - [`passes::events`] inserts the waits data dependencies, the collective chain and the fences
+//!   need;
+//! - [`passes::memory`] places every buffer, reusing bytes only across happens-before, and returns
+//!   the orderings its reuse relies on;
+//! - [`passes::events`] runs again with those orderings in place of the fences, so every wait left
+//!   is needed;
+//! - [`verify::verify`] runs every proof of lowering spec §7 on the result (on large programs the
+//!   value proof, which reads nothing memory planning or the final events pass change, runs on a
+//!   second thread beside memory planning; the final verification checks that and uses it).
+//!
+//! Each pass is timed by name ([`PassTimes`], `schedc compile --time-passes`). With
+//! [`Options::verify_each_pass`] (on in debug and test builds, like cranelift's `verify_if`), the
+//! structural check the program can already meet runs after every pass
+//! ([`verify::verify_structure`]), so a pass that breaks the program's shape is named at once
+//! instead of surfacing as a confusing proof failure at the end. The full proofs always run last:
+//! nothing this module returns as compiled is unverified.
+
+use crate::draft::Draft;
+use crate::ir::Program;
+use crate::job::Job;
+use crate::passes;
+use crate::passes::prefetch::MaxLiveError;
+use crate::verify::{self, PlanInfo, Stage, ValuesProof, VerifyError};
+
+/// Why a job did not compile.
+#[derive(Debug)]
+pub enum CompileError {
+    /// The schedule cannot be lowered as written (an unmeetable `max_live`).
+    Lower(MaxLiveError),
+    /// The lowered program failed verification: a compiler bug, reported with the program.
+    Verify(Box<Program>, Vec<VerifyError>),
+    /// A pass left the program structurally broken (found by the check after each pass): a
+    /// compiler bug, reported with the pass and the program as it left it.
+    Pass {
+        pass: &'static str,
+        program: Box<Program>,
+        errors: Vec<VerifyError>,
+    },
+}
+
+impl std::fmt::Display for CompileError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            CompileError::Lower(e) => write!(f, "{e}"),
+            CompileError::Verify(_, errs) => write!(
+                f,
+                "the compiled program fails verification ({} errors)",
+                errs.len()
+            ),
+            CompileError::Pass { pass, errors, .. } => write!(
+                f,
+                "the program is malformed after the {pass} pass ({} errors; first: {})",
+                errors.len(),
+                errors.first().map_or("", |e| e.message.as_str())
+            ),
+        }
+    }
+}
+
+impl std::error::Error for CompileError {}
+
+/// How long each pass took, by name, in the order they ran (`schedc compile --time-passes`).
+#[derive(Default, Debug)]
+pub struct PassTimes(pub Vec<(&'static str, std::time::Duration)>);
+
+impl PassTimes {
+    /// Runs `f` as the pass `name`, recording its time.
+    pub fn time<T>(&mut self, name: &'static str, f: impl FnOnce() -> T) -> T {
+        let start = std::time::Instant::now();
+        let out = f();
+        self.0.push((name, start.elapsed()));
+        out
+    }
+
+    /// Runs `f` as part of `name`, adding its time to that entry (one line however often it runs).
+    pub fn accumulate<T>(&mut self, name: &'static str, f: impl FnOnce() -> T) -> T {
+        let start = std::time::Instant::now();
+        let out = f();
+        let spent = start.elapsed();
+        match self.0.iter_mut().find(|(n, _)| *n == name) {
+            Some((_, total)) => *total += spent,
+            None => self.0.push((name, spent)),
+        }
+        out
+    }
+}
+
+/// What the pipeline checks besides the final proofs.
+#[derive(Clone, Copy, Debug)]
+pub struct Options {
+    /// Run the structural check after every pass (timed as `verify structure`).
+    pub verify_each_pass: bool,
+}
+
+impl Default for Options {
+    /// Checks after every pass in debug and test builds, not in release builds.
+    fn default() -> Self {
+        Options {
+            verify_each_pass: cfg!(debug_assertions),
+        }
+    }
+}
+
+/// Lowers, plans and verifies one job.
+pub fn compile(job: &Job) -> Result<(Program, PlanInfo), CompileError> {
+    compile_timed(job, &mut PassTimes::default())
+}
+
+/// [`compile`], recording each pass's time (verification included) in `times`.
+pub fn compile_timed(
+    job: &Job,
+    times: &mut PassTimes,
+) -> Result<(Program, PlanInfo), CompileError> {
+    compile_with(job, Options::default(), times)
+}
+
+/// [`compile`] with explicit [`Options`], recording each pass's time in `times`.
+pub fn compile_with(
+    job: &Job,
+    options: Options,
+    times: &mut PassTimes,
+) -> Result<(Program, PlanInfo), CompileError> {
+    let (program, values) = Pipeline {
+        job,
+        options,
+        times,
+    }
+    .placed(true)?;
+    let ctx = crate::verify_ctx(job);
+    match times.time("verify", || verify::verify_with(&program, ctx, values)) {
+        Ok(info) => Ok((program, info)),
+        Err(errs) => Err(CompileError::Verify(Box::new(program), errs)),
+    }
+}
+
+/// Lowers and runs every pass: the complete, placed program, not yet through the final proofs.
+pub fn lower(job: &Job) -> Result<Program, CompileError> {
+    Pipeline {
+        job,
+        options: Options::default(),
+        times: &mut PassTimes::default(),
+    }
+    .placed(false)
+    .map(|(program, _)| program)
+}
+
+/// The program before memory planning: issue order, streams and events final, every flow-control
+/// fence still in place and every offset 0. What `schedc plan` screens candidates with: the
+/// placed program's orderings are a subset of these (placement only reuses bytes between buffers
+/// these already order, and drops the fences it does not use).
+pub fn lower_unplanned(job: &Job) -> Result<Program, CompileError> {
+    Pipeline {
+        job,
+        options: Options::default(),
+        times: &mut PassTimes::default(),
+    }
+    .unplanned()
+}
+
+/// Ops × ranks from which the value proof runs beside memory planning (the 1,024-rank benchmark
+/// programs have tens of millions; the examples up to about a million), when there is a second
+/// core.
+const BESIDE_WORK: usize = 4_000_000;
+
+fn worth_a_thread(p: &Program) -> bool {
+    p.ops.len().saturating_mul(p.ranks as usize) >= BESIDE_WORK
+        && std::thread::available_parallelism().is_ok_and(|n| n.get() > 1)
+}
+
+/// One run of the passes over one job.
+struct Pipeline<'a> {
+    job: &'a Job,
+    options: Options,
+    times: &'a mut PassTimes,
+}
+
+impl Pipeline<'_> {
+    /// Every pass up to and including the final events pass. With `prove_values` on a large
+    /// program, the value proof runs on another thread while memory planning decides the offsets:
+    /// it reads nothing the memory and final events passes change, and the final verification
+    /// takes its outcome only after checking that (see [`verify::ValuesProof`]).
+    fn placed(
+        mut self,
+        prove_values: bool,
+    ) -> Result<(Program, Option<ValuesProof>), CompileError> {
+        let mut program = self.unplanned_program()?;
+        let ctx = crate::verify_ctx(self.job);
+        let beside = prove_values && worth_a_thread(&program);
+        let mut values_time = None;
+        let (placement, values) = self.times.time("memory", || {
+            if !beside {
+                return (passes::memory::plan(&program), None);
+            }
+            std::thread::scope(|s| {
+                let values = s.spawn(|| {
+                    let start = std::time::Instant::now();
+                    (verify::prove_values(&program, ctx), start.elapsed())
+                });
+                let placement = passes::memory::plan(&program);
+                let (values, spent) = values.join().expect("the value proof does not panic");
+                values_time = Some(spent);
+                (placement, Some(values))
+            })
+        });
+        let reuse = passes::memory::apply(&mut program, placement);
+        if let Some(spent) = values_time {
+            self.times.0.push(("verify values", spent));
+        }
+        self.check("memory", &program, Stage::Placed)?;
+        // Keep only the orderings something needs: flow-control fences the placement did not use go.
+        self.times.time("events (final)", || {
+            passes::events::run(&mut program, &reuse)
+        });
+        self.check("events (final)", &program, Stage::Placed)?;
+        Ok((program, values))
+    }
+
+    fn unplanned(mut self) -> Result<Program, CompileError> {
+        self.unplanned_program()
+    }
+
+    fn unplanned_program(&mut self) -> Result<Program, CompileError> {
+        let job = self.job;
+        let draft: Draft = self.times.time("build", || crate::lower::draft(job));
+        let (streams, overlap) = (draft.job_streams, draft.overlap);
+        let (mut program, fences) = self
+            .times
+            .time("prefetch", || passes::prefetch::run(draft))
+            .map_err(CompileError::Lower)?;
+        self.check("prefetch", &program, Stage::Ordered)?;
+        self.times.time("streams", || {
+            passes::streams::run(&mut program, streams, overlap)
+        });
+        self.check("streams", &program, Stage::Streamed)?;
+        self.times
+            .time("events", || passes::events::run(&mut program, &fences));
+        self.check("events", &program, Stage::Synchronised)?;
+        Ok(program)
+    }
+
+    /// The structural check `stage` allows, after `pass`, when [`Options::verify_each_pass`].
+    fn check(
+        &mut self,
+        pass: &'static str,
+        program: &Program,
+        stage: Stage,
+    ) -> Result<(), CompileError> {
+        if !self.options.verify_each_pass {
+            return Ok(());
+        }
+        let ctx = crate::verify_ctx(self.job);
+        self.times
+            .accumulate("verify structure", || {
+                verify::verify_structure(program, ctx, stage)
+            })
+            .map_err(|errors| CompileError::Pass {
+                pass,
+                program: Box::new(program.clone()),
+                errors,
+            })
+    }
+}
