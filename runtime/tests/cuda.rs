@@ -100,35 +100,6 @@ fn the_gpu_tests_schedules_compile_to_one_rank() {
     }
 }
 
-/// Runs everywhere: the tiny and GPT-2 schedules can be enqueued in issue order by one host
-/// thread (each waited event recorded earlier), as the CUDA backend does. (The LLaMA examples
-/// take long to prepare for their thousands of ranks; the lowering is the same.)
-#[test]
-fn plans_can_be_issued_in_order_by_one_thread_with_nccl_in_place_rules() {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../schedules");
-    let mut n = 0;
-    for f in [
-        "tiny_cpu.sched",
-        "tiny_cpu_schedules.sched",
-        "gpt2_ddp.sched",
-    ] {
-        let path = dir.join(f);
-        {
-            let a = analyze(&path, &schedc::FsLoader).unwrap();
-            assert!(!a.has_errors(), "{}", a.render());
-            for job in a.jobs.iter() {
-                let plan = plan_of(job);
-                cuda::check_issue_order(&plan)
-                    .unwrap_or_else(|e| panic!("{}: {e}", job.schedule.name));
-                cuda::check_collectives(&plan)
-                    .unwrap_or_else(|e| panic!("{}: {e}", job.schedule.name));
-                n += 1;
-            }
-        }
-    }
-    assert!(n > 10, "{n} plans");
-}
-
 /// Runs everywhere: a sharded plan needs one communicator per group and stream, and every rank
 /// belongs to exactly one group of each communicator it uses.
 #[test]

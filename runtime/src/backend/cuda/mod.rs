@@ -25,8 +25,8 @@
 //!   out the NCCL ids.
 //!
 //! Feature checks live here only. Always built (and tested without a GPU): [`launch`],
-//! [`rendezvous`], the plan checks ([`comm_keys`], [`plan_hash`], [`check_issue_order`],
-//! [`check_collectives`]), and the device code that only enqueues work through the `Exec`
+//! [`rendezvous`], the plan checks ([`comm_keys`], [`plan_hash`]; the issue order and NCCL's
+//! in-place rules are the verifier's proofs 1b and 8, which every loaded plan passed), and the device code that only enqueues work through the `Exec`
 //! interface (`enqueue.rs`: launch shapes, the row-major to column-major product mapping, NCCL
 //! call descriptions; `gpu.rs`: the device layer's primitives as launches and products, under
 //! the layer math and op interpreter the CPU backend shares, `crate::device`), which the tests
@@ -98,76 +98,6 @@ pub fn rank_keys(plan: &Plan, rank: u32) -> Vec<CommKey> {
         .into_iter()
         .filter(|k| plan.members[k.comm as usize][rank as usize].0 == k.group as usize)
         .collect()
-}
-
-/// Checks that the plan's issue order can be enqueued by one host thread: every event an op waits
-/// for is recorded by an op issued before it (`cuStreamWaitEvent` waits for the latest record
-/// already enqueued, and for nothing when there is none), and no event is recorded twice.
-pub fn check_issue_order(plan: &Plan) -> Result<(), String> {
-    let mut recorded = vec![false; plan.program.events.len()];
-    for (op, o) in plan.program.ops.iter() {
-        for e in &o.wait {
-            if !recorded[e.index()] {
-                return Err(format!(
-                    "{} waits for {e}, which {} records later in the issue order; the cuda \
-                     backend enqueues ops in that order and cannot run this plan",
-                    plan.describe(op),
-                    plan.describe(plan.program.events[*e].recorder)
-                ));
-            }
-        }
-        if let Some(e) = o.record {
-            if std::mem::replace(&mut recorded[e.index()], true) {
-                return Err(format!("{} records {e} a second time", plan.describe(op)));
-            }
-        }
-    }
-    Ok(())
-}
-
-/// Checks that NCCL can run every collective as the plan places it on every rank: input and
-/// output either disjoint, or in place the way NCCL defines it (an all-gather's input is the
-/// member's own chunk of its output, a reduce-scatter's output the member's own chunk of its
-/// input, an all-reduce or broadcast on one buffer). The CPU backend allows any overlap; NCCL
-/// leaves others undefined.
-pub fn check_collectives(plan: &Plan) -> Result<(), String> {
-    use schedc::job::Collective;
-    for (op, o) in plan.program.ops.iter() {
-        for c in o.collectives() {
-            let comm = &plan.program.comms[c.comm];
-            for r in 0..plan.ranks() {
-                let (g, pos) = plan.members[c.comm.index()][r as usize];
-                if !comm.groups[g].contains(&r) {
-                    continue;
-                }
-                let b = c.dtype.bytes();
-                let all = c.count * b;
-                let chunk = all / comm.groups[g].len() as u64;
-                let (i, out) = (plan.at(r, &c.input), plan.at(r, &c.output));
-                let (send, recv) = match c.kind {
-                    Collective::AllGather => (chunk, all),
-                    Collective::ReduceScatter => (all, chunk),
-                    Collective::AllReduce | Collective::Broadcast => (all, all),
-                };
-                let disjoint = i + send <= out || out + recv <= i;
-                let in_place = match c.kind {
-                    Collective::AllGather => i == out + pos as u64 * chunk,
-                    Collective::ReduceScatter => out == i + pos as u64 * chunk,
-                    Collective::AllReduce | Collective::Broadcast => i == out,
-                };
-                if !disjoint && !in_place {
-                    return Err(format!(
-                        "{} on rank {r}: its input (bytes {i}..{}) and output (bytes {out}..{}) \
-                         overlap in a way NCCL does not define",
-                        plan.describe(op),
-                        i + send,
-                        out + recv
-                    ));
-                }
-            }
-        }
-    }
-    Ok(())
 }
 
 /// A hash of the whole plan (its plan-file JSON), compared across ranks before anything runs.

@@ -51,8 +51,6 @@ impl CudaBackend {
         let rank = env.rank;
         let f = |m: String| fault(rank, m);
         super::probe().map_err(f)?;
-        super::check_issue_order(&plan).map_err(f)?;
-        super::check_collectives(&plan).map_err(f)?;
         if env.world != plan.ranks() {
             return Err(f(format!(
                 "the plan has {} ranks but WORLD_SIZE is {}",
@@ -410,8 +408,8 @@ impl CudaBackend {
             let input = self.dev.arena_base.add_bytes(p.at(self.rank, &c.input));
             let output = self.dev.arena_base.add_bytes(p.at(self.rank, &c.output));
             let call = nccl_call(c.kind, c.count, members, input, output);
-            // SAFETY: both regions lie in the arena (the plan's verifier checked them, and
-            // check_collectives that they overlap only as NCCL allows).
+            // SAFETY: both regions lie in the arena and overlap only as NCCL allows (the
+            // verifier's proofs 1 and 8, which every loaded plan passed).
             unsafe { nccl::collective(comm, stream.cu_stream(), c.dtype, &call)? };
         }
         nccl::group_end()
