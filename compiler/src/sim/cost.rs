@@ -3,8 +3,9 @@
 //! **Compute.** Every zoo layer's forward work is split into matrix-multiply FLOPs, timed at
 //! `peak_flops × efficiency`, and element-wise memory traffic (norms, activations, rotary
 //! embeddings, residual adds, softmax, the loss), timed at the GPU's memory bandwidth; the two are
-//! added, since they run as separate kernels. The cluster has no memory-bandwidth key, so it is
-//! derived: `peak_flops / FLOPS_PER_HBM_BYTE` (200 FLOP per byte puts an A100's 312 TFLOPS at
+//! added, since they run as separate kernels. The memory bandwidth is the cluster's
+//! `memory_bandwidth`, or derived: `peak_flops / FLOPS_PER_HBM_BYTE`
+//! (200 FLOP per byte puts an A100's 312 TFLOPS at
 //! 1.56 TB/s, about what its 2 TB/s HBM sustains). Attention's score and value products cost
 //! 4·s·h FLOPs per token at full size (what MFU counts, [`model_flops_per_step`]); for time,
 //! `attention = flash` skips the masked half (2·s·h), `naive` computes the whole matrix and also
@@ -38,7 +39,7 @@ use crate::job::{
 };
 
 /// Ratio of dense peak FLOP/s to sustained memory bandwidth (bytes/s) used when the cluster gives
-/// no memory bandwidth.
+/// no `memory_bandwidth`.
 pub const FLOPS_PER_HBM_BYTE: f64 = 200.0;
 
 /// Where a communicator's group sits, as the engine and the planner see it.
@@ -115,7 +116,9 @@ impl CostModel {
         let m = &job.model;
         CostModel {
             matmul_flops: c.peak_flops * c.efficiency,
-            memory_bandwidth: c.peak_flops / FLOPS_PER_HBM_BYTE,
+            memory_bandwidth: c
+                .memory_bandwidth
+                .unwrap_or(c.peak_flops / FLOPS_PER_HBM_BYTE),
             intra: c.intra_node,
             inter: c.inter_node,
             gpus_per_node: job.schedule.gpus_per_node,
