@@ -8,15 +8,16 @@
 //! of its three operands at the memory bandwidth. The shape factor ([`gemm_shape_factor`]) is
 //! below 1 for small or skinny products: wave quantization (the m·n output is cut into tiles, one
 //! per SM at a time, and the last wave runs partly empty: `w / (w + ½)` for `w` waves of
-//! [`WAVE_ELEMENTS`] outputs on an A100, scaled by the GPU's peak) times the inner-dimension overhead of each tile (`k / (k + K_HALF)`,
-//! its prologue and epilogue against its main loop). `efficiency` is what large products reach
-//! (dsl.md), so a 4096-token product with inner size 4096 runs at about 0.93 of it. Attention is
-//! timed as one fused kernel over its FLOPs with inner size the head dimension (flash attention
-//! skips the causally masked half; `naive` computes the whole matrix and also moves the s×s
-//! probabilities through memory). Backward computes, for every forward product, the input's
-//! gradient (m×k from m×n by n×k) and the weight's (k×n, inner size m), plus half an attention
-//! forward for flash, which recomputes the probabilities (FlashAttention-2: backward ≈ 2.5×
-//! forward), and twice the element-wise traffic. Recompute costs a forward. Every kernel also
+//! [`WAVE_ELEMENTS`] outputs on an A100, scaled by the GPU's peak) times the inner dimension's
+//! overhead of each tile (`k / (k + K_HALF)`, its prologue and epilogue against its main loop).
+//! `efficiency` is what large products reach (dsl.md), so a 4096-token product with inner size
+//! 4096 runs at about 0.93 of it on an A100. Attention is timed as one fused kernel over its
+//! FLOPs with inner size the head dimension (flash attention skips the causally masked half;
+//! `naive` computes the whole matrix and also moves the s×s probabilities through memory).
+//! Backward computes, for every forward product, the input's gradient (m×k from m×n by n×k) and
+//! the weight's (k×n, inner size m), plus half an attention forward for flash, which recomputes
+//! the probabilities (FlashAttention-2: backward ≈ 2.5× forward), and twice the element-wise
+//! traffic. Recompute costs a forward. Every kernel also
 //! pays [`KERNEL_LAUNCH_S`]. The memory bandwidth is the cluster's `memory_bandwidth`, or derived:
 //! `peak_flops / FLOPS_PER_HBM_BYTE` (200 FLOP per byte puts an A100's 312 TFLOPS at 1.56 TB/s,
 //! about what its 2 TB/s HBM sustains). The optimizer update, gradient accumulation, casts and
