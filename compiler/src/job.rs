@@ -124,6 +124,10 @@ pub struct Cluster {
     /// Dense peak FLOP/s of one GPU at the model's dtype.
     pub peak_flops: f64,
     pub efficiency: f64,
+    /// Sustained GPU memory bandwidth in bytes/s, when the cluster gives one; otherwise the cost
+    /// model derives it from `peak_flops` ([`crate::sim::cost::FLOPS_PER_HBM_BYTE`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_bandwidth: Option<f64>,
     pub intra_node: Link,
     pub inter_node: Link,
     pub measured: Vec<MeasuredTable>,

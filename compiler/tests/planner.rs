@@ -229,8 +229,13 @@ fn the_command_prints_a_table_and_json_with_fragments() {
         "{stdout}"
     );
     assert!(stdout.contains("searched "), "{stdout}");
-    // Header, column titles, three rows, the summary.
-    assert_eq!(stdout.lines().count(), 6, "{stdout}");
+    // Header, column titles, three rows, what the model's uncertainty says of them, the summary.
+    assert_eq!(stdout.lines().count(), 7, "{stdout}");
+    assert!(
+        stdout.contains("within the model's uncertainty of #1")
+            || stdout.contains("overlaps no other schedule's"),
+        "{stdout}"
+    );
     let out = run(&[
         "plan",
         "p.sched",
@@ -249,6 +254,22 @@ fn the_command_prints_a_table_and_json_with_fragments() {
         .map(|x| x["step_time_s"].as_f64().unwrap())
         .collect();
     assert!(times.windows(2).all(|w| w[0] <= w[1]), "{times:?}");
+    // Each step time lies in its range; a schedule is within the best's range when the two overlap.
+    let range = |x: &serde_json::Value| {
+        let r = x["step_time_range_s"].as_array().unwrap();
+        (r[0].as_f64().unwrap(), r[1].as_f64().unwrap())
+    };
+    let best_high = range(&list[0]).1;
+    for x in list {
+        let (lo, hi) = range(x);
+        let t = x["step_time_s"].as_f64().unwrap();
+        assert!(lo <= t && t <= hi, "{lo} {t} {hi}");
+        assert_eq!(
+            x["within_range_of_best"].as_bool().unwrap(),
+            lo <= best_high,
+            "{x}"
+        );
+    }
     for x in list {
         let frag = x["fragment"].as_str().unwrap();
         assert!(frag.starts_with("schedule base_plan"), "{frag}");

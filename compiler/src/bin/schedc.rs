@@ -496,6 +496,29 @@ fn simulation_table(r: &schedc::sim::SimReport) -> String {
     for (k, v) in rows {
         out += &format!("  {k:<16}{v}\n");
     }
+    if let Some(g) = &r.ranges {
+        out += &format!(
+            "  under contention {:.2}–{:.2} (default {:.3}) per overlapping collective:\n",
+            g.contention_range[0], g.contention_range[1], g.contention
+        );
+        let ranges = [
+            (
+                "step time",
+                format!(
+                    "{:.3}–{:.3} ms",
+                    g.step_time_s[0] * 1e3,
+                    g.step_time_s[1] * 1e3
+                ),
+            ),
+            (
+                "MFU",
+                format!("{:.1}–{:.1}%", g.mfu[0] * 100.0, g.mfu[1] * 100.0),
+            ),
+        ];
+        for (k, v) in ranges {
+            out += &format!("    {k:<14}{v}\n");
+        }
+    }
     out += "  streams busy:\n";
     for s in &r.streams {
         out += &format!(

@@ -135,6 +135,9 @@ fn cluster(out: &mut String, c: &Cluster) {
         c.peak_flops,
         c.efficiency
     );
+    if let Some(bw) = c.memory_bandwidth {
+        let _ = writeln!(out, "  memory_bandwidth {bw} B/s");
+    }
     for (name, l) in [("intra_node", c.intra_node), ("inter_node", c.inter_node)] {
         let _ = writeln!(
             out,

@@ -18,13 +18,16 @@
 //!   all-reduce (its tree moves more), over the member's intra-node link and, for groups spanning
 //!   nodes, through the node's network shared by the G/a groups of the call on it; MiCS's
 //!   hierarchical all-gather moves (p−a)/p per group through the network, then (a−1)/a inside the
-//!   node. Each ring step's latency counts too, except for collectives a bucket may coalesce (a
-//!   coalesced call pays latency once for all its members); contention only adds. A collective the cluster gives `measured` bandwidths
-//!   for is floored at zero (a measurement may beat the link model).
+//!   node; links at the share of their bandwidth the cost model's rings sustain
+//!   (`LINK_EFFICIENCY`). Each ring step's latency counts too, and the call's kernel start, except
+//!   for collectives a bucket may coalesce (a coalesced call pays them once for all its members);
+//!   contention only adds (to compute, and between collectives). A collective the cluster gives
+//!   `measured` bandwidths for is floored at zero (a measurement may beat the link model).
 
 use crate::ir::{ComputeKind, Program};
 use crate::job::{Collective, GradSync, Job, Layer, Mesh, Recompute, Refresh, ReshardAfterForward};
 use crate::lower::activations::saved_bytes;
+use crate::sim::cost::{COLLECTIVE_START_S, LINK_EFFICIENCY};
 use cranelift_entity::EntityRef;
 
 /// Elements every layer's flat parameter vector is padded to a multiple of (lowering §1).
@@ -137,16 +140,21 @@ fn collective_floor(
     }
     let (a, b) = (u64::from(group.intra), u64::from(group.inter));
     let m = payload as f64;
+    let start = if latency { COLLECTIVE_START_S } else { 0.0 };
     let latency = |alpha: f64| if latency { alpha } else { 0.0 };
     let (intra_alpha, inter_alpha) = (latency(c.intra_node.latency), latency(c.inter_node.latency));
+    // What the cost model's rings sustain of the links.
+    let (intra_bw, inter_bw) = (
+        c.intra_node.bandwidth * LINK_EFFICIENCY,
+        c.inter_node.bandwidth * LINK_EFFICIENCY,
+    );
     // Groups of one call on one node: they share its network.
     let per_node = f64::from(job.schedule.gpus_per_node) / a as f64;
     if hierarchical && kind == Collective::AllGather && a > 1 && b > 1 {
-        let inter = (b - 1) as f64 * inter_alpha
-            + per_node * (p - a) as f64 / p as f64 * m / c.inter_node.bandwidth;
-        let intra =
-            (a - 1) as f64 * intra_alpha + (a - 1) as f64 / a as f64 * m / c.intra_node.bandwidth;
-        return inter + intra;
+        let inter =
+            (b - 1) as f64 * inter_alpha + per_node * (p - a) as f64 / p as f64 * m / inter_bw;
+        let intra = (a - 1) as f64 * intra_alpha + (a - 1) as f64 / a as f64 * m / intra_bw;
+        return start + inter + intra;
     }
     let alpha = if b > 1 {
         inter_alpha.max(if a > 1 { intra_alpha } else { 0.0 })
@@ -155,17 +163,13 @@ fn collective_floor(
     };
     // Seconds for a member sending `sent` bytes in `steps` latency steps.
     let time = |sent: f64, steps: f64| {
-        let intra = if a > 1 {
-            sent / c.intra_node.bandwidth
-        } else {
-            0.0
-        };
+        let intra = if a > 1 { sent / intra_bw } else { 0.0 };
         let inter = if b > 1 {
-            per_node * sent / c.inter_node.bandwidth
+            per_node * sent / inter_bw
         } else {
             0.0
         };
-        steps * alpha + intra.max(inter)
+        start + steps * alpha + intra.max(inter)
     };
     let ring = (p - 1) as f64 / p as f64 * m;
     let steps = (p - 1) as f64;
@@ -252,23 +256,37 @@ pub fn step_time_floor(job: &Job, compute: impl Fn(&Layer, ComputeKind) -> f64) 
     };
     let reduce =
         |kind, group, payload| collective_floor(job, kind, group, payload, false, reduce_alone);
+    // Repeated blocks cost the same: the compute of a layer like the one before is reused.
+    let mut last: Option<(&Layer, [f64; 3])> = None;
     let layers: Vec<LayerFloor> = m
         .layers
         .iter()
         .map(|layer| {
-            let mut backward = compute(layer, ComputeKind::Backward);
-            if s.recompute == Recompute::Full {
-                backward += compute(layer, ComputeKind::Recompute);
-            }
+            let [forward, backward, update] = match last {
+                Some((prev, c)) if prev.kind == layer.kind && prev.params == layer.params => c,
+                _ => {
+                    let mut backward = compute(layer, ComputeKind::Backward);
+                    if s.recompute == Recompute::Full {
+                        backward += compute(layer, ComputeKind::Recompute);
+                    }
+                    let update = if layer.params == 0 {
+                        0.0
+                    } else {
+                        compute(layer, ComputeKind::Update)
+                    };
+                    [compute(layer, ComputeKind::Forward), backward, update]
+                }
+            };
+            last = Some((layer, [forward, backward, update]));
             let mut f = LayerFloor {
-                forward: compute(layer, ComputeKind::Forward),
+                forward,
                 backward,
                 ..LayerFloor::default()
             };
             if layer.params == 0 {
                 return f;
             }
-            f.update = compute(layer, ComputeKind::Update);
+            f.update = update;
             let padded = layer.params.div_ceil(pad) * pad;
             let full = padded * d;
             // Parameters, every micro-step: forward gather, then backward's (lowering §3).

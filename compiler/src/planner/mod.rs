@@ -272,7 +272,7 @@ fn screen(job: &Job) -> Screened {
     if bounds::arena_floor(&program) > job.cluster.gpu_memory {
         return Screened::OverArena;
     }
-    Screened::Simulated(sim::simulate(&program, job).step_time_s)
+    Screened::Simulated(sim::step_time(&program, job))
 }
 
 /// The outcome of compiling one candidate with its memory plan.

@@ -18,6 +18,11 @@ pub struct PlannedJson {
     pub prefetch: PrefetchJson,
     pub buckets: BucketsJson,
     pub step_time_s: f64,
+    /// Beyond cli.md: the step time's range under the cost model's contention range.
+    pub step_time_range_s: [f64; 2],
+    /// Beyond cli.md: whether this schedule's range overlaps the best one's, so that the model
+    /// cannot rank the two apart (always true of the best).
+    pub within_range_of_best: bool,
     pub mfu: f64,
     pub tflops_per_gpu: f64,
     pub tokens_per_gpu_per_s: f64,
@@ -61,8 +66,31 @@ fn reshard(r: ReshardAfterForward) -> String {
     }
 }
 
+/// A ranked schedule's step-time range (its step time alone if it was simulated without one).
+pub fn step_range(r: &Ranked) -> [f64; 2] {
+    r.report
+        .ranges
+        .as_ref()
+        .map_or([r.report.step_time_s; 2], |g| g.step_time_s)
+}
+
+/// Whether each ranked schedule's step-time range overlaps the best one's: the model cannot tell
+/// them apart.
+pub fn within_range_of_best(result: &PlanResult) -> Vec<bool> {
+    let Some(best) = result.ranked.first() else {
+        return vec![];
+    };
+    let best_high = step_range(best)[1];
+    result
+        .ranked
+        .iter()
+        .map(|r| step_range(r)[0] <= best_high)
+        .collect()
+}
+
 /// The `--json` objects, best first.
 pub fn json(base: &Job, result: &PlanResult) -> Vec<PlannedJson> {
+    let within = within_range_of_best(result);
     result
         .ranked
         .iter()
@@ -91,6 +119,8 @@ pub fn json(base: &Job, result: &PlanResult) -> Vec<PlannedJson> {
                     reduce: s.buckets.reduce,
                 },
                 step_time_s: report.step_time_s,
+                step_time_range_s: step_range(&result.ranked[i]),
+                within_range_of_best: within[i],
                 mfu: report.mfu,
                 tflops_per_gpu: report.tflops_per_gpu,
                 tokens_per_gpu_per_s: report.tokens_per_gpu_per_s,
@@ -166,6 +196,7 @@ pub fn table(base: &Job, result: &PlanResult) -> String {
         "prefetch",
         "buckets",
         "step",
+        "range",
         "MFU",
         "TFLOPS",
         "peak memory",
@@ -187,6 +218,10 @@ pub fn table(base: &Job, result: &PlanResult) -> String {
                 format!("{}/{}", j.prefetch.forward, j.prefetch.backward),
                 format!("{}/{}", mib(j.buckets.gather), mib(j.buckets.reduce)),
                 seconds(r.report.step_time_s),
+                {
+                    let [lo, hi] = step_range(r);
+                    format!("{}–{}", seconds(lo), seconds(hi))
+                },
                 format!("{:.1}%", 100.0 * r.report.mfu),
                 sig3(r.report.tflops_per_gpu),
                 gib(r.report.peak_memory_bytes),
@@ -228,6 +263,29 @@ pub fn table(base: &Job, result: &PlanResult) -> String {
             "(no schedule fits in {})",
             gib(base.cluster.gpu_memory)
         );
+    }
+    let within = within_range_of_best(result);
+    let ties: Vec<String> = (1..within.len())
+        .filter(|&i| within[i])
+        .map(|i| format!("#{}", i + 1))
+        .collect();
+    if let Some(best) = result.ranked.first() {
+        let (lo, hi) = best.report.ranges.as_ref().map_or((0.0, 0.0), |g| {
+            (g.contention_range[0], g.contention_range[1])
+        });
+        let what =
+            format!("(step time over contention {lo:.2}–{hi:.2} per overlapping collective)");
+        if ties.is_empty() {
+            if result.ranked.len() > 1 {
+                let _ = writeln!(out, "#1's range {what} overlaps no other schedule's: the ranking holds at both ends of the range");
+            }
+        } else {
+            let _ = writeln!(
+                out,
+                "within the model's uncertainty of #1 {what}: {}; measure before choosing between them",
+                ties.join(", ")
+            );
+        }
     }
     let st = &result.stats;
     let _ = writeln!(

@@ -1,7 +1,7 @@
 //! Resolving `cluster` blocks: sizes, memory, peak compute, links and measured tables.
 //!
-//! Every key is required but `efficiency` (default 0.75) and `measured` tables; link latencies are
-//! required too, because a simulator that silently assumes zero latency misleads.
+//! Every key is required but `efficiency` (default 0.75), `memory_bandwidth` (default derived
+//! from `peak_flops` by the cost model) and `measured` tables; link latencies are required too, because a simulator that silently assumes zero latency misleads.
 
 use super::values::*;
 use super::Ctx;
@@ -16,6 +16,7 @@ const KEYS: &[(&str, Shape)] = &[
     ("gpu_memory", Shape::Value),
     ("peak_flops", Shape::Value),
     ("efficiency", Shape::Value),
+    ("memory_bandwidth", Shape::Value),
     ("intra_node", Shape::Block),
     ("inter_node", Shape::Block),
 ];
@@ -77,6 +78,23 @@ pub(crate) fn resolve(ctx: &mut Ctx, item: &BlockItem) -> Option<Cluster> {
             }
         }),
     };
+    let memory_bandwidth = match r.value("memory_bandwidth") {
+        None => Some(None),
+        Some(v) => expect_quantity(ctx, v, UnitKind::Bandwidth).and_then(|b| {
+            if b > 0.0 && b.is_finite() {
+                Some(Some(b))
+            } else {
+                ctx.error(
+                    Diagnostic::error(format!(
+                        "`memory_bandwidth` must be positive, found `{}`",
+                        written(v)
+                    ))
+                    .at(v.span, "not positive"),
+                );
+                None
+            }
+        }),
+    };
     let intra = r.block("intra_node").and_then(|b| link_block(ctx, b));
     let inter = r.block("inter_node").and_then(|b| link_block(ctx, b));
     let measured: Vec<Option<MeasuredTable>> =
@@ -119,6 +137,7 @@ pub(crate) fn resolve(ctx: &mut Ctx, item: &BlockItem) -> Option<Cluster> {
         gpu_memory: memory?,
         peak_flops: peak?,
         efficiency: efficiency?,
+        memory_bandwidth: memory_bandwidth?,
         intra_node: intra?,
         inter_node: inter?,
         measured: measured.into_iter().collect::<Option<Vec<_>>>()?,

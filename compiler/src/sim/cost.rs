@@ -1,22 +1,40 @@
 //! The cost model: how long one compute op or one collective takes on its own.
 //!
-//! **Compute.** Every zoo layer's forward work is split into matrix-multiply FLOPs, timed at
-//! `peak_flops × efficiency`, and element-wise memory traffic (norms, activations, rotary
-//! embeddings, residual adds, softmax, the loss), timed at the GPU's memory bandwidth; the two are
-//! added, since they run as separate kernels. The cluster has no memory-bandwidth key, so it is
-//! derived: `peak_flops / FLOPS_PER_HBM_BYTE` (200 FLOP per byte puts an A100's 312 TFLOPS at
-//! 1.56 TB/s, about what its 2 TB/s HBM sustains). Attention's score and value products cost
-//! 4·s·h FLOPs per token at full size (what MFU counts, [`model_flops_per_step`]); for time,
-//! `attention = flash` skips the masked half (2·s·h), `naive` computes the whole matrix and also
-//! moves the s×s probabilities through memory. Backward is twice the forward's matrix FLOPs
-//! (gradients of inputs and of weights), plus half an attention forward for flash, which recomputes
-//! the probabilities (FlashAttention-2: backward ≈ 2.5× forward), and twice its element-wise
-//! traffic. Recompute costs a forward. The optimizer update is memory-bound: Adam reads and writes
-//! fp32 master, m and v (24 bytes), reads the gradient and writes the model-dtype parameter.
-//! Accumulate, copy and grad-norm ops are pure memory traffic. `dense` layers cost
-//! `flops_per_token` matrix FLOPs and touch `activation_bytes_per_token` bytes per token.
+//! **Compute.** Every zoo layer's forward is a list of kernels: its matrix products with their
+//! exact shapes (QKV with GQA, the output projection, the MLP's 2 or 3 matrices, the LM head), an
+//! attention kernel, and element-wise kernels (norms, activations, rotary embeddings, residual
+//! adds, softmax, the loss) that only move memory. A matrix product C(m×n) = A(m×k)·B(k×n) is timed
+//! by a roofline: the larger of its FLOPs at `peak_flops × efficiency × shape factor` and the bytes
+//! of its three operands at the memory bandwidth. The shape factor ([`gemm_shape_factor`]) is
+//! below 1 for small or skinny products: wave quantization (the m·n output is cut into tiles, one
+//! per SM at a time, and the last wave runs partly empty: `w / (w + ½)` for `w` waves of
+//! [`WAVE_ELEMENTS`] outputs on an A100, scaled by the GPU's peak) times the inner dimension's
+//! overhead of each tile (`k / (k + K_HALF)`, its prologue and epilogue against its main loop).
+//! `efficiency` is what large products reach (dsl.md), so a 4096-token product with inner size
+//! 4096 runs at about 0.93 of it on an A100. Attention is timed as one fused kernel over its
+//! FLOPs with inner size the head dimension (flash attention skips the causally masked half;
+//! `naive` computes the whole matrix and also moves the s×s probabilities through memory).
+//! Backward computes, for every forward product, the input's gradient (m×k from m×n by n×k) and
+//! the weight's (k×n, inner size m), plus half an attention forward for flash, which recomputes
+//! the probabilities (FlashAttention-2: backward ≈ 2.5× forward), and twice the element-wise
+//! traffic. Recompute costs a forward. Every kernel also
+//! pays [`KERNEL_LAUNCH_S`]. The memory bandwidth is the cluster's `memory_bandwidth`, or derived:
+//! `peak_flops / FLOPS_PER_HBM_BYTE` (200 FLOP per byte puts an A100's 312 TFLOPS at 1.56 TB/s,
+//! about what its 2 TB/s HBM sustains). The optimizer update, gradient accumulation, casts and
+//! copies run at memory speed: Adam reads and writes fp32 master, m and v (24 bytes), reads the
+//! gradient and writes the model-dtype parameter (the cast). `dense` layers cost
+//! `flops_per_token` matrix FLOPs (at `efficiency`: their shapes are not known) and touch
+//! `activation_bytes_per_token` bytes per token. MFU counts attention at full size
+//! ([`model_flops_per_step`]).
 //!
-//! **Collectives** use the α–β model of AMSP §IV-A with ring algorithms. A group of `a` GPUs per
+//! **Contention.** A compute kernel that runs while collectives move bytes on the same GPU is
+//! slowed: communication kernels take SMs and memory bandwidth. The engine runs compute at speed
+//! `1 / (1 + contention × n)` while `n` collectives of the rank are moving bytes; the default
+//! [`CONTENTION`] is the mean compute slowdown under overlap measured by Lee et al. 2025, and
+//! [`CONTENTION_RANGE`] spans no interference to their largest slowdown.
+//!
+//! **Collectives** use the α–β model of AMSP §IV-A with ring algorithms, over the links' nominal
+//! bandwidths × [`LINK_EFFICIENCY`] (what NCCL sustains of them). A group of `a` GPUs per
 //! node × `b` nodes (p = a·b) has its ring laid out node by node: every ring step moves one chunk
 //! of payload/p along every edge. An edge inside a node uses the sending GPU's intra-node link; an
 //! edge leaving a node uses the node's network, which is shared by every ring of the same call
@@ -30,7 +48,8 @@
 //! A coalesced `group` call is one NCCL group launch: its collectives' chunks travel in the same
 //! ring steps, so it pays one latency per step (of its longest member) and carries the sum of the
 //! payloads; [`Transfer`] describes it so that the engine can share links between overlapping
-//! calls.
+//! calls. Every call (a coalesced group once) also pays [`COLLECTIVE_START_S`], the fixed cost of
+//! launching NCCL's kernel, on top of the per-step latencies; a `measured` time already holds it.
 
 use crate::ir::ComputeKind;
 use crate::job::{
@@ -38,8 +57,57 @@ use crate::job::{
 };
 
 /// Ratio of dense peak FLOP/s to sustained memory bandwidth (bytes/s) used when the cluster gives
-/// no memory bandwidth.
+/// no `memory_bandwidth`.
 pub const FLOPS_PER_HBM_BYTE: f64 = 200.0;
+
+/// Compute slowdown per collective moving bytes beside it: 18.9%, the mean slowdown of compute
+/// overlapped with communication that Lee et al. measured on A100, H100, MI210 and MI250 training
+/// GPT and LLaMA models ("Characterizing Compute-Communication Overlap in GPU-Accelerated
+/// Distributed Deep Learning", arXiv 2507.03114, 2025, abstract and §V).
+pub const CONTENTION: f64 = 0.189;
+
+/// What the model is unsure of about [`CONTENTION`]: from none (communication on copy engines, or
+/// the fully ideal overlap the same paper uses as its baseline) to 40%, their largest slowdown.
+pub const CONTENTION_RANGE: (f64, f64) = (0.0, 0.40);
+
+/// Seconds every compute kernel adds to its work: the gap between back-to-back kernels on one
+/// stream when the host launches ahead (NVIDIA, "Getting Started with CUDA Graphs", 2019: 2.9 µs
+/// kernels took 3.8 µs each in a stream, about 1 µs each of launch overhead).
+pub const KERNEL_LAUNCH_S: f64 = 1.0e-6;
+
+/// Seconds a collective call pays once to start its kernel, on top of its per-step latencies:
+/// NCCL's own tuning model's base latency for ring algorithms with the Simple protocol, used for
+/// large messages (NVIDIA/nccl `src/graph/tuning.cc`, `baseLat`, Ring/Simple = 8.4 µs).
+pub const COLLECTIVE_START_S: f64 = 8.4e-6;
+
+/// Fraction of a link's nominal bandwidth that NCCL's ring collectives sustain, calibrated on the two
+/// all-gather bandwidths MiCS measured (§3.2: 128 GB/s inside a node of V100s with 150 GB/s of
+/// NVLink each, 0.85; 11 GB/s over 8 nodes of 100 Gbps, 0.88). NCCL's own tuning model puts A100
+/// rings at 235 of 300 GB/s, 0.78 (NVIDIA/nccl `src/graph/tuning.cc`). Applied to both link
+/// classes; `measured` tables are taken as they are.
+pub const LINK_EFFICIENCY: f64 = 0.86;
+
+/// Output elements one wave of GEMM tiles covers on a GPU of [`WAVE_PEAK_FLOPS`]: 2^21, about 128
+/// SMs with a 128×128 tile each (A100: 108 SMs; NVIDIA's "Matrix Multiplication Background" guide,
+/// wave and tile quantization). Other GPUs scale it with their peak (parallel width grows with it:
+/// an H100 needs about 3× the outputs to fill, a 100 GFLOPS CPU "cluster" a few hundred).
+pub const WAVE_ELEMENTS: f64 = 2_097_152.0;
+
+/// The peak at which one wave is [`WAVE_ELEMENTS`] outputs: an A100's dense 16-bit 312 TFLOPS.
+pub const WAVE_PEAK_FLOPS: f64 = 312e12;
+
+/// Inner size at which a GEMM tile spends as long in its prologue and epilogue as in its main
+/// loop: 32 puts a head dimension of 128 at 0.8, so flash attention at the default efficiency
+/// runs at 60% of peak, inside FlashAttention-2's 50–73% on A100 (Dao 2023, §4.1).
+pub const K_HALF: f64 = 32.0;
+
+/// The fraction of `efficiency` a product C(m×n) = A(m×k)·B(k×n) reaches on a GPU whose wave of
+/// tiles covers `wave` outputs: wave quantization times the inner dimension's per-tile overhead
+/// (see the module doc). Tends to 1 for large products.
+pub fn gemm_shape_factor(m: f64, n: f64, k: f64, wave: f64) -> f64 {
+    let waves = m * n / wave;
+    waves / (waves + 0.5) * k / (k + K_HALF)
+}
 
 /// Where a communicator's group sits, as the engine and the planner see it.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -90,8 +158,12 @@ impl Transfer {
 /// Costs of one job's ops on its cluster.
 #[derive(Clone, Debug)]
 pub struct CostModel {
-    /// Sustained matrix-multiply FLOP/s: `peak_flops × efficiency`.
+    /// Sustained matrix-multiply FLOP/s of large products: `peak_flops × efficiency`.
     matmul_flops: f64,
+    /// Compute slowdown per collective moving bytes beside it ([`CONTENTION`]).
+    contention: f64,
+    /// Outputs one wave of GEMM tiles covers on this GPU ([`WAVE_ELEMENTS`] scaled by its peak).
+    wave: f64,
     /// Sustained memory bandwidth, bytes/s.
     memory_bandwidth: f64,
     intra: Link,
@@ -115,9 +187,19 @@ impl CostModel {
         let m = &job.model;
         CostModel {
             matmul_flops: c.peak_flops * c.efficiency,
-            memory_bandwidth: c.peak_flops / FLOPS_PER_HBM_BYTE,
-            intra: c.intra_node,
-            inter: c.inter_node,
+            contention: CONTENTION,
+            wave: WAVE_ELEMENTS * c.peak_flops / WAVE_PEAK_FLOPS,
+            memory_bandwidth: c
+                .memory_bandwidth
+                .unwrap_or(c.peak_flops / FLOPS_PER_HBM_BYTE),
+            intra: Link {
+                bandwidth: c.intra_node.bandwidth * LINK_EFFICIENCY,
+                latency: c.intra_node.latency,
+            },
+            inter: Link {
+                bandwidth: c.inter_node.bandwidth * LINK_EFFICIENCY,
+                latency: c.inter_node.latency,
+            },
             gpus_per_node: job.schedule.gpus_per_node,
             measured: c.measured.clone(),
             tokens: (m.micro_batch * m.seq_len) as f64,
@@ -133,50 +215,99 @@ impl CostModel {
         }
     }
 
-    /// Sustained memory bandwidth in bytes/s (derived, see the module doc).
+    /// The same model with another compute slowdown per overlapping collective (the trust range
+    /// of [`CONTENTION`]).
+    pub fn with_contention(mut self, contention: f64) -> Self {
+        self.contention = contention.max(0.0);
+        self
+    }
+
+    /// Compute slowdown per collective moving bytes beside a compute op.
+    pub fn contention(&self) -> f64 {
+        self.contention
+    }
+
+    /// Sustained bandwidths (bytes/s) of one GPU's intra-node link and of its node's network:
+    /// the cluster's nominal figures × [`LINK_EFFICIENCY`].
+    pub fn link_bandwidths(&self) -> (f64, f64) {
+        (self.intra.bandwidth, self.inter.bandwidth)
+    }
+
+    /// Sustained memory bandwidth in bytes/s (the cluster's, or derived: see the module doc).
     pub fn memory_bandwidth(&self) -> f64 {
         self.memory_bandwidth
     }
 
-    /// Seconds to move `bytes` through GPU memory.
+    /// Seconds of one memory-bound kernel moving `bytes` through GPU memory, launch included.
     pub fn memory_seconds(&self, bytes: f64) -> f64 {
-        bytes / self.memory_bandwidth
+        bytes / self.memory_bandwidth + KERNEL_LAUNCH_S
+    }
+
+    /// Seconds of one matrix product C(m×n) = A(m×k)·B(k×n) in the model's dtype, launch excluded:
+    /// the roofline of its FLOPs at the shape's efficiency and its operands' bytes.
+    pub fn gemm_seconds(&self, m: f64, n: f64, k: f64) -> f64 {
+        if m <= 0.0 || n <= 0.0 || k <= 0.0 {
+            return 0.0;
+        }
+        let flops = 2.0 * m * n * k / (self.matmul_flops * gemm_shape_factor(m, n, k, self.wave));
+        let bytes = (m * k + k * n + m * n) * self.dtype_bytes / self.memory_bandwidth;
+        flops.max(bytes)
+    }
+
+    /// Forward and backward seconds of one product of a layer (m = tokens): the product itself,
+    /// then the input's gradient (m×k, inner size n) and the weight's (k×n, inner size m).
+    fn product(&self, m: f64, n: f64, k: f64) -> (f64, f64) {
+        (
+            self.gemm_seconds(m, n, k),
+            self.gemm_seconds(m, k, n) + self.gemm_seconds(k, n, m),
+        )
     }
 
     /// Seconds of one layer's compute op for one micro-step on one rank.
     pub fn compute_seconds(&self, layer: &Layer, kind: ComputeKind) -> f64 {
         let w = self.forward_work(&layer.kind);
         let mem = |bytes: f64| bytes / self.memory_bandwidth;
-        let mm = |flops: f64| flops / self.matmul_flops;
+        let launch = |kernels: f64| kernels * KERNEL_LAUNCH_S;
         match kind {
-            ComputeKind::Forward | ComputeKind::Recompute => mm(w.matmul) + mem(w.bytes),
+            ComputeKind::Forward | ComputeKind::Recompute => {
+                w.forward_s + mem(w.bytes) + launch(w.kernels)
+            }
             ComputeKind::Backward => {
-                mm(2.0 * w.matmul + w.backward_extra) + mem(2.0 * w.bytes + w.backward_bytes)
+                w.backward_s + mem(2.0 * w.bytes + w.backward_bytes) + launch(2.0 * w.kernels)
             }
             ComputeKind::Loss => match layer.kind {
-                // Read the logits, a max/sum pass, write their gradient.
+                // Read the logits, a max/sum pass, write their gradient: two kernels.
                 LayerKind::LmHead { vocab, .. } => {
-                    mem(3.0 * self.tokens * vocab as f64 * self.dtype_bytes)
+                    mem(3.0 * self.tokens * vocab as f64 * self.dtype_bytes) + launch(2.0)
                 }
-                _ => mem(3.0 * self.tokens * self.dtype_bytes),
+                _ => mem(3.0 * self.tokens * self.dtype_bytes) + launch(2.0),
             },
             ComputeKind::Update => {
                 let shard = layer.params.div_ceil(self.optimizer_shards) as f64;
-                mem(shard * self.optimizer_bytes_per_param)
+                self.memory_seconds(shard * self.optimizer_bytes_per_param)
             }
             ComputeKind::Accumulate => {
                 let shard = layer.params.div_ceil(self.grad_shards) as f64;
-                mem(3.0 * shard * self.grad_bytes)
+                self.memory_seconds(3.0 * shard * self.grad_bytes)
             }
-            ComputeKind::Copy => mem(2.0 * layer.params as f64 * self.dtype_bytes),
+            ComputeKind::Copy => self.memory_seconds(2.0 * layer.params as f64 * self.dtype_bytes),
             ComputeKind::GradNorm => {
                 let shard = layer.params.div_ceil(self.optimizer_shards) as f64;
-                mem(shard * self.grad_bytes)
+                self.memory_seconds(shard * self.grad_bytes)
             }
         }
     }
 
-    /// One forward pass of a layer over one micro-step's tokens.
+    /// Seconds of an attention kernel doing `flops` with inner size `head_dim` over `outputs`
+    /// score elements.
+    fn attention_seconds(&self, flops: f64, outputs: f64, head_dim: f64) -> f64 {
+        if flops <= 0.0 {
+            return 0.0;
+        }
+        flops / (self.matmul_flops * gemm_shape_factor(outputs, 1.0, head_dim, self.wave))
+    }
+
+    /// One forward pass of a layer over one micro-step's tokens, and its backward's products.
     fn forward_work(&self, kind: &LayerKind) -> Work {
         let t = self.tokens;
         let d = self.dtype_bytes;
@@ -184,45 +315,87 @@ impl CostModel {
             LayerKind::Embedding { hidden, .. } => Work {
                 // Gather rows (plus learned positions) and write the hidden states.
                 bytes: 3.0 * t * hidden as f64 * d,
+                kernels: 2.0,
                 ..Work::default()
             },
             LayerKind::Transformer(tr) => {
                 let h = tr.hidden as f64;
                 let kv = tr.kv_dim() as f64;
-                let f = tr.ffn as f64;
                 let s = self.seq_len;
+                let heads = tr.heads as f64;
+                let head_dim = tr.head_dim() as f64;
                 let full_attention = 4.0 * s * h * t;
-                let (attention, probs_bytes, extra) = match tr.attention {
+                // Score elements: tokens × keys × heads (half of them under flash's causal skip).
+                let scores = t * s * heads;
+                let (attention, outputs, probs_bytes, extra) = match tr.attention {
                     // Causal blocks above the diagonal are skipped; backward recomputes P.
-                    Attention::Flash => (full_attention / 2.0, 0.0, full_attention / 4.0),
+                    Attention::Flash => (
+                        full_attention / 2.0,
+                        scores / 2.0,
+                        0.0,
+                        full_attention / 4.0,
+                    ),
                     // The whole s×s matrix, masked, written, softmaxed and read back.
-                    Attention::Naive => (full_attention, 4.0 * t * s * tr.heads as f64 * d, 0.0),
+                    Attention::Naive => (full_attention, scores, 4.0 * t * s * heads * d, 0.0),
                 };
-                let mlp = mlp_work(t, h, f, tr.act, d);
+                let qkv = self.product(t, h + 2.0 * kv, h);
+                let out = self.product(t, h, h);
+                let mlp = self.mlp_work(t, h, tr.ffn as f64, tr.act, d);
+                let attn_fwd = self.attention_seconds(attention, outputs, head_dim);
+                let attn_bwd = self.attention_seconds(2.0 * attention + extra, outputs, head_dim);
                 Work {
-                    matmul: 2.0 * t * h * (h + 2.0 * kv) + 2.0 * t * h * h + attention + mlp.matmul,
+                    forward_s: qkv.0 + out.0 + attn_fwd + mlp.forward_s,
+                    backward_s: qkv.1 + out.1 + attn_bwd + mlp.backward_s,
                     // Attention norm (read, write), rotary on q and k, residual add.
                     bytes: t * d * (2.0 * h + 2.0 * (h + kv) + 3.0 * h) + probs_bytes + mlp.bytes,
-                    backward_extra: extra,
                     backward_bytes: probs_bytes / 2.0,
+                    // Norm, QKV, rotary, attention, output projection, residual; the MLP's.
+                    kernels: 6.0 + mlp.kernels,
                 }
             }
-            LayerKind::Mlp(m) => mlp_work(t, m.hidden as f64, m.ffn as f64, m.act, d),
-            LayerKind::LmHead { hidden, vocab, .. } => Work {
-                matmul: 2.0 * t * hidden as f64 * vocab as f64,
-                // Final norm, and the logits written.
-                bytes: t * d * (2.0 * hidden as f64 + vocab as f64),
-                ..Work::default()
-            },
+            LayerKind::Mlp(m) => self.mlp_work(t, m.hidden as f64, m.ffn as f64, m.act, d),
+            LayerKind::LmHead { hidden, vocab, .. } => {
+                let (forward_s, backward_s) = self.product(t, vocab as f64, hidden as f64);
+                Work {
+                    forward_s,
+                    backward_s,
+                    // Final norm, and the logits written.
+                    bytes: t * d * (2.0 * hidden as f64 + vocab as f64),
+                    kernels: 2.0,
+                    ..Work::default()
+                }
+            }
             LayerKind::Dense {
                 flops_per_token,
                 activation_bytes_per_token,
                 ..
             } => Work {
-                matmul: flops_per_token * t,
+                // No shapes: at `efficiency`, as a large product.
+                forward_s: flops_per_token * t / self.matmul_flops,
+                backward_s: 2.0 * flops_per_token * t / self.matmul_flops,
                 bytes: activation_bytes_per_token as f64 * t,
+                kernels: 2.0,
                 ..Work::default()
             },
+        }
+    }
+
+    /// An MLP's products (2 matrices, or 3 with a gated activation) and element-wise traffic.
+    fn mlp_work(&self, t: f64, h: f64, f: f64, act: Activation, d: f64) -> Work {
+        let (ins, act_bytes) = match act {
+            Activation::Gelu => (1.0, 2.0 * f),
+            Activation::SwiGlu => (2.0, 3.0 * f),
+        };
+        let up = self.product(t, f, h);
+        let down = self.product(t, h, f);
+        Work {
+            forward_s: ins * up.0 + down.0,
+            backward_s: ins * up.1 + down.1,
+            // Norm (read, write), activation, residual add.
+            bytes: t * d * (2.0 * h + act_bytes + 3.0 * h),
+            backward_bytes: 0.0,
+            // Norm, the products, activation, residual add.
+            kernels: 3.0 + ins + 1.0,
         }
     }
 
@@ -287,7 +460,7 @@ impl CostModel {
             };
         }
         Transfer {
-            latency_s: steps * alpha,
+            latency_s: COLLECTIVE_START_S + steps * alpha,
             intra_bytes,
             inter_bytes,
             transfer_s,
@@ -365,26 +538,16 @@ fn interpolate(points: &[(u64, f64)], size: u64) -> f64 {
     last.1
 }
 
-/// A forward pass's work; backward adds `backward_extra` matrix FLOPs and `backward_bytes`.
+/// One layer's forward and backward on one micro-step: product and attention seconds, element-wise
+/// bytes (backward moves twice the forward's plus `backward_bytes`) and kernels (backward launches
+/// twice as many).
 #[derive(Clone, Copy, Debug, Default)]
 struct Work {
-    matmul: f64,
+    forward_s: f64,
+    backward_s: f64,
     bytes: f64,
-    backward_extra: f64,
     backward_bytes: f64,
-}
-
-fn mlp_work(t: f64, h: f64, f: f64, act: Activation, d: f64) -> Work {
-    let (mats, act_bytes) = match act {
-        Activation::Gelu => (2.0, 2.0 * f),
-        Activation::SwiGlu => (3.0, 3.0 * f),
-    };
-    Work {
-        matmul: 2.0 * t * h * f * mats,
-        // Norm (read, write), activation, residual add.
-        bytes: t * d * (2.0 * h + act_bytes + 3.0 * h),
-        ..Work::default()
-    }
+    kernels: f64,
 }
 
 /// Model FLOPs of one layer's forward for one token, as MFU counts them (cli.md): 2 per

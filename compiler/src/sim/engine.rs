@@ -3,8 +3,10 @@
 //!
 //! - A stream runs its ops in issue order, one at a time. An op becomes ready when it reaches the
 //!   head of its stream and every event it waits on has been recorded (by this rank).
-//! - A compute op then runs for its [`CostModel`] time. Compute ops on different streams do not
-//!   slow each other down.
+//! - A compute op then runs for its [`CostModel`] time, stretched while collectives of its rank
+//!   move bytes: it progresses at speed `1 / (1 + contention × n)` with `n` such collectives
+//!   (communication kernels take SMs and memory bandwidth; see [`super::cost::CONTENTION`]).
+//!   Compute ops on different streams do not slow each other down.
 //! - A collective (or coalesced group) that is ready has *arrived*; it starts when every member
 //!   of its group has arrived, i.e. when the representatives of all classes in the group have.
 //!   It then spends its latency term, and moves its bytes ([`Transfer`]) as a fluid over two
@@ -52,8 +54,10 @@ enum Cost {
 
 #[derive(Clone, Copy, Debug)]
 enum Phase {
-    /// Ends at a known time: a compute op, or a collective's latency.
+    /// Ends at a known time: a collective's latency.
     Until(f64),
+    /// A compute op: seconds of work left at full speed.
+    Computing(f64),
     /// A collective moving its bytes: the fraction left.
     Moving(f64),
 }
@@ -73,6 +77,8 @@ struct Agent {
     peers: Vec<Vec<u32>>,
     /// Speed of each stream's moving call relative to alone (see the module doc).
     speed: Vec<f64>,
+    /// Speed of compute ops relative to running without collectives beside them.
+    compute_speed: f64,
     start: Vec<f64>,
     end: Vec<f64>,
 }
@@ -225,20 +231,25 @@ pub fn run(program: &Program, job: &Job, classes: &RankClasses, cost: &CostModel
                 costs,
                 peers,
                 speed: vec![0.0; program.streams.len()],
+                compute_speed: 1.0,
                 start: vec![f64::NAN; n_ops],
                 end: vec![f64::NAN; n_ops],
             }
         })
         .collect();
-    let (intra_bw, inter_bw) = (
-        job.cluster.intra_node.bandwidth,
-        job.cluster.inter_node.bandwidth,
-    );
+    let (intra_bw, inter_bw) = cost.link_bandwidths();
+    let contention = cost.contention();
     let mut now = 0.0f64;
     loop {
         start_ready(program, &stream_ops, &mut agents, now);
         for a in agents.iter_mut() {
             share_links(a, intra_bw, inter_bw);
+            let moving = a
+                .streams
+                .iter()
+                .filter(|st| matches!(st.running, Some((_, Phase::Moving(_)))))
+                .count();
+            a.compute_speed = 1.0 / (1.0 + contention * moving as f64);
         }
         // The next moment something ends.
         let mut next = f64::INFINITY;
@@ -246,6 +257,9 @@ pub fn run(program: &Program, job: &Job, classes: &RankClasses, cost: &CostModel
             for (s, st) in a.streams.iter().enumerate() {
                 match st.running {
                     Some((_, Phase::Until(t))) => next = next.min(t),
+                    Some((_, Phase::Computing(left))) => {
+                        next = next.min(now + left / a.compute_speed)
+                    }
                     Some((op, Phase::Moving(left))) => {
                         if let Cost::Comm(t) = a.costs[op.index()] {
                             next = next.min(now + left * t.transfer_s / a.speed[s]);
@@ -265,10 +279,19 @@ pub fn run(program: &Program, job: &Job, classes: &RankClasses, cost: &CostModel
                 let Some((op, phase)) = a.streams[s].running else {
                     continue;
                 };
-                let Cost::Comm(t) = a.costs[op.index()] else {
-                    if matches!(phase, Phase::Until(e) if e <= now) {
+                if let Phase::Computing(left) = phase {
+                    // As for moving calls: finish by the time computed above.
+                    let speed = a.compute_speed;
+                    let done = before + left / speed <= now;
+                    let left = left - dt * speed;
+                    if done || left <= 1e-15 {
                         finish(a, program, &stream_ops, s, op, now);
+                    } else {
+                        a.streams[s].running = Some((op, Phase::Computing(left)));
                     }
+                    continue;
+                }
+                let Cost::Comm(t) = a.costs[op.index()] else {
                     continue;
                 };
                 match phase {
@@ -291,7 +314,7 @@ pub fn run(program: &Program, job: &Job, classes: &RankClasses, cost: &CostModel
                             a.streams[s].running = Some((op, Phase::Moving(left)));
                         }
                     }
-                    Phase::Until(_) => {}
+                    Phase::Until(_) | Phase::Computing(_) => {}
                 }
             }
         }
@@ -344,7 +367,7 @@ fn start_ready(program: &Program, stream_ops: &[Vec<OpId>], agents: &mut [Agent]
                     if let Cost::Compute(d) = agents[k].costs[id.index()] {
                         let a = &mut agents[k];
                         a.start[id.index()] = now;
-                        a.streams[s].running = Some((id, Phase::Until(now + d)));
+                        a.streams[s].running = Some((id, Phase::Computing(d)));
                         changed = true;
                         continue;
                     }

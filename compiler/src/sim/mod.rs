@@ -15,6 +15,11 @@
 //! so the cost is that of one rank's ops however many ranks there are. [`report`] turns the
 //! timeline into cli.md's figures and [`trace`] into a Chrome trace.
 //!
+//! The model's least certain constant is how much collectives slow the compute beside them
+//! ([`cost::CONTENTION`]); [`simulate`] runs the step at both ends of its published range too and
+//! reports every figure's range ([`SimRanges`]), so a reader (and `schedc plan`) can tell a real
+//! difference from one inside the model's uncertainty.
+//!
 //! The program must be verified (it is, coming from [`crate::compile`] or `schedc verify`): the
 //! engine assumes it cannot deadlock.
 
@@ -25,25 +30,47 @@ pub mod report;
 pub mod trace;
 
 pub use cost::{model_flops_per_step, CostModel};
-pub use report::{SimReport, StreamBusy};
+pub use report::{SimRanges, SimReport, StreamBusy};
 pub use trace::Trace;
 
 use crate::ir::Program;
 use crate::job::Job;
 
-/// Simulates one step of `program` (compiled from `job`).
+/// Simulates one step of `program` (compiled from `job`), with the figures' trust ranges: the step
+/// is simulated again at both ends of [`cost::CONTENTION_RANGE`].
 pub fn simulate(program: &Program, job: &Job) -> SimReport {
-    let timeline = run(program, job);
-    report::report(program, job, &timeline)
+    simulate_traced_inner(program, job, false).0
 }
 
-/// [`simulate`], with the Chrome trace of the step.
+/// [`simulate`], with the Chrome trace of the step (at the default contention).
 pub fn simulate_traced(program: &Program, job: &Job) -> (SimReport, Trace) {
-    let timeline = run(program, job);
-    (
-        report::report(program, job, &timeline),
-        trace::emit_trace(program, &timeline),
-    )
+    let (report, trace) = simulate_traced_inner(program, job, true);
+    (report, trace.expect("asked for"))
+}
+
+fn simulate_traced_inner(program: &Program, job: &Job, traced: bool) -> (SimReport, Option<Trace>) {
+    let classes = classes::rank_classes(program);
+    let cost = CostModel::new(job);
+    let timeline = engine::run(program, job, &classes, &cost);
+    let mut report = report::report(program, job, &timeline);
+    let (low, high) = cost::CONTENTION_RANGE;
+    let ends = [low, high].map(|c| {
+        let t = engine::run(program, job, &classes, &cost.clone().with_contention(c));
+        report::report(program, job, &t)
+    });
+    report.ranges = Some(SimRanges::new(
+        &report,
+        &ends,
+        cost.contention(),
+        (low, high),
+    ));
+    let trace = traced.then(|| trace::emit_trace(program, &timeline));
+    (report, trace)
+}
+
+/// Only the step time at the default contention: what `schedc plan` screens candidates by.
+pub fn step_time(program: &Program, job: &Job) -> f64 {
+    run(program, job).step_time_s
 }
 
 /// The engine's timeline of one step (per representative rank, every op's start and end).

@@ -14,6 +14,10 @@
 //!   `gpu_memory`.
 //!
 //! Per-rank figures are those of rank 0's class; every compiled schedule has only one class.
+//!
+//! Beyond cli.md, `ranges` ([`SimRanges`]) gives what the model is unsure of: the contention
+//! factor's default and published range, and each figure's least and greatest value over the
+//! simulations at both ends of that range (the figure at the default lies between them).
 
 use super::cost::model_flops_per_step;
 use super::engine::Timeline;
@@ -39,6 +43,54 @@ pub struct SimReport {
     /// Beyond cli.md: ranks of the schedule, and how many distinct timelines were simulated.
     pub ranks: u32,
     pub simulated_ranks: u32,
+    /// Beyond cli.md: each figure's range under the model's uncertain contention factor (absent
+    /// from screening simulations and from reports read back without it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ranges: Option<SimRanges>,
+}
+
+/// The figures of a step over the contention factor's range: each `[least, greatest]`.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub struct SimRanges {
+    /// The compute slowdown per overlapping collective: the default the figures use, and the
+    /// range simulated (`sim::cost::CONTENTION`, `CONTENTION_RANGE`).
+    pub contention: f64,
+    pub contention_range: [f64; 2],
+    pub step_time_s: [f64; 2],
+    pub compute_s: [f64; 2],
+    pub exposed_comm_s: [f64; 2],
+    pub mfu: [f64; 2],
+    pub tflops_per_gpu: [f64; 2],
+    pub tokens_per_gpu_per_s: [f64; 2],
+}
+
+impl SimRanges {
+    /// The ranges of `at_default`'s figures over it and the simulations at the range's `ends`.
+    pub fn new(
+        at_default: &SimReport,
+        ends: &[SimReport],
+        contention: f64,
+        (low, high): (f64, f64),
+    ) -> Self {
+        let span = |f: fn(&SimReport) -> f64| {
+            let mut r = [f(at_default); 2];
+            for e in ends {
+                r[0] = r[0].min(f(e));
+                r[1] = r[1].max(f(e));
+            }
+            r
+        };
+        SimRanges {
+            contention,
+            contention_range: [low, high],
+            step_time_s: span(|r| r.step_time_s),
+            compute_s: span(|r| r.compute_s),
+            exposed_comm_s: span(|r| r.exposed_comm_s),
+            mfu: span(|r| r.mfu),
+            tflops_per_gpu: span(|r| r.tflops_per_gpu),
+            tokens_per_gpu_per_s: span(|r| r.tokens_per_gpu_per_s),
+        }
+    }
 }
 
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
@@ -98,5 +150,6 @@ pub fn report(program: &Program, job: &Job, timeline: &Timeline) -> SimReport {
         gpu_memory_bytes: job.cluster.gpu_memory,
         ranks: program.ranks,
         simulated_ranks: timeline.ranks.len() as u32,
+        ranges: None,
     }
 }
