@@ -28,6 +28,8 @@ pub mod passes;
 pub mod planner;
 pub mod sema;
 pub mod sim;
+#[doc(hidden)]
+pub mod testing;
 pub mod verify;
 
 pub use job::Job;

@@ -1,0 +1,87 @@
+//! Test support shared by the tests of every crate: how a test skips for want of a tool.
+//!
+//! A test that cannot run on this machine (no C++ compiler, no GPU, no NVRTC, no `ptxas`) calls
+//! [`skip`] with the name of what it lacks and returns. That writes `SKIPPED <test>: <reason>` to
+//! stderr (straight to the stream, past the test harness's capture, so a plain `cargo test` shows
+//! it), unless `SCHED_REQUIRE`, a comma-separated list of names, has that name: then the test
+//! panics instead. CI sets `SCHED_REQUIRE` to what its machine has, so a test that CI expects to
+//! run fails rather than passing silently when its tool went missing.
+//!
+//! The names:
+//! - `cxx`: a C++20 compiler (`$CXX`, else `c++`), for the CUDA kernels emulated on the host;
+//! - `gpu`: a CUDA GPU with its libraries, and `schedrun` built with `--features cuda`;
+//! - `no-gpu`: no usable CUDA backend (the tests of the message given without one);
+//! - `nvrtc`: `libnvrtc.so` on the library path;
+//! - `ptxas`: the PTX assembler (`$PTXAS` or the `nvidia-cuda-nvcc-cu12` wheel's).
+
+use std::io::Write;
+
+/// The variable listing the names whose absence fails a test.
+pub const REQUIRE_VAR: &str = "SCHED_REQUIRE";
+
+/// Whether `SCHED_REQUIRE` names `what`.
+pub fn required(what: &str) -> bool {
+    std::env::var(REQUIRE_VAR).is_ok_and(|v| required_in(&v, what))
+}
+
+/// Whether the comma-separated `list` names `what` (blanks around names ignored).
+pub fn required_in(list: &str, what: &str) -> bool {
+    list.split(',').any(|w| w.trim() == what)
+}
+
+/// Says that the running test skipped because `what` is missing (`reason` says how), or panics
+/// if `SCHED_REQUIRE` names `what`. The test is named by its thread (the harness names each
+/// test's thread after it), else by the caller's location.
+#[track_caller]
+pub fn skip(what: &str, reason: &str) {
+    skip_in(
+        &std::env::var(REQUIRE_VAR).unwrap_or_default(),
+        what,
+        reason,
+    );
+}
+
+/// [`skip`] against the list `require` instead of the environment's.
+#[track_caller]
+fn skip_in(require: &str, what: &str, reason: &str) {
+    let thread = std::thread::current();
+    let test = match thread.name() {
+        Some(name) if name != "main" => name.to_string(),
+        _ => std::panic::Location::caller().to_string(),
+    };
+    if required_in(require, what) {
+        panic!("{REQUIRE_VAR} has `{what}`, but {test} cannot run: {reason}");
+    }
+    // Not `eprintln!`: the harness captures that for passing tests.
+    let _ = writeln!(
+        std::io::stderr(),
+        "SKIPPED {test}: {reason} (needs `{what}`)"
+    );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{required_in, skip_in};
+
+    #[test]
+    fn names_are_matched_whole() {
+        assert!(required_in("ptxas", "ptxas"));
+        assert!(required_in("cxx, ptxas", "ptxas"));
+        assert!(required_in("cxx,no-gpu", "no-gpu"));
+        assert!(!required_in("cxx,no-gpu", "gpu"));
+        assert!(!required_in("", "cxx"));
+        assert!(!required_in("ptxas2", "ptxas"));
+    }
+
+    #[test]
+    fn a_skip_not_required_passes() {
+        skip_in("cxx", "ptxas", "no ptxas here");
+        skip_in("", "gpu", "no GPU here");
+    }
+
+    #[test]
+    #[should_panic(expected = "SCHED_REQUIRE has `cxx`, but")]
+    fn a_required_skip_fails() {
+        skip_in("ptxas,cxx", "cxx", "no C++ compiler here");
+    }
+}
