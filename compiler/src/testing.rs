@@ -1,4 +1,5 @@
-//! Test support shared by the tests of every crate: how a test skips for want of a tool.
+//! Test support shared by the tests of every crate: how a test skips for want of a tool, and
+//! what the plan fuzz target does to its input ([`exercise_plan`]).
 //!
 //! A test that cannot run on this machine (no C++ compiler, no GPU, no NVRTC, no `ptxas`) calls
 //! [`skip`] with the name of what it lacks and returns. That writes `SKIPPED <test>: <reason>` to
@@ -15,6 +16,63 @@
 //! - `ptxas`: the PTX assembler (`$PTXAS` or the `nvidia-cuda-nvcc-cu12` wheel's).
 
 use std::io::Write;
+
+/// What a plan file came to in [`exercise_plan`].
+#[derive(Debug, PartialEq, Eq)]
+pub enum PlanOutcome {
+    /// Not UTF-8 (a plan file is JSON).
+    NotText,
+    /// `read_plan` refused it, saying why.
+    Refused(String),
+    /// Read, but the verifier found errors (how many).
+    Rejected(usize),
+    /// Read and verified.
+    Verified,
+}
+
+/// What `schedc verify` and `schedrun PLAN` do with a plan file's bytes, and more: read it, verify
+/// it, render the errors in context; a verified plan is also listed, summarised and given its
+/// stats, and written back as a plan file that must read back to the same program and verify.
+/// The plan fuzz target (`fuzz/fuzz_targets/plan.rs`) and the workspace's replaying test
+/// (`tests/tests/plan_fuzz.rs`) both run this; whatever the bytes, it must return.
+pub fn exercise_plan(data: &[u8]) -> PlanOutcome {
+    use crate::emit::plan::{emit_plan, read_plan};
+    let Ok(text) = std::str::from_utf8(data) else {
+        return PlanOutcome::NotText;
+    };
+    let plan = match read_plan(text) {
+        Ok(plan) => plan,
+        Err(e) => {
+            assert!(!e.trim().is_empty(), "a refusal says why");
+            return PlanOutcome::Refused(e);
+        }
+    };
+    let ctx = crate::verify::Ctx {
+        shard: plan.shard,
+        secondary: plan.secondary,
+    };
+    let p = &plan.program;
+    match crate::verify::verify(p, ctx) {
+        Err(errors) => {
+            assert!(!errors.is_empty(), "a failed verification names an error");
+            let _ = crate::verify::render_context(p, &errors[..errors.len().min(20)], 3);
+            PlanOutcome::Rejected(errors.len())
+        }
+        Ok(info) => {
+            let _ = crate::emit::listing::emit_listing(p);
+            let _ = crate::emit::summary::emit_summary(p);
+            let _ = crate::emit::stats::emit_stats(&plan.job, p, &info);
+            let again = serde_json::to_string(&emit_plan(p, &plan.job)).expect("plans serialise");
+            let back = read_plan(&again)
+                .unwrap_or_else(|e| panic!("a verified plan, written again, is refused: {e}"));
+            assert!(
+                back.program == *p,
+                "a verified plan reads back to another program"
+            );
+            PlanOutcome::Verified
+        }
+    }
+}
 
 /// The variable listing the names whose absence fails a test.
 pub const REQUIRE_VAR: &str = "SCHED_REQUIRE";
