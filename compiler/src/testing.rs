@@ -92,16 +92,14 @@ pub fn required_in(list: &str, what: &str) -> bool {
 /// test's thread after it), else by the caller's location.
 #[track_caller]
 pub fn skip(what: &str, reason: &str) {
-    skip_in(
-        &std::env::var(REQUIRE_VAR).unwrap_or_default(),
-        what,
-        reason,
-    );
+    let require = std::env::var(REQUIRE_VAR).unwrap_or_default();
+    // Not `eprintln!`: the harness captures that for passing tests.
+    skip_in(&require, what, reason, &mut std::io::stderr());
 }
 
-/// [`skip`] against the list `require` instead of the environment's.
+/// [`skip`] against the list `require` instead of the environment's, writing to `out`.
 #[track_caller]
-fn skip_in(require: &str, what: &str, reason: &str) {
+fn skip_in(require: &str, what: &str, reason: &str, out: &mut dyn Write) {
     let thread = std::thread::current();
     let test = match thread.name() {
         Some(name) if name != "main" => name.to_string(),
@@ -110,11 +108,7 @@ fn skip_in(require: &str, what: &str, reason: &str) {
     if required_in(require, what) {
         panic!("{REQUIRE_VAR} has `{what}`, but {test} cannot run: {reason}");
     }
-    // Not `eprintln!`: the harness captures that for passing tests.
-    let _ = writeln!(
-        std::io::stderr(),
-        "SKIPPED {test}: {reason} (needs `{what}`)"
-    );
+    let _ = writeln!(out, "SKIPPED {test}: {reason} (needs `{what}`)");
 }
 
 #[cfg(test)]
@@ -132,14 +126,20 @@ mod tests {
     }
 
     #[test]
-    fn a_skip_not_required_passes() {
-        skip_in("cxx", "ptxas", "no ptxas here");
-        skip_in("", "gpu", "no GPU here");
+    fn a_skip_not_required_says_so() {
+        let mut out = vec![];
+        skip_in("cxx", "ptxas", "no ptxas here", &mut out);
+        skip_in("", "gpu", "no GPU here", &mut out);
+        assert_eq!(
+            String::from_utf8(out).unwrap(),
+            "SKIPPED testing::tests::a_skip_not_required_says_so: no ptxas here (needs `ptxas`)\n\
+             SKIPPED testing::tests::a_skip_not_required_says_so: no GPU here (needs `gpu`)\n"
+        );
     }
 
     #[test]
     #[should_panic(expected = "SCHED_REQUIRE has `cxx`, but")]
     fn a_required_skip_fails() {
-        skip_in("ptxas,cxx", "cxx", "no C++ compiler here");
+        skip_in("ptxas,cxx", "cxx", "no C++ compiler here", &mut vec![]);
     }
 }

@@ -331,7 +331,23 @@ pub fn read_plan(text: &str) -> Result<ReadPlan, String> {
 }
 
 fn from_file(f: PlanFile) -> Result<ReadPlan, String> {
-    // Sizes first: the verifier's work grows with ranks and micro-steps.
+    let mesh = |m: [u32; 2], what: &str| {
+        if m[0] == 0 || m[1] == 0 {
+            Err(format!("shard.{what} has a zero factor"))
+        } else {
+            Ok(Mesh {
+                intra: m[0],
+                inter: m[1],
+            })
+        }
+    };
+    let shard = Shard {
+        params: mesh(f.shard.params, "params")?,
+        grads: mesh(f.shard.grads, "grads")?,
+        optimizer: mesh(f.shard.optimizer, "optimizer")?,
+    };
+    check_job(&f, shard)?;
+    // Sizes: the verifier's work grows with ranks and micro-steps.
     if f.ranks == 0 || f.nodes.checked_mul(f.gpus_per_node) != Some(f.ranks) {
         return Err(format!(
             "{} ranks is not {} nodes x {} GPUs per node",
@@ -350,22 +366,6 @@ fn from_file(f: PlanFile) -> Result<ReadPlan, String> {
             f.micro_steps
         ));
     }
-    let mesh = |m: [u32; 2], what: &str| {
-        if m[0] == 0 || m[1] == 0 {
-            Err(format!("shard.{what} has a zero factor"))
-        } else {
-            Ok(Mesh {
-                intra: m[0],
-                inter: m[1],
-            })
-        }
-    };
-    let shard = Shard {
-        params: mesh(f.shard.params, "params")?,
-        grads: mesh(f.shard.grads, "grads")?,
-        optimizer: mesh(f.shard.optimizer, "optimizer")?,
-    };
-    check_job(&f, shard)?;
     // Layers are padded to a multiple of s_os and of hpZ's secondary size (the lowering's rule,
     // on which the verifier's value proof builds).
     // (Meshes that do not divide the cluster are the verifier's to report.)
