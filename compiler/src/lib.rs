@@ -12,7 +12,7 @@
 //! - [`verify`]: proves the program race-free, deadlock-free and its memory plan sound before
 //!   anything is written; success yields the [`verify::PlanInfo`] emitters need.
 //! - [`sim`]: the cost model and discrete-event simulator: step time, MFU, a Chrome trace.
-//! - [`emit`]: the resolved-job listing, the plan file, the program listing and stats.
+//! - [`emit`]: the resolved-job listing, the plan file, the program listing, summary and stats.
 //! - [`planner`]: `schedc plan`, the search for the fastest schedule that fits, over compiled and
 //!   simulated candidates pruned by analytic floors.
 //!
@@ -34,6 +34,8 @@ pub mod pipeline;
 pub mod planner;
 pub mod sema;
 pub mod sim;
+#[doc(hidden)]
+pub mod testing;
 pub mod verify;
 
 pub use job::Job;

@@ -159,6 +159,18 @@ fn compile_writes_a_plan_that_verify_accepts() {
         assert_eq!(out.status.code(), Some(0));
         assert!(!out.stdout.is_empty());
     }
+    let out = schedc(&["compile", "z.sched", "--emit", "summary"], &dir);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let summary = text(&out.stdout);
+    for part in [
+        "schedule z: 8 ranks",
+        "program hash ",
+        "memory plan hash ",
+        "\nlayers (",
+    ] {
+        assert!(summary.contains(part), "no `{part}` in:\n{summary}");
+    }
+    assert!(!summary.contains(" @ "), "offsets appear only as a hash");
 }
 
 /// `--emit ptx` writes the plan and one PTX module per architecture beside it, each kernel of

@@ -3,8 +3,8 @@
 //! snapshot (`ptxas -v`), so a change in generated code shows in review.
 //!
 //! `ptxas` comes from the `nvidia-cuda-nvcc-cu12` wheel (`.ci/run` installs it) or `$PTXAS`.
-//! Without it the assembly test says it skipped, unless `SCHED_REQUIRE` lists `ptxas`, as CI's
-//! does, which makes a missing assembler a failure.
+//! Without it the assembly test says it skipped (`schedc::testing::skip`), unless `SCHED_REQUIRE`
+//! lists `ptxas`, as CI's does, which makes a missing assembler a failure.
 #![cfg(feature = "llvm")]
 
 use schedc::kernels::codegen::{ptx, SMS};
@@ -55,13 +55,6 @@ fn ptxas() -> Option<PathBuf> {
         .ok()?;
     let p = PathBuf::from(String::from_utf8(out.stdout).ok()?.trim());
     p.is_file().then_some(p)
-}
-
-fn required(what: &str) -> bool {
-    std::env::var("SCHED_REQUIRE")
-        .unwrap_or_default()
-        .split(',')
-        .any(|w| w.trim() == what)
 }
 
 #[test]
@@ -126,12 +119,10 @@ fn resources(ptxas: &Path, text: &str, sm: u32) -> BTreeMap<String, String> {
 #[test]
 fn ptxas_assembles_every_kernel_and_pins_its_resources() {
     let Some(ptxas) = ptxas() else {
-        assert!(
-            !required("ptxas"),
-            "SCHED_REQUIRE has ptxas but no ptxas was found"
+        return schedc::testing::skip(
+            "ptxas",
+            "no ptxas (pip install nvidia-cuda-nvcc-cu12, or set PTXAS)",
         );
-        eprintln!("skipped: no ptxas (pip install nvidia-cuda-nvcc-cu12, or set PTXAS)");
-        return;
     };
     let kernels = example_kernels();
     let mut report = String::new();

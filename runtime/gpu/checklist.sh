@@ -52,7 +52,8 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=c
 built=$(cat "$carry/BUILD_ROOT")
 if [ ! -e "$built" ]; then mkdir -p "$(dirname "$built")" && ln -s "$PWD" "$built"; fi
 
-step parity "$carry/bin/cuda-tests" --test-threads=1 --nocapture
+# SCHED_REQUIRE: a parity test that skips for want of a usable GPU fails the step instead.
+SCHED_REQUIRE=gpu step parity "$carry/bin/cuda-tests" --test-threads=1 --nocapture
 step gpt2_schedrun "$carry/bin/cuda-tests" --ignored gpt2_small_step_mfu --nocapture
 step gpt2_pytorch python3 runtime/gpu/torch_gpt2.py --steps 6 --micro-batch 8 --seq 1024
 gpus=$(nvidia-smi -L | wc -l)

@@ -170,8 +170,7 @@ fn cuda_here() -> bool {
 #[test]
 fn the_cuda_backend_without_cuda_fails_in_one_clear_line() {
     if cuda_here() {
-        eprintln!("skipped: the CUDA backend can run on this machine");
-        return;
+        return schedc::testing::skip("no-gpu", "the CUDA backend can run on this machine");
     }
     let out = schedrun(&["schedules/tiny_cpu.sched", "--backend", "cuda"]);
     assert_eq!(out.status.code(), Some(2));

@@ -1,6 +1,6 @@
 //! CUDA twins of the CPU backend's tests: they run only where the CUDA backend is built
 //! (`--features cuda`) and a GPU with its libraries is present, and otherwise pass after saying
-//! why they skipped.
+//! why they skipped (`SKIPPED …`), or fail where `SCHED_REQUIRE` has `gpu`.
 //!
 //! - Parity at world size 1: the tiny models' losses over 20 fp32 steps on the CUDA backend match
 //!   the CPU backend's within 1e-4 relative, and the final weights within 1e-3; the device arena
@@ -20,12 +20,14 @@ use schedrun::data::Corpus;
 use schedrun::train::Trainer;
 use std::path::{Path, PathBuf};
 
-/// Whether the CUDA backend can run here; prints why not.
+/// Whether the CUDA backend can run here; says why not (`schedc::testing::skip`, which fails
+/// where `SCHED_REQUIRE` has `gpu`, as the GPU checklist's parity step sets).
+#[track_caller]
 fn gpu() -> bool {
     match cuda::probe() {
         Ok(()) => true,
         Err(e) => {
-            eprintln!("skipped (no GPU run possible here): {e}");
+            schedc::testing::skip("gpu", &format!("no GPU run possible here: {e}"));
             false
         }
     }

@@ -99,6 +99,9 @@ enum Command {
 enum Emit {
     Plan,
     Listing,
+    /// Per stream and per layer: ops by kind, collectives, waits, hashes of the program and of
+    /// the memory plan (what the snapshot tests pin for programs too large to list).
+    Summary,
     Stats,
     /// The plan file and, beside it, the step's generated kernels as PTX for each GPU
     /// architecture (`NAME.sm_80.ptx`, `NAME.sm_90.ptx`); needs a build with `--features llvm`.
@@ -285,6 +288,7 @@ fn compile(
             serde_json::to_string(&plan).expect("plans serialise") + "\n"
         }
         Emit::Listing => schedc::emit::listing::emit_listing(&program),
+        Emit::Summary => schedc::emit::summary::emit_summary(&program),
         Emit::Stats => {
             serde_json::to_string_pretty(&schedc::emit::stats::emit_stats(job, &program, &info))
                 .expect("stats serialise")

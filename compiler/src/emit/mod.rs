@@ -5,3 +5,4 @@ pub mod job;
 pub mod listing;
 pub mod plan;
 pub mod stats;
+pub mod summary;

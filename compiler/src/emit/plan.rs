@@ -6,6 +6,14 @@
 //! reader can evaluate rank-dependent offsets), each op's role, each region's shard index and
 //! stride where its offset depends on the rank, and the resolved job (model, cluster, schedule and
 //! training settings), so that `schedrun` and the simulator need nothing but the plan.
+//!
+//! Any bytes may arrive here (`fuzz/fuzz_targets/plan.rs`), so the reader also refuses what would
+//! make the verifier's work unbounded or its arithmetic overflow, each with its reason: more than
+//! [`MAX_RANKS`] ranks or [`MAX_MICRO_STEPS`] micro-steps, ranks that are not nodes × GPUs per
+//! node, more events than ops, layers over [`MAX_LAYER_PARAMS`] parameters or not padded as the
+//! lowering pads them (to a multiple of s_os and of hpZ's secondary size), regions that do not fit
+//! their buffer at rank 0 (where every shard index is 0) or whose furthest end passes 2^64, and
+//! collectives whose payload in bytes passes 2^64. What is left is the verifier's to judge.
 
 use crate::ir::*;
 use crate::job::{Collective, Dtype, Job, Mesh, Shard};
@@ -14,6 +22,14 @@ use serde::{Deserialize, Serialize};
 
 pub const FORMAT: &str = "sched-plan";
 pub const VERSION: u32 = 1;
+/// The most ranks a plan file may have (the verifier's work grows with them; the language allows
+/// no more micro-steps than this either).
+pub const MAX_RANKS: u32 = 1 << 20;
+/// The most micro-steps a plan file may have (as in the language).
+pub const MAX_MICRO_STEPS: u32 = 1 << 20;
+/// The most parameters a plan's layer may have (far beyond any model; keeps the verifier's byte
+/// arithmetic far from overflow).
+pub const MAX_LAYER_PARAMS: u64 = 1 << 48;
 
 #[derive(Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -331,6 +347,53 @@ fn from_file(f: PlanFile) -> Result<ReadPlan, String> {
         optimizer: mesh(f.shard.optimizer, "optimizer")?,
     };
     check_job(&f, shard)?;
+    // Sizes: the verifier's work grows with ranks and micro-steps.
+    if f.ranks == 0 || f.nodes.checked_mul(f.gpus_per_node) != Some(f.ranks) {
+        return Err(format!(
+            "{} ranks is not {} nodes x {} GPUs per node",
+            f.ranks, f.nodes, f.gpus_per_node
+        ));
+    }
+    if f.ranks > MAX_RANKS {
+        return Err(format!(
+            "{} ranks: plan files of more than {MAX_RANKS} ranks are refused",
+            f.ranks
+        ));
+    }
+    if f.micro_steps == 0 || f.micro_steps > MAX_MICRO_STEPS {
+        return Err(format!(
+            "{} micro-steps: a plan has 1 to {MAX_MICRO_STEPS}",
+            f.micro_steps
+        ));
+    }
+    // Layers are padded to a multiple of s_os and of hpZ's secondary size (the lowering's rule,
+    // on which the verifier's value proof builds).
+    // (Meshes that do not divide the cluster are the verifier's to report.)
+    let divides = [shard.params, shard.grads, shard.optimizer]
+        .iter()
+        .all(|m| f.gpus_per_node.is_multiple_of(m.intra) && f.nodes.is_multiple_of(m.inter));
+    let pad = match f.secondary {
+        Some(0) => return Err("`secondary` must be at least 1".into()),
+        k => lcm(shard.optimizer.size(), u64::from(k.unwrap_or(1))),
+    };
+    for l in f.layers.iter().filter(|_| divides) {
+        if l.params > MAX_LAYER_PARAMS {
+            return Err(format!(
+                "layer {}: {} parameters (at most {MAX_LAYER_PARAMS})",
+                l.name, l.params
+            ));
+        }
+        if l.params.div_ceil(pad).checked_mul(pad) != Some(l.padded) {
+            return Err(format!(
+                "layer {}: `padded` is {}, but {} parameters rounded up to a multiple of {pad} \
+                 are {}",
+                l.name,
+                l.padded,
+                l.params,
+                l.params.div_ceil(pad) * pad
+            ));
+        }
+    }
     let mut p = Program {
         schedule: f.schedule,
         ranks: f.ranks,
@@ -394,13 +457,20 @@ fn from_file(f: PlanFile) -> Result<ReadPlan, String> {
             offset: b.offset,
         });
     }
+    // Ops come grouped by stream; their ids give the issue order.
+    let total: usize = f.streams.iter().map(|s| s.ops.len()).sum();
+    // Each event is recorded by one op: more events than ops cannot all be.
+    if f.events as usize > total {
+        return Err(format!(
+            "{} events but {total} ops: each event is recorded by one op",
+            f.events
+        ));
+    }
     for _ in 0..f.events {
         p.events.push(Event {
             recorder: OpId::new(0),
         });
     }
-    // Ops come grouped by stream; their ids give the issue order.
-    let total: usize = f.streams.iter().map(|s| s.ops.len()).sum();
     let mut slots: Vec<Option<Op>> = vec![None; total];
     for (si, s) in f.streams.into_iter().enumerate() {
         let role = *STREAM_ROLES
@@ -477,6 +547,16 @@ fn check_job(f: &PlanFile, shard: Shard) -> Result<(), String> {
     }
 }
 
+/// Least common multiple of two positive numbers, saturating (a saturated pad refuses every
+/// layer, as no layer can be padded to it).
+fn lcm(a: u64, b: u64) -> u64 {
+    let (mut x, mut y) = (a, b);
+    while y != 0 {
+        (x, y) = (y, x % y);
+    }
+    (a / x).saturating_mul(b)
+}
+
 fn dtype(name: &str, what: &str) -> Result<Dtype, String> {
     match name {
         "bf16" => Ok(Dtype::Bf16),
@@ -487,8 +567,32 @@ fn dtype(name: &str, what: &str) -> Result<Dtype, String> {
 }
 
 fn region_from(p: &Program, r: RegionFile, what: &str) -> Result<Region, String> {
+    // (Checked before making an id: making one of u32::MAX panics.)
     if r.buffer as usize >= p.buffers.len() {
         return Err(format!("{what}: buffer {} does not exist", r.buffer));
+    }
+    let buf = &p.buffers[BufferId::from_u32(r.buffer)];
+    // Rank 0 has every shard index 0, so every region must fit its buffer at `offset`; and no
+    // rank's index reaches `ranks`, so `offset + bytes + stride·(ranks − 1)` bounds every end.
+    let end = r.offset.checked_add(r.bytes);
+    let reach = r
+        .stride
+        .unwrap_or(0)
+        .checked_mul(u64::from(p.ranks.saturating_sub(1)));
+    if end.zip(reach).and_then(|(e, x)| e.checked_add(x)).is_none() {
+        return Err(format!(
+            "{what}: a region of buf{} (offset {}, {} B, stride {}) reaches past 2^64 bytes",
+            r.buffer,
+            r.offset,
+            r.bytes,
+            r.stride.unwrap_or(0)
+        ));
+    }
+    if end.is_some_and(|e| e > buf.bytes) {
+        return Err(format!(
+            "{what}: the region of buf{} at {} + {} B lies outside its {} B",
+            r.buffer, r.offset, r.bytes, buf.bytes
+        ));
     }
     let offset = match (r.index, r.stride) {
         (None, None) => Offset::Fixed(r.offset),
@@ -547,6 +651,15 @@ fn op_from(p: &Program, stream: StreamId, o: OpFile) -> Result<Op, String> {
                 ][i]
             })
             .ok_or(format!("{what}: unknown collective `{}`", c.kind))?;
+        if c.count
+            .checked_mul(dtype(&c.dtype, &what)?.bytes())
+            .is_none()
+        {
+            return Err(format!(
+                "{what}: {} elements of {} overflow a byte count",
+                c.count, c.dtype
+            ));
+        }
         if c.communicator as usize >= p.comms.len() {
             return Err(format!(
                 "{what}: communicator {} does not exist",

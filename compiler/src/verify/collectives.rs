@@ -84,7 +84,8 @@ fn shape(p: &Program, c: &CollectiveOp) -> Vec<String> {
             ));
         }
     }
-    let payload = c.count * d;
+    // In u128: a plan file's counts and sizes may be anything.
+    let payload = u128::from(c.count) * u128::from(d);
     // Gathers and scatters move one equal chunk per member; an all-reduce or broadcast needs none.
     let chunked = matches!(c.kind, Collective::AllGather | Collective::ReduceScatter);
     if chunked && !c.count.is_multiple_of(gs) {
@@ -95,10 +96,15 @@ fn shape(p: &Program, c: &CollectiveOp) -> Vec<String> {
         ));
     }
     // (bytes of the full payload, bytes of one member's part) as the regions give them.
+    let (i, o, g) = (
+        u128::from(c.input.bytes),
+        u128::from(c.output.bytes),
+        u128::from(gs),
+    );
     let (full, part) = match c.kind {
-        Collective::AllGather => (c.output.bytes, c.input.bytes * gs),
-        Collective::ReduceScatter => (c.input.bytes, c.output.bytes * gs),
-        Collective::AllReduce | Collective::Broadcast => (c.input.bytes, c.output.bytes),
+        Collective::AllGather => (o, i * g),
+        Collective::ReduceScatter => (i, o * g),
+        Collective::AllReduce | Collective::Broadcast => (i, o),
     };
     if full != payload || part != payload {
         errs.push(format!(

@@ -347,7 +347,12 @@ fn normal(rng: &mut Rng, n: usize, std: f64) -> Vec<f32> {
 /// outputs, every saved segment, input, parameter and tied gradients.
 #[test]
 fn layers_on_the_emulated_device_match_the_cpu_math() {
-    let Some(lib) = library() else { return };
+    let Some(lib) = library() else {
+        return schedc::testing::skip(
+            "cxx",
+            "no C++20 compiler ($CXX, else c++) to emulate the kernels on the host",
+        );
+    };
     let x = HostExec { lib };
     for model in models() {
         let mut rng = Rng::new(7);
@@ -675,7 +680,12 @@ cluster two_by_two { nodes = 2  gpus_per_node = 2  gpu_memory = 4 GiB  peak_flop
 /// hierarchical MiCS, hpZ, an AMSP mesh), with clipping, micro-steps and recomputation.
 #[test]
 fn training_on_the_emulated_device_matches_the_cpu_backend() {
-    let Some(lib) = library() else { return };
+    let Some(lib) = library() else {
+        return schedc::testing::skip(
+            "cxx",
+            "no C++20 compiler ($CXX, else c++) to emulate the kernels on the host",
+        );
+    };
     let text = format!(
         "{MODELS}\n{}\n\
          schedule a {{ model = gpt_naive  cluster = one  preset = ddp  micro_steps = 2  train {{ lr = 1e-3  seed = 1  clip = 0.5 }} }}\n\

@@ -146,8 +146,10 @@ mod tests {
     fn nvrtc_compiles_every_kernel() {
         // SAFETY: only tries to open the library.
         if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
-            eprintln!("skipped: NVRTC (libnvrtc.so) is not on the library path");
-            return;
+            return schedc::testing::skip(
+                "nvrtc",
+                "NVRTC (libnvrtc.so) is not on the library path",
+            );
         }
         for arch in ["compute_80", "compute_90"] {
             let ptx = super::compile(arch).unwrap_or_else(|e| panic!("{arch}: {e}"));

@@ -1,0 +1,145 @@
+//! Test support shared by the tests of every crate: how a test skips for want of a tool, and
+//! what the plan fuzz target does to its input ([`exercise_plan`]).
+//!
+//! A test that cannot run on this machine (no C++ compiler, no GPU, no NVRTC, no `ptxas`) calls
+//! [`skip`] with the name of what it lacks and returns. That writes `SKIPPED <test>: <reason>` to
+//! stderr (straight to the stream, past the test harness's capture, so a plain `cargo test` shows
+//! it), unless `SCHED_REQUIRE`, a comma-separated list of names, has that name: then the test
+//! panics instead. CI sets `SCHED_REQUIRE` to what its machine has, so a test that CI expects to
+//! run fails rather than passing silently when its tool went missing.
+//!
+//! The names:
+//! - `cxx`: a C++20 compiler (`$CXX`, else `c++`), for the CUDA kernels emulated on the host;
+//! - `gpu`: a CUDA GPU with its libraries, and `schedrun` built with `--features cuda`;
+//! - `no-gpu`: no usable CUDA backend (the tests of the message given without one);
+//! - `nvrtc`: `libnvrtc.so` on the library path;
+//! - `ptxas`: the PTX assembler (`$PTXAS` or the `nvidia-cuda-nvcc-cu12` wheel's).
+
+use std::io::Write;
+
+/// What a plan file came to in [`exercise_plan`].
+#[derive(Debug, PartialEq, Eq)]
+pub enum PlanOutcome {
+    /// Not UTF-8 (a plan file is JSON).
+    NotText,
+    /// `read_plan` refused it, saying why.
+    Refused(String),
+    /// Read, but the verifier found errors (how many).
+    Rejected(usize),
+    /// Read and verified.
+    Verified,
+}
+
+/// What `schedc verify` and `schedrun PLAN` do with a plan file's bytes, and more: read it, verify
+/// it, render the errors in context; a verified plan is also listed, summarised and given its
+/// stats, and written back as a plan file that must read back to the same program and verify.
+/// The plan fuzz target (`fuzz/fuzz_targets/plan.rs`) and the workspace's replaying test
+/// (`tests/tests/plan_fuzz.rs`) both run this; whatever the bytes, it must return.
+pub fn exercise_plan(data: &[u8]) -> PlanOutcome {
+    use crate::emit::plan::{emit_plan, read_plan};
+    let Ok(text) = std::str::from_utf8(data) else {
+        return PlanOutcome::NotText;
+    };
+    let plan = match read_plan(text) {
+        Ok(plan) => plan,
+        Err(e) => {
+            assert!(!e.trim().is_empty(), "a refusal says why");
+            return PlanOutcome::Refused(e);
+        }
+    };
+    let ctx = crate::verify::Ctx {
+        shard: plan.shard,
+        secondary: plan.secondary,
+    };
+    let p = &plan.program;
+    match crate::verify::verify(p, ctx) {
+        Err(errors) => {
+            assert!(!errors.is_empty(), "a failed verification names an error");
+            let _ = crate::verify::render_context(p, &errors[..errors.len().min(20)], 3);
+            PlanOutcome::Rejected(errors.len())
+        }
+        Ok(info) => {
+            let _ = crate::emit::listing::emit_listing(p);
+            let _ = crate::emit::summary::emit_summary(p);
+            let _ = crate::emit::stats::emit_stats(&plan.job, p, &info);
+            let again = serde_json::to_string(&emit_plan(p, &plan.job)).expect("plans serialise");
+            let back = read_plan(&again)
+                .unwrap_or_else(|e| panic!("a verified plan, written again, is refused: {e}"));
+            assert!(
+                back.program == *p,
+                "a verified plan reads back to another program"
+            );
+            PlanOutcome::Verified
+        }
+    }
+}
+
+/// The variable listing the names whose absence fails a test.
+pub const REQUIRE_VAR: &str = "SCHED_REQUIRE";
+
+/// Whether `SCHED_REQUIRE` names `what`.
+pub fn required(what: &str) -> bool {
+    std::env::var(REQUIRE_VAR).is_ok_and(|v| required_in(&v, what))
+}
+
+/// Whether the comma-separated `list` names `what` (blanks around names ignored).
+pub fn required_in(list: &str, what: &str) -> bool {
+    list.split(',').any(|w| w.trim() == what)
+}
+
+/// Says that the running test skipped because `what` is missing (`reason` says how), or panics
+/// if `SCHED_REQUIRE` names `what`. The test is named by its thread (the harness names each
+/// test's thread after it), else by the caller's location.
+#[track_caller]
+pub fn skip(what: &str, reason: &str) {
+    let require = std::env::var(REQUIRE_VAR).unwrap_or_default();
+    // Not `eprintln!`: the harness captures that for passing tests.
+    skip_in(&require, what, reason, &mut std::io::stderr());
+}
+
+/// [`skip`] against the list `require` instead of the environment's, writing to `out`.
+#[track_caller]
+fn skip_in(require: &str, what: &str, reason: &str, out: &mut dyn Write) {
+    let thread = std::thread::current();
+    let test = match thread.name() {
+        Some(name) if name != "main" => name.to_string(),
+        _ => std::panic::Location::caller().to_string(),
+    };
+    if required_in(require, what) {
+        panic!("{REQUIRE_VAR} has `{what}`, but {test} cannot run: {reason}");
+    }
+    let _ = writeln!(out, "SKIPPED {test}: {reason} (needs `{what}`)");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{required_in, skip_in};
+
+    #[test]
+    fn names_are_matched_whole() {
+        assert!(required_in("ptxas", "ptxas"));
+        assert!(required_in("cxx, ptxas", "ptxas"));
+        assert!(required_in("cxx,no-gpu", "no-gpu"));
+        assert!(!required_in("cxx,no-gpu", "gpu"));
+        assert!(!required_in("", "cxx"));
+        assert!(!required_in("ptxas2", "ptxas"));
+    }
+
+    #[test]
+    fn a_skip_not_required_says_so() {
+        let mut out = vec![];
+        skip_in("cxx", "ptxas", "no ptxas here", &mut out);
+        skip_in("", "gpu", "no GPU here", &mut out);
+        assert_eq!(
+            String::from_utf8(out).unwrap(),
+            "SKIPPED testing::tests::a_skip_not_required_says_so: no ptxas here (needs `ptxas`)\n\
+             SKIPPED testing::tests::a_skip_not_required_says_so: no GPU here (needs `gpu`)\n"
+        );
+    }
+
+    #[test]
+    #[should_panic(expected = "SCHED_REQUIRE has `cxx`, but")]
+    fn a_required_skip_fails() {
+        skip_in("ptxas,cxx", "cxx", "no C++ compiler here", &mut vec![]);
+    }
+}
