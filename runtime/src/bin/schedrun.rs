@@ -151,7 +151,7 @@ fn run(cli: &Cli) -> Result<(), Failure> {
                 )));
             }
             // Missing libraries (or a build without CUDA): one line, before any device work.
-            cuda::probe().map_err(Failure::Fault)?;
+            cuda::probe().map_err(|e| Failure::Fault(e.to_string()))?;
             if env.world > 1 && cli.save.is_some() {
                 return Err(Failure::Input(
                     "--save is not supported yet with several cuda processes (each holds only \
@@ -185,7 +185,7 @@ fn launch(cli: &Cli) -> Result<(), Failure> {
             plan.ranks()
         )));
     }
-    cuda::probe().map_err(Failure::Fault)?;
+    cuda::probe().map_err(|e| Failure::Fault(e.to_string()))?;
     let exe = std::env::current_exe().map_err(|e| Failure::Fault(e.to_string()))?;
     let port = launch::free_port().map_err(Failure::Fault)?;
     let args: Vec<std::ffi::OsString> = std::env::args_os().skip(1).collect();

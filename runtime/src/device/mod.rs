@@ -63,7 +63,7 @@ pub enum DeviceError {
     #[cfg_attr(not(feature = "llvm"), allow(dead_code))]
     Kernel(String),
     /// The GPU's driver or libraries refused a launch, product or copy.
-    Gpu(String),
+    Gpu(crate::backend::cuda::CudaError),
 }
 
 impl std::fmt::Display for DeviceError {
@@ -90,7 +90,7 @@ impl std::fmt::Display for DeviceError {
                 write!(f, "token {token} not below vocab {vocab}")
             }
             DeviceError::Kernel(m) => write!(f, "generated kernel: {m}"),
-            DeviceError::Gpu(m) => write!(f, "GPU: {m}"),
+            DeviceError::Gpu(e) => write!(f, "GPU: {e}"),
         }
     }
 }

@@ -2,7 +2,7 @@
 //! that `enqueue::row_major` derives from the layer math's row-major products. Compiled, never
 //! run on a GPU yet.
 
-use super::enqueue::ColMajor;
+use super::enqueue::{ColMajor, CudaError, Library};
 use cudarc::cublas::result as cb;
 use cudarc::cublas::sys::{cublasHandle_t, cublasOperation_t};
 use cudarc::driver::CudaStream;
@@ -15,11 +15,12 @@ pub struct Blas {
 unsafe impl Send for Blas {}
 
 impl Blas {
-    pub fn new(stream: &CudaStream) -> Result<Blas, String> {
-        let handle = cb::create_handle().map_err(|e| format!("cuBLAS: {e:?}"))?;
+    pub fn new(stream: &CudaStream) -> Result<Blas, CudaError> {
+        let handle =
+            cb::create_handle().map_err(|e| CudaError::new(Library::Cublas, "cuBLAS", e))?;
         // SAFETY: a fresh handle and a live stream.
         unsafe { cb::set_stream(handle, stream.cu_stream() as _) }
-            .map_err(|e| format!("cuBLAS set_stream: {e:?}"))?;
+            .map_err(|e| CudaError::new(Library::Cublas, "cuBLAS set_stream", e))?;
         Ok(Blas { handle })
     }
 
@@ -32,7 +33,7 @@ impl Blas {
     }
 
     /// Runs one column-major call (see [`super::enqueue::row_major`]).
-    pub fn run(&self, c: &ColMajor) -> Result<(), String> {
+    pub fn run(&self, c: &ColMajor) -> Result<(), CudaError> {
         let i = |x: usize| x as i32;
         // SAFETY: the caller sizes every operand from the layer math inside the arena or its
         // workspace; alpha and beta are host scalars that outlive the call.
@@ -77,7 +78,7 @@ impl Blas {
                 )
             }
         }
-        .map_err(|e| format!("cuBLAS sgemm: {e:?}"))
+        .map_err(|e| CudaError::new(Library::Cublas, "cuBLAS sgemm", e))
     }
 }
 

@@ -1,13 +1,13 @@
 //! One GPU of the CUDA backend: library checks, the context, the rank's arena, streams, events
 //! and per-stream workspaces. Compiled, never run on a GPU yet.
 
-use super::enqueue::DevAddr;
+use super::enqueue::{CudaError, DevAddr, Library};
 use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr};
 use std::sync::Arc;
 
 /// Which of the libraries the backend loads are missing, in one line (cudarc panics when it
 /// loads a missing library, so this runs before anything touches them).
-pub fn probe_libraries() -> Result<(), String> {
+pub fn probe_libraries() -> Result<(), CudaError> {
     // SAFETY: each check only tries to open the shared library by its usual names.
     let present = unsafe {
         [
@@ -34,16 +34,16 @@ pub fn probe_libraries() -> Result<(), String> {
     if missing.is_empty() {
         return Ok(());
     }
-    Err(format!(
+    Err(CudaError::backend(format!(
         "the cuda backend cannot start: {} not found (is the NVIDIA driver installed, and are the \
          CUDA 12 libraries on LD_LIBRARY_PATH? NCCL must be reachable as libnccl.so)",
         missing.join(", ")
-    ))
+    )))
 }
 
-/// A driver call's error as one line.
-pub fn drv(what: &str) -> impl Fn(cudarc::driver::DriverError) -> String + '_ {
-    move |e| format!("{what}: {e:?}")
+/// A driver call's error, saying what the backend was doing.
+pub fn drv(what: &str) -> impl Fn(cudarc::driver::DriverError) -> CudaError + '_ {
+    move |e| CudaError::new(Library::Driver, what, e)
 }
 
 /// A rank's GPU: context, streams (one per plan stream), events (one per plan event), the arena
@@ -69,15 +69,15 @@ impl Device {
         events: usize,
         arena_bytes: u64,
         workspace_floats: &[usize],
-    ) -> Result<Device, String> {
+    ) -> Result<Device, CudaError> {
         let count = CudaContext::device_count().map_err(drv("counting CUDA devices"))?;
         if count <= 0 {
-            return Err("the cuda backend found no CUDA device".into());
+            return Err(CudaError::backend("the cuda backend found no CUDA device"));
         }
         if ordinal >= count as usize {
-            return Err(format!(
+            return Err(CudaError::backend(format!(
                 "LOCAL_RANK {ordinal} asks for GPU {ordinal}, but this machine has {count}"
-            ));
+            )));
         }
         let ctx = CudaContext::new(ordinal).map_err(drv("creating the CUDA context"))?;
         // SAFETY: every cross-stream ordering comes from the plan's events, which the plan's
@@ -125,7 +125,7 @@ impl Device {
     }
 
     /// Copies host bytes to arena byte `offset` (between steps; synchronous).
-    pub fn write_bytes(&self, offset: u64, bytes: &[u8]) -> Result<(), String> {
+    pub fn write_bytes(&self, offset: u64, bytes: &[u8]) -> Result<(), CudaError> {
         self.check(offset, bytes.len() as u64)?;
         self.ctx
             .bind_to_thread()
@@ -137,7 +137,7 @@ impl Device {
         .map_err(drv("copying to the GPU"))
     }
 
-    pub fn read_bytes(&self, offset: u64, n: usize) -> Result<Vec<u8>, String> {
+    pub fn read_bytes(&self, offset: u64, n: usize) -> Result<Vec<u8>, CudaError> {
         self.check(offset, n as u64)?;
         self.ctx
             .bind_to_thread()
@@ -151,19 +151,19 @@ impl Device {
         Ok(out)
     }
 
-    fn check(&self, offset: u64, n: u64) -> Result<(), String> {
+    fn check(&self, offset: u64, n: u64) -> Result<(), CudaError> {
         if offset.checked_add(n).is_none_or(|e| e > self.arena_bytes) {
-            return Err(format!(
+            return Err(CudaError::backend(format!(
                 "bytes {offset}..{} lie outside the {}-byte arena",
                 offset.saturating_add(n),
                 self.arena_bytes
-            ));
+            )));
         }
         Ok(())
     }
 
     /// Waits for every stream.
-    pub fn synchronize(&self) -> Result<(), String> {
+    pub fn synchronize(&self) -> Result<(), CudaError> {
         for s in &self.streams {
             s.synchronize().map_err(drv("waiting for a stream"))?;
         }

@@ -8,7 +8,7 @@
 //!
 //! Needs a C++20 compiler (`$CXX`, else `c++`); the tests say so and pass where there is none.
 
-use super::enqueue::{nccl_call, ColMajor, DevAddr, Exec, Grid, NcclCall, A};
+use super::enqueue::{nccl_call, ColMajor, CudaError, DevAddr, Exec, Grid, NcclCall, A};
 use super::gpu::{action_workspace, Consts, Gpu};
 use crate::backend::cpu::CpuBackend;
 use crate::backend::{Backend, RankMemory, RunError, RunOptions, StepInput, StepOutcome};
@@ -179,12 +179,13 @@ struct HostExec {
 }
 
 impl Exec for HostExec {
-    fn launch(&self, name: &str, grid: Grid, args: &[A]) -> Result<(), String> {
-        let sym = CString::new(format!("emu_{name}")).map_err(|e| e.to_string())?;
+    fn launch(&self, name: &str, grid: Grid, args: &[A]) -> Result<(), CudaError> {
+        let sym = CString::new(format!("emu_{name}"))
+            .map_err(|e| CudaError::backend(format!("kernel name {name}: {e}")))?;
         // SAFETY: a symbol of the library built above.
         let f = unsafe { dlsym(self.lib.0, sym.as_ptr()) };
         if f.is_null() {
-            return Err(format!("no kernel {name}"));
+            return Err(CudaError::backend(format!("no kernel {name}")));
         }
         // SAFETY: every emu_ entry point has this signature.
         let f: Entry = unsafe { std::mem::transmute::<*mut c_void, Entry>(f) };
@@ -215,7 +216,7 @@ impl Exec for HostExec {
         Ok(())
     }
 
-    fn gemm(&self, c: &ColMajor) -> Result<(), String> {
+    fn gemm(&self, c: &ColMajor) -> Result<(), CudaError> {
         // The BLAS definition, column-major: C(i, j) = α Σ op(A)(i, l)·op(B)(l, j) + β C(i, j).
         for b in 0..c.batch {
             let a = (c.a.0 as *const f32).wrapping_add(b * c.stride_a);
@@ -253,7 +254,7 @@ impl Exec for HostExec {
         Ok(())
     }
 
-    fn copy_bytes(&self, dst: DevAddr, src: DevAddr, bytes: usize) -> Result<(), String> {
+    fn copy_bytes(&self, dst: DevAddr, src: DevAddr, bytes: usize) -> Result<(), CudaError> {
         // SAFETY: host buffers the test owns.
         unsafe { std::ptr::copy(src.0 as *const u8, dst.0 as *mut u8, bytes) };
         Ok(())

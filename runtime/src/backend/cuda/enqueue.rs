@@ -194,10 +194,60 @@ pub fn nccl_call(
     }
 }
 
+/// The CUDA library a failed call belongs to; `Backend` for the backend's own checks around the
+/// calls (a range outside the arena, a kernel or communicator that is not there).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Library {
+    Driver,
+    Nvrtc,
+    Cublas,
+    Nccl,
+    Backend,
+}
+
+/// Why a call into the CUDA libraries failed: the library, what the backend was doing, and the
+/// library's own words (cudarc reports them as text).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CudaError {
+    pub library: Library,
+    pub what: String,
+    pub detail: String,
+}
+
+impl CudaError {
+    pub fn new(library: Library, what: impl Into<String>, detail: impl std::fmt::Debug) -> Self {
+        CudaError {
+            library,
+            what: what.into(),
+            detail: format!("{detail:?}"),
+        }
+    }
+
+    /// A failure of the backend's own checks, with no library detail.
+    pub fn backend(what: impl Into<String>) -> Self {
+        CudaError {
+            library: Library::Backend,
+            what: what.into(),
+            detail: String::new(),
+        }
+    }
+}
+
+impl std::fmt::Display for CudaError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.library {
+            Library::Backend => f.write_str(&self.what),
+            l => write!(f, "{l:?}: {}: {}", self.what, self.detail),
+        }
+    }
+}
+
+impl std::error::Error for CudaError {}
+
 /// A stream's view of the device.
 pub trait Exec {
-    fn launch(&self, name: &str, grid: Grid, args: &[A]) -> Result<(), String>;
-    fn gemm(&self, call: &ColMajor) -> Result<(), String>;
+    fn launch(&self, name: &str, grid: Grid, args: &[A]) -> Result<(), CudaError>;
+    fn gemm(&self, call: &ColMajor) -> Result<(), CudaError>;
     /// Copies `bytes` from `src` to `dst` (device addresses), in stream order.
-    fn copy_bytes(&self, dst: DevAddr, src: DevAddr, bytes: usize) -> Result<(), String>;
+    fn copy_bytes(&self, dst: DevAddr, src: DevAddr, bytes: usize) -> Result<(), CudaError>;
 }

@@ -4,7 +4,7 @@
 //! raw device pointers into the arena and workspace. Compiled, never run on a GPU yet.
 
 use super::device::drv;
-use super::enqueue::{Grid, A};
+use super::enqueue::{CudaError, Grid, Library, A};
 use super::rendezvous::fnv1a;
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
@@ -61,17 +61,17 @@ fn cache_dir() -> PathBuf {
 }
 
 /// `kernels.cu` as PTX for `arch` (`compute_90`, …) through NVRTC; needs no GPU.
-pub fn compile(arch: &str) -> Result<Ptx, String> {
+pub fn compile(arch: &str) -> Result<Ptx, CudaError> {
     let opts = CompileOptions {
         options: vec![format!("--gpu-architecture={arch}")],
         ..Default::default()
     };
     compile_ptx_with_opts(super::kernels_source(), opts)
-        .map_err(|e| format!("NVRTC cannot compile the kernels: {e:?}"))
+        .map_err(|e| CudaError::new(Library::Nvrtc, "compiling the kernels", e))
 }
 
 impl Kernels {
-    pub fn load(ctx: &Arc<CudaContext>) -> Result<Kernels, String> {
+    pub fn load(ctx: &Arc<CudaContext>) -> Result<Kernels, CudaError> {
         let (major, minor) = ctx
             .compute_capability()
             .map_err(drv("reading the compute capability"))?;
@@ -97,7 +97,7 @@ impl Kernels {
                 n,
                 module
                     .load_function(n)
-                    .map_err(|e| format!("kernel {n}: {e:?}"))?,
+                    .map_err(|e| CudaError::new(Library::Driver, format!("kernel {n}"), e))?,
             );
         }
         Ok(Kernels { f })
@@ -110,11 +110,11 @@ impl Kernels {
         name: &str,
         grid: Grid,
         args: &[A],
-    ) -> Result<(), String> {
+    ) -> Result<(), CudaError> {
         let f = self
             .f
             .get(name)
-            .ok_or_else(|| format!("no kernel {name}"))?;
+            .ok_or_else(|| CudaError::backend(format!("no kernel {name}")))?;
         let mut b = stream.launch_builder(f);
         for a in args {
             match a {
@@ -134,7 +134,7 @@ impl Kernels {
         };
         unsafe { b.launch(cfg) }
             .map(|_| ())
-            .map_err(|e| format!("launching {name}: {e:?}"))
+            .map_err(|e| CudaError::new(Library::Driver, format!("launching {name}"), e))
     }
 }
 

@@ -37,6 +37,7 @@
 //! touches them (cudarc panics on a missing library).
 
 mod enqueue;
+pub use enqueue::{CudaError, Library};
 mod gpu;
 pub mod launch;
 pub mod rendezvous;
@@ -109,14 +110,14 @@ pub fn plan_hash(plan: &Plan) -> u64 {
 
 /// Checks that the libraries the CUDA backend loads are present; the error is one line naming
 /// what is missing.
-pub fn probe() -> Result<(), String> {
+pub fn probe() -> Result<(), CudaError> {
     #[cfg(feature = "cuda")]
     {
         device::probe_libraries()
     }
     #[cfg(not(feature = "cuda"))]
     {
-        Err(stand_in::MESSAGE.to_string())
+        Err(CudaError::backend(stand_in::MESSAGE))
     }
 }
 

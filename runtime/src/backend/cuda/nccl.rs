@@ -3,7 +3,7 @@
 //! its own unique id; members ranked in the plan's member order, so chunk `j` of an all-gather or
 //! reduce-scatter belongs to member `j` as on the CPU backend. Compiled, never run on a GPU yet.
 
-use super::enqueue::NcclCall;
+use super::enqueue::{CudaError, Library, NcclCall};
 use super::rendezvous::{CommKey, ID_BYTES};
 use cudarc::nccl::result as nr;
 use cudarc::nccl::sys::{ncclComm_t, ncclDataType_t, ncclRedOp_t, ncclUniqueId};
@@ -26,8 +26,8 @@ unsafe impl Send for Comms {}
 unsafe impl Sync for Comms {}
 
 /// A fresh unique id (on the master), as bytes.
-pub fn new_id() -> Result<[u8; ID_BYTES], String> {
-    let id = nr::get_uniqueid().map_err(|e| format!("ncclGetUniqueId: {e:?}"))?;
+pub fn new_id() -> Result<[u8; ID_BYTES], CudaError> {
+    let id = nr::get_uniqueid().map_err(|e| CudaError::new(Library::Nccl, "ncclGetUniqueId", e))?;
     let mut out = [0u8; ID_BYTES];
     for (o, c) in out.iter_mut().zip(id.internal.iter()) {
         *o = *c as u8;
@@ -47,25 +47,28 @@ impl Comms {
     /// Joins every communicator in `mine`: (key, id, members, my position). NCCL's init blocks
     /// until all members arrive, and every rank walks the keys in the same sorted order inside
     /// one group call, so no two ranks wait on each other in opposite orders.
-    pub fn init(mine: &[(CommKey, [u8; ID_BYTES], u32, u32)]) -> Result<Comms, String> {
+    pub fn init(mine: &[(CommKey, [u8; ID_BYTES], u32, u32)]) -> Result<Comms, CudaError> {
         let mut comms = BTreeMap::new();
-        nr::group_start().map_err(|e| format!("ncclGroupStart: {e:?}"))?;
+        nr::group_start().map_err(|e| CudaError::new(Library::Nccl, "ncclGroupStart", e))?;
         for (key, id, members, pos) in mine {
             let mut c: ncclComm_t = std::ptr::null_mut();
             // SAFETY: `c` is written by NCCL; the id came from the master's ncclGetUniqueId.
             unsafe { nr::comm_init_rank(&mut c, *members as i32, id_from(id), *pos as i32) }
-                .map_err(|e| format!("ncclCommInitRank {key:?}: {e:?}"))?;
+                .map_err(|e| {
+                    CudaError::new(Library::Nccl, format!("ncclCommInitRank {key:?}"), e)
+                })?;
             comms.insert(*key, c);
         }
-        nr::group_end().map_err(|e| format!("initialising the NCCL communicators: {e:?}"))?;
+        nr::group_end()
+            .map_err(|e| CudaError::new(Library::Nccl, "initialising the NCCL communicators", e))?;
         Ok(Comms { comms })
     }
 
-    pub fn get(&self, key: &CommKey) -> Result<ncclComm_t, String> {
+    pub fn get(&self, key: &CommKey) -> Result<ncclComm_t, CudaError> {
         self.comms
             .get(key)
             .copied()
-            .ok_or_else(|| format!("no NCCL communicator for {key:?}"))
+            .ok_or_else(|| CudaError::backend(format!("no NCCL communicator for {key:?}")))
     }
 
     /// Aborts every communicator (the watchdog, after a collective timed out): pending NCCL
@@ -96,7 +99,7 @@ pub unsafe fn collective(
     stream: cudarc::driver::sys::CUstream,
     dtype: Dtype,
     call: &NcclCall,
-) -> Result<(), String> {
+) -> Result<(), CudaError> {
     let t = nccl_type(dtype);
     let (src, dst) = (
         call.send.0 as *const std::ffi::c_void,
@@ -113,7 +116,7 @@ pub unsafe fn collective(
         Collective::Broadcast => nr::broadcast(src, dst, n, t, 0, comm, s),
     };
     r.map(|_| ())
-        .map_err(|e| format!("NCCL {:?}: {e:?}", call.kind))
+        .map_err(|e| CudaError::new(Library::Nccl, format!("{:?}", call.kind), e))
 }
 
 /// Sums one f64 across the world on `stream` (the step's loss).
@@ -124,7 +127,7 @@ pub unsafe fn sum_f64(
     comm: ncclComm_t,
     stream: cudarc::driver::sys::CUstream,
     value: u64,
-) -> Result<(), String> {
+) -> Result<(), CudaError> {
     nr::all_reduce(
         value as *const std::ffi::c_void,
         value as *mut std::ffi::c_void,
@@ -135,17 +138,17 @@ pub unsafe fn sum_f64(
         stream as _,
     )
     .map(|_| ())
-    .map_err(|e| format!("NCCL loss all-reduce: {e:?}"))
+    .map_err(|e| CudaError::new(Library::Nccl, "NCCL loss all-reduce", e))
 }
 
-pub fn group_start() -> Result<(), String> {
+pub fn group_start() -> Result<(), CudaError> {
     nr::group_start()
         .map(|_| ())
-        .map_err(|e| format!("ncclGroupStart: {e:?}"))
+        .map_err(|e| CudaError::new(Library::Nccl, "ncclGroupStart", e))
 }
 
-pub fn group_end() -> Result<(), String> {
+pub fn group_end() -> Result<(), CudaError> {
     nr::group_end()
         .map(|_| ())
-        .map_err(|e| format!("ncclGroupEnd: {e:?}"))
+        .map_err(|e| CudaError::new(Library::Nccl, "ncclGroupEnd", e))
 }

@@ -3,7 +3,7 @@
 
 use super::blas::Blas;
 use super::device::{drv, Device};
-use super::enqueue::{nccl_call, ColMajor, DevAddr, Exec, Grid, A};
+use super::enqueue::{nccl_call, ColMajor, CudaError, DevAddr, Exec, Grid, Library, A};
 use super::gpu::{action_workspace, Consts, Gpu};
 use super::kernels::Kernels;
 use super::launch::DistEnv;
@@ -39,8 +39,8 @@ pub struct CudaBackend {
     world: u32,
 }
 
-fn fault(rank: u32, m: impl Into<String>) -> RunError {
-    RunError::at(rank, None, m)
+fn fault(rank: u32, m: impl std::fmt::Display) -> RunError {
+    RunError::at(rank, None, m.to_string())
 }
 
 impl CudaBackend {
@@ -50,7 +50,8 @@ impl CudaBackend {
     pub fn new(plan: Arc<Plan>, options: RunOptions, env: &DistEnv) -> Result<Self, RunError> {
         let rank = env.rank;
         let f = |m: String| fault(rank, m);
-        super::probe().map_err(f)?;
+        let g = |e: CudaError| fault(rank, e);
+        super::probe().map_err(g)?;
         if env.world != plan.ranks() {
             return Err(f(format!(
                 "the plan has {} ranks but WORLD_SIZE is {}",
@@ -90,12 +91,12 @@ impl CudaBackend {
             p.program.arena_bytes,
             &ws,
         )
-        .map_err(f)?;
+        .map_err(g)?;
         let ids = if env.world == 1 {
             keys.iter()
                 .map(|k| nccl::new_id().map(|id| (*k, id)))
                 .collect::<Result<Vec<_>, _>>()
-                .map_err(f)?
+                .map_err(g)?
         } else if rank == 0 {
             let listener = std::net::TcpListener::bind(format!("0.0.0.0:{}", env.master_port))
                 .map_err(|e| {
@@ -104,8 +105,10 @@ impl CudaBackend {
                         env.master()
                     ))
                 })?;
-            rendezvous::serve(listener, &hello, &keys, timeout, |_| nccl::new_id())
-                .map_err(|e| f(e.0))?
+            rendezvous::serve(listener, &hello, &keys, timeout, |_| {
+                nccl::new_id().map_err(|e| e.to_string())
+            })
+            .map_err(|e| f(e.0))?
         } else {
             rendezvous::join(&env.master(), &hello, timeout).map_err(|e| f(e.0))?
         };
@@ -121,14 +124,14 @@ impl CudaBackend {
             })
             .collect();
         dev.ctx.bind_to_thread().map_err(|e| f(format!("{e:?}")))?;
-        let comms = Comms::init(&mine).map_err(f)?;
-        let kernels = Kernels::load(&dev.ctx).map_err(f)?;
+        let comms = Comms::init(&mine).map_err(g)?;
+        let kernels = Kernels::load(&dev.ctx).map_err(g)?;
         let blas = dev
             .streams
             .iter()
             .map(|s| Blas::new(s))
             .collect::<Result<Vec<_>, _>>()
-            .map_err(f)?;
+            .map_err(g)?;
         let markers = p
             .program
             .ops
@@ -140,7 +143,7 @@ impl CudaBackend {
             })
             .collect::<Result<Vec<_>, _>>()
             .map_err(|e| f(format!("creating marker events: {e:?}")))?;
-        let consts = new_consts(p, &dev).map_err(f)?;
+        let consts = new_consts(p, &dev).map_err(g)?;
         Ok(CudaBackend {
             plan,
             options,
@@ -157,7 +160,7 @@ impl CudaBackend {
 }
 
 /// Allocates and fills a rank's constants (once; they live as long as the process).
-fn new_consts(p: &Plan, dev: &Device) -> Result<Consts, String> {
+fn new_consts(p: &Plan, dev: &Device) -> Result<Consts, CudaError> {
     let model = &p.job.model;
     let t = (model.micro_batch * model.seq_len) as usize;
     let micro = p.program.micro_steps as usize;
@@ -183,7 +186,7 @@ fn new_consts(p: &Plan, dev: &Device) -> Result<Consts, String> {
     let sumsq = loss + 8;
     let mut at = sumsq + 8;
     ctx.bind_to_thread().map_err(drv("binding the context"))?;
-    let put = |ptr: u64, bytes: &[u8]| -> Result<(), String> {
+    let put = |ptr: u64, bytes: &[u8]| -> Result<(), CudaError> {
         // SAFETY: inside the constants buffer sized above.
         unsafe { cudarc::driver::result::memcpy_htod_sync(ptr, bytes) }
             .map_err(drv("uploading constants"))
@@ -363,7 +366,8 @@ impl CudaBackend {
             };
             match &p.actions[op.index()] {
                 Action::Collectives(cs) => {
-                    self.collectives(op, cs, stream).map_err(fail)?;
+                    self.collectives(op, cs, stream)
+                        .map_err(|e| fail(e.to_string()))?;
                     if let Some(m) = &self.markers[op.index()] {
                         m.record(stream)
                             .map_err(|e| fail(format!("marker record: {e:?}")))?;
@@ -392,7 +396,7 @@ impl CudaBackend {
         op: schedc::ir::OpId,
         cs: &[schedc::ir::CollectiveOp],
         stream: &cudarc::driver::CudaStream,
-    ) -> Result<(), String> {
+    ) -> Result<(), CudaError> {
         let p = &*self.plan;
         let s = p.program.ops[op].stream.index() as u32;
         nccl::group_start()?;
@@ -470,18 +474,19 @@ impl CudaBackend {
     }
 
     fn finish_loss(&self) -> Result<f64, RunError> {
-        let f = |m: String| fault(self.rank, m);
+        let f = |m: CudaError| fault(self.rank, m);
         if self.world > 1 {
             let comm = self.comms.get(&LOSS_KEY).map_err(f)?;
             let s = &self.dev.streams[0];
             // SAFETY: the loss accumulator is one f64 in the constants buffer.
             unsafe { nccl::sum_f64(comm, s.cu_stream(), self.consts.loss.0) }.map_err(f)?;
-            s.synchronize().map_err(|e| f(format!("{e:?}")))?;
+            s.synchronize()
+                .map_err(|e| f(CudaError::new(Library::Driver, "waiting for the loss", e)))?;
         }
         let mut out = [0u8; 8];
         // SAFETY: one f64 in the constants buffer; every stream is idle.
         unsafe { cudarc::driver::result::memcpy_dtoh_sync(&mut out, self.consts.loss.0) }
-            .map_err(|e| f(format!("reading the loss: {e:?}")))?;
+            .map_err(|e| f(CudaError::new(Library::Driver, "reading the loss", e)))?;
         Ok(f64::from_le_bytes(out))
     }
 }
@@ -494,18 +499,18 @@ struct DevExec<'a> {
 }
 
 impl Exec for DevExec<'_> {
-    fn launch(&self, name: &str, grid: Grid, args: &[A]) -> Result<(), String> {
+    fn launch(&self, name: &str, grid: Grid, args: &[A]) -> Result<(), CudaError> {
         self.k.launch(self.s, name, grid, args)
     }
 
-    fn gemm(&self, call: &ColMajor) -> Result<(), String> {
+    fn gemm(&self, call: &ColMajor) -> Result<(), CudaError> {
         self.blas.run(call)
     }
 
-    fn copy_bytes(&self, dst: DevAddr, src: DevAddr, bytes: usize) -> Result<(), String> {
+    fn copy_bytes(&self, dst: DevAddr, src: DevAddr, bytes: usize) -> Result<(), CudaError> {
         let s = self.s.cu_stream();
         // SAFETY: both ranges lie in the arena or the workspace (the callers size them).
         unsafe { cudarc::driver::result::memcpy_dtod_async(dst.0, src.0, bytes, s) }
-            .map_err(|e| format!("device copy: {e:?}"))
+            .map_err(|e| CudaError::new(Library::Driver, "device copy", e))
     }
 }
