@@ -33,20 +33,7 @@ pub fn emit_listing_with_notes(p: &Program, notes: &HashMap<OpId, Vec<String>>) 
     for (id, s) in p.streams.iter() {
         let _ = writeln!(out, "  {id} {}", s.role.name());
     }
-    let _ = writeln!(out, "\ncommunicators:");
-    for (id, c) in p.comms.iter() {
-        let first: Vec<String> = c.groups[0].iter().take(16).map(|r| r.to_string()).collect();
-        let more = if c.groups[0].len() > 16 { " …" } else { "" };
-        let _ = writeln!(
-            out,
-            "  {id} {} ({}): {} groups of {}, first [{}{more}]",
-            c.name,
-            c.scope.name(),
-            c.groups.len(),
-            c.group_size(),
-            first.join(" ")
-        );
-    }
+    communicators(&mut out, p);
     let _ = writeln!(out, "\nbuffers:");
     for (id, b) in p.buffers.iter() {
         let _ = writeln!(
@@ -160,5 +147,24 @@ pub fn index_name(i: ShardIndex) -> &'static str {
         ShardIndex::OptimizerInParam => "optimizer_in_param",
         ShardIndex::OptimizerInGrad => "optimizer_in_grad",
         ShardIndex::Secondary => "secondary",
+    }
+}
+
+/// The communicators, one line each: name, scope, groups and the first group's ranks (shared by
+/// the listing and the summary).
+pub(crate) fn communicators(out: &mut String, p: &Program) {
+    let _ = writeln!(out, "\ncommunicators:");
+    for (id, c) in p.comms.iter() {
+        let first: Vec<String> = c.groups[0].iter().take(16).map(|r| r.to_string()).collect();
+        let more = if c.groups[0].len() > 16 { " …" } else { "" };
+        let _ = writeln!(
+            out,
+            "  {id} {} ({}): {} groups of {}, first [{}{more}]",
+            c.name,
+            c.scope.name(),
+            c.groups.len(),
+            c.group_size(),
+            first.join(" ")
+        );
     }
 }

@@ -104,20 +104,7 @@ pub fn emit_summary(p: &Program) -> String {
         );
     }
 
-    let _ = writeln!(out, "\ncommunicators:");
-    for (id, c) in p.comms.iter() {
-        let first: Vec<String> = c.groups[0].iter().take(16).map(|r| r.to_string()).collect();
-        let more = if c.groups[0].len() > 16 { " …" } else { "" };
-        let _ = writeln!(
-            out,
-            "  {id} {} ({}): {} groups of {}, first [{}{more}]",
-            c.name,
-            c.scope.name(),
-            c.groups.len(),
-            c.group_size(),
-            first.join(" ")
-        );
-    }
+    super::listing::communicators(&mut out, p);
 
     let _ = writeln!(out, "\nbuffers:");
     let mut by_kind: BTreeMap<(String, &str), (u64, u64)> = BTreeMap::new();
