@@ -191,6 +191,11 @@ impl Device for Gpu<'_> {
             .add_bytes((2 * u64::from(m) + u64::from(targets)) * t * 4))
     }
 
+    /// An fp32 region is computed on in place: its address in the arena (no staging copy).
+    fn view(&self, at: u64, dtype: Dtype, _n: usize) -> Result<Option<DevAddr>, DeviceError> {
+        Ok((dtype == Dtype::Fp32 && at.is_multiple_of(4)).then(|| self.arena_base.add_bytes(at)))
+    }
+
     fn load(&self, at: u64, dtype: Dtype, dst: DevAddr, n: usize) -> Result<(), DeviceError> {
         let src = self.arena_base.add_bytes(at);
         self.run(
