@@ -131,20 +131,17 @@ fn check(model_name: &str, layer: &str) {
     for ts in &l.tensors {
         let n = ts.elements() as usize;
         if ts.shape.len() == 1 && ts.name.ends_with("weight") {
-            params.extend(common::normal(&mut rng, n, 0.2).iter().map(|v| 1.0 + v));
+            params.extend(rng.normals(n, 0.2).iter().map(|v| 1.0 + v));
         } else {
-            params.extend(common::normal(&mut rng, n, 0.3));
+            params.extend(rng.normals(n, 0.3));
         }
     }
     let vocab = 16;
     let mut c = Case {
         params,
-        tied: m
-            .is_tied()
-            .then(|| common::normal(&mut rng, m.tied_elements(), 0.3)),
+        tied: m.is_tied().then(|| rng.normals(m.tied_elements(), 0.3)),
         tokens: (0..t).map(|_| rng.below(vocab) as u32).collect(),
-        hidden: common::normal(
-            &mut rng,
+        hidden: rng.normals(
             if m.takes_tokens() {
                 0
             } else {
@@ -152,7 +149,7 @@ fn check(model_name: &str, layer: &str) {
             },
             1.0,
         ),
-        r: common::normal(&mut rng, m.output_elements(), 1.0),
+        r: rng.normals(m.output_elements(), 1.0),
     };
 
     let mut gi = vec![
@@ -348,7 +345,7 @@ fn lm_head_tied_rmsnorm() {
 fn cross_entropy_gradient_and_value() {
     let (n, vocab) = (6, 7);
     let mut rng = Rng::new(7);
-    let mut logits = common::normal(&mut rng, n * vocab, 2.0);
+    let mut logits = rng.normals(n * vocab, 2.0);
     let targets: Vec<u32> = (0..n).map(|_| rng.below(vocab as u64) as u32).collect();
     let mut grad = vec![0.0; n * vocab];
     let total = cross_entropy(&logits, &targets, vocab, &mut grad);

@@ -74,9 +74,9 @@ fn flash_equals_naive(naive: &str, flash: &str) {
     );
     let mut rng = Rng::new(3);
     // Larger than the real init so the attention is far from uniform.
-    let params: Vec<f32> = common::normal(&mut rng, a.params(), 0.3);
-    let x = common::normal(&mut rng, a.input_elements(), 1.0);
-    let g = common::normal(&mut rng, a.output_elements(), 1.0);
+    let params: Vec<f32> = rng.normals(a.params(), 0.3);
+    let x = rng.normals(a.input_elements(), 1.0);
+    let g = rng.normals(a.output_elements(), 1.0);
     let run = |m: &LayerMath| {
         let mut out = vec![0.0; m.output_elements()];
         let mut saved = vec![0.0; m.saved_elements()];
@@ -214,7 +214,8 @@ fn bf16_models_store_bf16_values() {
         let m = LayerMath::new(l, &model).unwrap();
         let mut params = init_layer(l, &model, 1);
         params.iter_mut().for_each(|p| *p = round_bf16(*p));
-        let x: Vec<f32> = common::normal(&mut rng, m.input_elements(), 1.0)
+        let x: Vec<f32> = rng
+            .normals(m.input_elements(), 1.0)
             .into_iter()
             .map(round_bf16)
             .collect();
@@ -245,8 +246,8 @@ fn layer_math_is_shared_across_threads_with_identical_results() {
     let m = LayerMath::new(l, &model).unwrap();
     let p = init_layer(l, &model, 4);
     let mut rng = Rng::new(11);
-    let x = common::normal(&mut rng, m.input_elements(), 1.0);
-    let g = common::normal(&mut rng, m.output_elements(), 1.0);
+    let x = rng.normals(m.input_elements(), 1.0);
+    let g = rng.normals(m.output_elements(), 1.0);
     let run = || {
         let mut out = vec![0.0; m.output_elements()];
         let mut saved = vec![0.0; m.saved_elements()];
@@ -488,7 +489,7 @@ fn optimizer_on_shards_equals_whole_vector() {
     let cfg = OptimizerConfig::new(Optimizer::AdamW, 1e-3);
     let mut rng = Rng::new(5);
     let master = init_layer(layer, &model, 0);
-    let grads: Vec<Vec<f32>> = (0..3).map(|_| common::normal(&mut rng, n, 1.0)).collect();
+    let grads: Vec<Vec<f32>> = (0..3).map(|_| rng.normals(n, 1.0)).collect();
     let mut whole = master.clone();
     whole.resize(3 * n, 0.0);
     for (s, g) in grads.iter().enumerate() {

@@ -142,10 +142,6 @@ model llama {
 }
 "#;
 
-    fn normal(rng: &mut Rng, n: usize, std: f64) -> Vec<f32> {
-        (0..n).map(|_| (rng.normal() * std) as f32).collect()
-    }
-
     fn bits(v: &[f32]) -> Vec<u32> {
         v.iter().map(|x| x.to_bits()).collect()
     }
@@ -199,12 +195,10 @@ model llama {
             let mut rng = Rng::new(3);
             for layer in &model.layers {
                 let m = LayerMath::new(layer, model).unwrap();
-                let p = normal(&mut rng, m.params(), 0.2);
-                let tied = m
-                    .is_tied()
-                    .then(|| normal(&mut rng, m.tied_elements(), 0.2));
-                let x = normal(&mut rng, m.input_elements(), 1.0);
-                let dy = normal(&mut rng, m.output_elements(), 0.1);
+                let p = rng.normals(m.params(), 0.2);
+                let tied = m.is_tied().then(|| rng.normals(m.tied_elements(), 0.2));
+                let x = rng.normals(m.input_elements(), 1.0);
+                let dy = rng.normals(m.output_elements(), 0.1);
                 let generated = run_layer(&m, &p, tied.as_deref(), &x, &dy);
                 let rust = without(|| run_layer(&m, &p, tied.as_deref(), &x, &dy));
                 for (i, (g, r)) in generated.iter().zip(&rust).enumerate() {
@@ -252,12 +246,12 @@ model llama {
         let n = 64;
         for kind in [Optimizer::Adam, Optimizer::AdamW, Optimizer::Sgd] {
             let per = OptimizerConfig::new(kind, 1.0).state_per_param();
-            let mut state = normal(&mut rng, per * n, 0.5);
+            let mut state = rng.normals(per * n, 0.5);
             if per == 3 {
                 // The second moment is never negative.
                 state[2 * n..].iter_mut().for_each(|v| *v = v.abs());
             }
-            let grad = normal(&mut rng, n, 1.0);
+            let grad = rng.normals(n, 1.0);
             let generated = update(kind, &arena, &state, &grad);
             let rust = without(|| update(kind, &arena, &state, &grad));
             assert!(generated == rust, "{kind:?} differs");

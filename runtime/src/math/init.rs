@@ -87,6 +87,11 @@ impl Rng {
         self.spare = Some(r * theta.sin());
         r * theta.cos()
     }
+
+    /// `n` normal values of standard deviation `std`, as f32 (test data and perturbations).
+    pub fn normals(&mut self, n: usize, std: f64) -> Vec<f32> {
+        (0..n).map(|_| (self.normal() * std) as f32).collect()
+    }
 }
 
 /// Standard deviation of every weight matrix.

@@ -8,7 +8,6 @@ use schedc::{analyze, FsLoader, MemLoader};
 use schedrun::backend::cpu::CpuBackend;
 use schedrun::backend::{Backend, RunOptions};
 use schedrun::data::Corpus;
-use schedrun::math::Rng;
 use schedrun::plan::Plan;
 use schedrun::reference::Reference;
 use schedrun::train::Trainer;
@@ -52,10 +51,6 @@ pub fn tiny(name: &str) -> Model {
         .find(|m| m.name == name)
         .map(|m| (**m).clone())
         .unwrap_or_else(|| panic!("no model {name}"))
-}
-
-pub fn normal(rng: &mut Rng, n: usize, std: f64) -> Vec<f32> {
-    (0..n).map(|_| (rng.normal() * std) as f32).collect()
 }
 
 /// Per-step losses and final weights (`LAYER.TENSOR` order) of the single-process reference

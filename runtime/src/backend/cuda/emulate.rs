@@ -340,10 +340,6 @@ fn models() -> Vec<schedc::job::Model> {
     a.models.iter().map(|m| (**m).clone()).collect()
 }
 
-fn normal(rng: &mut Rng, n: usize, std: f64) -> Vec<f32> {
-    (0..n).map(|_| (rng.normal() * std) as f32).collect()
-}
-
 /// Every layer kind's forward and backward on the emulated device equals `crate::math`'s:
 /// outputs, every saved segment, input, parameter and tied gradients.
 #[test]
@@ -360,14 +356,12 @@ fn layers_on_the_emulated_device_match_the_cpu_math() {
         for layer in &model.layers {
             let m = LayerMath::new(layer, &model).unwrap();
             let what = format!("{} {}", model.name, layer.name);
-            let p = normal(&mut rng, m.params(), 0.1);
-            let tied = m
-                .is_tied()
-                .then(|| normal(&mut rng, m.tied_elements(), 0.1));
+            let p = rng.normals(m.params(), 0.1);
+            let tied = m.is_tied().then(|| rng.normals(m.tied_elements(), 0.1));
             let t = (model.micro_batch * model.seq_len) as usize;
             let tokens: Vec<u32> = (0..t).map(|i| ((i * 37 + 11) % 256) as u32).collect();
             let tokens_i32: Vec<i32> = tokens.iter().map(|&x| x as i32).collect();
-            let xin = normal(&mut rng, m.input_elements(), 1.0);
+            let xin = rng.normals(m.input_elements(), 1.0);
             let input = if m.takes_tokens() {
                 Input::Tokens(&tokens)
             } else {
@@ -378,7 +372,7 @@ fn layers_on_the_emulated_device_match_the_cpu_math() {
             } else {
                 In::Hidden(addr(&xin))
             };
-            let dy = normal(&mut rng, m.output_elements(), 0.1);
+            let dy = rng.normals(m.output_elements(), 0.1);
             // CPU.
             let mut out = vec![0.0; m.output_elements()];
             let mut saved = vec![0.0; m.saved_elements()];
