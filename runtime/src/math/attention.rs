@@ -48,12 +48,12 @@ impl Shape {
         (self.heads + 2 * self.kv_heads) * self.d
     }
 
-    fn scale(&self) -> f32 {
+    pub(crate) fn scale(&self) -> f32 {
         1.0 / (self.d as f32).sqrt()
     }
 
     /// Offsets in `qkv` of the first row of sequence `b`'s q, k and v for query head `n`.
-    fn offsets(&self, b: usize, n: usize) -> (usize, usize, usize) {
+    pub(crate) fn offsets(&self, b: usize, n: usize) -> (usize, usize, usize) {
         let row = b * self.s * self.width();
         let g = n / (self.heads / self.kv_heads);
         let k = self.hidden() + g * self.d;

@@ -131,15 +131,6 @@ fn norm_code(k: Norm) -> i32 {
     }
 }
 
-/// Offsets (in floats) in `qkv` of sequence `b`'s q for head `n`, and k and v of its kv group.
-fn offsets(bp: &BlockP, b: usize, n: usize) -> (usize, usize, usize) {
-    let sh = &bp.shape;
-    let row = b * sh.s * sh.width();
-    let grp = n / (sh.heads / sh.kv_heads);
-    let k = sh.heads * sh.d + grp * sh.d;
-    (row + n * sh.d, row + k, row + k + sh.kv_heads * sh.d)
-}
-
 /// The fused attention kernels' launch: query rows, key rows, then their scalar arguments
 /// (sequence length, qkv row width, heads, kv heads, head width, scale).
 #[allow(clippy::type_complexity)]
@@ -153,7 +144,7 @@ fn flash_shape(bp: &BlockP) -> (usize, usize, i64, i64, i32, i32, i32, f32) {
         sh.heads as i32,
         sh.kv_heads as i32,
         sh.d as i32,
-        1.0 / (sh.d as f32).sqrt(),
+        sh.scale(),
     )
 }
 
@@ -481,12 +472,12 @@ impl Device for Gpu<'_> {
         let sh = &bp.shape;
         let (s, w, h, d) = (sh.s, sh.width(), sh.heads * sh.d, sh.d);
         let r = sh.heads / sh.kv_heads;
-        let scale = 1.0 / (d as f32).sqrt();
+        let scale = sh.scale();
         let probs = self.alloc(sh.heads * s * s)?;
         for b in 0..sh.b {
             for grp in 0..sh.kv_heads {
                 let n0 = grp * r;
-                let (q, k, _) = offsets(bp, b, n0);
+                let (q, k, _) = sh.offsets(b, n0);
                 let (q, k) = (m(qkv.offset(q), w), mt(qkv.offset(k), w));
                 let c = probs.offset(n0 * s * s);
                 self.batched(s, s, d, scale, q, d, k, 0, 0.0, c, s, s * s, r)?;
@@ -506,7 +497,7 @@ impl Device for Gpu<'_> {
             }
             for grp in 0..sh.kv_heads {
                 let n0 = grp * r;
-                let (_, _, v) = offsets(bp, b, n0);
+                let (_, _, v) = sh.offsets(b, n0);
                 let p = m(probs.offset(n0 * s * s), s);
                 let c = out.offset(b * s * h + n0 * d);
                 self.batched(
@@ -582,13 +573,13 @@ impl Device for Gpu<'_> {
         let kept = keep.into_inner();
         let sh = &bp.shape;
         let (s, w, h, d) = (sh.s, sh.width(), sh.heads * sh.d, sh.d);
-        let scale = 1.0 / (d as f32).sqrt();
+        let scale = sh.scale();
         self.fill(dqkv, sh.b * s * w, 0.0)?;
         let p = self.alloc(s * s)?;
         let dp = self.alloc(s * s)?;
         for b in 0..sh.b {
             for n in 0..sh.heads {
-                let (q, k, v) = offsets(bp, b, n);
+                let (q, k, v) = sh.offsets(b, n);
                 let (q_m, k_m, v_m) = (qkv.offset(q), qkv.offset(k), qkv.offset(v));
                 let bh = b * sh.heads + n;
                 match bp.attention {

@@ -149,17 +149,26 @@ extern "C" __global__ void embedding_backward(const int* tokens, const float* g,
 
 // ---- norms: ops.rs norm_forward / norm_backward. One block (256 threads) per row. ----
 
-__device__ float block_sum(float v, float* sh) {
+// The sum (or maximum) of every thread's `v` in the block, returned to every thread; `sh` holds
+// blockDim floats. Power-of-two block sizes (256 on the GPU, 1 or 2 in the host emulation).
+__device__ float block_reduce(float v, float* sh, bool max) {
     sh[threadIdx.x] = v;
     __syncthreads();
     for (int k = blockDim.x / 2; k > 0; k >>= 1) {
-        if ((int)threadIdx.x < k) sh[threadIdx.x] += sh[threadIdx.x + k];
+        if ((int)threadIdx.x < k) {
+            float o = sh[threadIdx.x + k];
+            sh[threadIdx.x] = max ? fmaxf(sh[threadIdx.x], o) : sh[threadIdx.x] + o;
+        }
         __syncthreads();
     }
     float r = sh[0];
     __syncthreads();
     return r;
 }
+
+__device__ float block_sum(float v, float* sh) { return block_reduce(v, sh, false); }
+
+__device__ float block_max(float v, float* sh) { return block_reduce(v, sh, true); }
 
 // kind 0 layer norm, 1 RMS norm; stats gets (mean, 1/sigma) per row.
 extern "C" __global__ void norm_forward(int kind, const float* x, const float* w, const float* b,
@@ -307,14 +316,7 @@ extern "C" __global__ void causal_softmax(float* p, float* lse, long long s, int
     float* r = p + row * s;
     float m = NEG_INF;
     for (long long j = threadIdx.x; j <= i; j += blockDim.x) m = fmaxf(m, r[j]);
-    sh[threadIdx.x] = m;
-    __syncthreads();
-    for (int k = blockDim.x / 2; k > 0; k >>= 1) {
-        if ((int)threadIdx.x < k) sh[threadIdx.x] = fmaxf(sh[threadIdx.x], sh[threadIdx.x + k]);
-        __syncthreads();
-    }
-    m = sh[0];
-    __syncthreads();
+    m = block_max(m, sh);
     float acc = 0.0f;
     for (long long j = threadIdx.x; j <= i; j += blockDim.x) acc += expf(r[j] - m);
     float l = m + logf(block_sum(acc, sh));
@@ -348,18 +350,6 @@ extern "C" __global__ void softmax_backward(const float* p, float* dp, long long
 // qkv rows are tokens: [q (heads*d) | k (kv_heads*d) | v (kv_heads*d)]; query head n reads kv
 // head n / (heads / kv_heads). A "row" is (sequence b, head n, query i), numbered as the CPU's
 // lse: (b * heads + n) * s + i.
-
-__device__ float block_max(float v, float* sh) {
-    sh[threadIdx.x] = v;
-    __syncthreads();
-    for (int k = blockDim.x / 2; k > 0; k >>= 1) {
-        if ((int)threadIdx.x < k) sh[threadIdx.x] = fmaxf(sh[threadIdx.x], sh[threadIdx.x + k]);
-        __syncthreads();
-    }
-    float r = sh[0];
-    __syncthreads();
-    return r;
-}
 
 struct AttnRow {
     const float* q;   // this row's query
@@ -522,14 +512,7 @@ extern "C" __global__ void cross_entropy(const float* logits, const int* targets
     float* g = grad + row * vocab;
     float m = NEG_INF;
     for (long long j = threadIdx.x; j < vocab; j += blockDim.x) m = fmaxf(m, r[j]);
-    sh[threadIdx.x] = m;
-    __syncthreads();
-    for (int k = blockDim.x / 2; k > 0; k >>= 1) {
-        if ((int)threadIdx.x < k) sh[threadIdx.x] = fmaxf(sh[threadIdx.x], sh[threadIdx.x + k]);
-        __syncthreads();
-    }
-    m = sh[0];
-    __syncthreads();
+    m = block_max(m, sh);
     float acc = 0.0f;
     for (long long j = threadIdx.x; j < vocab; j += blockDim.x) acc += expf(r[j] - m);
     float lse = m + logf(block_sum(acc, sh));
