@@ -19,16 +19,7 @@ pub fn emit_listing(p: &Program) -> String {
 /// Renders the program with `notes` written under the ops they concern.
 pub fn emit_listing_with_notes(p: &Program, notes: &HashMap<OpId, Vec<String>>) -> String {
     let mut out = String::new();
-    let _ = writeln!(
-        out,
-        "schedule {}: {} ranks ({} x {}), {}, arena {} B per rank",
-        p.schedule,
-        p.ranks,
-        plural(p.nodes.into(), "node"),
-        plural(p.gpus_per_node.into(), "GPU"),
-        plural(p.micro_steps.into(), "micro-step"),
-        thousands(p.arena_bytes)
-    );
+    header(&mut out, p);
     let _ = writeln!(out, "\nstreams:");
     for (id, s) in p.streams.iter() {
         let _ = writeln!(out, "  {id} {}", s.role.name());
@@ -148,6 +139,21 @@ pub fn index_name(i: ShardIndex) -> &'static str {
         ShardIndex::OptimizerInGrad => "optimizer_in_grad",
         ShardIndex::Secondary => "secondary",
     }
+}
+
+/// The first line: schedule, ranks, nodes × GPUs, micro-steps, arena (shared by the listing and
+/// the summary).
+pub(crate) fn header(out: &mut String, p: &Program) {
+    let _ = writeln!(
+        out,
+        "schedule {}: {} ranks ({} x {}), {}, arena {} B per rank",
+        p.schedule,
+        p.ranks,
+        plural(p.nodes.into(), "node"),
+        plural(p.gpus_per_node.into(), "GPU"),
+        plural(p.micro_steps.into(), "micro-step"),
+        thousands(p.arena_bytes)
+    );
 }
 
 /// The communicators, one line each: name, scope, groups and the first group's ranks (shared by

@@ -62,16 +62,7 @@ impl Fnv {
 /// Renders the summary of the whole program.
 pub fn emit_summary(p: &Program) -> String {
     let mut out = String::new();
-    let _ = writeln!(
-        out,
-        "schedule {}: {} ranks ({} x {}), {}, arena {} B per rank",
-        p.schedule,
-        p.ranks,
-        plural(p.nodes.into(), "node"),
-        plural(p.gpus_per_node.into(), "GPU"),
-        plural(p.micro_steps.into(), "micro-step"),
-        thousands(p.arena_bytes)
-    );
+    super::listing::header(&mut out, p);
     let _ = writeln!(
         out,
         "{}, {}, {}, {}, {}",
