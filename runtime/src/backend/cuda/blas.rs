@@ -1,27 +1,39 @@
-//! fp32 matrix products through cuBLAS: one handle per stream, running the column-major calls
-//! that `enqueue::row_major` derives from the layer math's row-major products. Compiled, never
-//! run on a GPU yet.
+//! Matrix products on a stream, the column-major calls that `enqueue::row_major` derives from
+//! the layer math's row-major products: fp32 operands through cuBLAS `sgemm`, bf16 and fp16
+//! operands through cuBLASLt on tensor cores (fp32 output and accumulation). One of each handle
+//! per stream. Compiled, never run on a GPU yet.
 
 use super::enqueue::{ColMajor, CudaError, Library};
 use cudarc::cublas::result as cb;
 use cudarc::cublas::sys::{cublasHandle_t, cublasOperation_t};
-use cudarc::driver::CudaStream;
+use cudarc::cublaslt::{result as lt, sys as lts};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
+use schedc::job::Dtype;
+use std::cell::RefCell;
+use std::collections::hash_map::{Entry, HashMap};
+use std::sync::Arc;
 
 pub struct Blas {
     handle: cublasHandle_t,
+    lt: Lt,
+    stream: lts::cudaStream_t,
 }
 
 // SAFETY: a handle is used by one host thread at a time (the step's issuing thread).
 unsafe impl Send for Blas {}
 
 impl Blas {
-    pub fn new(stream: &CudaStream) -> Result<Blas, CudaError> {
+    pub fn new(stream: &Arc<CudaStream>) -> Result<Blas, CudaError> {
         let handle =
             cb::create_handle().map_err(|e| CudaError::new(Library::Cublas, "cuBLAS", e))?;
         // SAFETY: a fresh handle and a live stream.
         unsafe { cb::set_stream(handle, stream.cu_stream() as _) }
             .map_err(|e| CudaError::new(Library::Cublas, "cuBLAS set_stream", e))?;
-        Ok(Blas { handle })
+        Ok(Blas {
+            handle,
+            lt: Lt::new(stream)?,
+            stream: stream.cu_stream() as _,
+        })
     }
 
     fn op(t: bool) -> cublasOperation_t {
@@ -34,6 +46,9 @@ impl Blas {
 
     /// Runs one column-major call (see [`super::enqueue::row_major`]).
     pub fn run(&self, c: &ColMajor) -> Result<(), CudaError> {
+        if c.operands != Dtype::Fp32 {
+            return self.lt.run(c, self.stream);
+        }
         let i = |x: usize| x as i32;
         // SAFETY: the caller sizes every operand from the layer math inside the arena or its
         // workspace; alpha and beta are host scalars that outlive the call.
@@ -86,5 +101,225 @@ impl Drop for Blas {
     fn drop(&mut self) {
         // SAFETY: the handle was created by `new` and is destroyed once.
         let _ = unsafe { cb::destroy_handle(self.handle) };
+    }
+}
+
+/// 16-bit products through cuBLASLt: bf16 or fp16 A and B on tensor cores, fp32 C, fp32
+/// accumulation and scalars. A call's descriptors and algorithm (cuBLASLt's heuristic, which
+/// costs host time) are made once per shape and kept.
+struct Lt {
+    handle: lts::cublasLtHandle_t,
+    /// cuBLASLt's workspace: 32 MiB, NVIDIA's recommendation for Hopper (4 MiB before).
+    workspace: CudaSlice<u8>,
+    workspace_at: u64,
+    plans: RefCell<HashMap<LtKey, LtPlan>>,
+}
+
+/// What fixes a product's descriptors and algorithm: the call without its pointers and
+/// scalars, and the output's alignment (inputs are cast into 256-byte aligned workspace).
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+struct LtKey {
+    operands: Dtype,
+    transa: bool,
+    transb: bool,
+    mnk: [usize; 3],
+    ld: [usize; 3],
+    stride: [usize; 3],
+    batch: usize,
+    c_align: u64,
+}
+
+struct LtPlan {
+    desc: lts::cublasLtMatmulDesc_t,
+    layouts: [lts::cublasLtMatrixLayout_t; 3],
+    algo: lts::cublasLtMatmulAlgo_t,
+}
+
+fn lt_err(what: &'static str) -> impl Fn(cudarc::cublaslt::result::CublasError) -> CudaError {
+    move |e| CudaError::new(Library::Cublas, what, e)
+}
+
+impl Lt {
+    fn new(stream: &Arc<CudaStream>) -> Result<Lt, CudaError> {
+        let handle = lt::create_handle().map_err(lt_err("cuBLASLt"))?;
+        let bytes = 32 << 20;
+        // SAFETY: cuBLASLt only ever writes its workspace.
+        let workspace = unsafe { stream.alloc::<u8>(bytes) }
+            .map_err(|e| CudaError::new(Library::Driver, "allocating cuBLASLt's workspace", e))?;
+        let workspace_at = workspace.device_ptr(stream).0;
+        Ok(Lt {
+            handle,
+            workspace,
+            workspace_at,
+            plans: RefCell::new(HashMap::new()),
+        })
+    }
+
+    fn key(c: &ColMajor) -> LtKey {
+        LtKey {
+            operands: c.operands,
+            transa: c.transa,
+            transb: c.transb,
+            mnk: [c.m, c.n, c.k],
+            ld: [c.lda, c.ldb, c.ldc],
+            stride: [c.stride_a, c.stride_b, c.stride_c],
+            batch: c.batch,
+            c_align: 1 << c.c.0.trailing_zeros().min(8),
+        }
+    }
+
+    /// A column-major matrix layout of `rows` × `cols`, `ld` apart, `batch` of them `stride` apart.
+    fn layout(
+        dtype: lts::cudaDataType,
+        rows: usize,
+        cols: usize,
+        ld: usize,
+        stride: usize,
+        batch: usize,
+    ) -> Result<lts::cublasLtMatrixLayout_t, CudaError> {
+        let l = lt::create_matrix_layout(dtype, rows as u64, cols as u64, ld as i64)
+            .map_err(lt_err("cuBLASLt layout"))?;
+        if batch > 1 {
+            let (count, offset) = (batch as i32, stride as i64);
+            // SAFETY: a live layout; the attribute values are the documented types.
+            unsafe {
+                lt::set_matrix_layout_attribute(
+                    l,
+                    lts::cublasLtMatrixLayoutAttribute_t::CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT,
+                    (&count as *const i32).cast(),
+                    std::mem::size_of::<i32>(),
+                )
+                .and_then(|()| {
+                    lt::set_matrix_layout_attribute(
+                        l,
+                        lts::cublasLtMatrixLayoutAttribute_t::CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
+                        (&offset as *const i64).cast(),
+                        std::mem::size_of::<i64>(),
+                    )
+                })
+            }
+            .map_err(lt_err("cuBLASLt batch layout"))?;
+        }
+        Ok(l)
+    }
+
+    fn plan(&self, c: &ColMajor, key: &LtKey) -> Result<LtPlan, CudaError> {
+        use lts::cublasLtMatmulDescAttributes_t as D;
+        use lts::cublasLtMatmulPreferenceAttributes_t as P;
+        let ab = match c.operands {
+            Dtype::Bf16 => lts::cudaDataType::CUDA_R_16BF,
+            Dtype::Fp16 => lts::cudaDataType::CUDA_R_16F,
+            Dtype::Fp32 => {
+                return Err(CudaError::backend("cuBLASLt runs the 16-bit products only"))
+            }
+        };
+        let f32t = lts::cudaDataType::CUDA_R_32F;
+        let desc = lt::create_matmul_desc(lts::cublasComputeType_t::CUBLAS_COMPUTE_32F, f32t)
+            .map_err(lt_err("cuBLASLt matmul descriptor"))?;
+        // cublasOperation_t: 0 = N, 1 = T.
+        let (ta, tb) = (i32::from(c.transa), i32::from(c.transb));
+        let (ma, ka) = if c.transa { (c.k, c.m) } else { (c.m, c.k) };
+        let (kb, nb) = if c.transb { (c.n, c.k) } else { (c.k, c.n) };
+        let layouts = [
+            Self::layout(ab, ma, ka, c.lda, c.stride_a, c.batch)?,
+            Self::layout(ab, kb, nb, c.ldb, c.stride_b, c.batch)?,
+            Self::layout(f32t, c.m, c.n, c.ldc, c.stride_c, c.batch)?,
+        ];
+        let pref = lt::create_matmul_pref().map_err(lt_err("cuBLASLt preference"))?;
+        let size = self.workspace.len();
+        // SAFETY: live descriptors; each attribute value is the documented type.
+        let algo = unsafe {
+            let set =
+                |a: D, v: &i32| lt::set_matmul_desc_attribute(desc, a, (v as *const i32).cast(), 4);
+            set(D::CUBLASLT_MATMUL_DESC_TRANSA, &ta)
+                .and_then(|()| set(D::CUBLASLT_MATMUL_DESC_TRANSB, &tb))
+                .and_then(|()| {
+                    lt::set_matmul_pref_attribute(
+                        pref,
+                        P::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                        (&size as *const usize).cast(),
+                        std::mem::size_of::<usize>(),
+                    )
+                })
+                .and_then(|()| {
+                    let align = key.c_align as u32;
+                    [
+                        P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
+                        P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
+                    ]
+                    .into_iter()
+                    .try_for_each(|a| {
+                        lt::set_matmul_pref_attribute(pref, a, (&align as *const u32).cast(), 4)
+                    })
+                })
+                .and_then(|()| {
+                    lt::get_matmul_algo_heuristic(
+                        self.handle,
+                        desc,
+                        layouts[0],
+                        layouts[1],
+                        layouts[2],
+                        layouts[2],
+                        pref,
+                    )
+                })
+                .map(|h| h.algo)
+        };
+        // SAFETY: created above and used by nothing else.
+        let _ = unsafe { lt::destroy_matmul_pref(pref) };
+        let algo = algo.map_err(lt_err("cuBLASLt algorithm for a product"))?;
+        Ok(LtPlan {
+            desc,
+            layouts,
+            algo,
+        })
+    }
+
+    fn run(&self, c: &ColMajor, stream: lts::cudaStream_t) -> Result<(), CudaError> {
+        let key = Self::key(c);
+        let mut plans = self.plans.borrow_mut();
+        let p = match plans.entry(key) {
+            Entry::Occupied(o) => o.into_mut(),
+            Entry::Vacant(v) => v.insert(self.plan(c, &key)?),
+        };
+        // SAFETY: the operands lie in the arena or the stream's workspace (the caller sizes
+        // them), the descriptors are live, alpha and beta outlive the call, and the workspace
+        // is this stream's.
+        unsafe {
+            lt::matmul(
+                self.handle,
+                p.desc,
+                (&c.alpha as *const f32).cast(),
+                (&c.beta as *const f32).cast(),
+                c.a.0 as *const _,
+                p.layouts[0],
+                c.b.0 as *const _,
+                p.layouts[1],
+                c.c.0 as *const _,
+                p.layouts[2],
+                c.c.0 as *mut _,
+                p.layouts[2],
+                &p.algo,
+                self.workspace_at as *mut _,
+                self.workspace.len(),
+                stream,
+            )
+        }
+        .map_err(lt_err("cuBLASLt matmul"))
+    }
+}
+
+impl Drop for Lt {
+    fn drop(&mut self) {
+        // SAFETY: every descriptor and the handle were created by this value, destroyed once.
+        unsafe {
+            for p in self.plans.get_mut().values() {
+                let _ = lt::destroy_matmul_desc(p.desc);
+                for l in p.layouts {
+                    let _ = lt::destroy_matrix_layout(l);
+                }
+            }
+            let _ = lt::destroy_handle(self.handle);
+        }
     }
 }

@@ -23,6 +23,10 @@ pub fn probe_libraries() -> Result<(), CudaError> {
                 "cuBLAS (libcublas.so)",
                 cudarc::cublas::sys::is_culib_present(),
             ),
+            (
+                "cuBLASLt (libcublasLt.so)",
+                cudarc::cublaslt::sys::is_culib_present(),
+            ),
             ("NCCL (libnccl.so)", cudarc::nccl::sys::is_culib_present()),
         ]
     };

@@ -97,10 +97,13 @@ pub fn mt(ptr: DevAddr, ld: usize) -> M {
     M { ptr, ld, t: true }
 }
 
-/// A column-major `sgemm[_strided_batched]` call, as cuBLAS takes it:
-/// C ← α·op(A)·op(B) + β·C with op(A) m × k, op(B) k × n, C m × n.
+/// A column-major product call, as cuBLAS takes it: C ← α·op(A)·op(B) + β·C with op(A) m × k,
+/// op(B) k × n, C m × n (`batch` of them). A and B are stored in `operands` (fp32: `sgemm`; bf16
+/// or fp16: tensor cores through cuBLASLt), C is always fp32 and every product accumulates in
+/// fp32.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct ColMajor {
+    pub operands: Dtype,
     pub transa: bool,
     pub transb: bool,
     pub m: usize,
@@ -123,7 +126,8 @@ pub struct ColMajor {
 /// The row-major product C[rows × cols] ← α·op(A)[rows × k]·op(B)[k × cols] + β·C (C's rows
 /// `ldc` apart; `batch` of them, operands `stride_*` elements apart, 0 reusing one) as the
 /// column-major call that computes it: a row-major C is a column-major Cᵀ = op(B)ᵀ·op(A)ᵀ, so
-/// the operands swap and keep their transpose flags.
+/// the operands swap and keep their transpose flags. The operands are fp32 (see
+/// [`ColMajor::operands`]).
 #[allow(clippy::too_many_arguments)]
 pub fn row_major(
     rows: usize,
@@ -141,6 +145,7 @@ pub fn row_major(
     batch: usize,
 ) -> ColMajor {
     ColMajor {
+        operands: Dtype::Fp32,
         transa: b.t,
         transb: a.t,
         m: cols,

@@ -6,7 +6,9 @@
 //! it; on a GPU it runs inside [`super::CudaBackend`].
 #![cfg_attr(not(feature = "cuda"), allow(dead_code))]
 
-use super::enqueue::{dtype_code, elems, m, mt, prec_code, row_major, rows, DevAddr, Exec, A, M};
+use super::enqueue::{
+    dtype_code, elems, m, mt, prec_code, row_major, rows, ColMajor, DevAddr, Exec, A, M,
+};
 use crate::device::{plan_error, ArenaSpan, Device, DeviceError, Ptr, Update};
 use crate::exec::Action;
 use crate::math::attention::Keep;
@@ -36,9 +38,11 @@ pub struct Consts {
 }
 
 /// One stream of one rank: where to enqueue ([`Exec`]), its workspace (a bump pointer reset
-/// after each op), where the rank's arena starts, and the rank's constants.
+/// after each op), where the rank's arena starts, the rank's constants, and the dtype its
+/// matrix products run in (the model's: a 16-bit model's products run on tensor cores).
 pub struct Gpu<'a> {
     pub x: &'a dyn Exec,
+    pub products: Dtype,
     pub ws_base: DevAddr,
     pub ws_len: usize,
     pub used: Cell<usize>,
@@ -109,11 +113,61 @@ impl Gpu<'_> {
         if rows == 0 || cols == 0 || batch == 0 {
             return Ok(());
         }
-        self.x
-            .gemm(&row_major(
-                rows, cols, k, alpha, a, stride_a, b, stride_b, beta, c, ldc, stride_c, batch,
-            ))
-            .map_err(DeviceError::Gpu)
+        let call = row_major(
+            rows, cols, k, alpha, a, stride_a, b, stride_b, beta, c, ldc, stride_c, batch,
+        );
+        if self.products == Dtype::Fp32 {
+            return self.x.gemm(&call).map_err(DeviceError::Gpu);
+        }
+        // A 16-bit product: both operands rounded to the product dtype in workspace (released
+        // once the product is enqueued: later work on this stream runs after it), fp32
+        // accumulation and output.
+        let mark = self.used.get();
+        let (ma, ka) = if call.transa {
+            (call.k, call.m)
+        } else {
+            (call.m, call.k)
+        };
+        let (kb, nb) = if call.transb {
+            (call.n, call.k)
+        } else {
+            (call.k, call.n)
+        };
+        let a16 = self.rounded_operand(call.a, ma, ka, call.lda, call.stride_a, batch)?;
+        let b16 = self.rounded_operand(call.b, kb, nb, call.ldb, call.stride_b, batch)?;
+        let r = self.x.gemm(&ColMajor {
+            operands: self.products,
+            a: a16,
+            b: b16,
+            ..call
+        });
+        self.used.set(mark);
+        r.map_err(DeviceError::Gpu)
+    }
+
+    /// A copy of a column-major fp32 operand (`rows` × `cols`, columns `ld` apart, `batch` of
+    /// them `stride` apart) rounded to the product dtype, at the same element offsets.
+    fn rounded_operand(
+        &self,
+        p: DevAddr,
+        rows: usize,
+        cols: usize,
+        ld: usize,
+        stride: usize,
+        batch: usize,
+    ) -> Result<DevAddr, DeviceError> {
+        if rows == 0 || cols == 0 {
+            return Ok(p);
+        }
+        let n = (batch - 1) * stride + (cols - 1) * ld + rows;
+        let dst = self.alloc(n.div_ceil(2))?;
+        let code = dtype_code(self.products);
+        self.run(
+            "store",
+            n,
+            &[A::P(p), A::P(dst), A::I(code), A::L(n as i64)],
+        )?;
+        Ok(dst)
     }
 
     fn copy_bytes(&self, dst: DevAddr, src: DevAddr, bytes: usize) -> Result<(), DeviceError> {
@@ -785,7 +839,22 @@ pub fn layer_workspace(plan: &Plan, layer: usize) -> usize {
         _ => 0,
     };
     let padded = plan.program.layers[schedc::ir::LayerId::new(layer)].padded as usize;
-    2 * m.params()
+    // A 16-bit model's products first round both operands into workspace (`Gpu::batched`): a
+    // weight (or the tied embedding) and one activation operand, two bytes an element.
+    let casts = if model.dtype == Dtype::Fp32 {
+        0
+    } else {
+        let activation = [
+            m.saved_elements(),
+            m.input_elements(),
+            m.output_elements(),
+            big,
+        ];
+        (m.params() + m.tied_elements() + activation.into_iter().max().unwrap_or(0)).div_ceil(2)
+            + 2 * 64
+    };
+    casts
+        + 2 * m.params()
         + 2 * m.tied_elements()
         + 2 * m.input_elements()
         + 2 * m.output_elements()

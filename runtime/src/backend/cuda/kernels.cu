@@ -40,9 +40,39 @@ __device__ __forceinline__ unsigned short f32_to_f16(float x) {
     return r;
 }
 #else
-// The host emulation of the tests (kernels compiled as C++) has no fp16 conversions.
-__device__ __forceinline__ float f16_to_f32(unsigned short) { __builtin_trap(); }
-__device__ __forceinline__ unsigned short f32_to_f16(float) { __builtin_trap(); }
+// The host emulation of the tests (kernels compiled as C++): the same conversions in integer
+// code, as the `half` crate does them.
+__device__ __forceinline__ float f16_to_f32(unsigned short h) {
+    unsigned int sign = (unsigned int)(h & 0x8000) << 16, e = (h >> 10) & 0x1f, man = h & 0x3ff;
+    if (e == 0x1f) return __uint_as_float(sign | 0x7f800000u | (man << 13));
+    if (e == 0) {
+        float v = (float)man * 5.9604645e-8f;  // man · 2^-24, exact
+        return sign ? -v : v;
+    }
+    return __uint_as_float(sign | ((e + 112) << 23) | (man << 13));
+}
+
+__device__ __forceinline__ unsigned short f32_to_f16(float x) {
+    unsigned int b = __float_as_uint(x);
+    unsigned int sign = (b >> 16) & 0x8000, e8 = (b >> 23) & 0xff, man = b & 0x7fffff;
+    if (e8 == 0xff) return (unsigned short)(sign | 0x7c00 | (man ? 0x200 | (man >> 13) : 0));
+    int e = (int)e8 - 112;  // the half's biased exponent
+    if (e >= 0x1f) return (unsigned short)(sign | 0x7c00);
+    unsigned int r, rem, tie;
+    if (e <= 0) {  // a subnormal half (or zero): the value in units of 2^-24
+        if (e < -10) return (unsigned short)sign;
+        unsigned int m = man | 0x800000, shift = (unsigned int)(14 - e);
+        r = m >> shift;
+        rem = m & ((1u << shift) - 1);
+        tie = 1u << (shift - 1);
+    } else {
+        r = ((unsigned int)e << 10) | (man >> 13);
+        rem = man & 0x1fff;
+        tie = 0x1000;
+    }
+    if (rem > tie || (rem == tie && (r & 1))) ++r;  // a carry rolls into the exponent (to inf)
+    return (unsigned short)(sign | r);
+}
 #endif
 
 __device__ __forceinline__ float load_one(const unsigned char* p, int dtype, long long i) {

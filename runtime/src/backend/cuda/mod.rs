@@ -12,8 +12,10 @@
 //!   The host enqueues every op of the plan in its single issue order (each op on its stream:
 //!   `cuStreamWaitEvent` for its waits, the op, `cuEventRecord` for its record), then waits for
 //!   the streams. Enqueueing never blocks on the device, so one host thread issues all streams.
-//! - **Compute.** Matrix multiplies through cuBLAS (fp32 sgemm; attention's per-head products as
-//!   strided-batched sgemm), every other kernel in `kernels.cu`, compiled by NVRTC on first use
+//! - **Compute.** Matrix multiplies through cuBLAS for fp32 models (sgemm; attention's per-head
+//!   products as strided-batched sgemm) and on tensor cores through cuBLASLt for bf16 and fp16
+//!   models (operands rounded to the model dtype, fp32 accumulation and output; `blas.rs`), every
+//!   other kernel in `kernels.cu`, compiled by NVRTC on first use
 //!   and cached as PTX. The layer math and each op's reads and writes are the device layer's
 //!   (`crate::device`), the same code the CPU backend runs.
 //! - **Collectives.** NCCL through cudarc, one communicator per (communicator group, stream) the
@@ -33,7 +35,7 @@
 //! run on the host (`emulate.rs`). Behind the `cuda` cargo feature: the
 //! cudarc side (`device.rs`, `kernels.rs`, `blas.rs`, `nccl.rs`, `step.rs`); without it
 //! [`CudaBackend::new`] and [`probe`] say "built without CUDA". With it, [`probe`] finds out at
-//! run time which of the driver, NVRTC, cuBLAS and NCCL libraries are missing before cudarc
+//! run time which of the driver, NVRTC, cuBLAS, cuBLASLt and NCCL libraries are missing before cudarc
 //! touches them (cudarc panics on a missing library).
 
 mod enqueue;

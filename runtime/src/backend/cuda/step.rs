@@ -129,7 +129,7 @@ impl CudaBackend {
         let blas = dev
             .streams
             .iter()
-            .map(|s| Blas::new(s))
+            .map(Blas::new)
             .collect::<Result<Vec<_>, _>>()
             .map_err(g)?;
         let markers = p
@@ -358,6 +358,7 @@ impl CudaBackend {
             };
             let gpu = Gpu {
                 x: &x,
+                products: p.job.model.dtype,
                 ws_base,
                 ws_len,
                 used: Cell::new(0),
