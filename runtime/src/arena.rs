@@ -180,20 +180,34 @@ impl Arena {
 
     /// Raw bytes at `offset` (any dtype; 2-byte granularity).
     pub fn read_bytes(&self, offset: u64, bytes: u64) -> Result<Vec<u16>, AccessError> {
+        let mut out = vec![];
+        self.append_bytes(offset, bytes, &mut out)?;
+        Ok(out)
+    }
+
+    /// Appends the raw bytes at `offset` to `out` (as [`Arena::read_bytes`] returns them), so a
+    /// caller that keeps `out` reads without allocating.
+    pub fn append_bytes(
+        &self,
+        offset: u64,
+        bytes: u64,
+        out: &mut Vec<u16>,
+    ) -> Result<(), AccessError> {
         self.check(offset, bytes, 2)?;
+        let at = out.len();
+        let n = (bytes / 2) as usize;
         if self.bulk.load(Relaxed) && offset.is_multiple_of(4) && bytes.is_multiple_of(4) {
-            let mut out = vec![0u16; (bytes / 2) as usize];
+            out.resize(at + n, 0);
             let src = self
                 .raw((offset / 4) as usize, (bytes / 4) as usize)
                 .cast::<u16>();
             // SAFETY: in bounds (checked); no access races in bulk mode; little-endian words
             // hold their lower half first, as `load_half` reads them.
-            unsafe { std::ptr::copy_nonoverlapping(src, out.as_mut_ptr(), out.len()) };
-            return Ok(out);
+            unsafe { std::ptr::copy_nonoverlapping(src, out[at..].as_mut_ptr(), n) };
+            return Ok(());
         }
-        Ok((0..bytes / 2)
-            .map(|i| self.load_half(offset + 2 * i))
-            .collect())
+        out.extend((0..bytes / 2).map(|i| self.load_half(offset + 2 * i)));
+        Ok(())
     }
 
     /// Writes raw bytes read by [`Arena::read_bytes`].

@@ -27,8 +27,12 @@ pub fn run(
         let group = &comm.groups[g];
         let call = p.call_numbers[op.as_u32() as usize][i];
         let meeting = &sh.meetings[c.comm.as_u32() as usize][g];
+        let stream = p.program.ops[op].stream.as_u32() as usize;
+        let staging = &sh.staging[ctx.rank as usize * p.stream_ops.len() + stream];
         match meeting.meet(pos, call, &sh.abort, sh.options.timeout, || {
-            move_bytes(sh, group, c).map_err(|m| RunError::at(ctx.rank, Some(p.describe(op)), m))
+            let mut staging = staging.lock().expect("staging lock");
+            move_bytes(sh, group, c, &mut staging)
+                .map_err(|m| RunError::at(ctx.rank, Some(p.describe(op)), m))
         }) {
             Ok(Ok(())) => {}
             Ok(Err(e)) => {
@@ -51,15 +55,25 @@ pub fn run(
     Ok(())
 }
 
-thread_local! {
+/// What the thread moving a collective's bytes stages them in: every member's input is read
+/// before any output is written. Kept per (rank, stream) from step to step (the backend's stream
+/// threads are started anew each step), so steady steps allocate and fault in nothing.
+#[derive(Default)]
+pub struct Staging {
+    /// Raw 2-byte words: an all-gather's whole output, a broadcast's payload.
+    words: Vec<u16>,
     /// A reduction's running sum and the member values being added.
-    static REDUCTION: std::cell::RefCell<(Vec<f32>, Vec<f32>)> = const {
-        std::cell::RefCell::new((Vec::new(), Vec::new()))
-    };
+    sum: Vec<f32>,
+    values: Vec<f32>,
 }
 
 /// Moves every member's data for one collective (called by the last member to arrive).
-fn move_bytes(sh: &StepShared<'_>, group: &[u32], c: &CollectiveOp) -> Result<(), String> {
+fn move_bytes(
+    sh: &StepShared<'_>,
+    group: &[u32],
+    c: &CollectiveOp,
+    staging: &mut Staging,
+) -> Result<(), String> {
     let p = sh.plan;
     let n = group.len() as u64;
     let d = c.dtype;
@@ -70,29 +84,26 @@ fn move_bytes(sh: &StepShared<'_>, group: &[u32], c: &CollectiveOp) -> Result<()
     let arena = |r: u32| &sh.arenas[r as usize];
     match c.kind {
         Collective::AllGather => {
-            let mut whole = Vec::with_capacity((c.count * d.bytes() / 2) as usize);
+            let whole = &mut staging.words;
+            whole.clear();
             for &r in group {
-                whole.extend(
-                    arena(r)
-                        .read_bytes(input_at(r), chunk * d.bytes())
-                        .map_err(e)?,
-                );
+                arena(r)
+                    .append_bytes(input_at(r), chunk * d.bytes(), whole)
+                    .map_err(e)?;
             }
             for &r in group {
-                arena(r).write_bytes(output_at(r), &whole).map_err(e)?;
+                arena(r).write_bytes(output_at(r), whole).map_err(e)?;
             }
         }
-        Collective::ReduceScatter | Collective::AllReduce => REDUCTION.with(|cell| {
-            // This thread's buffers, kept between calls: a reduction of a whole gradient
-            // allocates (and faults in) nothing in steady steps.
-            let (sum, v) = &mut *cell.borrow_mut();
+        Collective::ReduceScatter | Collective::AllReduce => {
+            let Staging { sum, values, .. } = staging;
             let count = c.count as usize;
             sum.clear();
             sum.resize(count, 0.0);
-            v.resize(count, 0.0);
+            values.resize(count, 0.0);
             for &r in group {
-                arena(r).read_into(input_at(r), d, v).map_err(e)?;
-                sum.iter_mut().zip(v.iter()).for_each(|(s, x)| *s += x);
+                arena(r).read_into(input_at(r), d, values).map_err(e)?;
+                sum.iter_mut().zip(values.iter()).for_each(|(s, x)| *s += x);
             }
             for (j, &r) in group.iter().enumerate() {
                 let part = if c.kind == Collective::AllReduce {
@@ -102,15 +113,16 @@ fn move_bytes(sh: &StepShared<'_>, group: &[u32], c: &CollectiveOp) -> Result<()
                 };
                 arena(r).write(output_at(r), d, part).map_err(e)?;
             }
-            Ok::<(), String>(())
-        })?,
+        }
         Collective::Broadcast => {
             let root = group[0];
-            let v = arena(root)
-                .read_bytes(input_at(root), c.count * d.bytes())
+            let payload = &mut staging.words;
+            payload.clear();
+            arena(root)
+                .append_bytes(input_at(root), c.count * d.bytes(), payload)
                 .map_err(e)?;
             for &r in group {
-                arena(r).write_bytes(output_at(r), &v).map_err(e)?;
+                arena(r).write_bytes(output_at(r), payload).map_err(e)?;
             }
         }
     }

@@ -33,6 +33,8 @@ pub struct CpuBackend {
     options: RunOptions,
     /// Scratch vectors of each (rank, stream) thread, kept from step to step.
     pools: Vec<Mutex<Vec<Vec<f32>>>>,
+    /// Collective staging of each (rank, stream) thread, kept from step to step.
+    staging: Vec<Mutex<collectives::Staging>>,
 }
 
 impl CpuBackend {
@@ -49,11 +51,15 @@ impl CpuBackend {
         let pools = (0..plan.ranks() as usize * plan.stream_ops.len())
             .map(|_| Mutex::new(vec![]))
             .collect();
+        let staging = (0..plan.ranks() as usize * plan.stream_ops.len())
+            .map(|_| Mutex::default())
+            .collect();
         CpuBackend {
             plan,
             arenas,
             options,
             pools,
+            staging,
         }
     }
 }
@@ -69,6 +75,8 @@ struct StepShared<'a> {
     options: &'a RunOptions,
     input: &'a StepInput,
     pools: &'a [Mutex<Vec<Vec<f32>>>],
+    /// Each (rank, stream)'s staging for the collectives it completes.
+    staging: &'a [Mutex<collectives::Staging>],
 }
 
 /// One rank's view while it runs an op: its compute ops run on `device`.
@@ -134,6 +142,7 @@ impl Backend for CpuBackend {
             options: &self.options,
             input,
             pools: &self.pools,
+            staging: &self.staging,
         };
         let results: Vec<Option<ThreadResult>> = std::thread::scope(|s| {
             let handles: Vec<_> = (0..p.ranks())
