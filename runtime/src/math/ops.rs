@@ -118,7 +118,8 @@ pub(crate) fn exp(x: f32) -> f32 {
     const LN2_LO: f32 = -2.121_944_4e-4;
     const ROUND: f32 = 12_582_912.0; // 1.5·2²³: adding it rounds to an integer, ties to even
     let xc = x.clamp(-87.33, 88.37);
-    let n = (xc * LOG2E + ROUND) - ROUND;
+    let t = xc * LOG2E + ROUND;
+    let n = t - ROUND;
     let r = (xc - n * LN2_HI) - n * LN2_LO;
     let mut p = 1.987_569_1e-4f32;
     p = p * r + 1.398_199_9e-3;
@@ -127,7 +128,11 @@ pub(crate) fn exp(x: f32) -> f32 {
     p = p * r + 1.666_666_5e-1;
     p = p * r + 0.5;
     let y = p * r * r + r + 1.0;
-    let scale = f32::from_bits(((n as i32 + 127) as u32) << 23);
+    // n as an integer, read from t's low mantissa bits (2²² + n): Rust's saturating `n as i32`
+    // does not vectorise (a scalar conversion per lane). n lies in [−126, 127] for every x but
+    // NaN, for which the clamp keeps the scale finite so the NaN passes through as it did.
+    let k = (t.to_bits() as i32 - ROUND.to_bits() as i32).clamp(-126, 127);
+    let scale = f32::from_bits(((k + 127) as u32) << 23);
     let v = y * scale;
     let v = if x < -87.33 { 0.0 } else { v };
     if x > 88.37 {
@@ -221,21 +226,28 @@ impl Rope {
     }
 }
 
-/// Runs `f` (an `#[inline(always)]` closure holding a kernel's whole body) compiled for AVX2 and
-/// FMA when the CPU has them, and as plain x86-64 (SSE2) code otherwise. The element-wise loops of
-/// the layers, the loss and the optimizer then vectorise eight lanes wide instead of four. The
-/// results are the same bits either way: Rust never contracts a·b + c into an FMA nor reorders
-/// float sums, so only the instructions differ.
+/// Runs `f` (an `#[inline(always)]` closure holding a kernel's whole body) compiled for the widest
+/// vectors the CPU has: AVX-512 (sixteen lanes), else AVX2 with FMA (eight), else plain x86-64
+/// (SSE2, four). The results are the same bits on every path: Rust never contracts a·b + c into an
+/// FMA nor reorders float sums, so only the instructions differ.
 #[inline(always)]
 pub(crate) fn wide<R>(f: impl FnOnce() -> R) -> R {
     #[cfg(target_arch = "x86_64")]
     {
+        #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma")]
+        fn avx512<R>(f: impl FnOnce() -> R) -> R {
+            f()
+        }
         #[target_feature(enable = "avx2,fma")]
         fn avx2<R>(f: impl FnOnce() -> R) -> R {
             f()
         }
-        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
-        {
+        use std::arch::is_x86_feature_detected as has;
+        if has!("avx512f") && has!("avx512bw") && has!("avx512dq") && has!("avx512vl") {
+            // SAFETY: the CPU was just found to have every feature `avx512` is compiled for.
+            return unsafe { avx512(f) };
+        }
+        if has!("avx2") && has!("fma") {
             // SAFETY: the CPU was just found to have both features `avx2` is compiled for.
             return unsafe { avx2(f) };
         }
@@ -246,6 +258,41 @@ pub(crate) fn wide<R>(f: impl FnOnce() -> R) -> R {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `exp` reads n's integer value from the bits of its rounding sum; the saturating cast it
+    /// replaced gives the same bits everywhere (NaN included), on a sweep of every 4,099th f32.
+    #[test]
+    fn exp_reads_the_exponent_as_the_cast_did() {
+        fn by_cast(x: f32) -> f32 {
+            let xc = x.clamp(-87.33, 88.37);
+            let n = (xc * std::f32::consts::LOG2_E + 12_582_912.0) - 12_582_912.0;
+            let r = (xc - n * 0.693_359_4) - n * -2.121_944_4e-4;
+            let mut p = 1.987_569_1e-4f32;
+            for c in [
+                1.398_199_9e-3,
+                8.333_452e-3,
+                4.166_579_6e-2,
+                1.666_666_5e-1,
+                0.5,
+            ] {
+                p = p * r + c;
+            }
+            let v = (p * r * r + r + 1.0) * f32::from_bits(((n as i32 + 127) as u32) << 23);
+            let v = if x < -87.33 { 0.0 } else { v };
+            if x > 88.37 {
+                f32::INFINITY
+            } else {
+                v
+            }
+        }
+        for i in (0..=u32::MAX / 4099)
+            .map(|i| i * 4099)
+            .chain([0x7fc0_0001, 0xffc0_0000])
+        {
+            let x = f32::from_bits(i);
+            assert_eq!(exp(x).to_bits(), by_cast(x).to_bits(), "{x:e} ({i:#010x})");
+        }
+    }
 
     #[test]
     fn exp_is_within_two_ulp() {
