@@ -7,8 +7,9 @@
 //! lists `ptxas`, as CI's does, which makes a missing assembler a failure.
 #![cfg(feature = "llvm")]
 
+use schedc::job::Dtype;
 use schedc::kernels::codegen::{ptx, SMS};
-use schedc::kernels::{for_job, Kernel};
+use schedc::kernels::{for_job, Kernel, Op};
 use schedc::{analyze, FsLoader};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -21,7 +22,8 @@ fn repo() -> PathBuf {
         .to_path_buf()
 }
 
-/// Every kernel any example schedule needs, each once, in a stable order.
+/// Every kernel any example schedule needs, and the kernels of options no example uses
+/// ([`unused_options`]), each once, in a stable order.
 fn example_kernels() -> Vec<Kernel> {
     let mut files: Vec<_> = std::fs::read_dir(repo().join("schedules"))
         .unwrap()
@@ -39,7 +41,20 @@ fn example_kernels() -> Vec<Kernel> {
             }
         }
     }
+    for k in unused_options() {
+        all.insert(k.name(), k);
+    }
     all.into_values().collect()
+}
+
+/// Kernels `for_job` lists for options no example schedule uses, at a small shape:
+/// `attention = naive`'s row softmax and its backward (fp32 scores, bf16 probabilities).
+fn unused_options() -> Vec<Kernel> {
+    let (f, a) = (Dtype::Fp32, Dtype::Bf16);
+    vec![
+        Kernel::new(Op::CausalSoftmax { seq_len: 64 }, &[f, a]),
+        Kernel::new(Op::SoftmaxBackward { seq_len: 64 }, &[a, f]),
+    ]
 }
 
 fn ptxas() -> Option<PathBuf> {

@@ -13,6 +13,7 @@
 //! confined to [`Target`]: how `ln` is computed (libm's `logf` on the host, so the host kernels
 //! match the Rust math bit for bit; `lg2.approx` on the GPU) and the thread-index registers.
 
+mod attention;
 mod bodies;
 mod fx;
 

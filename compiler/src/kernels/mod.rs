@@ -22,7 +22,10 @@
 #[cfg(feature = "llvm")]
 pub mod codegen;
 
-use crate::job::{Activation, Dtype, Job, LayerKind, MlpSpec, Norm, Optimizer, Positions};
+use crate::job::{
+    Activation, Attention, Dtype, Job, LayerKind, MlpSpec, Norm, Optimizer, Positions,
+    TransformerSpec,
+};
 use std::fmt;
 
 /// Elements per partial sum of [`Op::SumSquares`].
@@ -41,6 +44,42 @@ pub enum Space {
     Chunks,
 }
 
+/// The shape of a causal attention kernel: query heads, key/value heads (grouped-query attention
+/// when fewer), the head dimension and the sequence length. `qkv` rows are tokens of
+/// [`Heads::width`]: `[q (heads·d) | k (kv_heads·d) | v (kv_heads·d)]`; query head `n` reads
+/// key/value head `n / (heads / kv_heads)`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Heads {
+    pub heads: u32,
+    pub kv_heads: u32,
+    pub head_dim: u32,
+    pub seq_len: u32,
+}
+
+impl Heads {
+    /// Elements of one token row of the packed `qkv`.
+    pub fn width(&self) -> u32 {
+        (self.heads + 2 * self.kv_heads) * self.head_dim
+    }
+
+    /// Elements of one token row of the attention output (and of its gradient).
+    pub fn hidden(&self) -> u32 {
+        self.heads * self.head_dim
+    }
+
+    /// The score scale 1/√d, computed as the runtime's `attention::Shape::scale` does.
+    pub fn scale(&self) -> f32 {
+        1.0 / (self.head_dim as f32).sqrt()
+    }
+
+    fn stem(&self) -> String {
+        format!(
+            "h{}_kv{}_d{}_s{}",
+            self.heads, self.kv_heads, self.head_dim, self.seq_len
+        )
+    }
+}
+
 /// A kernel parameter's kind.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Param {
@@ -56,6 +95,9 @@ pub enum Param {
     F32(&'static str),
     /// An i64 scalar.
     I64(&'static str),
+    /// f32 values at 2-byte-aligned addresses (statistics saved in the arena), each as two u16
+    /// halves, the low half first.
+    Halves(&'static str),
 }
 
 impl Param {
@@ -66,7 +108,8 @@ impl Param {
             | Param::F64s(n)
             | Param::Tokens(n)
             | Param::F32(n)
-            | Param::I64(n) => n,
+            | Param::I64(n)
+            | Param::Halves(n) => n,
         }
     }
 
@@ -123,6 +166,50 @@ pub enum Op {
     /// block]` to `dst[b·dst_stride + i mod block]` (bucket pack/unpack, the hierarchical
     /// all-gather's rearrange).
     Gather2d,
+    /// `x[i] = value`, rounded to `x`'s dtype.
+    Fill,
+    /// `dst[i] = acc[i]` from f64, rounded to f32 and then to `dst`'s dtype (the loss and the
+    /// gradient norm's sum of squares, as the host's `total as f32` then the arena's write).
+    StoreDouble,
+    /// `dst[i] = src[i]` from an f32 stored as two 2-byte halves ([`Param::Halves`]).
+    LoadHalves,
+    /// `dst[i] = src[i]` into an f32 stored as two 2-byte halves ([`Param::Halves`]).
+    StoreHalves,
+    /// Element `i` of token row `r` (column `c`): `out[r, c] = wte[token_r, c]`, plus
+    /// `wpe[r mod seq_len, c]` with learned `positions`. A token outside the vocabulary gives NaN.
+    Embedding {
+        vocab: u32,
+        width: u32,
+        seq_len: u32,
+        positions: bool,
+    },
+    /// Column `c`: for each token row `r` in order, `dwte[token_r, c] += dy[r, c]` and (with
+    /// `positions`) `dwpe[r mod seq_len, c] += dy[r, c]`: the host's order, with no atomics. A token
+    /// outside the vocabulary adds nothing to `dwte`.
+    EmbeddingBackward {
+        vocab: u32,
+        width: u32,
+        seq_len: u32,
+        positions: bool,
+    },
+    /// Fused causal attention of query row `(b·heads + n)·seq_len + i` (the CPU's `lse` order):
+    /// `out` gets softmax(scale·q·Kᵀ)·V over keys `0..=i` (online softmax, one pass over the
+    /// keys), `lse` the row's log-sum-exp.
+    FlashForward(Heads),
+    /// Attention backward, query side, per query row (as [`Op::FlashForward`]): `dsum` gets
+    /// D = rowsum(P∘dP), and dQ = Σ_j P_ij (dP_ij − D)·scale·K_j is written (not added) at the
+    /// row's q place in `dqkv`.
+    FlashBackwardQuery(Heads),
+    /// Attention backward, key side, per key row `(b·kv_heads + g)·seq_len + j`: dK_j and dV_j
+    /// summed over the group's query heads and the queries `i ≥ j`, written (not added) at the
+    /// row's k and v places in `dqkv`. Each index owns the rows it writes.
+    FlashBackwardKeys(Heads),
+    /// The naive path's causal softmax of score row `r` (query `i = r mod seq_len`):
+    /// `probs[r, j] = exp(scores[r, j] − lse)` for `j ≤ i`, 0 after, rounded to `probs`' dtype;
+    /// the max, eight-lane `sum_exp` and `ln` of `attention::forward`.
+    CausalSoftmax { seq_len: u32 },
+    /// The naive path's softmax backward of row `r`: `dp = p·(dp − Σ_j p·dp)·scale`.
+    SoftmaxBackward { seq_len: u32 },
 }
 
 impl Op {
@@ -131,8 +218,15 @@ impl Op {
             Op::Norm { .. }
             | Op::NormBackwardInput { .. }
             | Op::CrossEntropy { .. }
-            | Op::Rotary { .. } => Space::Rows,
-            Op::BiasGrad { .. } | Op::NormBackwardParams { .. } => Space::Columns,
+            | Op::Rotary { .. }
+            | Op::FlashForward(_)
+            | Op::FlashBackwardQuery(_)
+            | Op::FlashBackwardKeys(_)
+            | Op::CausalSoftmax { .. }
+            | Op::SoftmaxBackward { .. } => Space::Rows,
+            Op::BiasGrad { .. } | Op::NormBackwardParams { .. } | Op::EmbeddingBackward { .. } => {
+                Space::Columns
+            }
             Op::SumSquares => Space::Chunks,
             _ => Space::Elements,
         }
@@ -234,6 +328,38 @@ impl Op {
                 I64("src_stride"),
                 I64("dst_stride"),
             ],
+            Op::Fill => vec![Tensor("x", d[0]), F32("value")],
+            Op::StoreDouble => vec![F64s("acc"), Tensor("dst", d[0])],
+            Op::LoadHalves => vec![Halves("src"), F32s("dst")],
+            Op::StoreHalves => vec![F32s("src"), Halves("dst")],
+            Op::Embedding { positions, .. } => {
+                let mut v = vec![Tokens("tokens"), Tensor("wte", d[0])];
+                if positions {
+                    v.push(Tensor("wpe", d[1]));
+                }
+                v.push(Tensor("out", d[if positions { 2 } else { 1 }]));
+                v
+            }
+            Op::EmbeddingBackward { positions, .. } => {
+                let mut v = vec![Tokens("tokens"), Tensor("dy", d[0]), Tensor("dwte", d[1])];
+                if positions {
+                    v.push(Tensor("dwpe", d[2]));
+                }
+                v.push(I64("rows"));
+                v
+            }
+            Op::FlashForward(_) => vec![Tensor("qkv", d[0]), Tensor("out", d[1]), F32s("lse")],
+            Op::FlashBackwardQuery(_) | Op::FlashBackwardKeys(_) => vec![
+                Tensor("qkv", d[0]),
+                Tensor("dout", d[1]),
+                F32s("lse"),
+                F32s("dsum"),
+                Tensor("dqkv", d[2]),
+            ],
+            Op::CausalSoftmax { .. } => vec![Tensor("scores", d[0]), Tensor("probs", d[1])],
+            Op::SoftmaxBackward { .. } => {
+                vec![Tensor("p", d[0]), Tensor("dp", d[1]), F32("scale")]
+            }
         }
     }
 
@@ -279,6 +405,33 @@ impl Op {
             Op::Sgd => "sgd".into(),
             Op::SumSquares => "sum_squares".into(),
             Op::Gather2d => "gather2d".into(),
+            Op::Fill => "fill".into(),
+            Op::StoreDouble => "store_double".into(),
+            Op::LoadHalves => "load_halves".into(),
+            Op::StoreHalves => "store_halves".into(),
+            Op::Embedding {
+                vocab,
+                width,
+                seq_len,
+                positions,
+            } => format!(
+                "embedding{}_v{vocab}_w{width}_s{seq_len}",
+                if positions { "_positions" } else { "" }
+            ),
+            Op::EmbeddingBackward {
+                vocab,
+                width,
+                seq_len,
+                positions,
+            } => format!(
+                "embedding_backward{}_v{vocab}_w{width}_s{seq_len}",
+                if positions { "_positions" } else { "" }
+            ),
+            Op::FlashForward(h) => format!("flash_forward_{}", h.stem()),
+            Op::FlashBackwardQuery(h) => format!("flash_backward_dq_{}", h.stem()),
+            Op::FlashBackwardKeys(h) => format!("flash_backward_dkv_{}", h.stem()),
+            Op::CausalSoftmax { seq_len } => format!("causal_softmax_s{seq_len}"),
+            Op::SoftmaxBackward { seq_len } => format!("softmax_backward_s{seq_len}"),
         }
     }
 }
@@ -326,8 +479,8 @@ impl fmt::Display for Kernel {
 }
 
 /// Every kernel a job's step needs, without duplicates, in a fixed order: per layer its
-/// activations, norms, rotary and bias kernels, then the loss, the optimizer, the gradient norm,
-/// the conversions and the copies.
+/// embedding, activations, norms, rotary, attention and bias kernels, then the loss, the
+/// optimizer, the gradient norm, the conversions, the copies and the workspace fill.
 pub fn for_job(job: &Job) -> Vec<Kernel> {
     let model = &job.model;
     let (a, g) = (model.dtype, model.grad_dtype);
@@ -396,6 +549,7 @@ pub fn for_job(job: &Job) -> Vec<Kernel> {
                         add(Kernel::new(op, &[f]));
                     }
                 }
+                attention_kernels(&mut add, &t, model.seq_len as u32, a, f);
             }
             LayerKind::Mlp(m) => {
                 norm(&mut add, m.norm, m.hidden as u32);
@@ -415,7 +569,30 @@ pub fn for_job(job: &Job) -> Vec<Kernel> {
                     &[a, f],
                 ));
             }
-            LayerKind::Embedding { .. } | LayerKind::Dense { .. } => {}
+            LayerKind::Embedding {
+                vocab,
+                hidden,
+                positions,
+            } => {
+                let (vocab, width) = (vocab as u32, hidden as u32);
+                let (seq_len, positions) = (model.seq_len as u32, positions == Positions::Learned);
+                let tables = if positions { 2 } else { 1 };
+                let op = Op::Embedding {
+                    vocab,
+                    width,
+                    seq_len,
+                    positions,
+                };
+                add(Kernel::new(op, &vec![a; tables + 1]));
+                let op = Op::EmbeddingBackward {
+                    vocab,
+                    width,
+                    seq_len,
+                    positions,
+                };
+                add(Kernel::new(op, &vec![f; tables + 1]));
+            }
+            LayerKind::Dense { .. } => {}
         }
     }
     match model.optimizer {
@@ -427,6 +604,7 @@ pub fn for_job(job: &Job) -> Vec<Kernel> {
         Optimizer::Sgd => add(Kernel::new(Op::Sgd, &[g, a])),
     }
     add(Kernel::new(Op::SumSquares, &[g]));
+    add(Kernel::new(Op::StoreDouble, &[f]));
     add(Kernel::new(Op::Accumulate, &[g, g]));
     for (from, to) in [(a, f), (f, a), (g, f), (f, g)] {
         if from != to {
@@ -437,7 +615,40 @@ pub fn for_job(job: &Job) -> Vec<Kernel> {
     if g != a {
         add(Kernel::new(Op::Gather2d, &[g, g]));
     }
+    add(Kernel::new(Op::LoadHalves, &[]));
+    add(Kernel::new(Op::StoreHalves, &[]));
+    add(Kernel::new(Op::Fill, &[f]));
     out
+}
+
+/// A transformer block's attention kernels, by its attention kind: the fused flash kernels, or
+/// the naive path's row softmax and its backward (the score products are GEMMs). `qkv` and the
+/// output (and the saved probabilities) are in the activation dtype `a`; gradients and scores are
+/// fp32 workspace, as the other backward kernels' `dy`.
+fn attention_kernels(
+    add: &mut dyn FnMut(Kernel),
+    t: &TransformerSpec,
+    seq_len: u32,
+    a: Dtype,
+    f: Dtype,
+) {
+    let heads = Heads {
+        heads: t.heads as u32,
+        kv_heads: t.kv_heads as u32,
+        head_dim: t.head_dim() as u32,
+        seq_len,
+    };
+    match t.attention {
+        Attention::Flash => {
+            add(Kernel::new(Op::FlashForward(heads), &[a, a]));
+            add(Kernel::new(Op::FlashBackwardQuery(heads), &[a, f, f]));
+            add(Kernel::new(Op::FlashBackwardKeys(heads), &[a, f, f]));
+        }
+        Attention::Naive => {
+            add(Kernel::new(Op::CausalSoftmax { seq_len }, &[f, a]));
+            add(Kernel::new(Op::SoftmaxBackward { seq_len }, &[a, f]));
+        }
+    }
 }
 
 fn mlp_kernels(add: &mut dyn FnMut(Kernel), m: MlpSpec, a: Dtype, f: Dtype) {

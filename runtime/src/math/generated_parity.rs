@@ -1,17 +1,25 @@
 //! The generated kernels (`schedc::kernels`, JIT-compiled for this processor) against this
-//! module's Rust math: the same bits for every element-wise, optimizer, norm, loss, rotary and
-//! conversion kernel, in every storage dtype the plans use, on random values with the edge
-//! cases mixed in (zeros of both signs, infinities, NaN, huge and subnormal values).
+//! module's Rust math: the same bits for every element-wise, optimizer, norm, loss, rotary,
+//! conversion, fill, embedding and naive-attention kernel, in every storage dtype the plans use,
+//! on random values with the edge cases mixed in (zeros of both signs, infinities, NaN, huge and
+//! subnormal values). The fused attention kernels sum in another order than the CPU's blocked
+//! GEMMs, so they are checked against `attention.rs` within a stated tolerance.
 //!
 //! The GPU runs the same IR (only `ln` and the thread loop differ), so these tests are the CPU
 //! half of the kernels' verification; `compiler/tests/kernels.rs` assembles the GPU half.
 
+use super::attention::{self, Keep, Shape};
+use super::gemm::{gemm, Mat, MatMut};
 use super::ops::{gelu, gelu_grad, norm_backward, norm_forward, sigmoid, Rope};
-use super::{cross_entropy, optimizer_step, OptimizerConfig, Rng};
+use super::{cross_entropy, optimizer_step, OptimizerConfig, Precision, Rng};
+use crate::arena::Arena;
+use crate::device::host::{Host, HostPtr, HostTokens};
+use crate::device::jit::without;
+use crate::device::Device;
 use crate::math::{bf16_bits_to_f32, f32_to_bf16_bits};
 use schedc::job::{Dtype, Norm, Optimizer};
 use schedc::kernels::codegen::{slot_f32, slot_i64, slot_ptr, HostKernels};
-use schedc::kernels::{Kernel, Op, SUMSQ_CHUNK};
+use schedc::kernels::{Heads, Kernel, Op, SUMSQ_CHUNK};
 
 /// A tensor in one storage dtype: its words and their f32 values.
 #[derive(Clone)]
@@ -49,6 +57,17 @@ impl T {
         match self {
             T::F32(v) => slot_ptr(v.as_mut_ptr()),
             T::Half(v, _) => slot_ptr(v.as_mut_ptr()),
+        }
+    }
+
+    /// The stored 2-byte words (an f32 as two, the low half first), as the arena holds them.
+    fn words(&self) -> Vec<u16> {
+        match self {
+            T::F32(v) => v
+                .iter()
+                .flat_map(|x| [x.to_bits() as u16, (x.to_bits() >> 16) as u16])
+                .collect(),
+            T::Half(v, _) => v.clone(),
         }
     }
 }
@@ -497,4 +516,367 @@ fn small_kernels_match() {
     );
     let want: Vec<f32> = xs.iter().map(|&x| gelu(x)).collect();
     same("gelu over its range", &out.values(), &want);
+}
+
+/// The words the arena stores for `v` written in dtype `d` (the host device's stores).
+fn arena_words(d: Dtype, v: &[f32]) -> Vec<u16> {
+    let bytes = (v.len() * d.bytes() as usize) as u64;
+    let arena = Arena::new(bytes);
+    arena.write(0, d, v).unwrap();
+    arena.read_bytes(0, bytes).unwrap()
+}
+
+#[test]
+fn fill_and_store_double_write_what_the_arena_writes() {
+    let fills = [
+        1.3f32,
+        -0.0,
+        1e-40,
+        65520.0,
+        1e30,
+        f32::NEG_INFINITY,
+        f32::NAN,
+    ];
+    // Sums that round on the way to f32 (ties, overflow, underflow) and to the 16-bit dtypes.
+    let sums = [
+        0.1f64,
+        -0.0,
+        1.0 + 2f64.powi(-24),
+        1.0 + 3.0 * 2f64.powi(-25),
+        7e38,
+        -1e-310,
+        -7.25e-9,
+        f64::NAN,
+        1_234.567_890_123_4,
+    ];
+    for d in DTYPES {
+        for v in fills {
+            let mut x = T::new(d, &[0.5; 37]);
+            run(&Kernel::new(Op::Fill, &[d]), &[x.ptr(), slot_f32(v)], 37);
+            assert_eq!(x.words(), arena_words(d, &[v; 37]), "fill {v} {d:?}");
+        }
+        let mut acc = sums.to_vec();
+        let mut dst = T::new(d, &vec![0.0; sums.len()]);
+        let k = Kernel::new(Op::StoreDouble, &[d]);
+        run(&k, &[slot_ptr(acc.as_mut_ptr()), dst.ptr()], sums.len());
+        // The host device's grad_norm: `total as f32`, then the arena's write.
+        let want: Vec<f32> = sums.iter().map(|&x| x as f32).collect();
+        assert_eq!(dst.words(), arena_words(d, &want), "store_double {d:?}");
+    }
+}
+
+#[test]
+fn halves_match_the_host_devices_statistics() {
+    let n = 29;
+    let mut v = values(35, n, 1.0);
+    // NaN payloads (a signalling one included) move as bits.
+    v[4] = f32::from_bits(0x7f80_0001);
+    v[9] = f32::from_bits(0xffc1_2345);
+    // Byte 2 of the arena: 2-byte aligned, not 4.
+    let arena = Arena::new(4 * n as u64 + 4);
+    let host = Host::new(&arena, &[], vec![]);
+    let mut src = v.clone();
+    host.store_f32(HostPtr::of(&mut src), 2, n).unwrap();
+    let want = arena.read_bytes(2, 4 * n as u64).unwrap();
+    let mut words = vec![0u16; 2 * n + 1];
+    let stored = slot_ptr(words[1..].as_mut_ptr());
+    run(
+        &Kernel::new(Op::StoreHalves, &[]),
+        &[slot_ptr(src.as_mut_ptr()), stored],
+        n,
+    );
+    assert_eq!(words[1..], want[..], "store_halves");
+    let mut back = vec![0f32; n];
+    let k = Kernel::new(Op::LoadHalves, &[]);
+    run(&k, &[stored, slot_ptr(back.as_mut_ptr())], n);
+    let mut host_back = vec![0f32; n];
+    host.load_f32(2, HostPtr::of(&mut host_back), n).unwrap();
+    let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&back), bits(&host_back), "load_halves");
+    assert_eq!(bits(&back), bits(&v), "round trip");
+}
+
+#[test]
+fn embedding_matches_the_host_device() {
+    // Few token ids (so rows repeat and their gradients pile up in order) and a token count
+    // that is not a multiple of the sequence length.
+    let (vocab, h, s, t) = (11usize, 24usize, 7usize, 23usize);
+    let tokens: Vec<u32> = (0..t as u32).map(|i| (i * 7 + 3) % vocab as u32).collect();
+    let arena = Arena::new(8);
+    let host = Host::new(&arena, &[], vec![]);
+    let f = Dtype::Fp32;
+    for positions in [false, true] {
+        let tables = if positions { 2 } else { 1 };
+        let (v, w, sq) = (vocab as u32, h as u32, s as u32);
+        for d in DTYPES {
+            let (mut wte, mut wpe) = (
+                round(d, &values(30, vocab * h, 1.0)),
+                round(d, &values(31, s * h, 1.0)),
+            );
+            let mut want = vec![0.0; t * h];
+            without(|| {
+                let wpe = positions.then(|| HostPtr::of(&mut wpe));
+                let (tk, out) = (HostTokens::of(&tokens), HostPtr::of(&mut want));
+                host.embedding(tk, vocab, h, s, HostPtr::of(&mut wte), wpe, out, t)
+            })
+            .unwrap();
+            let (mut twte, mut twpe) = (T::new(d, &wte), T::new(d, &wpe));
+            let mut out = T::new(d, &vec![0.0; t * h]);
+            let mut args = vec![slot_ptr(tokens.as_ptr()), twte.ptr()];
+            if positions {
+                args.push(twpe.ptr());
+            }
+            args.push(out.ptr());
+            let op = Op::Embedding {
+                vocab: v,
+                width: w,
+                seq_len: sq,
+                positions,
+            };
+            run(&Kernel::new(op, &vec![d; tables + 1]), &args, t * h);
+            assert_eq!(
+                out.words(),
+                arena_words(d, &want),
+                "embedding {d:?} positions={positions}"
+            );
+        }
+
+        // Backward into fp32 tables with a guard row past the vocabulary that nothing may touch.
+        let dy = values(32, t * h, 1.0);
+        let (mut dwte, mut dwpe) = (finite(33, (vocab + 1) * h, 0.1), finite(34, s * h, 0.1));
+        let (mut twte, mut twpe) = (T::F32(dwte.clone()), T::F32(dwpe.clone()));
+        without(|| {
+            let dwpe = positions.then(|| HostPtr::of(&mut dwpe));
+            let (tk, g) = (HostTokens::of(&tokens), HostPtr::read_only(&dy));
+            host.embedding_backward(tk, vocab, h, s, g, HostPtr::of(&mut dwte), dwpe, t)
+        })
+        .unwrap();
+        let mut bad = tokens.clone();
+        bad[5] = vocab as u32;
+        for (ids, what) in [(&tokens, "in range"), (&bad, "token outside")] {
+            let mut tdy = T::F32(dy.clone());
+            let mut args = vec![slot_ptr(ids.as_ptr()), tdy.ptr(), twte.ptr()];
+            if positions {
+                args.push(twpe.ptr());
+            }
+            args.push(slot_i64(t as i64));
+            let op = Op::EmbeddingBackward {
+                vocab: v,
+                width: w,
+                seq_len: sq,
+                positions,
+            };
+            let (before, before_pe) = (twte.values(), twpe.values());
+            run(&Kernel::new(op, &vec![f; tables + 1]), &args, h);
+            if what == "in range" {
+                same(
+                    &format!("dwte positions={positions}"),
+                    &twte.values(),
+                    &dwte,
+                );
+                if positions {
+                    same("dwpe", &twpe.values(), &dwpe);
+                }
+                // Undo, for the second run from the same start.
+                twte = T::F32(before);
+                twpe = T::F32(before_pe);
+            } else {
+                let got = twte.values();
+                same("guard row", &got[vocab * h..], &before[vocab * h..]);
+            }
+        }
+        // A token outside the vocabulary reads as a NaN row rather than out of bounds.
+        let mut out = T::F32(vec![0.0; t * h]);
+        let mut twte = T::F32(values(30, vocab * h, 1.0));
+        let mut twpe = T::F32(values(31, s * h, 1.0));
+        let mut args = vec![slot_ptr(bad.as_ptr()), twte.ptr()];
+        if positions {
+            args.push(twpe.ptr());
+        }
+        args.push(out.ptr());
+        let op = Op::Embedding {
+            vocab: v,
+            width: w,
+            seq_len: sq,
+            positions,
+        };
+        run(&Kernel::new(op, &vec![f; tables + 1]), &args, t * h);
+        assert!(out.values()[5 * h..6 * h].iter().all(|x| x.is_nan()));
+    }
+}
+
+/// `got` within `abs + rel·|want|` of `want`, element by element (NaN nowhere).
+fn close(what: &str, got: &[f32], want: &[f32], abs: f32, rel: f32) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    let mut worst = 0f32;
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        let err = (g - w).abs();
+        assert!(
+            err <= abs + rel * w.abs(),
+            "{what}[{i}]: generated {g:e}, attention.rs {w:e}"
+        );
+        worst = worst.max(err / (abs + rel * w.abs()));
+    }
+    eprintln!("{what}: worst error {worst:.3} of the tolerance");
+}
+
+/// The fused kernels' shape for the CPU's.
+fn heads_of(sh: &Shape) -> Heads {
+    Heads {
+        heads: sh.heads as u32,
+        kv_heads: sh.kv_heads as u32,
+        head_dim: sh.d as u32,
+        seq_len: sh.s as u32,
+    }
+}
+
+/// Flash forward and both backward kernels against `attention::forward`/`backward` (the lse
+/// path) on `sh`, with `qkv` and `out` stored in `d` and the gradients in fp32.
+///
+/// Tolerance: the kernels form each output as an online softmax (running max and sum, rescaled
+/// per key) and sum keys one at a time; the CPU forms exp(s − lse) and sums through blocked
+/// GEMMs. Both are fp32 sums of at most `seq_len·heads/kv_heads` terms of size O(1), each
+/// rounding by 2⁻²⁴ relative: here they differ by at most 15% of the tolerance, 5e-6 (absolute,
+/// plus 5e-6 relative), while a wrong mask, scale or head mapping moves values by 1e-2
+/// or more. A value stored in bf16 may round to the neighbouring bf16 (2⁻⁷ relative).
+fn flash_matches_attention(sh: Shape, d: Dtype) {
+    let (t, w, hid) = (sh.b * sh.s, sh.width(), sh.hidden());
+    let rows = sh.b * sh.heads * sh.s;
+    let qkv = round(d, &finite(40, t * w, 1.0));
+    let dout = finite(41, t * hid, 1.0);
+    let mut scratch = vec![0.0; 2 * sh.scratch()];
+    let (mut out, mut lse) = (vec![0.0; t * hid], vec![0.0; rows]);
+    let keep = Keep::Lse(&mut lse[..]);
+    attention::forward(&sh, &qkv, &mut out, keep, Precision::F32, &mut scratch);
+    let mut dqkv = vec![0.0; t * w];
+    attention::backward(&sh, &qkv, Keep::Lse(&lse), &dout, &mut dqkv, &mut scratch);
+
+    let (abs, rel) = (5e-6, 5e-6);
+    let out_rel = if d == Dtype::Fp32 { rel } else { 2f32.powi(-7) };
+    let heads = heads_of(&sh);
+    let what = format!("h{} kv{} {d:?}", sh.heads, sh.kv_heads);
+    let mut tq = T::new(d, &qkv);
+    let mut to = T::new(d, &vec![0.0; t * hid]);
+    let mut tl = vec![f32::NAN; rows];
+    let args = [tq.ptr(), to.ptr(), slot_ptr(tl.as_mut_ptr())];
+    run(&Kernel::new(Op::FlashForward(heads), &[d, d]), &args, rows);
+    close(
+        &format!("{what} out"),
+        &to.values(),
+        &round(d, &out),
+        abs,
+        out_rel,
+    );
+    close(&format!("{what} lse"), &tl, &lse, abs, rel);
+
+    // dsum's reference: rowsum(P∘dP) = dO_row·O_row.
+    let want_dsum: Vec<f32> = (0..rows)
+        .map(|row| {
+            let (bn, i) = (row / sh.s, row % sh.s);
+            let (b, n) = (bn / sh.heads, bn % sh.heads);
+            let at = (b * sh.s + i) * hid + n * sh.d;
+            (at..at + sh.d).map(|e| dout[e] * out[e]).sum()
+        })
+        .collect();
+    let f = Dtype::Fp32;
+    let mut tdo = T::F32(dout.clone());
+    let mut dsum = vec![f32::NAN; rows];
+    // NaN first: every element of dqkv must be written.
+    let mut tdq = T::F32(vec![f32::NAN; t * w]);
+    let args = [
+        tq.ptr(),
+        tdo.ptr(),
+        slot_ptr(tl.as_mut_ptr()),
+        slot_ptr(dsum.as_mut_ptr()),
+        tdq.ptr(),
+    ];
+    run(
+        &Kernel::new(Op::FlashBackwardQuery(heads), &[d, f, f]),
+        &args,
+        rows,
+    );
+    let key_rows = sh.b * sh.kv_heads * sh.s;
+    run(
+        &Kernel::new(Op::FlashBackwardKeys(heads), &[d, f, f]),
+        &args,
+        key_rows,
+    );
+    close(&format!("{what} dsum"), &dsum, &want_dsum, abs, rel);
+    close(&format!("{what} dqkv"), &tdq.values(), &dqkv, abs, rel);
+}
+
+#[test]
+fn flash_attention_matches_attention_rs() {
+    // Sequences longer than the CPU's 64-row blocks, so its blocking differs from one row.
+    for d in [Dtype::Fp32, Dtype::Bf16] {
+        // Grouped-query (two query heads per kv head) and multi-head.
+        let gqa = Shape {
+            b: 2,
+            s: 70,
+            heads: 4,
+            kv_heads: 2,
+            d: 16,
+        };
+        flash_matches_attention(gqa, d);
+        let mha = Shape {
+            b: 1,
+            s: 67,
+            heads: 3,
+            kv_heads: 3,
+            d: 8,
+        };
+        flash_matches_attention(mha, d);
+    }
+}
+
+#[test]
+fn naive_attention_rows_match_attention_rs() {
+    // One block of the CPU's rows (s ≤ 64), so its score block is the whole s×s matrix the
+    // same product gives here; grouped-query heads.
+    let sh = Shape {
+        b: 1,
+        s: 45,
+        heads: 4,
+        kv_heads: 2,
+        d: 16,
+    };
+    let (s, w) = (sh.s, sh.width());
+    let qkv = finite(42, s * w, 1.0);
+    let mut scores = vec![0.0; sh.heads * s * s];
+    for (n, block) in scores.chunks_exact_mut(s * s).enumerate() {
+        let (q, k, _) = sh.offsets(0, n);
+        let (qm, km) = (
+            Mat::rows(&qkv[q..], s, sh.d, w),
+            Mat::rows(&qkv[k..], s, sh.d, w),
+        );
+        gemm(sh.scale(), qm, km.t(), 0.0, MatMut::dense(block, s, s));
+    }
+    let rows = sh.heads * s;
+    let f = Dtype::Fp32;
+    for d in DTYPES {
+        let mut want = vec![0.0; rows * s];
+        let mut out = vec![0.0; s * sh.hidden()];
+        let mut scratch = vec![0.0; sh.scratch()];
+        let keep = Keep::Probs(&mut want[..]);
+        attention::forward(&sh, &qkv, &mut out, keep, Precision::of(d), &mut scratch);
+        let mut tsc = T::F32(scores.clone());
+        let mut probs = T::new(d, &vec![f32::NAN; rows * s]);
+        let k = Kernel::new(Op::CausalSoftmax { seq_len: s as u32 }, &[f, d]);
+        run(&k, &[tsc.ptr(), probs.ptr()], rows);
+        same(&format!("causal softmax {d:?}"), &probs.values(), &want);
+
+        // attention.rs's dS = P ∘ (dP − rowsum(P ∘ dP))·scale over the block's columns.
+        let dp = values(43, rows * s, 1.0);
+        let mut want_ds = dp.clone();
+        for (prow, drow) in want.chunks_exact(s).zip(want_ds.chunks_exact_mut(s)) {
+            let dot: f32 = prow.iter().zip(drow.iter()).map(|(a, b)| a * b).sum();
+            for (x, &p) in drow.iter_mut().zip(prow) {
+                *x = p * (*x - dot) * sh.scale();
+            }
+        }
+        let mut tdp = T::F32(dp);
+        let k = Kernel::new(Op::SoftmaxBackward { seq_len: s as u32 }, &[d, f]);
+        run(&k, &[probs.ptr(), tdp.ptr(), slot_f32(sh.scale())], rows);
+        same(&format!("softmax backward {d:?}"), &tdp.values(), &want_ds);
+    }
 }

@@ -5,7 +5,8 @@
 //! sums fold left from Rust's starting value (−0.0 for `Iterator::sum`, 0.0 for explicit
 //! accumulators), the loss's `sum_exp` keeps its eight lanes, and no expression is reassociated.
 
-use super::fx::{Fx, I};
+use super::attention;
+use super::fx::{Fx, F, I};
 use crate::job::Norm;
 use crate::kernels::{Kernel, Op, SUMSQ_CHUNK};
 use inkwell::IntPredicate;
@@ -14,10 +15,33 @@ const NORM_EPS: f32 = 1e-5;
 
 pub fn emit<'c>(fx: &mut Fx<'c, '_>, k: &Kernel, i: I<'c>) {
     match k.op {
-        Op::Convert => {
+        // The halves ops differ from a conversion only in how `src` or `dst` is addressed.
+        Op::Convert | Op::LoadHalves | Op::StoreHalves => {
             let v = fx.load("src", i);
             fx.store("dst", i, v);
         }
+        Op::Fill => fx.store("x", i, fx.scalar("value")),
+        Op::StoreDouble => {
+            let v = fx.to_f32(fx.load_f64("acc", i));
+            fx.store("dst", i, v);
+        }
+        Op::Embedding {
+            vocab,
+            width,
+            seq_len,
+            positions,
+        } => embedding(fx, vocab, width, seq_len, positions, i),
+        Op::EmbeddingBackward {
+            vocab,
+            width,
+            seq_len,
+            positions,
+        } => embedding_backward(fx, vocab, width, seq_len, positions, i),
+        Op::FlashForward(h) => attention::flash_forward(fx, h, i),
+        Op::FlashBackwardQuery(h) => attention::flash_backward_query(fx, h, i),
+        Op::FlashBackwardKeys(h) => attention::flash_backward_keys(fx, h, i),
+        Op::CausalSoftmax { seq_len } => attention::causal_softmax(fx, seq_len, i),
+        Op::SoftmaxBackward { seq_len } => attention::softmax_backward(fx, seq_len, i),
         Op::Accumulate => {
             let v = fx.add(fx.load("acc", i), fx.load("x", i));
             fx.store("acc", i, v);
@@ -95,6 +119,60 @@ pub fn emit<'c>(fx: &mut Fx<'c, '_>, k: &Kernel, i: I<'c>) {
             fx.copy_bits("src", s, "dst", d);
         }
     }
+}
+
+/// Token `r`'s id and whether it is inside the vocabulary; an id outside reads as token 0.
+fn token<'c>(fx: &Fx<'c, '_>, vocab: u32, r: I<'c>) -> (I<'c>, I<'c>) {
+    let id = fx.load_index("tokens", r);
+    let valid = fx.icmp(IntPredicate::ULT, id, fx.i64c(vocab.into()));
+    (fx.iselect(valid, id, fx.i64c(0)), valid)
+}
+
+/// Element `i` of the host's `embedding`: the token's `wte` row, plus its position's `wpe` row.
+fn embedding<'c>(
+    fx: &mut Fx<'c, '_>,
+    vocab: u32,
+    width: u32,
+    seq_len: u32,
+    positions: bool,
+    i: I<'c>,
+) {
+    let w = fx.i64c(width.into());
+    let (r, c) = (fx.udiv(i, w), fx.urem(i, w));
+    let (tok, valid) = token(fx, vocab, r);
+    let mut v = fx.load("wte", fx.iadd(fx.imul(tok, w), c));
+    if positions {
+        let pos = fx.urem(r, fx.i64c(seq_len.into()));
+        v = fx.add(v, fx.load("wpe", fx.iadd(fx.imul(pos, w), c)));
+    }
+    fx.store("out", i, fx.fselect(valid, v, fx.f(f32::NAN)));
+}
+
+/// Column `c` of the host's `embedding_backward`: token rows in order, each adding its `dy`
+/// element to its token's `dwte` row and its position's `dwpe` row.
+fn embedding_backward<'c>(
+    fx: &mut Fx<'c, '_>,
+    vocab: u32,
+    width: u32,
+    seq_len: u32,
+    positions: bool,
+    c: I<'c>,
+) {
+    let w = fx.i64c(width.into());
+    let rows = fx.int_param("rows");
+    fx.range(fx.i64c(0), rows, |fx, r| {
+        let g = fx.load("dy", fx.iadd(fx.imul(r, w), c));
+        let (tok, valid) = token(fx, vocab, r);
+        fx.when(valid, |fx| {
+            let e = fx.iadd(fx.imul(tok, w), c);
+            fx.store("dwte", e, fx.add(fx.load("dwte", e), g));
+        });
+        if positions {
+            let pos = fx.urem(r, fx.i64c(seq_len.into()));
+            let e = fx.iadd(fx.imul(pos, w), c);
+            fx.store("dwpe", e, fx.add(fx.load("dwpe", e), g));
+        }
+    });
 }
 
 /// `db[j] += dy[r, j]` for each row r in order (`gemm::col_sums`).
@@ -227,33 +305,7 @@ fn cross_entropy<'c>(fx: &mut Fx<'c, '_>, vocab: u32, r: I<'c>) {
     let at = |fx: &Fx<'c, '_>, j: I<'c>| fx.iadd(row, j);
     let zero = fx.i64c(0);
     let vv = fx.i64c(v);
-    let max = fx.var(fx.f(f32::NEG_INFINITY));
-    fx.range(zero, vv, |fx, j| {
-        let x = fx.load("logits", at(fx, j));
-        fx.set(&max, fx.maxnum(fx.get(&max), x));
-    });
-    let max = fx.get(&max);
-    // Eight lane accumulators over whole chunks, then the tail, then lanes summed in order.
-    let lanes: Vec<_> = (0..8).map(|_| fx.var(fx.f(0.0))).collect();
-    let whole = v / 8 * 8;
-    fx.strided_loop(zero, fx.i64c(whole), fx.i64c(8), |fx, c| {
-        for (k, lane) in lanes.iter().enumerate() {
-            let x = fx.load("logits", at(fx, fx.iadd(c, fx.i64c(k as u64))));
-            let e = fx.exp(fx.sub(x, max));
-            fx.set(lane, fx.add(fx.get(lane), e));
-        }
-    });
-    let tail = fx.var(fx.f(-0.0));
-    fx.range(fx.i64c(whole), vv, |fx, j| {
-        let e = fx.exp(fx.sub(fx.load("logits", at(fx, j)), max));
-        fx.set(&tail, fx.add(fx.get(&tail), e));
-    });
-    let mut sum = fx.f(-0.0);
-    for lane in &lanes {
-        sum = fx.add(sum, fx.get(lane));
-    }
-    let sum = fx.add(sum, fx.get(&tail));
-    let lse = fx.add(max, fx.ln(sum));
+    let lse = log_sum_exp(fx, "logits", row, vv);
     let target = fx.load_index("targets", r);
     let valid = fx.icmp(IntPredicate::ULT, target, vv);
     let safe = fx.iselect(valid, target, zero);
@@ -269,15 +321,46 @@ fn cross_entropy<'c>(fx: &mut Fx<'c, '_>, vocab: u32, r: I<'c>) {
     });
 }
 
+/// `max + ln(ops::sum_exp(x, max))` of the `n` elements of `name` from element `row`, `max`
+/// folded from −∞ with `f32::max`: the log-sum-exp of the loss and of attention's rows.
+pub(super) fn log_sum_exp<'c>(fx: &mut Fx<'c, '_>, name: &str, row: I<'c>, n: I<'c>) -> F<'c> {
+    let max = fx.var(fx.f(f32::NEG_INFINITY));
+    fx.range(fx.i64c(0), n, |fx, j| {
+        let x = fx.load(name, fx.iadd(row, j));
+        fx.set(&max, fx.maxnum(fx.get(&max), x));
+    });
+    let max = fx.get(&max);
+    let sum = sum_exp(fx, name, row, n, max);
+    fx.add(max, fx.ln(sum))
+}
+
+/// `ops::sum_exp`: eight lane accumulators over whole chunks of eight, then the tail, then the
+/// lanes summed in order and the tail added.
+fn sum_exp<'c>(fx: &mut Fx<'c, '_>, name: &str, row: I<'c>, n: I<'c>, shift: F<'c>) -> F<'c> {
+    let at = |fx: &Fx<'c, '_>, j: I<'c>| fx.iadd(row, j);
+    let lanes: Vec<_> = (0..8).map(|_| fx.var(fx.f(0.0))).collect();
+    let whole = fx.imul(fx.udiv(n, fx.i64c(8)), fx.i64c(8));
+    fx.strided_loop(fx.i64c(0), whole, fx.i64c(8), |fx, c| {
+        for (k, lane) in lanes.iter().enumerate() {
+            let x = fx.load(name, at(fx, fx.iadd(c, fx.i64c(k as u64))));
+            let e = fx.exp(fx.sub(x, shift));
+            fx.set(lane, fx.add(fx.get(lane), e));
+        }
+    });
+    let tail = fx.var(fx.f(-0.0));
+    fx.range(whole, n, |fx, j| {
+        let e = fx.exp(fx.sub(fx.load(name, at(fx, j)), shift));
+        fx.set(&tail, fx.add(fx.get(&tail), e));
+    });
+    let mut sum = fx.f(-0.0);
+    for lane in &lanes {
+        sum = fx.add(sum, fx.get(lane));
+    }
+    fx.add(sum, fx.get(&tail))
+}
+
 /// `ops::Rope::apply` on `heads` heads of `qkv` starting at element `at`.
-fn rotate<'c>(
-    fx: &mut Fx<'c, '_>,
-    at: I<'c>,
-    pos: I<'c>,
-    heads: u32,
-    d: u32,
-    sign: super::fx::F<'c>,
-) {
+fn rotate<'c>(fx: &mut Fx<'c, '_>, at: I<'c>, pos: I<'c>, heads: u32, d: u32, sign: F<'c>) {
     let half = u64::from(d / 2);
     let table = fx.imul(pos, fx.i64c(half));
     let n = fx.i64c(u64::from(heads) * half);

@@ -214,6 +214,13 @@ impl<'c, 'm> Fx<'c, 'm> {
             .expect(BUILD)
     }
 
+    /// f64 to f32, rounded to nearest even (Rust's `as f32`).
+    pub fn to_f32(&self, x: F<'c>) -> F<'c> {
+        self.b
+            .build_float_trunc(x, self.ctx.f32_type(), "")
+            .expect(BUILD)
+    }
+
     fn intrinsic(
         &self,
         name: &str,
@@ -422,8 +429,26 @@ impl<'c, 'm> Fx<'c, 'm> {
                 let h = self.load_i16(ptr, i);
                 self.f16_to_f32(h)
             }
+            Param::Halves(_) => {
+                let i32t = self.ctx.i32_type();
+                let two_i = self.imul(i, self.i64c(2));
+                let lo = self.load_i16(ptr, two_i);
+                let hi = self.load_i16(ptr, self.iadd(two_i, self.i64c(1)));
+                let lo = self.b.build_int_z_extend(lo, i32t, "").expect(BUILD);
+                let hi = self.b.build_int_z_extend(hi, i32t, "").expect(BUILD);
+                let hi = self.b.build_left_shift(hi, self.i32c(16), "").expect(BUILD);
+                self.float_of_bits(self.b.build_or(hi, lo, "").expect(BUILD))
+            }
             other => panic!("`{name}` ({other:?}) is not an f32-valued tensor"),
         }
+    }
+
+    /// Element `i` of the f64 tensor `name`.
+    pub fn load_f64(&self, name: &str, i: I<'c>) -> F<'c> {
+        let (_, ptr) = self.ptr(name);
+        let t = self.ctx.f64_type();
+        let p = self.gep(ptr, t.into(), i);
+        self.b.build_load(t, p, "").expect(BUILD).into_float_value()
     }
 
     fn load_f32(&self, ptr: PointerValue<'c>, i: I<'c>) -> F<'c> {
@@ -466,6 +491,20 @@ impl<'c, 'm> Fx<'c, 'm> {
                 let h = self.f32_to_f16(v);
                 let q = self.gep(ptr, self.ctx.i16_type().into(), i);
                 self.b.build_store(q, h).expect(BUILD);
+            }
+            Param::Halves(_) => {
+                let i16t = self.ctx.i16_type();
+                let b = self.bits(v);
+                let hi = self
+                    .b
+                    .build_right_shift(b, self.i32c(16), false, "")
+                    .expect(BUILD);
+                let two_i = self.imul(i, self.i64c(2));
+                for (half, at) in [(b, two_i), (hi, self.iadd(two_i, self.i64c(1)))] {
+                    let h = self.b.build_int_truncate(half, i16t, "").expect(BUILD);
+                    let q = self.gep(ptr, i16t.into(), at);
+                    self.b.build_store(q, h).expect(BUILD);
+                }
             }
             other => panic!("`{name}` ({other:?}) is not an f32-valued tensor"),
         }
@@ -691,6 +730,19 @@ impl<'c, 'm> Fx<'c, 'm> {
         i.add_incoming(&[(&next, latch)]);
         self.b.build_unconditional_branch(head).expect(BUILD);
         self.b.position_at_end(exit);
+    }
+
+    /// `if cond { body() }`.
+    pub fn when(&mut self, cond: I<'c>, body: impl FnOnce(&mut Self)) {
+        let then = self.ctx.append_basic_block(self.func, "then");
+        let merge = self.ctx.append_basic_block(self.func, "merge");
+        self.b
+            .build_conditional_branch(cond, then, merge)
+            .expect(BUILD);
+        self.b.position_at_end(then);
+        body(self);
+        self.b.build_unconditional_branch(merge).expect(BUILD);
+        self.b.position_at_end(merge);
     }
 
     /// `for i in start..end { body(i) }`.
