@@ -171,6 +171,24 @@ impl Arena {
 
     /// Adds `values` into the `dtype` values at byte `offset` (gradient accumulation).
     pub fn add(&self, offset: u64, dtype: Dtype, values: &[f32]) -> Result<(), AccessError> {
+        if dtype == Dtype::Fp32 {
+            let view = self.view_f32(offset, values.len())?;
+            // In place, unless `values` is itself in these bytes (then read them first).
+            if let Some(p) = view.filter(|&p| {
+                let (lo, hi) = (p as usize, p as usize + 4 * values.len());
+                let (a, b) = (
+                    values.as_ptr() as usize,
+                    values.as_ptr() as usize + 4 * values.len(),
+                );
+                b <= lo || hi <= a
+            }) {
+                // SAFETY: in bounds (checked by the view), disjoint from `values`, and no
+                // access races in bulk mode.
+                let cur = unsafe { std::slice::from_raw_parts_mut(p, values.len()) };
+                cur.iter_mut().zip(values).for_each(|(c, v)| *c += v);
+                return Ok(());
+            }
+        }
         let mut cur = self.read(offset, values.len(), dtype)?;
         for (c, v) in cur.iter_mut().zip(values) {
             *c += v;

@@ -138,6 +138,11 @@ impl<D: Device> Rank<'_, D> {
     fn write_grads(&self, parts: &[GradPart], grad: D::Ptr, len: usize) -> Result<(), DeviceError> {
         for part in parts {
             let n = self.elements(&part.region);
+            if part.first + n <= len {
+                // No padding in this part: its values go straight from the gradient.
+                self.write(&part.region, grad.offset(part.first), n, part.accumulate)?;
+                continue;
+            }
             let v = self.device.alloc(n)?;
             self.device.fill(v, n, 0.0)?;
             let lo = part.first.min(len);
