@@ -24,7 +24,7 @@ use schedc::ir::StreamId;
 use schedc::job::Dtype;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use sync::{Abort, Events, Rendezvous, Stop};
+use sync::{Abort, Cores, Events, Rendezvous, Stop};
 
 /// All ranks of a plan in one process.
 pub struct CpuBackend {
@@ -35,6 +35,8 @@ pub struct CpuBackend {
     pools: Vec<Mutex<Vec<Vec<f32>>>>,
     /// Collective staging of each (rank, stream) thread, kept from step to step.
     staging: Vec<Mutex<collectives::Staging>>,
+    /// One per core of the machine: a compute op holds one while it runs.
+    cores: Cores,
 }
 
 impl CpuBackend {
@@ -60,6 +62,7 @@ impl CpuBackend {
             options,
             pools,
             staging,
+            cores: Cores::new(std::thread::available_parallelism().map_or(1, |n| n.get())),
         }
     }
 }
@@ -77,6 +80,7 @@ struct StepShared<'a> {
     pools: &'a [Mutex<Vec<Vec<f32>>>],
     /// Each (rank, stream)'s staging for the collectives it completes.
     staging: &'a [Mutex<collectives::Staging>],
+    cores: &'a Cores,
 }
 
 /// One rank's view while it runs an op: its compute ops run on `device`.
@@ -143,6 +147,7 @@ impl Backend for CpuBackend {
             input,
             pools: &self.pools,
             staging: &self.staging,
+            cores: &self.cores,
         };
         let results: Vec<Option<ThreadResult>> = std::thread::scope(|s| {
             let handles: Vec<_> = (0..p.ranks())
@@ -264,6 +269,7 @@ fn run_ops(sh: &StepShared<'_>, ctx: &RankCtx<'_>, stream: usize) -> Option<Thre
                 r.map(|()| 0.0)
             }
             a => {
+                let _core = sh.cores.take();
                 let r = Rank {
                     plan: p,
                     rank,

@@ -167,3 +167,42 @@ impl Rendezvous {
         }
     }
 }
+
+/// The machine's cores, lent to one compute op at a time. A step runs more ranks than the
+/// machine has cores; letting the operating system time-slice their products evicts each one's
+/// operands from cache at every switch, while holding a core for a whole op keeps them warm.
+/// Only compute ops take a core, and they never wait on anything while holding it, so the
+/// semaphore adds no dependency between streams.
+pub struct Cores {
+    free: Mutex<usize>,
+    cv: Condvar,
+}
+
+/// A core held until dropped.
+pub struct Core<'a>(&'a Cores);
+
+impl Cores {
+    pub fn new(n: usize) -> Self {
+        Cores {
+            free: Mutex::new(n.max(1)),
+            cv: Condvar::new(),
+        }
+    }
+
+    /// Blocks until a core is free and takes it.
+    pub fn take(&self) -> Core<'_> {
+        let mut free = self.free.lock().expect("cores lock");
+        while *free == 0 {
+            free = self.cv.wait(free).expect("cores lock");
+        }
+        *free -= 1;
+        Core(self)
+    }
+}
+
+impl Drop for Core<'_> {
+    fn drop(&mut self) {
+        *self.0.free.lock().expect("cores lock") += 1;
+        self.0.cv.notify_one();
+    }
+}
