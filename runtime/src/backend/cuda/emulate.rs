@@ -173,13 +173,81 @@ fn library() -> Option<&'static Lib> {
     .as_ref()
 }
 
-/// A stream on the host: kernels from [`library`], products by their definition.
+/// A stream on the host: kernels from [`library`], products by their definition; it tallies
+/// the launches of the kernels that stage arena regions ([`STAGING_KERNELS`]).
 struct HostExec {
     lib: &'static Lib,
+    staging: std::cell::RefCell<Staging>,
+}
+
+impl HostExec {
+    fn new(lib: &'static Lib) -> Self {
+        HostExec {
+            lib,
+            staging: Default::default(),
+        }
+    }
+}
+
+/// The kernels that move an arena region between its dtype and f32 workspace: what
+/// `Device::load`, `Device::store`, `Device::load_f32` and `Device::store_f32` launch.
+const STAGING_KERNELS: [&str; 5] = ["load", "store", "add_store", "load_halves", "store_halves"];
+
+/// Per staging kernel: launches and elements converted.
+#[derive(Clone, Debug, Default, PartialEq)]
+struct Staging(std::collections::BTreeMap<&'static str, (usize, usize)>);
+
+impl Staging {
+    /// Counts one launch of `name` over the `n` elements of its last size argument.
+    fn note(&mut self, name: &str, args: &[A]) {
+        let Some(kernel) = STAGING_KERNELS.iter().find(|k| **k == name) else {
+            return;
+        };
+        let n = args
+            .iter()
+            .rev()
+            .find_map(|a| match a {
+                A::L(n) => Some(*n as usize),
+                _ => None,
+            })
+            .unwrap_or(0);
+        let e = self.0.entry(kernel).or_default();
+        e.0 += 1;
+        e.1 += n;
+    }
+
+    fn add(&mut self, other: &Staging) {
+        for (k, (l, n)) in &other.0 {
+            let e = self.0.entry(k).or_default();
+            e.0 += l;
+            e.1 += n;
+        }
+    }
+
+    fn launches(&self, kernel: &str) -> usize {
+        self.0.get(kernel).map_or(0, |e| e.0)
+    }
+
+    /// Arena bytes the staging kernels converted, for a model of `model` dtype (fp32
+    /// statistics are 4 bytes an element, everything else the model's).
+    fn bytes(&self, model: Dtype) -> u64 {
+        self.0
+            .iter()
+            .map(|(k, (_, n))| {
+                let each = if k.ends_with("halves") {
+                    4
+                } else {
+                    model.bytes()
+                };
+                *n as u64 * each
+            })
+            .sum()
+    }
 }
 
 impl Exec for HostExec {
     fn launch(&self, name: &str, grid: Grid, args: &[A]) -> Result<(), CudaError> {
+        self.staging.borrow_mut().note(name, args);
         let sym = CString::new(format!("emu_{name}"))
             .map_err(|e| CudaError::backend(format!("kernel name {name}: {e}")))?;
         // SAFETY: a symbol of the library built above.
@@ -386,7 +454,7 @@ fn layers_on_the_emulated_device_match_the_cpu_math() {
             "no C++20 compiler ($CXX, else c++) to emulate the kernels on the host",
         );
     };
-    let x = HostExec { lib };
+    let x = HostExec::new(lib);
     for model in models() {
         let mut rng = Rng::new(7);
         for layer in &model.layers {
@@ -486,7 +554,7 @@ fn products_of_a_16_bit_model_round_their_operands() {
             "no C++20 compiler ($CXX, else c++) to emulate the kernels on the host",
         );
     };
-    let x = HostExec { lib };
+    let x = HostExec::new(lib);
     let (t, inp, out) = (6, 37, 11);
     for dtype in [Dtype::Bf16, Dtype::Fp16] {
         let prec = Precision::of(dtype);
@@ -615,7 +683,7 @@ fn emulated_fp16_conversions_are_the_half_crates() {
             "no C++20 compiler ($CXX, else c++) to emulate the kernels on the host",
         );
     };
-    let x = HostExec { lib };
+    let x = HostExec::new(lib);
     let fp16 = A::I(super::enqueue::dtype_code(Dtype::Fp16));
     let halves: Vec<u16> = (0..=u16::MAX).collect();
     let mut wide = vec![0f32; halves.len()];
@@ -693,6 +761,10 @@ struct EmulatedBackend {
     ranks: Vec<EmuRank>,
     rope: Option<Vec<f32>>,
     decay: Vec<Vec<i64>>,
+    /// What the layer forward and backward ops staged, over every step and rank.
+    layer_staging: std::cell::RefCell<Staging>,
+    /// The gradient parts those backward ops wrote (each one `store` or `add_store`).
+    grad_parts: Cell<usize>,
 }
 
 impl EmulatedBackend {
@@ -728,9 +800,27 @@ impl EmulatedBackend {
             ranks,
             rope,
             decay,
-            x: HostExec { lib },
+            x: HostExec::new(lib),
             plan,
+            layer_staging: Default::default(),
+            grad_parts: Cell::new(0),
         }
+    }
+
+    /// Adds what the op `a` just staged to [`EmulatedBackend::layer_staging`] when it is a
+    /// layer's forward or backward.
+    fn note_layer_staging(&self, a: &Action) {
+        let staged = self.x.staging.take();
+        match a {
+            Action::Forward { .. } => {}
+            Action::Backward {
+                grads, tied_grads, ..
+            } => self
+                .grad_parts
+                .set(self.grad_parts.get() + grads.len() + tied_grads.len()),
+            _ => return,
+        }
+        self.layer_staging.borrow_mut().add(&staged);
     }
 
     fn base(&self, rank: u32) -> DevAddr {
@@ -878,9 +968,11 @@ impl Backend for EmulatedBackend {
                             rank: r as u32,
                             device: &gpu,
                         };
+                        self.x.staging.take();
                         run_action(&view, a, o.micro_step, input).map_err(|e| {
                             RunError::at(r as u32, Some(p.describe(op)), e.to_string())
                         })?;
+                        self.note_layer_staging(a);
                     }
                 }
             }
@@ -999,4 +1091,80 @@ fn go<B: Backend>(plan: Arc<Plan>, backend: B, steps: u64) -> Vec<(f64, Vec<f32>
     let w = t.state().unwrap().into_params();
     out.last_mut().unwrap().1 = w;
     out
+}
+
+/// A 16-bit model's layer forward and backward ops compute on the arena in place: over whole
+/// training steps (through `run_action` on the emulated backend) they launch no `load`,
+/// `load_halves` or `store_halves`, and their only `store`/`add_store` launches are the
+/// gradient parts (one each: the layer's gradient, padded and accumulated across micro-steps,
+/// is written into its parts); the runs still match the CPU backend within 2e-2.
+#[test]
+fn layer_ops_of_a_16_bit_model_stage_only_gradient_parts() {
+    let Some(lib) = library() else {
+        return schedc::testing::skip(
+            "cxx",
+            "no C++20 compiler ($CXX, else c++) to emulate the kernels on the host",
+        );
+    };
+    let text = format!(
+        "{MODELS}\n{CLUSTERS}\n\
+         model llama_bf16 {{\n\
+             dtype = bf16  optimizer = adamw  seq_len = 16  micro_batch = 2\n\
+             layer embed    = embedding(vocab = 256, hidden = 32, positions = rope)\n\
+             layer block[2] = transformer(hidden = 32, heads = 4, kv_heads = 2, ffn = 40, norm = rmsnorm, act = swiglu, bias = false)\n\
+             layer mlp      = mlp(hidden = 32, ffn = 48)\n\
+             layer head     = lm_head(hidden = 32, vocab = 256, norm = rmsnorm, tied = true)\n\
+         }}\n\
+         schedule g {{ model = gpt_bf16  cluster = one  preset = ddp  micro_steps = 2  train {{ lr = 1e-3  seed = 8  clip = 0.5 }} }}\n\
+         schedule l {{ model = llama_bf16  cluster = one  preset = zero3  recompute = full  train {{ lr = 1e-3  seed = 3 }} }}\n"
+    );
+    let loader = schedc::MemLoader::default()
+        .in_dir("/mem")
+        .with("/mem/s.sched", &text);
+    let a = schedc::analyze(std::path::Path::new("/mem/s.sched"), &loader).expect("readable");
+    assert!(!a.has_errors(), "{}", a.render());
+    for job in a.jobs.iter() {
+        let (program, _) = schedc::compile(job).unwrap();
+        let plan = Arc::new(Plan::unverified(program, job.clone()).unwrap());
+        let steps = 5;
+        let cpu = go(
+            plan.clone(),
+            CpuBackend::new(plan.clone(), RunOptions::default()),
+            steps,
+        );
+        let backend = EmulatedBackend::new(plan.clone(), lib);
+        let train = plan.job.schedule.train.clone();
+        let mut t = Trainer::new(plan.clone(), backend, crate::data::Corpus::builtin());
+        let init = t.initial_state(train.seed);
+        t.load(&init).unwrap();
+        let mut worst = 0f64;
+        for (i, (lc, _)) in cpu.iter().enumerate() {
+            let le = t.step(train.lr, train.clip).unwrap().loss;
+            let e = (le - lc).abs() / lc.abs();
+            assert!(
+                e <= 2e-2,
+                "{}: step {}: emulated cuda loss {le}, cpu {lc}",
+                job.schedule.name,
+                i + 1
+            );
+            worst = worst.max(e);
+        }
+        let name = &job.schedule.name;
+        let weights = t.state().unwrap().into_params();
+        close(
+            &format!("{name} final weights"),
+            &weights,
+            &cpu.last().unwrap().1,
+            2e-2,
+        );
+        let backend = &t.backend;
+        let staged = backend.layer_staging.borrow().clone();
+        let parts = backend.grad_parts.get();
+        eprintln!(
+            "{name} ({:?}): {steps} steps, worst loss difference {worst:.2e}; layer ops staged {} bytes: {:?}; gradient parts {parts}",
+            job.model.dtype,
+            staged.bytes(job.model.dtype),
+            staged.0
+        );
+    }
 }
