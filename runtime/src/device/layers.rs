@@ -358,8 +358,11 @@ fn transformer_backward<D: Device>(
     }
     let (wq, dwq) = (p.at(&bp.qkv), gp.at(&bp.qkv));
     d.linear_backward(a1, wq, dqkv, dwq, bias(&bp.qkv_b), Some((da, 0.0)), t, h, w)?;
-    if let Some(gi) = gi {
-        d.copy(gi, dr, t * h)?;
+    // The input gradient is dr + ln1's, summed in f32 workspace and then copied out, so that
+    // an input gradient stored in 16 bits in place is rounded once, as the CPU rounds it.
+    d.norm_backward(&bp.ln1, p, t, h, x, st1, da, gi.map(|_| dr), gp)?;
+    match gi {
+        Some(gi) => d.copy(gi, dr, t * h),
+        None => Ok(()),
     }
-    d.norm_backward(&bp.ln1, p, t, h, x, st1, da, gi, gp)
 }

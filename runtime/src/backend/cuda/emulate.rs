@@ -10,6 +10,7 @@
 
 use super::enqueue::{nccl_call, ColMajor, CudaError, DevAddr, Exec, Grid, NcclCall, A};
 use super::gpu::{action_workspace, Consts, Gpu};
+use super::typed::{DevPtr, Storage};
 use crate::backend::cpu::CpuBackend;
 use crate::backend::{Backend, RankMemory, RunError, RunOptions, StepInput, StepOutcome};
 use crate::device::action::{run_action, Rank};
@@ -191,36 +192,35 @@ impl HostExec {
 
 /// The kernels that move an arena region between its dtype and f32 workspace: what
 /// `Device::load`, `Device::store`, `Device::load_f32` and `Device::store_f32` launch.
-const STAGING_KERNELS: [&str; 5] = ["load", "store", "add_store", "load_halves", "store_halves"];
+const STAGING_KERNELS: [&str; 2] = ["stage", "stage_add"];
 
-/// Per staging kernel: launches and elements converted.
+/// Per staging kernel: launches, elements and arena bytes converted.
 #[derive(Clone, Debug, Default, PartialEq)]
-struct Staging(std::collections::BTreeMap<&'static str, (usize, usize)>);
+struct Staging(std::collections::BTreeMap<&'static str, (usize, usize, u64)>);
 
 impl Staging {
-    /// Counts one launch of `name` over the `n` elements of its last size argument.
+    /// Counts one launch of `name` (`src, src dtype, dst, dst dtype, n`): its `n` elements, of
+    /// the narrower of the two dtypes (the arena's side).
     fn note(&mut self, name: &str, args: &[A]) {
         let Some(kernel) = STAGING_KERNELS.iter().find(|k| **k == name) else {
             return;
         };
-        let n = args
-            .iter()
-            .rev()
-            .find_map(|a| match a {
-                A::L(n) => Some(*n as usize),
-                _ => None,
-            })
-            .unwrap_or(0);
+        let &[_, A::I(from), _, A::I(to), A::L(n)] = args else {
+            panic!("{name}: unexpected arguments {args:?}");
+        };
+        let bytes = |code: i32| if code == 1 || code == 2 { 2 } else { 4 };
         let e = self.0.entry(kernel).or_default();
         e.0 += 1;
-        e.1 += n;
+        e.1 += n as usize;
+        e.2 += n as u64 * bytes(from).min(bytes(to));
     }
 
     fn add(&mut self, other: &Staging) {
-        for (k, (l, n)) in &other.0 {
+        for (k, (l, n, b)) in &other.0 {
             let e = self.0.entry(k).or_default();
             e.0 += l;
             e.1 += n;
+            e.2 += b;
         }
     }
 
@@ -228,20 +228,9 @@ impl Staging {
         self.0.get(kernel).map_or(0, |e| e.0)
     }
 
-    /// Arena bytes the staging kernels converted, for a model of `model` dtype (fp32
-    /// statistics are 4 bytes an element, everything else the model's).
-    fn bytes(&self, model: Dtype) -> u64 {
-        self.0
-            .iter()
-            .map(|(k, (_, n))| {
-                let each = if k.ends_with("halves") {
-                    4
-                } else {
-                    model.bytes()
-                };
-                *n as u64 * each
-            })
-            .sum()
+    /// Arena bytes the staging kernels converted.
+    fn bytes(&self) -> u64 {
+        self.0.values().map(|e| e.2).sum()
     }
 }
 
@@ -285,15 +274,15 @@ impl Exec for HostExec {
     }
 
     fn gemm(&self, c: &ColMajor) -> Result<(), CudaError> {
-        // The BLAS definition, column-major: C(i, j) = α Σ op(A)(i, l)·op(B)(l, j) + β C(i, j),
-        // operands widened from their dtype to f32 (exact), products and sums in f32 (what
-        // tensor cores do with fp32 accumulation, up to the order of the sum).
-        let size = c.operands.bytes() as usize;
-        // SAFETY (both closures): the operands are host buffers sized by the layer math.
-        let a = |b: usize, e: usize| unsafe { operand(c.a, c.operands, size, b * c.stride_a + e) };
-        let bo = |b: usize, e: usize| unsafe { operand(c.b, c.operands, size, b * c.stride_b + e) };
+        // The BLAS definition, column-major: D(i, j) = α Σ op(A)(i, l)·op(B)(l, j) + β C(i, j)
+        // (+ bias(i)), operands, C and the bias widened from their dtype to f32 (exact),
+        // products and sums in f32 (what tensor cores do with fp32 accumulation, up to the
+        // order of the sum), D rounded once to its dtype.
+        // SAFETY (every closure): the operands are host buffers sized by the layer math.
+        let a = |b: usize, e: usize| unsafe { operand(c.a, c.operands, b * c.stride_a + e) };
+        let bo = |b: usize, e: usize| unsafe { operand(c.b, c.operands, b * c.stride_b + e) };
+        let bias = |i: usize| c.bias.map_or(0.0, |(p, d)| unsafe { operand(p, d, i) });
         for b in 0..c.batch {
-            let cc = (c.c.0 as *mut f32).wrapping_add(b * c.stride_c);
             for j in 0..c.n {
                 for i in 0..c.m {
                     let mut s = 0f32;
@@ -310,15 +299,18 @@ impl Exec for HostExec {
                         };
                         s += a(b, av) * bo(b, bv);
                     }
-                    // SAFETY: as above.
-                    unsafe {
-                        let out = cc.add(i + j * c.ldc);
-                        *out = if c.beta == 0.0 {
-                            c.alpha * s
-                        } else {
-                            c.alpha * s + c.beta * *out
-                        };
+                    let e = b * c.stride_c + i + j * c.ldc;
+                    let mut v = if c.beta == 0.0 {
+                        c.alpha * s
+                    } else {
+                        // SAFETY: as above.
+                        c.alpha * s + c.beta * unsafe { operand(c.c, c.output, e) }
+                    };
+                    if c.bias.is_some() {
+                        v += bias(i);
                     }
+                    // SAFETY: as above.
+                    unsafe { put(c.c, c.output, e, v) };
                 }
             }
         }
@@ -332,12 +324,12 @@ impl Exec for HostExec {
     }
 }
 
-/// Element `e` of a product operand stored in `dtype` (`size` bytes each) at `base`, as f32.
+/// Element `e` of a product operand stored in `dtype` at `base`, as f32.
 ///
 /// # Safety
 /// The element must lie in a live host buffer.
-unsafe fn operand(base: DevAddr, dtype: Dtype, size: usize, e: usize) -> f32 {
-    let p = (base.0 as *const u8).wrapping_add(e * size);
+unsafe fn operand(base: DevAddr, dtype: Dtype, e: usize) -> f32 {
+    let p = (base.0 as *const u8).wrapping_add(e * dtype.bytes() as usize);
     match dtype {
         Dtype::Fp32 => (p as *const f32).read_unaligned(),
         Dtype::Bf16 => crate::math::bf16_bits_to_f32((p as *const u16).read_unaligned()),
@@ -345,8 +337,31 @@ unsafe fn operand(base: DevAddr, dtype: Dtype, size: usize, e: usize) -> f32 {
     }
 }
 
+/// Element `e` of a product output stored in `dtype` at `base` ← `v`, rounded once to it.
+///
+/// # Safety
+/// The element must lie in a live host buffer.
+unsafe fn put(base: DevAddr, dtype: Dtype, e: usize, v: f32) {
+    let p = (base.0 as *mut u8).wrapping_add(e * dtype.bytes() as usize);
+    match dtype {
+        Dtype::Fp32 => (p as *mut f32).write_unaligned(v),
+        Dtype::Bf16 => (p as *mut u16).write_unaligned(crate::math::f32_to_bf16_bits(v)),
+        Dtype::Fp16 => (p as *mut u16).write_unaligned(half::f16::from_f32(v).to_bits()),
+    }
+}
+
 fn addr<T>(v: &[T]) -> DevAddr {
     DevAddr(v.as_ptr() as u64)
+}
+
+/// The f32 values of `v` as the GPU device's pointer, for reading.
+fn f32p(v: &[f32]) -> DevPtr {
+    DevPtr::f32(addr(v))
+}
+
+/// The f32 values of `v` as the GPU device's pointer, for writing.
+fn f32p_mut(v: &mut [f32]) -> DevPtr {
+    DevPtr::f32(DevAddr(v.as_mut_ptr() as u64))
 }
 
 /// A stream over `ws` with no arena (the layer tests pass every tensor by address).
@@ -474,7 +489,7 @@ fn layers_on_the_emulated_device_match_the_cpu_math() {
             let dev_in = if m.takes_tokens() {
                 In::Tokens(addr(&tokens_i32))
             } else {
-                In::Hidden(addr(&xin))
+                In::Hidden(f32p(&xin))
             };
             let dy = rng.normals(m.output_elements(), 0.1);
             // CPU.
@@ -501,15 +516,15 @@ fn layers_on_the_emulated_device_match_the_cpu_math() {
             let gg = g(&x, &mut ws, &consts, model.dtype);
             let mut d_out = vec![f32::NAN; m.output_elements()];
             let mut d_saved = vec![f32::NAN; m.saved_elements()];
-            let d_tied = tied.as_deref().map(addr);
+            let d_tied = tied.as_deref().map(f32p);
             layers::forward(
                 &gg,
                 &m,
-                addr(&p),
+                f32p(&p),
                 d_tied,
                 dev_in,
-                DevAddr(d_out.as_mut_ptr() as u64),
-                DevAddr(d_saved.as_mut_ptr() as u64),
+                f32p_mut(&mut d_out),
+                f32p_mut(&mut d_saved),
             )
             .unwrap();
             let (fwd, bwd) = tolerances(model.dtype);
@@ -522,14 +537,14 @@ fn layers_on_the_emulated_device_match_the_cpu_math() {
             layers::backward(
                 &gg,
                 &m,
-                addr(&p),
+                f32p(&p),
                 d_tied,
-                addr(&saved),
+                f32p(&saved),
                 dev_in,
-                addr(&dy),
-                d_gi.as_mut().map(|v| DevAddr(v.as_mut_ptr() as u64)),
-                DevAddr(d_gp.as_mut_ptr() as u64),
-                d_gt.as_mut().map(|v| DevAddr(v.as_mut_ptr() as u64)),
+                f32p(&dy),
+                d_gi.as_deref_mut().map(f32p_mut),
+                f32p_mut(&mut d_gp),
+                d_gt.as_deref_mut().map(f32p_mut),
             )
             .unwrap();
             close(&format!("{what} grad params"), &d_gp, &gp, bwd);
@@ -590,7 +605,7 @@ fn products_of_a_16_bit_model_round_their_operands() {
         let mut ws = vec![0f32; 1 << 16];
         let consts = table_consts(None);
         let gg = g(&x, &mut ws, &consts, dtype);
-        let ptr = |v: &mut Vec<f32>| DevAddr(v.as_mut_ptr() as u64);
+        let ptr = |v: &mut Vec<f32>| f32p_mut(v);
         let (mut y, mut dw, mut db, mut dx) = (
             vec![f32::NAN; t * out],
             vec![0f32; out * inp],
@@ -598,9 +613,9 @@ fn products_of_a_16_bit_model_round_their_operands() {
             vec![f32::NAN; t * inp],
         );
         gg.linear(
-            addr(&xs),
-            addr(&w),
-            Some(addr(&bias)),
+            f32p(&xs),
+            f32p(&w),
+            Some(f32p(&bias)),
             ptr(&mut y),
             t,
             inp,
@@ -610,9 +625,9 @@ fn products_of_a_16_bit_model_round_their_operands() {
         .unwrap();
         gg.reset();
         gg.linear_backward(
-            addr(&xs),
-            addr(&w),
-            addr(&dy),
+            f32p(&xs),
+            f32p(&w),
+            f32p(&dy),
             ptr(&mut dw),
             Some(ptr(&mut db)),
             Some((ptr(&mut dx), 0.0)),
@@ -684,17 +699,19 @@ fn emulated_fp16_conversions_are_the_half_crates() {
         );
     };
     let x = HostExec::new(lib);
-    let fp16 = A::I(super::enqueue::dtype_code(Dtype::Fp16));
+    let fp16 = A::I(Storage::F16.code());
+    let fp32 = A::I(Storage::F32.code());
     let halves: Vec<u16> = (0..=u16::MAX).collect();
     let mut wide = vec![0f32; halves.len()];
     let n = A::L(halves.len() as i64);
     x.launch(
-        "load",
+        "convert",
         super::enqueue::elems(halves.len()),
         &[
             A::P(addr(&halves)),
             fp16,
             A::P(DevAddr(wide.as_mut_ptr() as u64)),
+            fp32,
             n,
         ],
     )
@@ -722,10 +739,11 @@ fn emulated_fp16_conversions_are_the_half_crates() {
     ]);
     let mut narrow = vec![0u16; floats.len()];
     x.launch(
-        "store",
+        "convert",
         super::enqueue::elems(floats.len()),
         &[
             A::P(addr(&floats)),
+            fp32,
             A::P(DevAddr(narrow.as_mut_ptr() as u64)),
             fp16,
             A::L(floats.len() as i64),
@@ -1158,12 +1176,22 @@ fn layer_ops_of_a_16_bit_model_stage_only_gradient_parts() {
             2e-2,
         );
         let backend = &t.backend;
+        eprintln!(
+            "{name}: stream workspace {} floats",
+            backend.ranks[0].workspace.len()
+        );
         let staged = backend.layer_staging.borrow().clone();
         let parts = backend.grad_parts.get();
         eprintln!(
             "{name} ({:?}): {steps} steps, worst loss difference {worst:.2e}; layer ops staged {} bytes: {:?}; gradient parts {parts}",
             job.model.dtype,
-            staged.bytes(job.model.dtype),
+            staged.bytes(),
+            staged.0
+        );
+        assert_eq!(
+            staged.launches("stage") + staged.launches("stage_add"),
+            parts,
+            "{name}: layer ops staged more than their gradient parts: {:?}",
             staged.0
         );
     }
