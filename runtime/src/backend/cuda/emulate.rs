@@ -442,6 +442,13 @@ model gpt_bf16 {
     layer block[1] = transformer(hidden = 32, heads = 2, ffn = 64)
     layer head     = lm_head(hidden = 32, vocab = 256, tied = true)
 }
+model llama_bf16 {
+    dtype = bf16  optimizer = adamw  seq_len = 16  micro_batch = 2
+    layer embed    = embedding(vocab = 256, hidden = 32, positions = rope)
+    layer block[2] = transformer(hidden = 32, heads = 4, kv_heads = 2, ffn = 40, norm = rmsnorm, act = swiglu, bias = false)
+    layer mlp      = mlp(hidden = 32, ffn = 48)
+    layer head     = lm_head(hidden = 32, vocab = 256, norm = rmsnorm, tied = true)
+}
 model gpt_fp16 {
     dtype = fp16  optimizer = adam  seq_len = 16  micro_batch = 2
     layer embed    = embedding(vocab = 256, hidden = 32, positions = learned)
@@ -683,6 +690,184 @@ fn products_of_a_16_bit_model_round_their_operands() {
                 apart > 1e-3,
                 "{dtype:?} {what}: the operands were not rounded"
             );
+        }
+    }
+}
+
+/// Values of `dtype` as the arena stores them (bf16/fp16 words, fp32 bits), in 8-byte words.
+fn packed(values: &[f32], dtype: Dtype) -> Vec<u64> {
+    let mut out = vec![0u64; (values.len() * dtype.bytes() as usize).div_ceil(8)];
+    // SAFETY: `out` holds the values' bytes.
+    unsafe { put_all(DevAddr(out.as_mut_ptr() as u64), dtype, values) };
+    out
+}
+
+/// `values` written from `at` on in `dtype`, each rounded once.
+///
+/// # Safety
+/// The bytes must lie in a live host buffer.
+unsafe fn put_all(at: DevAddr, dtype: Dtype, values: &[f32]) {
+    values
+        .iter()
+        .enumerate()
+        .for_each(|(e, &v)| put(at, dtype, e, v));
+}
+
+/// A saved region as the CPU math lays it out (f32), read from its bytes segment by segment:
+/// model-dtype segments in `model`, fp32 statistics as their bits.
+fn unpack_saved(bytes: &[u64], model: Dtype, m: &LayerMath) -> Vec<f32> {
+    let mut at = DevAddr(bytes.as_ptr() as u64);
+    let mut out = vec![];
+    for seg in m.saved_segments() {
+        let d = match seg.stored {
+            crate::math::Stored::Model => model,
+            crate::math::Stored::F32 => Dtype::Fp32,
+        };
+        // SAFETY: the segments lie inside `bytes`, sized from them.
+        out.extend((0..seg.elements).map(|e| unsafe { operand(at, d, e) }));
+        at = at.add_bytes(seg.elements as u64 * d.bytes());
+    }
+    out
+}
+
+/// Every layer of a 16-bit model computed on 16-bit storage in place, as `run_action` gives it
+/// on the GPU (parameters, input, output, output and input gradients in the model dtype, the
+/// saved region mixing model-dtype segments and fp32 statistics at 2-byte offsets), equals the
+/// CPU math on the same rounded values within the dtype's layer tolerance.
+#[test]
+fn layers_on_16_bit_storage_in_place_match_the_cpu_math() {
+    let Some(lib) = library() else {
+        return schedc::testing::skip(
+            "cxx",
+            "no C++20 compiler ($CXX, else c++) to emulate the kernels on the host",
+        );
+    };
+    let x = HostExec::new(lib);
+    for model in models().into_iter().filter(|m| m.dtype != Dtype::Fp32) {
+        let (d, prec) = (model.dtype, Precision::of(model.dtype));
+        let rounded = |mut v: Vec<f32>| {
+            prec.round(&mut v);
+            v
+        };
+        let mut rng = Rng::new(11);
+        for layer in &model.layers {
+            let m = LayerMath::new(layer, &model).unwrap();
+            let what = format!("{} {} in place", model.name, layer.name);
+            let p = rounded(rng.normals(m.params(), 0.1));
+            let tied = m
+                .is_tied()
+                .then(|| rounded(rng.normals(m.tied_elements(), 0.1)));
+            let t = (model.micro_batch * model.seq_len) as usize;
+            let tokens: Vec<u32> = (0..t).map(|i| ((i * 37 + 11) % 256) as u32).collect();
+            let tokens_i32: Vec<i32> = tokens.iter().map(|&x| x as i32).collect();
+            let xin = rounded(rng.normals(m.input_elements(), 1.0));
+            let dy = rounded(rng.normals(m.output_elements(), 0.1));
+            let input = if m.takes_tokens() {
+                Input::Tokens(&tokens)
+            } else {
+                Input::Hidden(&xin)
+            };
+            // CPU.
+            let mut out = vec![0.0; m.output_elements()];
+            let mut saved = vec![0.0; m.saved_elements()];
+            m.forward(&p, tied.as_deref(), input, &mut out, &mut saved);
+            let mut gi = (!m.takes_tokens()).then(|| vec![0.0; m.input_elements()]);
+            let mut gp = vec![0.0; m.params()];
+            let mut gt = tied.as_ref().map(|t| vec![0.0; t.len()]);
+            let (gi_cpu, gt_cpu) = (gi.as_deref_mut(), gt.as_deref_mut());
+            m.backward(
+                &p,
+                tied.as_deref(),
+                &saved,
+                input,
+                &dy,
+                gi_cpu,
+                &mut gp,
+                gt_cpu,
+            );
+            // Emulated device, on 16-bit buffers.
+            let on = |v: &[u64]| DevPtr::new(addr(v), Storage::of(d));
+            let (d_p, d_tied, d_x, d_dy) = (
+                packed(&p, d),
+                tied.as_ref().map(|t| packed(t, d)),
+                packed(&xin, d),
+                packed(&dy, d),
+            );
+            let mut d_out = packed(&vec![f32::NAN; m.output_elements()], d);
+            let saved_bytes: u64 = m
+                .saved_segments()
+                .iter()
+                .map(|s| {
+                    s.elements as u64
+                        * if s.stored == crate::math::Stored::F32 {
+                            4
+                        } else {
+                            d.bytes()
+                        }
+                })
+                .sum();
+            let mut d_saved = vec![u64::MAX; (saved_bytes as usize).div_ceil(8)];
+            let saved_ptr = DevPtr::saved(
+                DevAddr(d_saved.as_mut_ptr() as u64),
+                0,
+                d,
+                &m.saved_segments(),
+            )
+            .unwrap();
+            let dev_in = if m.takes_tokens() {
+                In::Tokens(addr(&tokens_i32))
+            } else {
+                In::Hidden(on(&d_x))
+            };
+            let rope = rope_table(&m);
+            let mut ws = vec![0f32; 1 << 20];
+            let consts = table_consts(rope.as_deref().map(addr));
+            let gg = g(&x, &mut ws, &consts, d);
+            let out_ptr = DevPtr::new(DevAddr(d_out.as_mut_ptr() as u64), Storage::of(d));
+            let tied_ptr = d_tied.as_deref().map(on);
+            layers::forward(&gg, &m, on(&d_p), tied_ptr, dev_in, out_ptr, saved_ptr).unwrap();
+            let (fwd, bwd) = tolerances(d);
+            // SAFETY: every buffer holds its n values.
+            let unpack = |v: &[u64], n: usize| -> Vec<f32> {
+                let at = addr(v);
+                (0..n).map(|e| unsafe { operand(at, d, e) }).collect()
+            };
+            let got_out = unpack(&d_out, m.output_elements());
+            close(&format!("{what} output"), &got_out, &out, fwd);
+            close(
+                &format!("{what} saved"),
+                &unpack_saved(&d_saved, d, &m),
+                &saved,
+                fwd,
+            );
+            let mut d_gi = gi.as_ref().map(|v| packed(&vec![f32::NAN; v.len()], d));
+            let mut d_gp = vec![f32::NAN; m.params()];
+            let mut d_gt = gt.as_ref().map(|v| vec![f32::NAN; v.len()]);
+            gg.reset();
+            let gi_ptr = d_gi
+                .as_mut()
+                .map(|v| DevPtr::new(DevAddr(v.as_mut_ptr() as u64), Storage::of(d)));
+            layers::backward(
+                &gg,
+                &m,
+                on(&d_p),
+                tied_ptr,
+                saved_ptr,
+                dev_in,
+                on(&d_dy),
+                gi_ptr,
+                f32p_mut(&mut d_gp),
+                d_gt.as_deref_mut().map(f32p_mut),
+            )
+            .unwrap();
+            close(&format!("{what} grad params"), &d_gp, &gp, bwd);
+            if let (Some(a), Some(b)) = (&d_gi, &gi) {
+                let a = unpack(a, b.len());
+                close(&format!("{what} grad input"), &a, b, bwd);
+            }
+            if let (Some(a), Some(b)) = (&d_gt, &gt) {
+                close(&format!("{what} grad tied"), a, b, bwd);
+            }
         }
     }
 }
@@ -1126,13 +1311,6 @@ fn layer_ops_of_a_16_bit_model_stage_only_gradient_parts() {
     };
     let text = format!(
         "{MODELS}\n{CLUSTERS}\n\
-         model llama_bf16 {{\n\
-             dtype = bf16  optimizer = adamw  seq_len = 16  micro_batch = 2\n\
-             layer embed    = embedding(vocab = 256, hidden = 32, positions = rope)\n\
-             layer block[2] = transformer(hidden = 32, heads = 4, kv_heads = 2, ffn = 40, norm = rmsnorm, act = swiglu, bias = false)\n\
-             layer mlp      = mlp(hidden = 32, ffn = 48)\n\
-             layer head     = lm_head(hidden = 32, vocab = 256, norm = rmsnorm, tied = true)\n\
-         }}\n\
          schedule g {{ model = gpt_bf16  cluster = one  preset = ddp  micro_steps = 2  train {{ lr = 1e-3  seed = 8  clip = 0.5 }} }}\n\
          schedule l {{ model = llama_bf16  cluster = one  preset = zero3  recompute = full  train {{ lr = 1e-3  seed = 3 }} }}\n"
     );
