@@ -281,10 +281,16 @@ pub(crate) trait Device {
         dup: Self::Ptr,
         n: usize,
     ) -> Result<(), DeviceError>;
-    /// Rotary positions on the q and k heads of `t` rows of `qkv`, in place (`inverse` for
-    /// gradients). Only called for blocks with rotary positions.
-    fn rope(&self, bp: &BlockP, t: usize, qkv: Self::Ptr, inverse: bool)
-        -> Result<(), DeviceError>;
+    /// `qkv` ← `src` (`t` rows) with rotary positions on the q and k heads (`inverse` for
+    /// gradients); `src` may be `qkv` (in place). Only called for blocks with rotary positions.
+    fn rope(
+        &self,
+        bp: &BlockP,
+        t: usize,
+        src: Self::Ptr,
+        qkv: Self::Ptr,
+        inverse: bool,
+    ) -> Result<(), DeviceError>;
     /// Causal attention of the packed `qkv`: `out` and what backward needs in `keep`.
     fn attention(
         &self,

@@ -694,7 +694,14 @@ impl Device for Gpu<'_> {
         )
     }
 
-    fn rope(&self, bp: &BlockP, t: usize, qkv: DevPtr, inverse: bool) -> Result<(), DeviceError> {
+    fn rope(
+        &self,
+        bp: &BlockP,
+        t: usize,
+        src: DevPtr,
+        qkv: DevPtr,
+        inverse: bool,
+    ) -> Result<(), DeviceError> {
         let Some(r) = &bp.rope else { return Ok(()) };
         let tables = self
             .consts
@@ -702,11 +709,18 @@ impl Device for Gpu<'_> {
             .ok_or_else(|| plan_error("no rotary tables on the device"))?;
         let sh = &bp.shape;
         let (s, half) = (sh.s, r.half);
-        let n = t * (sh.heads + sh.kv_heads) * half;
+        let copied = if src.addr == qkv.addr {
+            0
+        } else {
+            sh.kv_heads * 2 * half
+        };
+        let n = t * ((sh.heads + sh.kv_heads) * half + copied);
         self.run(
             "rope",
             n,
             &[
+                A::P(src.addr),
+                A::I(src.code()),
                 A::P(qkv.addr),
                 A::I(qkv.code()),
                 A::P(tables),
@@ -1103,7 +1117,8 @@ impl Device for Gpu<'_> {
 /// - its fp32 intermediates (`layers.rs`): a transformer's backward holds dr, da, dattn (T·h
 ///   each), dqkv (T·w) and the MLP's two T·f, plus attention's (naive: the probabilities, n·s²
 ///   forward, two s×s backward; flash: a row sum per query row, n·T); an MLP layer's backward
-///   da and the two T·f; an lm_head's backward da;
+///   da and the two T·f; an lm_head's backward da (a forward needs less: with rotary
+///   positions the projected qkv, T·w, before the rotation writes it);
 /// - the casts of one product's operands at a time (operands stored in the product dtype are
 ///   used in place): for a 16-bit model, at most two of the widest fp32 intermediate at two
 ///   bytes an element; where the gradient dtype is not the model's, the output gradient.

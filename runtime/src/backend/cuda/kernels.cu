@@ -328,20 +328,30 @@ extern "C" __global__ void swiglu_backward(const unsigned char* gate, int gate_d
 
 // ---- rotary positions: ops.rs Rope::apply over the q and k heads of each token row ----
 
-// The cos and sin tables are the rank's fp32 constants.
-extern "C" __global__ void rope(unsigned char* qkv, int qkv_dt, const float* cosv, const float* sinv, long long t,
+// Rotates the q and k heads of src into qkv and copies the v heads (only when src is not qkv:
+// in place, v stays), so that a product's fp32 output is rotated and rounded once into 16-bit
+// storage. The cos and sin tables are the rank's fp32 constants.
+extern "C" __global__ void rope(const unsigned char* src, int src_dt, unsigned char* qkv,
+                                int qkv_dt, const float* cosv, const float* sinv, long long t,
                                 long long s, long long width, int heads, int kv_heads, int half,
                                 int inverse) {
-    long long per_row = (long long)(heads + kv_heads) * half;
+    long long rotated = (long long)(heads + kv_heads) * half;
+    long long copied = src == qkv ? 0 : (long long)kv_heads * 2 * half;
+    long long per_row = rotated + copied;
     GRID_STRIDE(i, t * per_row) {
         long long tok = i / per_row, rest = i % per_row;
+        if (rest >= rotated) {  // a v element: after the q and k heads (2 * rotated of them)
+            long long at = tok * width + 2 * rotated + (rest - rotated);
+            ST(qkv, at, LD(src, at));
+            continue;
+        }
         long long head = rest / half, k = rest % half;
         long long pos = tok % s;
         // q heads first, then the k heads right after them.
         long long base = tok * width + head * 2 * half;
         float c = cosv[pos * half + k], sn = sinv[pos * half + k];
         if (inverse) sn = -sn;
-        float x1 = LD(qkv, base + k), x2 = LD(qkv, base + k + half);
+        float x1 = LD(src, base + k), x2 = LD(src, base + k + half);
         ST(qkv, base + k, x1 * c - x2 * sn);
         ST(qkv, base + k + half, x2 * c + x1 * sn);
     }
