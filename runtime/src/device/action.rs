@@ -1,7 +1,8 @@
 //! `run_action`: one compute op of a plan on one rank, for every device. Regions of the rank's
-//! arena are loaded into f32 workspace in their dtype and stored back rounded to it at the same
-//! points on every backend; parameters, saved activations, gradient parts and optimizer state
-//! are found at the plan's offsets. Collectives are the backends' own (rendezvous or NCCL).
+//! arena are computed on in place where the device can ([`Device::view`]: the host's fp32
+//! regions, every region on a GPU), else loaded into f32 workspace in their dtype and stored
+//! back rounded to it at the same points on every backend; parameters, saved activations,
+//! gradient parts and optimizer state are found at the plan's offsets. Collectives are the backends' own (rendezvous or NCCL).
 
 use super::layers::{self, In};
 use super::{plan_error, ArenaSpan, Device, DeviceError, Ptr, Update};
@@ -115,35 +116,48 @@ impl<D: Device> Rank<'_, D> {
     /// Whether `r`'s bytes overlap no other region of `op` (an output computed in place must
     /// not be one of the op's inputs).
     fn alone(&self, r: &Region, op: &[&Region]) -> bool {
-        let span = |x: &Region| (self.at(x), self.at(x) + x.bytes);
-        let (lo, hi) = span(r);
-        op.iter().filter(|x| !std::ptr::eq(**x, r)).all(|x| {
-            let (a, b) = span(x);
-            b <= lo || hi <= a
-        })
+        alone(self.plan, self.rank, r, op)
     }
 
-    /// A saved region the device can compute on in place: every segment is fp32 then.
+    /// A saved region the device can compute on in place, segment by segment in each one's
+    /// storage ([`Device::view_saved`]).
     fn saved_view(&self, layer: usize, r: &Region) -> Result<Option<D::Ptr>, DeviceError> {
-        let n = self.plan.maths[layer].saved_elements();
-        if self.dtype(r) != Dtype::Fp32 {
-            return Ok(None);
+        let math = &self.plan.maths[layer];
+        let d = self.dtype(r);
+        let bytes: u64 = math
+            .saved_segments()
+            .iter()
+            .map(|s| s.elements as u64 * stored_bytes(s.stored, d))
+            .sum();
+        if bytes > r.bytes {
+            return Err(DeviceError::RegionSize {
+                values: math.saved_elements(),
+                region: self.elements(r),
+                write: true,
+            });
         }
-        self.check_size(r, n, true)?;
-        self.device.view(self.at(r), Dtype::Fp32, n)
+        self.device
+            .view_saved(self.at(r), d, &math.saved_segments())
     }
 
     /// A layer's gradient written (or added) into its parts; elements past the gradient (the
-    /// padding up to a multiple of the optimizer shards) are zero.
+    /// padding up to a multiple of the optimizer shards) are zero. A part inside the gradient is
+    /// written straight from it; one workspace vector of the largest padded part serves the
+    /// padded ones in turn.
     fn write_grads(&self, parts: &[GradPart], grad: D::Ptr, len: usize) -> Result<(), DeviceError> {
+        let padded = |p: &GradPart| p.first + self.elements(&p.region) > len;
+        let most = parts
+            .iter()
+            .filter(|p| padded(p))
+            .map(|p| self.elements(&p.region))
+            .max();
+        let scratch = most.map(|n| self.device.alloc(n)).transpose()?;
         for part in parts {
             let n = self.elements(&part.region);
-            if part.first + n <= len {
-                // No padding in this part: its values go straight from the gradient.
+            let Some(v) = scratch.filter(|_| padded(part)) else {
                 self.write(&part.region, grad.offset(part.first), n, part.accumulate)?;
                 continue;
-            }
-            let v = self.device.alloc(n)?;
+            };
             self.device.fill(v, n, 0.0)?;
             let lo = part.first.min(len);
             let hi = (part.first + n).min(len);
@@ -244,7 +258,7 @@ impl<D: Device> Rank<'_, D> {
                 saved,
             } => {
                 let math = &p.maths[*layer];
-                let op = regions(&[params, tied, hidden, output, saved], &[]);
+                let op = op_regions(a);
                 let pp = self.read_opt(params, math.params())?;
                 let t = self.tied(*layer, tied)?;
                 let x = self.layer_input(*layer, hidden, m)?;
@@ -274,10 +288,7 @@ impl<D: Device> Rank<'_, D> {
                 tied_grads,
             } => {
                 let math = &p.maths[*layer];
-                let parts: Vec<&Region> =
-                    grads.iter().chain(tied_grads).map(|g| &g.region).collect();
-                let named = [params, tied, saved, hidden, &Some(*grad_output), grad_input];
-                let op = regions(&named, &parts);
+                let op = op_regions(a);
                 let pp = self.read_opt(params, math.params())?;
                 let t = self.tied(*layer, tied)?;
                 let keep = match saved {
@@ -309,7 +320,7 @@ impl<D: Device> Rank<'_, D> {
                 let n = (p.job.model.micro_batch * p.job.model.seq_len) as usize;
                 let m = m.ok_or_else(|| plan_error("a loss op without a micro-step"))?;
                 let z = self.read(logits, n * vocab)?;
-                let dz = self.output(Some(grad), n * vocab, &[logits, grad])?;
+                let dz = self.output(Some(grad), n * vocab, &op_regions(a))?;
                 d.cross_entropy(z, d.tokens(m, true)?, vocab, n, dz)?;
                 self.write(grad, dz, n * vocab, false)?;
             }
@@ -395,11 +406,86 @@ fn stored_bytes(s: Stored, model: Dtype) -> u64 {
     }
 }
 
-/// The regions an op names, for [`Rank::alone`].
-fn regions<'a>(named: &[&'a Option<Region>], more: &[&'a Region]) -> Vec<&'a Region> {
+/// The regions an op names, for [`Rank::alone`]: a layer op's, the loss's; none for the others.
+fn op_regions(a: &Action) -> Vec<&Region> {
+    let named: Vec<&Option<Region>> = match a {
+        Action::Forward {
+            params,
+            tied,
+            input,
+            output,
+            saved,
+            ..
+        } => vec![params, tied, input, output, saved],
+        Action::Backward {
+            params,
+            tied,
+            saved,
+            input,
+            grad_input,
+            ..
+        } => vec![params, tied, saved, input, grad_input],
+        _ => vec![],
+    };
+    let more: Vec<&Region> = match a {
+        Action::Backward {
+            grad_output,
+            grads,
+            tied_grads,
+            ..
+        } => std::iter::once(grad_output)
+            .chain(grads.iter().chain(tied_grads).map(|g| &g.region))
+            .collect(),
+        Action::Loss { logits, grad } => vec![logits, grad],
+        _ => vec![],
+    };
     named
-        .iter()
+        .into_iter()
         .filter_map(|r| r.as_ref())
-        .chain(more.iter().copied())
+        .chain(more)
         .collect()
+}
+
+/// Whether `r`'s bytes on `rank` overlap no other region of `op`.
+fn alone(plan: &Plan, rank: u32, r: &Region, op: &[&Region]) -> bool {
+    let span = |x: &Region| (plan.at(rank, x), plan.at(rank, x) + x.bytes);
+    let (lo, hi) = span(r);
+    op.iter().filter(|x| !std::ptr::eq(**x, r)).all(|x| {
+        let (a, b) = span(x);
+        b <= lo || hi <= a
+    })
+}
+
+/// Values of an op's outputs that [`Rank::output`] computes in workspace on some rank even on a
+/// device that computes on the arena in place, because they share bytes with another region of
+/// the op (a layer's output or saved activations, a backward's input gradient, the loss's
+/// gradient); what the op needs of a stream's workspace beyond its math.
+pub(crate) fn aliased_outputs(plan: &Plan, a: &Action) -> usize {
+    let op = op_regions(a);
+    let aliased = |r: &Option<Region>| {
+        r.as_ref().is_some_and(|r| {
+            let shared = |rank| !alone(plan, rank, r, &op);
+            (0..plan.ranks()).any(shared)
+        })
+    };
+    match a {
+        Action::Forward {
+            layer,
+            output,
+            saved,
+            ..
+        } => {
+            let m = &plan.maths[*layer];
+            usize::from(aliased(output)) * m.output_elements()
+                + usize::from(aliased(saved)) * m.saved_elements()
+        }
+        Action::Backward {
+            layer, grad_input, ..
+        } => usize::from(aliased(grad_input)) * plan.maths[*layer].input_elements(),
+        Action::Loss { grad, .. } => {
+            let elements = grad.bytes / plan.program.buffers[grad.buffer].dtype.bytes();
+            usize::from(aliased(&Some(*grad))) * elements as usize
+        }
+        _ => 0,
+    }
 }

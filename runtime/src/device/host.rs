@@ -553,9 +553,19 @@ impl Device for Host<'_> {
         Ok(())
     }
 
-    fn rope(&self, bp: &BlockP, t: usize, qkv: HostPtr, inverse: bool) -> Result<(), DeviceError> {
+    fn rope(
+        &self,
+        bp: &BlockP,
+        t: usize,
+        src: HostPtr,
+        qkv: HostPtr,
+        inverse: bool,
+    ) -> Result<(), DeviceError> {
         let Some(rope) = &bp.rope else { return Ok(()) };
         let sh = &bp.shape;
+        if src != qkv {
+            self.copy(qkv, src, t * sh.width())?;
+        }
         #[cfg(feature = "llvm")]
         {
             let op = Op::Rotary {

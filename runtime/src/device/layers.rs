@@ -207,9 +207,15 @@ fn transformer_forward<D: Device>(
 
     d.norm_forward(&bp.ln1, p, t, h, x, a1, st1)?;
     d.round(act, a1, t * h)?;
-    d.linear(a1, p.at(&bp.qkv), bias(&bp.qkv_b), qkv, t, h, w, 0.0)?;
+    // With rotary positions the product goes to f32 workspace and the rotation writes qkv, so
+    // that qkv in 16-bit storage is rounded once, after the rotation, as the CPU rounds it.
+    let projected = match bp.rope {
+        Some(_) => d.alloc(t * w)?,
+        None => qkv,
+    };
+    d.linear(a1, p.at(&bp.qkv), bias(&bp.qkv_b), projected, t, h, w, 0.0)?;
     if bp.rope.is_some() {
-        d.rope(bp, t, qkv, false)?;
+        d.rope(bp, t, projected, qkv, false)?;
     }
     d.round(act, qkv, t * w)?;
     d.attention(bp, act, qkv, att, keep)?;
@@ -354,12 +360,15 @@ fn transformer_backward<D: Device>(
     )?;
     d.attention_backward(bp, qkv, keep, datt, dqkv)?;
     if bp.rope.is_some() {
-        d.rope(bp, t, dqkv, true)?;
+        d.rope(bp, t, dqkv, dqkv, true)?;
     }
     let (wq, dwq) = (p.at(&bp.qkv), gp.at(&bp.qkv));
     d.linear_backward(a1, wq, dqkv, dwq, bias(&bp.qkv_b), Some((da, 0.0)), t, h, w)?;
-    if let Some(gi) = gi {
-        d.copy(gi, dr, t * h)?;
+    // The input gradient is dr + ln1's, summed in f32 workspace and then copied out, so that
+    // an input gradient stored in 16 bits in place is rounded once, as the CPU rounds it.
+    d.norm_backward(&bp.ln1, p, t, h, x, st1, da, gi.map(|_| dr), gp)?;
+    match gi {
+        Some(gi) => d.copy(gi, dr, t * h),
+        None => Ok(()),
     }
-    d.norm_backward(&bp.ln1, p, t, h, x, st1, da, gi, gp)
 }

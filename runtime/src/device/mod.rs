@@ -5,9 +5,13 @@
 //! does in one call: move a region of the rank's arena into f32 workspace and back (in the
 //! region's dtype), matrix products with a bias epilogue, norms, activations, rotary positions,
 //! causal attention, the embedding, the loss, the optimizer update over a flat shard, the gradient
-//! norm's sum of squares, byte copies. Values in workspace are addressed by [`Device::Ptr`], a
-//! start address that pieces are cut off (the saved-tensor layout of [`crate::math::saved`] is
-//! defined over it). Everything above the primitives is written once and generic:
+//! norm's sum of squares, byte copies. Values are addressed by [`Device::Ptr`], a start that
+//! pieces are cut off (the saved-tensor layout of [`crate::math::saved`] is defined over it).
+//! Where a device computes on the arena in place ([`Device::view`], [`Device::view_saved`]),
+//! `run_action` stages nothing: the host does so for fp32 regions (its pointers are f32), the
+//! GPU for regions of every dtype (its pointers carry their storage, and each kernel reads and
+//! writes that storage, rounding once where it stores). Workspace from [`Device::alloc`] is
+//! always f32. Everything above the primitives is written once and generic:
 //! [`layers`] is each layer kind's forward and backward (where rounding to the activation and
 //! gradient dtypes happens, which tensors are kept), [`action`] is `run_action`, one plan op on
 //! one rank (reading parameters, writing gradient parts, saved activations, the optimizer step).
@@ -26,13 +30,14 @@ pub(crate) mod layers;
 
 use crate::math::attention::Keep;
 use crate::math::saved::Piece;
-use crate::math::{BlockP, NormP, OptimizerConfig, Precision};
+use crate::math::{BlockP, NormP, OptimizerConfig, Precision, Segment};
 use schedc::job::Dtype;
 use std::ops::Range;
 
-/// A run of f32 values on a device, by its first element's address.
+/// A run of values on a device, by its first element: f32 on the host; on a GPU a typed
+/// pointer (its storage: fp32, bf16, fp16) that primitives read and write in that storage.
 pub(crate) trait Ptr: Piece + Copy + PartialEq {
-    /// The address `n` floats further on.
+    /// The element `n` elements further on.
     fn offset(self, n: usize) -> Self;
 
     /// The start of `r` within the run.
@@ -148,12 +153,30 @@ pub(crate) trait Device {
     /// The inputs (or, with `targets`, the targets) of micro-step `m`.
     fn tokens(&self, m: u32, targets: bool) -> Result<Self::Tokens, DeviceError>;
 
-    /// The `n` values of `dtype` at byte `at` of the arena as f32 the primitives may read and
-    /// write in place, when the device can compute on the arena itself (an fp32 region); `None`
-    /// when they must be loaded into workspace.
+    /// The `n` values of `dtype` at byte `at` of the arena as a pointer the primitives may
+    /// read and write in place, when the device can compute on the arena itself (the host: an
+    /// fp32 region; a GPU: a region of any dtype); `None` when they must be loaded into
+    /// workspace.
     fn view(&self, at: u64, dtype: Dtype, n: usize) -> Result<Option<Self::Ptr>, DeviceError> {
         let _ = (at, dtype, n);
         Ok(None)
+    }
+
+    /// A layer's saved region at byte `at` (laid out as `segments`, model-dtype segments in
+    /// `model`) in place, a pointer that [`Piece::split`] cuts into the segments, when the
+    /// device can compute on it; by default an fp32 model's region (one fp32 run) as
+    /// [`Device::view`] gives it, and `None` for a 16-bit model's.
+    fn view_saved(
+        &self,
+        at: u64,
+        model: Dtype,
+        segments: &[Segment],
+    ) -> Result<Option<Self::Ptr>, DeviceError> {
+        if model != Dtype::Fp32 {
+            return Ok(None);
+        }
+        let n = segments.iter().map(|s| s.elements).sum();
+        self.view(at, Dtype::Fp32, n)
     }
 
     /// dst ← the `n` values of `dtype` at byte `at` of the arena.
@@ -258,10 +281,16 @@ pub(crate) trait Device {
         dup: Self::Ptr,
         n: usize,
     ) -> Result<(), DeviceError>;
-    /// Rotary positions on the q and k heads of `t` rows of `qkv`, in place (`inverse` for
-    /// gradients). Only called for blocks with rotary positions.
-    fn rope(&self, bp: &BlockP, t: usize, qkv: Self::Ptr, inverse: bool)
-        -> Result<(), DeviceError>;
+    /// `qkv` ← `src` (`t` rows) with rotary positions on the q and k heads (`inverse` for
+    /// gradients); `src` may be `qkv` (in place). Only called for blocks with rotary positions.
+    fn rope(
+        &self,
+        bp: &BlockP,
+        t: usize,
+        src: Self::Ptr,
+        qkv: Self::Ptr,
+        inverse: bool,
+    ) -> Result<(), DeviceError>;
     /// Causal attention of the packed `qkv`: `out` and what backward needs in `keep`.
     fn attention(
         &self,

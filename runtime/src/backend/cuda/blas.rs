@@ -1,7 +1,8 @@
 //! Matrix products on a stream, the column-major calls that `enqueue::row_major` derives from
 //! the layer math's row-major products: fp32 operands through cuBLAS `sgemm`, bf16 and fp16
-//! operands through cuBLASLt on tensor cores (fp32 output and accumulation). One of each handle
-//! per stream. Compiled, never run on a GPU yet.
+//! operands through cuBLASLt on tensor cores (fp32 accumulation; C and D fp32 or the operands'
+//! dtype, a bias in the epilogue). Operands lie in the arena in place or in workspace. One of
+//! each handle per stream. Compiled, never run on a GPU yet.
 
 use super::enqueue::{ColMajor, CudaError, Library};
 use cudarc::cublas::result as cb;
@@ -48,6 +49,11 @@ impl Blas {
     pub fn run(&self, c: &ColMajor) -> Result<(), CudaError> {
         if c.operands != Dtype::Fp32 {
             return self.lt.run(c, self.stream);
+        }
+        if c.output != Dtype::Fp32 || c.bias.is_some() {
+            return Err(CudaError::backend(
+                "sgemm writes fp32 without a bias epilogue",
+            ));
         }
         let i = |x: usize| x as i32;
         // SAFETY: the caller sizes every operand from the layer math inside the arena or its
@@ -104,8 +110,8 @@ impl Drop for Blas {
     }
 }
 
-/// 16-bit products through cuBLASLt: bf16 or fp16 A and B on tensor cores, fp32 C, fp32
-/// accumulation and scalars. A call's descriptors and algorithm (cuBLASLt's heuristic, which
+/// 16-bit products through cuBLASLt: bf16 or fp16 A and B on tensor cores, C and D fp32 or the
+/// operands' dtype (α·AB + β·C (+ bias) in f32, rounded once), fp32 accumulation and scalars. A call's descriptors and algorithm (cuBLASLt's heuristic, which
 /// costs host time) are made once per shape and kept.
 struct Lt {
     handle: lts::cublasLtHandle_t,
@@ -116,17 +122,37 @@ struct Lt {
 }
 
 /// What fixes a product's descriptors and algorithm: the call without its pointers and
-/// scalars, and the output's alignment (inputs are cast into 256-byte aligned workspace).
+/// scalars, the bias's dtype (the epilogue), and every matrix's alignment (operands in the
+/// arena are used in place, at whatever alignment their offset gives).
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 struct LtKey {
     operands: Dtype,
+    output: Dtype,
+    bias: Option<Dtype>,
+    a_align: u32,
+    b_align: u32,
     transa: bool,
     transb: bool,
     mnk: [usize; 3],
     ld: [usize; 3],
     stride: [usize; 3],
     batch: usize,
-    c_align: u64,
+    c_align: u32,
+}
+
+/// The largest power of two up to 256 dividing a device address (cuBLASLt's alignment
+/// preferences, in bytes).
+fn alignment(addr: u64) -> u32 {
+    1 << addr.trailing_zeros().min(8)
+}
+
+/// cuBLASLt's data type for a dtype.
+fn lt_type(d: Dtype) -> lts::cudaDataType {
+    match d {
+        Dtype::Fp32 => lts::cudaDataType::CUDA_R_32F,
+        Dtype::Bf16 => lts::cudaDataType::CUDA_R_16BF,
+        Dtype::Fp16 => lts::cudaDataType::CUDA_R_16F,
+    }
 }
 
 struct LtPlan {
@@ -158,13 +184,17 @@ impl Lt {
     fn key(c: &ColMajor) -> LtKey {
         LtKey {
             operands: c.operands,
+            output: c.output,
+            bias: c.bias.map(|(_, d)| d),
+            a_align: alignment(c.a.0),
+            b_align: alignment(c.b.0),
             transa: c.transa,
             transb: c.transb,
             mnk: [c.m, c.n, c.k],
             ld: [c.lda, c.ldb, c.ldc],
             stride: [c.stride_a, c.stride_b, c.stride_c],
             batch: c.batch,
-            c_align: 1 << c.c.0.trailing_zeros().min(8),
+            c_align: alignment(c.c.0),
         }
     }
 
@@ -206,13 +236,10 @@ impl Lt {
     fn plan(&self, c: &ColMajor, key: &LtKey) -> Result<LtPlan, CudaError> {
         use lts::cublasLtMatmulDescAttributes_t as D;
         use lts::cublasLtMatmulPreferenceAttributes_t as P;
-        let ab = match c.operands {
-            Dtype::Bf16 => lts::cudaDataType::CUDA_R_16BF,
-            Dtype::Fp16 => lts::cudaDataType::CUDA_R_16F,
-            Dtype::Fp32 => {
-                return Err(CudaError::backend("cuBLASLt runs the 16-bit products only"))
-            }
-        };
+        if c.operands == Dtype::Fp32 {
+            return Err(CudaError::backend("cuBLASLt runs the 16-bit products only"));
+        }
+        let ab = lt_type(c.operands);
         let f32t = lts::cudaDataType::CUDA_R_32F;
         let desc = lt::create_matmul_desc(lts::cublasComputeType_t::CUBLAS_COMPUTE_32F, f32t)
             .map_err(lt_err("cuBLASLt matmul descriptor"))?;
@@ -223,8 +250,30 @@ impl Lt {
         let layouts = [
             Self::layout(ab, ma, ka, c.lda, c.stride_a, c.batch)?,
             Self::layout(ab, kb, nb, c.ldb, c.stride_b, c.batch)?,
-            Self::layout(f32t, c.m, c.n, c.ldc, c.stride_c, c.batch)?,
+            Self::layout(lt_type(c.output), c.m, c.n, c.ldc, c.stride_c, c.batch)?,
         ];
+        if let Some(bias) = key.bias {
+            let epilogue = lts::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS;
+            let dtype = lt_type(bias);
+            // SAFETY: a live descriptor; each attribute value is the documented type.
+            unsafe {
+                lt::set_matmul_desc_attribute(
+                    desc,
+                    D::CUBLASLT_MATMUL_DESC_EPILOGUE,
+                    (&epilogue as *const lts::cublasLtEpilogue_t).cast(),
+                    std::mem::size_of::<lts::cublasLtEpilogue_t>(),
+                )
+                .and_then(|()| {
+                    lt::set_matmul_desc_attribute(
+                        desc,
+                        D::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
+                        (&dtype as *const lts::cudaDataType).cast(),
+                        std::mem::size_of::<lts::cudaDataType>(),
+                    )
+                })
+            }
+            .map_err(lt_err("cuBLASLt bias epilogue"))?;
+        }
         let pref = lt::create_matmul_pref().map_err(lt_err("cuBLASLt preference"))?;
         let size = self.workspace.len();
         // SAFETY: live descriptors; each attribute value is the documented type.
@@ -242,13 +291,14 @@ impl Lt {
                     )
                 })
                 .and_then(|()| {
-                    let align = key.c_align as u32;
                     [
-                        P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
-                        P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
+                        (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, key.a_align),
+                        (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, key.b_align),
+                        (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, key.c_align),
+                        (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, key.c_align),
                     ]
                     .into_iter()
-                    .try_for_each(|a| {
+                    .try_for_each(|(a, align)| {
                         lt::set_matmul_pref_attribute(pref, a, (&align as *const u32).cast(), 4)
                     })
                 })
@@ -282,9 +332,23 @@ impl Lt {
             Entry::Occupied(o) => o.into_mut(),
             Entry::Vacant(v) => v.insert(self.plan(c, &key)?),
         };
-        // SAFETY: the operands lie in the arena or the stream's workspace (the caller sizes
-        // them), the descriptors are live, alpha and beta outlive the call, and the workspace
-        // is this stream's.
+        if let Some((bias, _)) = c.bias {
+            let at: u64 = bias.0;
+            // SAFETY: a live descriptor, used by this stream's host thread only; the bias lies
+            // in the arena.
+            unsafe {
+                lt::set_matmul_desc_attribute(
+                    p.desc,
+                    lts::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                    (&at as *const u64).cast(),
+                    std::mem::size_of::<u64>(),
+                )
+            }
+            .map_err(lt_err("cuBLASLt bias pointer"))?;
+        }
+        // SAFETY: the operands and C lie in the arena or the stream's workspace (the caller
+        // sizes them), the descriptors are live, alpha and beta outlive the call, and the
+        // workspace is this stream's.
         unsafe {
             lt::matmul(
                 self.handle,

@@ -5,6 +5,7 @@
 //! the layer math and the argument marshalling are checked without a GPU.
 #![cfg_attr(not(feature = "cuda"), allow(dead_code))]
 
+use super::typed::DevPtr;
 use crate::math::Precision;
 use schedc::job::{Collective, Dtype};
 
@@ -62,15 +63,6 @@ pub fn rows(n: usize) -> Grid {
     }
 }
 
-/// The dtype code of `kernels.cu`.
-pub fn dtype_code(d: Dtype) -> i32 {
-    match d {
-        Dtype::Fp32 => 0,
-        Dtype::Bf16 => 1,
-        Dtype::Fp16 => 2,
-    }
-}
-
 /// The rounding code of `kernels.cu` for a [`Precision`].
 pub fn prec_code(p: Precision) -> i32 {
     match p {
@@ -80,30 +72,34 @@ pub fn prec_code(p: Precision) -> i32 {
     }
 }
 
-/// A row-major matrix operand: device pointer, leading dimension (elements between rows), and
-/// whether it is used transposed.
+/// A row-major matrix operand: typed device pointer, leading dimension (elements between
+/// rows), and whether it is used transposed.
 #[derive(Clone, Copy, Debug)]
 pub struct M {
-    pub ptr: DevAddr,
+    pub ptr: DevPtr,
     pub ld: usize,
     pub t: bool,
 }
 
-pub fn m(ptr: DevAddr, ld: usize) -> M {
+pub fn m(ptr: DevPtr, ld: usize) -> M {
     M { ptr, ld, t: false }
 }
 
-pub fn mt(ptr: DevAddr, ld: usize) -> M {
+pub fn mt(ptr: DevPtr, ld: usize) -> M {
     M { ptr, ld, t: true }
 }
 
-/// A column-major product call, as cuBLAS takes it: C ← α·op(A)·op(B) + β·C with op(A) m × k,
-/// op(B) k × n, C m × n (`batch` of them). A and B are stored in `operands` (fp32: `sgemm`; bf16
-/// or fp16: tensor cores through cuBLASLt), C is always fp32 and every product accumulates in
-/// fp32.
+/// A column-major product call, as cuBLAS takes it: D ← α·op(A)·op(B) + β·C (+ bias) with
+/// op(A) m × k, op(B) k × n, C = D m × n (`batch` of them). A and B are stored in `operands`
+/// (fp32: `sgemm`; bf16 or fp16: tensor cores through cuBLASLt); C and D in `output`: fp32, or
+/// (cuBLASLt only) the operands' 16-bit dtype, α·AB + β·C (+ bias) computed in f32 and rounded
+/// once. Every product accumulates in fp32. `bias` (cuBLASLt only: its epilogue) adds a vector
+/// of m values of its dtype to every column.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct ColMajor {
     pub operands: Dtype,
+    pub output: Dtype,
+    pub bias: Option<(DevAddr, Dtype)>,
     pub transa: bool,
     pub transb: bool,
     pub m: usize,
@@ -126,7 +122,8 @@ pub struct ColMajor {
 /// The row-major product C[rows × cols] ← α·op(A)[rows × k]·op(B)[k × cols] + β·C (C's rows
 /// `ldc` apart; `batch` of them, operands `stride_*` elements apart, 0 reusing one) as the
 /// column-major call that computes it: a row-major C is a column-major Cᵀ = op(B)ᵀ·op(A)ᵀ, so
-/// the operands swap and keep their transpose flags. The operands are fp32 (see
+/// the operands swap and keep their transpose flags. The call says fp32 operands and output and
+/// no bias; the caller sets what the operands' and C's storage make them (see
 /// [`ColMajor::operands`]).
 #[allow(clippy::too_many_arguments)]
 pub fn row_major(
@@ -146,16 +143,18 @@ pub fn row_major(
 ) -> ColMajor {
     ColMajor {
         operands: Dtype::Fp32,
+        output: Dtype::Fp32,
+        bias: None,
         transa: b.t,
         transb: a.t,
         m: cols,
         n: rows,
         k,
         alpha,
-        a: b.ptr,
+        a: b.ptr.addr,
         lda: b.ld,
         stride_a: stride_b,
-        b: a.ptr,
+        b: a.ptr.addr,
         ldb: a.ld,
         stride_b: stride_a,
         beta,

@@ -1,23 +1,27 @@
 //! The device layer's primitives on a GPU stream: kernel launches of `kernels.cu` and cuBLAS
-//! products over device addresses ([`crate::device::Device`] for [`Gpu`]). Regions of the arena
-//! are loaded into the stream's f32 workspace and rounded back to their dtype by kernels; the
-//! layer math and each op's reads and writes are the device layer's, shared with the CPU.
+//! products over typed device pointers ([`crate::device::Device`] for [`Gpu`], [`DevPtr`]).
+//! Every region of the arena is computed on in place in its own dtype ([`Device::view`],
+//! [`Device::view_saved`]): kernels read any storage and round once where they store, and a
+//! 16-bit model's products take operands stored in its dtype in place and write C in its
+//! storage. The stream's f32 workspace holds the layer math's fp32 intermediates, the
+//! parameter gradient and product casts; `Device::load`/`store` (the `stage` kernels) remain
+//! for what the device layer still stages (gradient parts, the optimizer's 16-bit parameter
+//! copy). The layer math and each op's reads and writes are the device layer's, shared with
+//! the CPU.
 //! Built everywhere (it only enqueues through [`Exec`]), so the host emulation in the tests runs
 //! it; on a GPU it runs inside [`super::CudaBackend`].
 #![cfg_attr(not(feature = "cuda"), allow(dead_code))]
 
-use super::enqueue::{
-    dtype_code, elems, m, mt, prec_code, row_major, rows, ColMajor, DevAddr, Exec, A, M,
-};
+use super::enqueue::{elems, m, mt, prec_code, row_major, rows, ColMajor, DevAddr, Exec, A, M};
+use super::typed::{DevPtr, Storage};
+use crate::device::action::aliased_outputs;
 use crate::device::{plan_error, ArenaSpan, Device, DeviceError, Ptr, Update};
 use crate::exec::Action;
 use crate::math::attention::Keep;
-use crate::math::saved::Piece;
-use crate::math::{BlockP, NormP, Precision};
+use crate::math::{BlockP, Kind, NormP, Precision, Segment};
 use crate::plan::Plan;
-use cranelift_entity::EntityRef;
 use schedc::ir::Region;
-use schedc::job::{Attention, Dtype, LayerKind, Norm, Optimizer};
+use schedc::job::{Attention, Dtype, Norm, Optimizer};
 use std::cell::Cell;
 
 /// Device addresses of a rank's constants: the batch tokens, the loss and sum-of-squares
@@ -29,7 +33,7 @@ pub struct Consts {
     pub loss: DevAddr,
     /// One f64: the gradient norm's sum of squares.
     pub sumsq: DevAddr,
-    /// cos then sin tables, seq_len × head_dim/2 each.
+    /// cos then sin tables (fp32), seq_len × head_dim/2 each.
     pub rope: Option<DevAddr>,
     /// Per layer: (pointer to i64 [start, end) pairs, count).
     pub decay: Vec<(DevAddr, usize)>,
@@ -37,8 +41,8 @@ pub struct Consts {
     pub t: usize,
 }
 
-/// One stream of one rank: where to enqueue ([`Exec`]), its workspace (a bump pointer reset
-/// after each op), where the rank's arena starts, the rank's constants, and the dtype its
+/// One stream of one rank: where to enqueue ([`Exec`]), its fp32 workspace (a bump pointer
+/// reset after each op), where the rank's arena starts, the rank's constants, and the dtype its
 /// matrix products run in (the model's: a 16-bit model's products run on tensor cores).
 pub struct Gpu<'a> {
     pub x: &'a dyn Exec,
@@ -52,17 +56,17 @@ pub struct Gpu<'a> {
 
 const F: u64 = 4;
 
-/// A run of f32s on the device, by address.
-impl Piece for DevAddr {
-    fn split(self, n: usize) -> (Self, Self) {
-        (self, self.offset(n))
-    }
-}
+/// The widest attention head the fused kernels accumulate in shared memory (`MAX_HEAD_DIM` of
+/// `kernels.cu`).
+const MAX_HEAD_DIM: usize = 256;
 
-impl Ptr for DevAddr {
-    fn offset(self, n: usize) -> Self {
-        self.add_bytes(n as u64 * F)
+/// The elements a column-major operand of `rows` × `cols` (columns `ld` apart, `batch` of them
+/// `stride` apart) spans.
+fn span(rows: usize, cols: usize, ld: usize, stride: usize, batch: usize) -> usize {
+    if rows == 0 || cols == 0 {
+        return 0;
     }
+    (batch - 1) * stride + (cols - 1) * ld + rows
 }
 
 impl Gpu<'_> {
@@ -76,6 +80,14 @@ impl Gpu<'_> {
         self.x.launch(name, rows(r), args).map_err(DeviceError::Gpu)
     }
 
+    /// The arena's bytes at `at` as elements of `dtype`, in place.
+    fn arena(&self, at: u64, dtype: Dtype) -> Result<DevPtr, DeviceError> {
+        let storage = Storage::at(dtype, at).ok_or_else(|| {
+            DeviceError::Access(format!("{dtype:?} at arena byte {at} is misaligned"))
+        })?;
+        Ok(DevPtr::new(self.arena_base.add_bytes(at), storage))
+    }
+
     /// Row-major C[rows × cols] ← α·op(A)·op(B) + β·C (see [`row_major`]).
     #[allow(clippy::too_many_arguments)]
     fn gemm(
@@ -87,7 +99,7 @@ impl Gpu<'_> {
         a: M,
         b: M,
         beta: f32,
-        c: DevAddr,
+        c: DevPtr,
         ldc: usize,
     ) -> Result<(), DeviceError> {
         self.batched(rows, cols, k, alpha, a, 0, b, 0, beta, c, ldc, 0, 1)
@@ -105,23 +117,40 @@ impl Gpu<'_> {
         b: M,
         stride_b: usize,
         beta: f32,
-        c: DevAddr,
+        c: DevPtr,
         ldc: usize,
         stride_c: usize,
         batch: usize,
     ) -> Result<(), DeviceError> {
-        if rows == 0 || cols == 0 || batch == 0 {
+        let call = row_major(
+            rows, cols, k, alpha, a, stride_a, b, stride_b, beta, c.addr, ldc, stride_c, batch,
+        );
+        // Column-major A is the row-major B and the other way round.
+        self.product(call, b.ptr.storage, a.ptr.storage, c.storage, None)
+    }
+
+    /// Runs one column-major product whose A, B and C are stored in `sa`, `sb` and `sc`, then
+    /// adds `bias` (a vector of `call.m`) to every column. An operand stored in the product
+    /// dtype is used in place; any other is cast into workspace first (released once the
+    /// product is enqueued: later work on this stream runs after it). C is written in its own
+    /// storage, rounded once, where the product can write it (fp32, or the 16-bit product
+    /// dtype with the bias in cuBLASLt's epilogue); else see [`Gpu::product_via_f32`].
+    fn product(
+        &self,
+        call: ColMajor,
+        sa: Storage,
+        sb: Storage,
+        sc: Storage,
+        bias: Option<DevPtr>,
+    ) -> Result<(), DeviceError> {
+        if call.m == 0 || call.n == 0 || call.batch == 0 {
             return Ok(());
         }
-        let call = row_major(
-            rows, cols, k, alpha, a, stride_a, b, stride_b, beta, c, ldc, stride_c, batch,
-        );
-        if self.products == Dtype::Fp32 {
-            return self.x.gemm(&call).map_err(DeviceError::Gpu);
-        }
-        // A 16-bit product: both operands rounded to the product dtype in workspace (released
-        // once the product is enqueued: later work on this stream runs after it), fp32
-        // accumulation and output.
+        let dtype = self.products;
+        let output = sc.dtype().filter(|&d| d == Dtype::Fp32 || d == dtype);
+        let Some(output) = output else {
+            return self.product_via_f32(call, sa, sb, sc, bias);
+        };
         let mark = self.used.get();
         let (ma, ka) = if call.transa {
             (call.k, call.m)
@@ -133,41 +162,105 @@ impl Gpu<'_> {
         } else {
             (call.k, call.n)
         };
-        let a16 = self.rounded_operand(call.a, ma, ka, call.lda, call.stride_a, batch)?;
-        let b16 = self.rounded_operand(call.b, kb, nb, call.ldb, call.stride_b, batch)?;
+        let a = self.operand(
+            call.a,
+            sa,
+            span(ma, ka, call.lda, call.stride_a, call.batch),
+        )?;
+        let b = self.operand(
+            call.b,
+            sb,
+            span(kb, nb, call.ldb, call.stride_b, call.batch),
+        )?;
+        let epilogue = bias.filter(|_| output != Dtype::Fp32);
+        let epilogue = epilogue
+            .map(|p| {
+                let d = p
+                    .storage
+                    .dtype()
+                    .ok_or_else(|| plan_error("a misaligned bias"))?;
+                Ok::<_, DeviceError>((p.addr, d))
+            })
+            .transpose()?;
         let r = self.x.gemm(&ColMajor {
-            operands: self.products,
-            a: a16,
-            b: b16,
+            operands: dtype,
+            output,
+            bias: epilogue,
+            a,
+            b,
             ..call
         });
         self.used.set(mark);
-        r.map_err(DeviceError::Gpu)
+        r.map_err(DeviceError::Gpu)?;
+        match bias {
+            Some(bias) if epilogue.is_none() => {
+                let c = DevPtr::new(call.c, sc);
+                self.bias_add(c, bias, call.n * call.batch, call.m)
+            }
+            _ => Ok(()),
+        }
     }
 
-    /// A copy of a column-major fp32 operand (`rows` × `cols`, columns `ld` apart, `batch` of
-    /// them `stride` apart) rounded to the product dtype, at the same element offsets.
-    fn rounded_operand(
+    /// A product whose C the product cannot write in place (a 16-bit C of an fp32 product, fp32
+    /// statistics as halves): computed into fp32 workspace (C widened first when β ≠ 0), the
+    /// bias added there, then stored into C rounded once. Only contiguous C (ldc = m, one
+    /// matrix or stride m·n) takes this path; the layer math has no other.
+    fn product_via_f32(
         &self,
-        p: DevAddr,
-        rows: usize,
-        cols: usize,
-        ld: usize,
-        stride: usize,
-        batch: usize,
-    ) -> Result<DevAddr, DeviceError> {
-        if rows == 0 || cols == 0 {
+        call: ColMajor,
+        sa: Storage,
+        sb: Storage,
+        sc: Storage,
+        bias: Option<DevPtr>,
+    ) -> Result<(), DeviceError> {
+        let n = call.m * call.n * call.batch;
+        let contiguous =
+            call.ldc == call.m && (call.batch == 1 || call.stride_c == call.m * call.n);
+        if !contiguous {
+            return Err(plan_error(
+                "a strided product output in a storage cuBLAS cannot write",
+            ));
+        }
+        let c = DevPtr::new(call.c, sc);
+        let wide = self.alloc(n)?;
+        if call.beta != 0.0 {
+            self.copy(wide, c, n)?;
+        }
+        let call = ColMajor {
+            c: wide.addr,
+            ..call
+        };
+        self.product(call, sa, sb, Storage::F32, bias)?;
+        self.copy(c, wide, n)
+    }
+
+    /// A column-major operand of `n` elements at `p` in `storage`, in the product dtype: `p`
+    /// itself when it is stored so, else a copy cast to it in workspace (a 16-bit product
+    /// rounds an fp32 operand; an fp32 product widens a 16-bit one, exactly).
+    fn operand(&self, p: DevAddr, storage: Storage, n: usize) -> Result<DevAddr, DeviceError> {
+        if storage.dtype() == Some(self.products) || n == 0 {
             return Ok(p);
         }
-        let n = (batch - 1) * stride + (cols - 1) * ld + rows;
-        let dst = self.alloc(n.div_ceil(2))?;
-        let code = dtype_code(self.products);
+        let to = Storage::of(self.products);
+        let dst = self.alloc((n as u64 * to.bytes()).div_ceil(F) as usize)?;
+        self.copy(DevPtr::new(dst.addr, to), DevPtr::new(p, storage), n)?;
+        Ok(dst.addr)
+    }
+
+    /// y[r][c] += b[c] for `t` rows of `w`.
+    fn bias_add(&self, y: DevPtr, b: DevPtr, t: usize, w: usize) -> Result<(), DeviceError> {
         self.run(
-            "store",
-            n,
-            &[A::P(p), A::P(dst), A::I(code), A::L(n as i64)],
-        )?;
-        Ok(dst)
+            "bias_add",
+            t * w,
+            &[
+                A::P(y.addr),
+                A::I(y.code()),
+                A::P(b.addr),
+                A::I(b.code()),
+                A::L(t as i64),
+                A::L(w as i64),
+            ],
+        )
     }
 
     fn copy_bytes(&self, dst: DevAddr, src: DevAddr, bytes: usize) -> Result<(), DeviceError> {
@@ -175,6 +268,25 @@ impl Gpu<'_> {
             return Ok(());
         }
         self.x.copy_bytes(dst, src, bytes).map_err(DeviceError::Gpu)
+    }
+
+    /// `n` elements from `src` to `dst`, each rounded once to `dst`'s storage (the layer
+    /// math's copies between storages and the products' operand casts).
+    fn convert(&self, dst: DevPtr, src: DevPtr, n: usize) -> Result<(), DeviceError> {
+        if n == 0 {
+            return Ok(());
+        }
+        self.run(
+            "convert",
+            n,
+            &[
+                A::P(src.addr),
+                A::I(src.code()),
+                A::P(dst.addr),
+                A::I(dst.code()),
+                A::L(n as i64),
+            ],
+        )
     }
 }
 
@@ -186,11 +298,18 @@ fn norm_code(k: Norm) -> i32 {
 }
 
 /// The fused attention kernels' launch: query rows, key rows, then their scalar arguments
-/// (sequence length, qkv row width, heads, kv heads, head width, scale).
+/// (sequence length, qkv row width, heads, kv heads, head width, scale). The kernels accumulate
+/// a row in shared memory, so the head width is at most [`MAX_HEAD_DIM`].
 #[allow(clippy::type_complexity)]
-fn flash_shape(bp: &BlockP) -> (usize, usize, i64, i64, i32, i32, i32, f32) {
+fn flash_shape(bp: &BlockP) -> Result<(usize, usize, i64, i64, i32, i32, i32, f32), DeviceError> {
     let sh = &bp.shape;
-    (
+    if sh.d > MAX_HEAD_DIM {
+        return Err(plan_error(format!(
+            "fused attention takes heads of at most {MAX_HEAD_DIM} (this one: {})",
+            sh.d
+        )));
+    }
+    Ok((
         sh.b * sh.heads * sh.s,
         sh.b * sh.kv_heads * sh.s,
         sh.s as i64,
@@ -199,18 +318,18 @@ fn flash_shape(bp: &BlockP) -> (usize, usize, i64, i64, i32, i32, i32, f32) {
         sh.kv_heads as i32,
         sh.d as i32,
         sh.scale(),
-    )
+    ))
 }
 
-fn or_null(p: Option<DevAddr>) -> DevAddr {
-    p.unwrap_or(DevAddr::NULL)
+fn or_null(p: Option<DevPtr>) -> DevPtr {
+    p.unwrap_or(DevPtr::NULL)
 }
 
 impl Device for Gpu<'_> {
-    type Ptr = DevAddr;
+    type Ptr = DevPtr;
     type Tokens = DevAddr;
 
-    fn alloc(&self, n: usize) -> Result<DevAddr, DeviceError> {
+    fn alloc(&self, n: usize) -> Result<DevPtr, DeviceError> {
         let at = self.used.get();
         // 64-float alignment keeps every piece 256-byte aligned for cuBLAS.
         let next = at + n.div_ceil(64) * 64;
@@ -221,7 +340,7 @@ impl Device for Gpu<'_> {
             });
         }
         self.used.set(next);
-        Ok(self.ws_base.add_bytes(at as u64 * F))
+        Ok(DevPtr::f32(self.ws_base.add_bytes(at as u64 * F)))
     }
 
     fn reset(&self) {
@@ -236,20 +355,37 @@ impl Device for Gpu<'_> {
             .add_bytes((2 * u64::from(m) + u64::from(targets)) * t * 4))
     }
 
-    /// An fp32 region is computed on in place: its address in the arena (no staging copy).
-    fn view(&self, at: u64, dtype: Dtype, _n: usize) -> Result<Option<DevAddr>, DeviceError> {
-        Ok((dtype == Dtype::Fp32 && at.is_multiple_of(4)).then(|| self.arena_base.add_bytes(at)))
+    /// Every region is computed on in place, in its own dtype (fp32 at a 2-byte boundary as
+    /// halves); `None` only for one misaligned for its dtype.
+    fn view(&self, at: u64, dtype: Dtype, _n: usize) -> Result<Option<DevPtr>, DeviceError> {
+        Ok(Storage::at(dtype, at).map(|s| DevPtr::new(self.arena_base.add_bytes(at), s)))
     }
 
-    fn load(&self, at: u64, dtype: Dtype, dst: DevAddr, n: usize) -> Result<(), DeviceError> {
-        let src = self.arena_base.add_bytes(at);
+    /// A saved region in place: each segment in its own storage ([`DevPtr::saved`]).
+    fn view_saved(
+        &self,
+        at: u64,
+        model: Dtype,
+        segments: &[Segment],
+    ) -> Result<Option<DevPtr>, DeviceError> {
+        Ok(DevPtr::saved(
+            self.arena_base.add_bytes(at),
+            at,
+            model,
+            segments,
+        ))
+    }
+
+    fn load(&self, at: u64, dtype: Dtype, dst: DevPtr, n: usize) -> Result<(), DeviceError> {
+        let src = self.arena(at, dtype)?;
         self.run(
-            "load",
+            "stage",
             n,
             &[
-                A::P(src),
-                A::I(dtype_code(dtype)),
-                A::P(dst),
+                A::P(src.addr),
+                A::I(src.code()),
+                A::P(dst.addr),
+                A::I(dst.code()),
                 A::L(n as i64),
             ],
         )
@@ -257,33 +393,45 @@ impl Device for Gpu<'_> {
 
     fn store(
         &self,
-        src: DevAddr,
+        src: DevPtr,
         at: u64,
         dtype: Dtype,
         n: usize,
         accumulate: bool,
     ) -> Result<(), DeviceError> {
-        let dst = self.arena_base.add_bytes(at);
-        let d = dtype_code(dtype);
+        let dst = self.arena(at, dtype)?;
         if accumulate {
-            self.run(
-                "add_store",
+            return self.run(
+                "stage_add",
                 n,
-                &[A::P(src), A::P(dst), A::I(d), A::L(n as i64)],
-            )
-        } else {
-            self.run("store", n, &[A::P(src), A::P(dst), A::I(d), A::L(n as i64)])
+                &[
+                    A::P(src.addr),
+                    A::I(src.code()),
+                    A::P(dst.addr),
+                    A::I(dst.code()),
+                    A::L(n as i64),
+                ],
+            );
         }
+        self.run(
+            "stage",
+            n,
+            &[
+                A::P(src.addr),
+                A::I(src.code()),
+                A::P(dst.addr),
+                A::I(dst.code()),
+                A::L(n as i64),
+            ],
+        )
     }
 
-    fn load_f32(&self, at: u64, dst: DevAddr, n: usize) -> Result<(), DeviceError> {
-        let src = self.arena_base.add_bytes(at);
-        self.run("load_halves", n, &[A::P(src), A::P(dst), A::L(n as i64)])
+    fn load_f32(&self, at: u64, dst: DevPtr, n: usize) -> Result<(), DeviceError> {
+        self.load(at, Dtype::Fp32, dst, n)
     }
 
-    fn store_f32(&self, src: DevAddr, at: u64, n: usize) -> Result<(), DeviceError> {
-        let dst = self.arena_base.add_bytes(at);
-        self.run("store_halves", n, &[A::P(src), A::P(dst), A::L(n as i64)])
+    fn store_f32(&self, src: DevPtr, at: u64, n: usize) -> Result<(), DeviceError> {
+        self.store(src, at, Dtype::Fp32, n, false)
     }
 
     fn copy_arena(&self, dst: u64, src: u64, bytes: u64) -> Result<(), DeviceError> {
@@ -291,55 +439,79 @@ impl Device for Gpu<'_> {
         self.copy_bytes(b.add_bytes(dst), b.add_bytes(src), bytes as usize)
     }
 
-    fn fill(&self, p: DevAddr, n: usize, v: f32) -> Result<(), DeviceError> {
-        self.run("fill", n, &[A::P(p), A::F(v), A::L(n as i64)])
+    fn fill(&self, p: DevPtr, n: usize, v: f32) -> Result<(), DeviceError> {
+        self.run(
+            "fill",
+            n,
+            &[A::P(p.addr), A::I(p.code()), A::F(v), A::L(n as i64)],
+        )
     }
 
-    fn copy(&self, dst: DevAddr, src: DevAddr, n: usize) -> Result<(), DeviceError> {
-        self.copy_bytes(dst, src, n * 4)
+    /// A byte copy between the same representation (fp32 and fp32 halves are the same bytes),
+    /// else a conversion rounding once to `dst`'s storage.
+    fn copy(&self, dst: DevPtr, src: DevPtr, n: usize) -> Result<(), DeviceError> {
+        let (d, s) = (dst.storage, src.storage);
+        if d == s || (d.bytes() == 4 && s.bytes() == 4) {
+            return self.copy_bytes(dst.addr, src.addr, n * d.bytes() as usize);
+        }
+        self.convert(dst, src, n)
     }
 
-    fn round(&self, prec: Precision, p: DevAddr, n: usize) -> Result<(), DeviceError> {
-        if prec == Precision::F32 {
+    /// A no-op where `p`'s storage already rounds to `prec` (its values were rounded when
+    /// written).
+    fn round(&self, prec: Precision, p: DevPtr, n: usize) -> Result<(), DeviceError> {
+        if p.storage.rounds_to(prec) {
             return Ok(());
         }
         self.run(
             "round_in_place",
             n,
-            &[A::P(p), A::I(prec_code(prec)), A::L(n as i64)],
+            &[
+                A::P(p.addr),
+                A::I(p.code()),
+                A::I(prec_code(prec)),
+                A::L(n as i64),
+            ],
         )
     }
 
     fn linear(
         &self,
-        x: DevAddr,
-        w: DevAddr,
-        bias: Option<DevAddr>,
-        y: DevAddr,
+        x: DevPtr,
+        w: DevPtr,
+        bias: Option<DevPtr>,
+        y: DevPtr,
         t: usize,
         inp: usize,
         out: usize,
         beta: f32,
     ) -> Result<(), DeviceError> {
-        self.gemm(t, out, inp, 1.0, m(x, inp), mt(w, inp), beta, y, out)?;
-        if let Some(b) = bias {
-            self.run(
-                "bias_add",
-                t * out,
-                &[A::P(y), A::P(b), A::L(t as i64), A::L(out as i64)],
-            )?;
-        }
-        Ok(())
+        let call = row_major(
+            t,
+            out,
+            inp,
+            1.0,
+            m(x, inp),
+            0,
+            mt(w, inp),
+            0,
+            beta,
+            y.addr,
+            out,
+            0,
+            1,
+        );
+        self.product(call, w.storage, x.storage, y.storage, bias)
     }
 
     fn linear_backward(
         &self,
-        x: DevAddr,
-        w: DevAddr,
-        dy: DevAddr,
-        dw: DevAddr,
-        dbias: Option<DevAddr>,
-        dx: Option<(DevAddr, f32)>,
+        x: DevPtr,
+        w: DevPtr,
+        dy: DevPtr,
+        dw: DevPtr,
+        dbias: Option<DevPtr>,
+        dx: Option<(DevPtr, f32)>,
         t: usize,
         inp: usize,
         out: usize,
@@ -349,7 +521,14 @@ impl Device for Gpu<'_> {
             self.run(
                 "col_sums",
                 out,
-                &[A::P(dy), A::L(t as i64), A::L(out as i64), A::P(db)],
+                &[
+                    A::P(dy.addr),
+                    A::I(dy.code()),
+                    A::L(t as i64),
+                    A::L(out as i64),
+                    A::P(db.addr),
+                    A::I(db.code()),
+                ],
             )?;
         }
         if let Some((dx, beta)) = dx {
@@ -361,24 +540,30 @@ impl Device for Gpu<'_> {
     fn norm_forward(
         &self,
         np: &NormP,
-        params: DevAddr,
+        params: DevPtr,
         t: usize,
         h: usize,
-        x: DevAddr,
-        out: DevAddr,
-        stats: DevAddr,
+        x: DevPtr,
+        out: DevPtr,
+        stats: DevPtr,
     ) -> Result<(), DeviceError> {
         let b = or_null(np.b.as_ref().map(|r| params.at(r)));
+        let w = params.at(&np.w);
         self.run_rows(
             "norm_forward",
             t,
             &[
                 A::I(norm_code(np.kind)),
-                A::P(x),
-                A::P(params.at(&np.w)),
-                A::P(b),
-                A::P(out),
-                A::P(stats),
+                A::P(x.addr),
+                A::I(x.code()),
+                A::P(w.addr),
+                A::I(w.code()),
+                A::P(b.addr),
+                A::I(b.code()),
+                A::P(out.addr),
+                A::I(out.code()),
+                A::P(stats.addr),
+                A::I(stats.code()),
                 A::L(h as i64),
             ],
         )
@@ -387,40 +572,52 @@ impl Device for Gpu<'_> {
     fn norm_backward(
         &self,
         np: &NormP,
-        params: DevAddr,
+        params: DevPtr,
         t: usize,
         h: usize,
-        x: DevAddr,
-        stats: DevAddr,
-        dy: DevAddr,
-        dx: Option<DevAddr>,
-        grads: DevAddr,
+        x: DevPtr,
+        stats: DevPtr,
+        dy: DevPtr,
+        dx: Option<DevPtr>,
+        grads: DevPtr,
     ) -> Result<(), DeviceError> {
         let db = or_null(np.b.as_ref().map(|r| grads.at(r)));
+        let dw = grads.at(&np.w);
         self.run(
             "norm_backward_params",
             h,
             &[
-                A::P(x),
-                A::P(stats),
-                A::P(dy),
-                A::P(grads.at(&np.w)),
-                A::P(db),
+                A::P(x.addr),
+                A::I(x.code()),
+                A::P(stats.addr),
+                A::I(stats.code()),
+                A::P(dy.addr),
+                A::I(dy.code()),
+                A::P(dw.addr),
+                A::I(dw.code()),
+                A::P(db.addr),
+                A::I(db.code()),
                 A::L(t as i64),
                 A::L(h as i64),
             ],
         )?;
         if let Some(dx) = dx {
+            let w = params.at(&np.w);
             self.run_rows(
                 "norm_backward_input",
                 t,
                 &[
                     A::I(norm_code(np.kind)),
-                    A::P(x),
-                    A::P(params.at(&np.w)),
-                    A::P(stats),
-                    A::P(dy),
-                    A::P(dx),
+                    A::P(x.addr),
+                    A::I(x.code()),
+                    A::P(w.addr),
+                    A::I(w.code()),
+                    A::P(stats.addr),
+                    A::I(stats.code()),
+                    A::P(dy.addr),
+                    A::I(dy.code()),
+                    A::P(dx.addr),
+                    A::I(dx.code()),
                     A::L(h as i64),
                 ],
             )?;
@@ -428,44 +625,83 @@ impl Device for Gpu<'_> {
         Ok(())
     }
 
-    fn gelu(&self, pre: DevAddr, post: DevAddr, n: usize) -> Result<(), DeviceError> {
-        self.run("gelu_forward", n, &[A::P(pre), A::P(post), A::L(n as i64)])
+    fn gelu(&self, pre: DevPtr, post: DevPtr, n: usize) -> Result<(), DeviceError> {
+        self.run(
+            "gelu_forward",
+            n,
+            &[
+                A::P(pre.addr),
+                A::I(pre.code()),
+                A::P(post.addr),
+                A::I(post.code()),
+                A::L(n as i64),
+            ],
+        )
     }
 
-    fn gelu_backward(&self, pre: DevAddr, d: DevAddr, n: usize) -> Result<(), DeviceError> {
-        self.run("gelu_backward", n, &[A::P(pre), A::P(d), A::L(n as i64)])
+    fn gelu_backward(&self, pre: DevPtr, d: DevPtr, n: usize) -> Result<(), DeviceError> {
+        self.run(
+            "gelu_backward",
+            n,
+            &[
+                A::P(pre.addr),
+                A::I(pre.code()),
+                A::P(d.addr),
+                A::I(d.code()),
+                A::L(n as i64),
+            ],
+        )
     }
 
-    fn swiglu(
-        &self,
-        gate: DevAddr,
-        up: DevAddr,
-        prod: DevAddr,
-        n: usize,
-    ) -> Result<(), DeviceError> {
+    fn swiglu(&self, gate: DevPtr, up: DevPtr, prod: DevPtr, n: usize) -> Result<(), DeviceError> {
         self.run(
             "swiglu_forward",
             n,
-            &[A::P(gate), A::P(up), A::P(prod), A::L(n as i64)],
+            &[
+                A::P(gate.addr),
+                A::I(gate.code()),
+                A::P(up.addr),
+                A::I(up.code()),
+                A::P(prod.addr),
+                A::I(prod.code()),
+                A::L(n as i64),
+            ],
         )
     }
 
     fn swiglu_backward(
         &self,
-        gate: DevAddr,
-        up: DevAddr,
-        dgate: DevAddr,
-        dup: DevAddr,
+        gate: DevPtr,
+        up: DevPtr,
+        dgate: DevPtr,
+        dup: DevPtr,
         n: usize,
     ) -> Result<(), DeviceError> {
         self.run(
             "swiglu_backward",
             n,
-            &[A::P(gate), A::P(up), A::P(dgate), A::P(dup), A::L(n as i64)],
+            &[
+                A::P(gate.addr),
+                A::I(gate.code()),
+                A::P(up.addr),
+                A::I(up.code()),
+                A::P(dgate.addr),
+                A::I(dgate.code()),
+                A::P(dup.addr),
+                A::I(dup.code()),
+                A::L(n as i64),
+            ],
         )
     }
 
-    fn rope(&self, bp: &BlockP, t: usize, qkv: DevAddr, inverse: bool) -> Result<(), DeviceError> {
+    fn rope(
+        &self,
+        bp: &BlockP,
+        t: usize,
+        src: DevPtr,
+        qkv: DevPtr,
+        inverse: bool,
+    ) -> Result<(), DeviceError> {
         let Some(r) = &bp.rope else { return Ok(()) };
         let tables = self
             .consts
@@ -473,14 +709,22 @@ impl Device for Gpu<'_> {
             .ok_or_else(|| plan_error("no rotary tables on the device"))?;
         let sh = &bp.shape;
         let (s, half) = (sh.s, r.half);
-        let n = t * (sh.heads + sh.kv_heads) * half;
+        let copied = if src.addr == qkv.addr {
+            0
+        } else {
+            sh.kv_heads * 2 * half
+        };
+        let n = t * ((sh.heads + sh.kv_heads) * half + copied);
         self.run(
             "rope",
             n,
             &[
-                A::P(qkv),
+                A::P(src.addr),
+                A::I(src.code()),
+                A::P(qkv.addr),
+                A::I(qkv.code()),
                 A::P(tables),
-                A::P(tables.offset(s * half)),
+                A::P(tables.add_bytes((s * half) as u64 * F)),
                 A::L(t as i64),
                 A::L(s as i64),
                 A::L(sh.width() as i64),
@@ -500,19 +744,22 @@ impl Device for Gpu<'_> {
         &self,
         bp: &BlockP,
         act: Precision,
-        qkv: DevAddr,
-        out: DevAddr,
-        keep: Keep<DevAddr>,
+        qkv: DevPtr,
+        out: DevPtr,
+        keep: Keep<DevPtr>,
     ) -> Result<(), DeviceError> {
         if let Keep::Lse(lse) = keep {
-            let (rows, _, s, w, h, kv, d, scale) = flash_shape(bp);
+            let (rows, _, s, w, h, kv, d, scale) = flash_shape(bp)?;
             return self.run_rows(
                 "flash_forward",
                 rows,
                 &[
-                    A::P(qkv),
-                    A::P(out),
-                    A::P(lse),
+                    A::P(qkv.addr),
+                    A::I(qkv.code()),
+                    A::P(out.addr),
+                    A::I(out.code()),
+                    A::P(lse.addr),
+                    A::I(lse.code()),
                     A::L(s),
                     A::L(w),
                     A::I(h),
@@ -538,12 +785,19 @@ impl Device for Gpu<'_> {
             }
             let (lse_ptr, prec) = match bp.attention {
                 Attention::Flash => (keep.offset(b * sh.heads * s), 0),
-                Attention::Naive => (DevAddr::NULL, prec_code(act)),
+                Attention::Naive => (DevPtr::NULL, prec_code(act)),
             };
             self.run_rows(
                 "causal_softmax",
                 sh.heads * s,
-                &[A::P(probs), A::P(lse_ptr), A::L(s as i64), A::I(prec)],
+                &[
+                    A::P(probs.addr),
+                    A::I(probs.code()),
+                    A::P(lse_ptr.addr),
+                    A::I(lse_ptr.code()),
+                    A::L(s as i64),
+                    A::I(prec),
+                ],
             )?;
             if bp.attention == Attention::Naive {
                 let n = sh.heads * s * s;
@@ -581,23 +835,28 @@ impl Device for Gpu<'_> {
     fn attention_backward(
         &self,
         bp: &BlockP,
-        qkv: DevAddr,
-        keep: Keep<DevAddr>,
-        dout: DevAddr,
-        dqkv: DevAddr,
+        qkv: DevPtr,
+        keep: Keep<DevPtr>,
+        dout: DevPtr,
+        dqkv: DevPtr,
     ) -> Result<(), DeviceError> {
         if let Keep::Lse(lse) = keep {
-            let (rows, key_rows, s, w, h, kv, d, scale) = flash_shape(bp);
+            let (rows, key_rows, s, w, h, kv, d, scale) = flash_shape(bp)?;
             let dsum = self.alloc(rows)?;
             self.run_rows(
                 "flash_backward_dq",
                 rows,
                 &[
-                    A::P(qkv),
-                    A::P(dout),
-                    A::P(lse),
-                    A::P(dsum),
-                    A::P(dqkv),
+                    A::P(qkv.addr),
+                    A::I(qkv.code()),
+                    A::P(dout.addr),
+                    A::I(dout.code()),
+                    A::P(lse.addr),
+                    A::I(lse.code()),
+                    A::P(dsum.addr),
+                    A::I(dsum.code()),
+                    A::P(dqkv.addr),
+                    A::I(dqkv.code()),
                     A::L(s),
                     A::L(w),
                     A::I(h),
@@ -610,11 +869,16 @@ impl Device for Gpu<'_> {
                 "flash_backward_dkv",
                 key_rows,
                 &[
-                    A::P(qkv),
-                    A::P(dout),
-                    A::P(lse),
-                    A::P(dsum),
-                    A::P(dqkv),
+                    A::P(qkv.addr),
+                    A::I(qkv.code()),
+                    A::P(dout.addr),
+                    A::I(dout.code()),
+                    A::P(lse.addr),
+                    A::I(lse.code()),
+                    A::P(dsum.addr),
+                    A::I(dsum.code()),
+                    A::P(dqkv.addr),
+                    A::I(dqkv.code()),
                     A::L(s),
                     A::L(w),
                     A::I(h),
@@ -640,12 +904,15 @@ impl Device for Gpu<'_> {
                     Attention::Naive => self.copy(p, kept.offset(bh * s * s), s * s)?,
                     Attention::Flash => {
                         self.gemm(s, s, d, scale, m(q_m, w), mt(k_m, w), 0.0, p, s)?;
+                        let lse = kept.offset(bh * s);
                         self.run(
                             "probs_from_lse",
                             s * s,
                             &[
-                                A::P(p),
-                                A::P(kept.offset(bh * s)),
+                                A::P(p.addr),
+                                A::I(p.code()),
+                                A::P(lse.addr),
+                                A::I(lse.code()),
                                 A::L(s as i64),
                                 A::L(s as i64),
                             ],
@@ -660,7 +927,14 @@ impl Device for Gpu<'_> {
                 self.run_rows(
                     "softmax_backward",
                     s,
-                    &[A::P(p), A::P(dp), A::L(s as i64), A::F(scale)],
+                    &[
+                        A::P(p.addr),
+                        A::I(p.code()),
+                        A::P(dp.addr),
+                        A::I(dp.code()),
+                        A::L(s as i64),
+                        A::F(scale),
+                    ],
                 )?;
                 // dQ = dS·K; dK += dSᵀ·Q
                 self.gemm(s, d, s, 1.0, m(dp, s), m(k_m, w), 0.0, dqkv.offset(q), w)?;
@@ -676,19 +950,23 @@ impl Device for Gpu<'_> {
         _vocab: usize,
         h: usize,
         s: usize,
-        wte: DevAddr,
-        wpe: Option<DevAddr>,
-        out: DevAddr,
+        wte: DevPtr,
+        wpe: Option<DevPtr>,
+        out: DevPtr,
         t: usize,
     ) -> Result<(), DeviceError> {
+        let wpe = or_null(wpe);
         self.run(
             "embedding_forward",
             t * h,
             &[
                 A::P(tokens),
-                A::P(wte),
-                A::P(or_null(wpe)),
-                A::P(out),
+                A::P(wte.addr),
+                A::I(wte.code()),
+                A::P(wpe.addr),
+                A::I(wpe.code()),
+                A::P(out.addr),
+                A::I(out.code()),
                 A::L(t as i64),
                 A::L(h as i64),
                 A::L(s as i64),
@@ -702,19 +980,23 @@ impl Device for Gpu<'_> {
         _vocab: usize,
         h: usize,
         s: usize,
-        dy: DevAddr,
-        dwte: DevAddr,
-        dwpe: Option<DevAddr>,
+        dy: DevPtr,
+        dwte: DevPtr,
+        dwpe: Option<DevPtr>,
         t: usize,
     ) -> Result<(), DeviceError> {
+        let dwpe = or_null(dwpe);
         self.run(
             "embedding_backward",
             h,
             &[
                 A::P(tokens),
-                A::P(dy),
-                A::P(dwte),
-                A::P(or_null(dwpe)),
+                A::P(dy.addr),
+                A::I(dy.code()),
+                A::P(dwte.addr),
+                A::I(dwte.code()),
+                A::P(dwpe.addr),
+                A::I(dwpe.code()),
                 A::L(t as i64),
                 A::L(h as i64),
                 A::L(s as i64),
@@ -724,31 +1006,33 @@ impl Device for Gpu<'_> {
 
     fn cross_entropy(
         &self,
-        logits: DevAddr,
+        logits: DevPtr,
         targets: DevAddr,
         vocab: usize,
         n: usize,
-        grad: DevAddr,
+        grad: DevPtr,
     ) -> Result<(), DeviceError> {
         self.run_rows(
             "cross_entropy",
             n,
             &[
-                A::P(logits),
+                A::P(logits.addr),
+                A::I(logits.code()),
                 A::P(targets),
                 A::L(vocab as i64),
                 A::L(n as i64),
-                A::P(grad),
+                A::P(grad.addr),
+                A::I(grad.code()),
                 A::P(self.consts.loss),
             ],
         )
     }
 
-    fn update(&self, u: &Update<'_>, state: DevAddr, grad: DevAddr) -> Result<(), DeviceError> {
+    fn update(&self, u: &Update<'_>, state: DevPtr, grad: DevPtr) -> Result<(), DeviceError> {
         let cfg = u.cfg;
-        let (sq, sq_dtype, clip) = match u.clip {
-            Some((s, clip)) => (self.arena_base.add_bytes(s.at), dtype_code(s.dtype), clip),
-            None => (DevAddr::NULL, 0, 0.0),
+        let (sq, clip) = match u.clip {
+            Some((s, clip)) => (self.arena(s.at, s.dtype)?, clip),
+            None => (DevPtr::NULL, 0.0),
         };
         let n = u.n as i64;
         if cfg.kind == Optimizer::Sgd {
@@ -756,11 +1040,13 @@ impl Device for Gpu<'_> {
                 "sgd",
                 u.n,
                 &[
-                    A::P(state),
-                    A::P(grad),
+                    A::P(state.addr),
+                    A::I(state.code()),
+                    A::P(grad.addr),
+                    A::I(grad.code()),
                     A::L(n),
-                    A::P(sq),
-                    A::I(sq_dtype),
+                    A::P(sq.addr),
+                    A::I(sq.code()),
                     A::D(u.contributions),
                     A::D(clip),
                     A::F(cfg.lr),
@@ -775,15 +1061,17 @@ impl Device for Gpu<'_> {
             "adam",
             u.n,
             &[
-                A::P(state),
-                A::P(grad),
+                A::P(state.addr),
+                A::I(state.code()),
+                A::P(grad.addr),
+                A::I(grad.code()),
                 A::L(n),
                 A::L(u.first as i64),
                 A::P(decay),
                 A::I(ranges as i32),
                 A::I(i32::from(decays)),
-                A::P(sq),
-                A::I(sq_dtype),
+                A::P(sq.addr),
+                A::I(sq.code()),
                 A::D(u.contributions),
                 A::D(clip),
                 A::F(cfg.beta1),
@@ -796,85 +1084,93 @@ impl Device for Gpu<'_> {
         )
     }
 
+    /// The sums of squares read every gradient in place, in its dtype.
     fn grad_norm(&self, grads: &[ArenaSpan], out: ArenaSpan) -> Result<(), DeviceError> {
         let acc = self.consts.sumsq;
         // Zeroed on this stream before the sums (a step may hold several grad_norm ops only on
         // one stream, in order).
-        self.run("fill", 2, &[A::P(acc), A::F(0.0), A::L(2)])?;
+        self.fill(DevPtr::f32(acc), 2, 0.0)?;
         for g in grads {
-            let v = self.alloc(g.elements)?;
-            self.load(g.at, g.dtype, v, g.elements)?;
+            let v = self.arena(g.at, g.dtype)?;
             let n = g.elements as i64;
-            self.run("sum_squares", g.elements, &[A::P(v), A::L(n), A::P(acc)])?;
-            self.reset();
+            self.run(
+                "sum_squares",
+                g.elements,
+                &[A::P(v.addr), A::I(v.code()), A::L(n), A::P(acc)],
+            )?;
         }
+        let dst = self.arena(out.at, out.dtype)?;
         self.x
             .launch(
                 "store_double",
                 elems(1),
-                &[
-                    A::P(acc),
-                    A::P(self.arena_base.add_bytes(out.at)),
-                    A::I(dtype_code(out.dtype)),
-                ],
+                &[A::P(acc), A::P(dst.addr), A::I(dst.code())],
             )
             .map_err(DeviceError::Gpu)
     }
 }
 
-/// Floats of f32 workspace one op of `layer` can need (an over-estimate: every input and output
-/// converted, plus the math's scratch).
+/// Floats of f32 workspace the layer math of `layer` needs on a GPU, forward or backward,
+/// computing on the arena in place (every region a view, nothing staged):
+/// - the gradients it accumulates: the parameters' and a tied head's embedding's, and the zeros
+///   that stand in for a tied head's embedding where an op has none (a recompute);
+/// - its fp32 intermediates (`layers.rs`): a transformer's backward holds dr, da, dattn (T·h
+///   each), dqkv (T·w) and the MLP's two T·f, plus attention's (naive: the probabilities, n·s²
+///   forward, two s×s backward; flash: a row sum per query row, n·T); an MLP layer's backward
+///   da and the two T·f; an lm_head's backward da (a forward needs less: with rotary
+///   positions the projected qkv, T·w, before the rotation writes it);
+/// - the casts of one product's operands at a time (operands stored in the product dtype are
+///   used in place): for a 16-bit model, at most two of the widest fp32 intermediate at two
+///   bytes an element; where the gradient dtype is not the model's, the output gradient.
+/// - 64 floats of alignment per allocation.
 pub fn layer_workspace(plan: &Plan, layer: usize) -> usize {
     let m = &plan.maths[layer];
     let model = &plan.job.model;
-    let t = (model.micro_batch * model.seq_len) as usize;
-    let s = model.seq_len as usize;
-    let big = match &model.layers[layer].kind {
-        LayerKind::Transformer(tr) => {
-            let (h, f, n) = (tr.hidden as usize, tr.ffn as usize, tr.heads as usize);
-            6 * t * h + 3 * t * f + 2 * t * (h + 2 * h) + n * s * s + 2 * s * s
+    let t = m.dims().t;
+    let (scratch, widest) = match m.kind() {
+        Kind::Transformer(bp) => {
+            let (h, f, w, s) = (bp.hidden, bp.mlp.ffn, bp.shape.width(), bp.shape.s);
+            let heads = bp.shape.heads;
+            let attention = match bp.attention {
+                Attention::Naive => heads.max(2) * s * s,
+                Attention::Flash => heads * t,
+            };
+            let widest = (t * f).max(t * w).max(heads * s * s);
+            (3 * t * h + t * w + 2 * t * f + attention, widest)
         }
-        LayerKind::Mlp(mm) => 2 * t * mm.hidden as usize + 3 * t * mm.ffn as usize,
-        LayerKind::LmHead { hidden, .. } => 2 * t * *hidden as usize,
-        _ => 0,
+        Kind::Mlp { hidden, mlp, .. } => (t * hidden + 2 * t * mlp.ffn, t * mlp.ffn),
+        Kind::LmHead { hidden, .. } => (t * hidden, t * hidden),
+        Kind::Embedding { .. } => (0, 0),
     };
-    let padded = plan.program.layers[schedc::ir::LayerId::new(layer)].padded as usize;
-    // A 16-bit model's products first round both operands into workspace (`Gpu::batched`): a
-    // weight (or the tied embedding) and one activation operand, two bytes an element.
-    let casts = if model.dtype == Dtype::Fp32 {
-        0
-    } else {
-        let activation = [
-            m.saved_elements(),
-            m.input_elements(),
-            m.output_elements(),
-            big,
-        ];
-        (m.params() + m.tied_elements() + activation.into_iter().max().unwrap_or(0)).div_ceil(2)
-            + 2 * 64
-    };
-    casts
-        + 2 * m.params()
-        + 2 * m.tied_elements()
-        + 2 * m.input_elements()
-        + 2 * m.output_elements()
-        + 2 * m.saved_elements()
-        + 4 * padded
-        + big
-        + 64 * 64
+    let mut casts = 0;
+    if model.dtype != Dtype::Fp32 {
+        casts += widest;
+    }
+    if model.grad_dtype != model.dtype {
+        casts += m.output_elements();
+    }
+    m.params() + 2 * m.tied_elements() + scratch + casts + 64 * 64
 }
 
-/// Workspace floats of one compute action.
+/// Workspace floats of one compute action: a layer op's math ([`layer_workspace`]), the
+/// largest gradient part it writes (one vector serves every part) and the outputs it must
+/// compute in workspace because they alias another region of the op; the others' one vector.
 pub fn action_workspace(p: &Plan, a: &Action) -> usize {
     let elems = |r: &Region| (r.bytes / p.program.buffers[r.buffer].dtype.bytes()) as usize;
+    let aliased = aliased_outputs(p, a);
     match a {
-        Action::Forward { layer, .. } | Action::Backward { layer, .. } => {
-            layer_workspace(p, *layer)
+        Action::Forward { layer, .. } => layer_workspace(p, *layer) + aliased,
+        Action::Backward {
+            layer,
+            grads,
+            tied_grads,
+            ..
+        } => {
+            let parts = grads.iter().chain(tied_grads).map(|g| elems(&g.region));
+            layer_workspace(p, *layer) + parts.max().unwrap_or(0) + aliased
         }
-        Action::Loss { logits, .. } => 2 * elems(logits) + 64,
-        Action::Update { grad, state, .. } => elems(grad) + elems(state) + 128,
-        Action::GradNorm { grads, .. } => grads.iter().map(elems).max().unwrap_or(0) + 64,
-        Action::Accumulate { from, .. } => elems(from) + 64,
-        Action::Copy { .. } | Action::Collectives(_) => 0,
+        Action::Loss { .. } => aliased + 64,
+        Action::Update { .. } | Action::GradNorm { .. } => 64,
+        Action::Accumulate { .. } | Action::Copy { .. } | Action::Collectives(_) => 0,
     }
 }

@@ -3,7 +3,12 @@
 // read beside it: f32 arithmetic, rounding to the stored dtype where the CPU rounds, the same
 // order of operations where the result would otherwise differ by more than rounding.
 //
-// Dtype codes: 0 fp32, 1 bf16, 2 fp16 (stored as 16-bit words). Sizes are long long.
+// Every tensor pointer comes with its dtype code, so one kernel computes on fp32 workspace and on
+// the arena's 16-bit regions in place: 0 fp32, 1 bf16, 2 fp16 (16-bit words), 3 fp32 as two
+// 16-bit halves at a 2-byte-aligned address (statistics inside a 16-bit saved region). Values
+// are read by widening to f32 (`load_one`); a store rounds once to the pointer's dtype
+// (`store_one`), which is where the CPU rounds when the layer math writes a tensor once.
+// Accumulators live in registers or shared memory, never in a 16-bit tensor. Sizes are long long.
 
 // No headers: NVRTC compiles this without a CUDA toolkit's include directory.
 #define NEG_INF __int_as_float(0xff800000)
@@ -77,18 +82,24 @@ __device__ __forceinline__ unsigned short f32_to_f16(float x) {
 
 __device__ __forceinline__ float load_one(const unsigned char* p, int dtype, long long i) {
     if (dtype == 0) return ((const float*)p)[i];
-    unsigned short h = ((const unsigned short*)p)[i];
-    if (dtype == 1) return bf16_to_f32(h);
-    return f16_to_f32(h);
+    const unsigned short* h = (const unsigned short*)p;
+    if (dtype == 3) return __uint_as_float((unsigned int)h[2 * i] | ((unsigned int)h[2 * i + 1] << 16));
+    if (dtype == 1) return bf16_to_f32(h[i]);
+    return f16_to_f32(h[i]);
 }
 
 __device__ __forceinline__ void store_one(unsigned char* p, int dtype, long long i, float x) {
+    unsigned short* h = (unsigned short*)p;
     if (dtype == 0) {
         ((float*)p)[i] = x;
+    } else if (dtype == 3) {
+        unsigned int b = __float_as_uint(x);
+        h[2 * i] = (unsigned short)(b & 0xffff);
+        h[2 * i + 1] = (unsigned short)(b >> 16);
     } else if (dtype == 1) {
-        ((unsigned short*)p)[i] = f32_to_bf16(x);
+        h[i] = f32_to_bf16(x);
     } else {
-        ((unsigned short*)p)[i] = f32_to_f16(x);
+        h[i] = f32_to_f16(x);
     }
 }
 
@@ -98,81 +109,80 @@ __device__ __forceinline__ float round_to(int prec, float x) {
     return x;
 }
 
-// dst[i] = value of src[i] stored as dtype.
-extern "C" __global__ void load(const unsigned char* src, int dtype, float* dst, long long n) {
-    GRID_STRIDE(i, n) dst[i] = load_one(src, dtype, i);
+// A tensor parameter `p` comes with its dtype code `p_dt`; LD and ST read and write element i.
+#define LD(p, i) load_one(p, p##_dt, i)
+#define ST(p, i, x) store_one(p, p##_dt, i, x)
+
+__device__ __forceinline__ void convert_range(const unsigned char* src, int src_dt,
+                                              unsigned char* dst, int dst_dt, long long n) {
+    GRID_STRIDE(i, n) store_one(dst, dst_dt, i, load_one(src, src_dt, i));
 }
 
-// dst[i] = src[i] rounded to dtype.
-extern "C" __global__ void store(const float* src, unsigned char* dst, int dtype, long long n) {
-    GRID_STRIDE(i, n) store_one(dst, dtype, i, src[i]);
+// dst[i] = src[i], rounded to dst's dtype: the layer math's copies between storages and the
+// products' operand casts.
+extern "C" __global__ void convert(const unsigned char* src, int src_dt, unsigned char* dst, int dst_dt, long long n) {
+    convert_range(src, src_dt, dst, dst_dt, n);
 }
 
-// dst[i] += src[i] in f32, rounded once to dtype (Arena::add).
-extern "C" __global__ void add_store(const float* src, unsigned char* dst, int dtype, long long n) {
-    GRID_STRIDE(i, n) store_one(dst, dtype, i, load_one(dst, dtype, i) + src[i]);
+// The same, for a region staged between the arena and f32 workspace (Device::load and store):
+// a separate name, so that traces and the tests tell staging from the math's conversions.
+extern "C" __global__ void stage(const unsigned char* src, int src_dt, unsigned char* dst, int dst_dt, long long n) {
+    convert_range(src, src_dt, dst, dst_dt, n);
 }
 
-// An fp32 statistic at a 2-byte-aligned place: low half first (kernels.rs f32_halves).
-extern "C" __global__ void store_halves(const float* src, unsigned short* dst, long long n) {
-    GRID_STRIDE(i, n) {
-        unsigned int b = __float_as_uint(src[i]);
-        dst[2 * i] = (unsigned short)(b & 0xffff);
-        dst[2 * i + 1] = (unsigned short)(b >> 16);
-    }
+// dst[i] += src[i] in f32, rounded once to dst's dtype (Arena::add).
+extern "C" __global__ void stage_add(const unsigned char* src, int src_dt, unsigned char* dst, int dst_dt, long long n) {
+    GRID_STRIDE(i, n) ST(dst, i, LD(dst, i) + LD(src, i));
 }
 
-extern "C" __global__ void load_halves(const unsigned short* src, float* dst, long long n) {
-    GRID_STRIDE(i, n) {
-        dst[i] = __uint_as_float((unsigned int)src[2 * i] | ((unsigned int)src[2 * i + 1] << 16));
-    }
+// Precision::round in place (a no-op the host skips where x's dtype already is prec).
+extern "C" __global__ void round_in_place(unsigned char* x, int x_dt, int prec, long long n) {
+    GRID_STRIDE(i, n) ST(x, i, round_to(prec, LD(x, i)));
 }
 
-// Precision::round in place.
-extern "C" __global__ void round_in_place(float* x, int prec, long long n) {
-    GRID_STRIDE(i, n) x[i] = round_to(prec, x[i]);
-}
-
-extern "C" __global__ void fill(float* x, float v, long long n) {
-    GRID_STRIDE(i, n) x[i] = v;
+extern "C" __global__ void fill(unsigned char* x, int x_dt, float v, long long n) {
+    GRID_STRIDE(i, n) ST(x, i, v);
 }
 
 // ---- linear layers: math/gemm.rs (the products themselves go through cuBLAS) ----
 
-// y[r][c] += b[c] for t rows of width w.
-extern "C" __global__ void bias_add(float* y, const float* b, long long t, long long w) {
-    GRID_STRIDE(i, t * w) y[i] += b[i % w];
+// y[r][c] += b[c] for t rows of width w (fp32 outputs; a 16-bit output adds its bias in the
+// product's epilogue, rounding once).
+extern "C" __global__ void bias_add(unsigned char* y, int y_dt, const unsigned char* b, int b_dt, long long t, long long w) {
+    GRID_STRIDE(i, t * w) ST(y, i, LD(y, i) + LD(b, i % w));
 }
 
 // acc[c] += sum over rows of m[r][c], rows in order (col_sums).
-extern "C" __global__ void col_sums(const float* m, long long t, long long w, float* acc) {
+extern "C" __global__ void col_sums(const unsigned char* m, int m_dt, long long t, long long w, unsigned char* acc, int acc_dt) {
     GRID_STRIDE(c, w) {
         float s = 0.0f;
-        for (long long r = 0; r < t; ++r) s += m[r * w + c];
-        acc[c] += s;
+        for (long long r = 0; r < t; ++r) s += LD(m, r * w + c);
+        ST(acc, c, LD(acc, c) + s);
     }
 }
 
 // ---- embedding: layers.rs ----
 
-extern "C" __global__ void embedding_forward(const int* tokens, const float* wte, const float* wpe,
-                                             float* out, long long t, long long h, long long s) {
+extern "C" __global__ void embedding_forward(const int* tokens, const unsigned char* wte, int wte_dt, const unsigned char* wpe, int wpe_dt,
+                                             unsigned char* out, int out_dt, long long t, long long h, long long s) {
     GRID_STRIDE(i, t * h) {
         long long row = i / h, c = i % h;
-        float v = wte[(long long)tokens[row] * h + c];
-        if (wpe) v += wpe[(row % s) * h + c];
-        out[i] = v;
+        float v = LD(wte, (long long)tokens[row] * h + c);
+        if (wpe) v += LD(wpe, (row % s) * h + c);
+        ST(out, i, v);
     }
 }
 
 // One thread per hidden column, tokens in order: deterministic, the CPU's summation order.
-extern "C" __global__ void embedding_backward(const int* tokens, const float* g, float* dwte,
-                                              float* dwpe, long long t, long long h, long long s) {
+extern "C" __global__ void embedding_backward(const int* tokens, const unsigned char* g, int g_dt, unsigned char* dwte, int dwte_dt,
+                                              unsigned char* dwpe, int dwpe_dt, long long t, long long h,
+                                              long long s) {
     GRID_STRIDE(c, h) {
         for (long long row = 0; row < t; ++row) {
-            float v = g[row * h + c];
-            dwte[(long long)tokens[row] * h + c] += v;
-            if (dwpe) dwpe[(row % s) * h + c] += v;
+            float v = LD(g, row * h + c);
+            long long at = (long long)tokens[row] * h + c;
+            ST(dwte, at, LD(dwte, at) + v);
+            if (dwpe) ST(dwpe, (row % s) * h + c, LD(dwpe, (row % s) * h + c) + v);
         }
     }
 }
@@ -201,47 +211,47 @@ __device__ float block_sum(float v, float* sh) { return block_reduce(v, sh, fals
 __device__ float block_max(float v, float* sh) { return block_reduce(v, sh, true); }
 
 // kind 0 layer norm, 1 RMS norm; stats gets (mean, 1/sigma) per row.
-extern "C" __global__ void norm_forward(int kind, const float* x, const float* w, const float* b,
-                                        float* out, float* stats, long long h) {
+extern "C" __global__ void norm_forward(int kind, const unsigned char* x, int x_dt, const unsigned char* w, int w_dt, const unsigned char* b, int b_dt, unsigned char* out, int out_dt,
+                                        unsigned char* stats, int stats_dt, long long h) {
     __shared__ float sh[256];
-    long long row = blockIdx.x;
-    const float* xr = x + row * h;
+    long long row = blockIdx.x, x0 = row * h;
     float hf = (float)h;
     float mean = 0.0f, rstd;
     if (kind == 0) {
         float s = 0.0f;
-        for (long long j = threadIdx.x; j < h; j += blockDim.x) s += xr[j];
+        for (long long j = threadIdx.x; j < h; j += blockDim.x) s += LD(x, x0 + j);
         mean = block_sum(s, sh) / hf;
         float v = 0.0f;
-        for (long long j = threadIdx.x; j < h; j += blockDim.x) v += (xr[j] - mean) * (xr[j] - mean);
+        for (long long j = threadIdx.x; j < h; j += blockDim.x) {
+            float c = LD(x, x0 + j) - mean;
+            v += c * c;
+        }
         rstd = 1.0f / sqrtf(block_sum(v, sh) / hf + 1e-5f);
     } else {
         float v = 0.0f;
-        for (long long j = threadIdx.x; j < h; j += blockDim.x) v += xr[j] * xr[j];
+        for (long long j = threadIdx.x; j < h; j += blockDim.x) v += LD(x, x0 + j) * LD(x, x0 + j);
         rstd = 1.0f / sqrtf(block_sum(v, sh) / hf + 1e-5f);
     }
     if (threadIdx.x == 0) {
-        stats[2 * row] = mean;
-        stats[2 * row + 1] = rstd;
+        ST(stats, 2 * row, mean);
+        ST(stats, 2 * row + 1, rstd);
     }
     for (long long j = threadIdx.x; j < h; j += blockDim.x) {
-        float y = (xr[j] - mean) * rstd * w[j];
-        out[row * h + j] = b ? y + b[j] : y;
+        float y = (LD(x, x0 + j) - mean) * rstd * LD(w, j);
+        ST(out, x0 + j, b ? y + LD(b, j) : y);
     }
 }
 
 // dx[row] += rstd * (dy*w - mean_d - xhat*mean_dx); one block per row.
-extern "C" __global__ void norm_backward_input(int kind, const float* x, const float* w,
-                                               const float* stats, const float* dy, float* dx,
-                                               long long h) {
+extern "C" __global__ void norm_backward_input(int kind, const unsigned char* x, int x_dt, const unsigned char* w, int w_dt, const unsigned char* stats, int stats_dt,
+                                               const unsigned char* dy, int dy_dt, unsigned char* dx, int dx_dt, long long h) {
     __shared__ float sh[256];
-    long long row = blockIdx.x;
-    const float *xr = x + row * h, *dyr = dy + row * h;
-    float mean = stats[2 * row], rstd = stats[2 * row + 1];
+    long long row = blockIdx.x, r0 = row * h;
+    float mean = LD(stats, 2 * row), rstd = LD(stats, 2 * row + 1);
     float sd = 0.0f, sdx = 0.0f;
     for (long long j = threadIdx.x; j < h; j += blockDim.x) {
-        float xhat = (xr[j] - mean) * rstd;
-        float d = dyr[j] * w[j];
+        float xhat = (LD(x, r0 + j) - mean) * rstd;
+        float d = LD(dy, r0 + j) * LD(w, j);
         sd += d;
         sdx += d * xhat;
     }
@@ -249,23 +259,23 @@ extern "C" __global__ void norm_backward_input(int kind, const float* x, const f
     float mean_d = kind == 0 ? sum_d / (float)h : 0.0f;
     float mean_dx = sum_dx / (float)h;
     for (long long j = threadIdx.x; j < h; j += blockDim.x) {
-        float xhat = (xr[j] - mean) * rstd;
-        dx[row * h + j] += rstd * (dyr[j] * w[j] - mean_d - xhat * mean_dx);
+        float xhat = (LD(x, r0 + j) - mean) * rstd;
+        ST(dx, r0 + j, LD(dx, r0 + j) + rstd * (LD(dy, r0 + j) * LD(w, j) - mean_d - xhat * mean_dx));
     }
 }
 
 // dw[j] += sum_rows dy*xhat, db[j] += sum_rows dy; one thread per column, rows in order.
-extern "C" __global__ void norm_backward_params(const float* x, const float* stats, const float* dy,
-                                                float* dw, float* db, long long t, long long h) {
+extern "C" __global__ void norm_backward_params(const unsigned char* x, int x_dt, const unsigned char* stats, int stats_dt, const unsigned char* dy, int dy_dt,
+                                                unsigned char* dw, int dw_dt, unsigned char* db, int db_dt, long long t, long long h) {
     GRID_STRIDE(j, h) {
         float sw = 0.0f, sb = 0.0f;
         for (long long r = 0; r < t; ++r) {
-            float xhat = (x[r * h + j] - stats[2 * r]) * stats[2 * r + 1];
-            sw += dy[r * h + j] * xhat;
-            sb += dy[r * h + j];
+            float xhat = (LD(x, r * h + j) - LD(stats, 2 * r)) * LD(stats, 2 * r + 1);
+            sw += LD(dy, r * h + j) * xhat;
+            sb += LD(dy, r * h + j);
         }
-        dw[j] += sw;
-        if (db) db[j] += sb;
+        ST(dw, j, LD(dw, j) + sw);
+        if (db) ST(db, j, LD(db, j) + sb);
     }
 }
 
@@ -279,59 +289,71 @@ __device__ __forceinline__ float tanh_via_exp(float u) {
     return copysignf((1.0f - e) / (1.0f + e), u);
 }
 
-extern "C" __global__ void gelu_forward(const float* pre, float* post, long long n) {
+extern "C" __global__ void gelu_forward(const unsigned char* pre, int pre_dt, unsigned char* post, int post_dt, long long n) {
     GRID_STRIDE(i, n) {
-        float x = pre[i];
-        post[i] = 0.5f * x * (1.0f + tanh_via_exp(GELU_C * (x + GELU_A * x * x * x)));
+        float x = LD(pre, i);
+        ST(post, i, 0.5f * x * (1.0f + tanh_via_exp(GELU_C * (x + GELU_A * x * x * x))));
     }
 }
 
 // d[i] *= gelu'(pre[i]).
-extern "C" __global__ void gelu_backward(const float* pre, float* d, long long n) {
+extern "C" __global__ void gelu_backward(const unsigned char* pre, int pre_dt, unsigned char* d, int d_dt, long long n) {
     GRID_STRIDE(i, n) {
-        float x = pre[i];
+        float x = LD(pre, i);
         float t = tanh_via_exp(GELU_C * (x + GELU_A * x * x * x));
-        d[i] *= 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * GELU_C * (1.0f + 3.0f * GELU_A * x * x);
+        ST(d, i,
+           LD(d, i) * (0.5f * (1.0f + t) +
+                       0.5f * x * (1.0f - t * t) * GELU_C * (1.0f + 3.0f * GELU_A * x * x)));
     }
 }
 
 __device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 
-extern "C" __global__ void swiglu_forward(const float* gate, const float* up, float* prod,
-                                          long long n) {
+extern "C" __global__ void swiglu_forward(const unsigned char* gate, int gate_dt, const unsigned char* up, int up_dt, unsigned char* prod, int prod_dt, long long n) {
     GRID_STRIDE(i, n) {
-        float g = gate[i];
-        prod[i] = g * sigmoid(g) * up[i];
+        float g = LD(gate, i);
+        ST(prod, i, g * sigmoid(g) * LD(up, i));
     }
 }
 
 // In: dgate holds d(prod). Out: dgate, dup.
-extern "C" __global__ void swiglu_backward(const float* gate, const float* up, float* dgate,
-                                           float* dup, long long n) {
+extern "C" __global__ void swiglu_backward(const unsigned char* gate, int gate_dt, const unsigned char* up, int up_dt, unsigned char* dgate, int dgate_dt, unsigned char* dup, int dup_dt,
+                                           long long n) {
     GRID_STRIDE(i, n) {
-        float x = gate[i], u = up[i], sg = sigmoid(x), dp = dgate[i];
-        dup[i] = dp * x * sg;
-        dgate[i] = dp * u * sg * (1.0f + x * (1.0f - sg));
+        float x = LD(gate, i), u = LD(up, i), sg = sigmoid(x), dp = LD(dgate, i);
+        ST(dup, i, dp * x * sg);
+        ST(dgate, i, dp * u * sg * (1.0f + x * (1.0f - sg)));
     }
 }
 
 // ---- rotary positions: ops.rs Rope::apply over the q and k heads of each token row ----
 
-extern "C" __global__ void rope(float* qkv, const float* cosv, const float* sinv, long long t,
+// Rotates the q and k heads of src into qkv and copies the v heads (only when src is not qkv:
+// in place, v stays), so that a product's fp32 output is rotated and rounded once into 16-bit
+// storage. The cos and sin tables are the rank's fp32 constants.
+extern "C" __global__ void rope(const unsigned char* src, int src_dt, unsigned char* qkv,
+                                int qkv_dt, const float* cosv, const float* sinv, long long t,
                                 long long s, long long width, int heads, int kv_heads, int half,
                                 int inverse) {
-    long long per_row = (long long)(heads + kv_heads) * half;
+    long long rotated = (long long)(heads + kv_heads) * half;
+    long long copied = src == qkv ? 0 : (long long)kv_heads * 2 * half;
+    long long per_row = rotated + copied;
     GRID_STRIDE(i, t * per_row) {
         long long tok = i / per_row, rest = i % per_row;
+        if (rest >= rotated) {  // a v element: after the q and k heads (2 * rotated of them)
+            long long at = tok * width + 2 * rotated + (rest - rotated);
+            ST(qkv, at, LD(src, at));
+            continue;
+        }
         long long head = rest / half, k = rest % half;
         long long pos = tok % s;
         // q heads first, then the k heads right after them.
-        float* base = qkv + tok * width + head * 2 * half;
+        long long base = tok * width + head * 2 * half;
         float c = cosv[pos * half + k], sn = sinv[pos * half + k];
         if (inverse) sn = -sn;
-        float x1 = base[k], x2 = base[k + half];
-        base[k] = x1 * c - x2 * sn;
-        base[k + half] = x2 * c + x1 * sn;
+        float x1 = LD(src, base + k), x2 = LD(src, base + k + half);
+        ST(qkv, base + k, x1 * c - x2 * sn);
+        ST(qkv, base + k + half, x2 * c + x1 * sn);
     }
 }
 
@@ -339,91 +361,98 @@ extern "C" __global__ void rope(float* qkv, const float* cosv, const float* sinv
 
 // Causal softmax of each row of p ([rows][s], row i of its sequence-head at i % s): columns past
 // the diagonal become 0; lse (when given) gets the row's log-sum-exp; probs are rounded to prec.
-extern "C" __global__ void causal_softmax(float* p, float* lse, long long s, int prec) {
+extern "C" __global__ void causal_softmax(unsigned char* p, int p_dt, unsigned char* lse, int lse_dt, long long s, int prec) {
     __shared__ float sh[256];
     long long row = blockIdx.x;
-    long long i = row % s;
-    float* r = p + row * s;
+    long long i = row % s, r0 = row * s;
     float m = NEG_INF;
-    for (long long j = threadIdx.x; j <= i; j += blockDim.x) m = fmaxf(m, r[j]);
+    for (long long j = threadIdx.x; j <= i; j += blockDim.x) m = fmaxf(m, LD(p, r0 + j));
     m = block_max(m, sh);
     float acc = 0.0f;
-    for (long long j = threadIdx.x; j <= i; j += blockDim.x) acc += expf(r[j] - m);
+    for (long long j = threadIdx.x; j <= i; j += blockDim.x) acc += expf(LD(p, r0 + j) - m);
     float l = m + logf(block_sum(acc, sh));
     for (long long j = threadIdx.x; j < s; j += blockDim.x) {
-        r[j] = j <= i ? round_to(prec, expf(r[j] - l)) : 0.0f;
+        ST(p, r0 + j, j <= i ? round_to(prec, expf(LD(p, r0 + j) - l)) : 0.0f);
     }
-    if (lse && threadIdx.x == 0) lse[row] = l;
+    if (lse && threadIdx.x == 0) ST(lse, row, l);
 }
 
 // p = exp(scores - lse) below the diagonal, 0 above (flash backward's recomputation).
-extern "C" __global__ void probs_from_lse(float* p, const float* lse, long long rows, long long s) {
+extern "C" __global__ void probs_from_lse(unsigned char* p, int p_dt, const unsigned char* lse, int lse_dt, long long rows, long long s) {
     GRID_STRIDE(k, rows * s) {
         long long row = k / s, j = k % s, i = row % s;
-        p[k] = j <= i ? expf(p[k] - lse[row]) : 0.0f;
+        ST(p, k, j <= i ? expf(LD(p, k) - LD(lse, row)) : 0.0f);
     }
 }
 
 // dp = p * (dp - rowsum(p * dp)) * scale; one block per row.
-extern "C" __global__ void softmax_backward(const float* p, float* dp, long long s, float scale) {
+extern "C" __global__ void softmax_backward(const unsigned char* p, int p_dt, unsigned char* dp, int dp_dt, long long s, float scale) {
     __shared__ float sh[256];
-    long long row = blockIdx.x;
-    const float* pr = p + row * s;
-    float* dr = dp + row * s;
+    long long r0 = blockIdx.x * s;
     float acc = 0.0f;
-    for (long long j = threadIdx.x; j < s; j += blockDim.x) acc += pr[j] * dr[j];
+    for (long long j = threadIdx.x; j < s; j += blockDim.x) acc += LD(p, r0 + j) * LD(dp, r0 + j);
     float dot = block_sum(acc, sh);
-    for (long long j = threadIdx.x; j < s; j += blockDim.x) dr[j] = pr[j] * (dr[j] - dot) * scale;
+    for (long long j = threadIdx.x; j < s; j += blockDim.x) {
+        ST(dp, r0 + j, LD(p, r0 + j) * (LD(dp, r0 + j) - dot) * scale);
+    }
 }
 
 // ---- fused causal attention (attention = flash): the s x s matrix is never stored. ----
 // qkv rows are tokens: [q (heads*d) | k (kv_heads*d) | v (kv_heads*d)]; query head n reads kv
 // head n / (heads / kv_heads). A "row" is (sequence b, head n, query i), numbered as the CPU's
-// lse: (b * heads + n) * s + i.
+// lse: (b * heads + n) * s + i. Each block accumulates its output rows in shared memory (f32,
+// at most MAX_HEAD_DIM columns) and stores them once at the end.
+
+#define MAX_HEAD_DIM 256
 
 struct AttnRow {
-    const float* q;   // this row's query
-    const float* k0;  // key of token 0 of the sequence (rows `width` apart)
-    const float* v0;  // value of token 0
-    long long tok;    // the query's token: b * s + i
+    long long q;    // this row's query (element offset in qkv)
+    long long k0;   // key of token 0 of the sequence (rows `width` apart)
+    long long v0;   // value of token 0
+    long long tok;  // the query's token: b * s + i
     long long i;
 };
 
-__device__ AttnRow attn_row(const float* qkv, long long row, long long s, long long width,
-                            int heads, int kv_heads, int d) {
+__device__ AttnRow attn_row(long long row, long long s, long long width, int heads, int kv_heads,
+                            int d) {
     AttnRow r;
     long long bn = row / s, b = bn / heads;
     int n = (int)(bn % heads), g = n / (heads / kv_heads);
     r.i = row % s;
     r.tok = b * s + r.i;
-    r.q = qkv + r.tok * width + (long long)n * d;
-    r.k0 = qkv + b * s * width + (long long)heads * d + (long long)g * d;
+    r.q = r.tok * width + (long long)n * d;
+    r.k0 = b * s * width + (long long)heads * d + (long long)g * d;
     r.v0 = r.k0 + (long long)kv_heads * d;
     return r;
 }
 
-__device__ __forceinline__ float dot(const float* a, const float* b, int d) {
+// The dot product of d elements at a (in a_dt) and b (in b_dt).
+__device__ __forceinline__ float dot(const unsigned char* a, int a_dt, long long ai,
+                                     const unsigned char* b, int b_dt, long long bi, int d) {
     float acc = 0.0f;
-    for (int c = 0; c < d; ++c) acc += a[c] * b[c];
+    for (int c = 0; c < d; ++c) acc += LD(a, ai + c) * LD(b, bi + c);
     return acc;
 }
 
 // Forward, one block per row: keys a tile of blockDim at a time, each thread scoring one; the
-// running max and sum rescale the output accumulated in place (FlashAttention's online softmax).
-extern "C" __global__ void flash_forward(const float* qkv, float* out, float* lse, long long s,
+// running max and sum rescale the output accumulated in shared memory (FlashAttention's online
+// softmax), stored once, normalised, at the end.
+extern "C" __global__ void flash_forward(const unsigned char* qkv, int qkv_dt, unsigned char* out, int out_dt, unsigned char* lse, int lse_dt, long long s,
                                          long long width, int heads, int kv_heads, int d,
                                          float scale) {
     __shared__ float sc[256];
     __shared__ float sh[256];
+    __shared__ float o[MAX_HEAD_DIM];
     long long row = blockIdx.x;
-    AttnRow r = attn_row(qkv, row, s, width, heads, kv_heads, d);
+    AttnRow r = attn_row(row, s, width, heads, kv_heads, d);
     int n = (int)((row / s) % heads);
-    float* o = out + r.tok * (long long)heads * d + (long long)n * d;
+    long long o0 = r.tok * (long long)heads * d + (long long)n * d;
     for (int c = threadIdx.x; c < d; c += blockDim.x) o[c] = 0.0f;
     float m = NEG_INF, l = 0.0f;
     for (long long j0 = 0; j0 <= r.i; j0 += blockDim.x) {
         long long j = j0 + threadIdx.x;
-        float x = j <= r.i ? dot(r.q, r.k0 + j * width, d) * scale : NEG_INF;
+        float x = j <= r.i ? dot(qkv, qkv_dt, r.q, qkv, qkv_dt, r.k0 + j * width, d) * scale
+                           : NEG_INF;
         float m_new = fmaxf(m, block_max(x, sh));
         float p = j <= r.i ? expf(x - m_new) : 0.0f;
         float alpha = expf(m - m_new);
@@ -433,74 +462,77 @@ extern "C" __global__ void flash_forward(const float* qkv, float* out, float* ls
         long long tile = r.i - j0 + 1 < (long long)blockDim.x ? r.i - j0 + 1 : blockDim.x;
         for (int c = threadIdx.x; c < d; c += blockDim.x) {
             float acc = o[c] * alpha;
-            for (long long t = 0; t < tile; ++t) acc += sc[t] * r.v0[(j0 + t) * width + c];
+            for (long long t = 0; t < tile; ++t) acc += sc[t] * LD(qkv, r.v0 + (j0 + t) * width + c);
             o[c] = acc;
         }
         __syncthreads();
         m = m_new;
     }
     float inv = 1.0f / l;
-    for (int c = threadIdx.x; c < d; c += blockDim.x) o[c] *= inv;
-    if (threadIdx.x == 0) lse[row] = m + logf(l);
+    for (int c = threadIdx.x; c < d; c += blockDim.x) ST(out, o0 + c, o[c] * inv);
+    if (threadIdx.x == 0) ST(lse, row, m + logf(l));
+    __syncthreads();
 }
 
 // Backward, query side, one block per row: D = rowsum(P * dP) into dsum, then
 // dQ = sum_j P_ij (dP_ij - D) scale K_j, written (not added) at q's place in dqkv.
-extern "C" __global__ void flash_backward_dq(const float* qkv, const float* dout, const float* lse,
-                                             float* dsum, float* dqkv, long long s,
+extern "C" __global__ void flash_backward_dq(const unsigned char* qkv, int qkv_dt, const unsigned char* dout, int dout_dt, const unsigned char* lse, int lse_dt,
+                                             unsigned char* dsum, int dsum_dt, unsigned char* dqkv, int dqkv_dt, long long s,
                                              long long width, int heads, int kv_heads, int d,
                                              float scale) {
     __shared__ float sc[256];
     __shared__ float sh[256];
+    __shared__ float dq[MAX_HEAD_DIM];
     long long row = blockIdx.x;
-    AttnRow r = attn_row(qkv, row, s, width, heads, kv_heads, d);
+    AttnRow r = attn_row(row, s, width, heads, kv_heads, d);
     int n = (int)((row / s) % heads);
-    const float* g = dout + r.tok * (long long)heads * d + (long long)n * d;
-    float* dq = dqkv + (r.q - qkv);
-    float l = lse[row], acc = 0.0f;
+    long long g = r.tok * (long long)heads * d + (long long)n * d;
+    float l = LD(lse, row), acc = 0.0f;
     for (long long j = threadIdx.x; j <= r.i; j += blockDim.x) {
-        float p = expf(dot(r.q, r.k0 + j * width, d) * scale - l);
-        acc += p * dot(g, r.v0 + j * width, d);
+        float p = expf(dot(qkv, qkv_dt, r.q, qkv, qkv_dt, r.k0 + j * width, d) * scale - l);
+        acc += p * dot(dout, dout_dt, g, qkv, qkv_dt, r.v0 + j * width, d);
     }
     float dd = block_sum(acc, sh);
-    if (threadIdx.x == 0) dsum[row] = dd;
+    if (threadIdx.x == 0) ST(dsum, row, dd);
     for (int c = threadIdx.x; c < d; c += blockDim.x) dq[c] = 0.0f;
     for (long long j0 = 0; j0 <= r.i; j0 += blockDim.x) {
         long long j = j0 + threadIdx.x;
         float ds = 0.0f;
         if (j <= r.i) {
-            float p = expf(dot(r.q, r.k0 + j * width, d) * scale - l);
-            ds = p * (dot(g, r.v0 + j * width, d) - dd) * scale;
+            float p = expf(dot(qkv, qkv_dt, r.q, qkv, qkv_dt, r.k0 + j * width, d) * scale - l);
+            ds = p * (dot(dout, dout_dt, g, qkv, qkv_dt, r.v0 + j * width, d) - dd) * scale;
         }
         sc[threadIdx.x] = ds;
         __syncthreads();
         long long tile = r.i - j0 + 1 < (long long)blockDim.x ? r.i - j0 + 1 : blockDim.x;
         for (int c = threadIdx.x; c < d; c += blockDim.x) {
             float a = dq[c];
-            for (long long t = 0; t < tile; ++t) a += sc[t] * r.k0[(j0 + t) * width + c];
+            for (long long t = 0; t < tile; ++t) a += sc[t] * LD(qkv, r.k0 + (j0 + t) * width + c);
             dq[c] = a;
         }
         __syncthreads();
     }
+    for (int c = threadIdx.x; c < d; c += blockDim.x) ST(dqkv, r.q + c, dq[c]);
+    __syncthreads();
 }
 
 // Backward, key side, one block per (sequence b, kv head g, key j): dK_j and dV_j summed over the
 // group's query heads and the queries i >= j, a tile of blockDim queries at a time, written (not
 // added) at k's and v's places in dqkv. No atomics: each block owns its rows.
-extern "C" __global__ void flash_backward_dkv(const float* qkv, const float* dout, const float* lse,
-                                              const float* dsum, float* dqkv, long long s,
+extern "C" __global__ void flash_backward_dkv(const unsigned char* qkv, int qkv_dt, const unsigned char* dout, int dout_dt, const unsigned char* lse, int lse_dt,
+                                              const unsigned char* dsum, int dsum_dt, unsigned char* dqkv, int dqkv_dt, long long s,
                                               long long width, int heads, int kv_heads, int d,
                                               float scale) {
     __shared__ float sp[256];
     __shared__ float sds[256];
+    __shared__ float dk[MAX_HEAD_DIM];
+    __shared__ float dv[MAX_HEAD_DIM];
     long long row = blockIdx.x;
     long long j = row % s, bg = row / s, b = bg / kv_heads;
     int g = (int)(bg % kv_heads), group = heads / kv_heads;
     long long hidden = (long long)heads * d;
-    const float* k = qkv + (b * s + j) * width + hidden + (long long)g * d;
-    const float* v = k + (long long)kv_heads * d;
-    float* dk = dqkv + (k - qkv);
-    float* dv = dqkv + (v - qkv);
+    long long k = (b * s + j) * width + hidden + (long long)g * d;
+    long long v = k + (long long)kv_heads * d;
     for (int c = threadIdx.x; c < d; c += blockDim.x) dk[c] = dv[c] = 0.0f;
     for (int n = g * group; n < (g + 1) * group; ++n) {
         long long base = (b * heads + n) * s;
@@ -508,10 +540,10 @@ extern "C" __global__ void flash_backward_dkv(const float* qkv, const float* dou
             long long i = i0 + threadIdx.x;
             float p = 0.0f, ds = 0.0f;
             if (i < s) {
-                const float* q = qkv + (b * s + i) * width + (long long)n * d;
-                const float* gi = dout + (b * s + i) * hidden + (long long)n * d;
-                p = expf(dot(q, k, d) * scale - lse[base + i]);
-                ds = p * (dot(gi, v, d) - dsum[base + i]) * scale;
+                long long q = (b * s + i) * width + (long long)n * d;
+                long long gi = (b * s + i) * hidden + (long long)n * d;
+                p = expf(dot(qkv, qkv_dt, q, qkv, qkv_dt, k, d) * scale - LD(lse, base + i));
+                ds = p * (dot(dout, dout_dt, gi, qkv, qkv_dt, v, d) - LD(dsum, base + i)) * scale;
             }
             sp[threadIdx.x] = p;
             sds[threadIdx.x] = ds;
@@ -521,8 +553,8 @@ extern "C" __global__ void flash_backward_dkv(const float* qkv, const float* dou
                 float a = dk[c], bv = dv[c];
                 for (long long t = 0; t < tile; ++t) {
                     long long tok = b * s + i0 + t;
-                    a += sds[t] * qkv[tok * width + (long long)n * d + c];
-                    bv += sp[t] * dout[tok * hidden + (long long)n * d + c];
+                    a += sds[t] * LD(qkv, tok * width + (long long)n * d + c);
+                    bv += sp[t] * LD(dout, tok * hidden + (long long)n * d + c);
                 }
                 dk[c] = a;
                 dv[c] = bv;
@@ -530,78 +562,82 @@ extern "C" __global__ void flash_backward_dkv(const float* qkv, const float* dou
             __syncthreads();
         }
     }
+    for (int c = threadIdx.x; c < d; c += blockDim.x) {
+        ST(dqkv, k + c, dk[c]);
+        ST(dqkv, v + c, dv[c]);
+    }
+    __syncthreads();
 }
 
 // ---- loss: math/mod.rs cross_entropy. One block per token row. ----
 
-extern "C" __global__ void cross_entropy(const float* logits, const int* targets, long long vocab,
-                                         long long n, float* grad, double* loss_sum) {
+extern "C" __global__ void cross_entropy(const unsigned char* logits, int logits_dt, const int* targets, long long vocab,
+                                         long long n, unsigned char* grad, int grad_dt, double* loss_sum) {
     __shared__ float sh[256];
-    long long row = blockIdx.x;
-    const float* r = logits + row * vocab;
-    float* g = grad + row * vocab;
+    long long row = blockIdx.x, r0 = row * vocab;
     float m = NEG_INF;
-    for (long long j = threadIdx.x; j < vocab; j += blockDim.x) m = fmaxf(m, r[j]);
+    for (long long j = threadIdx.x; j < vocab; j += blockDim.x) m = fmaxf(m, LD(logits, r0 + j));
     m = block_max(m, sh);
     float acc = 0.0f;
-    for (long long j = threadIdx.x; j < vocab; j += blockDim.x) acc += expf(r[j] - m);
+    for (long long j = threadIdx.x; j < vocab; j += blockDim.x) acc += expf(LD(logits, r0 + j) - m);
     float lse = m + logf(block_sum(acc, sh));
     float inv = 1.0f / (float)n;
     int target = targets[row];
     for (long long j = threadIdx.x; j < vocab; j += blockDim.x) {
-        float v = expf(r[j] - lse) * inv;
-        g[j] = j == target ? v - inv : v;
+        float v = expf(LD(logits, r0 + j) - lse) * inv;
+        ST(grad, r0 + j, j == target ? v - inv : v);
     }
-    if (threadIdx.x == 0) atomicAdd(loss_sum, (double)(lse - r[target]));
+    if (threadIdx.x == 0) atomicAdd(loss_sum, (double)(lse - LD(logits, r0 + target)));
 }
 
 // ---- optimizers: math/optim.rs and the CPU backend's Update ----
 
 // The step's gradient scale, as the CPU backend computes it on the host.
-__device__ float grad_scale(const unsigned char* sumsq, int sumsq_dtype, double contributions,
+__device__ float grad_scale(const unsigned char* sumsq, int sumsq_dt, double contributions,
                             double clip) {
     double factor = 1.0;
     if (sumsq && clip > 0.0) {
-        double norm = sqrt((double)load_one(sumsq, sumsq_dtype, 0)) / contributions;
+        double norm = sqrt((double)LD(sumsq, 0)) / contributions;
         factor = fmin(clip / (norm + 1e-6), 1.0);
     }
     return (float)(factor / contributions);
 }
 
 // state = [master | m | v] (3n); decay = pairs of flat-vector [start, end) ranges.
-extern "C" __global__ void adam(float* state, const float* grad, long long n, long long first,
+extern "C" __global__ void adam(unsigned char* state, int state_dt, const unsigned char* grad, int grad_dt, long long n, long long first,
                                 const long long* decay, int decay_ranges, int decays,
-                                const unsigned char* sumsq, int sumsq_dtype, double contributions,
-                                double clip, float beta1, float beta2, float eps, float step_size,
-                                float bc2_sqrt, float shrink) {
-    float scale = grad_scale(sumsq, sumsq_dtype, contributions, clip);
-    float *master = state, *m = state + n, *v = state + 2 * n;
+                                const unsigned char* sumsq, int sumsq_dt, double contributions, double clip, float beta1,
+                                float beta2, float eps, float step_size, float bc2_sqrt,
+                                float shrink) {
+    float scale = grad_scale(sumsq, sumsq_dt, contributions, clip);
     GRID_STRIDE(j, n) {
         long long at = first + j;
         int inside = 0;
         for (int k = 0; k < decay_ranges; ++k)
             if (at >= decay[2 * k] && at < decay[2 * k + 1]) inside = 1;
-        float g = grad[j] * scale;
-        m[j] = beta1 * m[j] + (1.0f - beta1) * g;
-        v[j] = beta2 * v[j] + (1.0f - beta2) * g * g;
-        if (decays && inside) master[j] *= shrink;
-        float denom = sqrtf(v[j]) / bc2_sqrt + eps;
-        master[j] -= step_size * m[j] / denom;
+        float g = LD(grad, j) * scale;
+        float m = beta1 * LD(state, n + j) + (1.0f - beta1) * g;
+        float v = beta2 * LD(state, 2 * n + j) + (1.0f - beta2) * g * g;
+        float master = LD(state, j);
+        if (decays && inside) master *= shrink;
+        float denom = sqrtf(v) / bc2_sqrt + eps;
+        ST(state, n + j, m);
+        ST(state, 2 * n + j, v);
+        ST(state, j, master - step_size * m / denom);
     }
 }
 
-extern "C" __global__ void sgd(float* state, const float* grad, long long n,
-                               const unsigned char* sumsq, int sumsq_dtype, double contributions,
-                               double clip, float lr) {
-    float scale = grad_scale(sumsq, sumsq_dtype, contributions, clip);
-    GRID_STRIDE(j, n) state[j] -= lr * (grad[j] * scale);
+extern "C" __global__ void sgd(unsigned char* state, int state_dt, const unsigned char* grad, int grad_dt, long long n, const unsigned char* sumsq, int sumsq_dt,
+                               double contributions, double clip, float lr) {
+    float scale = grad_scale(sumsq, sumsq_dt, contributions, clip);
+    GRID_STRIDE(j, n) ST(state, j, LD(state, j) - lr * (LD(grad, j) * scale));
 }
 
 // acc (one double) += sum of x[i]^2 in f64.
-extern "C" __global__ void sum_squares(const float* x, long long n, double* acc) {
+extern "C" __global__ void sum_squares(const unsigned char* x, int x_dt, long long n, double* acc) {
     __shared__ double sh[256];
     double s = 0.0;
-    GRID_STRIDE(i, n) s += (double)x[i] * (double)x[i];
+    GRID_STRIDE(i, n) s += (double)LD(x, i) * (double)LD(x, i);
     sh[threadIdx.x] = s;
     __syncthreads();
     for (int k = blockDim.x / 2; k > 0; k >>= 1) {
@@ -611,7 +647,7 @@ extern "C" __global__ void sum_squares(const float* x, long long n, double* acc)
     if (threadIdx.x == 0) atomicAdd(acc, sh[0]);
 }
 
-// dst (one value of dtype) = (float) *acc.
-extern "C" __global__ void store_double(const double* acc, unsigned char* dst, int dtype) {
-    if (threadIdx.x == 0 && blockIdx.x == 0) store_one(dst, dtype, 0, (float)*acc);
+// dst (one value of its dtype) = (float) *acc.
+extern "C" __global__ void store_double(const double* acc, unsigned char* dst, int dst_dt) {
+    if (threadIdx.x == 0 && blockIdx.x == 0) ST(dst, 0, (float)*acc);
 }

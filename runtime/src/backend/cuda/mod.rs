@@ -3,19 +3,24 @@
 //! Design (issue 6; `shared/spec/runtime.md`, backends):
 //! - **Memory.** One device allocation per rank of exactly the plan's `arena_bytes`; every tensor
 //!   lives at its planned offset inside it, in the same byte layout as the CPU backend's arena
-//!   (fp32 as its bits, bf16/fp16 as 16-bit words). Kernels compute in f32 in a per-stream
-//!   workspace allocated once at start-up (the device twin of the CPU backend's scratch pools),
-//!   reading regions in and rounding results out to the buffer's dtype exactly where the CPU
-//!   backend does. Nothing is allocated while a step runs. cudarc's automatic event tracking is
-//!   turned off: the plan's events are the only synchronisation.
+//!   (fp32 as its bits, bf16/fp16 as 16-bit words). Kernels compute on the arena in place, in
+//!   each region's dtype (`typed.rs`: the device pointer carries its storage; a 16-bit model's
+//!   saved region hands out its segments each in its own storage), rounding once where they
+//!   store, exactly where the CPU backend rounds. A per-stream fp32 workspace allocated once at
+//!   start-up (the device twin of the CPU backend's scratch pools) holds only the layer math's
+//!   fp32 intermediates, the parameter gradient before it is written into its gradient parts,
+//!   and product casts. Nothing is allocated while a step runs. cudarc's automatic event
+//!   tracking is turned off: the plan's events are the only synchronisation.
 //! - **Streams and events.** One CUDA stream per plan stream and one CUDA event per plan event.
 //!   The host enqueues every op of the plan in its single issue order (each op on its stream:
 //!   `cuStreamWaitEvent` for its waits, the op, `cuEventRecord` for its record), then waits for
 //!   the streams. Enqueueing never blocks on the device, so one host thread issues all streams.
 //! - **Compute.** Matrix multiplies through cuBLAS for fp32 models (sgemm; attention's per-head
 //!   products as strided-batched sgemm) and on tensor cores through cuBLASLt for bf16 and fp16
-//!   models (operands rounded to the model dtype, fp32 accumulation and output; `blas.rs`), every
-//!   other kernel in `kernels.cu`, compiled by NVRTC on first use
+//!   models (operands in the model dtype used in place, fp32 ones rounded to it first; fp32
+//!   accumulation; C and D fp32 or the model dtype with the bias in the epilogue; `blas.rs`),
+//!   every other kernel in `kernels.cu` (a dtype code beside each tensor pointer), compiled by
+//!   NVRTC on first use
 //!   and cached as PTX. The layer math and each op's reads and writes are the device layer's
 //!   (`crate::device`), the same code the CPU backend runs.
 //! - **Collectives.** NCCL through cudarc, one communicator per (communicator group, stream) the
@@ -43,6 +48,7 @@ pub use enqueue::{CudaError, Library};
 mod gpu;
 pub mod launch;
 pub mod rendezvous;
+mod typed;
 
 #[cfg(feature = "cuda")]
 mod blas;
