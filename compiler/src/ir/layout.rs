@@ -7,6 +7,7 @@
 //! chunk `j` of a collective always belongs to the member whose shard is chunk `j`.
 
 use super::{Scope, ShardIndex};
+use crate::hash::FxHashMap;
 use crate::job::{Mesh, Shard};
 
 /// The ranks of a schedule and its sharding factors.
@@ -60,42 +61,50 @@ impl Layout {
         dn * (outer.intra / inner.intra) + dl
     }
 
-    /// The shard index `idx` of rank `r` (see the IR module doc).
+    /// The shard index `idx` of rank `r` (see the IR module doc); only the terms `idx` needs are
+    /// computed (communicator construction asks this for every rank).
     pub fn index(&self, idx: ShardIndex, r: u32) -> u64 {
         let Shard {
             params: p,
             grads: g,
             optimizer: o,
         } = self.shard;
-        let param = u64::from(self.position(p, r));
-        let sub_g = u64::from(self.subgroup(p, g, r));
-        let sub_os = u64::from(self.subgroup(g, o, r));
-        let grad = param * (g.size() / p.size()) + sub_g;
+        let param = || u64::from(self.position(p, r));
+        let sub_g = || u64::from(self.subgroup(p, g, r));
+        let sub_os = || u64::from(self.subgroup(g, o, r));
+        let grad = || param() * (g.size() / p.size()) + sub_g();
         match idx {
-            ShardIndex::Param => param,
-            ShardIndex::Grad => grad,
-            ShardIndex::Optimizer => grad * (o.size() / g.size()) + sub_os,
-            ShardIndex::OptimizerInParam => sub_g * (o.size() / g.size()) + sub_os,
-            ShardIndex::OptimizerInGrad => sub_os,
+            ShardIndex::Param => param(),
+            ShardIndex::Grad => grad(),
+            ShardIndex::Optimizer => grad() * (o.size() / g.size()) + sub_os(),
+            ShardIndex::OptimizerInParam => sub_g() * (o.size() / g.size()) + sub_os(),
+            ShardIndex::OptimizerInGrad => sub_os(),
             ShardIndex::ParamLocal => u64::from(self.local(r) % p.intra),
             ShardIndex::Secondary => u64::from(self.local(r) % self.secondary.unwrap_or(1)),
         }
     }
 
-    /// Partitions all ranks into groups by `key`, each group ordered by `order`.
+    /// Partitions all ranks into groups by `key`, each group ordered by `order` (then rank), the
+    /// groups by their first member. Ranks are bucketed by key in one pass and only each group is
+    /// sorted: lowering builds every communicator this way, once per candidate `schedc plan`
+    /// screens.
     pub fn groups_by(&self, key: impl Fn(u32) -> u64, order: impl Fn(u32) -> u64) -> Vec<Vec<u32>> {
-        let mut keyed: Vec<(u64, u64, u32)> =
-            (0..self.ranks()).map(|r| (key(r), order(r), r)).collect();
-        keyed.sort_unstable();
-        let mut groups: Vec<Vec<u32>> = vec![];
-        let mut last = None;
-        for (k, _, r) in keyed {
-            if last != Some(k) {
-                groups.push(vec![]);
-                last = Some(k);
-            }
-            groups.last_mut().expect("pushed above").push(r);
+        let mut group_of_key: FxHashMap<u64, usize> = FxHashMap::default();
+        let mut keyed: Vec<Vec<(u64, u32)>> = vec![];
+        for r in 0..self.ranks() {
+            let g = *group_of_key.entry(key(r)).or_insert_with(|| {
+                keyed.push(vec![]);
+                keyed.len() - 1
+            });
+            keyed[g].push((order(r), r));
         }
+        let mut groups: Vec<Vec<u32>> = keyed
+            .into_iter()
+            .map(|mut members| {
+                members.sort_unstable();
+                members.into_iter().map(|(_, r)| r).collect()
+            })
+            .collect();
         groups.sort_unstable_by_key(|g| g[0]);
         groups
     }
