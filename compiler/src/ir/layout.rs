@@ -85,24 +85,43 @@ impl Layout {
     }
 
     /// Partitions all ranks into groups by `key`, each group ordered by `order` (then rank), the
-    /// groups by their first member. Ranks are bucketed by key in one pass and only each group is
-    /// sorted: lowering builds every communicator this way, once per candidate `schedc plan`
-    /// screens.
+    /// groups by their first member. Ranks are numbered by group in one pass and laid out group
+    /// by group in one buffer (a counting sort), and only each group is sorted: lowering builds
+    /// every communicator this way, once per candidate `schedc plan` screens, so nothing is
+    /// allocated per rank or per group beyond the group itself.
     pub fn groups_by(&self, key: impl Fn(u32) -> u64, order: impl Fn(u32) -> u64) -> Vec<Vec<u32>> {
-        let mut group_of_key: FxHashMap<u64, usize> = FxHashMap::default();
-        let mut keyed: Vec<Vec<(u64, u32)>> = vec![];
+        let ranks = self.ranks() as usize;
+        let mut group_of_key: FxHashMap<u64, usize> =
+            FxHashMap::with_capacity_and_hasher(ranks, Default::default());
+        let mut group_of_rank: Vec<usize> = Vec::with_capacity(ranks);
+        let mut sizes: Vec<usize> = vec![];
         for r in 0..self.ranks() {
-            let g = *group_of_key.entry(key(r)).or_insert_with(|| {
-                keyed.push(vec![]);
-                keyed.len() - 1
-            });
-            keyed[g].push((order(r), r));
+            let fresh = sizes.len();
+            let g = *group_of_key.entry(key(r)).or_insert(fresh);
+            if g == fresh {
+                sizes.push(0);
+            }
+            sizes[g] += 1;
+            group_of_rank.push(g);
         }
-        let mut groups: Vec<Vec<u32>> = keyed
-            .into_iter()
-            .map(|mut members| {
-                members.sort_unstable();
-                members.into_iter().map(|(_, r)| r).collect()
+        // Group g's members, as (order, rank), are members[starts[g]..starts[g + 1]].
+        let mut starts: Vec<usize> = Vec::with_capacity(sizes.len() + 1);
+        starts.push(0);
+        for size in &sizes {
+            starts.push(starts.last().expect("pushed above") + size);
+        }
+        let mut next = starts.clone();
+        let mut members: Vec<(u64, u32)> = vec![(0, 0); ranks];
+        for (r, &g) in (0..self.ranks()).zip(&group_of_rank) {
+            members[next[g]] = (order(r), r);
+            next[g] += 1;
+        }
+        let mut groups: Vec<Vec<u32>> = starts
+            .windows(2)
+            .map(|w| {
+                let group = &mut members[w[0]..w[1]];
+                group.sort_unstable();
+                group.iter().map(|&(_, r)| r).collect()
             })
             .collect();
         groups.sort_unstable_by_key(|g| g[0]);
@@ -195,6 +214,46 @@ mod tests {
                         l.group(m, r).iter().map(|&q| l.index(idx, q)).collect();
                     seen.sort_unstable();
                     assert_eq!(seen, (0..m.size()).collect::<Vec<_>>());
+                }
+            }
+        }
+    }
+
+    /// `groups_by` is its definition: sort the ranks by (key, order, rank), cut where the key
+    /// changes, order the groups by first member.
+    #[test]
+    fn groups_by_matches_its_definition() {
+        for l in [
+            layout(8, 4, (2, 1), (4, 2), (8, 4)),
+            layout(4, 8, (1, 2), (2, 2), (4, 8)),
+            layout(8, 16, (8, 2), (8, 4), (8, 16)),
+        ] {
+            let sh = l.shard;
+            let keys: [&dyn Fn(u32) -> u64; 4] = [
+                &|r| l.group_key(sh.params, r),
+                &|r| l.group_key(sh.optimizer, r) ^ l.index(ShardIndex::Grad, r) << 48,
+                &|r| l.index(ShardIndex::Optimizer, r),
+                &|r| u64::from(r % 3 == 0),
+            ];
+            let orders: [&dyn Fn(u32) -> u64; 3] = [
+                &|r| l.index(ShardIndex::OptimizerInGrad, r),
+                &|r| u64::from(l.node(r)),
+                &|r| u64::from(r % 2),
+            ];
+            for key in keys {
+                for order in orders {
+                    let mut keyed: Vec<(u64, u64, u32)> =
+                        (0..l.ranks()).map(|r| (key(r), order(r), r)).collect();
+                    keyed.sort_unstable();
+                    let mut expected: Vec<Vec<u32>> = vec![];
+                    for (i, &(k, _, r)) in keyed.iter().enumerate() {
+                        if i == 0 || keyed[i - 1].0 != k {
+                            expected.push(vec![]);
+                        }
+                        expected.last_mut().unwrap().push(r);
+                    }
+                    expected.sort_unstable_by_key(|g| g[0]);
+                    assert_eq!(l.groups_by(key, order), expected);
                 }
             }
         }
