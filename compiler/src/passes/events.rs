@@ -38,10 +38,12 @@ pub fn run(p: &mut Program, fences: &[(OpId, OpId)]) {
     let mut event_of: Vec<Option<EventId>> = vec![None; p.ops.len()];
     let mut last_collective: Option<OpId> = None;
     let mut clock: Vec<u32> = vec![0; streams];
+    let mut deps: Vec<OpId> = vec![];
 
     for id in p.ops.keys().collect::<Vec<_>>() {
         let op = &p.ops[id];
-        let mut deps: Vec<OpId> = std::mem::take(&mut extra[id.index()]);
+        deps.clear();
+        deps.append(&mut extra[id.index()]);
         for r in &op.reads {
             deps.extend(last_writer[r.buffer]);
         }
@@ -73,7 +75,7 @@ pub fn run(p: &mut Program, fences: &[(OpId, OpId)]) {
             None => clock.fill(0),
         }
         let mut waits = vec![];
-        for d in deps {
+        for &d in &deps {
             let ds = p.ops[d].stream.index();
             if ds == s || clock[ds] >= seq[d] {
                 continue;
