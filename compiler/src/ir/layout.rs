@@ -84,6 +84,22 @@ impl Layout {
         }
     }
 
+    /// Shard index `idx` of every rank, by rank. Each index is a sum of a term of the rank's node
+    /// and a term of its local index, both zero at zero (positions and subgroups are, and the
+    /// indices combine them linearly), so the table takes one [`Layout::index`] per node and per
+    /// local index instead of one per rank.
+    pub fn index_table(&self, idx: ShardIndex) -> Vec<u64> {
+        let by_local: Vec<u64> = (0..self.gpus_per_node)
+            .map(|local| self.index(idx, local))
+            .collect();
+        (0..self.nodes)
+            .flat_map(|node| {
+                let by_node = self.index(idx, self.rank(node, 0));
+                by_local.iter().map(move |&l| by_node + l)
+            })
+            .collect()
+    }
+
     /// Partitions all ranks into groups by `key`, each group ordered by `order` (then rank), the
     /// groups by their first member. Ranks are numbered by group in one pass and laid out group
     /// by group in one buffer (a counting sort), and only each group is sorted: lowering builds
@@ -214,6 +230,27 @@ mod tests {
                         l.group(m, r).iter().map(|&q| l.index(idx, q)).collect();
                     seen.sort_unstable();
                     assert_eq!(seen, (0..m.size()).collect::<Vec<_>>());
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn index_tables_tabulate_index() {
+        for l in [
+            layout(8, 4, (2, 1), (4, 2), (8, 4)),
+            layout(4, 8, (1, 2), (2, 2), (4, 8)),
+            layout(8, 16, (2, 2), (4, 4), (8, 16)),
+            Layout {
+                secondary: Some(4),
+                ..layout(8, 4, (8, 2), (8, 2), (8, 4))
+            },
+        ] {
+            for idx in ShardIndex::ALL {
+                let table = l.index_table(idx);
+                assert_eq!(table.len(), l.ranks() as usize);
+                for r in 0..l.ranks() {
+                    assert_eq!(table[r as usize], l.index(idx, r), "{idx:?} rank {r}");
                 }
             }
         }
