@@ -84,17 +84,28 @@ impl Layout {
         }
     }
 
-    /// Shard index `idx` of every rank, by rank. Each index is a sum of a term of the rank's node
-    /// and a term of its local index, both zero at zero (positions and subgroups are, and the
-    /// indices combine them linearly), so the table takes one [`Layout::index`] per node and per
-    /// local index instead of one per rank.
+    /// Shard index `idx` of every rank, by rank (see [`Layout::tabulate`]: every index is a
+    /// linear combination of positions and subgroups, each a node term plus a local term).
     pub fn index_table(&self, idx: ShardIndex) -> Vec<u64> {
-        let by_local: Vec<u64> = (0..self.gpus_per_node)
-            .map(|local| self.index(idx, local))
-            .collect();
+        self.tabulate(|r| self.index(idx, r))
+    }
+
+    /// [`Layout::group_key`] of every rank for mesh `m`, by rank (its node's block in the high
+    /// half plus its local block in the low half: a node term plus a local term).
+    pub fn group_key_table(&self, m: Mesh) -> Vec<u64> {
+        self.tabulate(|r| self.group_key(m, r))
+    }
+
+    /// `f` of every rank, by rank, for an `f` that is the sum of a term of the rank's node and a
+    /// term of its local index, both zero at zero: one evaluation per node and per local index
+    /// instead of one per rank. Communicator construction reads these tables for every rank of
+    /// every communicator, where computing them rank by rank cost a dozen divisions by mesh
+    /// sizes each.
+    fn tabulate(&self, f: impl Fn(u32) -> u64) -> Vec<u64> {
+        let by_local: Vec<u64> = (0..self.gpus_per_node).map(&f).collect();
         (0..self.nodes)
             .flat_map(|node| {
-                let by_node = self.index(idx, self.rank(node, 0));
+                let by_node = f(self.rank(node, 0));
                 by_local.iter().map(move |&l| by_node + l)
             })
             .collect()
@@ -236,7 +247,7 @@ mod tests {
     }
 
     #[test]
-    fn index_tables_tabulate_index() {
+    fn tables_tabulate_index_and_group_key() {
         for l in [
             layout(8, 4, (2, 1), (4, 2), (8, 4)),
             layout(4, 8, (1, 2), (2, 2), (4, 8)),
@@ -251,6 +262,12 @@ mod tests {
                 assert_eq!(table.len(), l.ranks() as usize);
                 for r in 0..l.ranks() {
                     assert_eq!(table[r as usize], l.index(idx, r), "{idx:?} rank {r}");
+                }
+            }
+            for m in [l.shard.params, l.shard.grads, l.shard.optimizer] {
+                let table = l.group_key_table(m);
+                for r in 0..l.ranks() {
+                    assert_eq!(table[r as usize], l.group_key(m, r), "{m:?} rank {r}");
                 }
             }
         }

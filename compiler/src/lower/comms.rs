@@ -40,29 +40,35 @@ impl Builder<'_> {
         }
         let l = self.layout;
         let sh = self.shard();
-        // Shard indices by rank (the group keys and member orders below read them for every rank).
+        // Shard indices and group keys by rank (the keys and member orders below read them for
+        // every rank).
         let index = |idx| l.index_table(idx);
+        let key = |m| l.group_key_table(m);
         let (name, groups) = match kind {
             CommKind::Params => {
-                let param = index(ShardIndex::Param);
+                let (group, param) = (key(sh.params), index(ShardIndex::Param));
                 (
                     format!("params {}", sh.params),
-                    l.groups_by(|r| l.group_key(sh.params, r), |r| param[r as usize]),
+                    l.groups_by(|r| group[r as usize], |r| param[r as usize]),
                 )
             }
             CommKind::Grads => {
-                let grad = index(ShardIndex::Grad);
+                let (group, grad) = (key(sh.grads), index(ShardIndex::Grad));
                 (
                     format!("grads {}", sh.grads),
-                    l.groups_by(|r| l.group_key(sh.grads, r), |r| grad[r as usize]),
+                    l.groups_by(|r| group[r as usize], |r| grad[r as usize]),
                 )
             }
             CommKind::OptimizerInGrad => {
-                let (grad, inside) = (index(ShardIndex::Grad), index(ShardIndex::OptimizerInGrad));
+                let (group, grad, inside) = (
+                    key(sh.optimizer),
+                    index(ShardIndex::Grad),
+                    index(ShardIndex::OptimizerInGrad),
+                );
                 (
                     "optimizer shards of one grad shard".to_string(),
                     l.groups_by(
-                        |r| l.group_key(sh.optimizer, r) ^ grad[r as usize] << 48,
+                        |r| group[r as usize] ^ grad[r as usize] << 48,
                         |r| inside[r as usize],
                     ),
                 )
@@ -75,23 +81,24 @@ impl Builder<'_> {
                 )
             }
             CommKind::Refresh => {
-                let (param, inside) = (
+                let (group, param, inside) = (
+                    key(sh.optimizer),
                     index(ShardIndex::Param),
                     index(ShardIndex::OptimizerInParam),
                 );
                 (
                     "optimizer shards of one param shard".to_string(),
                     l.groups_by(
-                        |r| l.group_key(sh.optimizer, r) ^ param[r as usize] << 48,
+                        |r| group[r as usize] ^ param[r as usize] << 48,
                         |r| inside[r as usize],
                     ),
                 )
             }
             CommKind::Optimizer => {
-                let optimizer = index(ShardIndex::Optimizer);
+                let (group, optimizer) = (key(sh.optimizer), index(ShardIndex::Optimizer));
                 (
                     format!("optimizer {}", sh.optimizer),
-                    l.groups_by(|r| l.group_key(sh.optimizer, r), |r| optimizer[r as usize]),
+                    l.groups_by(|r| group[r as usize], |r| optimizer[r as usize]),
                 )
             }
             CommKind::All => ("all ranks".to_string(), l.groups_by(|_| 0, u64::from)),
@@ -103,13 +110,16 @@ impl Builder<'_> {
                     l.groups_by(|r| u64::from(r / k), |r| secondary[r as usize]),
                 )
             }
-            CommKind::HierInter => (
-                format!("params {} across nodes", sh.params),
-                l.groups_by(
-                    |r| l.group_key(sh.params, r) ^ u64::from(l.local(r)) << 48,
-                    |r| u64::from(l.node(r)),
-                ),
-            ),
+            CommKind::HierInter => {
+                let group = key(sh.params);
+                (
+                    format!("params {} across nodes", sh.params),
+                    l.groups_by(
+                        |r| group[r as usize] ^ u64::from(l.local(r)) << 48,
+                        |r| u64::from(l.node(r)),
+                    ),
+                )
+            }
             CommKind::HierIntra => (
                 format!("params {} within a node", sh.params),
                 l.groups_by(
