@@ -7,6 +7,7 @@
 //! chunk `j` of a collective always belongs to the member whose shard is chunk `j`.
 
 use super::{Scope, ShardIndex};
+use crate::hash::FxHashMap;
 use crate::job::{Mesh, Shard};
 
 /// The ranks of a schedule and its sharding factors.
@@ -60,42 +61,96 @@ impl Layout {
         dn * (outer.intra / inner.intra) + dl
     }
 
-    /// The shard index `idx` of rank `r` (see the IR module doc).
+    /// The shard index `idx` of rank `r` (see the IR module doc); only the terms `idx` needs are
+    /// computed (communicator construction asks this for every rank).
     pub fn index(&self, idx: ShardIndex, r: u32) -> u64 {
         let Shard {
             params: p,
             grads: g,
             optimizer: o,
         } = self.shard;
-        let param = u64::from(self.position(p, r));
-        let sub_g = u64::from(self.subgroup(p, g, r));
-        let sub_os = u64::from(self.subgroup(g, o, r));
-        let grad = param * (g.size() / p.size()) + sub_g;
+        let param = || u64::from(self.position(p, r));
+        let sub_g = || u64::from(self.subgroup(p, g, r));
+        let sub_os = || u64::from(self.subgroup(g, o, r));
+        let grad = || param() * (g.size() / p.size()) + sub_g();
         match idx {
-            ShardIndex::Param => param,
-            ShardIndex::Grad => grad,
-            ShardIndex::Optimizer => grad * (o.size() / g.size()) + sub_os,
-            ShardIndex::OptimizerInParam => sub_g * (o.size() / g.size()) + sub_os,
-            ShardIndex::OptimizerInGrad => sub_os,
+            ShardIndex::Param => param(),
+            ShardIndex::Grad => grad(),
+            ShardIndex::Optimizer => grad() * (o.size() / g.size()) + sub_os(),
+            ShardIndex::OptimizerInParam => sub_g() * (o.size() / g.size()) + sub_os(),
+            ShardIndex::OptimizerInGrad => sub_os(),
             ShardIndex::ParamLocal => u64::from(self.local(r) % p.intra),
             ShardIndex::Secondary => u64::from(self.local(r) % self.secondary.unwrap_or(1)),
         }
     }
 
-    /// Partitions all ranks into groups by `key`, each group ordered by `order`.
+    /// Shard index `idx` of every rank, by rank (see [`Layout::tabulate`]: every index is a
+    /// linear combination of positions and subgroups, each a node term plus a local term).
+    pub fn index_table(&self, idx: ShardIndex) -> Vec<u64> {
+        self.tabulate(|r| self.index(idx, r))
+    }
+
+    /// [`Layout::group_key`] of every rank for mesh `m`, by rank (its node's block in the high
+    /// half plus its local block in the low half: a node term plus a local term).
+    pub fn group_key_table(&self, m: Mesh) -> Vec<u64> {
+        self.tabulate(|r| self.group_key(m, r))
+    }
+
+    /// `f` of every rank, by rank, for an `f` that is the sum of a term of the rank's node and a
+    /// term of its local index, both zero at zero: one evaluation per node and per local index
+    /// instead of one per rank. Communicator construction reads these tables for every rank of
+    /// every communicator, where computing them rank by rank cost a dozen divisions by mesh
+    /// sizes each.
+    fn tabulate(&self, f: impl Fn(u32) -> u64) -> Vec<u64> {
+        let by_local: Vec<u64> = (0..self.gpus_per_node).map(&f).collect();
+        (0..self.nodes)
+            .flat_map(|node| {
+                let by_node = f(self.rank(node, 0));
+                by_local.iter().map(move |&l| by_node + l)
+            })
+            .collect()
+    }
+
+    /// Partitions all ranks into groups by `key`, each group ordered by `order` (then rank), the
+    /// groups by their first member. Ranks are numbered by group in one pass and laid out group
+    /// by group in one buffer (a counting sort), and only each group is sorted: lowering builds
+    /// every communicator this way, once per candidate `schedc plan` screens, so nothing is
+    /// allocated per rank or per group beyond the group itself.
     pub fn groups_by(&self, key: impl Fn(u32) -> u64, order: impl Fn(u32) -> u64) -> Vec<Vec<u32>> {
-        let mut keyed: Vec<(u64, u64, u32)> =
-            (0..self.ranks()).map(|r| (key(r), order(r), r)).collect();
-        keyed.sort_unstable();
-        let mut groups: Vec<Vec<u32>> = vec![];
-        let mut last = None;
-        for (k, _, r) in keyed {
-            if last != Some(k) {
-                groups.push(vec![]);
-                last = Some(k);
+        let ranks = self.ranks() as usize;
+        let mut group_of_key: FxHashMap<u64, usize> =
+            FxHashMap::with_capacity_and_hasher(ranks, Default::default());
+        let mut group_of_rank: Vec<usize> = Vec::with_capacity(ranks);
+        let mut sizes: Vec<usize> = vec![];
+        for r in 0..self.ranks() {
+            let fresh = sizes.len();
+            let g = *group_of_key.entry(key(r)).or_insert(fresh);
+            if g == fresh {
+                sizes.push(0);
             }
-            groups.last_mut().expect("pushed above").push(r);
+            sizes[g] += 1;
+            group_of_rank.push(g);
         }
+        // Group g's members, as (order, rank), are members[starts[g]..starts[g + 1]].
+        let mut starts: Vec<usize> = Vec::with_capacity(sizes.len() + 1);
+        starts.push(0);
+        for size in &sizes {
+            starts.push(starts.last().expect("pushed above") + size);
+        }
+        let mut next = starts.clone();
+        let mut members: Vec<(u64, u32)> = vec![(0, 0); ranks];
+        for (r, &g) in (0..self.ranks()).zip(&group_of_rank) {
+            members[next[g]] = (order(r), r);
+            next[g] += 1;
+        }
+        let mut groups: Vec<Vec<u32>> = starts
+            .windows(2)
+            .map(|w| {
+                let group = &mut members[w[0]..w[1]];
+                group.sort_unstable();
+                group.iter().map(|&(_, r)| r).collect()
+            })
+            .collect();
         groups.sort_unstable_by_key(|g| g[0]);
         groups
     }
@@ -186,6 +241,73 @@ mod tests {
                         l.group(m, r).iter().map(|&q| l.index(idx, q)).collect();
                     seen.sort_unstable();
                     assert_eq!(seen, (0..m.size()).collect::<Vec<_>>());
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn tables_tabulate_index_and_group_key() {
+        for l in [
+            layout(8, 4, (2, 1), (4, 2), (8, 4)),
+            layout(4, 8, (1, 2), (2, 2), (4, 8)),
+            layout(8, 16, (2, 2), (4, 4), (8, 16)),
+            Layout {
+                secondary: Some(4),
+                ..layout(8, 4, (8, 2), (8, 2), (8, 4))
+            },
+        ] {
+            for idx in ShardIndex::ALL {
+                let table = l.index_table(idx);
+                assert_eq!(table.len(), l.ranks() as usize);
+                for r in 0..l.ranks() {
+                    assert_eq!(table[r as usize], l.index(idx, r), "{idx:?} rank {r}");
+                }
+            }
+            for m in [l.shard.params, l.shard.grads, l.shard.optimizer] {
+                let table = l.group_key_table(m);
+                for r in 0..l.ranks() {
+                    assert_eq!(table[r as usize], l.group_key(m, r), "{m:?} rank {r}");
+                }
+            }
+        }
+    }
+
+    /// `groups_by` is its definition: sort the ranks by (key, order, rank), cut where the key
+    /// changes, order the groups by first member.
+    #[test]
+    fn groups_by_matches_its_definition() {
+        for l in [
+            layout(8, 4, (2, 1), (4, 2), (8, 4)),
+            layout(4, 8, (1, 2), (2, 2), (4, 8)),
+            layout(8, 16, (8, 2), (8, 4), (8, 16)),
+        ] {
+            let sh = l.shard;
+            let keys: [&dyn Fn(u32) -> u64; 4] = [
+                &|r| l.group_key(sh.params, r),
+                &|r| l.group_key(sh.optimizer, r) ^ l.index(ShardIndex::Grad, r) << 48,
+                &|r| l.index(ShardIndex::Optimizer, r),
+                &|r| u64::from(r % 3 == 0),
+            ];
+            let orders: [&dyn Fn(u32) -> u64; 3] = [
+                &|r| l.index(ShardIndex::OptimizerInGrad, r),
+                &|r| u64::from(l.node(r)),
+                &|r| u64::from(r % 2),
+            ];
+            for key in keys {
+                for order in orders {
+                    let mut keyed: Vec<(u64, u64, u32)> =
+                        (0..l.ranks()).map(|r| (key(r), order(r), r)).collect();
+                    keyed.sort_unstable();
+                    let mut expected: Vec<Vec<u32>> = vec![];
+                    for (i, &(k, _, r)) in keyed.iter().enumerate() {
+                        if i == 0 || keyed[i - 1].0 != k {
+                            expected.push(vec![]);
+                        }
+                        expected.last_mut().unwrap().push(r);
+                    }
+                    expected.sort_unstable_by_key(|g| g[0]);
+                    assert_eq!(l.groups_by(key, order), expected);
                 }
             }
         }

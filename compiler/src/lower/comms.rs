@@ -40,61 +40,86 @@ impl Builder<'_> {
         }
         let l = self.layout;
         let sh = self.shard();
+        // Shard indices and group keys by rank (the keys and member orders below read them for
+        // every rank).
+        let index = |idx| l.index_table(idx);
+        let key = |m| l.group_key_table(m);
         let (name, groups) = match kind {
-            CommKind::Params => (
-                format!("params {}", sh.params),
-                l.groups_by(
-                    |r| l.group_key(sh.params, r),
-                    |r| l.index(ShardIndex::Param, r),
-                ),
-            ),
-            CommKind::Grads => (
-                format!("grads {}", sh.grads),
-                l.groups_by(
-                    |r| l.group_key(sh.grads, r),
-                    |r| l.index(ShardIndex::Grad, r),
-                ),
-            ),
-            CommKind::OptimizerInGrad => (
-                "optimizer shards of one grad shard".to_string(),
-                l.groups_by(
-                    |r| l.group_key(sh.optimizer, r) ^ l.index(ShardIndex::Grad, r) << 48,
-                    |r| l.index(ShardIndex::OptimizerInGrad, r),
-                ),
-            ),
-            CommKind::Replicas => (
-                "replicas of an optimizer shard".to_string(),
-                l.groups_by(|r| l.index(ShardIndex::Optimizer, r), u64::from),
-            ),
-            CommKind::Refresh => (
-                "optimizer shards of one param shard".to_string(),
-                l.groups_by(
-                    |r| l.group_key(sh.optimizer, r) ^ l.index(ShardIndex::Param, r) << 48,
-                    |r| l.index(ShardIndex::OptimizerInParam, r),
-                ),
-            ),
-            CommKind::Optimizer => (
-                format!("optimizer {}", sh.optimizer),
-                l.groups_by(
-                    |r| l.group_key(sh.optimizer, r),
-                    |r| l.index(ShardIndex::Optimizer, r),
-                ),
-            ),
+            CommKind::Params => {
+                let (group, param) = (key(sh.params), index(ShardIndex::Param));
+                (
+                    format!("params {}", sh.params),
+                    l.groups_by(|r| group[r as usize], |r| param[r as usize]),
+                )
+            }
+            CommKind::Grads => {
+                let (group, grad) = (key(sh.grads), index(ShardIndex::Grad));
+                (
+                    format!("grads {}", sh.grads),
+                    l.groups_by(|r| group[r as usize], |r| grad[r as usize]),
+                )
+            }
+            CommKind::OptimizerInGrad => {
+                let (group, grad, inside) = (
+                    key(sh.optimizer),
+                    index(ShardIndex::Grad),
+                    index(ShardIndex::OptimizerInGrad),
+                );
+                (
+                    "optimizer shards of one grad shard".to_string(),
+                    l.groups_by(
+                        |r| group[r as usize] ^ grad[r as usize] << 48,
+                        |r| inside[r as usize],
+                    ),
+                )
+            }
+            CommKind::Replicas => {
+                let optimizer = index(ShardIndex::Optimizer);
+                (
+                    "replicas of an optimizer shard".to_string(),
+                    l.groups_by(|r| optimizer[r as usize], u64::from),
+                )
+            }
+            CommKind::Refresh => {
+                let (group, param, inside) = (
+                    key(sh.optimizer),
+                    index(ShardIndex::Param),
+                    index(ShardIndex::OptimizerInParam),
+                );
+                (
+                    "optimizer shards of one param shard".to_string(),
+                    l.groups_by(
+                        |r| group[r as usize] ^ param[r as usize] << 48,
+                        |r| inside[r as usize],
+                    ),
+                )
+            }
+            CommKind::Optimizer => {
+                let (group, optimizer) = (key(sh.optimizer), index(ShardIndex::Optimizer));
+                (
+                    format!("optimizer {}", sh.optimizer),
+                    l.groups_by(|r| group[r as usize], |r| optimizer[r as usize]),
+                )
+            }
             CommKind::All => ("all ranks".to_string(), l.groups_by(|_| 0, u64::from)),
             CommKind::Secondary => {
                 let k = l.secondary.unwrap_or(1);
+                let secondary = index(ShardIndex::Secondary);
                 (
                     format!("secondary shards over {k} GPUs"),
-                    l.groups_by(|r| u64::from(r / k), |r| l.index(ShardIndex::Secondary, r)),
+                    l.groups_by(|r| u64::from(r / k), |r| secondary[r as usize]),
                 )
             }
-            CommKind::HierInter => (
-                format!("params {} across nodes", sh.params),
-                l.groups_by(
-                    |r| l.group_key(sh.params, r) ^ u64::from(l.local(r)) << 48,
-                    |r| u64::from(l.node(r)),
-                ),
-            ),
+            CommKind::HierInter => {
+                let group = key(sh.params);
+                (
+                    format!("params {} across nodes", sh.params),
+                    l.groups_by(
+                        |r| group[r as usize] ^ u64::from(l.local(r)) << 48,
+                        |r| u64::from(l.node(r)),
+                    ),
+                )
+            }
             CommKind::HierIntra => (
                 format!("params {} within a node", sh.params),
                 l.groups_by(

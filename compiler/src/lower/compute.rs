@@ -5,9 +5,9 @@
 //! parameters, tied embedding, input, then outputs.
 
 use super::{activations, Builder};
+use crate::hash::FxHashMap;
 use crate::ir::*;
 use crate::job::*;
-use std::collections::HashMap;
 
 impl Builder<'_> {
     pub(super) fn hidden_buf(&mut self, grad: bool, m: u32, l: usize) -> BufferId {
@@ -72,7 +72,7 @@ impl Builder<'_> {
         &mut self,
         l: usize,
         m: u32,
-        full: &HashMap<usize, BufferId>,
+        full: &FxHashMap<usize, BufferId>,
     ) -> Vec<OpId> {
         let id = self.layers[l].id;
         let recompute = self.job.schedule.recompute == Recompute::Full;
@@ -123,9 +123,9 @@ impl Builder<'_> {
         &mut self,
         l: usize,
         m: u32,
-        bwd_full: &HashMap<usize, BufferId>,
-        fwd_full: &HashMap<usize, BufferId>,
-        full_grads: &mut HashMap<usize, BufferId>,
+        bwd_full: &FxHashMap<usize, BufferId>,
+        fwd_full: &FxHashMap<usize, BufferId>,
+        full_grads: &mut FxHashMap<usize, BufferId>,
     ) -> Vec<OpId> {
         let id = self.layers[l].id;
         let mut ops = vec![];

@@ -8,9 +8,9 @@
 
 use super::comms::CommKind;
 use super::Builder;
+use crate::hash::FxHashMap;
 use crate::ir::*;
 use crate::job::*;
-use std::collections::HashMap;
 
 impl Builder<'_> {
     /// Where backward writes layer `l`'s parameter gradient in micro-step `m`.
@@ -18,7 +18,7 @@ impl Builder<'_> {
         &mut self,
         l: usize,
         m: u32,
-        full_grads: &mut HashMap<usize, BufferId>,
+        full_grads: &mut FxHashMap<usize, BufferId>,
     ) -> Region {
         let st = &self.layers[l];
         let bytes = st.padded * self.grad_dtype.bytes();
@@ -82,7 +82,7 @@ impl Builder<'_> {
         &mut self,
         bucket: &[usize],
         m: u32,
-        full_grads: &HashMap<usize, BufferId>,
+        full_grads: &FxHashMap<usize, BufferId>,
     ) -> Vec<OpId> {
         let sh = self.shard();
         let gd = self.grad_dtype;

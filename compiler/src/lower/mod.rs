@@ -33,11 +33,11 @@ mod params;
 mod step;
 
 use crate::draft::Draft;
+use crate::hash::FxHashMap;
 use crate::ir::layout::Layout;
 use crate::ir::*;
 use crate::job::*;
 use comms::CommKind;
-use std::collections::HashMap;
 
 /// Lowers `job` to its draft: every op of one step, in slots, before any pass has run.
 pub fn draft(job: &Job) -> Draft {
@@ -63,14 +63,14 @@ pub fn draft(job: &Job) -> Draft {
             micro_steps: s.micro_steps,
             ..Program::default()
         },
-        comms: HashMap::new(),
+        comms: FxHashMap::default(),
         layers: vec![],
         dtype: job.model.dtype,
         grad_dtype: job.model.grad_dtype,
-        hidden: HashMap::new(),
-        grad_hidden: HashMap::new(),
-        acts: HashMap::new(),
-        secondaries: HashMap::new(),
+        hidden: FxHashMap::default(),
+        grad_hidden: FxHashMap::default(),
+        acts: FxHashMap::default(),
+        secondaries: FxHashMap::default(),
         optimizer_shards: vec![],
         grads_written: Default::default(),
     };
@@ -100,19 +100,19 @@ struct Builder<'a> {
     job: &'a Job,
     layout: Layout,
     p: Program,
-    comms: HashMap<CommKind, CommId>,
+    comms: FxHashMap<CommKind, CommId>,
     layers: Vec<LayerState>,
     dtype: Dtype,
     grad_dtype: Dtype,
     /// Hidden-state buffer h[l] (input of layer l) and its gradient g[l], per micro-step.
-    hidden: HashMap<(u32, usize), BufferId>,
-    grad_hidden: HashMap<(u32, usize), BufferId>,
+    hidden: FxHashMap<(u32, usize), BufferId>,
+    grad_hidden: FxHashMap<(u32, usize), BufferId>,
     /// Saved activations per (layer, micro-step), hpZ secondary copies, optimizer shards per layer.
-    acts: HashMap<(usize, u32), BufferId>,
-    secondaries: HashMap<(usize, u32), BufferId>,
+    acts: FxHashMap<(usize, u32), BufferId>,
+    secondaries: FxHashMap<(usize, u32), BufferId>,
     optimizer_shards: Vec<BufferId>,
     /// Bytes of each gradient buffer already written in a micro-step (from its start).
-    grads_written: HashMap<(BufferId, u32), u64>,
+    grads_written: FxHashMap<(BufferId, u32), u64>,
 }
 
 /// The ops every concern makes: buffers, ops, collectives and their coalescing.

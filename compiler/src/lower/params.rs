@@ -9,9 +9,9 @@
 use super::comms::CommKind;
 use super::{Builder, LayerState};
 use crate::draft::Unit;
+use crate::hash::FxHashMap;
 use crate::ir::*;
 use crate::job::*;
-use std::collections::HashMap;
 
 impl Builder<'_> {
     /// Layers and their persistent state (lowering spec §2).
@@ -82,7 +82,7 @@ impl Builder<'_> {
         bucket: &[usize],
         m: u32,
         phase: &str,
-        out: &mut HashMap<usize, BufferId>,
+        out: &mut FxHashMap<usize, BufferId>,
     ) -> Vec<OpId> {
         let sh = self.shard();
         let hier = self.job.schedule.all_gather == AllGatherAlgo::Hierarchical
@@ -182,7 +182,7 @@ impl Builder<'_> {
         m: u32,
         gathers: bool,
         refresh: bool,
-        out: &mut HashMap<usize, BufferId>,
+        out: &mut FxHashMap<usize, BufferId>,
     ) -> Option<Unit> {
         let mut ops = vec![];
         if refresh {
@@ -199,7 +199,7 @@ impl Builder<'_> {
         &self,
         ops: Vec<OpId>,
         bucket: &[usize],
-        out: &HashMap<usize, BufferId>,
+        out: &FxHashMap<usize, BufferId>,
     ) -> Option<Unit> {
         let gathered_bytes = bucket
             .iter()
@@ -219,7 +219,7 @@ impl Builder<'_> {
         bucket: &[usize],
         m: u32,
         gathers: bool,
-        out: &mut HashMap<usize, BufferId>,
+        out: &mut FxHashMap<usize, BufferId>,
     ) -> Option<Unit> {
         if !gathers {
             return None;
@@ -239,7 +239,7 @@ impl Builder<'_> {
         bucket: &[usize],
         m: u32,
         k: u32,
-        out: &mut HashMap<usize, BufferId>,
+        out: &mut FxHashMap<usize, BufferId>,
     ) -> Vec<OpId> {
         let d = self.dtype.bytes();
         let mut cs = vec![];
@@ -286,7 +286,7 @@ impl Builder<'_> {
     pub(super) fn params_region(
         &self,
         l: usize,
-        full: &HashMap<usize, BufferId>,
+        full: &FxHashMap<usize, BufferId>,
     ) -> Option<Region> {
         let st = &self.layers[l];
         if !st.has_params {

@@ -6,9 +6,9 @@
 use super::buckets::partition;
 use super::Builder;
 use crate::draft::Slot;
+use crate::hash::FxHashMap;
 use crate::ir::*;
 use crate::job::*;
-use std::collections::HashMap;
 
 /// The bucket partitions of one step, as layer indices (lowering spec §5, "Buckets").
 struct Buckets {
@@ -116,13 +116,13 @@ impl Builder<'_> {
         buckets: &Buckets,
         at: &MicroStepSlots,
         slots: &mut [Slot],
-    ) -> HashMap<usize, BufferId> {
+    ) -> FxHashMap<usize, BufferId> {
         let job = self.job;
         let s = &job.schedule;
         let gathers = s.shard.params.size() > 1;
         let refresh = m == 0 && s.overlap.refresh == Refresh::NextForward;
         let depth = s.prefetch.forward as usize;
-        let mut fwd_full: HashMap<usize, BufferId> = HashMap::new();
+        let mut fwd_full: FxHashMap<usize, BufferId> = FxHashMap::default();
         for bucket in &buckets.forward {
             if let Some(mut unit) = self.forward_unit(bucket, m, gathers, refresh, &mut fwd_full) {
                 unit.consumer = at.forward[bucket[0]];
@@ -150,7 +150,7 @@ impl Builder<'_> {
         m: u32,
         buckets: &Buckets,
         at: &MicroStepSlots,
-        fwd_full: &HashMap<usize, BufferId>,
+        fwd_full: &FxHashMap<usize, BufferId>,
         slots: &mut [Slot],
     ) {
         let n = self.layers.len();
@@ -159,7 +159,7 @@ impl Builder<'_> {
         let gathers = s.shard.params.size() > 1;
         let keep = gathers && s.reshard_after_forward == ReshardAfterForward::False;
         let depth = s.prefetch.backward as usize;
-        let mut bwd_full: HashMap<usize, BufferId> = HashMap::new();
+        let mut bwd_full: FxHashMap<usize, BufferId> = FxHashMap::default();
         for bucket in &buckets.backward {
             if keep {
                 for &l in bucket {
@@ -196,7 +196,7 @@ impl Builder<'_> {
                 }
             }
         }
-        let mut full_grads: HashMap<usize, BufferId> = HashMap::new();
+        let mut full_grads: FxHashMap<usize, BufferId> = FxHashMap::default();
         for l in (0..n).rev() {
             let ops = self.backward(l, m, &bwd_full, fwd_full, &mut full_grads);
             slots[at.backward[l]].compute.extend(ops);

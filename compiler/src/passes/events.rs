@@ -14,7 +14,6 @@
 
 use crate::ir::*;
 use cranelift_entity::{EntityRef, SecondaryMap};
-use std::collections::HashMap;
 
 /// Inserts waits for data dependencies, the collective chain and `fences`; replaces any waits and
 /// events from an earlier run.
@@ -24,9 +23,10 @@ pub fn run(p: &mut Program, fences: &[(OpId, OpId)]) {
         op.wait.clear();
         op.record = None;
     }
-    let mut extra: HashMap<OpId, Vec<OpId>> = HashMap::new();
+    // Fences by waiter (their order is irrelevant: dependencies are sorted below).
+    let mut extra: Vec<Vec<OpId>> = vec![vec![]; p.ops.len()];
     for &(waiter, waited) in fences {
-        extra.entry(waiter).or_default().push(waited);
+        extra[waiter.index()].push(waited);
     }
     let streams = p.streams.len();
     let mut last_writer: SecondaryMap<BufferId, Option<OpId>> = SecondaryMap::new();
@@ -35,12 +35,15 @@ pub fn run(p: &mut Program, fences: &[(OpId, OpId)]) {
     let mut seq: SecondaryMap<OpId, u32> = SecondaryMap::new();
     let mut last_on: Vec<Option<OpId>> = vec![None; streams];
     let mut count = vec![0u32; streams];
-    let mut event_of: HashMap<OpId, EventId> = HashMap::new();
+    let mut event_of: Vec<Option<EventId>> = vec![None; p.ops.len()];
     let mut last_collective: Option<OpId> = None;
+    let mut clock: Vec<u32> = vec![0; streams];
+    let mut deps: Vec<OpId> = vec![];
 
     for id in p.ops.keys().collect::<Vec<_>>() {
         let op = &p.ops[id];
-        let mut deps: Vec<OpId> = extra.remove(&id).unwrap_or_default();
+        deps.clear();
+        deps.append(&mut extra[id.index()]);
         for r in &op.reads {
             deps.extend(last_writer[r.buffer]);
         }
@@ -65,19 +68,20 @@ pub fn run(p: &mut Program, fences: &[(OpId, OpId)]) {
         deps.dedup();
 
         let s = op.stream.index();
-        let mut clock = match last_on[s] {
-            Some(prev) => clocks[prev.index() * streams..(prev.index() + 1) * streams].to_vec(),
-            None => vec![0; streams],
-        };
+        match last_on[s] {
+            Some(prev) => {
+                clock.copy_from_slice(&clocks[prev.index() * streams..(prev.index() + 1) * streams])
+            }
+            None => clock.fill(0),
+        }
         let mut waits = vec![];
-        for d in deps {
+        for &d in &deps {
             let ds = p.ops[d].stream.index();
             if ds == s || clock[ds] >= seq[d] {
                 continue;
             }
-            let ev = *event_of
-                .entry(d)
-                .or_insert_with(|| p.events.push(Event { recorder: d }));
+            let ev =
+                *event_of[d.index()].get_or_insert_with(|| p.events.push(Event { recorder: d }));
             waits.push(ev);
             let from = &clocks[d.index() * streams..(d.index() + 1) * streams];
             clock

@@ -18,7 +18,7 @@
 use crate::draft::{Draft, Slot, Unit};
 use crate::ir::*;
 use cranelift_entity::{EntityRef, PrimaryMap};
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 
 /// A `prefetch.max_live` cap the schedule cannot meet: the slot and the bytes that do not fit.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -146,19 +146,20 @@ fn renumber(
         program.ops.len(),
         "every op is issued exactly once"
     );
-    let new_id: HashMap<OpId, OpId> = order
-        .iter()
-        .enumerate()
-        .map(|(i, &o)| (o, OpId::new(i)))
+    // Move each op to its place in the issue order (no clones: every op is taken exactly once).
+    let mut new_id: Vec<OpId> = vec![OpId::new(0); order.len()];
+    let mut old: Vec<Option<Op>> = std::mem::take(&mut program.ops)
+        .into_iter()
+        .map(|(_, op)| Some(op))
         .collect();
     let mut ops = PrimaryMap::with_capacity(order.len());
     for &o in &order {
-        ops.push(program.ops[o].clone());
+        new_id[o.index()] = ops.push(old[o.index()].take().expect("issued once"));
     }
     program.ops = ops;
     let fences = fences
         .into_iter()
-        .map(|(a, b)| (new_id[&a], new_id[&b]))
+        .map(|(a, b)| (new_id[a.index()], new_id[b.index()]))
         .collect();
     (program, fences)
 }

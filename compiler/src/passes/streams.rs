@@ -8,19 +8,19 @@
 //! all-gather's rearrangement, gradient accumulation, the optimizer update after the boundary)
 //! follow the stream of the role's previous op.
 
+use crate::hash::FxHashMap;
 use crate::ir::*;
 use crate::job::{Overlap, Refresh, Streams};
-use std::collections::HashMap;
 
 pub fn run(p: &mut Program, policy: Streams, overlap: Overlap) {
-    let mut streams: HashMap<StreamRole, StreamId> = HashMap::new();
+    let mut streams: FxHashMap<StreamRole, StreamId> = FxHashMap::default();
     let mut stream = |p: &mut Program, role: StreamRole| {
         *streams
             .entry(role)
             .or_insert_with(|| p.streams.push(Stream { role }))
     };
     stream(p, StreamRole::Compute);
-    let mut last_of_role: HashMap<OpRole, StreamRole> = HashMap::new();
+    let mut last_of_role: FxHashMap<OpRole, StreamRole> = FxHashMap::default();
     for id in p.ops.keys().collect::<Vec<_>>() {
         let op = &p.ops[id];
         let on = match op.role {

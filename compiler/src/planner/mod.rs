@@ -6,8 +6,9 @@
 //!
 //! 1. **Enumerate** every structure ([`space`]: meshes × resharding × gradient sync × all-gather
 //!    algorithm) with the base schedule's knobs.
-//! 2. **Floor** each one analytically ([`bounds`]): a memory floor (its shards, and the
-//!    activations of one micro-step) above the GPU drops it; a step-time floor orders the rest.
+//! 2. **Floor** each one analytically ([`bounds`]), in chunks on the worker threads: a memory floor
+//!    (its shards, and the activations of one micro-step) above the GPU drops it; a step-time
+//!    floor orders the rest.
 //! 3. **Branch and bound**: take structures in order of their time floor, a batch of a few per
 //!    worker thread at a time, and **screen** each: lower it without its memory plan; if its arena
 //!    floor (shards plus the most transient bytes alive at one issue position) exceeds the GPU,
@@ -17,12 +18,17 @@
 //!    Screening keeps every flow-control fence the memory plan may later drop, so a screened time
 //!    is, as far as the simulator's monotony goes, no better than the compiled one.
 //! 4. **Tune knobs** of each structure in the top K by coordinate descent over prefetch depths and
-//!    bucket sizes ([`space::Knobs::neighbours`]) on screened times; the result is compiled and
+//!    bucket sizes ([`space::Knobs::neighbours`]) on screened times (module `tune`: the structures
+//!    descend in lockstep, sharing the worker threads); the result is compiled and
 //!    kept when its placed program fits and simulates faster. The list holds one schedule per
 //!    structure, with its best knobs. (Knobs are tuned only for the
 //!    structures that rank with the base knobs: a structure just outside the top K might overtake
 //!    one inside after tuning; the search does not chase that second-order effect.)
-//! 5. **Verify** the final K's programs with every proof of lowering §7 ([`crate::verify`]).
+//! 5. **Verify** the final K's programs with every proof of lowering §7 ([`crate::verify`]), one
+//!    per worker thread.
+//!
+//! Every parallel step collects its results in input order, so the outcome does not depend on the
+//! number of threads or their timing.
 //!
 //! The floors are lower bounds of what the simulator reports (tested), so the pruning of step 3
 //! never drops a structure that would have ranked in the top K with the base knobs.
@@ -31,6 +37,7 @@ pub mod bounds;
 pub mod fragment;
 pub mod output;
 pub mod space;
+mod tune;
 
 use crate::ir::Program;
 use crate::job::Job;
@@ -126,6 +133,9 @@ impl std::fmt::Display for PlanError {
 
 impl std::error::Error for PlanError {}
 
+/// Structures floored per work item of the worker threads.
+const FLOOR_CHUNK: usize = 512;
+
 /// A structure with its floors.
 struct Floored {
     structure: Structure,
@@ -161,18 +171,29 @@ pub fn plan(
         structures: structures.len(),
         ..SearchStats::default()
     };
+    // The floors of every structure, in chunks on the worker threads (in order: the sort below
+    // is stable, so ties keep enumeration order).
+    let chunks: Vec<&[Structure]> = structures.chunks(FLOOR_CHUNK).collect();
+    let floors = parallel_map(&chunks, threads, |chunk| {
+        chunk
+            .iter()
+            .map(|structure| {
+                let job = space::apply(base, structure, &knobs);
+                (bounds::memory_floor(&job) <= gpu).then(|| {
+                    bounds::step_time_floor(&job, |l, k| cost.compute_seconds(l, k)).seconds()
+                })
+            })
+            .collect::<Vec<_>>()
+    });
     let mut floored = vec![];
-    for structure in structures {
-        let job = space::apply(base, &structure, &knobs);
-        if bounds::memory_floor(&job) > gpu {
-            stats.over_memory_floor += 1;
-            continue;
+    for (structure, floor) in structures.into_iter().zip(floors.into_iter().flatten()) {
+        match floor {
+            Some(time_floor) => floored.push(Floored {
+                structure,
+                time_floor,
+            }),
+            None => stats.over_memory_floor += 1,
         }
-        let time_floor = bounds::step_time_floor(&job, |l, k| cost.compute_seconds(l, k)).seconds();
-        floored.push(Floored {
-            structure,
-            time_floor,
-        });
     }
     floored.sort_by(|a, b| a.time_floor.total_cmp(&b.time_floor));
     let total = stats.structures;
@@ -183,7 +204,8 @@ pub fn plan(
             .get(top - 1)
             .map_or(f64::INFINITY, |c| c.screened_s)
     };
-    let mut ranked: Vec<Ranked> = vec![];
+    // Compiled finalists with their screened times.
+    let mut ranked: Vec<(Ranked, f64)> = vec![];
     let mut next = 0;
     loop {
         // Branch and bound over the structures not yet screened.
@@ -211,13 +233,13 @@ pub fn plan(
         }
         // Compile the best screened candidates; one whose placed arena does not fit leaves the
         // list, which may lower the bar's rank and reopen the search.
-        let finalists: Vec<Job> = screened.iter().take(top).map(|c| c.job.clone()).collect();
-        let outcomes = parallel_map(&finalists, threads, finalize);
+        let finalists: Vec<&Candidate> = screened.iter().take(top).collect();
+        let outcomes = parallel_map(&finalists, threads, |c| finalize(&c.job));
         let mut misfits = vec![];
-        for (job, outcome) in finalists.into_iter().zip(outcomes) {
+        for (c, outcome) in finalists.into_iter().zip(outcomes) {
             match tally_final(outcome, &mut stats) {
-                Some(r) => ranked.push(r),
-                None => misfits.push(job.schedule),
+                Some(r) => ranked.push((r, c.screened_s)),
+                None => misfits.push(c.job.schedule.clone()),
             }
         }
         if misfits.is_empty() {
@@ -233,20 +255,24 @@ pub fn plan(
         total,
         best_s: screened.first().map(|c| c.screened_s),
     });
-    if options.tune_knobs {
-        ranked = ranked
-            .into_iter()
-            .map(|r| tune(r, &mut stats, threads))
-            .collect();
-    }
+    let mut ranked: Vec<Ranked> = if options.tune_knobs {
+        tune::tune_all(ranked, &mut stats, threads)
+    } else {
+        ranked.into_iter().map(|(r, _)| r).collect()
+    };
     ranked.sort_by(|a, b| a.report.step_time_s.total_cmp(&b.report.step_time_s));
-    for r in &ranked {
-        crate::verify::verify(&r.program, crate::verify_ctx(&r.job)).map_err(|errors| {
-            PlanError::Verify(
-                r.job.schedule.name.clone(),
-                CompileError::Verify(Box::new(r.program.clone()), errors),
-            )
-        })?;
+    let proofs = parallel_map(&ranked, threads, |r| {
+        crate::verify::verify(&r.program, crate::verify_ctx(&r.job)).err()
+    });
+    if let Some((r, errors)) = ranked
+        .iter()
+        .zip(proofs)
+        .find_map(|(r, e)| e.map(|errors| (r, errors)))
+    {
+        return Err(PlanError::Verify(
+            r.job.schedule.name.clone(),
+            CompileError::Verify(Box::new(r.program.clone()), errors),
+        ));
     }
     Ok(PlanResult { ranked, stats })
 }
@@ -314,45 +340,6 @@ fn tally_final(outcome: Finalized, stats: &mut SearchStats) -> Option<Ranked> {
         }
     }
     None
-}
-
-/// Coordinate descent over one compiled schedule's knobs on screened times: every neighbour of the
-/// current knobs is screened and the fastest taken while it improves; the result is compiled and
-/// kept if its placed program fits and simulates faster than `start`.
-fn tune(start: Ranked, stats: &mut SearchStats, threads: usize) -> Ranked {
-    let structure = space::structure_of(&start.job.schedule);
-    let mut current = start.job.clone();
-    let Some(mut current_s) = tally(screen(&current), stats) else {
-        return start;
-    };
-    loop {
-        let trials: Vec<Job> = Knobs::of(&current.schedule)
-            .neighbours(&structure)
-            .iter()
-            .map(|k| space::apply(&current, &structure, k))
-            .collect();
-        let outcomes = parallel_map(&trials, threads, screen);
-        let mut best: Option<(f64, Job)> = None;
-        for (job, outcome) in trials.into_iter().zip(outcomes) {
-            if let Some(t) = tally(outcome, stats) {
-                // Keep only changes that beat rounding noise.
-                if t < best.as_ref().map_or(current_s, |b| b.0) * (1.0 - 1e-9) {
-                    best = Some((t, job));
-                }
-            }
-        }
-        match best {
-            Some((t, job)) => (current_s, current) = (t, job),
-            None => break,
-        }
-    }
-    if current.schedule == start.job.schedule {
-        return start;
-    }
-    match tally_final(finalize(&current), stats) {
-        Some(r) if r.report.step_time_s < start.report.step_time_s => r,
-        _ => start,
-    }
 }
 
 /// `f` over `items` on up to `threads` scoped threads, results in order.

@@ -11,10 +11,14 @@
 //! have more, and the engine then simulates one representative per class, each collective starting
 //! once the representatives of every class in its group have reached it, which is exactly when
 //! all its members have.
+//!
+//! Colours are interned rows of integers (a rank's signature, a group's or node's sorted colours)
+//! kept in flat buffers and hashed with [`FxHashMap`]: the simulator runs this once per screened
+//! candidate of `schedc plan`, so it allocates per communicator, never per rank or group.
 
+use crate::hash::FxHashMap;
 use crate::ir::{CommId, Program};
 use cranelift_entity::SecondaryMap;
-use std::collections::HashMap;
 
 /// The partition of ranks into classes with identical timelines.
 pub struct RankClasses {
@@ -30,91 +34,58 @@ pub struct RankClasses {
 
 pub fn rank_classes(p: &Program) -> RankClasses {
     let ranks = p.ranks as usize;
-    let node = |r: u32| r / p.gpus_per_node.max(1);
+    let gpus_per_node = p.gpus_per_node.max(1);
+    let node = |r: u32| r / gpus_per_node;
+    let in_range = |m: &&u32| (**m as usize) < ranks;
     let mut group_of: SecondaryMap<CommId, Vec<u32>> = SecondaryMap::new();
     for (id, comm) in p.comms.iter() {
         let mut g = vec![u32::MAX; ranks];
         for (i, members) in comm.groups.iter().enumerate() {
-            for &r in members {
-                if (r as usize) < ranks {
-                    g[r as usize] = i as u32;
-                }
+            for &r in members.iter().filter(in_range) {
+                g[r as usize] = i as u32;
             }
         }
         group_of[id] = g;
     }
-    // Initial colours: the shape of each group a rank is in (size, members on its node, nodes),
-    // computed group by group so that the work is proportional to the ranks.
-    let mut shape: Vec<Vec<u64>> = vec![vec![]; ranks];
-    for (_, comm) in p.comms.iter() {
-        let mut seen = vec![false; ranks];
-        for g in &comm.groups {
-            let mut per_node: HashMap<u32, u64> = HashMap::new();
-            for &m in g {
-                *per_node.entry(node(m)).or_default() += 1;
-            }
-            for &m in g.iter().filter(|&&m| (m as usize) < ranks) {
-                seen[m as usize] = true;
-                shape[m as usize].extend([
-                    g.len() as u64,
-                    per_node[&node(m)],
-                    per_node.len() as u64,
-                ]);
-            }
-        }
-        for (r, s) in shape.iter_mut().enumerate() {
-            if !seen[r] {
-                s.extend([0, 0, 0]);
-            }
-        }
-    }
-    let mut ids: HashMap<Vec<u64>, u32> = HashMap::new();
-    let mut colour: Vec<u32> = shape
-        .into_iter()
-        .map(|sig| {
-            let n = ids.len() as u32;
-            *ids.entry(sig).or_insert(n)
-        })
-        .collect();
+    let mut colour = interned(&initial_shapes(p, node));
     let mut count = distinct(&colour);
+    let nodes = ranks.div_ceil(gpus_per_node as usize);
+    let width = 2 + p.comms.len();
+    let mut sigs = Rows::default();
     loop {
         // Each group's and each node's multiset of colours, computed once per group.
-        let mut group_sig: Vec<Vec<u32>> = vec![];
-        for (_, comm) in p.comms.iter() {
-            let mut per_group = vec![];
-            for g in &comm.groups {
-                let mut cs: Vec<u32> = g
-                    .iter()
-                    .filter(|&&m| (m as usize) < ranks)
-                    .map(|&m| colour[m as usize])
-                    .collect();
-                cs.sort_unstable();
-                per_group.push(intern_u32(cs, &mut ids));
-            }
-            group_sig.push(per_group);
-        }
-        let nodes = ranks.div_ceil(p.gpus_per_node.max(1) as usize);
-        let node_sig: Vec<u32> = (0..nodes)
-            .map(|n| {
-                let lo = n * p.gpus_per_node as usize;
-                let hi = (lo + p.gpus_per_node as usize).min(ranks);
-                let mut cs = colour[lo..hi].to_vec();
-                cs.sort_unstable();
-                intern_u32(cs, &mut ids)
-            })
-            .collect();
-        let mut refined = HashMap::new();
-        let next: Vec<u32> = (0..ranks)
-            .map(|r| {
-                let mut sig = vec![colour[r], node_sig[node(r as u32) as usize]];
-                for (i, (id, _)) in p.comms.iter().enumerate() {
-                    let gi = group_of[id][r];
-                    sig.push(group_sig[i].get(gi as usize).copied().unwrap_or(u32::MAX));
+        let group_sig: Vec<Vec<u32>> = p
+            .comms
+            .values()
+            .map(|comm| {
+                let mut multisets = Rows::default();
+                for g in &comm.groups {
+                    multisets.push_sorted(g.iter().filter(in_range).map(|&m| colour[m as usize]));
                 }
-                let n = refined.len() as u32;
-                *refined.entry(sig).or_insert(n)
+                interned(&multisets)
             })
             .collect();
+        let mut multisets = Rows::default();
+        for n in 0..nodes {
+            let lo = n * gpus_per_node as usize;
+            let hi = (lo + gpus_per_node as usize).min(ranks);
+            multisets.push_sorted(colour[lo..hi].iter().copied());
+        }
+        let node_sig = interned(&multisets);
+        // Each rank's colour, its node's multiset and its group's multiset in every communicator.
+        sigs.clear();
+        for r in 0..ranks {
+            sigs.values.push(colour[r]);
+            sigs.values.push(node_sig[node(r as u32) as usize]);
+            for (i, id) in p.comms.keys().enumerate() {
+                let gi = group_of[id][r];
+                sigs.values
+                    .push(group_sig[i].get(gi as usize).copied().unwrap_or(u32::MAX));
+            }
+            sigs.ends.push(sigs.values.len());
+        }
+        debug_assert_eq!(sigs.values.len(), ranks * width);
+        let next = interned(&sigs);
         let c = distinct(&next);
         colour = next;
         if c == count {
@@ -123,7 +94,7 @@ pub fn rank_classes(p: &Program) -> RankClasses {
         count = c;
     }
     // Renumber classes by their lowest rank.
-    let mut renum = HashMap::new();
+    let mut renum = FxHashMap::default();
     let mut representatives = vec![];
     let mut sizes = vec![];
     let class_of = colour
@@ -148,12 +119,104 @@ pub fn rank_classes(p: &Program) -> RankClasses {
     }
 }
 
-fn intern_u32(cs: Vec<u32>, ids: &mut HashMap<Vec<u64>, u32>) -> u32 {
-    let key: Vec<u64> = std::iter::once(u64::MAX)
-        .chain(cs.into_iter().map(u64::from))
-        .collect();
-    let n = ids.len() as u32;
-    *ids.entry(key).or_insert(n)
+/// Initial colours' rows: for each communicator in turn, the shape of each group a rank is in
+/// (size, members on its node, nodes), or zeros where it is in none; computed group by group so
+/// that the work is proportional to the ranks.
+fn initial_shapes(p: &Program, node: impl Fn(u32) -> u32) -> Rows<u64> {
+    let ranks = p.ranks as usize;
+    let in_range = |m: &&u32| (**m as usize) < ranks;
+    // A rank's row has three entries per group it is in, and three zeros per communicator it is
+    // in no group of: count them first, so every row's place in one buffer is known.
+    let mut len = vec![0usize; ranks];
+    let mut seen = vec![false; ranks];
+    for comm in p.comms.values() {
+        seen.fill(false);
+        for &m in comm.groups.iter().flatten().filter(in_range) {
+            seen[m as usize] = true;
+            len[m as usize] += 3;
+        }
+        for (l, _) in len.iter_mut().zip(&seen).filter(|(_, &s)| !s) {
+            *l += 3;
+        }
+    }
+    let mut ends = Vec::with_capacity(ranks);
+    let mut total = 0;
+    for l in &len {
+        total += l;
+        ends.push(total);
+    }
+    let mut next: Vec<usize> = ends.iter().zip(&len).map(|(e, l)| e - l).collect();
+    let mut values = vec![0u64; total];
+    let mut on_nodes: Vec<u32> = vec![];
+    for comm in p.comms.values() {
+        seen.fill(false);
+        for g in &comm.groups {
+            on_nodes.clear();
+            on_nodes.extend(g.iter().map(|&m| node(m)));
+            on_nodes.sort_unstable();
+            let nodes = 1 + on_nodes.windows(2).filter(|w| w[0] != w[1]).count();
+            for &m in g.iter().filter(in_range) {
+                let n = node(m);
+                let on_node =
+                    on_nodes.partition_point(|&x| x <= n) - on_nodes.partition_point(|&x| x < n);
+                let at = next[m as usize];
+                values[at..at + 3].copy_from_slice(&[g.len() as u64, on_node as u64, nodes as u64]);
+                next[m as usize] += 3;
+                seen[m as usize] = true;
+            }
+        }
+        for (at, _) in next.iter_mut().zip(&seen).filter(|(_, &s)| !s) {
+            *at += 3; // zeros already
+        }
+    }
+    Rows { values, ends }
+}
+
+/// Rows of integers of any lengths, end to end in one buffer.
+struct Rows<T> {
+    values: Vec<T>,
+    /// Where each row ends in `values`.
+    ends: Vec<usize>,
+}
+
+impl<T> Default for Rows<T> {
+    fn default() -> Self {
+        Rows {
+            values: vec![],
+            ends: vec![],
+        }
+    }
+}
+
+impl<T: Ord + Copy> Rows<T> {
+    /// Appends `row` sorted (a multiset's canonical form).
+    fn push_sorted(&mut self, row: impl Iterator<Item = T>) {
+        let start = self.values.len();
+        self.values.extend(row);
+        self.values[start..].sort_unstable();
+        self.ends.push(self.values.len());
+    }
+
+    fn clear(&mut self) {
+        self.values.clear();
+        self.ends.clear();
+    }
+
+    fn iter(&self) -> impl Iterator<Item = &[T]> {
+        let starts = std::iter::once(0).chain(self.ends.iter().copied());
+        starts.zip(&self.ends).map(|(s, &e)| &self.values[s..e])
+    }
+}
+
+/// A colour per row: equal rows share one, numbered in order of first occurrence.
+fn interned<T: Ord + Copy + std::hash::Hash>(rows: &Rows<T>) -> Vec<u32> {
+    let mut ids: FxHashMap<&[T], u32> = FxHashMap::default();
+    rows.iter()
+        .map(|row| {
+            let n = ids.len() as u32;
+            *ids.entry(row).or_insert(n)
+        })
+        .collect()
 }
 
 fn distinct(c: &[u32]) -> usize {

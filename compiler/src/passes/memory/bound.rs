@@ -59,7 +59,7 @@ fn alive_together(
             }
         }
         let before = set.len();
-        set.retain(|&b| life.last[b].iter().zip(&done).any(|(&last, &d)| last > d));
+        set.retain(|&b| life.last(b).iter().zip(&done).any(|(&last, &d)| last > d));
         if set.len() == before {
             return set;
         }

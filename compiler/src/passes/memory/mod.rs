@@ -27,15 +27,18 @@ use cranelift_entity::{EntityRef, SecondaryMap};
 /// Alignment of every buffer's offset (what CUDA allocations and vector loads want).
 pub const ALIGN: u64 = 256;
 
-/// When each transient buffer is in use, as vector-clock facts.
+/// When each transient buffer is in use, as vector-clock facts. The per-stream rows of all
+/// buffers lie in two flat tables (buffers × streams): placement asks [`Lifetimes::dead_before`]
+/// for every pair of buffers it checks, so the rows are read without chasing a pointer each.
 pub struct Lifetimes {
     /// First op (issue order) touching each buffer.
     pub first: SecondaryMap<BufferId, Option<OpId>>,
-    /// Per stream, the position of the last op touching the buffer (0: none).
-    pub last: SecondaryMap<BufferId, Vec<u32>>,
-    /// Per stream, the least over the ops touching the buffer of how many ops of that stream
-    /// happen strictly before the op.
-    pub min_clock: SecondaryMap<BufferId, Vec<u32>>,
+    streams: usize,
+    /// Per buffer and stream, the position of the last op touching the buffer (0: none).
+    last: Vec<u32>,
+    /// Per buffer and stream, the least over the ops touching the buffer of how many ops of that
+    /// stream happen strictly before the op (`u32::MAX` for a buffer no op touches).
+    min_clock: Vec<u32>,
     /// Issue position of the last op touching each buffer (by buffer index).
     pub last_index: Vec<usize>,
 }
@@ -45,24 +48,25 @@ impl Lifetimes {
         let s = clocks.streams();
         let mut l = Lifetimes {
             first: SecondaryMap::new(),
-            last: SecondaryMap::new(),
-            min_clock: SecondaryMap::new(),
+            streams: s,
+            last: vec![0; p.buffers.len() * s],
+            min_clock: vec![u32::MAX; p.buffers.len() * s],
             last_index: vec![0; p.buffers.len()],
         };
+        let mut before = vec![0; s];
         for (id, op) in p.ops.iter() {
-            let mut before = clocks.clock(id).to_vec();
+            before.copy_from_slice(clocks.clock(id));
             before[op.stream.index()] -= 1;
             for r in op.reads.iter().chain(&op.writes) {
                 let b = r.buffer;
                 if l.first[b].is_none() {
                     l.first[b] = Some(id);
-                    l.last[b] = vec![0; s];
-                    l.min_clock[b] = before.clone();
                 }
                 l.last_index[b.index()] = id.index();
-                let last = &mut l.last[b][op.stream.index()];
+                let rows = b.index() * s..(b.index() + 1) * s;
+                let last = &mut l.last[rows.clone()][op.stream.index()];
                 *last = (*last).max(clocks.seq(id));
-                l.min_clock[b]
+                l.min_clock[rows]
                     .iter_mut()
                     .zip(&before)
                     .for_each(|(m, &c)| *m = (*m).min(c));
@@ -71,11 +75,20 @@ impl Lifetimes {
         l
     }
 
+    /// Per stream, the position of the last op touching `b` (0: none).
+    pub fn last(&self, b: BufferId) -> &[u32] {
+        &self.last[b.index() * self.streams..(b.index() + 1) * self.streams]
+    }
+
+    fn min_clock(&self, b: BufferId) -> &[u32] {
+        &self.min_clock[b.index() * self.streams..(b.index() + 1) * self.streams]
+    }
+
     /// Every access to `a` happens before every access to `b`.
     pub fn dead_before(&self, a: BufferId, b: BufferId) -> bool {
-        self.last[a]
+        self.last(a)
             .iter()
-            .zip(&self.min_clock[b])
+            .zip(self.min_clock(b))
             .all(|(&last, &min)| last == 0 || min >= last)
     }
 }
@@ -192,7 +205,7 @@ fn spans(
             next += 1;
         }
         pending.retain(|&b| {
-            let done = frontier.covers(clocks, &life.last[b]);
+            let done = frontier.covers(clocks, life.last(b));
             if done {
                 span[b.index()].1 = pos;
             }

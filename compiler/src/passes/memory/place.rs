@@ -137,6 +137,9 @@ pub(super) fn place_below(
             for &(start, end) in &busy {
                 if start >= at + bytes && chosen.is_none_or(|(g, _)| best_fit && start - at < g) {
                     chosen = Some((start - at, at));
+                    if !best_fit {
+                        break; // the lowest gap: nothing after it can change the choice
+                    }
                 }
                 at = at.max(align(end));
             }

@@ -274,7 +274,13 @@ pub(super) fn plan(
                 split: *split,
                 target,
             };
-            let r = place(two_ended, fit);
+            // A placement reaching both the target and the best top moves `lo` and nothing
+            // else, whatever its final top: it is abandoned there.
+            let cap = best.0 .1.max(target + 1);
+            let Some(r) = place_below(p, life, span, &units, two_ended, base, fit, cap) else {
+                lo = target;
+                continue;
+            };
             if r.1 <= target {
                 hi = target;
             } else {
