@@ -12,7 +12,9 @@
 //! it; on a GPU it runs inside [`super::CudaBackend`].
 #![cfg_attr(not(feature = "cuda"), allow(dead_code))]
 
-use super::enqueue::{elems, m, mt, prec_code, row_major, rows, ColMajor, DevAddr, Exec, A, M};
+use super::enqueue::{
+    elems, m, mt, prec_code, row_major, rows, ColMajor, DevAddr, Exec, Grid, A, M,
+};
 use super::typed::{DevPtr, Storage};
 use crate::device::action::aliased_outputs;
 use crate::device::{plan_error, ArenaSpan, Device, DeviceError, Ptr, Update};
@@ -69,15 +71,56 @@ fn span(rows: usize, cols: usize, ld: usize, stride: usize, batch: usize) -> usi
     (batch - 1) * stride + (cols - 1) * ld + rows
 }
 
+/// One argument of a `kernels.cu` launch as this file writes it: a typed tensor is one
+/// argument, [`Arg::T`], which the kernels take as two (its address, then its storage code);
+/// the others are the raw kernel arguments of [`A`]. [`flatten`] turns a list into the
+/// kernel's, in [`Gpu::launch`]. Launches read `&[T(x), T(y), Arg::L(n)]`.
+#[derive(Clone, Copy, Debug)]
+enum Arg {
+    /// A typed tensor: `A::P(addr), A::I(code)` in the kernel's list.
+    T(DevPtr),
+    P(DevAddr),
+    L(i64),
+    I(i32),
+    F(f32),
+    D(f64),
+}
+// A tensor is written `T(x)` in the argument lists.
+use Arg::T;
+
+/// The kernel's argument list of `args`: each tensor as its address and storage code, in
+/// place; every other argument as it is.
+fn flatten(args: &[Arg]) -> Vec<A> {
+    let mut out = Vec::with_capacity(2 * args.len());
+    for &arg in args {
+        match arg {
+            Arg::T(x) => out.extend([A::P(x.addr), A::I(x.code())]),
+            Arg::P(p) => out.push(A::P(p)),
+            Arg::L(v) => out.push(A::L(v)),
+            Arg::I(v) => out.push(A::I(v)),
+            Arg::F(v) => out.push(A::F(v)),
+            Arg::D(v) => out.push(A::D(v)),
+        }
+    }
+    out
+}
+
 impl Gpu<'_> {
-    fn run(&self, name: &str, n: usize, args: &[A]) -> Result<(), DeviceError> {
-        self.x
-            .launch(name, elems(n), args)
-            .map_err(DeviceError::Gpu)
+    /// Launches `name` as a grid-stride loop over `n` elements.
+    fn run(&self, name: &str, n: usize, args: &[Arg]) -> Result<(), DeviceError> {
+        self.launch(name, elems(n), args)
     }
 
-    fn run_rows(&self, name: &str, r: usize, args: &[A]) -> Result<(), DeviceError> {
-        self.x.launch(name, rows(r), args).map_err(DeviceError::Gpu)
+    /// Launches `name` with one block per row, `r` rows.
+    fn run_rows(&self, name: &str, r: usize, args: &[Arg]) -> Result<(), DeviceError> {
+        self.launch(name, rows(r), args)
+    }
+
+    /// Launches `name` on `grid` with the kernel's arguments of `args` (see [`flatten`]).
+    fn launch(&self, name: &str, grid: Grid, args: &[Arg]) -> Result<(), DeviceError> {
+        self.x
+            .launch(name, grid, &flatten(args))
+            .map_err(DeviceError::Gpu)
     }
 
     /// The arena's bytes at `at` as elements of `dtype`, in place.
@@ -252,14 +295,7 @@ impl Gpu<'_> {
         self.run(
             "bias_add",
             t * w,
-            &[
-                A::P(y.addr),
-                A::I(y.code()),
-                A::P(b.addr),
-                A::I(b.code()),
-                A::L(t as i64),
-                A::L(w as i64),
-            ],
+            &[T(y), T(b), Arg::L(t as i64), Arg::L(w as i64)],
         )
     }
 
@@ -276,17 +312,7 @@ impl Gpu<'_> {
         if n == 0 {
             return Ok(());
         }
-        self.run(
-            "convert",
-            n,
-            &[
-                A::P(src.addr),
-                A::I(src.code()),
-                A::P(dst.addr),
-                A::I(dst.code()),
-                A::L(n as i64),
-            ],
-        )
+        self.run("convert", n, &[T(src), T(dst), Arg::L(n as i64)])
     }
 }
 
@@ -378,17 +404,7 @@ impl Device for Gpu<'_> {
 
     fn load(&self, at: u64, dtype: Dtype, dst: DevPtr, n: usize) -> Result<(), DeviceError> {
         let src = self.arena(at, dtype)?;
-        self.run(
-            "stage",
-            n,
-            &[
-                A::P(src.addr),
-                A::I(src.code()),
-                A::P(dst.addr),
-                A::I(dst.code()),
-                A::L(n as i64),
-            ],
-        )
+        self.run("stage", n, &[T(src), T(dst), Arg::L(n as i64)])
     }
 
     fn store(
@@ -401,29 +417,9 @@ impl Device for Gpu<'_> {
     ) -> Result<(), DeviceError> {
         let dst = self.arena(at, dtype)?;
         if accumulate {
-            return self.run(
-                "stage_add",
-                n,
-                &[
-                    A::P(src.addr),
-                    A::I(src.code()),
-                    A::P(dst.addr),
-                    A::I(dst.code()),
-                    A::L(n as i64),
-                ],
-            );
+            return self.run("stage_add", n, &[T(src), T(dst), Arg::L(n as i64)]);
         }
-        self.run(
-            "stage",
-            n,
-            &[
-                A::P(src.addr),
-                A::I(src.code()),
-                A::P(dst.addr),
-                A::I(dst.code()),
-                A::L(n as i64),
-            ],
-        )
+        self.run("stage", n, &[T(src), T(dst), Arg::L(n as i64)])
     }
 
     fn load_f32(&self, at: u64, dst: DevPtr, n: usize) -> Result<(), DeviceError> {
@@ -440,11 +436,7 @@ impl Device for Gpu<'_> {
     }
 
     fn fill(&self, p: DevPtr, n: usize, v: f32) -> Result<(), DeviceError> {
-        self.run(
-            "fill",
-            n,
-            &[A::P(p.addr), A::I(p.code()), A::F(v), A::L(n as i64)],
-        )
+        self.run("fill", n, &[T(p), Arg::F(v), Arg::L(n as i64)])
     }
 
     /// A byte copy between the same representation (fp32 and fp32 halves are the same bytes),
@@ -466,12 +458,7 @@ impl Device for Gpu<'_> {
         self.run(
             "round_in_place",
             n,
-            &[
-                A::P(p.addr),
-                A::I(p.code()),
-                A::I(prec_code(prec)),
-                A::L(n as i64),
-            ],
+            &[T(p), Arg::I(prec_code(prec)), Arg::L(n as i64)],
         )
     }
 
@@ -521,14 +508,7 @@ impl Device for Gpu<'_> {
             self.run(
                 "col_sums",
                 out,
-                &[
-                    A::P(dy.addr),
-                    A::I(dy.code()),
-                    A::L(t as i64),
-                    A::L(out as i64),
-                    A::P(db.addr),
-                    A::I(db.code()),
-                ],
+                &[T(dy), Arg::L(t as i64), Arg::L(out as i64), T(db)],
             )?;
         }
         if let Some((dx, beta)) = dx {
@@ -553,18 +533,13 @@ impl Device for Gpu<'_> {
             "norm_forward",
             t,
             &[
-                A::I(norm_code(np.kind)),
-                A::P(x.addr),
-                A::I(x.code()),
-                A::P(w.addr),
-                A::I(w.code()),
-                A::P(b.addr),
-                A::I(b.code()),
-                A::P(out.addr),
-                A::I(out.code()),
-                A::P(stats.addr),
-                A::I(stats.code()),
-                A::L(h as i64),
+                Arg::I(norm_code(np.kind)),
+                T(x),
+                T(w),
+                T(b),
+                T(out),
+                T(stats),
+                Arg::L(h as i64),
             ],
         )
     }
@@ -587,18 +562,13 @@ impl Device for Gpu<'_> {
             "norm_backward_params",
             h,
             &[
-                A::P(x.addr),
-                A::I(x.code()),
-                A::P(stats.addr),
-                A::I(stats.code()),
-                A::P(dy.addr),
-                A::I(dy.code()),
-                A::P(dw.addr),
-                A::I(dw.code()),
-                A::P(db.addr),
-                A::I(db.code()),
-                A::L(t as i64),
-                A::L(h as i64),
+                T(x),
+                T(stats),
+                T(dy),
+                T(dw),
+                T(db),
+                Arg::L(t as i64),
+                Arg::L(h as i64),
             ],
         )?;
         if let Some(dx) = dx {
@@ -607,18 +577,13 @@ impl Device for Gpu<'_> {
                 "norm_backward_input",
                 t,
                 &[
-                    A::I(norm_code(np.kind)),
-                    A::P(x.addr),
-                    A::I(x.code()),
-                    A::P(w.addr),
-                    A::I(w.code()),
-                    A::P(stats.addr),
-                    A::I(stats.code()),
-                    A::P(dy.addr),
-                    A::I(dy.code()),
-                    A::P(dx.addr),
-                    A::I(dx.code()),
-                    A::L(h as i64),
+                    Arg::I(norm_code(np.kind)),
+                    T(x),
+                    T(w),
+                    T(stats),
+                    T(dy),
+                    T(dx),
+                    Arg::L(h as i64),
                 ],
             )?;
         }
@@ -626,46 +591,18 @@ impl Device for Gpu<'_> {
     }
 
     fn gelu(&self, pre: DevPtr, post: DevPtr, n: usize) -> Result<(), DeviceError> {
-        self.run(
-            "gelu_forward",
-            n,
-            &[
-                A::P(pre.addr),
-                A::I(pre.code()),
-                A::P(post.addr),
-                A::I(post.code()),
-                A::L(n as i64),
-            ],
-        )
+        self.run("gelu_forward", n, &[T(pre), T(post), Arg::L(n as i64)])
     }
 
     fn gelu_backward(&self, pre: DevPtr, d: DevPtr, n: usize) -> Result<(), DeviceError> {
-        self.run(
-            "gelu_backward",
-            n,
-            &[
-                A::P(pre.addr),
-                A::I(pre.code()),
-                A::P(d.addr),
-                A::I(d.code()),
-                A::L(n as i64),
-            ],
-        )
+        self.run("gelu_backward", n, &[T(pre), T(d), Arg::L(n as i64)])
     }
 
     fn swiglu(&self, gate: DevPtr, up: DevPtr, prod: DevPtr, n: usize) -> Result<(), DeviceError> {
         self.run(
             "swiglu_forward",
             n,
-            &[
-                A::P(gate.addr),
-                A::I(gate.code()),
-                A::P(up.addr),
-                A::I(up.code()),
-                A::P(prod.addr),
-                A::I(prod.code()),
-                A::L(n as i64),
-            ],
+            &[T(gate), T(up), T(prod), Arg::L(n as i64)],
         )
     }
 
@@ -680,17 +617,7 @@ impl Device for Gpu<'_> {
         self.run(
             "swiglu_backward",
             n,
-            &[
-                A::P(gate.addr),
-                A::I(gate.code()),
-                A::P(up.addr),
-                A::I(up.code()),
-                A::P(dgate.addr),
-                A::I(dgate.code()),
-                A::P(dup.addr),
-                A::I(dup.code()),
-                A::L(n as i64),
-            ],
+            &[T(gate), T(up), T(dgate), T(dup), Arg::L(n as i64)],
         )
     }
 
@@ -719,19 +646,17 @@ impl Device for Gpu<'_> {
             "rope",
             n,
             &[
-                A::P(src.addr),
-                A::I(src.code()),
-                A::P(qkv.addr),
-                A::I(qkv.code()),
-                A::P(tables),
-                A::P(tables.add_bytes((s * half) as u64 * F)),
-                A::L(t as i64),
-                A::L(s as i64),
-                A::L(sh.width() as i64),
-                A::I(sh.heads as i32),
-                A::I(sh.kv_heads as i32),
-                A::I(half as i32),
-                A::I(i32::from(inverse)),
+                T(src),
+                T(qkv),
+                Arg::P(tables),
+                Arg::P(tables.add_bytes((s * half) as u64 * F)),
+                Arg::L(t as i64),
+                Arg::L(s as i64),
+                Arg::L(sh.width() as i64),
+                Arg::I(sh.heads as i32),
+                Arg::I(sh.kv_heads as i32),
+                Arg::I(half as i32),
+                Arg::I(i32::from(inverse)),
             ],
         )
     }
@@ -754,18 +679,15 @@ impl Device for Gpu<'_> {
                 "flash_forward",
                 rows,
                 &[
-                    A::P(qkv.addr),
-                    A::I(qkv.code()),
-                    A::P(out.addr),
-                    A::I(out.code()),
-                    A::P(lse.addr),
-                    A::I(lse.code()),
-                    A::L(s),
-                    A::L(w),
-                    A::I(h),
-                    A::I(kv),
-                    A::I(d),
-                    A::F(scale),
+                    T(qkv),
+                    T(out),
+                    T(lse),
+                    Arg::L(s),
+                    Arg::L(w),
+                    Arg::I(h),
+                    Arg::I(kv),
+                    Arg::I(d),
+                    Arg::F(scale),
                 ],
             );
         }
@@ -790,14 +712,7 @@ impl Device for Gpu<'_> {
             self.run_rows(
                 "causal_softmax",
                 sh.heads * s,
-                &[
-                    A::P(probs.addr),
-                    A::I(probs.code()),
-                    A::P(lse_ptr.addr),
-                    A::I(lse_ptr.code()),
-                    A::L(s as i64),
-                    A::I(prec),
-                ],
+                &[T(probs), T(lse_ptr), Arg::L(s as i64), Arg::I(prec)],
             )?;
             if bp.attention == Attention::Naive {
                 let n = sh.heads * s * s;
@@ -847,44 +762,34 @@ impl Device for Gpu<'_> {
                 "flash_backward_dq",
                 rows,
                 &[
-                    A::P(qkv.addr),
-                    A::I(qkv.code()),
-                    A::P(dout.addr),
-                    A::I(dout.code()),
-                    A::P(lse.addr),
-                    A::I(lse.code()),
-                    A::P(dsum.addr),
-                    A::I(dsum.code()),
-                    A::P(dqkv.addr),
-                    A::I(dqkv.code()),
-                    A::L(s),
-                    A::L(w),
-                    A::I(h),
-                    A::I(kv),
-                    A::I(d),
-                    A::F(scale),
+                    T(qkv),
+                    T(dout),
+                    T(lse),
+                    T(dsum),
+                    T(dqkv),
+                    Arg::L(s),
+                    Arg::L(w),
+                    Arg::I(h),
+                    Arg::I(kv),
+                    Arg::I(d),
+                    Arg::F(scale),
                 ],
             )?;
             return self.run_rows(
                 "flash_backward_dkv",
                 key_rows,
                 &[
-                    A::P(qkv.addr),
-                    A::I(qkv.code()),
-                    A::P(dout.addr),
-                    A::I(dout.code()),
-                    A::P(lse.addr),
-                    A::I(lse.code()),
-                    A::P(dsum.addr),
-                    A::I(dsum.code()),
-                    A::P(dqkv.addr),
-                    A::I(dqkv.code()),
-                    A::L(s),
-                    A::L(w),
-                    A::I(h),
-                    A::I(kv),
-                    A::I(d),
-                    A::F(scale),
+                    T(qkv),
+                    T(dout),
+                    T(lse),
+                    T(dsum),
+                    T(dqkv),
+                    Arg::L(s),
+                    Arg::L(w),
+                    Arg::I(h),
+                    Arg::I(kv),
+                    Arg::I(d),
+                    Arg::F(scale),
                 ],
             );
         }
@@ -908,14 +813,7 @@ impl Device for Gpu<'_> {
                         self.run(
                             "probs_from_lse",
                             s * s,
-                            &[
-                                A::P(p.addr),
-                                A::I(p.code()),
-                                A::P(lse.addr),
-                                A::I(lse.code()),
-                                A::L(s as i64),
-                                A::L(s as i64),
-                            ],
+                            &[T(p), T(lse), Arg::L(s as i64), Arg::L(s as i64)],
                         )?;
                     }
                 }
@@ -927,14 +825,7 @@ impl Device for Gpu<'_> {
                 self.run_rows(
                     "softmax_backward",
                     s,
-                    &[
-                        A::P(p.addr),
-                        A::I(p.code()),
-                        A::P(dp.addr),
-                        A::I(dp.code()),
-                        A::L(s as i64),
-                        A::F(scale),
-                    ],
+                    &[T(p), T(dp), Arg::L(s as i64), Arg::F(scale)],
                 )?;
                 // dQ = dS·K; dK += dSᵀ·Q
                 self.gemm(s, d, s, 1.0, m(dp, s), m(k_m, w), 0.0, dqkv.offset(q), w)?;
@@ -960,16 +851,13 @@ impl Device for Gpu<'_> {
             "embedding_forward",
             t * h,
             &[
-                A::P(tokens),
-                A::P(wte.addr),
-                A::I(wte.code()),
-                A::P(wpe.addr),
-                A::I(wpe.code()),
-                A::P(out.addr),
-                A::I(out.code()),
-                A::L(t as i64),
-                A::L(h as i64),
-                A::L(s as i64),
+                Arg::P(tokens),
+                T(wte),
+                T(wpe),
+                T(out),
+                Arg::L(t as i64),
+                Arg::L(h as i64),
+                Arg::L(s as i64),
             ],
         )
     }
@@ -990,16 +878,13 @@ impl Device for Gpu<'_> {
             "embedding_backward",
             h,
             &[
-                A::P(tokens),
-                A::P(dy.addr),
-                A::I(dy.code()),
-                A::P(dwte.addr),
-                A::I(dwte.code()),
-                A::P(dwpe.addr),
-                A::I(dwpe.code()),
-                A::L(t as i64),
-                A::L(h as i64),
-                A::L(s as i64),
+                Arg::P(tokens),
+                T(dy),
+                T(dwte),
+                T(dwpe),
+                Arg::L(t as i64),
+                Arg::L(h as i64),
+                Arg::L(s as i64),
             ],
         )
     }
@@ -1016,14 +901,12 @@ impl Device for Gpu<'_> {
             "cross_entropy",
             n,
             &[
-                A::P(logits.addr),
-                A::I(logits.code()),
-                A::P(targets),
-                A::L(vocab as i64),
-                A::L(n as i64),
-                A::P(grad.addr),
-                A::I(grad.code()),
-                A::P(self.consts.loss),
+                T(logits),
+                Arg::P(targets),
+                Arg::L(vocab as i64),
+                Arg::L(n as i64),
+                T(grad),
+                Arg::P(self.consts.loss),
             ],
         )
     }
@@ -1040,16 +923,13 @@ impl Device for Gpu<'_> {
                 "sgd",
                 u.n,
                 &[
-                    A::P(state.addr),
-                    A::I(state.code()),
-                    A::P(grad.addr),
-                    A::I(grad.code()),
-                    A::L(n),
-                    A::P(sq.addr),
-                    A::I(sq.code()),
-                    A::D(u.contributions),
-                    A::D(clip),
-                    A::F(cfg.lr),
+                    T(state),
+                    T(grad),
+                    Arg::L(n),
+                    T(sq),
+                    Arg::D(u.contributions),
+                    Arg::D(clip),
+                    Arg::F(cfg.lr),
                 ],
             );
         }
@@ -1061,25 +941,22 @@ impl Device for Gpu<'_> {
             "adam",
             u.n,
             &[
-                A::P(state.addr),
-                A::I(state.code()),
-                A::P(grad.addr),
-                A::I(grad.code()),
-                A::L(n),
-                A::L(u.first as i64),
-                A::P(decay),
-                A::I(ranges as i32),
-                A::I(i32::from(decays)),
-                A::P(sq.addr),
-                A::I(sq.code()),
-                A::D(u.contributions),
-                A::D(clip),
-                A::F(cfg.beta1),
-                A::F(cfg.beta2),
-                A::F(cfg.eps),
-                A::F((f64::from(cfg.lr) / bc1) as f32),
-                A::F(bc2.sqrt() as f32),
-                A::F(1.0 - cfg.lr * cfg.weight_decay),
+                T(state),
+                T(grad),
+                Arg::L(n),
+                Arg::L(u.first as i64),
+                Arg::P(decay),
+                Arg::I(ranges as i32),
+                Arg::I(i32::from(decays)),
+                T(sq),
+                Arg::D(u.contributions),
+                Arg::D(clip),
+                Arg::F(cfg.beta1),
+                Arg::F(cfg.beta2),
+                Arg::F(cfg.eps),
+                Arg::F((f64::from(cfg.lr) / bc1) as f32),
+                Arg::F(bc2.sqrt() as f32),
+                Arg::F(1.0 - cfg.lr * cfg.weight_decay),
             ],
         )
     }
@@ -1093,20 +970,10 @@ impl Device for Gpu<'_> {
         for g in grads {
             let v = self.arena(g.at, g.dtype)?;
             let n = g.elements as i64;
-            self.run(
-                "sum_squares",
-                g.elements,
-                &[A::P(v.addr), A::I(v.code()), A::L(n), A::P(acc)],
-            )?;
+            self.run("sum_squares", g.elements, &[T(v), Arg::L(n), Arg::P(acc)])?;
         }
         let dst = self.arena(out.at, out.dtype)?;
-        self.x
-            .launch(
-                "store_double",
-                elems(1),
-                &[A::P(acc), A::P(dst.addr), A::I(dst.code())],
-            )
-            .map_err(DeviceError::Gpu)
+        self.run("store_double", 1, &[Arg::P(acc), T(dst)])
     }
 }
 

@@ -223,7 +223,8 @@ mod tests {
         out
     }
 
-    /// (file, kernel, argument kinds) of every launch `"name", …, &[A::X(…), …]` in the sources.
+    /// (file, kernel, argument kinds) of every launch `"name", …, &[A::X(…), …]` (gpu.rs:
+    /// `Arg::X(…)`, and `T(…)` for a tensor) in the sources.
     fn launches() -> Vec<(&'static str, String, String)> {
         let names: Vec<String> = signatures().into_iter().map(|(n, _)| n).collect();
         let mut out = vec![];
@@ -255,11 +256,20 @@ mod tests {
                             _ => {}
                         }
                     }
-                    let list = &rest[open + 2..end];
-                    let kinds: String = list
-                        .match_indices("A::")
-                        .map(|(j, _)| list.as_bytes()[j + 3] as char)
-                        .collect();
+                    // gpu.rs writes `Arg::X(…)`, step.rs `A::X(…)`; gpu.rs's typed tensor,
+                    // `T(…)`, is two kernel arguments (its address and its storage code).
+                    let list = rest[open + 2..end].replace("Arg::", "A::");
+                    let b = list.as_bytes();
+                    let mut kinds = String::new();
+                    for j in 0..b.len() {
+                        let word_start =
+                            j == 0 || !(b[j - 1].is_ascii_alphanumeric() || b[j - 1] == b'_');
+                        if list[j..].starts_with("A::") && word_start {
+                            kinds.push(b[j + 3] as char);
+                        } else if list[j..].starts_with("T(") && word_start {
+                            kinds.push_str("PI");
+                        }
+                    }
                     out.push((file, n.clone(), kinds));
                 }
             }
