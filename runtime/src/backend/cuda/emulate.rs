@@ -466,6 +466,105 @@ fn models() -> Vec<schedc::job::Model> {
     a.models.iter().map(|m| (**m).clone()).collect()
 }
 
+/// One layer's random inputs and the CPU math's forward and backward on them: what the layer
+/// tests hold the emulated device to.
+struct LayerCase {
+    what: String,
+    p: Vec<f32>,
+    tied: Option<Vec<f32>>,
+    tokens_i32: Vec<i32>,
+    xin: Vec<f32>,
+    dy: Vec<f32>,
+    out: Vec<f32>,
+    saved: Vec<f32>,
+    gi: Option<Vec<f32>>,
+    gp: Vec<f32>,
+    gt: Option<Vec<f32>>,
+}
+
+impl LayerCase {
+    /// Parameters, tied embedding, input and output gradient drawn from `rng` (in that order)
+    /// and passed through `round`, then the CPU's forward and backward.
+    fn new(
+        m: &LayerMath,
+        what: String,
+        rng: &mut Rng,
+        round: impl Fn(Vec<f32>) -> Vec<f32>,
+    ) -> Self {
+        let p = round(rng.normals(m.params(), 0.1));
+        let tied = m
+            .is_tied()
+            .then(|| round(rng.normals(m.tied_elements(), 0.1)));
+        let t = m.dims().t;
+        let tokens: Vec<u32> = (0..t).map(|i| ((i * 37 + 11) % 256) as u32).collect();
+        let tokens_i32 = tokens.iter().map(|&x| x as i32).collect();
+        let xin = round(rng.normals(m.input_elements(), 1.0));
+        let dy = round(rng.normals(m.output_elements(), 0.1));
+        let input = if m.takes_tokens() {
+            Input::Tokens(&tokens)
+        } else {
+            Input::Hidden(&xin)
+        };
+        let mut out = vec![0.0; m.output_elements()];
+        let mut saved = vec![0.0; m.saved_elements()];
+        m.forward(&p, tied.as_deref(), input, &mut out, &mut saved);
+        let mut gi = (!m.takes_tokens()).then(|| vec![0.0; m.input_elements()]);
+        let mut gp = vec![0.0; m.params()];
+        let mut gt = tied.as_ref().map(|t| vec![0.0; t.len()]);
+        m.backward(
+            &p,
+            tied.as_deref(),
+            &saved,
+            input,
+            &dy,
+            gi.as_deref_mut(),
+            &mut gp,
+            gt.as_deref_mut(),
+        );
+        LayerCase {
+            what,
+            p,
+            tied,
+            tokens_i32,
+            xin,
+            dy,
+            out,
+            saved,
+            gi,
+            gp,
+            gt,
+        }
+    }
+
+    /// The layer's input on the device: token ids, or the hidden states at `hidden`.
+    fn input<'g>(&self, m: &LayerMath, hidden: DevPtr) -> In<Gpu<'g>> {
+        if m.takes_tokens() {
+            In::Tokens(addr(&self.tokens_i32))
+        } else {
+            In::Hidden(hidden)
+        }
+    }
+
+    /// The emulated device's forward results against the CPU's.
+    fn check_forward(&self, dtype: Dtype, out: &[f32], saved: &[f32]) {
+        let (fwd, _) = tolerances(dtype);
+        close(&format!("{} output", self.what), out, &self.out, fwd);
+        close(&format!("{} saved", self.what), saved, &self.saved, fwd);
+    }
+
+    /// The emulated device's gradients against the CPU's.
+    fn check_backward(&self, dtype: Dtype, gp: &[f32], gi: Option<&[f32]>, gt: Option<&[f32]>) {
+        let (_, bwd) = tolerances(dtype);
+        close(&format!("{} grad params", self.what), gp, &self.gp, bwd);
+        if let (Some(a), Some(b)) = (gi, &self.gi) {
+            close(&format!("{} grad input", self.what), a, b, bwd);
+        }
+        if let (Some(a), Some(b)) = (gt, &self.gt) {
+            close(&format!("{} grad tied", self.what), a, b, bwd);
+        }
+    }
+}
+
 /// Every layer kind's forward and backward on the emulated device equals `crate::math`'s:
 /// outputs, every saved segment, input, parameter and tied gradients.
 #[test]
@@ -481,86 +580,49 @@ fn layers_on_the_emulated_device_match_the_cpu_math() {
         let mut rng = Rng::new(7);
         for layer in &model.layers {
             let m = LayerMath::new(layer, &model).unwrap();
-            let what = format!("{} {}", model.name, layer.name);
-            let p = rng.normals(m.params(), 0.1);
-            let tied = m.is_tied().then(|| rng.normals(m.tied_elements(), 0.1));
-            let t = (model.micro_batch * model.seq_len) as usize;
-            let tokens: Vec<u32> = (0..t).map(|i| ((i * 37 + 11) % 256) as u32).collect();
-            let tokens_i32: Vec<i32> = tokens.iter().map(|&x| x as i32).collect();
-            let xin = rng.normals(m.input_elements(), 1.0);
-            let input = if m.takes_tokens() {
-                Input::Tokens(&tokens)
-            } else {
-                Input::Hidden(&xin)
-            };
-            let dev_in = if m.takes_tokens() {
-                In::Tokens(addr(&tokens_i32))
-            } else {
-                In::Hidden(f32p(&xin))
-            };
-            let dy = rng.normals(m.output_elements(), 0.1);
-            // CPU.
-            let mut out = vec![0.0; m.output_elements()];
-            let mut saved = vec![0.0; m.saved_elements()];
-            m.forward(&p, tied.as_deref(), input, &mut out, &mut saved);
-            let mut gi = (!m.takes_tokens()).then(|| vec![0.0; m.input_elements()]);
-            let mut gp = vec![0.0; m.params()];
-            let mut gt = tied.as_ref().map(|t| vec![0.0; t.len()]);
-            m.backward(
-                &p,
-                tied.as_deref(),
-                &saved,
-                input,
-                &dy,
-                gi.as_deref_mut(),
-                &mut gp,
-                gt.as_deref_mut(),
+            let c = LayerCase::new(
+                &m,
+                format!("{} {}", model.name, layer.name),
+                &mut rng,
+                |v| v,
             );
-            // Emulated device.
             let rope = rope_table(&m);
             let mut ws = vec![0f32; 1 << 20];
             let consts = table_consts(rope.as_deref().map(addr));
             let gg = g(&x, &mut ws, &consts, model.dtype);
             let mut d_out = vec![f32::NAN; m.output_elements()];
             let mut d_saved = vec![f32::NAN; m.saved_elements()];
-            let d_tied = tied.as_deref().map(f32p);
+            let d_tied = c.tied.as_deref().map(f32p);
+            let dev_in = c.input(&m, f32p(&c.xin));
             layers::forward(
                 &gg,
                 &m,
-                f32p(&p),
+                f32p(&c.p),
                 d_tied,
                 dev_in,
                 f32p_mut(&mut d_out),
                 f32p_mut(&mut d_saved),
             )
             .unwrap();
-            let (fwd, bwd) = tolerances(model.dtype);
-            close(&format!("{what} saved"), &d_saved, &saved, fwd);
-            close(&format!("{what} output"), &d_out, &out, fwd);
-            let mut d_gi = gi.as_ref().map(|v| vec![f32::NAN; v.len()]);
+            c.check_forward(model.dtype, &d_out, &d_saved);
+            let mut d_gi = c.gi.as_ref().map(|v| vec![f32::NAN; v.len()]);
             let mut d_gp = vec![f32::NAN; m.params()];
-            let mut d_gt = gt.as_ref().map(|v| vec![f32::NAN; v.len()]);
+            let mut d_gt = c.gt.as_ref().map(|v| vec![f32::NAN; v.len()]);
             gg.reset();
             layers::backward(
                 &gg,
                 &m,
-                f32p(&p),
+                f32p(&c.p),
                 d_tied,
-                f32p(&saved),
+                f32p(&c.saved),
                 dev_in,
-                f32p(&dy),
+                f32p(&c.dy),
                 d_gi.as_deref_mut().map(f32p_mut),
                 f32p_mut(&mut d_gp),
                 d_gt.as_deref_mut().map(f32p_mut),
             )
             .unwrap();
-            close(&format!("{what} grad params"), &d_gp, &gp, bwd);
-            if let (Some(a), Some(b)) = (&d_gi, &gi) {
-                close(&format!("{what} grad input"), a, b, bwd);
-            }
-            if let (Some(a), Some(b)) = (&d_gt, &gt) {
-                close(&format!("{what} grad tied"), a, b, bwd);
-            }
+            c.check_backward(model.dtype, &d_gp, d_gi.as_deref(), d_gt.as_deref());
         }
     }
 }
@@ -753,45 +815,16 @@ fn layers_on_16_bit_storage_in_place_match_the_cpu_math() {
         for layer in &model.layers {
             let m = LayerMath::new(layer, &model).unwrap();
             let what = format!("{} {} in place", model.name, layer.name);
-            let p = rounded(rng.normals(m.params(), 0.1));
-            let tied = m
-                .is_tied()
-                .then(|| rounded(rng.normals(m.tied_elements(), 0.1)));
-            let t = (model.micro_batch * model.seq_len) as usize;
-            let tokens: Vec<u32> = (0..t).map(|i| ((i * 37 + 11) % 256) as u32).collect();
-            let tokens_i32: Vec<i32> = tokens.iter().map(|&x| x as i32).collect();
-            let xin = rounded(rng.normals(m.input_elements(), 1.0));
-            let dy = rounded(rng.normals(m.output_elements(), 0.1));
-            let input = if m.takes_tokens() {
-                Input::Tokens(&tokens)
-            } else {
-                Input::Hidden(&xin)
-            };
-            // CPU.
-            let mut out = vec![0.0; m.output_elements()];
-            let mut saved = vec![0.0; m.saved_elements()];
-            m.forward(&p, tied.as_deref(), input, &mut out, &mut saved);
-            let mut gi = (!m.takes_tokens()).then(|| vec![0.0; m.input_elements()]);
-            let mut gp = vec![0.0; m.params()];
-            let mut gt = tied.as_ref().map(|t| vec![0.0; t.len()]);
-            let (gi_cpu, gt_cpu) = (gi.as_deref_mut(), gt.as_deref_mut());
-            m.backward(
-                &p,
-                tied.as_deref(),
-                &saved,
-                input,
-                &dy,
-                gi_cpu,
-                &mut gp,
-                gt_cpu,
-            );
-            // Emulated device, on 16-bit buffers.
+            let c = LayerCase::new(&m, what, &mut rng, rounded);
+            // The emulated device, on 16-bit buffers.
             let on = |v: &[u64]| DevPtr::new(addr(v), Storage::of(d));
+            let on_mut =
+                |v: &mut [u64]| DevPtr::new(DevAddr(v.as_mut_ptr() as u64), Storage::of(d));
             let (d_p, d_tied, d_x, d_dy) = (
-                packed(&p, d),
-                tied.as_ref().map(|t| packed(t, d)),
-                packed(&xin, d),
-                packed(&dy, d),
+                packed(&c.p, d),
+                c.tied.as_ref().map(|t| packed(t, d)),
+                packed(&c.xin, d),
+                packed(&c.dy, d),
             );
             let mut d_out = packed(&vec![f32::NAN; m.output_elements()], d);
             let saved_bytes: u64 = m
@@ -814,39 +847,25 @@ fn layers_on_16_bit_storage_in_place_match_the_cpu_math() {
                 &m.saved_segments(),
             )
             .unwrap();
-            let dev_in = if m.takes_tokens() {
-                In::Tokens(addr(&tokens_i32))
-            } else {
-                In::Hidden(on(&d_x))
-            };
+            let dev_in = c.input(&m, on(&d_x));
             let rope = rope_table(&m);
             let mut ws = vec![0f32; 1 << 20];
             let consts = table_consts(rope.as_deref().map(addr));
             let gg = g(&x, &mut ws, &consts, d);
-            let out_ptr = DevPtr::new(DevAddr(d_out.as_mut_ptr() as u64), Storage::of(d));
             let tied_ptr = d_tied.as_deref().map(on);
+            let out_ptr = on_mut(&mut d_out);
             layers::forward(&gg, &m, on(&d_p), tied_ptr, dev_in, out_ptr, saved_ptr).unwrap();
-            let (fwd, bwd) = tolerances(d);
             // SAFETY: every buffer holds its n values.
             let unpack = |v: &[u64], n: usize| -> Vec<f32> {
                 let at = addr(v);
                 (0..n).map(|e| unsafe { operand(at, d, e) }).collect()
             };
             let got_out = unpack(&d_out, m.output_elements());
-            close(&format!("{what} output"), &got_out, &out, fwd);
-            close(
-                &format!("{what} saved"),
-                &unpack_saved(&d_saved, d, &m),
-                &saved,
-                fwd,
-            );
-            let mut d_gi = gi.as_ref().map(|v| packed(&vec![f32::NAN; v.len()], d));
+            c.check_forward(d, &got_out, &unpack_saved(&d_saved, d, &m));
+            let mut d_gi = c.gi.as_ref().map(|v| packed(&vec![f32::NAN; v.len()], d));
             let mut d_gp = vec![f32::NAN; m.params()];
-            let mut d_gt = gt.as_ref().map(|v| vec![f32::NAN; v.len()]);
+            let mut d_gt = c.gt.as_ref().map(|v| vec![f32::NAN; v.len()]);
             gg.reset();
-            let gi_ptr = d_gi
-                .as_mut()
-                .map(|v| DevPtr::new(DevAddr(v.as_mut_ptr() as u64), Storage::of(d)));
             layers::backward(
                 &gg,
                 &m,
@@ -855,19 +874,16 @@ fn layers_on_16_bit_storage_in_place_match_the_cpu_math() {
                 saved_ptr,
                 dev_in,
                 on(&d_dy),
-                gi_ptr,
+                d_gi.as_deref_mut().map(on_mut),
                 f32p_mut(&mut d_gp),
                 d_gt.as_deref_mut().map(f32p_mut),
             )
             .unwrap();
-            close(&format!("{what} grad params"), &d_gp, &gp, bwd);
-            if let (Some(a), Some(b)) = (&d_gi, &gi) {
-                let a = unpack(a, b.len());
-                close(&format!("{what} grad input"), &a, b, bwd);
-            }
-            if let (Some(a), Some(b)) = (&d_gt, &gt) {
-                close(&format!("{what} grad tied"), a, b, bwd);
-            }
+            let gi = d_gi
+                .as_ref()
+                .zip(c.gi.as_ref())
+                .map(|(a, b)| unpack(a, b.len()));
+            c.check_backward(d, &d_gp, gi.as_deref(), d_gt.as_deref());
         }
     }
 }
