@@ -108,6 +108,19 @@ unsafe impl Sync for Lib {}
 
 type Entry = unsafe extern "C" fn(u32, u32, *const *const c_void);
 
+/// [`library`], or `None` after saying the calling test skipped (which fails it where
+/// `SCHED_REQUIRE` lists `cxx`).
+fn library_or_skip() -> Option<&'static Lib> {
+    let lib = library();
+    if lib.is_none() {
+        schedc::testing::skip(
+            "cxx",
+            "no C++20 compiler ($CXX, else c++) to emulate the kernels on the host",
+        );
+    }
+    lib
+}
+
 /// The kernels built for the host, once per test process; `None` without a C++ compiler.
 fn library() -> Option<&'static Lib> {
     static LIB: OnceLock<Option<Lib>> = OnceLock::new();
@@ -569,11 +582,8 @@ impl LayerCase {
 /// outputs, every saved segment, input, parameter and tied gradients.
 #[test]
 fn layers_on_the_emulated_device_match_the_cpu_math() {
-    let Some(lib) = library() else {
-        return schedc::testing::skip(
-            "cxx",
-            "no C++20 compiler ($CXX, else c++) to emulate the kernels on the host",
-        );
+    let Some(lib) = library_or_skip() else {
+        return;
     };
     let x = HostExec::new(lib);
     for model in models() {
@@ -632,11 +642,8 @@ fn layers_on_the_emulated_device_match_the_cpu_math() {
 /// within f32 accumulation error, and differs from the product of the unrounded ones.
 #[test]
 fn products_of_a_16_bit_model_round_their_operands() {
-    let Some(lib) = library() else {
-        return schedc::testing::skip(
-            "cxx",
-            "no C++20 compiler ($CXX, else c++) to emulate the kernels on the host",
-        );
+    let Some(lib) = library_or_skip() else {
+        return;
     };
     let x = HostExec::new(lib);
     let (t, inp, out) = (6, 37, 11);
@@ -798,11 +805,8 @@ fn unpack_saved(bytes: &[u64], model: Dtype, m: &LayerMath) -> Vec<f32> {
 /// CPU math on the same rounded values within the dtype's layer tolerance.
 #[test]
 fn layers_on_16_bit_storage_in_place_match_the_cpu_math() {
-    let Some(lib) = library() else {
-        return schedc::testing::skip(
-            "cxx",
-            "no C++20 compiler ($CXX, else c++) to emulate the kernels on the host",
-        );
+    let Some(lib) = library_or_skip() else {
+        return;
     };
     let x = HostExec::new(lib);
     for model in models().into_iter().filter(|m| m.dtype != Dtype::Fp32) {
@@ -893,11 +897,8 @@ fn layers_on_16_bit_storage_in_place_match_the_cpu_math() {
 /// ties, subnormals, overflow and NaN) round to the same half.
 #[test]
 fn emulated_fp16_conversions_are_the_half_crates() {
-    let Some(lib) = library() else {
-        return schedc::testing::skip(
-            "cxx",
-            "no C++20 compiler ($CXX, else c++) to emulate the kernels on the host",
-        );
+    let Some(lib) = library_or_skip() else {
+        return;
     };
     let x = HostExec::new(lib);
     let fp16 = A::I(Storage::F16.code());
@@ -1225,11 +1226,8 @@ cluster two_by_two { nodes = 2  gpus_per_node = 2  gpu_memory = 4 GiB  peak_flop
 /// AMSP mesh), with clipping, micro-steps and recomputation.
 #[test]
 fn training_on_the_emulated_device_matches_the_cpu_backend() {
-    let Some(lib) = library() else {
-        return schedc::testing::skip(
-            "cxx",
-            "no C++20 compiler ($CXX, else c++) to emulate the kernels on the host",
-        );
+    let Some(lib) = library_or_skip() else {
+        return;
     };
     let text = format!(
         "{MODELS}\n{}\n\
@@ -1319,11 +1317,8 @@ fn go<B: Backend>(plan: Arc<Plan>, backend: B, steps: u64) -> Vec<(f64, Vec<f32>
 /// is written into its parts); the runs still match the CPU backend within 2e-2.
 #[test]
 fn layer_ops_of_a_16_bit_model_stage_only_gradient_parts() {
-    let Some(lib) = library() else {
-        return schedc::testing::skip(
-            "cxx",
-            "no C++20 compiler ($CXX, else c++) to emulate the kernels on the host",
-        );
+    let Some(lib) = library_or_skip() else {
+        return;
     };
     let text = format!(
         "{MODELS}\n{CLUSTERS}\n\
