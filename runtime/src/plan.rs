@@ -156,20 +156,13 @@ impl Plan {
                 index,
                 base,
                 stride,
-            } => {
-                let i = ShardIndex::ALL
-                    .iter()
-                    .position(|x| *x == index)
-                    .expect("all");
-                base + self.indices[rank as usize][i] * stride
-            }
+            } => base + self.index(rank, index) * stride,
         }
     }
 
     /// The value of shard index `idx` on `rank`.
     pub fn index(&self, rank: u32, idx: ShardIndex) -> u64 {
-        let i = ShardIndex::ALL.iter().position(|x| *x == idx).expect("all");
-        self.indices[rank as usize][i]
+        self.indices[rank as usize][idx.slot()]
     }
 
     /// The persistent buffer of `kind` holding layer `layer`'s state.

@@ -253,6 +253,11 @@ impl ShardIndex {
         ShardIndex::OptimizerInGrad,
         ShardIndex::Secondary,
     ];
+
+    /// This index's position in [`ShardIndex::ALL`] (tables of a rank's indices use it).
+    pub const fn slot(self) -> usize {
+        self as usize
+    }
 }
 
 /// A region's byte offset within its buffer.
@@ -384,6 +389,18 @@ impl Op {
             OpKind::Compute(k) => Self::compute_name(*k),
             OpKind::Collective(c) => c.kind.name(),
             OpKind::Group(_) => "group",
+        }
+    }
+}
+
+#[cfg(test)]
+mod shard_index_tests {
+    use super::ShardIndex;
+
+    #[test]
+    fn slot_is_the_position_in_all() {
+        for (i, idx) in ShardIndex::ALL.into_iter().enumerate() {
+            assert_eq!(idx.slot(), i, "{idx:?}");
         }
     }
 }

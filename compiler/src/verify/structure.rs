@@ -166,13 +166,7 @@ impl Highest {
                 index,
                 base,
                 stride,
-            } => {
-                let i = ShardIndex::ALL
-                    .iter()
-                    .position(|&x| x == index)
-                    .expect("every index is listed");
-                base.saturating_add(self.0[i].saturating_mul(stride))
-            }
+            } => base.saturating_add(self.0[index.slot()].saturating_mul(stride)),
         };
         start.saturating_add(r.bytes)
     }
