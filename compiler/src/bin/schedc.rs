@@ -258,28 +258,18 @@ fn compile(
             program,
             errors,
         }) => {
-            eprintln!(
-                "error: the program for `{}` is malformed after the {pass} pass ({} errors):\n",
-                job.schedule.name,
-                errors.len()
+            let what = format!(
+                "the program for `{}` is malformed after the {pass} pass",
+                job.schedule.name
             );
-            eprint!(
-                "{}",
-                schedc::verify::render_context(&program, &errors[..errors.len().min(20)], 3)
-            );
-            return Status::Fault;
+            return report_broken(&what, &program, &errors, Status::Fault);
         }
         Err(schedc::CompileError::Verify(program, errors)) => {
-            eprintln!(
-                "error: the compiled program for `{}` fails verification ({} errors):\n",
-                job.schedule.name,
-                errors.len()
+            let what = format!(
+                "the compiled program for `{}` fails verification",
+                job.schedule.name
             );
-            eprint!(
-                "{}",
-                schedc::verify::render_context(&program, &errors[..errors.len().min(20)], 3)
-            );
-            return Status::Fault;
+            return report_broken(&what, &program, &errors, Status::Fault);
         }
     };
     let text = match emit {
@@ -326,6 +316,22 @@ fn compile(
 
 /// The job's kernels as PTX, one module per architecture, named after the plan file
 /// (`x.plan.json` gives `x.sm_80.ptx`); all generated before anything is written.
+/// Says that a program is broken: `what`, its error count and the first 20 errors in their
+/// context; returns `status` (a fault when the compiler made it, bad input when a file did).
+fn report_broken(
+    what: &str,
+    program: &schedc::ir::Program,
+    errors: &[schedc::verify::VerifyError],
+    status: Status,
+) -> Status {
+    eprintln!("error: {what} ({} errors):\n", errors.len());
+    eprint!(
+        "{}",
+        schedc::verify::render_context(program, &errors[..errors.len().min(20)], 3)
+    );
+    status
+}
+
 #[cfg(feature = "llvm")]
 fn ptx_modules(job: &schedc::Job, plan: &Path) -> Result<Vec<(PathBuf, String)>, String> {
     use schedc::kernels::codegen::{ptx, SMS};
@@ -385,16 +391,8 @@ fn verify(path: &Path) -> Status {
             Status::Ok
         }
         Err(errors) => {
-            eprintln!(
-                "error: {} fails verification ({} errors):\n",
-                path.display(),
-                errors.len()
-            );
-            eprint!(
-                "{}",
-                schedc::verify::render_context(&plan.program, &errors[..errors.len().min(20)], 3)
-            );
-            Status::BadInput
+            let what = format!("{} fails verification", path.display());
+            report_broken(&what, &plan.program, &errors, Status::BadInput)
         }
     }
 }
