@@ -248,23 +248,13 @@ impl Builder<'_> {
         grads: &[(usize, Region)],
         norm: Option<Region>,
     ) -> Vec<OpId> {
-        let sh = self.shard();
         let mut ops: Vec<OpId> = vec![];
         for &(l, g) in grads {
             let st = &self.layers[l];
-            let (id, padded, shard) = (st.id, st.padded, st.param_shard);
+            let id = st.id;
             let opt = self.optimizer_shards[l];
             let opt_region = Region::whole(opt, self.p.buffers[opt].bytes);
-            let os_bytes = padded / sh.optimizer.size() * self.dtype.bytes();
-            let mine = Region {
-                buffer: shard,
-                offset: Offset::Shard {
-                    index: ShardIndex::OptimizerInParam,
-                    base: 0,
-                    stride: os_bytes,
-                },
-                bytes: os_bytes,
-            };
+            let mine = self.updated_slice(l);
             let mut reads = vec![g, opt_region];
             reads.extend(norm);
             let update = self.compute(

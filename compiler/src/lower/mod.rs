@@ -121,6 +121,22 @@ impl Builder<'_> {
         self.job.schedule.shard
     }
 
+    /// The slice of layer `l`'s param shard that this rank's optimizer shard updates and the
+    /// refresh gathers from: one optimizer shard's bytes at the rank's `OptimizerInParam` index.
+    fn updated_slice(&self, l: usize) -> Region {
+        let st = &self.layers[l];
+        let bytes = st.padded / self.shard().optimizer.size() * self.dtype.bytes();
+        Region {
+            buffer: st.param_shard,
+            offset: Offset::Shard {
+                index: ShardIndex::OptimizerInParam,
+                base: 0,
+                stride: bytes,
+            },
+            bytes,
+        }
+    }
+
     fn buffer(
         &mut self,
         name: String,

@@ -312,16 +312,7 @@ impl Builder<'_> {
             let st = &self.layers[l];
             let (id, padded, shard) = (st.id, st.padded, st.param_shard);
             layer.get_or_insert(id);
-            let os_bytes = padded / sh.optimizer.size() * d;
-            let mine = Region {
-                buffer: shard,
-                offset: Offset::Shard {
-                    index: ShardIndex::OptimizerInParam,
-                    base: 0,
-                    stride: os_bytes,
-                },
-                bytes: os_bytes,
-            };
+            let mine = self.updated_slice(l);
             let whole = Region::whole(shard, padded / sh.params.size() * d);
             cs.push(self.collective(
                 Collective::AllGather,
