@@ -273,14 +273,16 @@ impl Arena {
     }
 }
 
-fn half_to_f32(dtype: Dtype, h: u16) -> f32 {
+/// A bf16 or fp16 word as f32.
+pub(crate) fn half_to_f32(dtype: Dtype, h: u16) -> f32 {
     match dtype {
         Dtype::Fp16 => fp16_to_f32(h),
         _ => bf16_bits_to_f32(h),
     }
 }
 
-fn f32_to_half(dtype: Dtype, x: f32) -> u16 {
+/// `x` rounded to a bf16 or fp16 word (to nearest even).
+pub(crate) fn f32_to_half(dtype: Dtype, x: f32) -> u16 {
     match dtype {
         Dtype::Fp16 => f32_to_fp16(x),
         _ => f32_to_bf16_bits(x),

@@ -11,6 +11,7 @@
 use super::enqueue::{nccl_call, ColMajor, CudaError, DevAddr, Exec, Grid, NcclCall, A};
 use super::gpu::{action_workspace, Consts, Gpu};
 use super::typed::{DevPtr, Storage};
+use crate::arena::{f32_to_half, half_to_f32};
 use crate::backend::cpu::CpuBackend;
 use crate::backend::{Backend, RankMemory, RunError, RunOptions, StepInput, StepOutcome};
 use crate::device::action::{run_action, Rank};
@@ -345,8 +346,7 @@ unsafe fn operand(base: DevAddr, dtype: Dtype, e: usize) -> f32 {
     let p = (base.0 as *const u8).wrapping_add(e * dtype.bytes() as usize);
     match dtype {
         Dtype::Fp32 => (p as *const f32).read_unaligned(),
-        Dtype::Bf16 => crate::math::bf16_bits_to_f32((p as *const u16).read_unaligned()),
-        Dtype::Fp16 => half::f16::from_bits((p as *const u16).read_unaligned()).to_f32(),
+        d => half_to_f32(d, (p as *const u16).read_unaligned()),
     }
 }
 
@@ -358,8 +358,7 @@ unsafe fn put(base: DevAddr, dtype: Dtype, e: usize, v: f32) {
     let p = (base.0 as *mut u8).wrapping_add(e * dtype.bytes() as usize);
     match dtype {
         Dtype::Fp32 => (p as *mut f32).write_unaligned(v),
-        Dtype::Bf16 => (p as *mut u16).write_unaligned(crate::math::f32_to_bf16_bits(v)),
-        Dtype::Fp16 => (p as *mut u16).write_unaligned(half::f16::from_f32(v).to_bits()),
+        d => (p as *mut u16).write_unaligned(f32_to_half(d, v)),
     }
 }
 
@@ -766,20 +765,8 @@ fn products_of_a_16_bit_model_round_their_operands() {
 /// Values of `dtype` as the arena stores them (bf16/fp16 words, fp32 bits), in 8-byte words.
 fn packed(values: &[f32], dtype: Dtype) -> Vec<u64> {
     let mut out = vec![0u64; (values.len() * dtype.bytes() as usize).div_ceil(8)];
-    // SAFETY: `out` holds the values' bytes.
-    unsafe { put_all(DevAddr(out.as_mut_ptr() as u64), dtype, values) };
+    write(DevAddr(out.as_mut_ptr() as u64), dtype, values);
     out
-}
-
-/// `values` written from `at` on in `dtype`, each rounded once.
-///
-/// # Safety
-/// The bytes must lie in a live host buffer.
-unsafe fn put_all(at: DevAddr, dtype: Dtype, values: &[f32]) {
-    values
-        .iter()
-        .enumerate()
-        .for_each(|(e, &v)| put(at, dtype, e, v));
 }
 
 /// A saved region as the CPU math lays it out (f32), read from its bytes segment by segment:
@@ -792,8 +779,7 @@ fn unpack_saved(bytes: &[u64], model: Dtype, m: &LayerMath) -> Vec<f32> {
             crate::math::Stored::Model => model,
             crate::math::Stored::F32 => Dtype::Fp32,
         };
-        // SAFETY: the segments lie inside `bytes`, sized from them.
-        out.extend((0..seg.elements).map(|e| unsafe { operand(at, d, e) }));
+        out.extend(read(at, seg.elements, d));
         at = at.add_bytes(seg.elements as u64 * d.bytes());
     }
     out
@@ -859,11 +845,7 @@ fn layers_on_16_bit_storage_in_place_match_the_cpu_math() {
             let tied_ptr = d_tied.as_deref().map(on);
             let out_ptr = on_mut(&mut d_out);
             layers::forward(&gg, &m, on(&d_p), tied_ptr, dev_in, out_ptr, saved_ptr).unwrap();
-            // SAFETY: every buffer holds its n values.
-            let unpack = |v: &[u64], n: usize| -> Vec<f32> {
-                let at = addr(v);
-                (0..n).map(|e| unsafe { operand(at, d, e) }).collect()
-            };
+            let unpack = |v: &[u64], n: usize| read(addr(v), n, d);
             let got_out = unpack(&d_out, m.output_elements());
             c.check_forward(d, &got_out, &unpack_saved(&d_saved, d, &m));
             let mut d_gi = c.gi.as_ref().map(|v| packed(&vec![f32::NAN; v.len()], d));
@@ -901,23 +883,28 @@ fn emulated_fp16_conversions_are_the_half_crates() {
         return;
     };
     let x = HostExec::new(lib);
-    let fp16 = A::I(Storage::F16.code());
-    let fp32 = A::I(Storage::F32.code());
+    // The `convert` kernel over n values: src in `from` → dst in `to`.
+    let convert = |src: DevAddr, from: Storage, dst: DevAddr, to: Storage, n: usize| {
+        let args = [
+            A::P(src),
+            A::I(from.code()),
+            A::P(dst),
+            A::I(to.code()),
+            A::L(n as i64),
+        ];
+        x.launch("convert", super::enqueue::elems(n), &args)
+            .unwrap();
+    };
     let halves: Vec<u16> = (0..=u16::MAX).collect();
     let mut wide = vec![0f32; halves.len()];
-    let n = A::L(halves.len() as i64);
-    x.launch(
-        "convert",
-        super::enqueue::elems(halves.len()),
-        &[
-            A::P(addr(&halves)),
-            fp16,
-            A::P(DevAddr(wide.as_mut_ptr() as u64)),
-            fp32,
-            n,
-        ],
-    )
-    .unwrap();
+    let wide_at = DevAddr(wide.as_mut_ptr() as u64);
+    convert(
+        addr(&halves),
+        Storage::F16,
+        wide_at,
+        Storage::F32,
+        halves.len(),
+    );
     for (&h, &w) in halves.iter().zip(&wide) {
         let want = half::f16::from_bits(h).to_f32();
         assert!(
@@ -940,18 +927,14 @@ fn emulated_fp16_conversions_are_the_half_crates() {
         -0.0,
     ]);
     let mut narrow = vec![0u16; floats.len()];
-    x.launch(
-        "convert",
-        super::enqueue::elems(floats.len()),
-        &[
-            A::P(addr(&floats)),
-            fp32,
-            A::P(DevAddr(narrow.as_mut_ptr() as u64)),
-            fp16,
-            A::L(floats.len() as i64),
-        ],
-    )
-    .unwrap();
+    let narrow_at = DevAddr(narrow.as_mut_ptr() as u64);
+    convert(
+        addr(&floats),
+        Storage::F32,
+        narrow_at,
+        Storage::F16,
+        floats.len(),
+    );
     for (&f, &h) in floats.iter().zip(&narrow) {
         let want = half::f16::from_f32(f).to_bits();
         assert_eq!(
@@ -1104,21 +1087,16 @@ impl EmulatedBackend {
 
 /// `n` values of `dtype` at host address `at`, decoded as the CPU arena does.
 fn read(at: DevAddr, n: usize, dtype: Dtype) -> Vec<f32> {
-    let bytes = n as u64 * dtype.bytes();
-    let mut halves = vec![0u16; (bytes / 2) as usize];
-    // SAFETY: `at` lies in an emulated arena, sized by the plan.
-    unsafe { std::ptr::copy_nonoverlapping(at.0 as *const u16, halves.as_mut_ptr(), halves.len()) };
-    let a = crate::arena::Arena::new(bytes);
-    a.write_bytes(0, &halves).unwrap();
-    a.read(0, n, dtype).unwrap()
+    // SAFETY: `at` holds n values: an emulated arena's region (sized by the plan) or a test's buffer.
+    (0..n).map(|e| unsafe { operand(at, dtype, e) }).collect()
 }
 
+/// `values` written at host address `at` in `dtype`, each rounded once, as the CPU arena does.
 fn write(at: DevAddr, dtype: Dtype, values: &[f32]) {
-    let a = crate::arena::Arena::new(values.len() as u64 * dtype.bytes());
-    a.write(0, dtype, values).unwrap();
-    let halves = a.read_bytes(0, a.bytes()).unwrap();
-    // SAFETY: as in `read`.
-    unsafe { std::ptr::copy_nonoverlapping(halves.as_ptr(), at.0 as *mut u16, halves.len()) };
+    for (e, &v) in values.iter().enumerate() {
+        // SAFETY: as in `read`.
+        unsafe { put(at, dtype, e, v) };
+    }
 }
 
 impl Backend for EmulatedBackend {
