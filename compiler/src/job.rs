@@ -128,9 +128,24 @@ pub struct Cluster {
     /// model derives it from `peak_flops` ([`crate::sim::cost::FLOPS_PER_HBM_BYTE`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub memory_bandwidth: Option<f64>,
+    /// Bytes of the GEMM library's workspace (cuBLAS and cuBLASLt) each stream that runs layer
+    /// math is given, inside its planned workspace buffer ([`crate::lower::workspace`]); default
+    /// [`Cluster::DEFAULT_GEMM_WORKSPACE`].
+    #[serde(default = "Cluster::default_gemm_workspace")]
+    pub gemm_workspace: u64,
     pub intra_node: Link,
     pub inter_node: Link,
     pub measured: Vec<MeasuredTable>,
+}
+
+impl Cluster {
+    /// The GEMM library workspace a stream gets unless the cluster says otherwise: 32 MiB,
+    /// NVIDIA's recommendation for cuBLAS and cuBLASLt on Hopper (4 MiB suffices before it).
+    pub const DEFAULT_GEMM_WORKSPACE: u64 = 32 << 20;
+
+    fn default_gemm_workspace() -> u64 {
+        Self::DEFAULT_GEMM_WORKSPACE
+    }
 }
 
 #[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash)]

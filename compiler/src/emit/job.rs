@@ -138,6 +138,9 @@ fn cluster(out: &mut String, c: &Cluster) {
     if let Some(bw) = c.memory_bandwidth {
         let _ = writeln!(out, "  memory_bandwidth {bw} B/s");
     }
+    if c.gemm_workspace != Cluster::DEFAULT_GEMM_WORKSPACE {
+        let _ = writeln!(out, "  gemm_workspace {} B", c.gemm_workspace);
+    }
     for (name, l) in [("intra_node", c.intra_node), ("inter_node", c.inter_node)] {
         let _ = writeln!(
             out,

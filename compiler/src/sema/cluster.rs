@@ -1,7 +1,8 @@
 //! Resolving `cluster` blocks: sizes, memory, peak compute, links and measured tables.
 //!
 //! Every key is required but `efficiency` (default 0.75), `memory_bandwidth` (default derived
-//! from `peak_flops` by the cost model) and `measured` tables; link latencies are required too, because a simulator that silently assumes zero latency misleads.
+//! from `peak_flops` by the cost model), `gemm_workspace` (default
+//! [`Cluster::DEFAULT_GEMM_WORKSPACE`], at most `gpu_memory`) and `measured` tables; link latencies are required too, because a simulator that silently assumes zero latency misleads.
 
 use super::values::*;
 use super::Ctx;
@@ -17,6 +18,7 @@ const KEYS: &[(&str, Shape)] = &[
     ("peak_flops", Shape::Value),
     ("efficiency", Shape::Value),
     ("memory_bandwidth", Shape::Value),
+    ("gemm_workspace", Shape::Value),
     ("intra_node", Shape::Block),
     ("inter_node", Shape::Block),
 ];
@@ -95,6 +97,21 @@ pub(crate) fn resolve(ctx: &mut Ctx, item: &BlockItem) -> Option<Cluster> {
             }
         }),
     };
+    let gemm_workspace = match r.value("gemm_workspace") {
+        None => Some(Cluster::DEFAULT_GEMM_WORKSPACE),
+        Some(v) => expect_bytes(ctx, v).and_then(|b| match memory {
+            Some(m) if b > m => {
+                ctx.error(
+                    Diagnostic::error(format!(
+                        "`gemm_workspace` ({b} B) is larger than `gpu_memory` ({m} B)"
+                    ))
+                    .at(v.span, "larger than the GPU"),
+                );
+                None
+            }
+            _ => Some(b),
+        }),
+    };
     let intra = r.block("intra_node").and_then(|b| link_block(ctx, b));
     let inter = r.block("inter_node").and_then(|b| link_block(ctx, b));
     let measured: Vec<Option<MeasuredTable>> =
@@ -138,6 +155,7 @@ pub(crate) fn resolve(ctx: &mut Ctx, item: &BlockItem) -> Option<Cluster> {
         peak_flops: peak?,
         efficiency: efficiency?,
         memory_bandwidth: memory_bandwidth?,
+        gemm_workspace: gemm_workspace?,
         intra_node: intra?,
         inter_node: inter?,
         measured: measured.into_iter().collect::<Option<Vec<_>>>()?,
