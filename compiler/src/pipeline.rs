@@ -1,13 +1,15 @@
 //! The compilation pipeline: the one place that knows the pass order (cranelift's `Context`).
 //!
 //! ```text
-//! lower::draft → prefetch → streams → events → memory → events (final) → verify
+//! lower::draft → prefetch → streams → workspace → events → memory → events (final) → verify
 //! ```
 //!
 //! - [`crate::lower::draft`] makes every op of the step, grouped into slots and gather units;
 //! - [`passes::prefetch`] fixes the issue order and the flow-control fences (and refuses an
 //!   unmeetable `max_live`);
 //! - [`passes::streams`] maps roles to streams;
+//! - [`passes::workspace`] gives each stream that runs compute its workspace buffer, written by
+//!   the ops that use it;
 //! - [`passes::events`] inserts the waits data dependencies, the collective chain and the fences
 //!   need;
 //! - [`passes::memory`] places every buffer, reusing bytes only across happens-before, and returns
@@ -242,6 +244,9 @@ impl Pipeline<'_> {
             passes::streams::run(&mut program, streams, overlap)
         });
         self.check("streams", &program, Stage::Streamed)?;
+        self.times
+            .time("workspace", || passes::workspace::run(&mut program, job));
+        self.check("workspace", &program, Stage::Provisioned)?;
         self.times
             .time("events", || passes::events::run(&mut program, &fences));
         self.check("events", &program, Stage::Synchronised)?;

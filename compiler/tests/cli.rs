@@ -147,7 +147,7 @@ fn compile_writes_a_plan_that_verify_accepts() {
     assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
     let plan = std::fs::read_to_string(dir.join("z.plan.json")).unwrap();
     assert!(
-        plan.starts_with(r#"{"format":"sched-plan","version":1,"schedule":"z","ranks":8"#),
+        plan.starts_with(r#"{"format":"sched-plan","version":2,"schedule":"z","ranks":8"#),
         "{}",
         &plan[..80]
     );
@@ -255,7 +255,7 @@ fn verify_refuses_edited_truncated_and_foreign_plans() {
 
     std::fs::write(
         dir.join("v9.json"),
-        plan.replacen(r#""version":1"#, r#""version":9"#, 1),
+        plan.replacen(r#""version":2"#, r#""version":9"#, 1),
     )
     .unwrap();
     let out = schedc(&["verify", "v9.json"], &dir);

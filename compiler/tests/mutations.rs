@@ -4,8 +4,8 @@
 //! dropping any collective, and reordering two collectives on one stream (the two ops trade what
 //! they do and touch, each keeping its place, waits and event, so the plan stays well formed and
 //! only its meaning changes) wherever that changes what some op sees (see [`swaps`]: collectives
-//! that commute give an equivalent program, which must be accepted). Gradient clipping's norm gets
-//! mutations of its own.
+//! that commute give an equivalent program, which must be accepted). Gradient clipping's norm and
+//! the streams' workspaces get mutations of their own.
 //!
 //! Mutations are applied to the compiled [`Program`] and verified directly; one test also takes
 //! every example through the plan file and back (`emit_plan` → JSON → `read_plan`), so what is
@@ -536,4 +536,98 @@ fn overlapping_a_collectives_input_and_output_is_caught() {
         true
     });
     assert!(tried > 500, "only {tried} overlapping collectives");
+}
+
+/// Ops that write their stream's workspace, by index.
+fn workspace_writers(p: &Program) -> Vec<usize> {
+    p.ops
+        .iter()
+        .filter(|(_, op)| op.writes.iter().any(|r| p.is_workspace(r)))
+        .map(|(id, _)| id.index())
+        .collect()
+}
+
+/// Workspaces (the IR module doc): every op that uses scratch must declare its write of its
+/// stream's workspace, or the race and memory-plan proofs could not see it; so dropping that
+/// write, pointing it at another stream's workspace, letting a collective touch one, or placing
+/// a workspace on bytes another buffer uses at the same time is refused, each by the check that
+/// should catch it. (A few dozen sites per example: each class is one pattern per op kind.)
+#[test]
+fn breaking_a_workspace_is_caught() {
+    const SITES: usize = 30;
+    let writers = caught_by(
+        "must write its stream's workspace",
+        SITES,
+        workspace_writers,
+        |p, i| {
+            let op = &mut p.ops[OpId::new(i)];
+            let n = op.writes.len();
+            op.writes.truncate(n - 1);
+            true
+        },
+    );
+    assert!(writers > 1000, "only {writers} workspace writes dropped");
+    // An op writing another stream's workspace (an update on `sync` the compute stream's, a
+    // layer op the sync stream's).
+    let foreign = caught_by(
+        "which only that stream's compute ops use",
+        SITES,
+        workspace_writers,
+        |p, i| {
+            let stream = p.ops[OpId::new(i)].stream;
+            let Some(other) = p
+                .streams
+                .iter()
+                .find(|(s, st)| *s != stream && st.workspace.is_some())
+                .and_then(|(_, st)| st.workspace)
+            else {
+                return false;
+            };
+            let w = p.ops[OpId::new(i)].writes.last_mut().unwrap();
+            w.buffer = other.buffer;
+            w.offset = Offset::Fixed(other.gemm_bytes);
+            w.bytes = 0;
+            true
+        },
+    );
+    assert!(foreign > 500, "only {foreign} foreign workspace writes");
+    // A collective whose output is a workspace.
+    let collective = caught_by(
+        "which only that stream's compute ops use",
+        SITES,
+        |p| collectives(p).iter().map(|id| id.index()).collect(),
+        |p, i| {
+            let Some(ws) = p.streams.values().find_map(|s| s.workspace) else {
+                return false;
+            };
+            p.ops[OpId::new(i)].writes.push(Region::whole(ws.buffer, 0));
+            true
+        },
+    );
+    assert!(
+        collective > 500,
+        "only {collective} collectives writing a workspace"
+    );
+    // A workspace moved onto a buffer in use at the same time, or such a buffer onto it (the
+    // pair packed into one site).
+    let moved = caught_by(
+        "shares arena bytes",
+        SITES,
+        |p| {
+            moves(p)
+                .into_iter()
+                .filter(|(a, b)| {
+                    p.buffers[*a].kind == BufferKind::Workspace
+                        || p.buffers[*b].kind == BufferKind::Workspace
+                })
+                .map(|(a, b)| a.index() << 32 | b.index())
+                .collect()
+        },
+        |p, i| {
+            let (a, b) = (BufferId::new(i >> 32), BufferId::new(i & 0xffff_ffff));
+            p.buffers[a].offset = p.buffers[b].offset;
+            true
+        },
+    );
+    assert!(moved > 500, "only {moved} workspace moves");
 }

@@ -105,9 +105,9 @@ fn collectives_program(g: u32, nodes: u32, calls: &[(usize, (u32, u32), u64)]) -
     };
     let streams = calls.iter().map(|c| c.0).max().unwrap() + 1;
     for s in 0..streams {
-        p.streams.push(Stream {
-            role: [StreamRole::Gather, StreamRole::Reduce, StreamRole::Sync][s % 3],
-        });
+        p.streams.push(Stream::new(
+            [StreamRole::Gather, StreamRole::Reduce, StreamRole::Sync][s % 3],
+        ));
     }
     for &(s, (a, b), bytes) in calls {
         let comm = p.comms.push(Communicator {

@@ -21,6 +21,10 @@
 //! - `grad_norm`: reads every optimizer-shard gradient, writes their sum of squares.
 //! - `accumulate`: reads `from` and `acc`, writes `acc += from`; `copy`: the concatenation of its
 //!   reads is written to the concatenation of its writes.
+//!
+//! Every other compute op also writes its stream's workspace (its last write): scratch a backend
+//! takes from (the CUDA backend's bump allocator and cuBLAS workspace, at the planned offsets),
+//! not data, so the decoding sets it aside; backends find it through `Stream::workspace`.
 
 use crate::math::LayerMath;
 use cranelift_entity::EntityRef;
@@ -163,11 +167,14 @@ fn decode_op(
         OpKind::Group(cs) => return Ok(Action::Collectives(cs.clone())),
         OpKind::Compute(k) => *k,
     };
+    let data = |rs: &[Region]| -> Vec<Region> {
+        rs.iter().filter(|r| !p.is_workspace(r)).copied().collect()
+    };
     let mut l = Lists {
         p,
-        reads: op.reads.iter().copied().collect(),
-        writes: op.writes.iter().copied().collect(),
-        all_reads: op.reads.clone(),
+        reads: data(&op.reads).into(),
+        writes: data(&op.writes).into(),
+        all_reads: data(&op.reads),
     };
     let layer = op.layer.map(|id| id.index());
     let need_layer = || layer.ok_or("names no layer".to_string());

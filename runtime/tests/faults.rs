@@ -142,10 +142,13 @@ fn bad_plan_files_are_refused_with_the_reason() {
     let m = refusal(&truncated);
     assert!(m.contains("not a plan file") && m.contains("EOF"), "{m}");
 
-    let mut v2 = plan.clone();
-    v2["version"] = 2.into();
-    let m = refusal(&write_temp("v2.plan.json", &v2.to_string()));
-    assert!(m.contains("version 2 is not supported"), "{m}");
+    // Version 1, before workspaces were planned, and a future one.
+    for v in [1, 3] {
+        let mut other = plan.clone();
+        other["version"] = v.into();
+        let m = refusal(&write_temp(&format!("v{v}.plan.json"), &other.to_string()));
+        assert!(m.contains(&format!("version {v} is not supported")), "{m}");
+    }
 
     let mut ranks = plan.clone();
     ranks["ranks"] = 8.into();

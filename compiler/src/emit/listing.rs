@@ -1,6 +1,6 @@
 //! The listing: a compiled program as text a person can read and a snapshot can pin.
 //!
-//! Header (ranks, arena), streams, communicators (first group shown, with the group count),
+//! Header (ranks, arena), streams (with their workspaces), communicators (first group shown, with the group count),
 //! buffers with kind, dtype, size and offset, then every op in issue order: its stream, kind,
 //! layer and micro-step, what it reads and writes, the events it waits on and records. Names
 //! match the plan file (`op12`, `buf3`, `ev7`, `comm2`). Optional notes can be written beside ops
@@ -22,7 +22,14 @@ pub fn emit_listing_with_notes(p: &Program, notes: &HashMap<OpId, Vec<String>>) 
     header(&mut out, p);
     let _ = writeln!(out, "\nstreams:");
     for (id, s) in p.streams.iter() {
-        let _ = writeln!(out, "  {id} {}", s.role.name());
+        match s.workspace {
+            Some(ws) => {
+                let _ = writeln!(out, "  {id} {} {}", s.role.name(), workspace(p, ws));
+            }
+            None => {
+                let _ = writeln!(out, "  {id} {}", s.role.name());
+            }
+        }
     }
     communicators(&mut out, p);
     let _ = writeln!(out, "\nbuffers:");
@@ -45,6 +52,17 @@ pub fn emit_listing_with_notes(p: &Program, notes: &HashMap<OpId, Vec<String>>) 
         }
     }
     out
+}
+
+/// A stream's workspace: `workspace buf9: GEMM 33,554,432 B + scratch 16,640 B`.
+pub(crate) fn workspace(p: &Program, ws: StreamWorkspace) -> String {
+    let bytes = p.buffers.get(ws.buffer).map_or(0, |b| b.bytes);
+    format!(
+        "workspace {}: GEMM {} B + scratch {} B",
+        ws.buffer,
+        thousands(ws.gemm_bytes),
+        thousands(bytes.saturating_sub(ws.gemm_bytes))
+    )
 }
 
 /// One op as a line: `op12 gather all_gather block[3] m0 comm0 buf4 -> buf9 wait ev2 record ev5`.

@@ -21,7 +21,8 @@ use cranelift_entity::EntityRef;
 use serde::{Deserialize, Serialize};
 
 pub const FORMAT: &str = "sched-plan";
-pub const VERSION: u32 = 1;
+/// Version 2 added workspaces: the `workspace` buffer kind and each stream's `workspace`.
+pub const VERSION: u32 = 2;
 /// The most ranks a plan file may have (the verifier's work grows with them; the language allows
 /// no more micro-steps than this either).
 pub const MAX_RANKS: u32 = 1 << 20;
@@ -95,7 +96,18 @@ pub struct BufferFile {
 #[serde(deny_unknown_fields)]
 pub struct StreamFile {
     pub name: String,
+    /// The stream's workspace, when it has one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub workspace: Option<WorkspaceFile>,
     pub ops: Vec<OpFile>,
+}
+
+/// A stream's workspace: its buffer (of kind `workspace`) and the bytes of its GEMM part.
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WorkspaceFile {
+    pub buffer: u32,
+    pub gemm_bytes: u64,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -137,7 +149,7 @@ pub struct OpFile {
     pub ops: Vec<CollectiveFile>,
 }
 
-const KINDS: [(BufferKind, &str); 9] = [
+const KINDS: [(BufferKind, &str); 10] = [
     (BufferKind::ParamShard, "param_shard"),
     (BufferKind::GradShard, "grad_shard"),
     (BufferKind::OptimizerShard, "optimizer_shard"),
@@ -147,6 +159,7 @@ const KINDS: [(BufferKind, &str); 9] = [
     (BufferKind::FullGrad, "full_grad"),
     (BufferKind::Activation, "activation"),
     (BufferKind::Hidden, "hidden"),
+    (BufferKind::Workspace, "workspace"),
 ];
 const ROLES: [(OpRole, &str); 5] = [
     (OpRole::Compute, "compute"),
@@ -174,6 +187,15 @@ const COMPUTE: [ComputeKind; 8] = [
     ComputeKind::Copy,
     ComputeKind::GradNorm,
 ];
+
+/// A buffer kind's name in plan files.
+fn kind_name(k: BufferKind) -> &'static str {
+    KINDS
+        .iter()
+        .find(|x| x.0 == k)
+        .map(|x| x.1)
+        .unwrap_or_default()
+}
 
 /// Writes the program compiled from `job` as a plan file.
 pub fn emit_plan(p: &Program, job: &Job) -> PlanFile {
@@ -220,12 +242,7 @@ pub fn emit_plan(p: &Program, job: &Job) -> PlanFile {
             .map(|(id, b)| BufferFile {
                 id: id.as_u32(),
                 name: b.name.clone(),
-                kind: KINDS
-                    .iter()
-                    .find(|k| k.0 == b.kind)
-                    .map(|k| k.1)
-                    .unwrap_or_default()
-                    .into(),
+                kind: kind_name(b.kind).into(),
                 bytes: b.bytes,
                 dtype: b.dtype.name().into(),
                 offset: b.offset,
@@ -239,6 +256,10 @@ pub fn emit_plan(p: &Program, job: &Job) -> PlanFile {
             .iter()
             .map(|(sid, s)| StreamFile {
                 name: s.role.name().into(),
+                workspace: s.workspace.map(|w| WorkspaceFile {
+                    buffer: w.buffer.as_u32(),
+                    gemm_bytes: w.gemm_bytes,
+                }),
                 ops: p
                     .ops
                     .iter()
@@ -477,7 +498,38 @@ fn from_file(f: PlanFile) -> Result<ReadPlan, String> {
             .iter()
             .find(|r| r.name() == s.name)
             .ok_or(format!("stream {si}: unknown name `{}`", s.name))?;
-        let sid = p.streams.push(Stream { role });
+        let workspace = match s.workspace {
+            None => None,
+            Some(w) => {
+                // (Checked before making an id: making one of u32::MAX panics.)
+                if w.buffer as usize >= p.buffers.len() {
+                    return Err(format!(
+                        "stream {}: workspace buffer {} does not exist",
+                        s.name, w.buffer
+                    ));
+                }
+                let b = &p.buffers[BufferId::from_u32(w.buffer)];
+                if b.kind != BufferKind::Workspace {
+                    return Err(format!(
+                        "stream {}: its workspace buf{} is a `{}` buffer, not a `workspace` one",
+                        s.name,
+                        w.buffer,
+                        kind_name(b.kind)
+                    ));
+                }
+                if w.gemm_bytes > b.bytes {
+                    return Err(format!(
+                        "stream {}: a GEMM part of {} B does not fit its {} B workspace buf{}",
+                        s.name, w.gemm_bytes, b.bytes, w.buffer
+                    ));
+                }
+                Some(StreamWorkspace {
+                    buffer: BufferId::from_u32(w.buffer),
+                    gemm_bytes: w.gemm_bytes,
+                })
+            }
+        };
+        let sid = p.streams.push(Stream { role, workspace });
         if let Some(w) = s.ops.windows(2).find(|w| w[0].id >= w[1].id) {
             return Err(format!(
                 "stream {} lists op{} before op{}: a stream runs its ops in issue order (ascending ids)",
@@ -720,4 +772,62 @@ fn op_from(p: &Program, stream: StreamId, o: OpFile) -> Result<Op, String> {
         wait: o.wait.into_iter().map(ev).collect::<Result<_, _>>()?,
         record: o.record.map(ev).transpose()?,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{analyze, compile, MemLoader};
+    use std::path::Path;
+
+    /// A compiled plan file of a small job, as JSON.
+    fn plan_json() -> serde_json::Value {
+        let text = "cluster c { nodes = 1  gpus_per_node = 2  gpu_memory = 4 GiB  peak_flops = 1 TFLOPS
+                intra_node { bandwidth = 10 GB/s  latency = 1 us }  inter_node { bandwidth = 1 Gbps  latency = 50 us } }
+            model m { dtype = fp32  seq_len = 8
+                layer embed = embedding(vocab = 256, hidden = 16)
+                layer head = lm_head(hidden = 16, vocab = 256, tied = true) }
+            schedule s { model = m  cluster = c  preset = zero3 }";
+        let loader = MemLoader::default().in_dir("/p").with("/p/s.sched", text);
+        let a = analyze(Path::new("/p/s.sched"), &loader).unwrap();
+        let job = &a.jobs[0];
+        let (p, _) = compile(job).unwrap();
+        serde_json::to_value(emit_plan(&p, job)).unwrap()
+    }
+
+    /// A stream's workspace must name an existing `workspace` buffer that can hold its GEMM part.
+    #[test]
+    fn stream_workspaces_are_read_strictly() {
+        let plan = plan_json();
+        assert!(read_plan(&plan.to_string()).is_ok());
+        let ws = plan["streams"][0]["workspace"].clone();
+        let buffer = ws["buffer"].as_u64().unwrap() as usize;
+        let bytes = plan["buffers"][buffer]["bytes"].as_u64().unwrap();
+        let refused = |edit: &dyn Fn(&mut serde_json::Value), says: &str| {
+            let mut p = plan.clone();
+            edit(&mut p);
+            let e = read_plan(&p.to_string()).err().unwrap_or_default();
+            assert!(e.contains(says), "{says}: {e}");
+        };
+        refused(
+            &|p| p["streams"][0]["workspace"]["buffer"] = 99_999.into(),
+            "workspace buffer 99999 does not exist",
+        );
+        refused(
+            &|p| p["streams"][0]["workspace"]["buffer"] = 0.into(),
+            "is a `param_shard` buffer, not a `workspace` one",
+        );
+        refused(
+            &|p| p["streams"][0]["workspace"]["gemm_bytes"] = (bytes + 1).into(),
+            "does not fit its",
+        );
+        refused(
+            &|p| p["streams"][0]["workspace"]["extra"] = 1.into(),
+            "unknown field `extra`",
+        );
+        refused(
+            &|p| p["buffers"][buffer]["kind"] = "scratch".into(),
+            "unknown kind `scratch`",
+        );
+    }
 }

@@ -1,8 +1,9 @@
 //! `--emit stats` (`cli.md`): exact per-rank memory, collectives and traffic of one step.
 //!
-//! - Memory: persistent shards by kind; `activations` (saved activations and hidden states) and
-//!   `buffers` (gathered parameters, secondary copies, full gradients, staging) are the most bytes
-//!   of each kind whose issue-order lifetimes contain one op; `peak` is the arena size.
+//! - Memory: persistent shards by kind; `activations` (saved activations and hidden states),
+//!   `buffers` (gathered parameters, secondary copies, full gradients, staging) and `workspace`
+//!   (the streams' workspaces: GEMM library and compute scratch) are the most bytes of each kind
+//!   whose issue-order lifetimes contain one op; `peak` is the arena size.
 //! - Collectives: one entry per (kind, group size, scope); a coalesced group counts each of its
 //!   collectives. Ring algorithms: a member sends (p−1)/p of the payload for all-gather,
 //!   reduce-scatter and broadcast, 2·(p−1)/p for all-reduce (rounded down when an all-reduce's
@@ -47,6 +48,7 @@ pub struct Memory {
     pub optimizer: u64,
     pub activations: u64,
     pub buffers: u64,
+    pub workspace: u64,
     pub peak: u64,
 }
 
@@ -91,6 +93,7 @@ pub fn emit_stats(job: &Job, p: &Program, info: &PlanInfo) -> Stats {
                 | BufferKind::FullGrad
         )
     });
+    let workspace = max_live(p, |k| k == BufferKind::Workspace);
     let transient_placed = p.arena_bytes.saturating_sub(params + grads + optimizer);
     let mut entries: BTreeMap<(&'static str, u32, Scope), CollectiveStats> = BTreeMap::new();
     let (mut intra, mut inter) = (0u128, 0u128);
@@ -136,6 +139,7 @@ pub fn emit_stats(job: &Job, p: &Program, info: &PlanInfo) -> Stats {
             optimizer,
             activations,
             buffers,
+            workspace,
             peak: p.arena_bytes,
         },
         collectives_per_step: entries.into_values().collect(),

@@ -2,7 +2,7 @@
 //!
 //! A production-size program has tens of thousands of ops whose listing nobody reads; this
 //! renders what a reviewer needs to see change instead. Header (ranks, arena, counts), two
-//! hashes, each stream's ops by kind with its waits and records, the communicators (as the
+//! hashes, each stream's ops by kind with its waits and records (and its workspace), the communicators (as the
 //! listing shows them), the buffers by kind and dtype, then **per layer**: its buffers by kind and
 //! size, and for each stream its ops by kind, its collectives by kind, communicator and payload,
 //! and its waits and records. Ops that belong to no layer (the loss, the gradient norm) form one
@@ -93,6 +93,9 @@ pub fn emit_summary(p: &Program) -> String {
             plural(ops.len() as u64, "op"),
             kinds_and_events(&ops)
         );
+        if let Some(ws) = s.workspace {
+            let _ = writeln!(out, "           {}", super::listing::workspace(p, ws));
+        }
     }
 
     super::listing::communicators(&mut out, p);
@@ -336,6 +339,10 @@ fn program_hash(p: &Program) -> String {
     }
     for s in p.streams.values() {
         h.str(s.role.name());
+        if let Some(ws) = s.workspace {
+            h.u64(ws.buffer.index() as u64);
+            h.u64(ws.gemm_bytes);
+        }
     }
     for c in p.comms.values() {
         h.str(&c.name);

@@ -24,6 +24,16 @@
 //!   across steps; transient ones live from the first op that writes them to the last op that reads
 //!   or writes them (an asynchronous collective counts until it completes). Two buffers may share
 //!   bytes only when every access to one happens-before every access to the other.
+//! - **Workspaces.** Each stream whose compute ops need scratch has one transient
+//!   [`BufferKind::Workspace`] buffer ([`Stream::workspace`]): the GEMM library's workspace on
+//!   streams that run layer math, then the fp32 scratch a device takes for an op's intermediates
+//!   and gives back after it (sized by `crate::lower::workspace` for the neediest op of the
+//!   stream). Every op that uses it writes it (the last of its writes), so its lifetime is the
+//!   stream's first such op to its last, and only that stream's ops, in stream order, touch it.
+//!   The memory plan places it like any other buffer, so on the CUDA backend the arena is every
+//!   byte of tensors and scratch a step uses: only the batch's tokens, the loss accumulators (the
+//!   step's input and output) and a few read-only model constants lie outside it
+//!   (`runtime/src/backend/cuda/memory.rs`).
 //! - **Regions** ([`Region`]) are what ops read and write: a byte range of one buffer, whose offset
 //!   may depend on the rank through its shard index (see [`Offset`]).
 //!
@@ -103,6 +113,16 @@ pub struct Program {
     pub arena_bytes: u64,
 }
 
+impl Program {
+    /// Whether `r` lies in a workspace: scratch an op takes, not data it reads or writes (cost
+    /// models count the bytes an op moves without it).
+    pub fn is_workspace(&self, r: &Region) -> bool {
+        self.buffers
+            .get(r.buffer)
+            .is_some_and(|b| b.kind == BufferKind::Workspace)
+    }
+}
+
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct LayerInfo {
     pub name: String,
@@ -139,6 +159,27 @@ impl StreamRole {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Stream {
     pub role: StreamRole,
+    /// The stream's workspace, when its compute ops need scratch (see "Workspaces" above).
+    pub workspace: Option<StreamWorkspace>,
+}
+
+impl Stream {
+    /// A stream of `role` without a workspace (the workspace pass adds one where needed).
+    pub fn new(role: StreamRole) -> Self {
+        Stream {
+            role,
+            workspace: None,
+        }
+    }
+}
+
+/// A stream's workspace: a [`BufferKind::Workspace`] buffer holding the GEMM library's workspace
+/// (its first `gemm_bytes`, a multiple of 256; 0 on streams without layer math), then the fp32
+/// scratch of the stream's compute ops.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StreamWorkspace {
+    pub buffer: BufferId,
+    pub gemm_bytes: u64,
 }
 
 /// Where a communicator's groups lie (lowering spec §1).
@@ -195,6 +236,9 @@ pub enum BufferKind {
     Activation,
     /// Hidden states passed between layers and their gradients.
     Hidden,
+    /// A stream's workspace: the GEMM library's, then its compute ops' fp32 scratch (transient,
+    /// touched only by that stream's ops).
+    Workspace,
 }
 
 impl BufferKind {

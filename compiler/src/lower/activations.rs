@@ -14,34 +14,66 @@ use crate::job::{Activation, Attention, LayerKind, Model};
 
 /// Bytes layer `kind` keeps for backward in one micro-step.
 pub fn saved_bytes(kind: &LayerKind, model: &Model) -> u64 {
-    let t = model.micro_batch * model.seq_len;
-    let d = model.dtype.bytes();
-    let norm = |h: u64| t * h * d + 2 * t * 4;
-    let mlp = |f: u64, act: Activation| match act {
-        Activation::Gelu => 2 * t * f * d,
-        Activation::SwiGlu => 3 * t * f * d,
-    };
     match *kind {
-        LayerKind::Embedding { .. } => 0,
-        LayerKind::Transformer(tr) => {
-            let attention = match tr.attention {
-                Attention::Flash => tr.heads * t * 4,
-                Attention::Naive => tr.heads * t * model.seq_len * d,
-            };
-            norm(tr.hidden)
-                + t * (tr.hidden + 2 * tr.kv_dim()) * d
-                + t * tr.hidden * d
-                + attention
-                + t * tr.hidden * d
-                + norm(tr.hidden)
-                + mlp(tr.ffn, tr.act)
-        }
-        LayerKind::Mlp(m) => norm(m.hidden) + mlp(m.ffn, m.act),
-        LayerKind::LmHead { hidden, .. } => norm(hidden),
         LayerKind::Dense {
             activation_bytes_per_token,
             ..
-        } => activation_bytes_per_token * t,
+        } => activation_bytes_per_token * model.micro_batch * model.seq_len,
+        _ => {
+            let e = saved_elements(kind, model);
+            e.model * model.dtype.bytes() + e.fp32 * 4
+        }
+    }
+}
+
+/// Elements a zoo layer keeps for backward in one micro-step: those stored in the model dtype
+/// and the fp32 statistics (norms' per-token pairs, flash attention's log-sum-exps). Zero for
+/// `dense` layers, which declare bytes only.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SavedElements {
+    pub model: u64,
+    pub fp32: u64,
+}
+
+impl SavedElements {
+    pub fn total(self) -> u64 {
+        self.model + self.fp32
+    }
+}
+
+/// The saved elements of layer `kind` (see the module doc for the list).
+pub fn saved_elements(kind: &LayerKind, model: &Model) -> SavedElements {
+    let t = model.micro_batch * model.seq_len;
+    let norm = |h: u64| SavedElements {
+        model: t * h,
+        fp32: 2 * t,
+    };
+    let mlp = |f: u64, act: Activation| match act {
+        Activation::Gelu => 2 * t * f,
+        Activation::SwiGlu => 3 * t * f,
+    };
+    let with = |e: SavedElements, model: u64, fp32: u64| SavedElements {
+        model: e.model + model,
+        fp32: e.fp32 + fp32,
+    };
+    match *kind {
+        LayerKind::Embedding { .. } | LayerKind::Dense { .. } => SavedElements::default(),
+        LayerKind::Transformer(tr) => {
+            let (probs, lse) = match tr.attention {
+                Attention::Flash => (0, tr.heads * t),
+                Attention::Naive => (tr.heads * t * model.seq_len, 0),
+            };
+            let ln1 = norm(tr.hidden);
+            let ln2 = norm(tr.hidden);
+            let qkv_out_resid = t * (tr.hidden + 2 * tr.kv_dim()) + 2 * t * tr.hidden;
+            with(
+                with(ln1, ln2.model, ln2.fp32),
+                qkv_out_resid + probs + mlp(tr.ffn, tr.act),
+                lse,
+            )
+        }
+        LayerKind::Mlp(m) => with(norm(m.hidden), mlp(m.ffn, m.act), 0),
+        LayerKind::LmHead { hidden, .. } => norm(hidden),
     }
 }
 

@@ -20,6 +20,10 @@
 //!   gradient clipping's norm and the optimizer update;
 //! - [`step`]: the order of it all: micro-steps, buckets, slots and units.
 //!
+//! [`activations`] and [`workspace`] size what the runtime keeps for backward and the scratch
+//! its compute ops take; the workspace buffers themselves are made once streams are known
+//! (`crate::passes::workspace`).
+//!
 //! Invariants kept: every op is placed exactly once in the draft's slots (see [`crate::draft`]);
 //! buffers are created once per (layer, micro-step, purpose) and never resized; persistent shards
 //! are sized to the layer padded to a multiple of s_os (and of hpZ's secondary size).
@@ -31,6 +35,7 @@ mod compute;
 mod grads;
 mod params;
 mod step;
+pub mod workspace;
 
 use crate::draft::Draft;
 use crate::hash::FxHashMap;

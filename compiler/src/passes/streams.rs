@@ -17,7 +17,7 @@ pub fn run(p: &mut Program, policy: Streams, overlap: Overlap) {
     let mut stream = |p: &mut Program, role: StreamRole| {
         *streams
             .entry(role)
-            .or_insert_with(|| p.streams.push(Stream { role }))
+            .or_insert_with(|| p.streams.push(Stream::new(role)))
     };
     stream(p, StreamRole::Compute);
     let mut last_of_role: FxHashMap<OpRole, StreamRole> = FxHashMap::default();

@@ -5,7 +5,9 @@
 //! exceeds the GPU, can be dropped without changing the answer:
 //! - **memory**: the persistent shards exactly as lowering sizes them (lowering §2, with its
 //!   padding), plus, without recompute, every layer's saved activations of one micro-step (all of
-//!   them are alive at the loss); after lowering, [`arena_floor`] adds the most transient bytes
+//!   them are alive at the loss), plus the compute stream's workspace at its least (the GEMM
+//!   library's and the neediest layer's math, `lower::workspace`; it too is alive at the loss,
+//!   which runs on that stream between layer ops); after lowering, [`arena_floor`] adds the most transient bytes
 //!   alive at one position of the issue order (buffers alive at one issue position can never share
 //!   bytes: sharing needs every access of one to happen before every access of the other, and
 //!   happens-before implies issue order).
@@ -27,6 +29,7 @@
 use crate::ir::{ComputeKind, Program};
 use crate::job::{Collective, GradSync, Job, Layer, Mesh, Recompute, Refresh, ReshardAfterForward};
 use crate::lower::activations::saved_bytes;
+use crate::lower::workspace;
 use crate::sim::cost::{COLLECTIVE_START_S, LINK_EFFICIENCY};
 use cranelift_entity::EntityRef;
 
@@ -66,8 +69,8 @@ pub fn model_state_bytes(job: &Job) -> u64 {
         .sum()
 }
 
-/// Bytes every rank needs at least before lowering: its shards, and without recompute the
-/// activations one micro-step saves for backward.
+/// Bytes every rank needs at least before lowering: its shards, the compute stream's workspace,
+/// and without recompute the activations one micro-step saves for backward.
 pub fn memory_floor(job: &Job) -> u64 {
     let activations = match job.schedule.recompute {
         Recompute::None => job
@@ -78,7 +81,11 @@ pub fn memory_floor(job: &Job) -> u64 {
             .sum(),
         Recompute::Full => 0,
     };
-    model_state_bytes(job) + activations
+    let workspace = (0..job.model.layers.len())
+        .map(|l| workspace::layer_floats(&job.model, l) * 4)
+        .max()
+        .map_or(0, |floats| floats + workspace::gemm_bytes(job));
+    model_state_bytes(job) + activations + workspace
 }
 
 /// A lowered program's arena floor: persistent bytes plus the most transient bytes alive at one

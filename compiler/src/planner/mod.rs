@@ -7,7 +7,8 @@
 //! 1. **Enumerate** every structure ([`space`]: meshes × resharding × gradient sync × all-gather
 //!    algorithm) with the base schedule's knobs.
 //! 2. **Floor** each one analytically ([`bounds`]), in chunks on the worker threads: a memory floor
-//!    (its shards, and the activations of one micro-step) above the GPU drops it; a step-time
+//!    (its shards, the activations of one micro-step and the compute stream's workspace) above the
+//!    GPU drops it; a step-time
 //!    floor orders the rest.
 //! 3. **Branch and bound**: take structures in order of their time floor, a batch of a few per
 //!    worker thread at a time, and **screen** each: lower it without its memory plan; if its arena

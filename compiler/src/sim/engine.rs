@@ -92,6 +92,7 @@ pub fn compute_op_seconds(cost: &CostModel, program: &Program, job: &Job, op: &O
         op.reads
             .iter()
             .chain(&op.writes)
+            .filter(|r| !program.is_workspace(r))
             .map(|r| r.bytes as f64)
             .sum()
     };

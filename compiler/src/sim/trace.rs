@@ -4,7 +4,7 @@
 //! One process per simulated rank (named `rank R`, with how many ranks it stands for), one thread
 //! per stream (named by the stream's role), one complete slice (`ph: "X"`) per op, named by its
 //! kind and layer, with `op`, `layer`, `micro_step` and `bytes` (a collective's payload, a compute
-//! op's bytes read and written) in `args`. Every event wait is a flow arrow from the op that records
+//! op's bytes read and written, its workspace not counted) in `args`. Every event wait is a flow arrow from the op that records
 //! the event (`ph: "s"`, stamped at that op's start so that it binds to that slice and not to the
 //! one that follows it on the stream) to the op that waits (`ph: "f"`, `bp: "e"`, at its start).
 //! Times are microseconds.
@@ -45,7 +45,13 @@ pub fn emit_trace(program: &Program, timeline: &Timeline) -> Trace {
                 .and_then(|l| program.layers.get(l))
                 .map(|l| l.name.clone());
             let bytes: u64 = match &op.kind {
-                OpKind::Compute(_) => op.reads.iter().chain(&op.writes).map(|r| r.bytes).sum(),
+                OpKind::Compute(_) => op
+                    .reads
+                    .iter()
+                    .chain(&op.writes)
+                    .filter(|r| !program.is_workspace(r))
+                    .map(|r| r.bytes)
+                    .sum(),
                 _ => op
                     .collectives()
                     .iter()

@@ -5,7 +5,9 @@
 //! the rest can index freely):
 //! 1. **Structure.** Every handle exists; every region lies inside its buffer for every rank; every
 //!    buffer lies inside the arena; each communicator's groups partition the ranks into equal
-//!    groups ([`verify_structure`] runs the part a half-built program can meet after each pass).
+//!    groups; every compute op but accumulations and copies writes its stream's workspace (layer
+//!    math from byte 0, so the GEMM library's part too), and no other op touches a workspace
+//!    ([`verify_structure`] runs the part a half-built program can meet after each pass).
 //!    **Issue order** ([`issue`]): every event is recorded once, by the op it names, and waited on
 //!    only by ops issued after that op, so one host thread can enqueue the ops in issue order.
 //! 2. **Collective matching.** Every collective's count divides by its group size and agrees with
@@ -20,7 +22,7 @@
 //!    of every stream; and each rank's collectives are totally ordered by happens-before in issue
 //!    order, so no two communicators ever need to progress at once (NCCL's assumption).
 //! 5. **Race freedom.** Any two accesses to overlapping bytes of a buffer, one a write, are ordered
-//!    by happens-before.
+//!    by happens-before (at once for a buffer only one stream touches, such as a workspace).
 //! 6. **Memory-plan soundness.** Buffers sharing arena bytes have lifetimes ordered by
 //!    happens-before; persistent buffers share bytes with nothing.
 //! 7. **Right values.** Abstractly executed over all ranks, every forward and backward reads its
@@ -91,6 +93,8 @@ pub enum Stage {
     Ordered,
     /// Every op on a stream that exists.
     Streamed,
+    /// Every stream's workspace in place: what uses one writes it, nothing else touches it.
+    Provisioned,
     /// Waits and events in place: the issue-order proof holds.
     Synchronised,
     /// Every buffer placed inside the arena: the whole of proof 1.

@@ -1,5 +1,6 @@
 //! Proof 1: handles, bounds and communicator shapes, as far as the pipeline's [`Stage`] allows
-//! (streams exist once assigned, buffers lie in the arena once placed).
+//! (streams exist once assigned, workspaces once provisioned, buffers lie in the arena once
+//! placed).
 //!
 //! Cheap by construction, so the pipeline can run it after every pass: a rank-dependent region is
 //! checked at the largest value its shard index takes on any rank (its end grows with the index),
@@ -141,7 +142,130 @@ pub fn check(p: &Program, ctx: Ctx, stage: Stage) -> Vec<VerifyError> {
             }
         }
     }
+    if stage >= Stage::Provisioned {
+        workspaces(p, &mut err);
+    }
     errs
+}
+
+/// Workspaces (see the IR module doc): each stream's is a workspace buffer of its own whose GEMM
+/// part is whole 256-byte units inside it; every compute op but accumulations and copies writes
+/// its stream's (layer math from byte 0, over the GEMM part; the others only past it); no op
+/// reads a workspace (it carries nothing from one op to the next), and no other stream's op or
+/// collective touches one.
+fn workspaces(p: &Program, err: &mut impl FnMut(Option<OpId>, String)) {
+    let mut owner: Vec<Option<StreamId>> = vec![None; p.buffers.len()];
+    for (s, st) in p.streams.iter() {
+        let Some(ws) = st.workspace else { continue };
+        let Some(b) = p.buffers.get(ws.buffer) else {
+            err(
+                None,
+                format!("{s}'s workspace {} does not exist", ws.buffer),
+            );
+            continue;
+        };
+        if b.kind != BufferKind::Workspace {
+            err(
+                None,
+                format!(
+                    "{s}'s workspace {} ({}) is a {:?} buffer",
+                    ws.buffer, b.name, b.kind
+                ),
+            );
+        }
+        if ws.gemm_bytes > b.bytes || ws.gemm_bytes % 256 != 0 {
+            err(
+                None,
+                format!(
+                    "{s}'s workspace {} ({} B) cannot hold a GEMM part of {} B (whole 256-byte units inside it)",
+                    ws.buffer, b.bytes, ws.gemm_bytes
+                ),
+            );
+        }
+        if let Some(other) = owner[ws.buffer.index()].replace(s) {
+            err(
+                None,
+                format!("{other} and {s} share the workspace {}", ws.buffer),
+            );
+        }
+    }
+    for (b, buf) in p.buffers.iter() {
+        if buf.kind == BufferKind::Workspace && owner[b.index()].is_none() {
+            err(
+                None,
+                format!("{b} ({}) is a workspace of no stream", buf.name),
+            );
+        }
+    }
+    let is_ws = |r: &Region| owner.get(r.buffer.index()).copied().flatten();
+    for (id, op) in p.ops.iter() {
+        let Some(stream) = p.streams.get(op.stream) else {
+            continue;
+        };
+        let collective_regions = op.collectives().iter().flat_map(|c| [c.input, c.output]);
+        for r in op.reads.iter().copied().chain(collective_regions) {
+            if is_ws(&r).is_some() {
+                err(
+                    Some(id),
+                    format!(
+                        "reads the workspace {}, which holds nothing between ops",
+                        r.buffer
+                    ),
+                );
+            }
+        }
+        let mut mine = 0;
+        for r in &op.writes {
+            match is_ws(r) {
+                Some(s) if s != op.stream || !op.collectives().is_empty() => err(
+                    Some(id),
+                    format!(
+                        "writes the workspace of {s}, which only that stream's compute ops use"
+                    ),
+                ),
+                Some(_) => mine += 1,
+                None => {}
+            }
+        }
+        let OpKind::Compute(kind) = op.kind else {
+            continue;
+        };
+        if matches!(kind, ComputeKind::Accumulate | ComputeKind::Copy) {
+            continue;
+        }
+        let Some(ws) = stream.workspace else {
+            err(
+                Some(id),
+                format!("runs on {}, which has no workspace", op.stream),
+            );
+            continue;
+        };
+        let layer_math = matches!(
+            kind,
+            ComputeKind::Forward | ComputeKind::Recompute | ComputeKind::Backward
+        );
+        let write = op.writes.iter().find(|r| r.buffer == ws.buffer);
+        let right = write.is_some_and(|r| match r.offset {
+            Offset::Fixed(o) if layer_math => o == 0 && r.bytes >= ws.gemm_bytes,
+            Offset::Fixed(o) => o >= ws.gemm_bytes,
+            Offset::Shard { .. } => false,
+        });
+        if mine != 1 || !right {
+            let what = if layer_math {
+                "once, from byte 0 over its GEMM part"
+            } else {
+                "once, past its GEMM part"
+            };
+            err(
+                Some(id),
+                format!(
+                    "a {} must write its stream's workspace {} {what}",
+                    Op::compute_name(kind),
+                    ws.buffer
+                ),
+            );
+        }
+    }
 }
 
 /// The largest value each shard index takes over the ranks, for bounding regions at once.

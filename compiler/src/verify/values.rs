@@ -19,6 +19,7 @@
 //!
 //! Each layer's buffers evolve independently, so layers are checked one at a time, and layers
 //! whose op sequences are alike (the same shapes, communicators and regions) are checked once.
+//! Workspaces hold scratch, never a value, and are no layer's: no check reads them.
 
 use super::{range, Ctx, VerifyError};
 use crate::hash::FxHashMap;
@@ -1117,7 +1118,8 @@ pub(crate) fn norm_buffers(p: &Program) -> Vec<BufferId> {
         .ops
         .values()
         .filter(|op| op.kind == OpKind::Compute(ComputeKind::GradNorm))
-        .flat_map(|op| op.writes.iter().map(|w| w.buffer))
+        .flat_map(|op| op.writes.iter().filter(|w| !p.is_workspace(w)))
+        .map(|w| w.buffer)
         .collect();
     out.sort_unstable();
     out.dedup();
@@ -1165,7 +1167,9 @@ pub fn check_norm(p: &Program, ctx: Ctx) -> Vec<VerifyError> {
         let writes_norm = op.writes.iter().any(|w| norms.contains(&w.buffer));
         match &op.kind {
             OpKind::Compute(ComputeKind::GradNorm) => {
-                let [w] = op.writes.as_slice() else {
+                // Its workspace is scratch, not a value (see the IR module doc).
+                let data: Vec<&Region> = op.writes.iter().filter(|w| !p.is_workspace(w)).collect();
+                let [w] = data.as_slice() else {
                     err(id, "grad_norm must write exactly one region".into());
                     continue;
                 };
