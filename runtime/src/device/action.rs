@@ -455,37 +455,3 @@ fn alone(plan: &Plan, rank: u32, r: &Region, op: &[&Region]) -> bool {
         b <= lo || hi <= a
     })
 }
-
-/// Values of an op's outputs that [`Rank::output`] computes in workspace on some rank even on a
-/// device that computes on the arena in place, because they share bytes with another region of
-/// the op (a layer's output or saved activations, a backward's input gradient, the loss's
-/// gradient); what the op needs of a stream's workspace beyond its math.
-pub(crate) fn aliased_outputs(plan: &Plan, a: &Action) -> usize {
-    let op = op_regions(a);
-    let aliased = |r: &Option<Region>| {
-        r.as_ref().is_some_and(|r| {
-            let shared = |rank| !alone(plan, rank, r, &op);
-            (0..plan.ranks()).any(shared)
-        })
-    };
-    match a {
-        Action::Forward {
-            layer,
-            output,
-            saved,
-            ..
-        } => {
-            let m = &plan.maths[*layer];
-            usize::from(aliased(output)) * m.output_elements()
-                + usize::from(aliased(saved)) * m.saved_elements()
-        }
-        Action::Backward {
-            layer, grad_input, ..
-        } => usize::from(aliased(grad_input)) * plan.maths[*layer].input_elements(),
-        Action::Loss { grad, .. } => {
-            let elements = grad.bytes / plan.program.buffers[grad.buffer].dtype.bytes();
-            usize::from(aliased(&Some(*grad))) * elements as usize
-        }
-        _ => 0,
-    }
-}

@@ -89,7 +89,9 @@ impl std::fmt::Display for DeviceError {
             }
             DeviceError::Workspace { needed, available } => write!(
                 f,
-                "the stream workspace of {available} floats is too small ({needed} needed)"
+                "the op needs {needed} floats of its stream's workspace, but the plan gives the \
+                 stream {available} (the compiler sizes workspaces, `schedc::lower::workspace`: \
+                 this op needs more than it planned)"
             ),
             DeviceError::Token { token, vocab } => {
                 write!(f, "token {token} not below vocab {vocab}")

@@ -2,13 +2,16 @@
 //! the layer math's row-major products: fp32 operands through cuBLAS `sgemm`, bf16 and fp16
 //! operands through cuBLASLt on tensor cores (fp32 accumulation; C and D fp32 or the operands'
 //! dtype, a bias in the epilogue). Operands lie in the arena in place or in workspace. One of
-//! each handle per stream. Compiled, never run on a GPU yet.
+//! each handle per stream; both use the GEMM part of the stream's planned workspace, in the
+//! arena (a stream runs one product at a time), and allocate nothing of their own. Compiled,
+//! never run on a GPU yet.
 
+use super::enqueue::DevAddr;
 use super::enqueue::{ColMajor, CudaError, Library};
 use cudarc::cublas::result as cb;
 use cudarc::cublas::sys::{cublasHandle_t, cublasOperation_t};
 use cudarc::cublaslt::{result as lt, sys as lts};
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
+use cudarc::driver::CudaStream;
 use schedc::job::Dtype;
 use std::cell::RefCell;
 use std::collections::hash_map::{Entry, HashMap};
@@ -24,15 +27,28 @@ pub struct Blas {
 unsafe impl Send for Blas {}
 
 impl Blas {
-    pub fn new(stream: &Arc<CudaStream>) -> Result<Blas, CudaError> {
+    /// Handles on `stream` whose workspace is the `bytes` at `workspace` (256-byte aligned: the
+    /// arena's start is, and so is every planned offset; none when `bytes` is 0).
+    pub fn new(
+        stream: &Arc<CudaStream>,
+        workspace: DevAddr,
+        bytes: usize,
+    ) -> Result<Blas, CudaError> {
         let handle =
             cb::create_handle().map_err(|e| CudaError::new(Library::Cublas, "cuBLAS", e))?;
-        // SAFETY: a fresh handle and a live stream.
-        unsafe { cb::set_stream(handle, stream.cu_stream() as _) }
-            .map_err(|e| CudaError::new(Library::Cublas, "cuBLAS set_stream", e))?;
+        let workspace = if bytes == 0 { DevAddr::NULL } else { workspace };
+        // SAFETY: a fresh handle and a live stream; the workspace lies in the arena, which
+        // outlives the handle, and only this stream's products use it.
+        unsafe {
+            cb::set_stream(handle, stream.cu_stream() as _)
+                .map_err(|e| CudaError::new(Library::Cublas, "cuBLAS set_stream", e))?;
+            cudarc::cublas::sys::cublasSetWorkspace_v2(handle, workspace.0 as *mut _, bytes)
+                .result()
+                .map_err(|e| CudaError::new(Library::Cublas, "cuBLAS set_workspace", e))?;
+        }
         Ok(Blas {
             handle,
-            lt: Lt::new(stream)?,
+            lt: Lt::new(workspace, bytes)?,
             stream: stream.cu_stream() as _,
         })
     }
@@ -115,9 +131,10 @@ impl Drop for Blas {
 /// costs host time) are made once per shape and kept.
 struct Lt {
     handle: lts::cublasLtHandle_t,
-    /// cuBLASLt's workspace: 32 MiB, NVIDIA's recommendation for Hopper (4 MiB before).
-    workspace: CudaSlice<u8>,
+    /// The stream's GEMM workspace (the cluster's `gemm_workspace`, 32 MiB by default, NVIDIA's
+    /// recommendation for Hopper) in the arena, and its bytes.
     workspace_at: u64,
+    workspace_bytes: usize,
     plans: RefCell<HashMap<LtKey, LtPlan>>,
 }
 
@@ -166,17 +183,12 @@ fn lt_err(what: &'static str) -> impl Fn(cudarc::cublaslt::result::CublasError) 
 }
 
 impl Lt {
-    fn new(stream: &Arc<CudaStream>) -> Result<Lt, CudaError> {
+    fn new(workspace: DevAddr, bytes: usize) -> Result<Lt, CudaError> {
         let handle = lt::create_handle().map_err(lt_err("cuBLASLt"))?;
-        let bytes = 32 << 20;
-        // SAFETY: cuBLASLt only ever writes its workspace.
-        let workspace = unsafe { stream.alloc::<u8>(bytes) }
-            .map_err(|e| CudaError::new(Library::Driver, "allocating cuBLASLt's workspace", e))?;
-        let workspace_at = workspace.device_ptr(stream).0;
         Ok(Lt {
             handle,
-            workspace,
-            workspace_at,
+            workspace_at: workspace.0,
+            workspace_bytes: bytes,
             plans: RefCell::new(HashMap::new()),
         })
     }
@@ -275,7 +287,7 @@ impl Lt {
             .map_err(lt_err("cuBLASLt bias epilogue"))?;
         }
         let pref = lt::create_matmul_pref().map_err(lt_err("cuBLASLt preference"))?;
-        let size = self.workspace.len();
+        let size = self.workspace_bytes;
         // SAFETY: live descriptors; each attribute value is the documented type.
         let algo = unsafe {
             let set =
@@ -365,7 +377,7 @@ impl Lt {
                 p.layouts[2],
                 &p.algo,
                 self.workspace_at as *mut _,
-                self.workspace.len(),
+                self.workspace_bytes,
                 stream,
             )
         }

@@ -1,5 +1,5 @@
-//! One GPU of the CUDA backend: library checks, the context, the rank's arena, streams, events
-//! and per-stream workspaces. Compiled, never run on a GPU yet.
+//! One GPU of the CUDA backend: library checks, the context, the rank's arena (each stream's
+//! workspace lies inside it, `memory.rs`), streams and events. Compiled, never run on a GPU yet.
 
 use super::enqueue::{CudaError, DevAddr, Library};
 use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr};
@@ -50,8 +50,8 @@ pub fn drv(what: &str) -> impl Fn(cudarc::driver::DriverError) -> CudaError + '_
     move |e| CudaError::new(Library::Driver, what, e)
 }
 
-/// A rank's GPU: context, streams (one per plan stream), events (one per plan event), the arena
-/// and each stream's f32 workspace.
+/// A rank's GPU: context, streams (one per plan stream), events (one per plan event) and the
+/// arena.
 pub struct Device {
     pub ctx: Arc<CudaContext>,
     pub streams: Vec<Arc<CudaStream>>,
@@ -60,19 +60,16 @@ pub struct Device {
     _arena: CudaSlice<u8>,
     pub arena_base: DevAddr,
     pub arena_bytes: u64,
-    /// Per stream: (base, floats), empty for streams without compute.
-    _workspaces: Vec<Option<CudaSlice<f32>>>,
-    pub workspace: Vec<(DevAddr, usize)>,
 }
 
 impl Device {
-    /// Opens GPU `ordinal` and allocates the arena and workspaces (`workspace_floats[stream]`).
+    /// Opens GPU `ordinal` and allocates the arena: the one allocation of the plan's tensors and
+    /// workspaces.
     pub fn open(
         ordinal: usize,
         streams: usize,
         events: usize,
         arena_bytes: u64,
-        workspace_floats: &[usize],
     ) -> Result<Device, CudaError> {
         let count = CudaContext::device_count().map_err(drv("counting CUDA devices"))?;
         if count <= 0 {
@@ -101,20 +98,6 @@ impl Device {
             .alloc_zeros::<u8>(arena_bytes.max(1) as usize)
             .map_err(drv("allocating the arena"))?;
         let arena_base = DevAddr(arena.device_ptr(s0).0);
-        let mut keep = vec![];
-        let mut workspace = vec![];
-        for &n in workspace_floats {
-            if n == 0 {
-                keep.push(None);
-                workspace.push((DevAddr::NULL, 0));
-                continue;
-            }
-            let w = s0
-                .alloc_zeros::<f32>(n)
-                .map_err(drv("allocating a stream workspace"))?;
-            workspace.push((DevAddr(w.device_ptr(s0).0), n));
-            keep.push(Some(w));
-        }
         s0.synchronize().map_err(drv("initialising the device"))?;
         Ok(Device {
             ctx,
@@ -123,8 +106,6 @@ impl Device {
             _arena: arena,
             arena_base,
             arena_bytes,
-            _workspaces: keep,
-            workspace,
         })
     }
 

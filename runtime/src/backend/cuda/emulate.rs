@@ -9,7 +9,8 @@
 //! Needs a C++20 compiler (`$CXX`, else `c++`); the tests say so and pass where there is none.
 
 use super::enqueue::{nccl_call, ColMajor, CudaError, DevAddr, Exec, Grid, NcclCall, A};
-use super::gpu::{action_workspace, Consts, Gpu};
+use super::gpu::{Consts, Gpu};
+use super::memory::{ConstsLayout, StreamMemory};
 use super::typed::{DevPtr, Storage};
 use crate::arena::{f32_to_half, half_to_f32};
 use crate::backend::cpu::CpuBackend;
@@ -946,24 +947,33 @@ fn emulated_fp16_conversions_are_the_half_crates() {
     }
 }
 
-/// One rank of the emulated CUDA backend: its arena, workspace and constants in host memory.
+/// One rank of the emulated CUDA backend: its device memory in host memory, as the CUDA backend
+/// allocates it (`memory.rs`): the arena, every stream's workspace inside it, and the constants.
 struct EmuRank {
     arena: Vec<u64>,
-    workspace: Vec<f32>,
-    tokens: Vec<i32>,
-    /// The loss and sum-of-squares accumulators.
-    accumulators: Vec<f64>,
+    consts: Vec<u64>,
+}
+
+impl EmuRank {
+    /// Every device allocation of the rank: (what, start, bytes).
+    fn allocations(&self, plan: &Plan, layout: &ConstsLayout) -> [(&'static str, u64, u64); 2] {
+        [
+            ("arena", addr(&self.arena).0, plan.program.arena_bytes),
+            ("constants", addr(&self.consts).0, layout.bytes),
+        ]
+    }
 }
 
 /// The CUDA backend's host side on the emulated device, every rank in this process: the actions
 /// of the device layer on [`Gpu`] and the collectives as [`nccl_call`] describes them to NCCL, op by op in the
 /// plan's issue order on every rank at once (a collective meets all members at the same op).
+/// Every address a launch, product or copy is given must lie in one of the rank's allocations
+/// ([`Bounded`]).
 struct EmulatedBackend {
     plan: Arc<Plan>,
     x: HostExec,
     ranks: Vec<EmuRank>,
-    rope: Option<Vec<f32>>,
-    decay: Vec<Vec<i64>>,
+    consts: ConstsLayout,
     /// What the layer forward and backward ops staged, over every step and rank.
     layer_staging: std::cell::RefCell<Staging>,
     /// The gradient parts those backward ops wrote (each one `store` or `add_store`).
@@ -972,37 +982,16 @@ struct EmulatedBackend {
 
 impl EmulatedBackend {
     fn new(plan: Arc<Plan>, lib: &'static Lib) -> Self {
-        let t = (plan.job.model.micro_batch * plan.job.model.seq_len) as usize;
-        let rope = plan.maths.iter().find_map(rope_table);
-        let decay = plan
-            .decay
-            .iter()
-            .map(|d| {
-                d.iter()
-                    .flat_map(|r| [r.start as i64, r.end as i64])
-                    .collect()
-            })
-            .collect();
-        // Exactly what the CUDA backend would allocate for its busiest stream.
-        let workspace = plan
-            .actions
-            .iter()
-            .filter(|a| !matches!(a, Action::Collectives(_)))
-            .map(|a| action_workspace(&plan, a))
-            .max()
-            .unwrap_or(0);
+        let consts = ConstsLayout::of(&plan);
         let ranks = (0..plan.ranks())
             .map(|_| EmuRank {
                 arena: vec![0; (plan.program.arena_bytes as usize).div_ceil(8)],
-                workspace: vec![0.0; workspace],
-                tokens: vec![0; 2 * t * plan.program.micro_steps as usize],
-                accumulators: vec![0.0; 2],
+                consts: words(&consts.contents),
             })
             .collect();
         EmulatedBackend {
             ranks,
-            rope,
-            decay,
+            consts,
             x: HostExec::new(lib),
             plan,
             layer_staging: Default::default(),
@@ -1125,40 +1114,44 @@ impl Backend for EmulatedBackend {
 
     fn run_step(&mut self, input: &StepInput) -> Result<StepOutcome, RunError> {
         let p = self.plan.clone();
-        let t = (p.job.model.micro_batch * p.job.model.seq_len) as usize;
         for (r, rank) in self.ranks.iter_mut().enumerate() {
-            for (m, b) in input.batches[r].iter().enumerate() {
-                for i in 0..t {
-                    rank.tokens[2 * m * t + i] = b.inputs[i] as i32;
-                    rank.tokens[(2 * m + 1) * t + i] = b.targets[i] as i32;
-                }
-            }
-            rank.accumulators.fill(0.0);
+            let bytes = self.consts.step_bytes(&input.batches[r]).ok_or_else(|| {
+                RunError::at(r as u32, None, "a batch of the wrong size".to_string())
+            })?;
+            // Tokens and zeroed accumulators, from the constants' start (whole words).
+            let w = words(&bytes);
+            rank.consts[..w.len()].copy_from_slice(&w);
         }
         let consts: Vec<Consts> = self
             .ranks
             .iter()
-            .map(|rank| Consts {
-                tokens: addr(&rank.tokens),
-                loss: addr(&rank.accumulators),
-                sumsq: addr(&rank.accumulators).add_bytes(8),
-                rope: self.rope.as_deref().map(addr),
-                decay: self.decay.iter().map(|d| (addr(d), d.len() / 2)).collect(),
-                t,
-            })
+            .map(|rank| self.consts.at(addr(&rank.consts)))
+            .collect();
+        let workspaces: Vec<Option<StreamMemory>> = p
+            .program
+            .streams
+            .keys()
+            .map(|s| StreamMemory::of(&p, s))
             .collect();
         for (op, o) in p.program.ops.iter() {
             match &p.actions[op.index()] {
                 Action::Collectives(cs) => cs.iter().for_each(|c| self.collective(c)),
                 a => {
                     for (r, rank) in self.ranks.iter().enumerate() {
-                        let gpu = Gpu {
+                        let arena = addr(&rank.arena);
+                        let (ws_base, ws_len) =
+                            StreamMemory::scratch_at(workspaces[o.stream.index()], arena);
+                        let x = Bounded {
                             x: &self.x,
+                            allocations: rank.allocations(&p, &self.consts),
+                        };
+                        let gpu = Gpu {
+                            x: &x,
                             products: p.job.model.dtype,
-                            ws_base: addr(&rank.workspace),
-                            ws_len: rank.workspace.len(),
+                            ws_base,
+                            ws_len,
                             used: Cell::new(0),
-                            arena_base: addr(&rank.arena),
+                            arena_base: arena,
                             consts: &consts[r],
                         };
                         let view = Rank {
@@ -1175,15 +1168,96 @@ impl Backend for EmulatedBackend {
                 }
             }
         }
+        let loss = |rank: &EmuRank| f64::from_bits(rank.consts[self.consts.loss as usize / 8]);
         Ok(StepOutcome {
             // The CUDA backend's loss all-reduce over the world.
-            loss_sum: self.ranks.iter().map(|r| r.accumulators[0]).sum(),
+            loss_sum: self.ranks.iter().map(loss).sum(),
             waits: vec![],
         })
     }
 
+    /// Each rank's device allocations: its arena (what the plan places) and nothing else but the
+    /// constants, which the plan leaves out (`memory.rs`); `touched` is the arena too.
     fn memory(&self) -> Vec<RankMemory> {
-        vec![]
+        self.ranks
+            .iter()
+            .enumerate()
+            .map(|(r, rank)| {
+                let all = rank.allocations(&self.plan, &self.consts);
+                let arena: u64 = all
+                    .iter()
+                    .filter(|(what, _, _)| *what != "constants")
+                    .map(|(_, _, bytes)| bytes)
+                    .sum();
+                RankMemory {
+                    rank: r as u32,
+                    allocated: arena,
+                    touched: arena,
+                }
+            })
+            .collect()
+    }
+}
+
+/// Little-endian bytes as 8-byte words (the last one zero-padded).
+fn words(bytes: &[u8]) -> Vec<u64> {
+    bytes
+        .chunks(8)
+        .map(|c| {
+            let mut w = [0u8; 8];
+            w[..c.len()].copy_from_slice(c);
+            u64::from_le_bytes(w)
+        })
+        .collect()
+}
+
+/// A stream of one emulated rank whose every address must lie in one of the rank's device
+/// allocations: a launch's pointer arguments, a product's operands, C and bias, a copy's source
+/// and destination (NULL pointers aside). What it refuses is memory the plan does not account
+/// for (say, a workspace allocated beside the arena): the op then fails, naming the address.
+struct Bounded<'a> {
+    x: &'a HostExec,
+    allocations: [(&'static str, u64, u64); 2],
+}
+
+impl Bounded<'_> {
+    fn check(&self, what: &str, at: DevAddr, bytes: u64) -> Result<(), CudaError> {
+        let inside = at == DevAddr::NULL
+            || self
+                .allocations
+                .iter()
+                .any(|&(_, start, len)| at.0 >= start && at.0 + bytes <= start + len);
+        if inside {
+            return Ok(());
+        }
+        Err(CudaError::backend(format!(
+            "{what}: {bytes} bytes at {:#x} lie outside the rank's device allocations {:?}",
+            at.0, self.allocations
+        )))
+    }
+}
+
+impl Exec for Bounded<'_> {
+    fn launch(&self, name: &str, grid: Grid, args: &[A]) -> Result<(), CudaError> {
+        for a in args {
+            if let A::P(p) = a {
+                self.check(name, *p, 0)?;
+            }
+        }
+        self.x.launch(name, grid, args)
+    }
+
+    fn gemm(&self, c: &ColMajor) -> Result<(), CudaError> {
+        for p in [c.a, c.b, c.c].into_iter().chain(c.bias.map(|b| b.0)) {
+            self.check("a product", p, 0)?;
+        }
+        self.x.gemm(c)
+    }
+
+    fn copy_bytes(&self, dst: DevAddr, src: DevAddr, bytes: usize) -> Result<(), CudaError> {
+        self.check("a copy's destination", dst, bytes as u64)?;
+        self.check("a copy's source", src, bytes as u64)?;
+        self.x.copy_bytes(dst, src, bytes)
     }
 }
 
@@ -1343,10 +1417,13 @@ fn layer_ops_of_a_16_bit_model_stage_only_gradient_parts() {
             2e-2,
         );
         let backend = &t.backend;
-        eprintln!(
-            "{name}: stream workspace {} floats",
-            backend.ranks[0].workspace.len()
-        );
+        let floats: Vec<usize> = plan
+            .program
+            .streams
+            .keys()
+            .filter_map(|s| StreamMemory::of(&plan, s).map(|m| m.scratch.1))
+            .collect();
+        eprintln!("{name}: stream workspaces {floats:?} floats");
         let staged = backend.layer_staging.borrow().clone();
         let parts = backend.grad_parts.get();
         eprintln!(
@@ -1362,4 +1439,163 @@ fn layer_ops_of_a_16_bit_model_stage_only_gradient_parts() {
             staged.0
         );
     }
+}
+
+/// Compiles every schedule of `schedules` (over [`MODELS`] and [`CLUSTERS`]) into a plan.
+fn plans(schedules: &str) -> Vec<Arc<Plan>> {
+    let text = format!("{MODELS}\n{CLUSTERS}\n{schedules}");
+    let loader = schedc::MemLoader::default()
+        .in_dir("/mem")
+        .with("/mem/s.sched", &text);
+    let a = schedc::analyze(std::path::Path::new("/mem/s.sched"), &loader).expect("readable");
+    assert!(!a.has_errors(), "{}", a.render());
+    a.jobs
+        .iter()
+        .map(|job| {
+            let (program, _) = schedc::compile(job).unwrap();
+            Arc::new(Plan::unverified(program, job.clone()).unwrap())
+        })
+        .collect()
+}
+
+/// Allocated = planned: on the emulated device, laid out as the CUDA backend lays it out, a
+/// rank's memory is its arena of exactly the plan's `arena_bytes` and the constants the plan
+/// leaves out (`memory.rs`), nothing else: every stream's workspace (the GEMM library's part and
+/// the fp32 scratch) is its planned buffer inside the arena, and over whole training steps every
+/// address a launch, product or copy is given lies in those two allocations ([`Bounded`]). The
+/// plans take every kind of scratch: clipping, 16-bit products' casts, recomputation, one stream
+/// for everything, and (`d`: the mlp's 8,481 parameters under ZeRO-3 on 4 ranks) gradient parts
+/// padded past the gradient, which the compiler sizes exactly. A workspace allocated beside the
+/// arena fails the address check, as the second half shows.
+#[test]
+fn device_memory_is_the_planned_arena() {
+    let Some(lib) = library_or_skip() else {
+        return;
+    };
+    let schedules = "\
+        schedule a { model = gpt_naive  cluster = one  preset = ddp  micro_steps = 2  train { lr = 1e-3  seed = 1  clip = 0.5 } }\n\
+        schedule b { model = llama_bf16  cluster = four  preset = zero3  recompute = full  train { lr = 1e-3  seed = 2 } }\n\
+        schedule c { model = gpt_bf16  cluster = two_by_two  preset = mics(partition = 4)  streams = single  train { lr = 1e-3  seed = 3 } }\n\
+        model padded { dtype = fp32  optimizer = adam  seq_len = 16  micro_batch = 2\n\
+            layer embed = embedding(vocab = 256, hidden = 32, positions = learned)\n\
+            layer mlp   = mlp(hidden = 32, ffn = 129)\n\
+            layer head  = lm_head(hidden = 32, vocab = 256, tied = true) }\n\
+        schedule d { model = padded  cluster = four  preset = zero3  train { lr = 1e-3  seed = 4 } }\n";
+    for plan in plans(schedules) {
+        let name = plan.job.schedule.name.clone();
+        let p = &plan.program;
+        for (s, stream) in p.streams.iter() {
+            let Some(m) = StreamMemory::of(&plan, s) else {
+                continue;
+            };
+            let ws = stream.workspace.unwrap();
+            let b = &p.buffers[ws.buffer];
+            assert_eq!(m.gemm, (b.offset, ws.gemm_bytes as usize), "{name} {s}");
+            assert_eq!(
+                m.scratch.0 + m.scratch.1 as u64 * 4,
+                b.offset + b.bytes,
+                "{name} {s}: the scratch ends where the planned buffer does"
+            );
+            assert!(b.offset + b.bytes <= p.arena_bytes, "{name} {s}");
+        }
+        // The compute stream runs layer math: it has the GEMM library's workspace.
+        let compute = StreamMemory::of(&plan, schedc::ir::StreamId::new(0)).unwrap();
+        assert_eq!(
+            compute.gemm.1 as u64, plan.job.cluster.gemm_workspace,
+            "{name}"
+        );
+        let steps = 2;
+        let backend = EmulatedBackend::new(plan.clone(), lib);
+        let train = plan.job.schedule.train.clone();
+        let mut t = Trainer::new(plan.clone(), backend, crate::data::Corpus::builtin());
+        let init = t.initial_state(train.seed);
+        t.load(&init).unwrap();
+        for _ in 0..steps {
+            t.step(train.lr, train.clip)
+                .unwrap_or_else(|e| panic!("{name}: {e}"));
+        }
+        for m in t.backend.memory() {
+            assert_eq!(m.allocated, p.arena_bytes, "{name} rank {}", m.rank);
+        }
+        for rank in &t.backend.ranks {
+            let all = rank.allocations(&plan, &t.backend.consts);
+            assert_eq!(all[0].2, p.arena_bytes, "{name}: the arena");
+            assert_eq!(
+                all[1].2,
+                ConstsLayout::of(&plan).bytes,
+                "{name}: the constants"
+            );
+        }
+    }
+
+    // A forward whose workspace lies beside the arena is refused, naming the address.
+    let plan = plans("schedule a { model = gpt_naive  cluster = one  preset = ddp }").remove(0);
+    let backend = EmulatedBackend::new(plan.clone(), lib);
+    let rank = &backend.ranks[0];
+    let (op, a) = plan
+        .actions
+        .iter()
+        .enumerate()
+        .find(|(_, a)| matches!(a, Action::Forward { layer: 1, .. }))
+        .expect("a transformer forward");
+    let beside = vec![
+        0f32;
+        StreamMemory::of(&plan, plan.program.ops[schedc::ir::OpId::new(op)].stream)
+            .unwrap()
+            .scratch
+            .1
+    ];
+    let consts = backend.consts.at(addr(&rank.consts));
+    let x = Bounded {
+        x: &backend.x,
+        allocations: rank.allocations(&plan, &backend.consts),
+    };
+    let gpu = Gpu {
+        x: &x,
+        products: plan.job.model.dtype,
+        ws_base: addr(&beside),
+        ws_len: beside.len(),
+        used: Cell::new(0),
+        arena_base: addr(&rank.arena),
+        consts: &consts,
+    };
+    let view = Rank {
+        plan: &plan,
+        rank: 0,
+        device: &gpu,
+    };
+    let input = StepInput {
+        step: 1,
+        lr: 1e-3,
+        clip: None,
+        batches: vec![vec![]],
+    };
+    let e = run_action(&view, a, Some(0), &input)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("outside the rank's device allocations"), "{e}");
+}
+
+/// A workspace smaller than an op needs is an error naming the shortfall, never memory taken
+/// from elsewhere: the same plan with its compute stream's scratch cut to 64 floats fails its
+/// first layer op.
+#[test]
+fn an_op_past_its_planned_workspace_fails() {
+    let Some(lib) = library_or_skip() else {
+        return;
+    };
+    let plan = plans("schedule a { model = gpt_naive  cluster = one  preset = ddp  train { lr = 1e-3  seed = 1 } }").remove(0);
+    let mut program = plan.program.clone();
+    let ws = program.streams[schedc::ir::StreamId::new(0)]
+        .workspace
+        .unwrap();
+    program.buffers[ws.buffer].bytes = ws.gemm_bytes + 64 * 4;
+    let plan = Arc::new(Plan::unverified(program, plan.job.clone()).unwrap());
+    let backend = EmulatedBackend::new(plan.clone(), lib);
+    let train = plan.job.schedule.train.clone();
+    let mut t = Trainer::new(plan.clone(), backend, crate::data::Corpus::builtin());
+    let init = t.initial_state(train.seed);
+    t.load(&init).unwrap();
+    let e = t.step(train.lr, train.clip).unwrap_err().to_string();
+    assert!(e.contains("but the plan gives the stream 64"), "{e}");
 }

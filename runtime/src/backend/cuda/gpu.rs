@@ -16,13 +16,9 @@ use super::enqueue::{
     elems, m, mt, prec_code, row_major, rows, ColMajor, DevAddr, Exec, Grid, A, M,
 };
 use super::typed::{DevPtr, Storage};
-use crate::device::action::aliased_outputs;
 use crate::device::{plan_error, ArenaSpan, Device, DeviceError, Ptr, Update};
-use crate::exec::Action;
 use crate::math::attention::Keep;
-use crate::math::{BlockP, Kind, NormP, Precision, Segment};
-use crate::plan::Plan;
-use schedc::ir::Region;
+use crate::math::{BlockP, NormP, Precision, Segment};
 use schedc::job::{Attention, Dtype, Norm, Optimizer};
 use std::cell::Cell;
 
@@ -44,7 +40,8 @@ pub struct Consts {
 }
 
 /// One stream of one rank: where to enqueue ([`Exec`]), its fp32 workspace (a bump pointer
-/// reset after each op), where the rank's arena starts, the rank's constants, and the dtype its
+/// reset after each op, over the scratch the plan carves for the stream out of the arena:
+/// `memory::StreamMemory`), where the rank's arena starts, the rank's constants, and the dtype its
 /// matrix products run in (the model's: a 16-bit model's products run on tensor cores).
 pub struct Gpu<'a> {
     pub x: &'a dyn Exec,
@@ -974,70 +971,5 @@ impl Device for Gpu<'_> {
         }
         let dst = self.arena(out.at, out.dtype)?;
         self.run("store_double", 1, &[Arg::P(acc), T(dst)])
-    }
-}
-
-/// Floats of f32 workspace the layer math of `layer` needs on a GPU, forward or backward,
-/// computing on the arena in place (every region a view, nothing staged):
-/// - the gradients it accumulates: the parameters' and a tied head's embedding's, and the zeros
-///   that stand in for a tied head's embedding where an op has none (a recompute);
-/// - its fp32 intermediates (`layers.rs`): a transformer's backward holds dr, da, dattn (T·h
-///   each), dqkv (T·w) and the MLP's two T·f, plus attention's (naive: the probabilities, n·s²
-///   forward, two s×s backward; flash: a row sum per query row, n·T); an MLP layer's backward
-///   da and the two T·f; an lm_head's backward da (a forward needs less: with rotary
-///   positions the projected qkv, T·w, before the rotation writes it);
-/// - the casts of one product's operands at a time (operands stored in the product dtype are
-///   used in place): for a 16-bit model, at most two of the widest fp32 intermediate at two
-///   bytes an element; where the gradient dtype is not the model's, the output gradient.
-/// - 64 floats of alignment per allocation.
-pub fn layer_workspace(plan: &Plan, layer: usize) -> usize {
-    let m = &plan.maths[layer];
-    let model = &plan.job.model;
-    let t = m.dims().t;
-    let (scratch, widest) = match m.kind() {
-        Kind::Transformer(bp) => {
-            let (h, f, w, s) = (bp.hidden, bp.mlp.ffn, bp.shape.width(), bp.shape.s);
-            let heads = bp.shape.heads;
-            let attention = match bp.attention {
-                Attention::Naive => heads.max(2) * s * s,
-                Attention::Flash => heads * t,
-            };
-            let widest = (t * f).max(t * w).max(heads * s * s);
-            (3 * t * h + t * w + 2 * t * f + attention, widest)
-        }
-        Kind::Mlp { hidden, mlp, .. } => (t * hidden + 2 * t * mlp.ffn, t * mlp.ffn),
-        Kind::LmHead { hidden, .. } => (t * hidden, t * hidden),
-        Kind::Embedding { .. } => (0, 0),
-    };
-    let mut casts = 0;
-    if model.dtype != Dtype::Fp32 {
-        casts += widest;
-    }
-    if model.grad_dtype != model.dtype {
-        casts += m.output_elements();
-    }
-    m.params() + 2 * m.tied_elements() + scratch + casts + 64 * 64
-}
-
-/// Workspace floats of one compute action: a layer op's math ([`layer_workspace`]), the
-/// largest gradient part it writes (one vector serves every part) and the outputs it must
-/// compute in workspace because they alias another region of the op; the others' one vector.
-pub fn action_workspace(p: &Plan, a: &Action) -> usize {
-    let elems = |r: &Region| (r.bytes / p.program.buffers[r.buffer].dtype.bytes()) as usize;
-    let aliased = aliased_outputs(p, a);
-    match a {
-        Action::Forward { layer, .. } => layer_workspace(p, *layer) + aliased,
-        Action::Backward {
-            layer,
-            grads,
-            tied_grads,
-            ..
-        } => {
-            let parts = grads.iter().chain(tied_grads).map(|g| elems(&g.region));
-            layer_workspace(p, *layer) + parts.max().unwrap_or(0) + aliased
-        }
-        Action::Loss { .. } => aliased + 64,
-        Action::Update { .. } | Action::GradNorm { .. } => 64,
-        Action::Accumulate { .. } | Action::Copy { .. } | Action::Collectives(_) => 0,
     }
 }

@@ -1,16 +1,19 @@
 //! The CUDA backend: one process per GPU, each driving one rank of the plan.
 //!
 //! Design (issue 6; `shared/spec/runtime.md`, backends):
-//! - **Memory.** One device allocation per rank of exactly the plan's `arena_bytes`; every tensor
-//!   lives at its planned offset inside it, in the same byte layout as the CPU backend's arena
-//!   (fp32 as its bits, bf16/fp16 as 16-bit words). Kernels compute on the arena in place, in
-//!   each region's dtype (`typed.rs`: the device pointer carries its storage; a 16-bit model's
-//!   saved region hands out its segments each in its own storage), rounding once where they
-//!   store, exactly where the CPU backend rounds. A per-stream fp32 workspace allocated once at
-//!   start-up (the device twin of the CPU backend's scratch pools) holds only the layer math's
-//!   fp32 intermediates, the parameter gradient before it is written into its gradient parts,
-//!   and product casts. Nothing is allocated while a step runs. cudarc's automatic event
-//!   tracking is turned off: the plan's events are the only synchronisation.
+//! - **Memory** (`memory.rs`). One device allocation per rank of exactly the plan's
+//!   `arena_bytes`; every tensor lives at its planned offset inside it, in the same byte layout
+//!   as the CPU backend's arena (fp32 as its bits, bf16/fp16 as 16-bit words). Kernels compute on
+//!   the arena in place, in each region's dtype (`typed.rs`: the device pointer carries its
+//!   storage; a 16-bit model's saved region hands out its segments each in its own storage),
+//!   rounding once where they store, exactly where the CPU backend rounds. Each stream's
+//!   workspace is a planned buffer of the arena too: its GEMM part is cuBLAS's and cuBLASLt's
+//!   workspace, its fp32 scratch (the device twin of the CPU backend's scratch pools) holds only
+//!   the layer math's fp32 intermediates, the parameter gradient before it is written into its
+//!   gradient parts, and product casts. Beside the arena there is only one small allocation of
+//!   constants: the batch's tokens, the loss accumulators, rotary tables and decay ranges.
+//!   Nothing is allocated while a step runs. cudarc's automatic event tracking is turned off:
+//!   the plan's events are the only synchronisation.
 //! - **Streams and events.** One CUDA stream per plan stream and one CUDA event per plan event.
 //!   The host enqueues every op of the plan in its single issue order (each op on its stream:
 //!   `cuStreamWaitEvent` for its waits, the op, `cuEventRecord` for its record), then waits for
@@ -47,6 +50,7 @@ mod enqueue;
 pub use enqueue::{CudaError, Library};
 mod gpu;
 pub mod launch;
+mod memory;
 pub mod rendezvous;
 mod typed;
 

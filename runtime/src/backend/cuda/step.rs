@@ -4,9 +4,10 @@
 use super::blas::Blas;
 use super::device::{drv, Device};
 use super::enqueue::{nccl_call, ColMajor, CudaError, DevAddr, Exec, Grid, Library, A};
-use super::gpu::{action_workspace, Consts, Gpu};
+use super::gpu::{Consts, Gpu};
 use super::kernels::Kernels;
 use super::launch::DistEnv;
+use super::memory::{ConstsLayout, StreamMemory};
 use super::nccl::{self, Comms, LOSS_KEY};
 use super::rendezvous::{self, CommKey, Hello};
 use crate::backend::{
@@ -34,8 +35,12 @@ pub struct CudaBackend {
     /// One event after each collective op, watched by the timeout (observation only: nothing
     /// waits on them).
     markers: Vec<Option<CudaEvent>>,
-    /// Device constants: the batch tokens, the loss accumulator, rotary tables, decay ranges.
+    /// Device constants: the batch tokens, the loss accumulator, rotary tables, decay ranges
+    /// (outside the plan: see `memory.rs`).
     consts: Consts,
+    consts_layout: ConstsLayout,
+    /// Each stream's workspace in the arena, as planned.
+    workspaces: Vec<Option<StreamMemory>>,
     world: u32,
 }
 
@@ -45,8 +50,8 @@ fn fault(rank: u32, m: impl std::fmt::Display) -> RunError {
 
 impl CudaBackend {
     /// Checks the libraries, joins the rendezvous (with every rank's plan hash), opens the GPU
-    /// `env.local_rank`, allocates the arena and workspaces, compiles or loads the kernels and
-    /// creates the NCCL communicators.
+    /// `env.local_rank`, allocates the arena (workspaces included) and the constants, compiles
+    /// or loads the kernels and creates the NCCL communicators.
     pub fn new(plan: Arc<Plan>, options: RunOptions, env: &DistEnv) -> Result<Self, RunError> {
         let rank = env.rank;
         let f = |m: String| fault(rank, m);
@@ -72,24 +77,17 @@ impl CudaBackend {
         // The driver must be initialised before ncclGetUniqueId; open the device first.
         let p = &*plan;
         let streams = p.stream_ops.len();
-        let ws: Vec<usize> = (0..streams)
-            .map(|s| {
-                let ops = &p.stream_ops[s];
-                ops.iter()
-                    .filter_map(|op| match &p.actions[op.index()] {
-                        Action::Collectives(_) => None,
-                        a => Some(action_workspace(p, a)),
-                    })
-                    .max()
-                    .unwrap_or(0)
-            })
+        let workspaces: Vec<Option<StreamMemory>> = p
+            .program
+            .streams
+            .keys()
+            .map(|s| StreamMemory::of(p, s))
             .collect();
         let dev = Device::open(
             env.local_rank as usize,
             streams,
             p.program.events.len(),
             p.program.arena_bytes,
-            &ws,
         )
         .map_err(g)?;
         let ids = if env.world == 1 {
@@ -126,10 +124,15 @@ impl CudaBackend {
         dev.ctx.bind_to_thread().map_err(|e| f(format!("{e:?}")))?;
         let comms = Comms::init(&mine).map_err(g)?;
         let kernels = Kernels::load(&dev.ctx).map_err(g)?;
+        // Each stream's cuBLAS and cuBLASLt share the GEMM part of its planned workspace.
         let blas = dev
             .streams
             .iter()
-            .map(Blas::new)
+            .zip(&workspaces)
+            .map(|(s, w)| {
+                let (at, bytes) = w.map_or((0, 0), |w| w.gemm);
+                Blas::new(s, dev.arena_base.add_bytes(at), bytes)
+            })
             .collect::<Result<Vec<_>, _>>()
             .map_err(g)?;
         let markers = p
@@ -143,7 +146,8 @@ impl CudaBackend {
             })
             .collect::<Result<Vec<_>, _>>()
             .map_err(|e| f(format!("creating marker events: {e:?}")))?;
-        let consts = new_consts(p, &dev).map_err(g)?;
+        let consts_layout = ConstsLayout::of(p);
+        let consts = new_consts(&consts_layout, &dev).map_err(g)?;
         Ok(CudaBackend {
             plan,
             options,
@@ -154,81 +158,30 @@ impl CudaBackend {
             comms,
             markers,
             consts,
+            consts_layout,
+            workspaces,
             world: env.world,
         })
     }
 }
 
-/// Allocates and fills a rank's constants (once; they live as long as the process).
-fn new_consts(p: &Plan, dev: &Device) -> Result<Consts, CudaError> {
-    let model = &p.job.model;
-    let t = (model.micro_batch * model.seq_len) as usize;
-    let micro = p.program.micro_steps as usize;
-    let rope = p.maths.iter().find_map(|m| match m.kind() {
-        crate::math::Kind::Transformer(bp) => bp.rope.as_ref(),
-        _ => None,
-    });
-    let rope_floats = rope.map_or(0, |r| r.cos.len() + r.sin.len());
-    let decay_pairs: usize = p.decay.iter().map(|d| d.len()).sum();
-    // Layout (bytes): tokens, loss (f64), sumsq (f64), rope tables, decay ranges.
-    let tokens_bytes = micro * 2 * t * 4;
-    let bytes = tokens_bytes.div_ceil(8) * 8 + 16 + rope_floats * 4 + decay_pairs * 16 + 64;
-    let ctx = &dev.ctx;
+/// Allocates a rank's constants (once; they live as long as the process) and uploads their
+/// initial contents: the rotary tables and decay ranges, zero tokens and accumulators.
+fn new_consts(layout: &ConstsLayout, dev: &Device) -> Result<Consts, CudaError> {
     let s0 = &dev.streams[0];
     let buf = s0
-        .alloc_zeros::<u8>(bytes)
+        .alloc_zeros::<u8>(layout.bytes as usize)
         .map_err(drv("allocating device constants"))?;
     use cudarc::driver::DevicePtr;
     let base = buf.device_ptr(s0).0;
     std::mem::forget(buf); // lives as long as the process; freed with the context
-    let tokens = base;
-    let loss = base + (tokens_bytes.div_ceil(8) * 8) as u64;
-    let sumsq = loss + 8;
-    let mut at = sumsq + 8;
-    ctx.bind_to_thread().map_err(drv("binding the context"))?;
-    let put = |ptr: u64, bytes: &[u8]| -> Result<(), CudaError> {
-        // SAFETY: inside the constants buffer sized above.
-        unsafe { cudarc::driver::result::memcpy_htod_sync(ptr, bytes) }
-            .map_err(drv("uploading constants"))
-    };
-    let rope_ptr = match rope {
-        Some(r) => {
-            let v: Vec<u8> = r
-                .cos
-                .iter()
-                .chain(&r.sin)
-                .flat_map(|x| x.to_le_bytes())
-                .collect();
-            put(at, &v)?;
-            let ptr = at;
-            at += v.len() as u64;
-            Some(ptr)
-        }
-        None => None,
-    };
-    at = at.div_ceil(8) * 8;
-    let mut decay = vec![];
-    for d in &p.decay {
-        let v: Vec<u8> = d
-            .iter()
-            .flat_map(|r| [r.start as i64, r.end as i64])
-            .flat_map(|x| x.to_le_bytes())
-            .collect();
-        if !v.is_empty() {
-            put(at, &v)?;
-        }
-        decay.push((at, d.len()));
-        at += v.len() as u64;
-    }
-    let _ = base;
-    Ok(Consts {
-        tokens: DevAddr(tokens),
-        loss: DevAddr(loss),
-        sumsq: DevAddr(sumsq),
-        rope: rope_ptr.map(DevAddr),
-        decay: decay.into_iter().map(|(p, n)| (DevAddr(p), n)).collect(),
-        t,
-    })
+    dev.ctx
+        .bind_to_thread()
+        .map_err(drv("binding the context"))?;
+    // SAFETY: the whole constants buffer, just allocated with `layout.bytes`.
+    unsafe { cudarc::driver::result::memcpy_htod_sync(base, &layout.contents) }
+        .map_err(drv("uploading constants"))?;
+    Ok(layout.at(DevAddr(base)))
 }
 
 impl Backend for CudaBackend {
@@ -314,22 +267,15 @@ impl Backend for CudaBackend {
 
 impl CudaBackend {
     fn upload_batches(&self, input: &StepInput) -> Result<(), RunError> {
-        let t = self.consts.t;
-        let mut v: Vec<u8> = vec![];
-        for b in &input.batches[0] {
-            if b.inputs.len() != t || b.targets.len() != t {
-                return Err(fault(self.rank, "a batch of the wrong size"));
-            }
-            v.extend(b.inputs.iter().flat_map(|x| (*x as i32).to_le_bytes()));
-            v.extend(b.targets.iter().flat_map(|x| (*x as i32).to_le_bytes()));
-        }
-        v.extend([0u8; 16]);
-        // Tokens, then zero the loss and sum-of-squares accumulators right after them (the
+        // Tokens, then the loss and sum-of-squares accumulators zeroed right after them (the
         // previous step has finished: run_step synchronises before returning).
+        let v = self
+            .consts_layout
+            .step_bytes(&input.batches[0])
+            .ok_or_else(|| fault(self.rank, "a batch of the wrong size"))?;
         let f = |e| fault(self.rank, format!("uploading the batch: {e:?}"));
         self.dev.ctx.bind_to_thread().map_err(f)?;
-        // SAFETY: inside the constants buffer; tokens end where the accumulators begin only
-        // when the token bytes are a multiple of 8, which they are (2·T·4 per micro-step).
+        // SAFETY: the start of the constants buffer, `step_bytes` long (tokens, accumulators).
         unsafe { cudarc::driver::result::memcpy_htod_sync(self.consts.tokens.0, &v) }.map_err(f)?;
         Ok(())
     }
@@ -350,7 +296,8 @@ impl CudaBackend {
                     .wait(&self.dev.events[e.index()])
                     .map_err(|e| fail(format!("cuStreamWaitEvent: {e:?}")))?;
             }
-            let (ws_base, ws_len) = self.dev.workspace[s];
+            let (ws_base, ws_len) =
+                StreamMemory::scratch_at(self.workspaces[s], self.dev.arena_base);
             let x = DevExec {
                 k: &self.kernels,
                 blas: &self.blas[s],
