@@ -6,7 +6,8 @@
 //!
 //! Kernels are specialised to the shapes a plan fixes (row widths, the vocabulary, head
 //! shapes), so each is compiled on first use and kept for the life of the process. Every tensor
-//! here is f32 workspace: the host device converts regions of the arena on load and store.
+//! the host device passes is f32 workspace (it converts regions of the arena on load and store);
+//! [`run_slots`] runs any typed variant, as the host emulation of the CUDA backend launches it.
 //! Not generated (still the Rust math): the matrix products, attention, the gradient norm (its
 //! generated kernel sums in chunks of `SUMSQ_CHUNK`, a different order from the host's
 //! sequential sum) and the conversions to and from the arena.
@@ -237,7 +238,6 @@ model llama {
             step: 3,
             n,
             first: 10,
-            layer: 0,
             decay: &decay,
             clip: Some((
                 ArenaSpan {

@@ -8,6 +8,7 @@ use super::gpu::{action_workspace, Consts, Gpu};
 use super::kernels::Kernels;
 use super::launch::DistEnv;
 use super::nccl::{self, Comms, LOSS_KEY};
+use super::ptx::PtxFiles;
 use super::rendezvous::{self, CommKey, Hello};
 use crate::backend::{
     Backend, RankMemory, RunError, RunOptions, StepInput, StepOutcome, StreamWait,
@@ -34,7 +35,7 @@ pub struct CudaBackend {
     /// One event after each collective op, watched by the timeout (observation only: nothing
     /// waits on them).
     markers: Vec<Option<CudaEvent>>,
-    /// Device constants: the batch tokens, the loss accumulator, rotary tables, decay ranges.
+    /// Device constants: the batch tokens, the loss accumulator, rotary tables.
     consts: Consts,
     world: u32,
 }
@@ -45,9 +46,15 @@ fn fault(rank: u32, m: impl std::fmt::Display) -> RunError {
 
 impl CudaBackend {
     /// Checks the libraries, joins the rendezvous (with every rank's plan hash), opens the GPU
-    /// `env.local_rank`, allocates the arena and workspaces, compiles or loads the kernels and
-    /// creates the NCCL communicators.
-    pub fn new(plan: Arc<Plan>, options: RunOptions, env: &DistEnv) -> Result<Self, RunError> {
+    /// `env.local_rank`, allocates the arena and workspaces, loads the plan's kernels from the
+    /// PTX of `ptx` for this GPU (checking that it holds every one the plan needs) and creates
+    /// the NCCL communicators.
+    pub fn new(
+        plan: Arc<Plan>,
+        options: RunOptions,
+        env: &DistEnv,
+        ptx: &PtxFiles,
+    ) -> Result<Self, RunError> {
         let rank = env.rank;
         let f = |m: String| fault(rank, m);
         let g = |e: CudaError| fault(rank, e);
@@ -125,7 +132,7 @@ impl CudaBackend {
             .collect();
         dev.ctx.bind_to_thread().map_err(|e| f(format!("{e:?}")))?;
         let comms = Comms::init(&mine).map_err(g)?;
-        let kernels = Kernels::load(&dev.ctx).map_err(g)?;
+        let kernels = Kernels::load(&dev.ctx, ptx, p).map_err(g)?;
         let blas = dev
             .streams
             .iter()
@@ -169,10 +176,9 @@ fn new_consts(p: &Plan, dev: &Device) -> Result<Consts, CudaError> {
         _ => None,
     });
     let rope_floats = rope.map_or(0, |r| r.cos.len() + r.sin.len());
-    let decay_pairs: usize = p.decay.iter().map(|d| d.len()).sum();
-    // Layout (bytes): tokens, loss (f64), sumsq (f64), rope tables, decay ranges.
+    // Layout (bytes): tokens, loss (f64), sumsq (f64), rope tables.
     let tokens_bytes = micro * 2 * t * 4;
-    let bytes = tokens_bytes.div_ceil(8) * 8 + 16 + rope_floats * 4 + decay_pairs * 16 + 64;
+    let bytes = tokens_bytes.div_ceil(8) * 8 + 16 + rope_floats * 4 + 64;
     let ctx = &dev.ctx;
     let s0 = &dev.streams[0];
     let buf = s0
@@ -184,7 +190,7 @@ fn new_consts(p: &Plan, dev: &Device) -> Result<Consts, CudaError> {
     let tokens = base;
     let loss = base + (tokens_bytes.div_ceil(8) * 8) as u64;
     let sumsq = loss + 8;
-    let mut at = sumsq + 8;
+    let at = sumsq + 8;
     ctx.bind_to_thread().map_err(drv("binding the context"))?;
     let put = |ptr: u64, bytes: &[u8]| -> Result<(), CudaError> {
         // SAFETY: inside the constants buffer sized above.
@@ -200,33 +206,15 @@ fn new_consts(p: &Plan, dev: &Device) -> Result<Consts, CudaError> {
                 .flat_map(|x| x.to_le_bytes())
                 .collect();
             put(at, &v)?;
-            let ptr = at;
-            at += v.len() as u64;
-            Some(ptr)
+            Some(at)
         }
         None => None,
     };
-    at = at.div_ceil(8) * 8;
-    let mut decay = vec![];
-    for d in &p.decay {
-        let v: Vec<u8> = d
-            .iter()
-            .flat_map(|r| [r.start as i64, r.end as i64])
-            .flat_map(|x| x.to_le_bytes())
-            .collect();
-        if !v.is_empty() {
-            put(at, &v)?;
-        }
-        decay.push((at, d.len()));
-        at += v.len() as u64;
-    }
-    let _ = base;
     Ok(Consts {
         tokens: DevAddr(tokens),
         loss: DevAddr(loss),
         sumsq: DevAddr(sumsq),
         rope: rope_ptr.map(DevAddr),
-        decay: decay.into_iter().map(|(p, n)| (DevAddr(p), n)).collect(),
         t,
     })
 }
@@ -320,8 +308,8 @@ impl CudaBackend {
             if b.inputs.len() != t || b.targets.len() != t {
                 return Err(fault(self.rank, "a batch of the wrong size"));
             }
-            v.extend(b.inputs.iter().flat_map(|x| (*x as i32).to_le_bytes()));
-            v.extend(b.targets.iter().flat_map(|x| (*x as i32).to_le_bytes()));
+            v.extend(b.inputs.iter().flat_map(|x| x.to_le_bytes()));
+            v.extend(b.targets.iter().flat_map(|x| x.to_le_bytes()));
         }
         v.extend([0u8; 16]);
         // Tokens, then zero the loss and sum-of-squares accumulators right after them (the
