@@ -199,6 +199,33 @@ mod tests {
         std::fs::remove_dir_all(&dir).ok();
     }
 
+    /// What `schedc compile --emit ptx` writes passes the check: the generator's `.target` and
+    /// `.entry` lines are the ones it reads.
+    #[cfg(feature = "llvm")]
+    #[test]
+    fn a_generated_module_is_accepted() {
+        use schedc::kernels::codegen::{ptx, SMS};
+        let dir = std::env::temp_dir().join(format!("schedrun-ptx-gen-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let plan = dir.join("g.plan.json");
+        let (f, a) = (Dtype::Fp32, Dtype::Bf16);
+        let kernels = [
+            Kernel::new(Op::Round { to: a }, &[f]),
+            Kernel::new(Op::Adam { decayed: true }, &[a]),
+            Kernel::new(Op::AddLoss, &[]),
+        ];
+        for sm in SMS {
+            std::fs::write(
+                schedc::kernels::ptx_path(&plan, sm),
+                ptx(&kernels, sm).unwrap(),
+            )
+            .unwrap();
+            let files = PtxFiles::BesidePlan(plan.clone());
+            read_module(&files, sm, "g", &kernels).unwrap();
+        }
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
     #[test]
     fn modules_are_found_beside_the_plan() {
         let f = PtxFiles::BesidePlan(PathBuf::from("/runs/gpt.plan.json"));
