@@ -123,6 +123,11 @@ impl std::error::Error for LoadError {}
 
 /// Loads `path` as a plan file or a `.sched` file, picking `schedule` when given (a plan file
 /// must hold that schedule; a `.sched` file defining several needs one).
+/// Whether a file's text is a plan file (JSON) rather than a `.sched` source.
+pub fn is_plan_text(text: &str) -> bool {
+    text.trim_start().starts_with('{')
+}
+
 pub fn load(path: &Path, schedule: Option<&str>) -> Result<Loaded, LoadError> {
     let text = std::fs::read_to_string(path).map_err(|error| LoadError::Read {
         path: path.to_path_buf(),
@@ -132,7 +137,7 @@ pub fn load(path: &Path, schedule: Option<&str>) -> Result<Loaded, LoadError> {
         path: path.to_path_buf(),
         message,
     };
-    if text.trim_start().starts_with('{') {
+    if is_plan_text(&text) {
         let plan = read_plan(&text).map_err(input)?;
         if let Some(want) = schedule.filter(|&w| w != plan.job.schedule.name) {
             return Err(input(format!(

@@ -1,7 +1,7 @@
 //! Test support shared by the tests of every crate: how a test skips for want of a tool, and
 //! what the plan fuzz target does to its input ([`exercise_plan`]).
 //!
-//! A test that cannot run on this machine (no C++ compiler, no GPU, no NVRTC, no `ptxas`) calls
+//! A test that cannot run on this machine (no GPU, no `ptxas`) calls
 //! [`skip`] with the name of what it lacks and returns. That writes `SKIPPED <test>: <reason>` to
 //! stderr (straight to the stream, past the test harness's capture, so a plain `cargo test` shows
 //! it), unless `SCHED_REQUIRE`, a comma-separated list of names, has that name: then the test
@@ -9,10 +9,8 @@
 //! run fails rather than passing silently when its tool went missing.
 //!
 //! The names:
-//! - `cxx`: a C++20 compiler (`$CXX`, else `c++`), for the CUDA kernels emulated on the host;
 //! - `gpu`: a CUDA GPU with its libraries, and `schedrun` built with `--features cuda`;
 //! - `no-gpu`: no usable CUDA backend (the tests of the message given without one);
-//! - `nvrtc`: `libnvrtc.so` on the library path;
 //! - `ptxas`: the PTX assembler (`$PTXAS` or the `nvidia-cuda-nvcc-cu12` wheel's).
 
 use std::io::Write;
@@ -118,17 +116,17 @@ mod tests {
     #[test]
     fn names_are_matched_whole() {
         assert!(required_in("ptxas", "ptxas"));
-        assert!(required_in("cxx, ptxas", "ptxas"));
-        assert!(required_in("cxx,no-gpu", "no-gpu"));
-        assert!(!required_in("cxx,no-gpu", "gpu"));
-        assert!(!required_in("", "cxx"));
+        assert!(required_in("gpu, ptxas", "ptxas"));
+        assert!(required_in("ptxas,no-gpu", "no-gpu"));
+        assert!(!required_in("ptxas,no-gpu", "gpu"));
+        assert!(!required_in("", "ptxas"));
         assert!(!required_in("ptxas2", "ptxas"));
     }
 
     #[test]
     fn a_skip_not_required_says_so() {
         let mut out = vec![];
-        skip_in("cxx", "ptxas", "no ptxas here", &mut out);
+        skip_in("no-gpu", "ptxas", "no ptxas here", &mut out);
         skip_in("", "gpu", "no GPU here", &mut out);
         assert_eq!(
             String::from_utf8(out).unwrap(),
@@ -138,8 +136,8 @@ mod tests {
     }
 
     #[test]
-    #[should_panic(expected = "SCHED_REQUIRE has `cxx`, but")]
+    #[should_panic(expected = "SCHED_REQUIRE has `gpu`, but")]
     fn a_required_skip_fails() {
-        skip_in("ptxas,cxx", "cxx", "no C++ compiler here", &mut vec![]);
+        skip_in("ptxas,gpu", "gpu", "no GPU here", &mut vec![]);
     }
 }

@@ -24,14 +24,17 @@ step() { # step NAME COMMAND...: runs and logs one step
 }
 
 [ -x "$carry/bin/schedrun" ] || { echo "no gpu-carry/: run runtime/gpu/build.sh here and carry gpu-carry" >&2; exit 100; }
+# The CUDA tests' kernels (each job's PTX, written by build.sh).
+export SCHED_PTX_DIR="$carry/ptx"
 
-# cudarc (built for the CUDA 12.4 API) looks for libcublas.so, libnccl.so, libnvrtc.so or the
-# CUDA 12 sonames; the image's pip wheels hold CUDA 13 (libcublas.so.13, libnccl.so.2, ...).
-# Link the unversioned names to them in one folder on LD_LIBRARY_PATH.
+# cudarc (built for the CUDA 12.4 API) looks for libcublas.so, libnccl.so or the CUDA 12
+# sonames; the image's pip wheels hold CUDA 13 (libcublas.so.13, libnccl.so.2, ...). Link the
+# unversioned names to them in one folder on LD_LIBRARY_PATH. No NVRTC: the kernels are the PTX
+# build.sh wrote, loaded by the driver.
 libs="$results/.libs"
 mkdir -p "$libs"
 site=$(python3 -c 'import site; print(" ".join(site.getsitepackages()))' 2>/dev/null || true)
-for name in cublas cublasLt nccl nvrtc nvrtc-builtins cudart; do
+for name in cublas cublasLt nccl cudart; do
     found=$(find $site -path '*nvidia*' -name "lib$name.so*" 2>/dev/null | sort | tail -n 1)
     if [ -n "$found" ]; then
         ln -sf "$found" "$libs/lib$name.so"

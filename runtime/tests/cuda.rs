@@ -6,6 +6,11 @@
 //!   the CPU backend's within 1e-4 relative, and the final weights within 1e-3; the device arena
 //!   is exactly the plan's `arena_bytes`.
 //! - `gpt2_small_step_mfu` (ignored): a GPT-2-small step on one GPU, reporting step time and MFU.
+//!
+//! The CUDA backend loads each plan's kernels from PTX (`schedc compile --emit ptx`); the device
+//! machine has no LLVM, so `write_the_gpu_tests_ptx` (`--features llvm`, ignored; run by
+//! `runtime/gpu/build.sh`) writes the modules of every job here into `$SCHED_PTX_DIR`, where the
+//! GPU tests read them.
 
 mod common;
 
@@ -14,7 +19,7 @@ use schedc::sema::Loader;
 use schedc::{analyze, Job};
 use schedrun::backend::cpu::CpuBackend;
 use schedrun::backend::cuda::launch::DistEnv;
-use schedrun::backend::cuda::{self, CudaBackend};
+use schedrun::backend::cuda::{self, CudaBackend, PtxFiles};
 use schedrun::backend::{Backend, RunOptions};
 use schedrun::data::Corpus;
 use schedrun::train::Trainer;
@@ -31,6 +36,15 @@ fn gpu() -> bool {
             false
         }
     }
+}
+
+/// Where the GPU tests find a job's PTX: `$SCHED_PTX_DIR/NAME.sm_XX.ptx` (else a folder under
+/// the temporary directory), as if beside a plan file `NAME.plan.json` there.
+fn ptx(job: &Job) -> PtxFiles {
+    let dir = std::env::var_os("SCHED_PTX_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| std::env::temp_dir().join("sched-gpu-tests-ptx"));
+    PtxFiles::BesidePlan(dir.join(format!("{}.plan.json", job.schedule.name)))
 }
 
 struct Overlay {
@@ -102,6 +116,25 @@ fn the_gpu_tests_schedules_compile_to_one_rank() {
     }
 }
 
+/// Not a check: writes the PTX of every job the GPU tests run, for both architectures, into
+/// `$SCHED_PTX_DIR`, so that a device machine without LLVM can run them.
+#[cfg(feature = "llvm")]
+#[test]
+#[ignore = "writes files: runtime/gpu/build.sh runs it"]
+fn write_the_gpu_tests_ptx() {
+    use schedc::kernels::codegen::{ptx as emit_ptx, SMS};
+    for job in jobs(TINY).into_iter().chain(jobs(GPT2)) {
+        let kernels = schedc::kernels::for_job(&job);
+        let files = ptx(&job);
+        for sm in SMS {
+            let path = files.path(sm);
+            std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+            std::fs::write(&path, emit_ptx(&kernels, sm).unwrap()).unwrap();
+            println!("wrote {}", path.display());
+        }
+    }
+}
+
 /// Runs everywhere: a sharded plan needs one communicator per group and stream, and every rank
 /// belongs to exactly one group of each communicator it uses.
 #[test]
@@ -158,8 +191,10 @@ fn tiny_models_on_one_gpu_match_the_cpu_backend() {
             CpuBackend::new(plan.clone(), RunOptions::default()),
             20,
         );
-        let backend = CudaBackend::new(plan.clone(), RunOptions::default(), &env1())
-            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        let backend = CudaBackend::new(plan.clone(), RunOptions::default(), &env1(), &ptx(&job))
+            .unwrap_or_else(|e| {
+                panic!("{name}: {e} (runtime/gpu/build.sh writes these tests' PTX)")
+            });
         let got = train(plan.clone(), backend, 20);
         for (i, (g, w)) in got.0.iter().zip(&want.0).enumerate() {
             assert!(
@@ -194,11 +229,12 @@ fn gpt2_small_step_mfu() {
     }
     let job = jobs(GPT2).remove(0);
     let plan = plan_of(&job);
-    let backend = CudaBackend::new(plan.clone(), RunOptions::default(), &env1()).unwrap();
+    let backend = CudaBackend::new(plan.clone(), RunOptions::default(), &env1(), &ptx(&job))
+        .unwrap_or_else(|e| panic!("{e} (runtime/gpu/build.sh writes these tests' PTX)"));
     let mut t = Trainer::new(plan.clone(), backend, Corpus::builtin());
     let init = t.initial_state(0);
     t.load(&init).unwrap();
-    t.step(1e-4, None).unwrap(); // warm-up: NVRTC, cuBLAS heuristics
+    t.step(1e-4, None).unwrap(); // warm-up: the driver's PTX compilation, cuBLAS heuristics
     let steps = 5;
     let mut total = 0.0;
     for _ in 0..steps {

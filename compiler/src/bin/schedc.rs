@@ -314,8 +314,6 @@ fn compile(
     Status::Ok
 }
 
-/// The job's kernels as PTX, one module per architecture, named after the plan file
-/// (`x.plan.json` gives `x.sm_80.ptx`); all generated before anything is written.
 /// Says that a program is broken: `what`, its error count and the first 20 errors in their
 /// context; returns `status` (a fault when the compiler made it, bad input when a file did).
 fn report_broken(
@@ -332,22 +330,17 @@ fn report_broken(
     status
 }
 
+/// The job's kernels as PTX, one module per architecture, named after the plan file
+/// (`schedc::kernels::ptx_path`: `x.plan.json` gives `x.sm_80.ptx`); all generated before
+/// anything is written.
 #[cfg(feature = "llvm")]
 fn ptx_modules(job: &schedc::Job, plan: &Path) -> Result<Vec<(PathBuf, String)>, String> {
     use schedc::kernels::codegen::{ptx, SMS};
     let kernels = schedc::kernels::for_job(job);
-    let name = plan
-        .file_name()
-        .map(|n| n.to_string_lossy().to_string())
-        .unwrap_or_default();
-    let stem = name
-        .strip_suffix(".plan.json")
-        .or_else(|| name.strip_suffix(".json"));
-    let stem = stem.unwrap_or(&name);
     SMS.iter()
         .map(|&sm| {
             let text = ptx(&kernels, sm).map_err(|e| e.to_string())?;
-            Ok((plan.with_file_name(format!("{stem}.sm_{sm}.ptx")), text))
+            Ok((schedc::kernels::ptx_path(plan, sm), text))
         })
         .collect()
 }

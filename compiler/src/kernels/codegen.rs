@@ -162,6 +162,7 @@ fn param_types<'c>(ctx: &'c Context, k: &Kernel) -> Vec<BasicMetadataTypeEnum<'c
         .iter()
         .map(|p| match p {
             Param::F32(_) => ctx.f32_type().into(),
+            Param::F64(_) => ctx.f64_type().into(),
             Param::I64(_) => ctx.i64_type().into(),
             _ => ptr.into(),
         })
@@ -235,7 +236,8 @@ fn kernel<'c>(
 }
 
 /// The host's uniform entry `{name}.packed(args: *const u64, begin: i64, end: i64)`: each
-/// parameter in one 8-byte slot (a pointer's address, an i64, an f32's bits in the low half),
+/// parameter in one 8-byte slot (a pointer's address, an i64, an f64's bits, an f32's bits in
+/// the low half),
 /// so Rust calls every kernel through one function type ([`HostKernels::run`]).
 fn packed<'c>(ctx: &'c Context, module: &Module<'c>, k: &Kernel, entry: FunctionValue<'c>) {
     let i64t = ctx.i64_type();
@@ -264,6 +266,7 @@ fn packed<'c>(ctx: &'c Context, module: &Module<'c>, k: &Kernel, entry: Function
         args.push(match p {
             Param::I64(_) => word.into(),
             Param::F32(_) => fx.low_f32(word).into(),
+            Param::F64(_) => fx.f64_of_bits(word).into(),
             _ => fx.int_to_ptr(word).into(),
         });
     }
@@ -323,7 +326,7 @@ impl HostKernels {
     }
 
     /// Runs `k` over indices `begin..end` with `args`, one per [`Kernel::params`] entry (see
-    /// [`slot_ptr`], [`slot_f32`], [`slot_i64`]).
+    /// [`slot_ptr`], [`slot_f32`], [`slot_f64`], [`slot_i64`]).
     ///
     /// # Errors
     /// When `k` was not compiled or `args` has the wrong length.
@@ -365,6 +368,11 @@ pub fn slot_ptr<T>(p: *const T) -> u64 {
 /// An f32 argument of [`HostKernels::run`].
 pub fn slot_f32(x: f32) -> u64 {
     u64::from(x.to_bits())
+}
+
+/// An f64 argument of [`HostKernels::run`].
+pub fn slot_f64(x: f64) -> u64 {
+    x.to_bits()
 }
 
 /// An i64 argument of [`HostKernels::run`].

@@ -6,7 +6,9 @@
 //! of each of its tensors. [`Kernel::params`] is its ABI, the same on both targets: the op's
 //! parameters in order, then `begin` and `end` (i64), the half-open range of indices it covers. An
 //! index is an element, a row or a column, as [`Op::space`] says; the host splits the range across
-//! threads, the GPU covers it with a grid-stride loop. [`for_job`] lists the kernels a job needs.
+//! threads, the GPU covers it with a grid-stride loop. [`for_job`] lists the kernels a job needs
+//! on a GPU: every variant the CUDA backend's device code may launch for it, what
+//! `schedc compile --emit ptx` writes beside the plan ([`ptx_path`]) and the backend loads.
 //!
 //! The code generator ([`codegen`], behind the `llvm` cargo feature, LLVM 19 through inkwell)
 //! writes each kernel's body once as target-neutral LLVM IR in an `alwaysinline` function and
@@ -17,16 +19,34 @@
 //!
 //! Storage: a pointer's dtype says how values are loaded (widened to f32) and stored (rounded to
 //! nearest even, in integer IR, NaN kept quiet). Statistics, master weights and optimizer moments
-//! are always fp32; gradient-norm partial sums are f64.
+//! are always fp32 (a 16-bit model's saved statistics possibly as 2-byte halves,
+//! [`Kernel::with_halved_stats`]); the loss and gradient-norm sums are f64.
+//!
+//! Performance on a GPU (nothing of it has run on one yet): element kernels are one thread per
+//! element. The row kernels (norms, softmax, cross-entropy, fused attention) give one thread a
+//! whole row, walked in the CPU's sequential order (which is what makes them the CPU's bits),
+//! and the column kernels (bias and norm parameter gradients, the embedding's gradient) one
+//! thread a column over every row; `kernels.cu`, which they replace, gave a row a block of 256
+//! threads reducing in a tree. With a step's few thousand rows a GPU runs a few thousand threads
+//! of such kernels, each a long dependent chain (a 768-wide layer norm: three passes of 768 loads
+//! per thread, uncoalesced across the warp since neighbouring threads read rows apart; the
+//! cross-entropy of a 50,257-word vocabulary: about 150,000 dependent operations per thread;
+//! fused attention: a thread per query row over up to `seq_len` keys), so expect these kernels
+//! to be latency-bound and one to two orders of magnitude slower than block-per-row ones —
+//! likely the step's largest non-GEMM cost — until a warp-cooperative variant (lanes reducing
+//! with shuffles, one lane on the host) takes them over. The loss and gradient-norm sums
+//! ([`Op::AddLoss`], [`Op::AddPartials`]) are one thread over a micro-batch's rows or a
+//! gradient's 4,096-element chunks: tens of microseconds.
 
 #[cfg(feature = "llvm")]
 pub mod codegen;
 
 use crate::job::{
-    Activation, Attention, Dtype, Job, LayerKind, MlpSpec, Norm, Optimizer, Positions,
+    Activation, Attention, Dtype, Job, LayerKind, MlpSpec, Model, Norm, Optimizer, Positions,
     TransformerSpec,
 };
 use std::fmt;
+use std::path::{Path, PathBuf};
 
 /// Elements per partial sum of [`Op::SumSquares`].
 pub const SUMSQ_CHUNK: usize = 4096;
@@ -93,6 +113,8 @@ pub enum Param {
     Tokens(&'static str),
     /// An f32 scalar.
     F32(&'static str),
+    /// An f64 scalar.
+    F64(&'static str),
     /// An i64 scalar.
     I64(&'static str),
     /// f32 values at 2-byte-aligned addresses (statistics saved in the arena), each as two u16
@@ -108,13 +130,14 @@ impl Param {
             | Param::F64s(n)
             | Param::Tokens(n)
             | Param::F32(n)
+            | Param::F64(n)
             | Param::I64(n)
             | Param::Halves(n) => n,
         }
     }
 
     pub fn is_pointer(&self) -> bool {
-        !matches!(self, Param::F32(_) | Param::I64(_))
+        !matches!(self, Param::F32(_) | Param::F64(_) | Param::I64(_))
     }
 }
 
@@ -155,11 +178,17 @@ pub enum Op {
         seq_len: u32,
         inverse: bool,
     },
-    /// Adam or AdamW on a flat shard: fp32 master, m, v updated, the parameter written in its
-    /// dtype. `decayed` applies AdamW's decoupled weight decay (`shrink`).
+    /// Adam or AdamW on a flat shard: fp32 master, m and v updated from the gradient times
+    /// `grad_scale[0]` (one f32 in memory, [`Op::GradScale`]'s output or a fill, so that a GPU
+    /// reads the clipped scale without the host waiting for it). `decayed` applies AdamW's
+    /// decoupled weight decay (`shrink`). The parameter itself is written from the master
+    /// afterwards, by a conversion (`run_action` stores the state's master into it).
     Adam { decayed: bool },
-    /// SGD on a flat shard: fp32 master updated, the parameter written in its dtype.
+    /// SGD on a flat shard: fp32 master updated from the gradient times `grad_scale[0]`.
     Sgd,
+    /// `scale[i] = (min(clip / (√sumsq[i] / contributions + 1e-6), 1) / contributions) as f32`,
+    /// in f64 (the host device's gradient scale under clipping, from the stored sum of squares).
+    GradScale,
     /// `partial[c] = Σ x²` in f64 over chunk `c` of [`SUMSQ_CHUNK`] elements, in order.
     SumSquares,
     /// Strided block copy of raw elements (both tensors of one dtype): element `i` of block `i / block` moves from `src[b·src_stride + i mod
@@ -168,6 +197,15 @@ pub enum Op {
     Gather2d,
     /// `x[i] = value`, rounded to `x`'s dtype.
     Fill,
+    /// `x[i]` rounded to `to` and widened back, in place (`Precision::round`: an fp32 value
+    /// given a 16-bit dtype's precision; NaN kept as it is).
+    Round { to: Dtype },
+    /// `acc[i] += Σ_r loss[i·n + r]` in f64, rows in order from −0.0 (the host device's loss
+    /// sum of a micro-batch's per-row losses, added to the step's loss).
+    AddLoss,
+    /// `acc[i] += Σ_c partial[i·n + c]` in f64, in order from −0.0 (the gradient norm's sum of
+    /// squares over [`Op::SumSquares`]' chunks).
+    AddPartials,
     /// `dst[i] = acc[i]` from f64, rounded to f32 and then to `dst`'s dtype (the loss and the
     /// gradient norm's sum of squares, as the host's `total as f32` then the arena's write).
     StoreDouble,
@@ -240,6 +278,21 @@ impl Op {
             .count()
     }
 
+    /// The op's fp32 statistics parameter that a 16-bit model keeps inside a layer's saved
+    /// region (norm statistics, attention's log-sum-exp), where it may lie at a 2-byte offset: a
+    /// kernel then takes it as [`Param::Halves`] ([`Kernel::with_halved_stats`]).
+    pub fn saved_stats(&self) -> Option<&'static str> {
+        match self {
+            Op::Norm { .. } | Op::NormBackwardInput { .. } | Op::NormBackwardParams { .. } => {
+                Some("stats")
+            }
+            Op::FlashForward(_) | Op::FlashBackwardQuery(_) | Op::FlashBackwardKeys(_) => {
+                Some("lse")
+            }
+            _ => None,
+        }
+    }
+
     fn params_with(&self, d: &[Dtype]) -> Vec<Param> {
         use Param::*;
         match *self {
@@ -302,8 +355,7 @@ impl Op {
                 F32s("m"),
                 F32s("v"),
                 Tensor("grad", d[0]),
-                Tensor("param", d[1]),
-                F32("grad_scale"),
+                F32s("grad_scale"),
                 F32("beta1"),
                 F32("one_minus_beta1"),
                 F32("beta2"),
@@ -316,9 +368,14 @@ impl Op {
             Op::Sgd => vec![
                 F32s("master"),
                 Tensor("grad", d[0]),
-                Tensor("param", d[1]),
-                F32("grad_scale"),
+                F32s("grad_scale"),
                 F32("lr"),
+            ],
+            Op::GradScale => vec![
+                Tensor("sumsq", d[0]),
+                F32s("scale"),
+                F64("contributions"),
+                F64("clip"),
             ],
             Op::SumSquares => vec![Tensor("x", d[0]), F64s("partial"), I64("n")],
             Op::Gather2d => vec![
@@ -329,6 +386,9 @@ impl Op {
                 I64("dst_stride"),
             ],
             Op::Fill => vec![Tensor("x", d[0]), F32("value")],
+            Op::Round { .. } => vec![Tensor("x", d[0])],
+            Op::AddLoss => vec![F32s("loss"), F64s("acc"), I64("n")],
+            Op::AddPartials => vec![F64s("partial"), F64s("acc"), I64("n")],
             Op::StoreDouble => vec![F64s("acc"), Tensor("dst", d[0])],
             Op::LoadHalves => vec![Halves("src"), F32s("dst")],
             Op::StoreHalves => vec![F32s("src"), Halves("dst")],
@@ -403,6 +463,10 @@ impl Op {
             ),
             Op::Adam { decayed } => format!("adam{}", if decayed { "_decayed" } else { "" }),
             Op::Sgd => "sgd".into(),
+            Op::GradScale => "grad_scale".into(),
+            Op::Round { to } => format!("round_to_{}", to.name()),
+            Op::AddLoss => "add_loss".into(),
+            Op::AddPartials => "add_partials".into(),
             Op::SumSquares => "sum_squares".into(),
             Op::Gather2d => "gather2d".into(),
             Op::Fill => "fill".into(),
@@ -436,11 +500,14 @@ impl Op {
     }
 }
 
-/// One generated kernel: an op with a storage dtype for each of its tensors.
+/// One generated kernel: an op with a storage dtype for each of its tensors and, for an op with
+/// saved statistics ([`Op::saved_stats`]), whether they are stored as 2-byte halves.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Kernel {
     pub op: Op,
     pub dtypes: Vec<Dtype>,
+    /// The saved statistics are [`Param::Halves`] rather than [`Param::F32s`].
+    pub halves: bool,
 }
 
 impl Kernel {
@@ -453,22 +520,55 @@ impl Kernel {
         Kernel {
             op,
             dtypes: dtypes.to_vec(),
+            halves: false,
         }
     }
 
-    /// The symbol both targets export: the op, its constants and its dtypes.
+    /// The same kernel taking its saved statistics as fp32 in 2-byte halves (a 16-bit model's
+    /// statistics at a 2-byte offset of its saved region).
+    ///
+    /// # Panics
+    /// When the op has no saved statistics (a caller's bug).
+    pub fn with_halved_stats(self) -> Self {
+        assert!(
+            self.op.saved_stats().is_some(),
+            "{:?} saves no statistics",
+            self.op
+        );
+        Kernel {
+            halves: true,
+            ..self
+        }
+    }
+
+    /// The symbol both targets export: the op, its constants, its dtypes and `_halves` for
+    /// halved statistics.
     pub fn name(&self) -> String {
         let mut s = self.op.stem();
         for d in &self.dtypes {
             s.push('_');
             s.push_str(d.name());
         }
+        if self.halves {
+            s.push_str("_halves");
+        }
         s
     }
 
     /// The kernel's parameters, before the trailing `begin` and `end`.
     pub fn params(&self) -> Vec<Param> {
-        self.op.params_with(&self.dtypes)
+        let mut params = self.op.params_with(&self.dtypes);
+        if self.halves {
+            let stats = self.op.saved_stats();
+            for p in &mut params {
+                if let Param::F32s(n) = *p {
+                    if Some(n) == stats {
+                        *p = Param::Halves(n);
+                    }
+                }
+            }
+        }
+        params
     }
 }
 
@@ -478,44 +578,49 @@ impl fmt::Display for Kernel {
     }
 }
 
-/// Every kernel a job's step needs, without duplicates, in a fixed order: per layer its
-/// embedding, activations, norms, rotary, attention and bias kernels, then the loss, the
-/// optimizer, the gradient norm, the conversions, the copies and the workspace fill.
+/// Where `schedc compile --emit ptx` writes the `sm_{sm}` module of the plan file `plan`, and
+/// where the CUDA backend looks for it: beside the plan, named after it (`x.plan.json` gives
+/// `x.sm_90.ptx`; a `.json` suffix is dropped likewise, any other name kept whole).
+pub fn ptx_path(plan: &Path, sm: u32) -> PathBuf {
+    let name = plan
+        .file_name()
+        .map(|n| n.to_string_lossy().to_string())
+        .unwrap_or_default();
+    let stem = name
+        .strip_suffix(".plan.json")
+        .or_else(|| name.strip_suffix(".json"))
+        .unwrap_or(&name);
+    plan.with_file_name(format!("{stem}.sm_{sm}.ptx"))
+}
+
+/// Every kernel a job's step needs on a GPU, without duplicates, in a fixed order: each typed
+/// variant the CUDA backend's device code (`schedrun`'s `backend/cuda/gpu.rs`, under the
+/// device layer's `run_action` and layer math) may launch for the job, which is what
+/// `schedc compile --emit ptx` writes and what the backend checks the module for. Per layer
+/// its embedding, norm, activation, rotary, attention and bias kernels, then the loss, the
+/// optimizer, the gradient norm, the conversions and roundings, and the fills.
 pub fn for_job(job: &Job) -> Vec<Kernel> {
-    let model = &job.model;
-    let (a, g) = (model.dtype, model.grad_dtype);
-    let f = Dtype::Fp32;
-    let mut out: Vec<Kernel> = vec![];
-    let mut add = |k: Kernel| {
-        if !out.contains(&k) {
-            out.push(k);
-        }
-    };
-    let norm = |add: &mut dyn FnMut(Kernel), n: Norm, width: u32| {
-        let bias = n == Norm::LayerNorm;
-        let ws = if bias {
-            vec![a, a, a, a]
-        } else {
-            vec![a, a, a]
-        };
-        add(Kernel::new(
-            Op::Norm {
-                norm: n,
-                width,
-                bias,
-            },
-            &ws,
-        ));
-        add(Kernel::new(
-            Op::NormBackwardInput { norm: n, width },
-            &[a, a, f, f],
-        ));
-        let ps = if bias {
-            vec![a, f, g, g]
-        } else {
-            vec![a, f, g]
-        };
-        add(Kernel::new(Op::NormBackwardParams { width, bias }, &ps));
+    for_model(&job.model)
+}
+
+/// [`for_job`] of any job of `model` (the kernels depend on the model alone).
+///
+/// The dtypes follow where the device code keeps each tensor: parameters, layer inputs and
+/// outputs, saved activations and activation gradients in the arena in the model dtype `a`;
+/// parameter gradients in the arena in the gradient dtype `g`; the layer math's intermediates,
+/// a layer's parameter gradient before it is written into its parts, and small per-op results
+/// in fp32 workspace. A layer's output, saved activations or input gradient, or the loss's
+/// gradient, is computed in workspace instead where it shares bytes with another region of its
+/// op (the memory plan decides), so their kernels come in both places. A 16-bit model's fp32
+/// statistics inside its saved region may lie at a 2-byte offset: its norm and fused attention
+/// kernels also come with halved statistics ([`Kernel::with_halved_stats`]).
+pub fn for_model(model: &Model) -> Vec<Kernel> {
+    let (a, g, f) = (model.dtype, model.grad_dtype, Dtype::Fp32);
+    let mut k = Catalogue {
+        a,
+        f,
+        out: if a == f { vec![f] } else { vec![a, f] },
+        list: vec![],
     };
     let rope = model.layers.iter().any(|l| {
         matches!(
@@ -529,12 +634,18 @@ pub fn for_job(job: &Job) -> Vec<Kernel> {
     for layer in &model.layers {
         match layer.kind {
             LayerKind::Transformer(t) => {
-                norm(&mut add, t.norm, t.hidden as u32);
-                mlp_kernels(&mut add, t.mlp(), a, f);
+                let h = t.hidden as u32;
+                // ln1 reads the layer input; ln2 the saved residual, where its output goes.
+                k.norm(t.norm, h, false);
+                k.norm(t.norm, h, true);
+                k.norm_input_grad(t.norm, h, &[f]);
+                k.mlp(t.mlp());
                 let width = (t.hidden + 2 * t.kv_dim()) as u32;
                 if t.bias {
-                    add(Kernel::new(Op::BiasAdd { width }, &[f, a]));
-                    add(Kernel::new(Op::BiasGrad { width }, &[f, f]));
+                    k.add(Kernel::new(Op::BiasAdd { width }, &[f, a]));
+                    k.add(Kernel::new(Op::BiasGrad { width }, &[f, f]));
+                    k.add(Kernel::new(Op::BiasAdd { width: h }, &[f, a]));
+                    k.add(Kernel::new(Op::BiasGrad { width: h }, &[f, f]));
                 }
                 if rope {
                     for inverse in [false, true] {
@@ -546,28 +657,30 @@ pub fn for_job(job: &Job) -> Vec<Kernel> {
                             seq_len: model.seq_len as u32,
                             inverse,
                         };
-                        add(Kernel::new(op, &[f]));
+                        k.add(Kernel::new(op, &[f]));
                     }
                 }
-                attention_kernels(&mut add, &t, model.seq_len as u32, a, f);
+                k.attention(&t, model.seq_len as u32);
             }
             LayerKind::Mlp(m) => {
-                norm(&mut add, m.norm, m.hidden as u32);
-                mlp_kernels(&mut add, m, a, f);
+                k.norm(m.norm, m.hidden as u32, false);
+                k.norm_input_grad(m.norm, m.hidden as u32, &k.out.clone());
+                k.mlp(m);
             }
             LayerKind::LmHead {
                 vocab,
                 hidden,
-                norm: n,
+                norm,
                 ..
             } => {
-                norm(&mut add, n, hidden as u32);
-                add(Kernel::new(
-                    Op::CrossEntropy {
-                        vocab: vocab as u32,
-                    },
-                    &[a, f],
-                ));
+                k.norm(norm, hidden as u32, false);
+                k.norm_input_grad(norm, hidden as u32, &k.out.clone());
+                let vocab = vocab as u32;
+                for o in k.out.clone() {
+                    // The input gradient starts as zeros, then the norm's backward adds to it.
+                    k.add(Kernel::new(Op::Fill, &[o]));
+                    k.add(Kernel::new(Op::CrossEntropy { vocab }, &[a, o]));
+                }
             }
             LayerKind::Embedding {
                 vocab,
@@ -583,89 +696,170 @@ pub fn for_job(job: &Job) -> Vec<Kernel> {
                     seq_len,
                     positions,
                 };
-                add(Kernel::new(op, &vec![a; tables + 1]));
+                for o in k.out.clone() {
+                    let mut d = vec![a; tables];
+                    d.push(o);
+                    k.add(Kernel::new(op, &d));
+                }
                 let op = Op::EmbeddingBackward {
                     vocab,
                     width,
                     seq_len,
                     positions,
                 };
-                add(Kernel::new(op, &vec![f; tables + 1]));
+                let mut d = vec![a];
+                d.extend(vec![f; tables]);
+                k.add(Kernel::new(op, &d));
             }
             LayerKind::Dense { .. } => {}
         }
     }
+    // The loss: per-row losses summed into the step's.
+    k.add(Kernel::new(Op::AddLoss, &[]));
+    // The optimizer: the gradient scale (clipped, or a fill), then the update of the shard.
+    k.add(Kernel::new(Op::GradScale, &[f]));
     match model.optimizer {
-        Optimizer::Adam => add(Kernel::new(Op::Adam { decayed: false }, &[g, a])),
+        Optimizer::Adam => k.add(Kernel::new(Op::Adam { decayed: false }, &[g])),
         Optimizer::AdamW => {
-            add(Kernel::new(Op::Adam { decayed: false }, &[g, a]));
-            add(Kernel::new(Op::Adam { decayed: true }, &[g, a]));
+            k.add(Kernel::new(Op::Adam { decayed: false }, &[g]));
+            k.add(Kernel::new(Op::Adam { decayed: true }, &[g]));
         }
-        Optimizer::Sgd => add(Kernel::new(Op::Sgd, &[g, a])),
+        Optimizer::Sgd => k.add(Kernel::new(Op::Sgd, &[g])),
     }
-    add(Kernel::new(Op::SumSquares, &[g]));
-    add(Kernel::new(Op::StoreDouble, &[f]));
-    add(Kernel::new(Op::Accumulate, &[g, g]));
-    for (from, to) in [(a, f), (f, a), (g, f), (f, g)] {
+    // The gradient norm: chunked sums of squares of the gradients in place, summed, stored.
+    k.add(Kernel::new(Op::SumSquares, &[g]));
+    k.add(Kernel::new(Op::AddPartials, &[]));
+    k.add(Kernel::new(Op::StoreDouble, &[f]));
+    // Gradient parts written (added, across micro-steps) from workspace, gradients summed
+    // across micro-steps in the arena.
+    k.add(Kernel::new(Op::Accumulate, &[f, g]));
+    k.add(Kernel::new(Op::Accumulate, &[g, g]));
+    // Conversions (fp32 to and from the model dtype: copies between storages, product operand
+    // casts, the optimizer's parameter; fp32 into the gradient dtype: gradient parts) and
+    // roundings of fp32 workspace to the activation and gradient precisions.
+    for (from, to) in [(a, f), (f, a), (f, g)] {
         if from != to {
-            add(Kernel::new(Op::Convert, &[from, to]));
+            k.add(Kernel::new(Op::Convert, &[from, to]));
         }
     }
-    add(Kernel::new(Op::Gather2d, &[a, a]));
-    if g != a {
-        add(Kernel::new(Op::Gather2d, &[g, g]));
+    for to in [a, g] {
+        if to != f {
+            k.add(Kernel::new(Op::Round { to }, &[f]));
+        }
     }
-    add(Kernel::new(Op::LoadHalves, &[]));
-    add(Kernel::new(Op::StoreHalves, &[]));
-    add(Kernel::new(Op::Fill, &[f]));
-    out
+    k.add(Kernel::new(Op::Fill, &[f]));
+    k.list
 }
 
-/// A transformer block's attention kernels, by its attention kind: the fused flash kernels, or
-/// the naive path's row softmax and its backward (the score products are GEMMs). `qkv` and the
-/// output (and the saved probabilities) are in the activation dtype `a`; gradients and scores are
-/// fp32 workspace, as the other backward kernels' `dy`.
-fn attention_kernels(
-    add: &mut dyn FnMut(Kernel),
-    t: &TransformerSpec,
-    seq_len: u32,
+/// The list [`for_model`] builds, with the dtypes its helpers choose from: the model dtype `a`,
+/// fp32 `f`, and where outputs may live (`out`: the arena, `a`, and workspace, `f`).
+struct Catalogue {
     a: Dtype,
     f: Dtype,
-) {
-    let heads = Heads {
-        heads: t.heads as u32,
-        kv_heads: t.kv_heads as u32,
-        head_dim: t.head_dim() as u32,
-        seq_len,
-    };
-    match t.attention {
-        Attention::Flash => {
-            add(Kernel::new(Op::FlashForward(heads), &[a, a]));
-            add(Kernel::new(Op::FlashBackwardQuery(heads), &[a, f, f]));
-            add(Kernel::new(Op::FlashBackwardKeys(heads), &[a, f, f]));
-        }
-        Attention::Naive => {
-            add(Kernel::new(Op::CausalSoftmax { seq_len }, &[f, a]));
-            add(Kernel::new(Op::SoftmaxBackward { seq_len }, &[a, f]));
-        }
-    }
+    out: Vec<Dtype>,
+    list: Vec<Kernel>,
 }
 
-fn mlp_kernels(add: &mut dyn FnMut(Kernel), m: MlpSpec, a: Dtype, f: Dtype) {
-    match m.act {
-        Activation::Gelu => {
-            add(Kernel::new(Op::Gelu, &[a, a]));
-            add(Kernel::new(Op::GeluBackward, &[f, a]));
-        }
-        Activation::SwiGlu => {
-            add(Kernel::new(Op::SwiGlu, &[a, a, a]));
-            add(Kernel::new(Op::SwiGluBackward, &[f, f, a, a]));
+impl Catalogue {
+    fn add(&mut self, k: Kernel) {
+        if !self.list.contains(&k) {
+            self.list.push(k);
         }
     }
-    if m.bias {
-        for width in [m.ffn as u32, m.hidden as u32] {
-            add(Kernel::new(Op::BiasAdd { width }, &[f, a]));
-            add(Kernel::new(Op::BiasGrad { width }, &[f, f]));
+
+    /// `k`, and with halved statistics when `saved` (its statistics) is a 16-bit model's saved
+    /// region in the arena.
+    fn add_stats(&mut self, k: Kernel, saved: Dtype) {
+        if saved != self.f {
+            self.add(k.clone().with_halved_stats());
+        }
+        self.add(k);
+    }
+
+    /// A norm of `width`: its forward, whose output and statistics are saved (in the arena or
+    /// workspace) and whose input is the layer's (in the arena) or, `saved_input`, a saved tensor
+    /// beside its output; and its parameter gradient (in workspace, from the saved tensors in
+    /// the arena and the fp32 output gradient).
+    fn norm(&mut self, norm: Norm, width: u32, saved_input: bool) {
+        let (a, f) = (self.a, self.f);
+        let bias = norm == Norm::LayerNorm;
+        for s in self.out.clone() {
+            let mut d = vec![if saved_input { s } else { a }, a];
+            if bias {
+                d.push(a);
+            }
+            d.push(s);
+            self.add_stats(Kernel::new(Op::Norm { norm, width, bias }, &d), s);
+        }
+        let d = if bias {
+            vec![a, f, f, f]
+        } else {
+            vec![a, f, f]
+        };
+        self.add_stats(Kernel::new(Op::NormBackwardParams { width, bias }, &d), a);
+    }
+
+    /// A norm's input gradient, added into `dx` stored in each of `dxs`.
+    fn norm_input_grad(&mut self, norm: Norm, width: u32, dxs: &[Dtype]) {
+        let (a, f) = (self.a, self.f);
+        for &dx in dxs {
+            let op = Op::NormBackwardInput { norm, width };
+            self.add_stats(Kernel::new(op, &[a, a, f, dx]), a);
+        }
+    }
+
+    /// An MLP's activation forward (on its saved tensors, in the arena or workspace) and
+    /// backward (fp32 gradients from the saved tensors in the arena), and its bias kernels: a
+    /// bias added to an fp32 product output, a bias gradient from fp32 gradients or, for the
+    /// output projection, from the layer's output gradient in the arena.
+    fn mlp(&mut self, m: MlpSpec) {
+        let (a, f) = (self.a, self.f);
+        for s in self.out.clone() {
+            match m.act {
+                Activation::Gelu => self.add(Kernel::new(Op::Gelu, &[s, s])),
+                Activation::SwiGlu => self.add(Kernel::new(Op::SwiGlu, &[s, s, s])),
+            }
+        }
+        match m.act {
+            Activation::Gelu => self.add(Kernel::new(Op::GeluBackward, &[f, a])),
+            Activation::SwiGlu => self.add(Kernel::new(Op::SwiGluBackward, &[f, f, a, a])),
+        }
+        if m.bias {
+            for width in [m.ffn as u32, m.hidden as u32] {
+                self.add(Kernel::new(Op::BiasAdd { width }, &[f, a]));
+                self.add(Kernel::new(Op::BiasGrad { width }, &[f, f]));
+            }
+            let width = m.hidden as u32;
+            self.add(Kernel::new(Op::BiasGrad { width }, &[a, f]));
+        }
+    }
+
+    /// A transformer block's attention kernels, by its attention kind: the fused flash kernels
+    /// (forward on the saved qkv and output; backward to fp32 gradients), or the naive path's
+    /// row softmax (fp32 scores into the kept probabilities) and its backward (on the kept
+    /// probabilities in the arena, into fp32 gradients); the score products are GEMMs.
+    fn attention(&mut self, t: &TransformerSpec, seq_len: u32) {
+        let (a, f) = (self.a, self.f);
+        let heads = Heads {
+            heads: t.heads as u32,
+            kv_heads: t.kv_heads as u32,
+            head_dim: t.head_dim() as u32,
+            seq_len,
+        };
+        match t.attention {
+            Attention::Flash => {
+                for s in self.out.clone() {
+                    self.add_stats(Kernel::new(Op::FlashForward(heads), &[s, s]), s);
+                }
+                self.add_stats(Kernel::new(Op::FlashBackwardQuery(heads), &[a, f, f]), a);
+                self.add_stats(Kernel::new(Op::FlashBackwardKeys(heads), &[a, f, f]), a);
+            }
+            Attention::Naive => {
+                for s in self.out.clone() {
+                    self.add(Kernel::new(Op::CausalSoftmax { seq_len }, &[f, s]));
+                }
+                self.add(Kernel::new(Op::SoftmaxBackward { seq_len }, &[a, f]));
+            }
         }
     }
 }

@@ -27,7 +27,8 @@
 //! parameter-gradient part that runs past the gradient into the padding (such parts are
 //! assembled there; the others are written from the gradient directly); every layer op and the loss, room
 //! for each output that shares bytes with another region of the op on some rank (the device then
-//! computes it in workspace and stores it after); the loss, update and gradient norm, 64 floats.
+//! computes it in workspace and stores it after); the loss, its per-row losses and 128 floats; the
+//! gradient norm, two floats (an f64) per chunk of its largest gradient and 64; the update, 64 floats.
 //! Accumulations and copies need none.
 //!
 //! Streams that run layer math also hold the GEMM library's workspace (cuBLAS's and cuBLASLt's,
@@ -37,6 +38,7 @@
 use super::activations::saved_elements;
 use crate::ir::*;
 use crate::job::{Attention, Dtype, Job, LayerKind, Model};
+use crate::kernels::SUMSQ_CHUNK;
 use cranelift_entity::{EntityRef, SecondaryMap};
 
 /// Alignment of the GEMM part's end (where the fp32 scratch starts): what cuBLAS wants of a
@@ -245,9 +247,21 @@ pub fn op_floats(ranks: &mut Ranks<'_>, op: &Op) -> u64 {
             } else {
                 0
             };
-            aliased + SMALL_OP
+            // The per-row losses the generated kernel writes before they are summed.
+            aliased + tokens(model) + 2 * SMALL_OP
         }
-        (ComputeKind::Update | ComputeKind::GradNorm, _) => SMALL_OP,
+        (ComputeKind::GradNorm, _) => {
+            // f64 partial sums of the largest gradient, one per chunk.
+            let chunks = op
+                .reads
+                .iter()
+                .filter(|r| p.buffers[r.buffer].kind != BufferKind::Workspace)
+                .map(|r| elems(p, r).div_ceil(SUMSQ_CHUNK as u64))
+                .max()
+                .unwrap_or(0);
+            2 * chunks + SMALL_OP
+        }
+        (ComputeKind::Update, _) => SMALL_OP,
         _ => 0,
     }
 }

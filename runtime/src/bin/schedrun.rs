@@ -10,7 +10,7 @@ use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
 use schedrun::backend::cpu::CpuBackend;
 use schedrun::backend::cuda::launch::{self, DistEnv};
-use schedrun::backend::cuda::{self, CudaBackend};
+use schedrun::backend::cuda::{self, CudaBackend, PtxFiles};
 use schedrun::backend::{Backend, RunOptions, StreamWait};
 use schedrun::checkpoint::{self, Contents};
 use schedrun::data::Corpus;
@@ -79,6 +79,11 @@ struct Cli {
     /// per GPU) to start on this machine (default: the plan's ranks).
     #[arg(long, value_name = "N")]
     nproc_per_node: Option<u32>,
+    /// With `--backend cuda`: the PTX module of the plan's kernels for this GPU (default: the one
+    /// `schedc compile --emit ptx` wrote beside the plan file, `NAME.sm_80.ptx` or
+    /// `NAME.sm_90.ptx` by the GPU's compute capability).
+    #[arg(long, value_name = "FILE")]
+    ptx: Option<PathBuf>,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -152,6 +157,7 @@ fn run(cli: &Cli) -> Result<(), Failure> {
             }
             // Missing libraries (or a build without CUDA): one line, before any device work.
             cuda::probe().map_err(|e| Failure::Fault(e.to_string()))?;
+            let ptx = ptx_files(cli)?;
             if env.world > 1 && cli.save.is_some() {
                 return Err(Failure::Input(
                     "--save is not supported yet with several cuda processes (each holds only \
@@ -159,7 +165,7 @@ fn run(cli: &Cli) -> Result<(), Failure> {
                         .into(),
                 ));
             }
-            let backend = CudaBackend::new(plan.clone(), options, &env)
+            let backend = CudaBackend::new(plan.clone(), options, &env, &ptx)
                 .map_err(|e| Failure::Fault(e.to_string()))?;
             run_steps(
                 cli,
@@ -186,6 +192,7 @@ fn launch(cli: &Cli) -> Result<(), Failure> {
         )));
     }
     cuda::probe().map_err(|e| Failure::Fault(e.to_string()))?;
+    ptx_files(cli)?;
     let exe = std::env::current_exe().map_err(|e| Failure::Fault(e.to_string()))?;
     let port = launch::free_port().map_err(Failure::Fault)?;
     let args: Vec<std::ffi::OsString> = std::env::args_os().skip(1).collect();
@@ -198,6 +205,12 @@ fn launch(cli: &Cli) -> Result<(), Failure> {
         })
         .collect();
     launch::run_ranks(commands).map_err(|e| Failure::Fault(e.message))
+}
+
+/// Where the CUDA backend finds the plan's kernels (`PtxFiles::for_input`).
+fn ptx_files(cli: &Cli) -> Result<PtxFiles, Failure> {
+    PtxFiles::for_input(&cli.file, cli.ptx.as_deref(), cli.schedule.as_deref())
+        .map_err(Failure::Input)
 }
 
 /// Loads the initial state and runs the steps; only `print` ranks write results.

@@ -347,7 +347,6 @@ impl<D: Device> Rank<'_, D> {
                     step: input.step,
                     n,
                     first: p.index(self.rank, ShardIndex::Optimizer) as usize * n,
-                    layer: *layer,
                     decay: &p.decay[*layer],
                     clip: sumsq
                         .as_ref()

@@ -761,9 +761,8 @@ impl Device for Host<'_> {
 #[cfg(feature = "llvm")]
 impl Host<'_> {
     /// The optimizer step with the generated Adam or SGD kernel, run by run of elements all
-    /// inside or all outside the decayed ranges (as `optimizer_step` walks them). The kernels
-    /// also write the parameter in its dtype; here it goes to scratch, since `run_action` stores
-    /// the master weights into the parameter region itself.
+    /// inside or all outside the decayed ranges (as `optimizer_step` walks them), reading the
+    /// gradient scale from memory as the GPU does.
     fn generated_update(
         &self,
         u: &Update<'_>,
@@ -772,15 +771,10 @@ impl Host<'_> {
         grad: HostPtr,
     ) -> Result<(), DeviceError> {
         let (cfg, n) = (u.cfg, u.n);
-        let param = self.alloc(n)?;
+        let cell = [scale];
+        let scale = Arg::Ptr(cell.as_ptr());
         if cfg.kind == Optimizer::Sgd {
-            let args = [
-                state.arg(),
-                grad.arg(),
-                param.arg(),
-                Arg::F32(scale),
-                Arg::F32(cfg.lr),
-            ];
+            let args = [state.arg(), grad.arg(), scale, Arg::F32(cfg.lr)];
             return generated(Op::Sgd, &args, n).unwrap_or(Ok(()));
         }
         if u.step == 0 {
@@ -797,8 +791,7 @@ impl Host<'_> {
                 m.offset(i).arg(),
                 v.offset(i).arg(),
                 grad.offset(i).arg(),
-                param.offset(i).arg(),
-                Arg::F32(scale),
+                scale,
                 Arg::F32(cfg.beta1),
                 Arg::F32(1.0 - cfg.beta1),
                 Arg::F32(cfg.beta2),

@@ -6,7 +6,8 @@
 //!
 //! Kernels are specialised to the shapes a plan fixes (row widths, the vocabulary, head
 //! shapes), so each is compiled on first use and kept for the life of the process. Every tensor
-//! here is f32 workspace: the host device converts regions of the arena on load and store.
+//! the host device passes is f32 workspace (it converts regions of the arena on load and store);
+//! [`run_slots`] runs any typed variant, as the host emulation of the CUDA backend launches it.
 //! Not generated (still the Rust math): the matrix products, attention, the gradient norm (its
 //! generated kernel sums in chunks of `SUMSQ_CHUNK`, a different order from the host's
 //! sequential sum) and the conversions to and from the arena.
@@ -83,7 +84,24 @@ fn poisoned() -> DeviceError {
 /// # Safety
 /// Every pointer in `args` must be valid for everything the kernel touches over `0..n`.
 pub unsafe fn run(k: &Kernel, args: &[Arg], n: usize) -> Result<(), DeviceError> {
-    if n == 0 {
+    let slots: Vec<u64> = args.iter().map(|a| a.slot()).collect();
+    // SAFETY: the caller's promise.
+    unsafe { run_slots(k, &slots, 0, n) }
+}
+
+/// Runs `k`, any typed variant, over indices `begin..end` with its arguments as 8-byte slots
+/// ([`HostKernels::run`]'s), compiling it on first use: the host emulation of the CUDA
+/// backend calls the kernel each launch names this way.
+///
+/// # Safety
+/// Every pointer in `slots` must be valid for everything the kernel touches over `begin..end`.
+pub unsafe fn run_slots(
+    k: &Kernel,
+    slots: &[u64],
+    begin: usize,
+    end: usize,
+) -> Result<(), DeviceError> {
+    if begin >= end {
         return Ok(());
     }
     let name = k.name();
@@ -109,9 +127,8 @@ pub unsafe fn run(k: &Kernel, args: &[Arg], n: usize) -> Result<(), DeviceError>
                 .clone()
         }
     };
-    let slots: Vec<u64> = args.iter().map(|a| a.slot()).collect();
     // SAFETY: the caller's promise.
-    unsafe { host.run(k, &slots, 0, n) }.map_err(|e| DeviceError::Kernel(e.to_string()))
+    unsafe { host.run(k, slots, begin, end) }.map_err(|e| DeviceError::Kernel(e.to_string()))
 }
 
 #[cfg(test)]
@@ -221,7 +238,6 @@ model llama {
             step: 3,
             n,
             first: 10,
-            layer: 0,
             decay: &decay,
             clip: Some((
                 ArenaSpan {

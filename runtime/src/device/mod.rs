@@ -64,8 +64,8 @@ pub enum DeviceError {
     /// The plan asks for something the model or the step cannot give (a layer input of the
     /// wrong kind, a missing micro-batch, a tied head without its embedding, …).
     Plan(String),
-    /// A generated kernel could not be compiled or run (only with the `llvm` feature).
-    #[cfg_attr(not(feature = "llvm"), allow(dead_code))]
+    /// A generated kernel could not be compiled or run (the host's, with the `llvm` feature), or
+    /// a launch's arguments do not fit its parameters.
     Kernel(String),
     /// The GPU's driver or libraries refused a launch, product or copy.
     Gpu(crate::backend::cuda::CudaError),
@@ -133,7 +133,6 @@ pub struct Update<'a> {
     pub step: u64,
     pub n: usize,
     pub first: usize,
-    pub layer: usize,
     /// The flat-vector ranges weight decay applies to.
     pub decay: &'a [Range<usize>],
     /// The global sum of squares (one value at this arena span) and the norm limit.
@@ -284,7 +283,8 @@ pub(crate) trait Device {
         n: usize,
     ) -> Result<(), DeviceError>;
     /// `qkv` ← `src` (`t` rows) with rotary positions on the q and k heads (`inverse` for
-    /// gradients); `src` may be `qkv` (in place). Only called for blocks with rotary positions.
+    /// gradients); `src` may be `qkv` (in place), else it is workspace the device may overwrite.
+    /// Only called for blocks with rotary positions.
     fn rope(
         &self,
         bp: &BlockP,

@@ -30,15 +30,6 @@ pub(crate) enum Keep<S> {
     Lse(S),
 }
 
-impl<S> Keep<S> {
-    /// The kept tensor, whichever it is.
-    pub(crate) fn into_inner(self) -> S {
-        match self {
-            Keep::Probs(x) | Keep::Lse(x) => x,
-        }
-    }
-}
-
 impl Shape {
     pub fn hidden(&self) -> usize {
         self.heads * self.d

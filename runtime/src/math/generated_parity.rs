@@ -18,7 +18,7 @@ use crate::device::jit::without;
 use crate::device::Device;
 use crate::math::{bf16_bits_to_f32, f32_to_bf16_bits};
 use schedc::job::{Dtype, Norm, Optimizer};
-use schedc::kernels::codegen::{slot_f32, slot_i64, slot_ptr, HostKernels};
+use schedc::kernels::codegen::{slot_f32, slot_f64, slot_i64, slot_ptr, HostKernels};
 use schedc::kernels::{Heads, Kernel, Op, SUMSQ_CHUNK};
 
 /// A tensor in one storage dtype: its words and their f32 values.
@@ -294,6 +294,146 @@ fn norms_match_ops() {
     }
 }
 
+/// fp32 as 2-byte words at a 2-byte (not 4-byte) aligned address: a leading pad word, then each
+/// value low half first, as a 16-bit model's saved region holds its statistics.
+fn halved(v: &[f32]) -> Vec<u16> {
+    let mut w = vec![0xdead];
+    w.extend(
+        v.iter()
+            .flat_map(|x| [x.to_bits() as u16, (x.to_bits() >> 16) as u16]),
+    );
+    w
+}
+
+fn unhalved(w: &[u16]) -> Vec<f32> {
+    w[1..]
+        .chunks_exact(2)
+        .map(|p| f32::from_bits(u32::from(p[0]) | (u32::from(p[1]) << 16)))
+        .collect()
+}
+
+/// The norm and fused attention kernels with halved statistics (`Kernel::with_halved_stats`)
+/// give the bits of their fp32-statistics twins: statistics written as halves, and read back.
+#[test]
+fn halved_statistics_are_the_same_bits() {
+    let (d, f) = (Dtype::Bf16, Dtype::Fp32);
+    let (rows, h) = (7, 45);
+    let x = round(d, &finite(50, rows * h, 2.0));
+    let w = round(d, &finite(51, h, 1.0));
+    let b = round(d, &finite(52, h, 0.5));
+    let dy = finite(53, rows * h, 1.0);
+    let op = Op::Norm {
+        norm: Norm::LayerNorm,
+        width: h as u32,
+        bias: true,
+    };
+    let k = Kernel::new(op, &[d; 4]);
+    let (mut tx, mut tw, mut tb) = (T::new(d, &x), T::new(d, &w), T::new(d, &b));
+    let mut outs = [
+        T::new(d, &vec![0.0; rows * h]),
+        T::new(d, &vec![0.0; rows * h]),
+    ];
+    let mut stats = vec![0f32; 2 * rows];
+    let mut words = halved(&vec![0.0; 2 * rows]);
+    let mut run_norm = |o: &mut T, s: u64, k: &Kernel| {
+        run(k, &[tx.ptr(), tw.ptr(), tb.ptr(), o.ptr(), s], rows);
+    };
+    let [o1, o2] = &mut outs;
+    run_norm(o1, slot_ptr(stats.as_mut_ptr()), &k);
+    run_norm(
+        o2,
+        slot_ptr(words[1..].as_mut_ptr()),
+        &k.clone().with_halved_stats(),
+    );
+    assert_eq!(o1.words(), o2.words(), "norm out");
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&unhalved(&words)), bits(&stats), "norm stats");
+
+    let op = Op::NormBackwardInput {
+        norm: Norm::LayerNorm,
+        width: h as u32,
+    };
+    let k = Kernel::new(op, &[d, d, f, f]);
+    let mut dxs = [T::F32(vec![0.5; rows * h]), T::F32(vec![0.5; rows * h])];
+    let mut tdy = T::F32(dy.clone());
+    for (dx, (k, s)) in dxs.iter_mut().zip([
+        (k.clone(), slot_ptr(stats.as_mut_ptr())),
+        (k.with_halved_stats(), slot_ptr(words[1..].as_mut_ptr())),
+    ]) {
+        run(&k, &[tx.ptr(), tw.ptr(), s, tdy.ptr(), dx.ptr()], rows);
+    }
+    assert_eq!(dxs[0].words(), dxs[1].words(), "norm dx");
+    let op = Op::NormBackwardParams {
+        width: h as u32,
+        bias: true,
+    };
+    let k = Kernel::new(op, &[d, f, f, f]);
+    let mut dws = [T::F32(vec![0.0; 2 * h]), T::F32(vec![0.0; 2 * h])];
+    for (dw, (k, s)) in dws.iter_mut().zip([
+        (k.clone(), slot_ptr(stats.as_mut_ptr())),
+        (k.with_halved_stats(), slot_ptr(words[1..].as_mut_ptr())),
+    ]) {
+        let p = dw.ptr();
+        let db = p + 4 * h as u64;
+        let args = [tx.ptr(), s, tdy.ptr(), p, db, slot_i64(rows as i64)];
+        run(&k, &args, h);
+    }
+    assert_eq!(dws[0].words(), dws[1].words(), "norm dw, db");
+
+    let sh = Shape {
+        b: 2,
+        s: 9,
+        heads: 2,
+        kv_heads: 1,
+        d: 8,
+    };
+    let heads = heads_of(&sh);
+    let (t, wd, hid) = (sh.b * sh.s, sh.width(), sh.hidden());
+    let lrows = sh.b * sh.heads * sh.s;
+    let mut tq = T::new(d, &round(d, &finite(54, t * wd, 1.0)));
+    let mut lse = vec![0f32; lrows];
+    let mut lwords = halved(&vec![0.0; lrows]);
+    let mut att = [
+        T::new(d, &vec![0.0; t * hid]),
+        T::new(d, &vec![0.0; t * hid]),
+    ];
+    let k = Kernel::new(Op::FlashForward(heads), &[d, d]);
+    for (o, (k, l)) in att.iter_mut().zip([
+        (k.clone(), slot_ptr(lse.as_mut_ptr())),
+        (k.with_halved_stats(), slot_ptr(lwords[1..].as_mut_ptr())),
+    ]) {
+        run(&k, &[tq.ptr(), o.ptr(), l], lrows);
+    }
+    assert_eq!(att[0].words(), att[1].words(), "flash out");
+    assert_eq!(bits(&unhalved(&lwords)), bits(&lse), "flash lse");
+    let mut tdo = T::F32(finite(55, t * hid, 1.0));
+    let mut grads = [T::F32(vec![0.0; t * wd]), T::F32(vec![0.0; t * wd])];
+    let mut dsums = [vec![0f32; lrows], vec![0f32; lrows]];
+    for (i, halves) in [false, true].into_iter().enumerate() {
+        let l = if halves {
+            slot_ptr(lwords[1..].as_mut_ptr())
+        } else {
+            slot_ptr(lse.as_mut_ptr())
+        };
+        let args = [
+            tq.ptr(),
+            tdo.ptr(),
+            l,
+            slot_ptr(dsums[i].as_mut_ptr()),
+            grads[i].ptr(),
+        ];
+        for (op, n) in [
+            (Op::FlashBackwardQuery(heads), lrows),
+            (Op::FlashBackwardKeys(heads), sh.b * sh.kv_heads * sh.s),
+        ] {
+            let k = Kernel::new(op, &[d, f, f]);
+            run(&if halves { k.with_halved_stats() } else { k }, &args, n);
+        }
+    }
+    assert_eq!(bits(&dsums[0]), bits(&dsums[1]), "flash dsum");
+    assert_eq!(grads[0].words(), grads[1].words(), "flash dqkv");
+}
+
 #[test]
 fn cross_entropy_matches() {
     // A vocabulary that is not a multiple of the eight lanes.
@@ -391,14 +531,14 @@ fn optimizers_match_optimizer_step() {
                 let mut st = state.clone();
                 let (master, rest) = st.split_at_mut(n);
                 let mut tg = T::new(d, &grad);
-                let mut param = T::new(d, &vec![0.0; n]);
+                // The scale is read from memory (a GPU's comes from `GradScale`).
+                let mut cell = [scale];
                 let (k, args) = if kind == Optimizer::Sgd {
-                    let k = Kernel::new(Op::Sgd, &[d, d]);
+                    let k = Kernel::new(Op::Sgd, &[d]);
                     let args = vec![
                         slot_ptr(master.as_mut_ptr()),
                         tg.ptr(),
-                        param.ptr(),
-                        slot_f32(scale),
+                        slot_ptr(cell.as_mut_ptr()),
                         slot_f32(cfg.lr),
                     ];
                     (k, args)
@@ -406,14 +546,13 @@ fn optimizers_match_optimizer_step() {
                     let (m, v) = rest.split_at_mut(n);
                     let bc1 = 1.0 - f64::from(cfg.beta1).powf(step as f64);
                     let bc2 = 1.0 - f64::from(cfg.beta2).powf(step as f64);
-                    let k = Kernel::new(Op::Adam { decayed }, &[d, d]);
+                    let k = Kernel::new(Op::Adam { decayed }, &[d]);
                     let args = vec![
                         slot_ptr(master.as_mut_ptr()),
                         slot_ptr(m.as_mut_ptr()),
                         slot_ptr(v.as_mut_ptr()),
                         tg.ptr(),
-                        param.ptr(),
-                        slot_f32(scale),
+                        slot_ptr(cell.as_mut_ptr()),
                         slot_f32(cfg.beta1),
                         slot_f32(1.0 - cfg.beta1),
                         slot_f32(cfg.beta2),
@@ -431,14 +570,105 @@ fn optimizers_match_optimizer_step() {
                     &st,
                     &want,
                 );
-                same(
-                    &format!("{kind:?} {d:?} param"),
-                    &param.values(),
-                    &round(d, &want[..n]),
-                );
             }
         }
     }
+}
+
+/// The gradient scale under clipping (`GradScale`) is the host device's `update`'s, from a sum
+/// of squares stored in each dtype: below, at and above the limit, zero, huge, NaN and inf.
+#[test]
+fn grad_scale_matches_the_host_devices() {
+    let sums = [
+        0.0f32,
+        1e-12,
+        0.2,
+        0.25,
+        3.7,
+        1e6,
+        3e38,
+        f32::INFINITY,
+        f32::NAN,
+    ];
+    for d in DTYPES {
+        for &(contributions, clip) in &[(1.0f64, 0.5f64), (8.0, 0.1), (3.0, 1.0)] {
+            let stored = round(d, &sums);
+            let mut tsq = T::new(d, &stored);
+            let mut scale = vec![0f32; sums.len()];
+            let args = [
+                tsq.ptr(),
+                slot_ptr(scale.as_mut_ptr()),
+                slot_f64(contributions),
+                slot_f64(clip),
+            ];
+            run(&Kernel::new(Op::GradScale, &[d]), &args, sums.len());
+            let want: Vec<f32> = stored
+                .iter()
+                .map(|&s| {
+                    let norm = f64::from(s).sqrt() / contributions;
+                    ((clip / (norm + 1e-6)).min(1.0) / contributions) as f32
+                })
+                .collect();
+            same(
+                &format!("grad scale {d:?} {contributions} {clip}"),
+                &scale,
+                &want,
+            );
+        }
+    }
+}
+
+/// `Round` is `Precision::round` in place, NaN payloads included; the sums of the loss and of
+/// the gradient norm's partials fold in order from −0.0 onto the accumulator, as the host does.
+#[test]
+fn rounding_and_f64_sums_match() {
+    let mut v = values(40, 1001, 1.0);
+    v[5] = f32::from_bits(0x7f80_0001);
+    v[12] = f32::from_bits(0xffc1_2345);
+    for to in DTYPES {
+        let mut t = v.clone();
+        run(
+            &Kernel::new(Op::Round { to }, &[Dtype::Fp32]),
+            &[slot_ptr(t.as_mut_ptr())],
+            t.len(),
+        );
+        let mut want = v.clone();
+        Precision::of(to).round(&mut want);
+        let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&t), bits(&want), "round to {to:?}");
+    }
+    // Two accumulators, rows of 333 each.
+    let rows = finite(41, 666, 3.0);
+    let mut acc = [1.5f64, -0.0];
+    let k = Kernel::new(Op::AddLoss, &[]);
+    let args = [
+        slot_ptr(rows.as_ptr()),
+        slot_ptr(acc.as_mut_ptr()),
+        slot_i64(333),
+    ];
+    run(&k, &args, 2);
+    for (i, a) in acc.iter().enumerate() {
+        let sum: f64 = rows[i * 333..(i + 1) * 333]
+            .iter()
+            .map(|&l| f64::from(l))
+            .sum();
+        let want = [1.5f64, -0.0][i] + sum;
+        assert_eq!(a.to_bits(), want.to_bits(), "loss sum {i}");
+    }
+    let partial: Vec<f64> = finite(42, 77, 1e3)
+        .iter()
+        .map(|&x| f64::from(x) / 7.0)
+        .collect();
+    let mut acc = [2.25f64];
+    let k = Kernel::new(Op::AddPartials, &[]);
+    let args = [
+        slot_ptr(partial.as_ptr()),
+        slot_ptr(acc.as_mut_ptr()),
+        slot_i64(77),
+    ];
+    run(&k, &args, 1);
+    let want = 2.25 + partial.iter().sum::<f64>();
+    assert_eq!(acc[0].to_bits(), want.to_bits(), "partials");
 }
 
 #[test]

@@ -21,6 +21,21 @@ pub fn emit<'c>(fx: &mut Fx<'c, '_>, k: &Kernel, i: I<'c>) {
             fx.store("dst", i, v);
         }
         Op::Fill => fx.store("x", i, fx.scalar("value")),
+        Op::Round { to } => {
+            let v = fx.round_to(fx.load("x", i), to);
+            fx.store("x", i, v);
+        }
+        Op::AddLoss => add_sum(fx, "loss", i),
+        Op::AddPartials => add_sum(fx, "partial", i),
+        Op::GradScale => {
+            // The host device's `update`: norm = √sumsq / contributions, factor =
+            // min(clip / (norm + 1e-6), 1), scale = (factor / contributions) as f32.
+            let c = fx.scalar("contributions");
+            let norm = fx.div(fx.sqrt(fx.to_f64(fx.load("sumsq", i))), c);
+            let limit = fx.div(fx.scalar("clip"), fx.add(norm, fx.f64c(1e-6)));
+            let factor = fx.minnum(limit, fx.f64c(1.0));
+            fx.store("scale", i, fx.to_f32(fx.div(factor, c)));
+        }
         Op::StoreDouble => {
             let v = fx.to_f32(fx.load_f64("acc", i));
             fx.store("dst", i, v);
@@ -95,10 +110,9 @@ pub fn emit<'c>(fx: &mut Fx<'c, '_>, k: &Kernel, i: I<'c>) {
         }
         Op::Adam { decayed } => adam(fx, decayed, i),
         Op::Sgd => {
-            let g = fx.mul(fx.load("grad", i), fx.scalar("grad_scale"));
+            let g = fx.mul(fx.load("grad", i), fx.load("grad_scale", fx.i64c(0)));
             let p = fx.sub(fx.load("master", i), fx.mul(fx.scalar("lr"), g));
             fx.store("master", i, p);
-            fx.store("param", i, p);
         }
         Op::SumSquares => {
             let lo = fx.imul(i, fx.i64c(SUMSQ_CHUNK as u64));
@@ -119,6 +133,20 @@ pub fn emit<'c>(fx: &mut Fx<'c, '_>, k: &Kernel, i: I<'c>) {
             fx.copy_bits("src", s, "dst", d);
         }
     }
+}
+
+/// `acc[i] += Σ_r name[i·n + r]` in f64, folded in order from −0.0 (Rust's `Iterator::sum`),
+/// `name` f32 (widened) or f64.
+fn add_sum<'c>(fx: &mut Fx<'c, '_>, name: &str, i: I<'c>) {
+    let n = fx.int_param("n");
+    let row = fx.imul(i, n);
+    let total = fx.var(fx.f64c(-0.0));
+    fx.range(fx.i64c(0), n, |fx, r| {
+        let x = fx.load_wide(name, fx.iadd(row, r));
+        fx.set(&total, fx.add(fx.get(&total), x));
+    });
+    let acc = fx.add(fx.load_f64("acc", i), fx.get(&total));
+    fx.store_f64("acc", i, acc);
 }
 
 /// Token `r`'s id and whether it is inside the vocabulary; an id outside reads as token 0.
@@ -377,10 +405,9 @@ fn rotate<'c>(fx: &mut Fx<'c, '_>, at: I<'c>, pos: I<'c>, heads: u32, d: u32, si
     });
 }
 
-/// One element of `optim::optimizer_step` for Adam/AdamW (PyTorch's single-tensor AdamW), and
-/// the parameter written back in its dtype.
+/// One element of `optim::optimizer_step` for Adam/AdamW (PyTorch's single-tensor AdamW).
 fn adam<'c>(fx: &mut Fx<'c, '_>, decayed: bool, i: I<'c>) {
-    let g = fx.mul(fx.load("grad", i), fx.scalar("grad_scale"));
+    let g = fx.mul(fx.load("grad", i), fx.load("grad_scale", fx.i64c(0)));
     let m = fx.add(
         fx.mul(fx.scalar("beta1"), fx.load("m", i)),
         fx.mul(fx.scalar("one_minus_beta1"), g),
@@ -398,5 +425,4 @@ fn adam<'c>(fx: &mut Fx<'c, '_>, decayed: bool, i: I<'c>) {
     let denom = fx.add(fx.div(fx.sqrt(v), fx.scalar("bc2_sqrt")), fx.scalar("eps"));
     let p = fx.sub(p, fx.div(fx.mul(fx.scalar("step_size"), m), denom));
     fx.store("master", i, p);
-    fx.store("param", i, p);
 }

@@ -118,6 +118,14 @@ impl<'c, 'm> Fx<'c, 'm> {
         self.float_of_bits(w)
     }
 
+    /// The f64 whose bits are `word`.
+    pub fn f64_of_bits(&self, word: I<'c>) -> F<'c> {
+        self.b
+            .build_bit_cast(word, self.ctx.f64_type(), "")
+            .expect(BUILD)
+            .into_float_value()
+    }
+
     pub fn int_to_ptr(&self, word: I<'c>) -> PointerValue<'c> {
         self.b
             .build_int_to_ptr(
@@ -248,8 +256,9 @@ impl<'c, 'm> Fx<'c, 'm> {
         self.b.build_call(f, args, "").expect(BUILD);
     }
 
+    /// A float intrinsic overloaded on its first argument's type (f32 or f64).
     fn f32_intrinsic(&self, name: &str, args: &[F<'c>]) -> F<'c> {
-        let t = self.ctx.f32_type().as_basic_type_enum();
+        let t = args[0].get_type().as_basic_type_enum();
         let args: Vec<BasicValueEnum> = args.iter().map(|&a| a.into()).collect();
         self.intrinsic(name, &[t], &args).into_float_value()
     }
@@ -269,6 +278,11 @@ impl<'c, 'm> Fx<'c, 'm> {
     /// IEEE maxNum: the other operand when one is NaN (Rust's `f32::max`).
     pub fn maxnum(&self, a: F<'c>, b: F<'c>) -> F<'c> {
         self.f32_intrinsic("llvm.maxnum", &[a, b])
+    }
+
+    /// IEEE minNum: the other operand when one is NaN (Rust's `f64::min`).
+    pub fn minnum(&self, a: F<'c>, b: F<'c>) -> F<'c> {
+        self.f32_intrinsic("llvm.minnum", &[a, b])
     }
 
     pub fn roundeven(&self, x: F<'c>) -> F<'c> {
@@ -440,6 +454,35 @@ impl<'c, 'm> Fx<'c, 'm> {
                 self.float_of_bits(self.b.build_or(hi, lo, "").expect(BUILD))
             }
             other => panic!("`{name}` ({other:?}) is not an f32-valued tensor"),
+        }
+    }
+
+    /// Element `i` of `name` as f64: an f64 tensor's value, or an f32-valued one's widened.
+    pub fn load_wide(&self, name: &str, i: I<'c>) -> F<'c> {
+        match self.param(name).0 {
+            Param::F64s(_) => self.load_f64(name, i),
+            _ => self.to_f64(self.load(name, i)),
+        }
+    }
+
+    /// `x` rounded to `to`'s precision and widened back (`Precision::round`): the store's
+    /// rounding then the load's widening; an fp16 NaN keeps its bits (`round_f16` returns it).
+    pub fn round_to(&self, x: F<'c>, to: Dtype) -> F<'c> {
+        match to {
+            Dtype::Fp32 => x,
+            Dtype::Bf16 => {
+                let h = self.f32_to_bf16(x);
+                let w = self
+                    .b
+                    .build_int_z_extend(h, self.ctx.i32_type(), "")
+                    .expect(BUILD);
+                self.float_of_bits(self.b.build_left_shift(w, self.i32c(16), "").expect(BUILD))
+            }
+            Dtype::Fp16 => {
+                let r = self.f16_to_f32(self.f32_to_f16(x));
+                let is_nan = self.fcmp(FloatPredicate::UNO, x, x);
+                self.fselect(is_nan, x, r)
+            }
         }
     }
 

@@ -16,10 +16,6 @@ pub fn probe_libraries() -> Result<(), CudaError> {
                 cudarc::driver::sys::is_culib_present(),
             ),
             (
-                "NVRTC (libnvrtc.so)",
-                cudarc::nvrtc::sys::is_culib_present(),
-            ),
-            (
                 "cuBLAS (libcublas.so)",
                 cudarc::cublas::sys::is_culib_present(),
             ),

@@ -1,13 +1,14 @@
-//! What the device code asks of a GPU stream, as an interface: launch a kernel of `kernels.cu`
-//! with raw arguments, run a row-major matrix product, copy bytes. The CUDA backend implements
-//! it with cudarc (a stream, its cuBLAS handle, the loaded kernels); the tests implement it on
-//! the host (`emulate.rs`: `kernels.cu` compiled as C++, the BLAS definition for products), so
-//! the layer math and the argument marshalling are checked without a GPU.
+//! What the device code asks of a GPU stream, as an interface: launch a generated kernel by
+//! name with raw arguments, run a row-major matrix product, copy bytes. The CUDA backend
+//! implements it with cudarc (a stream, its cuBLAS handle, the PTX module's functions); the
+//! tests implement it on the host (`emulate.rs`: the same kernels JIT-compiled for the host,
+//! the BLAS definition for products), so the layer math and the argument marshalling are
+//! checked without a GPU.
 #![cfg_attr(not(feature = "cuda"), allow(dead_code))]
 
 use super::typed::DevPtr;
-use crate::math::Precision;
 use schedc::job::{Collective, Dtype};
+use schedc::kernels::Space;
 
 /// An address in GPU memory (in the host emulation, a host address): typed so that device
 /// addresses, byte offsets in the arena and element counts cannot be mixed up.
@@ -23,53 +24,49 @@ impl DevAddr {
     }
 }
 
-/// One kernel argument (all are scalars or raw device pointers).
+/// One kernel argument (all are scalars or raw device pointers), as `Kernel::params` types
+/// them: pointers, i64, f32, f64.
 #[derive(Clone, Copy, Debug)]
 pub enum A {
     /// A device pointer ([`DevAddr::NULL`] for NULL).
     P(DevAddr),
     L(i64),
-    I(i32),
     F(f32),
     D(f64),
 }
 
-/// A launch shape: `blocks` of `threads`; `per_row` kernels index rows by block (one block per
-/// row) and reduce across their threads, the others are grid-stride loops over elements.
+/// A launch shape: `blocks` of `threads`, covering the kernel's index range with its
+/// grid-stride loop.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Grid {
     pub blocks: u32,
     pub threads: u32,
-    pub per_row: bool,
 }
 
-pub const THREADS: u32 = 256;
-
-/// A grid-stride launch over `n` elements.
-pub fn elems(n: usize) -> Grid {
+/// The grid of a launch over `n` indices of `space`: one thread per index up to 65,536 blocks
+/// (the grid-stride loop covers the rest). Element kernels take blocks of 256; the others
+/// (a row, a column or a chunk per thread: much work per index, and few indices) blocks of 64,
+/// so that a step's few thousand rows still spread over every multiprocessor.
+pub fn grid(space: Space, n: usize) -> Grid {
+    let threads: u32 = match space {
+        Space::Elements => 256,
+        Space::Rows | Space::Columns | Space::Chunks => 64,
+    };
     Grid {
-        blocks: (n as u64).div_ceil(u64::from(THREADS)).clamp(1, 1 << 16) as u32,
-        threads: THREADS,
-        per_row: false,
+        blocks: (n as u64).div_ceil(u64::from(threads)).clamp(1, 1 << 16) as u32,
+        threads,
     }
 }
 
-/// One block of 256 threads per row (the row kernels' shared arrays hold 256).
-pub fn rows(n: usize) -> Grid {
-    Grid {
-        blocks: n.max(1) as u32,
-        threads: THREADS,
-        per_row: true,
-    }
-}
-
-/// The rounding code of `kernels.cu` for a [`Precision`].
-pub fn prec_code(p: Precision) -> i32 {
-    match p {
-        Precision::F32 => 0,
-        Precision::Bf16 => 1,
-        Precision::F16 => 2,
-    }
+/// How a region moved between the arena and workspace ([`Exec::staged`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Staged {
+    /// `Device::load`: the arena into workspace.
+    Load,
+    /// `Device::store`: workspace written into the arena.
+    Store,
+    /// `Device::store` with `accumulate`: workspace added into the arena.
+    AddStore,
 }
 
 /// A row-major matrix operand: typed device pointer, leading dimension (elements between
@@ -203,7 +200,6 @@ pub fn nccl_call(
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Library {
     Driver,
-    Nvrtc,
     Cublas,
     Nccl,
     Backend,
@@ -250,8 +246,16 @@ impl std::error::Error for CudaError {}
 
 /// A stream's view of the device.
 pub trait Exec {
+    /// Launches the generated kernel `name` (`Kernel::name`) on `grid` with its arguments in
+    /// `Kernel::params` order, then `begin` and `end`.
     fn launch(&self, name: &str, grid: Grid, args: &[A]) -> Result<(), CudaError>;
     fn gemm(&self, call: &ColMajor) -> Result<(), CudaError>;
     /// Copies `bytes` from `src` to `dst` (device addresses), in stream order.
     fn copy_bytes(&self, dst: DevAddr, src: DevAddr, bytes: usize) -> Result<(), CudaError>;
+    /// Told, before the launch or copy that does it, that the device layer staged `n` values
+    /// (`arena_bytes` of the arena) between the arena and workspace: the tests' tally of what
+    /// is not computed in place. Nothing by default.
+    fn staged(&self, what: Staged, n: usize, arena_bytes: u64) {
+        let _ = (what, n, arena_bytes);
+    }
 }

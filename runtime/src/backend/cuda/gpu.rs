@@ -1,31 +1,42 @@
-//! The device layer's primitives on a GPU stream: kernel launches of `kernels.cu` and cuBLAS
+//! The device layer's primitives on a GPU stream: launches of the generated kernels
+//! (`schedc::kernels`, loaded from the PTX `schedc compile --emit ptx` writes) and cuBLAS
 //! products over typed device pointers ([`crate::device::Device`] for [`Gpu`], [`DevPtr`]).
 //! Every region of the arena is computed on in place in its own dtype ([`Device::view`],
-//! [`Device::view_saved`]): kernels read any storage and round once where they store, and a
+//! [`Device::view_saved`]): each launch runs the kernel variant typed for the storages of the
+//! pointers it passes (fp32, bf16, fp16; a 16-bit model's fp32 statistics at a 2-byte offset of
+//! its saved region as halves), which reads by widening and rounds once where it stores, and a
 //! 16-bit model's products take operands stored in its dtype in place and write C in its
 //! storage. The stream's f32 workspace holds the layer math's fp32 intermediates, the
-//! parameter gradient and product casts; `Device::load`/`store` (the `stage` kernels) remain
-//! for what the device layer still stages (gradient parts, the optimizer's 16-bit parameter
-//! copy). The layer math and each op's reads and writes are the device layer's, shared with
-//! the CPU.
+//! parameter gradient, product casts and small per-op results (per-row losses, the gradient
+//! norm's partial sums, the optimizer's gradient scale); `Device::load`/`store` remain for what
+//! the device layer still stages (gradient parts, the optimizer's 16-bit parameter copy). The
+//! layer math and each op's reads and writes are the device layer's, shared with the CPU.
+//!
+//! A launch ([`Gpu::run`]) names the op and passes one [`Arg`] per parameter in
+//! [`Kernel::params`] order; the kernel's dtypes are read off the typed pointers, its arguments
+//! checked against the parameters' kinds, and `begin`/`end` (the op's whole index space,
+//! [`Op::space`]) appended. `schedc::kernels::for_job` lists every variant this file may
+//! request for a job: the emulation's tests check each launch against it, and the CUDA backend
+//! checks that the loaded module holds them all before training.
+//!
 //! Built everywhere (it only enqueues through [`Exec`]), so the host emulation in the tests runs
 //! it; on a GPU it runs inside [`super::CudaBackend`].
 #![cfg_attr(not(feature = "cuda"), allow(dead_code))]
 
-use super::enqueue::{
-    elems, m, mt, prec_code, row_major, rows, ColMajor, DevAddr, Exec, Grid, A, M,
-};
+use super::enqueue::{grid, m, mt, row_major, ColMajor, DevAddr, Exec, Staged, A, M};
 use super::typed::{DevPtr, Storage};
 use crate::device::{plan_error, ArenaSpan, Device, DeviceError, Ptr, Update};
 use crate::math::attention::Keep;
+use crate::math::optim::decay_runs;
 use crate::math::{BlockP, NormP, Precision, Segment};
-use schedc::job::{Attention, Dtype, Norm, Optimizer};
+use schedc::job::{Dtype, Optimizer};
+use schedc::kernels::{Heads, Kernel, Op, Param, SUMSQ_CHUNK};
 use std::cell::Cell;
 
 /// Device addresses of a rank's constants: the batch tokens, the loss and sum-of-squares
-/// accumulators, rotary tables, decay ranges.
+/// accumulators, rotary tables.
 pub struct Consts {
-    /// i32 tokens: [micro_step][inputs | targets] of T each.
+    /// u32 tokens: [micro_step][inputs | targets] of T each.
     pub tokens: DevAddr,
     /// One f64: the step's loss sum on this rank.
     pub loss: DevAddr,
@@ -33,8 +44,6 @@ pub struct Consts {
     pub sumsq: DevAddr,
     /// cos then sin tables (fp32), seq_len × head_dim/2 each.
     pub rope: Option<DevAddr>,
-    /// Per layer: (pointer to i64 [start, end) pairs, count).
-    pub decay: Vec<(DevAddr, usize)>,
     /// Tokens per micro-batch.
     pub t: usize,
 }
@@ -55,10 +64,6 @@ pub struct Gpu<'a> {
 
 const F: u64 = 4;
 
-/// The widest attention head the fused kernels accumulate in shared memory (`MAX_HEAD_DIM` of
-/// `kernels.cu`).
-const MAX_HEAD_DIM: usize = 256;
-
 /// The elements a column-major operand of `rows` × `cols` (columns `ld` apart, `batch` of them
 /// `stride` apart) spans.
 fn span(rows: usize, cols: usize, ld: usize, stride: usize, batch: usize) -> usize {
@@ -68,55 +73,99 @@ fn span(rows: usize, cols: usize, ld: usize, stride: usize, batch: usize) -> usi
     (batch - 1) * stride + (cols - 1) * ld + rows
 }
 
-/// One argument of a `kernels.cu` launch as this file writes it: a typed tensor is one
-/// argument, [`Arg::T`], which the kernels take as two (its address, then its storage code);
-/// the others are the raw kernel arguments of [`A`]. [`flatten`] turns a list into the
-/// kernel's, in [`Gpu::launch`]. Launches read `&[T(x), T(y), Arg::L(n)]`.
+/// One argument of a launch, for one parameter of the op ([`Kernel::params`] order).
 #[derive(Clone, Copy, Debug)]
 enum Arg {
-    /// A typed tensor: `A::P(addr), A::I(code)` in the kernel's list.
+    /// A typed pointer, for a tensor (its storage is the kernel's dtype for it) or f32 values
+    /// (fp32 storage; fp32 halves for the op's saved statistics, [`Op::saved_stats`]).
     T(DevPtr),
+    /// A raw device pointer: token ids, f64 values, or f32 constants.
     P(DevAddr),
     L(i64),
-    I(i32),
     F(f32),
     D(f64),
 }
-// A tensor is written `T(x)` in the argument lists.
+// A typed pointer is written `T(x)` in the argument lists.
 use Arg::T;
 
-/// The kernel's argument list of `args`: each tensor as its address and storage code, in
-/// place; every other argument as it is.
-fn flatten(args: &[Arg]) -> Vec<A> {
-    let mut out = Vec::with_capacity(2 * args.len());
-    for &arg in args {
-        match arg {
-            Arg::T(x) => out.extend([A::P(x.addr), A::I(x.code())]),
-            Arg::P(p) => out.push(A::P(p)),
-            Arg::L(v) => out.push(A::L(v)),
-            Arg::I(v) => out.push(A::I(v)),
-            Arg::F(v) => out.push(A::F(v)),
-            Arg::D(v) => out.push(A::D(v)),
+/// A misuse of a kernel (arguments that do not fit its parameters): a bug of this file.
+fn misuse(op: Op, what: impl std::fmt::Display) -> DeviceError {
+    DeviceError::Kernel(format!("{op:?}: {what}"))
+}
+
+/// The kernel of `op` for `args`: a tensor's dtype is its pointer's storage, and the op's saved
+/// statistics are halves when their pointer is.
+fn kernel_for(op: Op, args: &[Arg]) -> Result<Kernel, DeviceError> {
+    let shape = Kernel::new(op, &vec![Dtype::Fp32; op.tensors()]).params();
+    if shape.len() != args.len() {
+        return Err(misuse(
+            op,
+            format!("{} arguments for {} parameters", args.len(), shape.len()),
+        ));
+    }
+    let mut dtypes = vec![];
+    let mut halves = false;
+    for (p, a) in shape.iter().zip(args) {
+        match (p, a) {
+            (Param::Tensor(n, _), T(x)) => dtypes.push(x.storage.dtype().ok_or_else(|| {
+                misuse(
+                    op,
+                    format!("`{n}` is fp32 at a 2-byte offset (no kernel reads that)"),
+                )
+            })?),
+            (Param::F32s(n), T(x)) if x.storage == Storage::F32Halves => {
+                if op.saved_stats() != Some(*n) {
+                    return Err(misuse(op, format!("`{n}` cannot be fp32 halves")));
+                }
+                halves = true;
+            }
+            _ => {}
         }
     }
-    out
+    let k = Kernel::new(op, &dtypes);
+    Ok(if halves { k.with_halved_stats() } else { k })
+}
+
+/// The launch arguments of `k` from `args`, each checked against its parameter, then `begin`
+/// and `end`.
+fn flatten(k: &Kernel, args: &[Arg], n: usize) -> Result<Vec<A>, DeviceError> {
+    let mut out = Vec::with_capacity(args.len() + 2);
+    for (p, &a) in k.params().iter().zip(args) {
+        out.push(match (p, a) {
+            (Param::Tensor(..) | Param::Halves(_), T(x)) if !x.mixed() => A::P(x.addr),
+            (Param::F32s(_), T(x)) if !x.mixed() && x.storage == Storage::F32 => A::P(x.addr),
+            (Param::F32s(_) | Param::F64s(_) | Param::Tokens(_), Arg::P(x)) => A::P(x),
+            (Param::F32(_), Arg::F(v)) => A::F(v),
+            (Param::F64(_), Arg::D(v)) => A::D(v),
+            (Param::I64(_), Arg::L(v)) => A::L(v),
+            (p, a) => return Err(misuse(k.op, format!("{a:?} passed for {p:?}"))),
+        });
+    }
+    out.extend([A::L(0), A::L(n as i64)]);
+    Ok(out)
+}
+
+/// The dtype whose precision `p` rounds to.
+fn dtype_of(p: Precision) -> Dtype {
+    match p {
+        Precision::F32 => Dtype::Fp32,
+        Precision::Bf16 => Dtype::Bf16,
+        Precision::F16 => Dtype::Fp16,
+    }
 }
 
 impl Gpu<'_> {
-    /// Launches `name` as a grid-stride loop over `n` elements.
-    fn run(&self, name: &str, n: usize, args: &[Arg]) -> Result<(), DeviceError> {
-        self.launch(name, elems(n), args)
-    }
-
-    /// Launches `name` with one block per row, `r` rows.
-    fn run_rows(&self, name: &str, r: usize, args: &[Arg]) -> Result<(), DeviceError> {
-        self.launch(name, rows(r), args)
-    }
-
-    /// Launches `name` on `grid` with the kernel's arguments of `args` (see [`flatten`]).
-    fn launch(&self, name: &str, grid: Grid, args: &[Arg]) -> Result<(), DeviceError> {
+    /// Launches the kernel of `op` for `args` over its `n` indices ([`Op::space`]: elements,
+    /// rows, columns or chunks), with a grid sized for its grid-stride loop; nothing when `n`
+    /// is 0.
+    fn run(&self, op: Op, n: usize, args: &[Arg]) -> Result<(), DeviceError> {
+        if n == 0 {
+            return Ok(());
+        }
+        let k = kernel_for(op, args)?;
+        let flat = flatten(&k, args, n)?;
         self.x
-            .launch(name, grid, &flatten(args))
+            .launch(&k.name(), grid(op.space(), n), &flat)
             .map_err(DeviceError::Gpu)
     }
 
@@ -168,7 +217,6 @@ impl Gpu<'_> {
         // Column-major A is the row-major B and the other way round.
         self.product(call, b.ptr.storage, a.ptr.storage, c.storage, None)
     }
-
     /// Runs one column-major product whose A, B and C are stored in `sa`, `sb` and `sc`, then
     /// adds `bias` (a vector of `call.m`) to every column. An operand stored in the product
     /// dtype is used in place; any other is cast into workspace first (released once the
@@ -289,11 +337,8 @@ impl Gpu<'_> {
 
     /// y[r][c] += b[c] for `t` rows of `w`.
     fn bias_add(&self, y: DevPtr, b: DevPtr, t: usize, w: usize) -> Result<(), DeviceError> {
-        self.run(
-            "bias_add",
-            t * w,
-            &[T(y), T(b), Arg::L(t as i64), Arg::L(w as i64)],
-        )
+        let op = Op::BiasAdd { width: w as u32 };
+        self.run(op, t * w, &[T(y), T(b)])
     }
 
     fn copy_bytes(&self, dst: DevAddr, src: DevAddr, bytes: usize) -> Result<(), DeviceError> {
@@ -306,46 +351,37 @@ impl Gpu<'_> {
     /// `n` elements from `src` to `dst`, each rounded once to `dst`'s storage (the layer
     /// math's copies between storages and the products' operand casts).
     fn convert(&self, dst: DevPtr, src: DevPtr, n: usize) -> Result<(), DeviceError> {
-        if n == 0 {
-            return Ok(());
+        self.run(Op::Convert, n, &[T(src), T(dst)])
+    }
+
+    /// A region staged between the arena and workspace (`Device::load`, `store`): a copy
+    /// rounding once to `dst`'s storage, or with `accumulate` an f32 sum rounded once; told to
+    /// [`Exec::staged`] with the arena bytes it moves.
+    fn stage(
+        &self,
+        what: Staged,
+        dst: DevPtr,
+        src: DevPtr,
+        n: usize,
+        arena: Dtype,
+    ) -> Result<(), DeviceError> {
+        self.x.staged(what, n, n as u64 * arena.bytes());
+        match what {
+            Staged::AddStore => self.run(Op::Accumulate, n, &[T(src), T(dst)]),
+            Staged::Load | Staged::Store => self.copy(dst, src, n),
         }
-        self.run("convert", n, &[T(src), T(dst), Arg::L(n as i64)])
     }
 }
 
-fn norm_code(k: Norm) -> i32 {
-    match k {
-        Norm::LayerNorm => 0,
-        Norm::RmsNorm => 1,
-    }
-}
-
-/// The fused attention kernels' launch: query rows, key rows, then their scalar arguments
-/// (sequence length, qkv row width, heads, kv heads, head width, scale). The kernels accumulate
-/// a row in shared memory, so the head width is at most [`MAX_HEAD_DIM`].
-#[allow(clippy::type_complexity)]
-fn flash_shape(bp: &BlockP) -> Result<(usize, usize, i64, i64, i32, i32, i32, f32), DeviceError> {
+/// The fused attention kernels' shape of a block.
+fn heads(bp: &BlockP) -> Heads {
     let sh = &bp.shape;
-    if sh.d > MAX_HEAD_DIM {
-        return Err(plan_error(format!(
-            "fused attention takes heads of at most {MAX_HEAD_DIM} (this one: {})",
-            sh.d
-        )));
+    Heads {
+        heads: sh.heads as u32,
+        kv_heads: sh.kv_heads as u32,
+        head_dim: sh.d as u32,
+        seq_len: sh.s as u32,
     }
-    Ok((
-        sh.b * sh.heads * sh.s,
-        sh.b * sh.kv_heads * sh.s,
-        sh.s as i64,
-        sh.width() as i64,
-        sh.heads as i32,
-        sh.kv_heads as i32,
-        sh.d as i32,
-        sh.scale(),
-    ))
-}
-
-fn or_null(p: Option<DevPtr>) -> DevPtr {
-    p.unwrap_or(DevPtr::NULL)
 }
 
 impl Device for Gpu<'_> {
@@ -401,7 +437,7 @@ impl Device for Gpu<'_> {
 
     fn load(&self, at: u64, dtype: Dtype, dst: DevPtr, n: usize) -> Result<(), DeviceError> {
         let src = self.arena(at, dtype)?;
-        self.run("stage", n, &[T(src), T(dst), Arg::L(n as i64)])
+        self.stage(Staged::Load, dst, src, n, dtype)
     }
 
     fn store(
@@ -413,10 +449,12 @@ impl Device for Gpu<'_> {
         accumulate: bool,
     ) -> Result<(), DeviceError> {
         let dst = self.arena(at, dtype)?;
-        if accumulate {
-            return self.run("stage_add", n, &[T(src), T(dst), Arg::L(n as i64)]);
-        }
-        self.run("stage", n, &[T(src), T(dst), Arg::L(n as i64)])
+        let what = if accumulate {
+            Staged::AddStore
+        } else {
+            Staged::Store
+        };
+        self.stage(what, dst, src, n, dtype)
     }
 
     fn load_f32(&self, at: u64, dst: DevPtr, n: usize) -> Result<(), DeviceError> {
@@ -433,7 +471,7 @@ impl Device for Gpu<'_> {
     }
 
     fn fill(&self, p: DevPtr, n: usize, v: f32) -> Result<(), DeviceError> {
-        self.run("fill", n, &[T(p), Arg::F(v), Arg::L(n as i64)])
+        self.run(Op::Fill, n, &[T(p), Arg::F(v)])
     }
 
     /// A byte copy between the same representation (fp32 and fp32 halves are the same bytes),
@@ -452,11 +490,8 @@ impl Device for Gpu<'_> {
         if p.storage.rounds_to(prec) {
             return Ok(());
         }
-        self.run(
-            "round_in_place",
-            n,
-            &[T(p), Arg::I(prec_code(prec)), Arg::L(n as i64)],
-        )
+        let to = dtype_of(prec);
+        self.run(Op::Round { to }, n, &[T(p)])
     }
 
     fn linear(
@@ -502,11 +537,8 @@ impl Device for Gpu<'_> {
     ) -> Result<(), DeviceError> {
         self.gemm(out, inp, t, 1.0, mt(dy, out), m(x, inp), 1.0, dw, inp)?;
         if let Some(db) = dbias {
-            self.run(
-                "col_sums",
-                out,
-                &[T(dy), Arg::L(t as i64), Arg::L(out as i64), T(db)],
-            )?;
+            let op = Op::BiasGrad { width: out as u32 };
+            self.run(op, out, &[T(dy), T(db), Arg::L(t as i64)])?;
         }
         if let Some((dx, beta)) = dx {
             self.gemm(t, inp, out, 1.0, m(dy, out), m(w, inp), beta, dx, inp)?;
@@ -524,21 +556,15 @@ impl Device for Gpu<'_> {
         out: DevPtr,
         stats: DevPtr,
     ) -> Result<(), DeviceError> {
-        let b = or_null(np.b.as_ref().map(|r| params.at(r)));
-        let w = params.at(&np.w);
-        self.run_rows(
-            "norm_forward",
-            t,
-            &[
-                Arg::I(norm_code(np.kind)),
-                T(x),
-                T(w),
-                T(b),
-                T(out),
-                T(stats),
-                Arg::L(h as i64),
-            ],
-        )
+        let op = Op::Norm {
+            norm: np.kind,
+            width: h as u32,
+            bias: np.b.is_some(),
+        };
+        let mut args = vec![T(x), T(params.at(&np.w))];
+        args.extend(np.b.as_ref().map(|r| T(params.at(r))));
+        args.extend([T(out), T(stats)]);
+        self.run(op, t, &args)
     }
 
     fn norm_backward(
@@ -553,54 +579,36 @@ impl Device for Gpu<'_> {
         dx: Option<DevPtr>,
         grads: DevPtr,
     ) -> Result<(), DeviceError> {
-        let db = or_null(np.b.as_ref().map(|r| grads.at(r)));
-        let dw = grads.at(&np.w);
-        self.run(
-            "norm_backward_params",
-            h,
-            &[
-                T(x),
-                T(stats),
-                T(dy),
-                T(dw),
-                T(db),
-                Arg::L(t as i64),
-                Arg::L(h as i64),
-            ],
-        )?;
+        let width = h as u32;
+        let op = Op::NormBackwardParams {
+            width,
+            bias: np.b.is_some(),
+        };
+        let mut args = vec![T(x), T(stats), T(dy), T(grads.at(&np.w))];
+        args.extend(np.b.as_ref().map(|r| T(grads.at(r))));
+        args.push(Arg::L(t as i64));
+        self.run(op, h, &args)?;
         if let Some(dx) = dx {
+            let op = Op::NormBackwardInput {
+                norm: np.kind,
+                width,
+            };
             let w = params.at(&np.w);
-            self.run_rows(
-                "norm_backward_input",
-                t,
-                &[
-                    Arg::I(norm_code(np.kind)),
-                    T(x),
-                    T(w),
-                    T(stats),
-                    T(dy),
-                    T(dx),
-                    Arg::L(h as i64),
-                ],
-            )?;
+            self.run(op, t, &[T(x), T(w), T(stats), T(dy), T(dx)])?;
         }
         Ok(())
     }
 
     fn gelu(&self, pre: DevPtr, post: DevPtr, n: usize) -> Result<(), DeviceError> {
-        self.run("gelu_forward", n, &[T(pre), T(post), Arg::L(n as i64)])
+        self.run(Op::Gelu, n, &[T(pre), T(post)])
     }
 
     fn gelu_backward(&self, pre: DevPtr, d: DevPtr, n: usize) -> Result<(), DeviceError> {
-        self.run("gelu_backward", n, &[T(pre), T(d), Arg::L(n as i64)])
+        self.run(Op::GeluBackward, n, &[T(d), T(pre)])
     }
 
     fn swiglu(&self, gate: DevPtr, up: DevPtr, prod: DevPtr, n: usize) -> Result<(), DeviceError> {
-        self.run(
-            "swiglu_forward",
-            n,
-            &[T(gate), T(up), T(prod), Arg::L(n as i64)],
-        )
+        self.run(Op::SwiGlu, n, &[T(gate), T(up), T(prod)])
     }
 
     fn swiglu_backward(
@@ -611,13 +619,11 @@ impl Device for Gpu<'_> {
         dup: DevPtr,
         n: usize,
     ) -> Result<(), DeviceError> {
-        self.run(
-            "swiglu_backward",
-            n,
-            &[T(gate), T(up), T(dgate), T(dup), Arg::L(n as i64)],
-        )
+        self.run(Op::SwiGluBackward, n, &[T(dgate), T(dup), T(gate), T(up)])
     }
 
+    /// Rotates `src` in place where it is fp32 (the layer math's workspace: the projected qkv,
+    /// or the gradient), then, when `src` is not `qkv`, copies it into `qkv` rounded once.
     fn rope(
         &self,
         bp: &BlockP,
@@ -632,36 +638,28 @@ impl Device for Gpu<'_> {
             .rope
             .ok_or_else(|| plan_error("no rotary tables on the device"))?;
         let sh = &bp.shape;
-        let (s, half) = (sh.s, r.half);
-        let copied = if src.addr == qkv.addr {
-            0
-        } else {
-            sh.kv_heads * 2 * half
+        let op = Op::Rotary {
+            heads: sh.heads as u32,
+            kv_heads: sh.kv_heads as u32,
+            head_dim: sh.d as u32,
+            width: sh.width() as u32,
+            seq_len: sh.s as u32,
+            inverse,
         };
-        let n = t * ((sh.heads + sh.kv_heads) * half + copied);
-        self.run(
-            "rope",
-            n,
-            &[
-                T(src),
-                T(qkv),
-                Arg::P(tables),
-                Arg::P(tables.add_bytes((s * half) as u64 * F)),
-                Arg::L(t as i64),
-                Arg::L(s as i64),
-                Arg::L(sh.width() as i64),
-                Arg::I(sh.heads as i32),
-                Arg::I(sh.kv_heads as i32),
-                Arg::I(half as i32),
-                Arg::I(i32::from(inverse)),
-            ],
-        )
+        let sin = tables.add_bytes((sh.s * r.half) as u64 * F);
+        self.run(op, t, &[T(src), Arg::P(tables), Arg::P(sin)])?;
+        if src.addr != qkv.addr {
+            self.copy(qkv, src, t * sh.width())?;
+        }
+        Ok(())
     }
 
-    /// `flash`: the fused kernel, one block per query row, never storing the s×s matrix.
-    /// `naive` (which keeps the probabilities): for every (sequence, head), [heads][s][s]
-    /// blocks of one sequence at a time; the query heads of one kv group share K and V (stride 0
-    /// in a strided-batched product).
+    /// `flash`: the fused kernel, one query row per index, never storing the s×s matrix.
+    /// `naive` (which keeps the probabilities): for every sequence, the scores of its heads
+    /// ([heads][s][s] in workspace; the query heads of one kv group share K, stride 0 in a
+    /// strided-batched product), their causal softmax written straight into the kept
+    /// probabilities (rounded to the activation precision, as the CPU keeps them), and the
+    /// output as the product of those probabilities with V.
     fn attention(
         &self,
         bp: &BlockP,
@@ -670,55 +668,35 @@ impl Device for Gpu<'_> {
         out: DevPtr,
         keep: Keep<DevPtr>,
     ) -> Result<(), DeviceError> {
-        if let Keep::Lse(lse) = keep {
-            let (rows, _, s, w, h, kv, d, scale) = flash_shape(bp)?;
-            return self.run_rows(
-                "flash_forward",
-                rows,
-                &[
-                    T(qkv),
-                    T(out),
-                    T(lse),
-                    Arg::L(s),
-                    Arg::L(w),
-                    Arg::I(h),
-                    Arg::I(kv),
-                    Arg::I(d),
-                    Arg::F(scale),
-                ],
-            );
-        }
-        let keep = keep.into_inner();
         let sh = &bp.shape;
+        let probs = match keep {
+            Keep::Lse(lse) => {
+                let rows = sh.b * sh.heads * sh.s;
+                let op = Op::FlashForward(heads(bp));
+                return self.run(op, rows, &[T(qkv), T(out), T(lse)]);
+            }
+            Keep::Probs(p) => p,
+        };
         let (s, w, h, d) = (sh.s, sh.width(), sh.heads * sh.d, sh.d);
         let r = sh.heads / sh.kv_heads;
         let scale = sh.scale();
-        let probs = self.alloc(sh.heads * s * s)?;
+        let scores = self.alloc(sh.heads * s * s)?;
         for b in 0..sh.b {
             for grp in 0..sh.kv_heads {
                 let n0 = grp * r;
                 let (q, k, _) = sh.offsets(b, n0);
                 let (q, k) = (m(qkv.offset(q), w), mt(qkv.offset(k), w));
-                let c = probs.offset(n0 * s * s);
+                let c = scores.offset(n0 * s * s);
                 self.batched(s, s, d, scale, q, d, k, 0, 0.0, c, s, s * s, r)?;
             }
-            let (lse_ptr, prec) = match bp.attention {
-                Attention::Flash => (keep.offset(b * sh.heads * s), 0),
-                Attention::Naive => (DevPtr::NULL, prec_code(act)),
-            };
-            self.run_rows(
-                "causal_softmax",
-                sh.heads * s,
-                &[T(probs), T(lse_ptr), Arg::L(s as i64), Arg::I(prec)],
-            )?;
-            if bp.attention == Attention::Naive {
-                let n = sh.heads * s * s;
-                self.copy(keep.offset(b * n), probs, n)?;
-            }
+            let kept = probs.offset(b * sh.heads * s * s);
+            let op = Op::CausalSoftmax { seq_len: s as u32 };
+            self.run(op, sh.heads * s, &[T(scores), T(kept)])?;
+            self.round(act, kept, sh.heads * s * s)?;
             for grp in 0..sh.kv_heads {
                 let n0 = grp * r;
                 let (_, _, v) = sh.offsets(b, n0);
-                let p = m(probs.offset(n0 * s * s), s);
+                let p = m(kept.offset(n0 * s * s), s);
                 let c = out.offset(b * s * h + n0 * d);
                 self.batched(
                     s,
@@ -741,9 +719,9 @@ impl Device for Gpu<'_> {
     }
 
     /// `flash`: two fused kernels, the query side (dQ and each row's rowsum(P∘dP)) then the key
-    /// side (dK, dV over the group's heads), each block owning the rows it writes. `naive`: dK
+    /// side (dK, dV over the group's heads), each index owning the rows it writes. `naive`: dK
     /// and dV of a kv group sum over its query heads, so those products run head by head (β = 1)
-    /// rather than batched.
+    /// rather than batched, on the kept probabilities in place.
     fn attention_backward(
         &self,
         bp: &BlockP,
@@ -752,78 +730,34 @@ impl Device for Gpu<'_> {
         dout: DevPtr,
         dqkv: DevPtr,
     ) -> Result<(), DeviceError> {
-        if let Keep::Lse(lse) = keep {
-            let (rows, key_rows, s, w, h, kv, d, scale) = flash_shape(bp)?;
-            let dsum = self.alloc(rows)?;
-            self.run_rows(
-                "flash_backward_dq",
-                rows,
-                &[
-                    T(qkv),
-                    T(dout),
-                    T(lse),
-                    T(dsum),
-                    T(dqkv),
-                    Arg::L(s),
-                    Arg::L(w),
-                    Arg::I(h),
-                    Arg::I(kv),
-                    Arg::I(d),
-                    Arg::F(scale),
-                ],
-            )?;
-            return self.run_rows(
-                "flash_backward_dkv",
-                key_rows,
-                &[
-                    T(qkv),
-                    T(dout),
-                    T(lse),
-                    T(dsum),
-                    T(dqkv),
-                    Arg::L(s),
-                    Arg::L(w),
-                    Arg::I(h),
-                    Arg::I(kv),
-                    Arg::I(d),
-                    Arg::F(scale),
-                ],
-            );
-        }
-        let kept = keep.into_inner();
         let sh = &bp.shape;
+        let kept = match keep {
+            Keep::Lse(lse) => {
+                let rows = sh.b * sh.heads * sh.s;
+                let dsum = self.alloc(rows)?;
+                let args = [T(qkv), T(dout), T(lse), T(dsum), T(dqkv)];
+                self.run(Op::FlashBackwardQuery(heads(bp)), rows, &args)?;
+                let key_rows = sh.b * sh.kv_heads * sh.s;
+                return self.run(Op::FlashBackwardKeys(heads(bp)), key_rows, &args);
+            }
+            Keep::Probs(p) => p,
+        };
         let (s, w, h, d) = (sh.s, sh.width(), sh.heads * sh.d, sh.d);
         let scale = sh.scale();
         self.fill(dqkv, sh.b * s * w, 0.0)?;
-        let p = self.alloc(s * s)?;
         let dp = self.alloc(s * s)?;
         for b in 0..sh.b {
             for n in 0..sh.heads {
                 let (q, k, v) = sh.offsets(b, n);
                 let (q_m, k_m, v_m) = (qkv.offset(q), qkv.offset(k), qkv.offset(v));
-                let bh = b * sh.heads + n;
-                match bp.attention {
-                    Attention::Naive => self.copy(p, kept.offset(bh * s * s), s * s)?,
-                    Attention::Flash => {
-                        self.gemm(s, s, d, scale, m(q_m, w), mt(k_m, w), 0.0, p, s)?;
-                        let lse = kept.offset(bh * s);
-                        self.run(
-                            "probs_from_lse",
-                            s * s,
-                            &[T(p), T(lse), Arg::L(s as i64), Arg::L(s as i64)],
-                        )?;
-                    }
-                }
+                let p = kept.offset((b * sh.heads + n) * s * s);
                 let d_o = dout.offset(b * s * h + n * d);
                 // dV += Pᵀ·dO
                 self.gemm(s, d, s, 1.0, mt(p, s), m(d_o, h), 1.0, dqkv.offset(v), w)?;
                 // dP = dO·Vᵀ; dS = P ∘ (dP − rowsum(P ∘ dP)) · scale
                 self.gemm(s, s, d, 1.0, m(d_o, h), mt(v_m, w), 0.0, dp, s)?;
-                self.run_rows(
-                    "softmax_backward",
-                    s,
-                    &[T(p), T(dp), Arg::L(s as i64), Arg::F(scale)],
-                )?;
+                let op = Op::SoftmaxBackward { seq_len: s as u32 };
+                self.run(op, s, &[T(p), T(dp), Arg::F(scale)])?;
                 // dQ = dS·K; dK += dSᵀ·Q
                 self.gemm(s, d, s, 1.0, m(dp, s), m(k_m, w), 0.0, dqkv.offset(q), w)?;
                 self.gemm(s, d, s, 1.0, mt(dp, s), m(q_m, w), 1.0, dqkv.offset(k), w)?;
@@ -835,7 +769,7 @@ impl Device for Gpu<'_> {
     fn embedding(
         &self,
         tokens: DevAddr,
-        _vocab: usize,
+        vocab: usize,
         h: usize,
         s: usize,
         wte: DevPtr,
@@ -843,26 +777,22 @@ impl Device for Gpu<'_> {
         out: DevPtr,
         t: usize,
     ) -> Result<(), DeviceError> {
-        let wpe = or_null(wpe);
-        self.run(
-            "embedding_forward",
-            t * h,
-            &[
-                Arg::P(tokens),
-                T(wte),
-                T(wpe),
-                T(out),
-                Arg::L(t as i64),
-                Arg::L(h as i64),
-                Arg::L(s as i64),
-            ],
-        )
+        let op = Op::Embedding {
+            vocab: vocab as u32,
+            width: h as u32,
+            seq_len: s as u32,
+            positions: wpe.is_some(),
+        };
+        let mut args = vec![Arg::P(tokens), T(wte)];
+        args.extend(wpe.map(T));
+        args.push(T(out));
+        self.run(op, t * h, &args)
     }
 
     fn embedding_backward(
         &self,
         tokens: DevAddr,
-        _vocab: usize,
+        vocab: usize,
         h: usize,
         s: usize,
         dy: DevPtr,
@@ -870,22 +800,20 @@ impl Device for Gpu<'_> {
         dwpe: Option<DevPtr>,
         t: usize,
     ) -> Result<(), DeviceError> {
-        let dwpe = or_null(dwpe);
-        self.run(
-            "embedding_backward",
-            h,
-            &[
-                Arg::P(tokens),
-                T(dy),
-                T(dwte),
-                T(dwpe),
-                Arg::L(t as i64),
-                Arg::L(h as i64),
-                Arg::L(s as i64),
-            ],
-        )
+        let op = Op::EmbeddingBackward {
+            vocab: vocab as u32,
+            width: h as u32,
+            seq_len: s as u32,
+            positions: dwpe.is_some(),
+        };
+        let mut args = vec![Arg::P(tokens), T(dy), T(dwte)];
+        args.extend(dwpe.map(T));
+        args.push(Arg::L(t as i64));
+        self.run(op, h, &args)
     }
 
+    /// Each row's loss into workspace, then their sum (in order, in f64) added to the rank's
+    /// loss accumulator, as the host device sums them.
     fn cross_entropy(
         &self,
         logits: DevPtr,
@@ -894,82 +822,85 @@ impl Device for Gpu<'_> {
         n: usize,
         grad: DevPtr,
     ) -> Result<(), DeviceError> {
-        self.run_rows(
-            "cross_entropy",
-            n,
-            &[
-                T(logits),
-                Arg::P(targets),
-                Arg::L(vocab as i64),
-                Arg::L(n as i64),
-                T(grad),
-                Arg::P(self.consts.loss),
-            ],
-        )
+        let rows = self.alloc(n)?;
+        let op = Op::CrossEntropy {
+            vocab: vocab as u32,
+        };
+        let inv = Arg::F(1.0 / n as f32);
+        self.run(op, n, &[T(logits), Arg::P(targets), T(grad), T(rows), inv])?;
+        let acc = Arg::P(self.consts.loss);
+        self.run(Op::AddLoss, 1, &[T(rows), acc, Arg::L(n as i64)])
     }
 
+    /// The gradient scale into workspace (from the stored sum of squares on the device when
+    /// clipping, so the host never waits for it), then the optimizer kernel run by run of
+    /// elements all inside or all outside the decayed ranges, as the host device runs it.
     fn update(&self, u: &Update<'_>, state: DevPtr, grad: DevPtr) -> Result<(), DeviceError> {
-        let cfg = u.cfg;
-        let (sq, clip) = match u.clip {
-            Some((s, clip)) => (self.arena(s.at, s.dtype)?, clip),
-            None => (DevPtr::NULL, 0.0),
-        };
-        let n = u.n as i64;
+        let (cfg, n) = (u.cfg, u.n);
+        let scale = self.alloc(1)?;
+        match u.clip {
+            Some((s, clip)) => {
+                let sq = self.arena(s.at, s.dtype)?;
+                let args = [T(sq), T(scale), Arg::D(u.contributions), Arg::D(clip)];
+                self.run(Op::GradScale, 1, &args)?;
+            }
+            None => self.fill(scale, 1, (1.0 / u.contributions) as f32)?,
+        }
         if cfg.kind == Optimizer::Sgd {
-            return self.run(
-                "sgd",
-                u.n,
-                &[
-                    T(state),
-                    T(grad),
-                    Arg::L(n),
-                    T(sq),
-                    Arg::D(u.contributions),
-                    Arg::D(clip),
-                    Arg::F(cfg.lr),
-                ],
-            );
+            let args = [T(state), T(grad), T(scale), Arg::F(cfg.lr)];
+            return self.run(Op::Sgd, n, &args);
+        }
+        if u.step == 0 {
+            return Err(plan_error("optimizer steps count from 1"));
         }
         let bc1 = 1.0 - f64::from(cfg.beta1).powf(u.step as f64);
         let bc2 = 1.0 - f64::from(cfg.beta2).powf(u.step as f64);
-        let (decay, ranges) = self.consts.decay[u.layer];
         let decays = cfg.kind == Optimizer::AdamW && cfg.weight_decay != 0.0;
-        self.run(
-            "adam",
-            u.n,
-            &[
-                T(state),
-                T(grad),
-                Arg::L(n),
-                Arg::L(u.first as i64),
-                Arg::P(decay),
-                Arg::I(ranges as i32),
-                Arg::I(i32::from(decays)),
-                T(sq),
-                Arg::D(u.contributions),
-                Arg::D(clip),
+        let (m, v) = (state.offset(n), state.offset(2 * n));
+        for (run, inside) in decay_runs(n, u.first, u.decay) {
+            let i = run.start;
+            let args = [
+                T(state.offset(i)),
+                T(m.offset(i)),
+                T(v.offset(i)),
+                T(grad.offset(i)),
+                T(scale),
                 Arg::F(cfg.beta1),
+                Arg::F(1.0 - cfg.beta1),
                 Arg::F(cfg.beta2),
+                Arg::F(1.0 - cfg.beta2),
                 Arg::F(cfg.eps),
                 Arg::F((f64::from(cfg.lr) / bc1) as f32),
                 Arg::F(bc2.sqrt() as f32),
                 Arg::F(1.0 - cfg.lr * cfg.weight_decay),
-            ],
-        )
+            ];
+            let op = Op::Adam {
+                decayed: decays && inside,
+            };
+            self.run(op, run.len(), &args)?;
+        }
+        Ok(())
     }
 
-    /// The sums of squares read every gradient in place, in its dtype.
+    /// Each gradient's sums of squares per [`SUMSQ_CHUNK`] elements (in f64, read in place in
+    /// its dtype) into workspace, added in order to the rank's accumulator, which is then
+    /// stored as one value.
     fn grad_norm(&self, grads: &[ArenaSpan], out: ArenaSpan) -> Result<(), DeviceError> {
         let acc = self.consts.sumsq;
         // Zeroed on this stream before the sums (a step may hold several grad_norm ops only on
         // one stream, in order).
         self.fill(DevPtr::f32(acc), 2, 0.0)?;
+        let most = grads.iter().map(|g| g.elements.div_ceil(SUMSQ_CHUNK)).max();
+        let partial = self.alloc(2 * most.unwrap_or(0))?.addr;
         for g in grads {
             let v = self.arena(g.at, g.dtype)?;
-            let n = g.elements as i64;
-            self.run("sum_squares", g.elements, &[T(v), Arg::L(n), Arg::P(acc)])?;
+            let chunks = g.elements.div_ceil(SUMSQ_CHUNK);
+            let n = Arg::L(g.elements as i64);
+            self.run(Op::SumSquares, chunks, &[T(v), Arg::P(partial), n])?;
+            let args = [Arg::P(partial), Arg::P(acc), Arg::L(chunks as i64)];
+            self.run(Op::AddPartials, 1, &args)?;
         }
         let dst = self.arena(out.at, out.dtype)?;
-        self.run("store_double", 1, &[Arg::P(acc), T(dst)])
+        self.run(Op::StoreDouble, 1, &[Arg::P(acc), T(dst)])
     }
 }

@@ -11,8 +11,8 @@
 //!   micro-step: `M·2·T·4` bytes), the loss and sum-of-squares accumulators (one f64 each: the
 //!   step's output, read by the host, and the gradient norm's f64 sum before it is stored into
 //!   the planned `clip.sumsq`), the rotary tables (2·s·d/2 fp32 when the model uses rotary
-//!   positions) and each layer's weight-decay ranges (16 bytes per 2-D tensor), plus 64 bytes
-//!   of slack. They are uploaded once (tables, ranges) or written by the host between steps
+//!   positions), plus 64 bytes of slack. They are uploaded once (tables) or written by the
+//!   host between steps
 //!   (tokens, accumulators): no op of the plan produces them, so they are inputs and outputs of
 //!   a step, not tensors whose lifetimes a memory plan could overlap.
 //!
@@ -69,11 +69,9 @@ pub struct ConstsLayout {
     pub sumsq: u64,
     /// The rotary tables (cos then sin), when the model uses them.
     pub rope: Option<u64>,
-    /// Per layer: its decay ranges' offset (i64 start, end pairs) and count.
-    pub decay: Vec<(u64, usize)>,
     /// The allocation's size.
     pub bytes: u64,
-    /// The initial contents: zero tokens and accumulators, the tables and ranges.
+    /// The initial contents: zero tokens and accumulators, the tables.
     pub contents: Vec<u8>,
 }
 
@@ -94,16 +92,6 @@ impl ConstsLayout {
             contents.extend(r.cos.iter().chain(&r.sin).flat_map(|x| x.to_le_bytes()));
             at
         });
-        contents.resize(contents.len().div_ceil(8) * 8, 0);
-        let mut decay = vec![];
-        for d in &p.decay {
-            decay.push((contents.len() as u64, d.len()));
-            contents.extend(
-                d.iter()
-                    .flat_map(|r| [r.start as i64, r.end as i64])
-                    .flat_map(|x| x.to_le_bytes()),
-            );
-        }
         let bytes = contents.len() as u64 + 64;
         contents.resize(bytes as usize, 0);
         ConstsLayout {
@@ -112,7 +100,6 @@ impl ConstsLayout {
             loss,
             sumsq,
             rope,
-            decay,
             bytes,
             contents,
         }
@@ -125,11 +112,6 @@ impl ConstsLayout {
             loss: base.add_bytes(self.loss),
             sumsq: base.add_bytes(self.sumsq),
             rope: self.rope.map(|o| base.add_bytes(o)),
-            decay: self
-                .decay
-                .iter()
-                .map(|&(o, n)| (base.add_bytes(o), n))
-                .collect(),
             t: self.t,
         }
     }

@@ -22,10 +22,12 @@
 //!   products as strided-batched sgemm) and on tensor cores through cuBLASLt for bf16 and fp16
 //!   models (operands in the model dtype used in place, fp32 ones rounded to it first; fp32
 //!   accumulation; C and D fp32 or the model dtype with the bias in the epilogue; `blas.rs`),
-//!   every other kernel in `kernels.cu` (a dtype code beside each tensor pointer), compiled by
-//!   NVRTC on first use
-//!   and cached as PTX. The layer math and each op's reads and writes are the device layer's
-//!   (`crate::device`), the same code the CPU backend runs.
+//!   every other kernel a generated one (`schedc::kernels`, typed for the storages of the
+//!   pointers each launch passes) from the plan's PTX module for the GPU's architecture, which
+//!   `schedc compile --emit ptx` wrote beside the plan ([`ptx`]: found and checked before
+//!   anything runs; `kernels.rs`: loaded by the driver, no NVRTC). The layer math and each op's
+//!   reads and writes are the device layer's (`crate::device`), the same code the CPU backend
+//!   runs.
 //! - **Collectives.** NCCL through cudarc, one communicator per (communicator group, stream) the
 //!   plan uses ([`rendezvous::CommKey`]), each from its own unique id; a coalesced op is one
 //!   `ncclGroupStart`/`ncclGroupEnd`. A watchdog aborts the communicators and names the rank and
@@ -36,21 +38,23 @@
 //!
 //! Feature checks live here only. Always built (and tested without a GPU): [`launch`],
 //! [`rendezvous`], the plan checks ([`comm_keys`], [`plan_hash`]; the issue order and NCCL's
-//! in-place rules are the verifier's proofs 1b and 8, which every loaded plan passed), and the device code that only enqueues work through the `Exec`
+//! in-place rules are the verifier's proofs 1b and 8, which every loaded plan passed), the PTX
+//! module's checks ([`ptx`]), and the device code that only enqueues work through the `Exec`
 //! interface (`enqueue.rs`: launch shapes, the row-major to column-major product mapping, NCCL
 //! call descriptions; `gpu.rs`: the device layer's primitives as launches and products, under
 //! the layer math and op interpreter the CPU backend shares, `crate::device`), which the tests
-//! run on the host (`emulate.rs`). Behind the `cuda` cargo feature: the
-//! cudarc side (`device.rs`, `kernels.rs`, `blas.rs`, `nccl.rs`, `step.rs`); without it
-//! [`CudaBackend::new`] and [`probe`] say "built without CUDA". With it, [`probe`] finds out at
-//! run time which of the driver, NVRTC, cuBLAS, cuBLASLt and NCCL libraries are missing before cudarc
-//! touches them (cudarc panics on a missing library).
+//! run on the host with the same kernels JIT-compiled (`emulate.rs`, `llvm` feature). Behind the
+//! `cuda` cargo feature: the cudarc side (`device.rs`, `kernels.rs`, `blas.rs`, `nccl.rs`,
+//! `step.rs`); without it [`CudaBackend::new`] and [`probe`] say "built without CUDA". With it,
+//! [`probe`] finds out at run time which of the driver, cuBLAS, cuBLASLt and NCCL libraries are
+//! missing before cudarc touches them (cudarc panics on a missing library).
 
 mod enqueue;
 pub use enqueue::{CudaError, Library};
 mod gpu;
 pub mod launch;
 mod memory;
+pub mod ptx;
 pub mod rendezvous;
 mod typed;
 
@@ -58,7 +62,7 @@ mod typed;
 mod blas;
 #[cfg(feature = "cuda")]
 mod device;
-#[cfg(all(test, target_os = "linux"))]
+#[cfg(all(test, feature = "llvm"))]
 mod emulate;
 #[cfg(feature = "cuda")]
 mod kernels;
@@ -67,6 +71,7 @@ mod nccl;
 #[cfg(feature = "cuda")]
 mod step;
 
+pub use ptx::PtxFiles;
 #[cfg(not(feature = "cuda"))]
 pub use stand_in::CudaBackend;
 #[cfg(feature = "cuda")]
@@ -76,12 +81,6 @@ use crate::plan::Plan;
 use cranelift_entity::EntityRef;
 use rendezvous::CommKey;
 use std::collections::BTreeSet;
-
-/// The kernels' CUDA C source (compiled by NVRTC on a GPU, as C++ by the host emulation).
-#[cfg_attr(not(any(test, feature = "cuda")), allow(dead_code))]
-pub(crate) fn kernels_source() -> &'static str {
-    include_str!("kernels.cu")
-}
 
 /// Whether this build contains the CUDA backend.
 pub const BUILT: bool = cfg!(feature = "cuda");
@@ -138,6 +137,7 @@ mod stand_in {
     //! The CUDA backend of a build without the `cuda` feature: it only says so.
 
     use super::launch::DistEnv;
+    use super::PtxFiles;
     use crate::backend::{Backend, RankMemory, RunError, RunOptions, StepInput, StepOutcome};
     use crate::plan::Plan;
     use schedc::job::Dtype;
@@ -158,7 +158,12 @@ mod stand_in {
     }
 
     impl CudaBackend {
-        pub fn new(_: Arc<Plan>, _: RunOptions, _: &DistEnv) -> Result<Self, RunError> {
+        pub fn new(
+            _: Arc<Plan>,
+            _: RunOptions,
+            _: &DistEnv,
+            _: &PtxFiles,
+        ) -> Result<Self, RunError> {
             Err(unavailable())
         }
     }
@@ -182,135 +187,5 @@ mod stand_in {
         fn memory(&self) -> Vec<RankMemory> {
             vec![]
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    //! Static checks of the device code that run without a GPU (and without the `cuda` feature):
-    //! every kernel launch in the Rust sources passes exactly the argument kinds its `kernels.cu`
-    //! signature declares, since a mismatch would corrupt memory silently on the device.
-
-    const CU: &str = include_str!("kernels.cu");
-    const RUST: [(&str, &str); 2] = [
-        ("gpu.rs", include_str!("gpu.rs")),
-        ("step.rs", include_str!("step.rs")),
-    ];
-
-    /// (kernel, argument kinds as P/L/I/F/D) of every `extern "C" __global__` function.
-    fn signatures() -> Vec<(String, String)> {
-        let mut out = vec![];
-        for part in CU.split("extern \"C\" __global__ void ").skip(1) {
-            let name = part[..part.find('(').unwrap()].trim().to_string();
-            let params = &part[part.find('(').unwrap() + 1..part.find(')').unwrap()];
-            let kinds: String = params
-                .split(',')
-                .map(|p| {
-                    let p = p.trim();
-                    if p.contains('*') {
-                        'P'
-                    } else if p.starts_with("long long") {
-                        'L'
-                    } else if p.starts_with("int") {
-                        'I'
-                    } else if p.starts_with("float") {
-                        'F'
-                    } else if p.starts_with("double") {
-                        'D'
-                    } else {
-                        panic!("kernel {name}: unknown parameter type in {p:?}")
-                    }
-                })
-                .collect();
-            out.push((name, kinds));
-        }
-        out
-    }
-
-    /// (file, kernel, argument kinds) of every launch `"name", …, &[A::X(…), …]` (gpu.rs:
-    /// `Arg::X(…)`, and `T(…)` for a tensor) in the sources.
-    fn launches() -> Vec<(&'static str, String, String)> {
-        let names: Vec<String> = signatures().into_iter().map(|(n, _)| n).collect();
-        let mut out = vec![];
-        for (file, src) in RUST {
-            for n in &names {
-                let lit = format!("\"{n}\",");
-                let mut rest = src;
-                while let Some(i) = rest.find(&lit) {
-                    rest = &rest[i + lit.len()..];
-                    let open = rest
-                        .find("&[")
-                        .expect("an argument list after a kernel name");
-                    // The argument list must belong to this call: nothing quoted in between.
-                    assert!(
-                        !rest[..open].contains('"'),
-                        "{file}: cannot find the arguments of a launch of {n}"
-                    );
-                    let mut depth = 0;
-                    let mut end = open + 2;
-                    for (k, c) in rest[open + 2..].char_indices() {
-                        match c {
-                            '[' | '(' => depth += 1,
-                            ')' => depth -= 1,
-                            ']' if depth == 0 => {
-                                end = open + 2 + k;
-                                break;
-                            }
-                            ']' => depth -= 1,
-                            _ => {}
-                        }
-                    }
-                    // gpu.rs writes `Arg::X(…)`, step.rs `A::X(…)`; gpu.rs's typed tensor,
-                    // `T(…)`, is two kernel arguments (its address and its storage code).
-                    let list = rest[open + 2..end].replace("Arg::", "A::");
-                    let b = list.as_bytes();
-                    let mut kinds = String::new();
-                    for j in 0..b.len() {
-                        let word_start =
-                            j == 0 || !(b[j - 1].is_ascii_alphanumeric() || b[j - 1] == b'_');
-                        if list[j..].starts_with("A::") && word_start {
-                            kinds.push(b[j + 3] as char);
-                        } else if list[j..].starts_with("T(") && word_start {
-                            kinds.push_str("PI");
-                        }
-                    }
-                    out.push((file, n.clone(), kinds));
-                }
-            }
-        }
-        out
-    }
-
-    #[test]
-    fn every_launch_matches_its_kernel_signature() {
-        let sigs = signatures();
-        assert!(sigs.len() >= 25, "found {} kernels", sigs.len());
-        let calls = launches();
-        let mut used = std::collections::BTreeSet::new();
-        for (file, name, kinds) in &calls {
-            let want = &sigs.iter().find(|(n, _)| n == name).unwrap().1;
-            assert_eq!(kinds, want, "{file}: launch of {name}");
-            used.insert(name.clone());
-        }
-        let unused: Vec<&String> = sigs
-            .iter()
-            .map(|(n, _)| n)
-            .filter(|n| !used.contains(*n))
-            .collect();
-        assert!(unused.is_empty(), "kernels never launched: {unused:?}");
-    }
-
-    #[test]
-    fn the_kernel_list_is_the_source_list() {
-        let kernels_rs = include_str!("kernels.rs");
-        let list = &kernels_rs[kernels_rs.find("const NAMES").unwrap()..];
-        let list = &list[..list.find("];").unwrap()];
-        for (name, _) in signatures() {
-            assert!(
-                list.contains(&format!("\"{name}\"")),
-                "{name} missing from NAMES"
-            );
-        }
-        assert_eq!(list.matches('"').count() / 2, signatures().len());
     }
 }

@@ -9,6 +9,7 @@ use super::kernels::Kernels;
 use super::launch::DistEnv;
 use super::memory::{ConstsLayout, StreamMemory};
 use super::nccl::{self, Comms, LOSS_KEY};
+use super::ptx::PtxFiles;
 use super::rendezvous::{self, CommKey, Hello};
 use crate::backend::{
     Backend, RankMemory, RunError, RunOptions, StepInput, StepOutcome, StreamWait,
@@ -35,7 +36,7 @@ pub struct CudaBackend {
     /// One event after each collective op, watched by the timeout (observation only: nothing
     /// waits on them).
     markers: Vec<Option<CudaEvent>>,
-    /// Device constants: the batch tokens, the loss accumulator, rotary tables, decay ranges
+    /// Device constants: the batch tokens, the loss accumulator, rotary tables
     /// (outside the plan: see `memory.rs`).
     consts: Consts,
     consts_layout: ConstsLayout,
@@ -50,9 +51,15 @@ fn fault(rank: u32, m: impl std::fmt::Display) -> RunError {
 
 impl CudaBackend {
     /// Checks the libraries, joins the rendezvous (with every rank's plan hash), opens the GPU
-    /// `env.local_rank`, allocates the arena (workspaces included) and the constants, compiles
-    /// or loads the kernels and creates the NCCL communicators.
-    pub fn new(plan: Arc<Plan>, options: RunOptions, env: &DistEnv) -> Result<Self, RunError> {
+    /// `env.local_rank`, allocates the arena and workspaces, loads the plan's kernels from the
+    /// PTX of `ptx` for this GPU (checking that it holds every one the plan needs) and creates
+    /// the NCCL communicators.
+    pub fn new(
+        plan: Arc<Plan>,
+        options: RunOptions,
+        env: &DistEnv,
+        ptx: &PtxFiles,
+    ) -> Result<Self, RunError> {
         let rank = env.rank;
         let f = |m: String| fault(rank, m);
         let g = |e: CudaError| fault(rank, e);
@@ -123,8 +130,7 @@ impl CudaBackend {
             .collect();
         dev.ctx.bind_to_thread().map_err(|e| f(format!("{e:?}")))?;
         let comms = Comms::init(&mine).map_err(g)?;
-        let kernels = Kernels::load(&dev.ctx).map_err(g)?;
-        // Each stream's cuBLAS and cuBLASLt share the GEMM part of its planned workspace.
+        let kernels = Kernels::load(&dev.ctx, ptx, p).map_err(g)?;
         let blas = dev
             .streams
             .iter()
@@ -166,7 +172,7 @@ impl CudaBackend {
 }
 
 /// Allocates a rank's constants (once; they live as long as the process) and uploads their
-/// initial contents: the rotary tables and decay ranges, zero tokens and accumulators.
+/// initial contents: the rotary tables, zero tokens and accumulators.
 fn new_consts(layout: &ConstsLayout, dev: &Device) -> Result<Consts, CudaError> {
     let s0 = &dev.streams[0];
     let buf = s0

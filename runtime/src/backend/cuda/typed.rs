@@ -52,16 +52,6 @@ impl Storage {
         }
     }
 
-    /// The dtype code of `kernels.cu` (`load_one`, `store_one`).
-    pub fn code(self) -> i32 {
-        match self {
-            Storage::F32 => 0,
-            Storage::Bf16 => 1,
-            Storage::F16 => 2,
-            Storage::F32Halves => 3,
-        }
-    }
-
     /// The dtype a matrix product can take this storage as, in place (cuBLAS needs fp32 at
     /// 4-byte alignment).
     pub fn dtype(self) -> Option<Dtype> {
@@ -184,9 +174,10 @@ impl DevPtr {
         self.addr.add_bytes(n as u64 * self.storage.bytes())
     }
 
-    /// The dtype code a kernel takes beside this pointer.
-    pub fn code(self) -> i32 {
-        self.storage.code()
+    /// Whether the elements from here are of more than one storage (a saved region not yet cut
+    /// into its segments): no kernel takes such a pointer.
+    pub fn mixed(self) -> bool {
+        self.count > 0
     }
 }
 
