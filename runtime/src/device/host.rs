@@ -568,14 +568,7 @@ impl Device for Host<'_> {
         }
         #[cfg(feature = "llvm")]
         {
-            let op = Op::Rotary {
-                heads: sh.heads as u32,
-                kv_heads: sh.kv_heads as u32,
-                head_dim: sh.d as u32,
-                width: sh.width() as u32,
-                seq_len: sh.s as u32,
-                inverse,
-            };
+            let op = sh.rotary_op(inverse);
             let (cos, sin) = (Arg::Ptr(rope.cos.as_ptr()), Arg::Ptr(rope.sin.as_ptr()));
             if let Some(r) = generated(op, &[qkv.arg(), cos, sin], t) {
                 return r;

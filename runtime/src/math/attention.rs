@@ -70,6 +70,18 @@ impl Shape {
         })
     }
 
+    /// The generated kernel that rotates this shape's q and k heads (`inverse` for gradients).
+    pub(crate) fn rotary_op(&self, inverse: bool) -> schedc::kernels::Op {
+        schedc::kernels::Op::Rotary {
+            heads: self.heads as u32,
+            kv_heads: self.kv_heads as u32,
+            head_dim: self.d as u32,
+            width: self.width() as u32,
+            seq_len: self.s as u32,
+            inverse,
+        }
+    }
+
     /// Scratch floats that [`forward`] needs ([`backward`] needs twice this).
     pub fn scratch(&self) -> usize {
         BLOCK.min(self.s) * self.s

@@ -638,14 +638,7 @@ impl Device for Gpu<'_> {
             .rope
             .ok_or_else(|| plan_error("no rotary tables on the device"))?;
         let sh = &bp.shape;
-        let op = Op::Rotary {
-            heads: sh.heads as u32,
-            kv_heads: sh.kv_heads as u32,
-            head_dim: sh.d as u32,
-            width: sh.width() as u32,
-            seq_len: sh.s as u32,
-            inverse,
-        };
+        let op = sh.rotary_op(inverse);
         let sin = tables.add_bytes((sh.s * r.half) as u64 * F);
         self.run(op, t, &[T(src), Arg::P(tables), Arg::P(sin)])?;
         if src.addr != qkv.addr {
