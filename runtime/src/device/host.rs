@@ -22,7 +22,6 @@ use std::cell::{Cell, RefCell};
 #[cfg(feature = "llvm")]
 use {
     super::jit::{self, Arg},
-    crate::math::optim::decay_runs,
     schedc::job::Optimizer,
     schedc::kernels::Op,
 };
@@ -770,33 +769,16 @@ impl Host<'_> {
             let args = [state.arg(), grad.arg(), scale, Arg::F32(cfg.lr)];
             return generated(Op::Sgd, &args, n).unwrap_or(Ok(()));
         }
-        if u.step == 0 {
-            return Err(plan_error("optimizer steps count from 1"));
-        }
-        let bc1 = 1.0 - f64::from(cfg.beta1).powf(u.step as f64);
-        let bc2 = 1.0 - f64::from(cfg.beta2).powf(u.step as f64);
-        let decays = cfg.kind == Optimizer::AdamW && cfg.weight_decay != 0.0;
         let (m, v) = (state.offset(n), state.offset(2 * n));
-        for (run, inside) in decay_runs(n, u.first, u.decay) {
+        let scalars = u.adam_scalars()?;
+        for (run, op) in u.adam_runs() {
             let i = run.start;
-            let args = [
-                state.offset(i).arg(),
-                m.offset(i).arg(),
-                v.offset(i).arg(),
-                grad.offset(i).arg(),
-                scale,
-                Arg::F32(cfg.beta1),
-                Arg::F32(1.0 - cfg.beta1),
-                Arg::F32(cfg.beta2),
-                Arg::F32(1.0 - cfg.beta2),
-                Arg::F32(cfg.eps),
-                Arg::F32((f64::from(cfg.lr) / bc1) as f32),
-                Arg::F32(bc2.sqrt() as f32),
-                Arg::F32(1.0 - cfg.lr * cfg.weight_decay),
-            ];
-            let op = Op::Adam {
-                decayed: decays && inside,
-            };
+            let tensors = [state, m, v, grad].map(|t| t.offset(i).arg());
+            let args: Vec<Arg> = tensors
+                .into_iter()
+                .chain([scale])
+                .chain(scalars.map(Arg::F32))
+                .collect();
             generated(op, &args, run.len()).unwrap_or(Ok(()))?;
         }
         Ok(())

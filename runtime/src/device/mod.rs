@@ -140,6 +140,26 @@ pub struct Update<'a> {
     pub contributions: f64,
 }
 
+impl Update<'_> {
+    /// Adam's scalars for this step ([`crate::math::optim::adam_scalars`]); an error at step 0.
+    pub fn adam_scalars(&self) -> Result<[f32; 8], DeviceError> {
+        if self.step == 0 {
+            return Err(plan_error("optimizer steps count from 1"));
+        }
+        Ok(crate::math::optim::adam_scalars(self.cfg, self.step))
+    }
+
+    /// The generated Adam kernel for each run of the shard's elements that lies all inside or
+    /// all outside the decayed ranges, as `optimizer_step` walks them.
+    pub fn adam_runs(&self) -> impl Iterator<Item = (Range<usize>, schedc::kernels::Op)> + '_ {
+        let decays = self.cfg.decays();
+        crate::math::optim::decay_runs(self.n, self.first, self.decay).map(move |(run, inside)| {
+            let decayed = decays && inside;
+            (run, schedc::kernels::Op::Adam { decayed })
+        })
+    }
+}
+
 /// The primitives of one stream of one rank; see the module documentation.
 pub(crate) trait Device {
     /// f32 values in workspace (or any f32 buffer of the device).

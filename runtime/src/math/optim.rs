@@ -27,6 +27,11 @@ impl OptimizerConfig {
         }
     }
 
+    /// Whether AdamW's decoupled weight decay applies (to the decayed ranges).
+    pub fn decays(&self) -> bool {
+        self.kind == Optimizer::AdamW && self.weight_decay != 0.0
+    }
+
     /// fp32 state values per parameter: master, m, v for Adam; master for SGD.
     pub fn state_per_param(&self) -> usize {
         match self.kind {
@@ -81,12 +86,8 @@ pub fn optimizer_step(
             }
             let (master, mv) = state.split_at_mut(n);
             let (m, v) = mv.split_at_mut(n);
-            let bc1 = 1.0 - f64::from(cfg.beta1).powf(step as f64);
-            let bc2 = 1.0 - f64::from(cfg.beta2).powf(step as f64);
-            let step_size = (f64::from(cfg.lr) / bc1) as f32;
-            let bc2_sqrt = bc2.sqrt() as f32;
-            let shrink = 1.0 - cfg.lr * cfg.weight_decay;
-            let decays = cfg.kind == Optimizer::AdamW && cfg.weight_decay != 0.0;
+            let [.., step_size, bc2_sqrt, shrink] = adam_scalars(cfg, step);
+            let decays = cfg.decays();
 
             for (run, inside) in decay_runs(n, first, decay) {
                 let decayed = decays && inside;
@@ -103,6 +104,24 @@ pub fn optimizer_step(
             }
         },
     )
+}
+
+/// Adam's scalars at 1-based `step`, in the order the generated Adam kernel takes them after its
+/// tensors and gradient scale: β1, 1 − β1, β2, 1 − β2, ε, the step size lr/(1 − β1ᵗ), √(1 − β2ᵗ)
+/// and AdamW's shrink 1 − lr·wd. [`optimizer_step`] uses the same values.
+pub(crate) fn adam_scalars(cfg: &OptimizerConfig, step: u64) -> [f32; 8] {
+    let bc1 = 1.0 - f64::from(cfg.beta1).powf(step as f64);
+    let bc2 = 1.0 - f64::from(cfg.beta2).powf(step as f64);
+    [
+        cfg.beta1,
+        1.0 - cfg.beta1,
+        cfg.beta2,
+        1.0 - cfg.beta2,
+        cfg.eps,
+        (f64::from(cfg.lr) / bc1) as f32,
+        bc2.sqrt() as f32,
+        1.0 - cfg.lr * cfg.weight_decay,
+    ]
 }
 
 /// The shard's elements `0..n` (flat-vector elements `first..first + n`) in runs that lie all

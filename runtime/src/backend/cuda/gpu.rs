@@ -27,7 +27,6 @@ use super::enqueue::{grid, m, mt, row_major, ColMajor, DevAddr, Exec, Staged, A,
 use super::typed::{DevPtr, Storage};
 use crate::device::{plan_error, ArenaSpan, Device, DeviceError, Ptr, Update};
 use crate::math::attention::Keep;
-use crate::math::optim::decay_runs;
 use crate::math::{BlockP, NormP, Precision, Segment};
 use schedc::job::{Dtype, Optimizer};
 use schedc::kernels::{Heads, Kernel, Op, Param, SUMSQ_CHUNK};
@@ -843,33 +842,16 @@ impl Device for Gpu<'_> {
             let args = [T(state), T(grad), T(scale), Arg::F(cfg.lr)];
             return self.run(Op::Sgd, n, &args);
         }
-        if u.step == 0 {
-            return Err(plan_error("optimizer steps count from 1"));
-        }
-        let bc1 = 1.0 - f64::from(cfg.beta1).powf(u.step as f64);
-        let bc2 = 1.0 - f64::from(cfg.beta2).powf(u.step as f64);
-        let decays = cfg.kind == Optimizer::AdamW && cfg.weight_decay != 0.0;
         let (m, v) = (state.offset(n), state.offset(2 * n));
-        for (run, inside) in decay_runs(n, u.first, u.decay) {
+        let scalars = u.adam_scalars()?;
+        for (run, op) in u.adam_runs() {
             let i = run.start;
-            let args = [
-                T(state.offset(i)),
-                T(m.offset(i)),
-                T(v.offset(i)),
-                T(grad.offset(i)),
-                T(scale),
-                Arg::F(cfg.beta1),
-                Arg::F(1.0 - cfg.beta1),
-                Arg::F(cfg.beta2),
-                Arg::F(1.0 - cfg.beta2),
-                Arg::F(cfg.eps),
-                Arg::F((f64::from(cfg.lr) / bc1) as f32),
-                Arg::F(bc2.sqrt() as f32),
-                Arg::F(1.0 - cfg.lr * cfg.weight_decay),
-            ];
-            let op = Op::Adam {
-                decayed: decays && inside,
-            };
+            let tensors = [state, m, v, grad].map(|t| T(t.offset(i)));
+            let args: Vec<Arg> = tensors
+                .into_iter()
+                .chain([T(scale)])
+                .chain(scalars.map(Arg::F))
+                .collect();
             self.run(op, run.len(), &args)?;
         }
         Ok(())
