@@ -9,6 +9,7 @@
 use super::{range, representative_ranks, Ctx, Stage, VerifyError};
 use crate::ir::layout::Layout;
 use crate::ir::*;
+use crate::lower::workspace::GEMM_ALIGN;
 use cranelift_entity::EntityRef;
 
 pub fn check(p: &Program, ctx: Ctx, stage: Stage) -> Vec<VerifyError> {
@@ -149,7 +150,7 @@ pub fn check(p: &Program, ctx: Ctx, stage: Stage) -> Vec<VerifyError> {
 }
 
 /// Workspaces (see the IR module doc): each stream's is a workspace buffer of its own whose GEMM
-/// part is whole 256-byte units inside it; every compute op but accumulations and copies writes
+/// part is whole [`GEMM_ALIGN`]-byte units inside it; every compute op but accumulations and copies writes
 /// its stream's (layer math from byte 0, over the GEMM part; the others only past it); no op
 /// reads a workspace (it carries nothing from one op to the next), and no other stream's op or
 /// collective touches one.
@@ -173,11 +174,11 @@ fn workspaces(p: &Program, err: &mut impl FnMut(Option<OpId>, String)) {
                 ),
             );
         }
-        if ws.gemm_bytes > b.bytes || ws.gemm_bytes % 256 != 0 {
+        if ws.gemm_bytes > b.bytes || ws.gemm_bytes % GEMM_ALIGN != 0 {
             err(
                 None,
                 format!(
-                    "{s}'s workspace {} ({} B) cannot hold a GEMM part of {} B (whole 256-byte units inside it)",
+                    "{s}'s workspace {} ({} B) cannot hold a GEMM part of {} B (whole {GEMM_ALIGN}-byte units inside it)",
                     ws.buffer, b.bytes, ws.gemm_bytes
                 ),
             );
