@@ -10,11 +10,11 @@ carry="$PWD/gpu-carry"
 results="${OUT:-$PWD/gpu-results}"
 mkdir -p "$results"
 failed=0
-step() { # step NAME COMMAND...: runs and logs one step
-    local name=$1; shift
-    echo "=== $name: $*" | tee -a "$results/summary.txt"
+step() { # step NAME SECONDS COMMAND...: runs and logs one step, killed after SECONDS
+    local name=$1 limit=$2; shift 2
+    echo "=== $name (limit ${limit} s): $*" | tee -a "$results/summary.txt"
     local t0=$SECONDS
-    if "$@" >"$results/$name.log" 2>&1; then
+    if timeout -k 5 "$limit" "$@" >"$results/$name.log" 2>&1; then
         echo "--- $name passed ($((SECONDS - t0)) s)" | tee -a "$results/summary.txt"
     else
         echo "--- $name FAILED ($((SECONDS - t0)) s); tail:" | tee -a "$results/summary.txt"
@@ -56,12 +56,12 @@ built=$(cat "$carry/BUILD_ROOT")
 if [ ! -e "$built" ]; then mkdir -p "$(dirname "$built")" && ln -s "$PWD" "$built"; fi
 
 # SCHED_REQUIRE: a parity test that skips for want of a usable GPU fails the step instead.
-SCHED_REQUIRE=gpu step parity "$carry/bin/cuda-tests" --test-threads=1 --nocapture
-step gpt2_schedrun "$carry/bin/cuda-tests" --ignored gpt2_small_step_mfu --nocapture
-step gpt2_pytorch python3 runtime/gpu/torch_gpt2.py --steps 6 --micro-batch 8 --seq 1024
+SCHED_REQUIRE=gpu step parity "${PARITY_S:-200}" "$carry/bin/cuda-tests" --test-threads=1 --nocapture
+step gpt2_schedrun "${GPT2_S:-150}" "$carry/bin/cuda-tests" --ignored gpt2_small_step_mfu --nocapture
+step gpt2_pytorch "${TORCH_S:-120}" python3 runtime/gpu/torch_gpt2.py --steps 6 --micro-batch 8 --seq 1024
 gpus=$(nvidia-smi -L | wc -l)
 if [ "$gpus" -ge 2 ]; then
-    step two_process "$carry/bin/schedrun" "$carry/plans/tiny_two_ranks.plan.json" --backend cuda --nproc-per-node 2 --steps 5
+    step two_process 120 "$carry/bin/schedrun" "$carry/plans/tiny_two_ranks.plan.json" --backend cuda --nproc-per-node 2 --steps 5
 else
     echo "=== two_process: skipped, $gpus GPU (NCCL refuses two ranks on one GPU)" | tee -a "$results/summary.txt"
 fi
