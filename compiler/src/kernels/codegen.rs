@@ -5,13 +5,16 @@
 //! processor this runs on and JIT-compiles them (MCJIT), handing out each kernel's entry
 //! address. Both call [`body`](super::codegen) once per kernel: the body is an internal
 //! `alwaysinline` function of the index and the parameters; the wrappers differ only in how
-//! they walk `begin..end` (a loop on the host, a grid-stride loop on the GPU) and in the calling
-//! convention (`ptx_kernel` on the GPU).
+//! they walk `begin..end` (a loop on the host, a grid-stride loop on the GPU, over warps for a
+//! cooperative op) and in the calling convention (`ptx_kernel` on the GPU).
 //!
 //! Bodies live in [`bodies`](self::bodies); the arithmetic helpers they use (storage
-//! conversions, `exp`, `tanh`, loops, accumulators) in [`fx`](self::fx). Target differences are
-//! confined to [`Target`]: how `ln` is computed (libm's `logf` on the host, so the host kernels
-//! match the Rust math bit for bit; `lg2.approx` on the GPU) and the thread-index registers.
+//! conversions, `exp`, `tanh`, loops, accumulators, lanes) in [`fx`](self::fx). Target
+//! differences are confined to [`Target`]: how `ln` and `exp` are computed (libm's `logf` and
+//! the Rust math's `exp` on the host, so the host kernels match the Rust math bit for bit;
+//! `lg2.approx` and `ex2.approx` on the GPU), the thread-index registers, a cooperative index's
+//! lanes (a warp on the GPU, one on the host) and how lanes add into one place (atomically on
+//! the GPU).
 
 mod attention;
 mod bodies;
@@ -219,8 +222,15 @@ fn kernel<'c>(
         Target::Ptx { .. } => {
             let (tid, ntid, ctaid, nctaid) = fx.thread_registers();
             let first = fx.imul(ctaid, ntid);
-            let first = fx.iadd(first, tid);
-            (fx.iadd(begin, first), fx.imul(ntid, nctaid))
+            let mut first = fx.iadd(first, tid);
+            let mut stride = fx.imul(ntid, nctaid);
+            if k.op.cooperative() {
+                // A warp per index: every lane of a warp walks the same indices.
+                let warp = fx.i64c(fx::WARP);
+                first = fx.udiv(first, warp);
+                stride = fx.udiv(stride, warp);
+            }
+            (fx.iadd(begin, first), stride)
         }
     };
     fx.strided_loop(start, end, stride, |fx, i| {

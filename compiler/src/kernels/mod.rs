@@ -22,21 +22,20 @@
 //! are always fp32 (a 16-bit model's saved statistics possibly as 2-byte halves,
 //! [`Kernel::with_halved_stats`]); the loss and gradient-norm sums are f64.
 //!
-//! Performance on a GPU (nothing of it has run on one yet): element kernels are one thread per
-//! element. The row kernels (norms, softmax, cross-entropy, fused attention) give one thread a
-//! whole row, walked in the CPU's sequential order (which is what makes them the CPU's bits),
-//! and the column kernels (bias and norm parameter gradients, the embedding's gradient) one
-//! thread a column over every row; `kernels.cu`, which they replace, gave a row a block of 256
-//! threads reducing in a tree. With a step's few thousand rows a GPU runs a few thousand threads
-//! of such kernels, each a long dependent chain (a 768-wide layer norm: three passes of 768 loads
-//! per thread, uncoalesced across the warp since neighbouring threads read rows apart; the
-//! cross-entropy of a 50,257-word vocabulary: about 150,000 dependent operations per thread;
-//! fused attention: a thread per query row over up to `seq_len` keys), so expect these kernels
-//! to be latency-bound and one to two orders of magnitude slower than block-per-row ones —
-//! likely the step's largest non-GEMM cost — until a warp-cooperative variant (lanes reducing
-//! with shuffles, one lane on the host) takes them over. The loss and gradient-norm sums
-//! ([`Op::AddLoss`], [`Op::AddPartials`]) are one thread over a micro-batch's rows or a
-//! gradient's 4,096-element chunks: tens of microseconds.
+//! Work on a GPU: element kernels are one thread per element. The row and column kernels
+//! ([`Op::cooperative`]: norms, softmax, cross-entropy, rotary positions, bias and norm parameter
+//! gradients) give each index a warp: the lanes stride the row (a column kernel: the rows), each
+//! keeping its own partial sums in the CPU's accumulation pattern, then combine them with a
+//! shuffle butterfly (which leaves every lane with the same bits) and lane 0 stores the row's
+//! scalars. The host runs these bodies as one lane, so its order, and with it the CPU backend's
+//! bits, is the sequential one; a GPU sums in another order and agrees to rounding. The
+//! embedding's gradient splits a column's token rows over the lanes, which add into the token
+//! rows atomically: on a GPU its sums' order, and so their last bits, may vary from run to run
+//! (the only such kernel). The loss and gradient-norm sums ([`Op::AddLoss`],
+//! [`Op::AddPartials`]) one thread over a micro-batch's rows or a gradient's 4,096-element
+//! chunks. Attention has no fused kernel here: the GPU computes it chunk by chunk of queries
+//! with cuBLAS products and [`Op::CausalSoftmax`] / [`Op::SoftmaxBackward`]
+//! (`schedc::lower::workspace::attention_chunk`).
 
 #[cfg(feature = "llvm")]
 pub mod codegen;
@@ -62,42 +61,6 @@ pub enum Space {
     Columns,
     /// One index per chunk of [`SUMSQ_CHUNK`] elements.
     Chunks,
-}
-
-/// The shape of a causal attention kernel: query heads, key/value heads (grouped-query attention
-/// when fewer), the head dimension and the sequence length. `qkv` rows are tokens of
-/// [`Heads::width`]: `[q (heads·d) | k (kv_heads·d) | v (kv_heads·d)]`; query head `n` reads
-/// key/value head `n / (heads / kv_heads)`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct Heads {
-    pub heads: u32,
-    pub kv_heads: u32,
-    pub head_dim: u32,
-    pub seq_len: u32,
-}
-
-impl Heads {
-    /// Elements of one token row of the packed `qkv`.
-    pub fn width(&self) -> u32 {
-        (self.heads + 2 * self.kv_heads) * self.head_dim
-    }
-
-    /// Elements of one token row of the attention output (and of its gradient).
-    pub fn hidden(&self) -> u32 {
-        self.heads * self.head_dim
-    }
-
-    /// The score scale 1/√d, computed as the runtime's `attention::Shape::scale` does.
-    pub fn scale(&self) -> f32 {
-        1.0 / (self.head_dim as f32).sqrt()
-    }
-
-    fn stem(&self) -> String {
-        format!(
-            "h{}_kv{}_d{}_s{}",
-            self.heads, self.kv_heads, self.head_dim, self.seq_len
-        )
-    }
 }
 
 /// A kernel parameter's kind.
@@ -230,24 +193,18 @@ pub enum Op {
         seq_len: u32,
         positions: bool,
     },
-    /// Fused causal attention of query row `(b·heads + n)·seq_len + i` (the CPU's `lse` order):
-    /// `out` gets softmax(scale·q·Kᵀ)·V over keys `0..=i` (online softmax, one pass over the
-    /// keys), `lse` the row's log-sum-exp.
-    FlashForward(Heads),
-    /// Attention backward, query side, per query row (as [`Op::FlashForward`]): `dsum` gets
-    /// D = rowsum(P∘dP), and dQ = Σ_j P_ij (dP_ij − D)·scale·K_j is written (not added) at the
-    /// row's q place in `dqkv`.
-    FlashBackwardQuery(Heads),
-    /// Attention backward, key side, per key row `(b·kv_heads + g)·seq_len + j`: dK_j and dV_j
-    /// summed over the group's query heads and the queries `i ≥ j`, written (not added) at the
-    /// row's k and v places in `dqkv`. Each index owns the rows it writes.
-    FlashBackwardKeys(Heads),
-    /// The naive path's causal softmax of score row `r` (query `i = r mod seq_len`):
-    /// `probs[r, j] = exp(scores[r, j] − lse)` for `j ≤ i`, 0 after, rounded to `probs`' dtype;
-    /// the max, eight-lane `sum_exp` and `ln` of `attention::forward`.
-    CausalSoftmax { seq_len: u32 },
-    /// The naive path's softmax backward of row `r`: `dp = p·(dp − Σ_j p·dp)·scale`.
-    SoftmaxBackward { seq_len: u32 },
+    /// The causal softmax of score row `r` of a chunk of query rows (`per_head` rows of each
+    /// head, head-major; row `r` is query `i = first + r mod per_head`, its `keys` scores
+    /// `keys` apart): `probs[r, j] = exp(scores[r, j] − lse)` for `j ≤ i`, 0 after, rounded to
+    /// `probs`' dtype, and `lse[r]` the row's log-sum-exp (the max, eight-lane `sum_exp` and
+    /// `ln` of `attention::forward`). Attention's probabilities, whole (the naive path: one
+    /// sequence's heads, `first` 0, `per_head` = `keys` = seq_len) or by chunk of queries (the
+    /// fused path on a GPU, which keeps only `lse`).
+    CausalSoftmax,
+    /// The softmax backward of row `r` (`keys` wide): `ds = p·(dp − Σ_j p·dp)·scale`, rounded
+    /// to `ds`' dtype. `ds` may be `dp` or `p` (each lane reads an element before it writes it,
+    /// after the row's sum).
+    SoftmaxBackward,
 }
 
 impl Op {
@@ -257,17 +214,22 @@ impl Op {
             | Op::NormBackwardInput { .. }
             | Op::CrossEntropy { .. }
             | Op::Rotary { .. }
-            | Op::FlashForward(_)
-            | Op::FlashBackwardQuery(_)
-            | Op::FlashBackwardKeys(_)
-            | Op::CausalSoftmax { .. }
-            | Op::SoftmaxBackward { .. } => Space::Rows,
+            | Op::CausalSoftmax
+            | Op::SoftmaxBackward => Space::Rows,
             Op::BiasGrad { .. } | Op::NormBackwardParams { .. } | Op::EmbeddingBackward { .. } => {
                 Space::Columns
             }
             Op::SumSquares => Space::Chunks,
             _ => Space::Elements,
         }
+    }
+
+    /// Whether the lanes of a warp share each index on the GPU: they stride the index's row (or,
+    /// for a column op, its rows), reduce with shuffles and store a row's scalars from lane 0
+    /// (the embedding's gradient, whose rows scatter into token rows, adds atomically). The
+    /// host runs such a body as one lane, in the CPU's order. Every row and column op.
+    pub fn cooperative(&self) -> bool {
+        matches!(self.space(), Space::Rows | Space::Columns)
     }
 
     /// How many storage dtypes the op takes (its [`Param::Tensor`]s, in order).
@@ -279,15 +241,12 @@ impl Op {
     }
 
     /// The op's fp32 statistics parameter that a 16-bit model keeps inside a layer's saved
-    /// region (norm statistics, attention's log-sum-exp), where it may lie at a 2-byte offset: a
+    /// region (norm statistics), where it may lie at a 2-byte offset: a
     /// kernel then takes it as [`Param::Halves`] ([`Kernel::with_halved_stats`]).
     pub fn saved_stats(&self) -> Option<&'static str> {
         match self {
             Op::Norm { .. } | Op::NormBackwardInput { .. } | Op::NormBackwardParams { .. } => {
                 Some("stats")
-            }
-            Op::FlashForward(_) | Op::FlashBackwardQuery(_) | Op::FlashBackwardKeys(_) => {
-                Some("lse")
             }
             _ => None,
         }
@@ -408,18 +367,21 @@ impl Op {
                 v.push(I64("rows"));
                 v
             }
-            Op::FlashForward(_) => vec![Tensor("qkv", d[0]), Tensor("out", d[1]), F32s("lse")],
-            Op::FlashBackwardQuery(_) | Op::FlashBackwardKeys(_) => vec![
-                Tensor("qkv", d[0]),
-                Tensor("dout", d[1]),
+            Op::CausalSoftmax => vec![
+                Tensor("scores", d[0]),
+                Tensor("probs", d[1]),
                 F32s("lse"),
-                F32s("dsum"),
-                Tensor("dqkv", d[2]),
+                I64("keys"),
+                I64("first"),
+                I64("per_head"),
             ],
-            Op::CausalSoftmax { .. } => vec![Tensor("scores", d[0]), Tensor("probs", d[1])],
-            Op::SoftmaxBackward { .. } => {
-                vec![Tensor("p", d[0]), Tensor("dp", d[1]), F32("scale")]
-            }
+            Op::SoftmaxBackward => vec![
+                Tensor("p", d[0]),
+                Tensor("dp", d[1]),
+                Tensor("ds", d[2]),
+                F32("scale"),
+                I64("keys"),
+            ],
         }
     }
 
@@ -491,11 +453,8 @@ impl Op {
                 "embedding_backward{}_v{vocab}_w{width}_s{seq_len}",
                 if positions { "_positions" } else { "" }
             ),
-            Op::FlashForward(h) => format!("flash_forward_{}", h.stem()),
-            Op::FlashBackwardQuery(h) => format!("flash_backward_dq_{}", h.stem()),
-            Op::FlashBackwardKeys(h) => format!("flash_backward_dkv_{}", h.stem()),
-            Op::CausalSoftmax { seq_len } => format!("causal_softmax_s{seq_len}"),
-            Op::SoftmaxBackward { seq_len } => format!("softmax_backward_s{seq_len}"),
+            Op::CausalSoftmax => "causal_softmax".into(),
+            Op::SoftmaxBackward => "softmax_backward".into(),
         }
     }
 }
@@ -660,7 +619,7 @@ pub fn for_model(model: &Model) -> Vec<Kernel> {
                         k.add(Kernel::new(op, &[f]));
                     }
                 }
-                k.attention(&t, model.seq_len as u32);
+                k.attention(&t);
             }
             LayerKind::Mlp(m) => {
                 k.norm(m.norm, m.hidden as u32, false);
@@ -747,7 +706,9 @@ pub fn for_model(model: &Model) -> Vec<Kernel> {
             k.add(Kernel::new(Op::Round { to }, &[f]));
         }
     }
+    // Fills of fp32 workspace, and of padded product operands in the model dtype.
     k.add(Kernel::new(Op::Fill, &[f]));
+    k.add(Kernel::new(Op::Fill, &[a]));
     k.list
 }
 
@@ -834,32 +795,25 @@ impl Catalogue {
         }
     }
 
-    /// A transformer block's attention kernels, by its attention kind: the fused flash kernels
-    /// (forward on the saved qkv and output; backward to fp32 gradients), or the naive path's
-    /// row softmax (fp32 scores into the kept probabilities) and its backward (on the kept
-    /// probabilities in the arena, into fp32 gradients); the score products are GEMMs.
-    fn attention(&mut self, t: &TransformerSpec, seq_len: u32) {
+    /// A transformer block's attention kernels: the causal softmax of fp32 scores into
+    /// probabilities and its backward (on probabilities in the arena or workspace, into fp32
+    /// gradients); the score products are GEMMs. The naive path keeps its probabilities (in the
+    /// arena or workspace, `out`); the fused path recomputes them chunk by chunk in workspace in
+    /// the product dtype, which is the model's.
+    fn attention(&mut self, t: &TransformerSpec) {
         let (a, f) = (self.a, self.f);
-        let heads = Heads {
-            heads: t.heads as u32,
-            kv_heads: t.kv_heads as u32,
-            head_dim: t.head_dim() as u32,
-            seq_len,
+        let probs = match t.attention {
+            Attention::Flash => vec![a],
+            Attention::Naive => self.out.clone(),
         };
-        match t.attention {
-            Attention::Flash => {
-                for s in self.out.clone() {
-                    self.add_stats(Kernel::new(Op::FlashForward(heads), &[s, s]), s);
-                }
-                self.add_stats(Kernel::new(Op::FlashBackwardQuery(heads), &[a, f, f]), a);
-                self.add_stats(Kernel::new(Op::FlashBackwardKeys(heads), &[a, f, f]), a);
-            }
-            Attention::Naive => {
-                for s in self.out.clone() {
-                    self.add(Kernel::new(Op::CausalSoftmax { seq_len }, &[f, s]));
-                }
-                self.add(Kernel::new(Op::SoftmaxBackward { seq_len }, &[a, f]));
-            }
+        for p in probs {
+            self.add(Kernel::new(Op::CausalSoftmax, &[f, p]));
+        }
+        // The naive path's score gradient in place (fp32), the fused one's into the
+        // probabilities' place in the product dtype.
+        self.add(Kernel::new(Op::SoftmaxBackward, &[a, f, f]));
+        if t.attention == Attention::Flash {
+            self.add(Kernel::new(Op::SoftmaxBackward, &[a, f, a]));
         }
     }
 }

@@ -10,14 +10,18 @@
 //!   plus the zeros that stand in for the embedding where an op reads none (2·vocab·h);
 //! - its fp32 intermediates (`runtime/src/device/layers.rs`): a transformer's backward holds dr,
 //!   da, dattn (T·h each), dqkv (T·w) and the MLP's two T·f, plus attention's (naive: the
-//!   probabilities, max(n, 2)·s² — n·s² forward, two s×s backward; flash: a row sum per query
-//!   row, n·T); an mlp layer's backward da (T·h) and the two T·f; an lm_head's backward da
-//!   (T·h). A forward needs less (with rotary positions, the projected qkv, T·w);
+//!   probabilities, max(n, 2)·s² — n·s² forward, two s×s backward — and a log-sum-exp per
+//!   row of a sequence, n·s; flash: two chunks of n·c·s, the scores and the probabilities (their
+//!   gradients reuse both), c the [`attention_chunk`] rows, and n·s log-sum-exps); an mlp
+//!   layer's backward da (T·h) and the two T·f; an lm_head's backward da (T·h) and, over a
+//!   vocabulary that is not a multiple of 8, its weight, logits and their gradient padded
+//!   ([`padded_rows`], which pads any product width not a multiple of 8). A forward needs less (with rotary positions, the projected qkv, T·w);
 //! - the casts of one product's operands at a time (operands stored in the product dtype are
 //!   used in place): for a 16-bit model, two of the widest fp32 operand at two bytes an element,
 //!   that is one widest in floats (max(T·f, T·w), and n·s² with naive attention, whose
-//!   probabilities are a product operand; flash attention's fused kernels take none); where the
-//!   gradient dtype is not the model's, the output gradient (T·h, or T·vocab for a head);
+//!   probabilities are a product operand; flash casts its score gradient into the
+//!   probabilities' place); where the gradient dtype is not the model's, the output gradient
+//!   (T·h, or T·vocab for a head);
 //! - 64 floats of alignment for each of up to 64 allocations.
 //!
 //! A `dense` layer runs nowhere (the runtime refuses it); it is given its parameter gradient and
@@ -92,6 +96,42 @@ fn tied_elements(kind: &LayerKind) -> u64 {
     }
 }
 
+/// Score floats of one attention chunk at most (64 MiB of fp32): the fused path's workspace
+/// is a few chunks, whatever the sequence length.
+pub const ATTENTION_CHUNK_FLOATS: u64 = 1 << 24;
+
+/// Query rows per chunk of the fused attention on a GPU with `heads` query heads and sequences
+/// of `seq_len`: the whole sequence when its `heads × seq_len × seq_len` scores fit
+/// [`ATTENTION_CHUNK_FLOATS`], else the most multiples of 64 rows that do (at least 64). A chunk
+/// of rows `q0..q1` holds the scores of keys `0..q1` of every head.
+pub fn attention_chunk(heads: u64, seq_len: u64) -> u64 {
+    let rows = ATTENTION_CHUNK_FLOATS / (heads * seq_len).max(1);
+    if rows >= seq_len {
+        seq_len
+    } else {
+        (rows / 64 * 64).max(64).min(seq_len)
+    }
+}
+
+/// Rows of a padded product output (or output gradient) in workspace at a time (see
+/// [`padded_rows`]): the product runs on that many token rows at once.
+pub const PADDED_ROWS: usize = 1024;
+
+/// Floats for a product whose output width among `widths` is not a multiple of 8 (a head over
+/// an odd vocabulary): the GPU pads it to the next multiple, w₈, so that its tensor-core
+/// kernels run (`aligned_ld` in the CUDA device). Its weight, `inputs` wide at most, gets w₈
+/// rows (the last ones zero), and its output (forward) or output gradient (backward) goes
+/// through rows of w₈, [`PADDED_ROWS`] of the T tokens at a time, in fp32 at most and, for a
+/// 16-bit model's fp32 gradient, cast to the product dtype: 1.5·min(T, rows)·w₈ + w₈·inputs,
+/// for the widest such product.
+pub fn padded_rows(tokens: u64, widths: &[u64], inputs: u64) -> u64 {
+    let widest = widths.iter().filter(|&&w| w % 8 != 0).max();
+    widest.map_or(0, |&w| {
+        let w8 = w.next_multiple_of(8);
+        3 * tokens.min(PADDED_ROWS as u64) * w8 / 2 + w8 * inputs
+    })
+}
+
 /// Floats of workspace layer `l`'s forward or backward math needs (see the module doc).
 pub fn layer_floats(model: &Model, l: usize) -> u64 {
     let layer = &model.layers[l];
@@ -101,16 +141,31 @@ pub fn layer_floats(model: &Model, l: usize) -> u64 {
             let (h, f, s, n) = (tr.hidden, tr.ffn, model.seq_len, tr.heads);
             let w = h + 2 * tr.kv_dim();
             let (attention, probs) = match tr.attention {
-                Attention::Naive => (n.max(2) * s * s, n * s * s),
-                Attention::Flash => (n * t, 0),
+                // The probabilities and, forward, each row's log-sum-exp.
+                Attention::Naive => (n.max(2) * s * s + n * s, n * s * s),
+                // A chunk's scores and probabilities (their gradients reuse both) and its
+                // rows' log-sum-exps.
+                Attention::Flash => (2 * n * attention_chunk(n, s) * s + n * s, 0),
             };
             (
-                3 * t * h + t * w + 2 * t * f + attention,
+                3 * t * h
+                    + t * w
+                    + 2 * t * f
+                    + attention
+                    + padded_rows(t, &[w, h, f, 2 * f], h.max(f)),
                 (t * f).max(t * w).max(probs),
             )
         }
-        LayerKind::Mlp(m) => (t * m.hidden + 2 * t * m.ffn, t * m.ffn),
-        LayerKind::LmHead { hidden, .. } => (t * hidden, t * hidden),
+        LayerKind::Mlp(m) => {
+            let (h, f) = (m.hidden, m.ffn);
+            (
+                t * h + 2 * t * f + padded_rows(t, &[h, f, 2 * f], h.max(f)),
+                t * f,
+            )
+        }
+        LayerKind::LmHead { hidden, vocab, .. } => {
+            (t * hidden + padded_rows(t, &[vocab], hidden), t * hidden)
+        }
         LayerKind::Embedding { .. } | LayerKind::Dense { .. } => (0, 0),
     };
     let mut casts = 0;
@@ -318,6 +373,39 @@ mod tests {
         a.jobs[0].clone()
     }
 
+    /// Whole sequences while their scores fit 2^24 floats, else multiples of 64 query rows.
+    #[test]
+    fn attention_chunks_bound_the_scores() {
+        // GPT-2 small: 12 × 1024 × 1024 = 12.6M scores fit.
+        assert_eq!(attention_chunk(12, 1024), 1024);
+        // 64 heads of 4096: 2^24 / 2^18 = 64 rows.
+        assert_eq!(attention_chunk(64, 4096), 64);
+        // 32 heads of 2048: 256 rows; 40 heads of 2048: 204 rounded down to 192.
+        assert_eq!(attention_chunk(32, 2048), 256);
+        assert_eq!(attention_chunk(40, 2048), 192);
+        // Never below 64 rows, nor above the sequence.
+        assert_eq!(attention_chunk(128, 1 << 16), 64);
+        assert_eq!(attention_chunk(4, 16), 16);
+        for (n, s) in [(12, 1024), (64, 4096), (40, 2048), (7, 3000)] {
+            let c = attention_chunk(n, s);
+            assert!(
+                c == s || (c.is_multiple_of(64) && n * c * s <= ATTENTION_CHUNK_FLOATS),
+                "{n} {s}"
+            );
+        }
+    }
+
+    /// Only a product width that is not a multiple of 8 pads rows, the widest such one.
+    #[test]
+    fn only_odd_widths_pad_rows() {
+        assert_eq!(padded_rows(8192, &[32000, 4096], 4096), 0);
+        assert_eq!(padded_rows(2, &[50257], 768), 3 * 50264 + 50264 * 768);
+        // GPT-2 small's head: 1,024 of 8,192 token rows at a time.
+        assert_eq!(padded_rows(8192, &[50257], 768), 1536 * 50264 + 50264 * 768);
+        assert_eq!(padded_rows(4, &[7, 64, 3], 10), 3 * 4 * 8 / 2 + 8 * 10);
+        assert_eq!(padded_rows(4, &[129, 258, 32], 1), 3 * 4 * 264 / 2 + 264);
+    }
+
     /// The transformer's terms written out for one shape: T = 2·16 tokens, h 32, f 64, w = 32 +
     /// 2·16 (kv_heads 2 of 4), n 4, s 16.
     #[test]
@@ -327,7 +415,11 @@ mod tests {
             layer block[1] = transformer(hidden = 32, heads = 4, kv_heads = 2, ffn = 64, attention = ATT)
             layer head = lm_head(hidden = 32, vocab = 64, tied = true) }";
         let (t, h, f, w, n, s) = (32u64, 32, 64, 64, 4, 16);
-        for (att, attention, probs) in [("flash", n * t, 0), ("naive", n * s * s, n * s * s)] {
+        let chunk = n * attention_chunk(n, s) * s;
+        for (att, attention, probs) in [
+            ("flash", 2 * chunk + n * s, 0),
+            ("naive", n * s * s + n * s, n * s * s),
+        ] {
             let j = job(&model.replace("ATT", att), "");
             let m = &j.model;
             let params = m.layers[1].params;

@@ -4,6 +4,9 @@
 //! `gemm.rs`, `optim.rs`, `cross_entropy`) operation for operation and in the same order:
 //! sums fold left from Rust's starting value (−0.0 for `Iterator::sum`, 0.0 for explicit
 //! accumulators), the loss's `sum_exp` keeps its eight lanes, and no expression is reassociated.
+//! Row and column bodies ([`Op::cooperative`]) are written for a warp: each loop over a row is a
+//! [`Fx::lane_range`], each sum ends in a [`Fx::lane_sum`], a row's scalars are stored by
+//! [`Fx::first_lane`]; with the host's one lane that is the sequential code above.
 
 use super::attention;
 use super::fx::{Fx, F, I};
@@ -52,11 +55,8 @@ pub fn emit<'c>(fx: &mut Fx<'c, '_>, k: &Kernel, i: I<'c>) {
             seq_len,
             positions,
         } => embedding_backward(fx, vocab, width, seq_len, positions, i),
-        Op::FlashForward(h) => attention::flash_forward(fx, h, i),
-        Op::FlashBackwardQuery(h) => attention::flash_backward_query(fx, h, i),
-        Op::FlashBackwardKeys(h) => attention::flash_backward_keys(fx, h, i),
-        Op::CausalSoftmax { seq_len } => attention::causal_softmax(fx, seq_len, i),
-        Op::SoftmaxBackward { seq_len } => attention::softmax_backward(fx, seq_len, i),
+        Op::CausalSoftmax => attention::causal_softmax(fx, i),
+        Op::SoftmaxBackward => attention::softmax_backward(fx, i),
         Op::Accumulate => {
             let v = fx.add(fx.load("acc", i), fx.load("x", i));
             fx.store("acc", i, v);
@@ -177,7 +177,8 @@ fn embedding<'c>(
 }
 
 /// Column `c` of the host's `embedding_backward`: token rows in order, each adding its `dy`
-/// element to its token's `dwte` row and its position's `dwpe` row.
+/// element to its token's `dwte` row and its position's `dwpe` row. On a GPU the lanes split
+/// the rows and add atomically (two rows of one token may meet).
 fn embedding_backward<'c>(
     fx: &mut Fx<'c, '_>,
     vocab: u32,
@@ -188,31 +189,32 @@ fn embedding_backward<'c>(
 ) {
     let w = fx.i64c(width.into());
     let rows = fx.int_param("rows");
-    fx.range(fx.i64c(0), rows, |fx, r| {
+    fx.lane_range(fx.i64c(0), rows, |fx, r| {
         let g = fx.load("dy", fx.iadd(fx.imul(r, w), c));
         let (tok, valid) = token(fx, vocab, r);
         fx.when(valid, |fx| {
             let e = fx.iadd(fx.imul(tok, w), c);
-            fx.store("dwte", e, fx.add(fx.load("dwte", e), g));
+            fx.add_into("dwte", e, g);
         });
         if positions {
             let pos = fx.urem(r, fx.i64c(seq_len.into()));
             let e = fx.iadd(fx.imul(pos, w), c);
-            fx.store("dwpe", e, fx.add(fx.load("dwpe", e), g));
+            fx.add_into("dwpe", e, g);
         }
     });
 }
 
 /// `db[j] += dy[r, j]` for each row r in order (`gemm::col_sums`).
 fn column_sums<'c>(fx: &mut Fx<'c, '_>, width: u32, j: I<'c>) {
-    let acc = fx.var(fx.load("db", j));
+    let acc = fx.var(fx.lane0_or(fx.load("db", j), fx.f(0.0)));
     let w = fx.i64c(width.into());
     let rows = fx.int_param("rows");
-    fx.range(fx.i64c(0), rows, |fx, r| {
+    fx.lane_range(fx.i64c(0), rows, |fx, r| {
         let v = fx.load("dy", fx.iadd(fx.imul(r, w), j));
         fx.set(&acc, fx.add(fx.get(&acc), v));
     });
-    fx.store("db", j, fx.get(&acc));
+    let total = fx.lane_sum(fx.get(&acc));
+    fx.first_lane(|fx| fx.store("db", j, total));
 }
 
 /// `ops::norm_forward` on row `r`.
@@ -225,17 +227,17 @@ fn norm_forward<'c>(fx: &mut Fx<'c, '_>, norm: Norm, width: u32, bias: bool, r: 
     let (mean, rstd) = match norm {
         Norm::LayerNorm => {
             let s = fx.var(fx.f(-0.0));
-            fx.range(zero, h, |fx, j| {
+            fx.lane_range(zero, h, |fx, j| {
                 let v = fx.load("x", at(fx, j));
                 fx.set(&s, fx.add(fx.get(&s), v));
             });
-            let mean = fx.div(fx.get(&s), hf);
+            let mean = fx.div(fx.lane_sum(fx.get(&s)), hf);
             let q = fx.var(fx.f(-0.0));
-            fx.range(zero, h, |fx, j| {
+            fx.lane_range(zero, h, |fx, j| {
                 let d = fx.sub(fx.load("x", at(fx, j)), mean);
                 fx.set(&q, fx.add(fx.get(&q), fx.mul(d, d)));
             });
-            let var = fx.div(fx.get(&q), hf);
+            let var = fx.div(fx.lane_sum(fx.get(&q)), hf);
             (
                 mean,
                 fx.div(fx.f(1.0), fx.sqrt(fx.add(var, fx.f(NORM_EPS)))),
@@ -243,11 +245,11 @@ fn norm_forward<'c>(fx: &mut Fx<'c, '_>, norm: Norm, width: u32, bias: bool, r: 
         }
         Norm::RmsNorm => {
             let q = fx.var(fx.f(-0.0));
-            fx.range(zero, h, |fx, j| {
+            fx.lane_range(zero, h, |fx, j| {
                 let v = fx.load("x", at(fx, j));
                 fx.set(&q, fx.add(fx.get(&q), fx.mul(v, v)));
             });
-            let ms = fx.div(fx.get(&q), hf);
+            let ms = fx.div(fx.lane_sum(fx.get(&q)), hf);
             (
                 fx.f(0.0),
                 fx.div(fx.f(1.0), fx.sqrt(fx.add(ms, fx.f(NORM_EPS)))),
@@ -255,9 +257,11 @@ fn norm_forward<'c>(fx: &mut Fx<'c, '_>, norm: Norm, width: u32, bias: bool, r: 
         }
     };
     let two_r = fx.imul(r, fx.i64c(2));
-    fx.store("stats", two_r, mean);
-    fx.store("stats", fx.iadd(two_r, fx.i64c(1)), rstd);
-    fx.range(zero, h, |fx, j| {
+    fx.first_lane(|fx| {
+        fx.store("stats", two_r, mean);
+        fx.store("stats", fx.iadd(two_r, fx.i64c(1)), rstd);
+    });
+    fx.lane_range(zero, h, |fx, j| {
         let x = fx.load("x", at(fx, j));
         let y = fx.mul(fx.mul(fx.sub(x, mean), rstd), fx.load("w", j));
         let y = if bias { fx.add(y, fx.load("b", j)) } else { y };
@@ -282,17 +286,17 @@ fn norm_backward_input<'c>(fx: &mut Fx<'c, '_>, norm: Norm, width: u32, r: I<'c>
     };
     let sum_d = fx.var(fx.f(0.0));
     let sum_dx = fx.var(fx.f(0.0));
-    fx.range(zero, h, |fx, j| {
+    fx.lane_range(zero, h, |fx, j| {
         let (_, xhat, d) = terms(fx, j);
         fx.set(&sum_d, fx.add(fx.get(&sum_d), d));
         fx.set(&sum_dx, fx.add(fx.get(&sum_dx), fx.mul(d, xhat)));
     });
     let mean_d = match norm {
-        Norm::LayerNorm => fx.div(fx.get(&sum_d), hf),
+        Norm::LayerNorm => fx.div(fx.lane_sum(fx.get(&sum_d)), hf),
         Norm::RmsNorm => fx.f(0.0),
     };
-    let mean_dx = fx.div(fx.get(&sum_dx), hf);
-    fx.range(zero, h, |fx, j| {
+    let mean_dx = fx.div(fx.lane_sum(fx.get(&sum_dx)), hf);
+    fx.lane_range(zero, h, |fx, j| {
         let (e, xhat, d) = terms(fx, j);
         let g = fx.sub(fx.sub(d, mean_d), fx.mul(xhat, mean_dx));
         let v = fx.add(fx.load("dx", e), fx.mul(rstd, g));
@@ -303,10 +307,11 @@ fn norm_backward_input<'c>(fx: &mut Fx<'c, '_>, norm: Norm, width: u32, r: I<'c>
 /// The column part of `ops::norm_backward`: `dw[j] += Σ_r dy·x̂`, `db[j] += Σ_r dy`.
 fn norm_backward_params<'c>(fx: &mut Fx<'c, '_>, width: u32, bias: bool, j: I<'c>) {
     let h = fx.i64c(width.into());
-    let dw = fx.var(fx.load("dw", j));
-    let db = bias.then(|| fx.var(fx.load("db", j)));
+    let zero = fx.f(0.0);
+    let dw = fx.var(fx.lane0_or(fx.load("dw", j), zero));
+    let db = bias.then(|| fx.var(fx.lane0_or(fx.load("db", j), zero)));
     let rows = fx.int_param("rows");
-    fx.range(fx.i64c(0), rows, |fx, r| {
+    fx.lane_range(fx.i64c(0), rows, |fx, r| {
         let two_r = fx.imul(r, fx.i64c(2));
         let mean = fx.load("stats", two_r);
         let rstd = fx.load("stats", fx.iadd(two_r, fx.i64c(1)));
@@ -318,10 +323,14 @@ fn norm_backward_params<'c>(fx: &mut Fx<'c, '_>, width: u32, bias: bool, j: I<'c
             fx.set(db, fx.add(fx.get(db), dy));
         }
     });
-    fx.store("dw", j, fx.get(&dw));
-    if let Some(db) = &db {
-        fx.store("db", j, fx.get(db));
-    }
+    let dw = fx.lane_sum(fx.get(&dw));
+    let db = db.map(|db| fx.lane_sum(fx.get(&db)));
+    fx.first_lane(|fx| {
+        fx.store("dw", j, dw);
+        if let Some(db) = db {
+            fx.store("db", j, db);
+        }
+    });
 }
 
 /// One row of `math::cross_entropy`: log-sum-exp with `ops::sum_exp`'s eight lanes, the row's
@@ -339,9 +348,9 @@ fn cross_entropy<'c>(fx: &mut Fx<'c, '_>, vocab: u32, r: I<'c>) {
     let safe = fx.iselect(valid, target, zero);
     let loss = fx.sub(lse, fx.load("logits", at(fx, safe)));
     let loss = fx.fselect(valid, loss, fx.f(f32::NAN));
-    fx.store("loss", r, loss);
+    fx.first_lane(|fx| fx.store("loss", r, loss));
     let inv = fx.scalar("inv");
-    fx.range(zero, vv, |fx, j| {
+    fx.lane_range(zero, vv, |fx, j| {
         let g = fx.mul(fx.exp(fx.sub(fx.load("logits", at(fx, j)), lse)), inv);
         let hit = fx.icmp(IntPredicate::EQ, j, target);
         let g = fx.fselect(hit, fx.sub(g, inv), g);
@@ -353,22 +362,25 @@ fn cross_entropy<'c>(fx: &mut Fx<'c, '_>, vocab: u32, r: I<'c>) {
 /// folded from −∞ with `f32::max`: the log-sum-exp of the loss and of attention's rows.
 pub(super) fn log_sum_exp<'c>(fx: &mut Fx<'c, '_>, name: &str, row: I<'c>, n: I<'c>) -> F<'c> {
     let max = fx.var(fx.f(f32::NEG_INFINITY));
-    fx.range(fx.i64c(0), n, |fx, j| {
+    fx.lane_range(fx.i64c(0), n, |fx, j| {
         let x = fx.load(name, fx.iadd(row, j));
         fx.set(&max, fx.maxnum(fx.get(&max), x));
     });
-    let max = fx.get(&max);
+    let max = fx.lane_max(fx.get(&max));
     let sum = sum_exp(fx, name, row, n, max);
     fx.add(max, fx.ln(sum))
 }
 
-/// `ops::sum_exp`: eight lane accumulators over whole chunks of eight, then the tail, then the
-/// lanes summed in order and the tail added.
+/// `ops::sum_exp`: eight accumulators over whole chunks of eight, then the tail, then the eight
+/// summed in order and the tail added. On a GPU each lane takes every 32nd chunk and its share
+/// of the tail, and the lanes' results are summed.
 fn sum_exp<'c>(fx: &mut Fx<'c, '_>, name: &str, row: I<'c>, n: I<'c>, shift: F<'c>) -> F<'c> {
     let at = |fx: &Fx<'c, '_>, j: I<'c>| fx.iadd(row, j);
     let lanes: Vec<_> = (0..8).map(|_| fx.var(fx.f(0.0))).collect();
     let whole = fx.imul(fx.udiv(n, fx.i64c(8)), fx.i64c(8));
-    fx.strided_loop(fx.i64c(0), whole, fx.i64c(8), |fx, c| {
+    let first = fx.imul(fx.lane(), fx.i64c(8));
+    let stride = fx.i64c(8 * fx.lanes());
+    fx.strided_loop(first, whole, stride, |fx, c| {
         for (k, lane) in lanes.iter().enumerate() {
             let x = fx.load(name, at(fx, fx.iadd(c, fx.i64c(k as u64))));
             let e = fx.exp(fx.sub(x, shift));
@@ -376,7 +388,7 @@ fn sum_exp<'c>(fx: &mut Fx<'c, '_>, name: &str, row: I<'c>, n: I<'c>, shift: F<'
         }
     });
     let tail = fx.var(fx.f(-0.0));
-    fx.range(whole, n, |fx, j| {
+    fx.lane_range(whole, n, |fx, j| {
         let e = fx.exp(fx.sub(fx.load(name, at(fx, j)), shift));
         fx.set(&tail, fx.add(fx.get(&tail), e));
     });
@@ -384,7 +396,7 @@ fn sum_exp<'c>(fx: &mut Fx<'c, '_>, name: &str, row: I<'c>, n: I<'c>, shift: F<'
     for lane in &lanes {
         sum = fx.add(sum, fx.get(lane));
     }
-    fx.add(sum, fx.get(&tail))
+    fx.lane_sum(fx.add(sum, fx.get(&tail)))
 }
 
 /// `ops::Rope::apply` on `heads` heads of `qkv` starting at element `at`.
@@ -392,7 +404,7 @@ fn rotate<'c>(fx: &mut Fx<'c, '_>, at: I<'c>, pos: I<'c>, heads: u32, d: u32, si
     let half = u64::from(d / 2);
     let table = fx.imul(pos, fx.i64c(half));
     let n = fx.i64c(u64::from(heads) * half);
-    fx.range(fx.i64c(0), n, |fx, hi| {
+    fx.lane_range(fx.i64c(0), n, |fx, hi| {
         let head = fx.udiv(hi, fx.i64c(half));
         let i = fx.urem(hi, fx.i64c(half));
         let a = fx.iadd(at, fx.iadd(fx.imul(head, fx.i64c(u64::from(d))), i));

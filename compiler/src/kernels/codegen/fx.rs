@@ -21,6 +21,9 @@ use inkwell::values::{
 };
 use inkwell::{FloatPredicate, IntPredicate};
 
+/// Threads of a warp: the lanes of a cooperative index on the GPU.
+pub const WARP: u64 = 32;
+
 const BUILD: &str = "the kernel builder is used as LLVM expects";
 
 /// A value of a kernel: f32 unless said otherwise.
@@ -336,8 +339,20 @@ impl<'c, 'm> Fx<'c, 'm> {
 
     // ----- the Rust math's functions, operation for operation -----
 
-    /// `schedrun::math::ops::exp`: Cephes' reduction and degree-6 polynomial.
+    /// eˣ: on the host `schedrun::math::ops::exp` (Cephes' reduction and degree-6 polynomial,
+    /// the CPU's bits); on the GPU `ex2.approx` of x·log₂e, one special-function instruction
+    /// (relative error about 2⁻²² plus x's rounding times log₂e), as `ln` uses `lg2.approx`.
     pub fn exp(&self, x: F<'c>) -> F<'c> {
+        if let Target::Ptx { .. } = self.target {
+            let name = "llvm.nvvm.ex2.approx.f";
+            let f = self.module.get_function(name).unwrap_or_else(|| {
+                let t = self.ctx.f32_type();
+                self.module
+                    .add_function(name, t.fn_type(&[t.into()], false), None)
+            });
+            let x2 = self.mul(x, self.f(std::f32::consts::LOG2_E));
+            return self.call(f, &[x2.into()]).into_float_value();
+        }
         let lo = self.f(-87.33);
         let hi = self.f(88.37);
         // x.clamp(lo, hi): `if x < lo { lo }`, then `if x > hi { hi }`; NaN passes.
@@ -550,6 +565,39 @@ impl<'c, 'm> Fx<'c, 'm> {
                 }
             }
             other => panic!("`{name}` ({other:?}) is not an f32-valued tensor"),
+        }
+    }
+
+    /// `name[i] += v` for an fp32 tensor that several lanes add into: an atomic add on the GPU
+    /// (whose order between lanes is unspecified), a load, add and store on the host, whose one
+    /// lane adds in its order.
+    pub fn add_into(&self, name: &str, i: I<'c>, v: F<'c>) {
+        match self.target {
+            Target::Host => self.store(name, i, self.add(self.load(name, i), v)),
+            Target::Ptx { .. } => {
+                let (p, ptr) = self.ptr(name);
+                assert!(
+                    matches!(p, Param::Tensor(_, Dtype::Fp32) | Param::F32s(_)),
+                    "`{name}` is added into atomically: it must be fp32"
+                );
+                let q = self.gep(ptr, self.ctx.f32_type().into(), i);
+                // inkwell's `build_atomicrmw` takes integers only; LLVM's C API takes the float.
+                use inkwell::llvm_sys::core::LLVMBuildAtomicRMW;
+                use inkwell::llvm_sys::{LLVMAtomicOrdering, LLVMAtomicRMWBinOp};
+                use inkwell::values::AsValueRef;
+                // SAFETY: the builder is positioned (every body's is), `q` points to f32 and
+                // `v` is an f32 value of this context; LLVM checks the types in `verify`.
+                unsafe {
+                    LLVMBuildAtomicRMW(
+                        self.b.as_mut_ptr(),
+                        LLVMAtomicRMWBinOp::LLVMAtomicRMWBinOpFAdd,
+                        q.as_value_ref(),
+                        v.as_value_ref(),
+                        LLVMAtomicOrdering::LLVMAtomicOrderingMonotonic,
+                        0,
+                    );
+                }
+            }
         }
     }
 
@@ -812,6 +860,88 @@ impl<'c, 'm> Fx<'c, 'm> {
             read("llvm.nvvm.read.ptx.sreg.ctaid.x"),
             read("llvm.nvvm.read.ptx.sreg.nctaid.x"),
         )
+    }
+
+    // ----- lanes: a warp shares a cooperative index on the GPU, the host runs one lane -----
+
+    /// Lanes sharing a cooperative index ([`crate::kernels::Op::cooperative`]): a warp on the
+    /// GPU, one on the host.
+    pub fn lanes(&self) -> u64 {
+        match self.target {
+            Target::Host => 1,
+            Target::Ptx { .. } => WARP,
+        }
+    }
+
+    /// This thread's lane: `tid.x mod 32` on the GPU (blocks are whole warps), 0 on the host.
+    pub fn lane(&self) -> I<'c> {
+        match self.target {
+            Target::Host => self.i64c(0),
+            Target::Ptx { .. } => {
+                let (tid, ..) = self.thread_registers();
+                self.b.build_and(tid, self.i64c(WARP - 1), "").expect(BUILD)
+            }
+        }
+    }
+
+    /// `for j in (start + lane..end).step_by(lanes)`: this lane's share of `start..end`, in
+    /// order (the whole range, in order, on the host).
+    pub fn lane_range(&mut self, start: I<'c>, end: I<'c>, body: impl FnOnce(&mut Self, I<'c>)) {
+        let first = self.iadd(start, self.lane());
+        let stride = self.i64c(self.lanes());
+        self.strided_loop(first, end, stride, body);
+    }
+
+    /// `x` combined over the lanes by `op` with a shuffle butterfly: at each step a lane and its
+    /// partner combine the same two values in either order, so every lane ends with the same
+    /// bits. `x` itself on the host.
+    fn lane_fold(&self, x: F<'c>, op: impl Fn(&Self, F<'c>, F<'c>) -> F<'c>) -> F<'c> {
+        if self.target == Target::Host {
+            return x;
+        }
+        let name = "llvm.nvvm.shfl.sync.bfly.f32";
+        let shfl = self.module.get_function(name).unwrap_or_else(|| {
+            let (f, i) = (self.ctx.f32_type(), self.ctx.i32_type());
+            let t = f.fn_type(&[i.into(), f.into(), i.into(), i.into()], false);
+            self.module.add_function(name, t, None)
+        });
+        let mut v = x;
+        let mut offset = WARP / 2;
+        while offset > 0 {
+            let args = [
+                self.i32c(0xffff_ffff).into(),
+                v.into(),
+                self.i32c(offset).into(),
+                self.i32c(WARP - 1).into(),
+            ];
+            let other = self.call(shfl, &args).into_float_value();
+            v = op(self, v, other);
+            offset /= 2;
+        }
+        v
+    }
+
+    /// Σ of `x` over the lanes (see [`Fx::lane_fold`]).
+    pub fn lane_sum(&self, x: F<'c>) -> F<'c> {
+        self.lane_fold(x, |fx, a, b| fx.add(a, b))
+    }
+
+    /// The max (`maxnum`) of `x` over the lanes.
+    pub fn lane_max(&self, x: F<'c>) -> F<'c> {
+        self.lane_fold(x, |fx, a, b| fx.maxnum(a, b))
+    }
+
+    /// `body` on lane 0 only: a cooperative row's scalar outputs.
+    pub fn first_lane(&mut self, body: impl FnOnce(&mut Self)) {
+        let lane0 = self.icmp(IntPredicate::EQ, self.lane(), self.i64c(0));
+        self.when(lane0, body);
+    }
+
+    /// On lane 0 `init`, on the others `zero` (a column sum's partials: lane 0 continues the
+    /// stored value).
+    pub fn lane0_or(&self, init: F<'c>, zero: F<'c>) -> F<'c> {
+        let lane0 = self.icmp(IntPredicate::EQ, self.lane(), self.i64c(0));
+        self.fselect(lane0, init, zero)
     }
 }
 

@@ -12,7 +12,9 @@
 //!
 //! Needs the `llvm` feature (LLVM 19, for the JIT).
 
-use super::enqueue::{nccl_call, ColMajor, CudaError, DevAddr, Exec, Grid, NcclCall, Staged, A};
+use super::enqueue::{
+    nccl_call, ColMajor, CudaError, DevAddr, Exec, Grid, NcclCall, Pitched, Staged, A,
+};
 use super::gpu::{Consts, Gpu};
 use super::memory::{ConstsLayout, StreamMemory};
 use super::typed::{DevPtr, Storage};
@@ -204,6 +206,23 @@ impl Exec for HostExec {
     fn copy_bytes(&self, dst: DevAddr, src: DevAddr, bytes: usize) -> Result<(), CudaError> {
         // SAFETY: host buffers the test owns.
         unsafe { std::ptr::copy(src.0 as *const u8, dst.0 as *mut u8, bytes) };
+        Ok(())
+    }
+
+    fn copy_rows(
+        &self,
+        dst: Pitched,
+        src: Pitched,
+        width: usize,
+        rows: usize,
+    ) -> Result<(), CudaError> {
+        for r in 0..rows {
+            let (d, s) = (
+                dst.at.0 + (r * dst.pitch) as u64,
+                src.at.0 + (r * src.pitch) as u64,
+            );
+            self.copy_bytes(DevAddr(d), DevAddr(s), width)?;
+        }
         Ok(())
     }
 }
@@ -510,9 +529,65 @@ fn layers_on_the_emulated_device_match_the_cpu_math() {
     }
 }
 
+/// The fused attention in chunks of queries equals `attention.rs`'s lse path, forward and
+/// backward: chunks of 24 query rows split a 70-token sequence in three (the last short, each
+/// against keys up to its end), grouped-query and multi-head, and one chunk of the whole
+/// sequence. Both sum in fp32 in different orders (products and the softmax's lanes); observed
+/// within 1e-6 of 1 + |value|.
+#[test]
+fn chunked_attention_matches_attention_rs() {
+    use crate::math::attention::{self, Keep, Shape};
+    let f = Dtype::Fp32;
+    let kernels = vec![
+        Kernel::new(Op::CausalSoftmax, &[f, f]),
+        Kernel::new(Op::SoftmaxBackward, &[f, f, f]),
+        Kernel::new(Op::Fill, &[f]),
+    ];
+    let x = HostExec::new(kernels, "the fused attention's");
+    for ((heads, kv_heads, d), per) in [((4, 2, 16), 24), ((3, 3, 8), 24), ((4, 2, 16), 70)] {
+        let sh = Shape {
+            b: 2,
+            s: 70,
+            heads,
+            kv_heads,
+            d,
+        };
+        let (t, w, hid) = (sh.b * sh.s, sh.width(), sh.hidden());
+        let mut rng = Rng::new(11);
+        let mut values =
+            |n: usize| -> Vec<f32> { (0..n).map(|_| rng.next_f64() as f32 * 2.0 - 1.0).collect() };
+        let (qkv, dout) = (values(t * w), values(t * hid));
+        let rows = sh.b * sh.heads * sh.s;
+        let mut scratch = vec![0.0; 2 * sh.scratch()];
+        let (mut out, mut lse) = (vec![0.0; t * hid], vec![0.0; rows]);
+        let keep = Keep::Lse(&mut lse[..]);
+        attention::forward(&sh, &qkv, &mut out, keep, Precision::F32, &mut scratch);
+        let mut dqkv = vec![0.0; t * w];
+        attention::backward(&sh, &qkv, Keep::Lse(&lse), &dout, &mut dqkv, &mut scratch);
+
+        let mut ws = vec![0f32; 1 << 20];
+        let consts = table_consts(None);
+        let gg = g(&x, &mut ws, &consts, f);
+        let what = format!("h{heads} kv{kv_heads} chunks of {per}");
+        let (mut d_out, mut d_lse) = (vec![f32::NAN; t * hid], vec![f32::NAN; rows]);
+        let (q, o, l) = (f32p(&qkv), f32p_mut(&mut d_out), f32p_mut(&mut d_lse));
+        gg.fused_attention((&sh, per), q, o, l).unwrap();
+        gg.reset();
+        close(&format!("{what} out"), &d_out, &out, 1e-6);
+        close(&format!("{what} lse"), &d_lse, &lse, 1e-6);
+        let mut d_dqkv = vec![f32::NAN; t * w];
+        let dq = f32p_mut(&mut d_dqkv);
+        gg.fused_attention_backward((&sh, per), q, f32p(&dout), dq)
+            .unwrap();
+        close(&format!("{what} dqkv"), &d_dqkv, &dqkv, 1e-6);
+    }
+}
+
 /// A 16-bit model's products (forward and both backward products) round both operands to the
 /// model dtype and accumulate in f32: each result equals the f64 sum over the rounded operands
-/// within f32 accumulation error, and differs from the product of the unrounded ones.
+/// within f32 accumulation error, and differs from the product of the unrounded ones. An output
+/// width whose rows do not start 16 bytes aligned (11) goes through padded rows (the backward's
+/// dy, and a forward without a bias) to the same values.
 #[test]
 fn products_of_a_16_bit_model_round_their_operands() {
     let (t, inp, out) = (6, 37, 11);
@@ -523,6 +598,7 @@ fn products_of_a_16_bit_model_round_their_operands() {
             Kernel::new(Op::Convert, &[f, f]),
             Kernel::new(Op::BiasAdd { width }, &[f, f]),
             Kernel::new(Op::BiasGrad { width }, &[f, f]),
+            Kernel::new(Op::Fill, &[f]),
         ]),
         "every variant",
     );
@@ -579,6 +655,16 @@ fn products_of_a_16_bit_model_round_their_operands() {
         )
         .unwrap();
         gg.reset();
+        // Without a bias the product writes rows padded to start 16 bytes aligned (11 fp32
+        // values, 12 apart) and copies them out: the same values as the unpadded product's.
+        let mut y2 = vec![f32::NAN; t * out];
+        let (xp, wp) = (f32p(&xs), f32p(&w));
+        gg.linear(xp, wp, None, ptr(&mut y2), t, inp, out, 0.0)
+            .unwrap();
+        gg.reset();
+        for (e, (&a, &b)) in y2.iter().zip(&y).enumerate() {
+            assert_eq!(a + bias[e % out], b, "{dtype:?} padded y[{e}]");
+        }
         gg.linear_backward(
             f32p(&xs),
             f32p(&w),
@@ -638,6 +724,81 @@ fn products_of_a_16_bit_model_round_their_operands() {
                 apart > 1e-3,
                 "{dtype:?} {what}: the operands were not rounded"
             );
+        }
+    }
+}
+
+/// A product over an output width whose rows do not start 16 bytes aligned (11 fp32 values)
+/// and more token rows than go through padded rows at once (`PADDED_ROWS`: three batches, the
+/// last short): y = x·Wᵀ, dW += dyᵀ·x, dx = dy·W equal their sums over the unpadded operands.
+#[test]
+fn padded_products_cover_every_row() {
+    use schedc::lower::workspace::PADDED_ROWS;
+    let (t, inp, out) = (2 * PADDED_ROWS + 300, 5, 11);
+    let f = Dtype::Fp32;
+    let x = HostExec::new(vec![Kernel::new(Op::Fill, &[f])], "fill");
+    let mut rng = Rng::new(9);
+    let (xs, w, dy) = (
+        rng.normals(t * inp, 1.0),
+        rng.normals(out * inp, 1.0),
+        rng.normals(t * out, 1.0),
+    );
+    let mut ws = vec![0f32; 1 << 20];
+    let consts = table_consts(None);
+    let gg = g(&x, &mut ws, &consts, f);
+    let (mut y, mut dw, mut dx) = (
+        vec![f32::NAN; t * out],
+        vec![0f32; out * inp],
+        vec![f32::NAN; t * inp],
+    );
+    gg.linear(
+        f32p(&xs),
+        f32p(&w),
+        None,
+        f32p_mut(&mut y),
+        t,
+        inp,
+        out,
+        0.0,
+    )
+    .unwrap();
+    gg.reset();
+    let (dwp, dxp) = (f32p_mut(&mut dw), f32p_mut(&mut dx));
+    gg.linear_backward(
+        f32p(&xs),
+        f32p(&w),
+        f32p(&dy),
+        dwp,
+        None,
+        Some((dxp, 0.0)),
+        t,
+        inp,
+        out,
+    )
+    .unwrap();
+    let near = |what: &str, got: f32, want: f64| {
+        assert!(
+            (f64::from(got) - want).abs() <= 1e-4 * (1.0 + want.abs()),
+            "{what}: {got} vs {want}"
+        );
+    };
+    let dot = |a: &mut dyn Iterator<Item = (f32, f32)>| -> f64 {
+        a.map(|(p, q)| f64::from(p) * f64::from(q)).sum()
+    };
+    for r in 0..t {
+        for o in 0..out {
+            let want = dot(&mut (0..inp).map(|i| (xs[r * inp + i], w[o * inp + i])));
+            near(&format!("y[{r}, {o}]"), y[r * out + o], want);
+        }
+        for i in 0..inp {
+            let want = dot(&mut (0..out).map(|o| (dy[r * out + o], w[o * inp + i])));
+            near(&format!("dx[{r}, {i}]"), dx[r * inp + i], want);
+        }
+    }
+    for o in 0..out {
+        for i in 0..inp {
+            let want = dot(&mut (0..t).map(|r| (dy[r * out + o], xs[r * inp + i])));
+            near(&format!("dW[{o}, {i}]"), dw[o * inp + i], want);
         }
     }
 }
@@ -1135,6 +1296,21 @@ impl Exec for Bounded<'_> {
         self.check("a copy's destination", dst, bytes as u64)?;
         self.check("a copy's source", src, bytes as u64)?;
         self.x.copy_bytes(dst, src, bytes)
+    }
+
+    fn copy_rows(
+        &self,
+        dst: Pitched,
+        src: Pitched,
+        width: usize,
+        rows: usize,
+    ) -> Result<(), CudaError> {
+        // The bytes from the first row's start to the end of the last.
+        let span = |p: Pitched| (rows.max(1) - 1) * p.pitch + width * usize::from(rows > 0);
+        let (d, s) = (span(dst), span(src));
+        self.check("a 2-D copy's destination", dst.at, d as u64)?;
+        self.check("a 2-D copy's source", src.at, s as u64)?;
+        self.x.copy_rows(dst, src, width, rows)
     }
 
     fn staged(&self, what: Staged, n: usize, arena_bytes: u64) {

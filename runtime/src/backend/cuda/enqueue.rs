@@ -8,7 +8,7 @@
 
 use super::typed::DevPtr;
 use schedc::job::{Collective, Dtype};
-use schedc::kernels::Space;
+use schedc::kernels::{Op, Space};
 
 /// An address in GPU memory (in the host emulation, a host address): typed so that device
 /// addresses, byte offsets in the arena and element counts cannot be mixed up.
@@ -35,6 +35,13 @@ pub enum A {
     D(f64),
 }
 
+/// Rows of a 2-D copy ([`Exec::copy_rows`]): the first row's address and the bytes between rows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Pitched {
+    pub at: DevAddr,
+    pub pitch: usize,
+}
+
 /// A launch shape: `blocks` of `threads`, covering the kernel's index range with its
 /// grid-stride loop.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -43,17 +50,25 @@ pub struct Grid {
     pub threads: u32,
 }
 
-/// The grid of a launch over `n` indices of `space`: one thread per index up to 65,536 blocks
-/// (the grid-stride loop covers the rest). Element kernels take blocks of 256; the others
-/// (a row, a column or a chunk per thread: much work per index, and few indices) blocks of 64,
-/// so that a step's few thousand rows still spread over every multiprocessor.
-pub fn grid(space: Space, n: usize) -> Grid {
-    let threads: u32 = match space {
-        Space::Elements => 256,
-        Space::Rows | Space::Columns | Space::Chunks => 64,
+/// The grid of a launch of `op` over `n` indices: one thread per index, or a warp per index for
+/// a cooperative op ([`Op::cooperative`]: rows and columns), up to 65,536 blocks (the
+/// grid-stride loop covers the rest). Element and cooperative kernels take blocks of 256 (8
+/// warps: 8 rows); the others (the embedding's gradient, a column per thread, and the
+/// chunked sums: much work per index, and few indices) blocks of 64, so that their few
+/// thousand indices still spread over every multiprocessor.
+pub fn grid(op: Op, n: usize) -> Grid {
+    let (threads, per_index): (u32, u64) = if op.cooperative() {
+        (256, 32)
+    } else if op.space() == Space::Elements {
+        (256, 1)
+    } else {
+        (64, 1)
     };
+    let threads_needed = n as u64 * per_index;
     Grid {
-        blocks: (n as u64).div_ceil(u64::from(threads)).clamp(1, 1 << 16) as u32,
+        blocks: threads_needed
+            .div_ceil(u64::from(threads))
+            .clamp(1, 1 << 16) as u32,
         threads,
     }
 }
@@ -252,6 +267,15 @@ pub trait Exec {
     fn gemm(&self, call: &ColMajor) -> Result<(), CudaError>;
     /// Copies `bytes` from `src` to `dst` (device addresses), in stream order.
     fn copy_bytes(&self, dst: DevAddr, src: DevAddr, bytes: usize) -> Result<(), CudaError>;
+    /// Copies `rows` rows of `width` bytes, `src_pitch` bytes apart at `src`, to rows
+    /// `dst_pitch` bytes apart at `dst` (device addresses), in stream order.
+    fn copy_rows(
+        &self,
+        dst: Pitched,
+        src: Pitched,
+        width: usize,
+        rows: usize,
+    ) -> Result<(), CudaError>;
     /// Told, before the launch or copy that does it, that the device layer staged `n` values
     /// (`arena_bytes` of the arena) between the arena and workspace: the tests' tally of what
     /// is not computed in place. Nothing by default.

@@ -23,13 +23,14 @@
 //! it; on a GPU it runs inside [`super::CudaBackend`].
 #![cfg_attr(not(feature = "cuda"), allow(dead_code))]
 
-use super::enqueue::{grid, m, mt, row_major, ColMajor, DevAddr, Exec, Staged, A, M};
+use super::enqueue::{grid, m, mt, row_major, ColMajor, DevAddr, Exec, Pitched, Staged, A, M};
 use super::typed::{DevPtr, Storage};
 use crate::device::{plan_error, ArenaSpan, Device, DeviceError, Ptr, Update};
-use crate::math::attention::Keep;
+use crate::math::attention::{Keep, Shape};
 use crate::math::{BlockP, NormP, Precision, Segment};
 use schedc::job::{Dtype, Optimizer};
-use schedc::kernels::{Heads, Kernel, Op, Param, SUMSQ_CHUNK};
+use schedc::kernels::{Kernel, Op, Param, SUMSQ_CHUNK};
+use schedc::lower::workspace::{attention_chunk, PADDED_ROWS};
 use std::cell::Cell;
 
 /// Device addresses of a rank's constants: the batch tokens, the loss and sum-of-squares
@@ -70,6 +71,15 @@ fn span(rows: usize, cols: usize, ld: usize, stride: usize, batch: usize) -> usi
         return 0;
     }
     (batch - 1) * stride + (cols - 1) * ld + rows
+}
+
+/// The width a product dimension of `cols` elements of `storage` is padded to so that it is a
+/// multiple of 16 bytes: what cuBLASLt's vectorised tensor-core kernels need of the contiguous
+/// dimension of each operand and of the leading dimensions (otherwise it falls back to
+/// `align1` kernels: GPT-2's 50,257-word head ran two of its three products 3 to 6 times
+/// slower, about 17 ms of an 80 ms step on an H200).
+fn aligned_ld(cols: usize, storage: Storage) -> usize {
+    cols.next_multiple_of((16 / storage.bytes()) as usize)
 }
 
 /// One argument of a launch, for one parameter of the op ([`Kernel::params`] order).
@@ -164,7 +174,7 @@ impl Gpu<'_> {
         let k = kernel_for(op, args)?;
         let flat = flatten(&k, args, n)?;
         self.x
-            .launch(&k.name(), grid(op.space(), n), &flat)
+            .launch(&k.name(), grid(op, n), &flat)
             .map_err(DeviceError::Gpu)
     }
 
@@ -347,6 +357,82 @@ impl Gpu<'_> {
         self.x.copy_bytes(dst, src, bytes).map_err(DeviceError::Gpu)
     }
 
+    /// `rows` rows of `cols` elements from `src` to `dst` (each a pointer and the elements
+    /// between its rows), of one storage.
+    fn copy_rows(
+        &self,
+        (dst, dst_ld): (DevPtr, usize),
+        (src, src_ld): (DevPtr, usize),
+        cols: usize,
+        rows: usize,
+    ) -> Result<(), DeviceError> {
+        if dst.storage.bytes() != src.storage.bytes() {
+            return Err(plan_error("a 2-D copy between storages of different sizes"));
+        }
+        let b = src.storage.bytes() as usize;
+        let row = |p: DevPtr, ld: usize| Pitched {
+            at: p.addr,
+            pitch: ld * b,
+        };
+        if rows == 0 || cols == 0 {
+            return Ok(());
+        }
+        self.x
+            .copy_rows(row(dst, dst_ld), row(src, src_ld), cols * b, rows)
+            .map_err(DeviceError::Gpu)
+    }
+
+    /// Workspace for `rows` rows of `ld` elements of `storage`.
+    fn padded(&self, storage: Storage, rows: usize, ld: usize) -> Result<DevPtr, DeviceError> {
+        let floats = (rows as u64 * ld as u64 * storage.bytes()).div_ceil(F);
+        Ok(DevPtr::new(self.alloc(floats as usize)?.addr, storage))
+    }
+
+    /// W [out × inp] copied into workspace with zero rows after it up to `ld` outputs.
+    fn padded_weight(
+        &self,
+        w: DevPtr,
+        out: usize,
+        inp: usize,
+        ld: usize,
+    ) -> Result<DevPtr, DeviceError> {
+        let wp = self.padded(w.storage, ld, inp)?;
+        self.copy(wp, w, out * inp)?;
+        self.fill(wp.offset(out * inp), (ld - out) * inp, 0.0)?;
+        Ok(wp)
+    }
+
+    /// y (β)= x·Wᵀ (+ bias) into rows of y `ld` elements apart.
+    #[allow(clippy::too_many_arguments)]
+    fn linear_rows(
+        &self,
+        x: DevPtr,
+        w: DevPtr,
+        bias: Option<DevPtr>,
+        (y, ld): (DevPtr, usize),
+        t: usize,
+        inp: usize,
+        out: usize,
+        beta: f32,
+    ) -> Result<(), DeviceError> {
+        let call = row_major(
+            t,
+            out,
+            inp,
+            1.0,
+            m(x, inp),
+            0,
+            mt(w, inp),
+            0,
+            beta,
+            y.addr,
+            ld,
+            0,
+            1,
+        );
+        self.product(call, w.storage, x.storage, y.storage, bias)
+    }
+
     /// `n` elements from `src` to `dst`, each rounded once to `dst`'s storage (the layer
     /// math's copies between storages and the products' operand casts).
     fn convert(&self, dst: DevPtr, src: DevPtr, n: usize) -> Result<(), DeviceError> {
@@ -372,14 +458,215 @@ impl Gpu<'_> {
     }
 }
 
-/// The fused attention kernels' shape of a block.
-fn heads(bp: &BlockP) -> Heads {
-    let sh = &bp.shape;
-    Heads {
-        heads: sh.heads as u32,
-        kv_heads: sh.kv_heads as u32,
-        head_dim: sh.d as u32,
-        seq_len: sh.s as u32,
+/// One chunk of the fused attention: query rows `q0..q0 + rows` of sequence `b`, every head,
+/// against keys `0..keys` (`keys` = `q0 + rows`). Its workspace matrices (scores,
+/// probabilities, their gradients) are `[head][row][key]`. Its products run per query head `u`
+/// within a kv group, batched over the groups `g` (query head `g·r + u` reads group `g`'s keys
+/// and values), so each matrix below is (first matrix, leading dimension, stride between
+/// groups).
+struct Chunk<'s> {
+    sh: &'s Shape,
+    b: usize,
+    q0: usize,
+    rows: usize,
+    keys: usize,
+}
+
+type Mat = (DevPtr, usize, usize);
+
+/// Query rows per chunk of `sh`'s fused attention, as the plan's workspace was sized.
+fn chunk_rows(sh: &Shape) -> usize {
+    attention_chunk(sh.heads as u64, sh.s as u64) as usize
+}
+
+impl Chunk<'_> {
+    /// Query heads per kv group.
+    fn r(&self) -> usize {
+        self.sh.heads / self.sh.kv_heads
+    }
+
+    /// Head `u`'s matrix of a `[head][row][key]` workspace buffer.
+    fn scores(&self, p: DevPtr, u: usize) -> Mat {
+        let m = self.rows * self.keys;
+        (p.offset(u * m), self.keys, self.r() * m)
+    }
+
+    /// Head `u`'s query rows of the chunk in a token-major tensor whose rows are `ld` apart and
+    /// start with the query heads: qkv (or its gradient), the attention output (or its
+    /// gradient).
+    fn queries(&self, p: DevPtr, ld: usize, u: usize) -> Mat {
+        let (s, d) = (self.sh.s, self.sh.d);
+        (
+            p.offset((self.b * s + self.q0) * ld + u * d),
+            ld,
+            self.r() * d,
+        )
+    }
+
+    /// The sequence's keys (or, `values`, its values) in qkv or its gradient.
+    fn kv(&self, p: DevPtr, values: bool) -> Mat {
+        let sh = self.sh;
+        let (w, d) = (sh.width(), sh.d);
+        let at = self.b * sh.s * w + sh.hidden() + usize::from(values) * sh.kv_heads * d;
+        (p.offset(at), w, d)
+    }
+}
+
+impl Gpu<'_> {
+    /// C = α·op(A)·op(B) + β·C for every kv group of a chunk (see [`Chunk`]): `rows` × `cols`,
+    /// inner dimension `k`, A and B transposed where said.
+    #[allow(clippy::too_many_arguments)]
+    fn per_group(
+        &self,
+        c: &Chunk<'_>,
+        (rows, cols, k): (usize, usize, usize),
+        alpha: f32,
+        (a, ta): (Mat, bool),
+        (b, tb): (Mat, bool),
+        beta: f32,
+        out: Mat,
+    ) -> Result<(), DeviceError> {
+        let op = |x: Mat, t: bool| if t { mt(x.0, x.1) } else { m(x.0, x.1) };
+        self.batched(
+            rows,
+            cols,
+            k,
+            alpha,
+            op(a, ta),
+            a.2,
+            op(b, tb),
+            b.2,
+            beta,
+            out.0,
+            out.1,
+            out.2,
+            c.sh.kv_heads,
+        )
+    }
+
+    /// A chunk's scores `scale·Q·Kᵀ` into `scores` (fp32), then their causal softmax: the
+    /// probabilities into `probs` (the product dtype) and each row's log-sum-exp into `lse`.
+    fn chunk_probs(
+        &self,
+        c: &Chunk<'_>,
+        qkv: DevPtr,
+        scores: DevPtr,
+        probs: DevPtr,
+        lse: DevPtr,
+    ) -> Result<(), DeviceError> {
+        let (sh, w) = (c.sh, c.sh.width());
+        for u in 0..c.r() {
+            let q = (c.queries(qkv, w, u), false);
+            let k = (c.kv(qkv, false), true);
+            let dims = (c.rows, c.keys, sh.d);
+            self.per_group(c, dims, sh.scale(), q, k, 0.0, c.scores(scores, u))?;
+        }
+        let [keys, first, per_head] = [c.keys, c.q0, c.rows].map(|v| Arg::L(v as i64));
+        let args = [T(scores), T(probs), T(lse), keys, first, per_head];
+        self.run(Op::CausalSoftmax, sh.heads * c.rows, &args)
+    }
+
+    /// The chunks of the fused attention, sequence by sequence, `per` query rows each (the plan's
+    /// `schedc::lower::workspace::attention_chunk`), with workspace for their scores (fp32),
+    /// probabilities (the product dtype) and log-sum-exps.
+    fn chunks<'s>(
+        &self,
+        sh: &'s Shape,
+        per: usize,
+    ) -> Result<(Vec<Chunk<'s>>, DevPtr, DevPtr, DevPtr), DeviceError> {
+        let floats = sh.heads * per * sh.s;
+        let scores = self.alloc(floats)?;
+        let probs = DevPtr::new(self.alloc(floats)?.addr, Storage::of(self.products));
+        let lse = self.alloc(sh.heads * per)?;
+        let chunks = (0..sh.b)
+            .flat_map(|b| {
+                (0..sh.s).step_by(per).map(move |q0| {
+                    let rows = per.min(sh.s - q0);
+                    Chunk {
+                        sh,
+                        b,
+                        q0,
+                        rows,
+                        keys: q0 + rows,
+                    }
+                })
+            })
+            .collect();
+        Ok((chunks, scores, probs, lse))
+    }
+
+    /// The fused attention's forward: per chunk, the probabilities (as [`Gpu::chunk_probs`]),
+    /// the output rows `P·V`, and the rows' log-sum-exps into `lse` (what backward keeps; the
+    /// s×s matrix is never kept, only a chunk of it lives in workspace during the op).
+    pub(super) fn fused_attention(
+        &self,
+        (sh, per): (&Shape, usize),
+        qkv: DevPtr,
+        out: DevPtr,
+        lse: DevPtr,
+    ) -> Result<(), DeviceError> {
+        let (chunks, scores, probs, rows_lse) = self.chunks(sh, per)?;
+        let h = sh.hidden();
+        for c in &chunks {
+            self.chunk_probs(c, qkv, scores, probs, rows_lse)?;
+            for u in 0..c.r() {
+                let p = (c.scores(probs, u), false);
+                let v = (c.kv(qkv, true), false);
+                let o = c.queries(out, h, u);
+                self.per_group(c, (c.rows, sh.d, c.keys), 1.0, p, v, 0.0, o)?;
+            }
+            // The rows' log-sum-exps, head by head (one run when the chunk is whole sequences).
+            let runs = if c.rows == sh.s { 1 } else { sh.heads };
+            let len = sh.heads * c.rows / runs;
+            for n in 0..runs {
+                let at = (c.b * sh.heads + n) * sh.s + c.q0;
+                self.copy(lse.offset(at), rows_lse.offset(n * c.rows), len)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The fused attention's backward, chunk by chunk on the recomputed probabilities (the
+    /// forward's bits: the same products and softmax): dP = dO·Vᵀ (into the scores' place),
+    /// dV += Pᵀ·dO, dS = P ∘ (dP − rowsum(P ∘ dP))·scale in the product dtype (over the
+    /// probabilities), dQ = dS·K and dK += dSᵀ·Q. `dqkv` is overwritten.
+    pub(super) fn fused_attention_backward(
+        &self,
+        (sh, per): (&Shape, usize),
+        qkv: DevPtr,
+        dout: DevPtr,
+        dqkv: DevPtr,
+    ) -> Result<(), DeviceError> {
+        let (w, h) = (sh.width(), sh.hidden());
+        self.fill(dqkv, sh.b * sh.s * w, 0.0)?;
+        let (chunks, scores, probs, rows_lse) = self.chunks(sh, per)?;
+        for c in &chunks {
+            self.chunk_probs(c, qkv, scores, probs, rows_lse)?;
+            let (rows, keys, d) = (c.rows, c.keys, sh.d);
+            for u in 0..c.r() {
+                let o = (c.queries(dout, h, u), false);
+                let v = (c.kv(qkv, true), true);
+                self.per_group(c, (rows, keys, d), 1.0, o, v, 0.0, c.scores(scores, u))?;
+                let p = (c.scores(probs, u), true);
+                let dv = c.kv(dqkv, true);
+                self.per_group(c, (keys, d, rows), 1.0, p, o, 1.0, dv)?;
+            }
+            // dS over the probabilities, in the product dtype.
+            let (scale, keys_arg) = (Arg::F(sh.scale()), Arg::L(keys as i64));
+            let args = [T(probs), T(scores), T(probs), scale, keys_arg];
+            self.run(Op::SoftmaxBackward, sh.heads * rows, &args)?;
+            let ds = probs;
+            for u in 0..c.r() {
+                let s_u = c.scores(ds, u);
+                let k = c.kv(qkv, false);
+                let dq = c.queries(dqkv, w, u);
+                self.per_group(c, (rows, d, keys), 1.0, (s_u, false), (k, false), 0.0, dq)?;
+                let q = (c.queries(qkv, w, u), false);
+                let dk = c.kv(dqkv, false);
+                self.per_group(c, (keys, d, rows), 1.0, (s_u, true), q, 1.0, dk)?;
+            }
+        }
+        Ok(())
     }
 }
 
@@ -504,22 +791,26 @@ impl Device for Gpu<'_> {
         out: usize,
         beta: f32,
     ) -> Result<(), DeviceError> {
-        let call = row_major(
-            t,
-            out,
-            inp,
-            1.0,
-            m(x, inp),
-            0,
-            mt(w, inp),
-            0,
-            beta,
-            y.addr,
-            out,
-            0,
-            1,
-        );
-        self.product(call, w.storage, x.storage, y.storage, bias)
+        let ld = aligned_ld(out, y.storage);
+        if ld == out || bias.is_some() {
+            return self.linear_rows(x, w, bias, (y, out), t, inp, out, beta);
+        }
+        // An output width whose rows do not start 16 bytes aligned (a head over an odd
+        // vocabulary): the product runs on W padded with zero rows to `ld` outputs, into rows
+        // padded in workspace (`PADDED_ROWS` at a time), which are then copied into y.
+        let wp = self.padded_weight(w, out, inp, ld)?;
+        let padded = self.padded(y.storage, t.min(PADDED_ROWS), ld)?;
+        for r0 in (0..t).step_by(PADDED_ROWS) {
+            let rows = PADDED_ROWS.min(t - r0);
+            let y = y.offset(r0 * out);
+            if beta != 0.0 {
+                self.copy_rows((padded, ld), (y, out), out, rows)?;
+            }
+            let x = x.offset(r0 * inp);
+            self.linear_rows(x, wp, None, (padded, ld), rows, inp, ld, beta)?;
+            self.copy_rows((y, out), (padded, ld), out, rows)?;
+        }
+        Ok(())
     }
 
     fn linear_backward(
@@ -534,13 +825,36 @@ impl Device for Gpu<'_> {
         inp: usize,
         out: usize,
     ) -> Result<(), DeviceError> {
-        self.gemm(out, inp, t, 1.0, mt(dy, out), m(x, inp), 1.0, dw, inp)?;
         if let Some(db) = dbias {
             let op = Op::BiasGrad { width: out as u32 };
             self.run(op, out, &[T(dy), T(db), Arg::L(t as i64)])?;
         }
-        if let Some((dx, beta)) = dx {
-            self.gemm(t, inp, out, 1.0, m(dy, out), m(w, inp), beta, dx, inp)?;
+        let ld = aligned_ld(out, dy.storage);
+        if ld == out {
+            self.gemm(out, inp, t, 1.0, mt(dy, out), m(x, inp), 1.0, dw, inp)?;
+            if let Some((dx, beta)) = dx {
+                self.gemm(t, inp, out, 1.0, m(dy, out), m(w, inp), beta, dx, inp)?;
+            }
+            return Ok(());
+        }
+        // dy's rows do not start 16 bytes aligned (see `linear`): `PADDED_ROWS` of them at a
+        // time are copied into rows padded with zeros to `ld`, and dx's product sums over `ld`
+        // outputs of W padded with zero rows.
+        let w = match dx {
+            Some(_) => self.padded_weight(w, out, inp, ld)?,
+            None => w,
+        };
+        let padded = self.padded(dy.storage, t.min(PADDED_ROWS), ld)?;
+        self.fill(padded, t.min(PADDED_ROWS) * ld, 0.0)?;
+        for r0 in (0..t).step_by(PADDED_ROWS) {
+            let rows = PADDED_ROWS.min(t - r0);
+            self.copy_rows((padded, ld), (dy.offset(r0 * out), out), out, rows)?;
+            let x = x.offset(r0 * inp);
+            self.gemm(out, inp, rows, 1.0, mt(padded, ld), m(x, inp), 1.0, dw, inp)?;
+            if let Some((dx, beta)) = dx {
+                let dx = dx.offset(r0 * inp);
+                self.gemm(rows, inp, ld, 1.0, m(padded, ld), m(w, inp), beta, dx, inp)?;
+            }
         }
         Ok(())
     }
@@ -662,17 +976,14 @@ impl Device for Gpu<'_> {
     ) -> Result<(), DeviceError> {
         let sh = &bp.shape;
         let probs = match keep {
-            Keep::Lse(lse) => {
-                let rows = sh.b * sh.heads * sh.s;
-                let op = Op::FlashForward(heads(bp));
-                return self.run(op, rows, &[T(qkv), T(out), T(lse)]);
-            }
+            Keep::Lse(lse) => return self.fused_attention((sh, chunk_rows(sh)), qkv, out, lse),
             Keep::Probs(p) => p,
         };
         let (s, w, h, d) = (sh.s, sh.width(), sh.heads * sh.d, sh.d);
         let r = sh.heads / sh.kv_heads;
         let scale = sh.scale();
         let scores = self.alloc(sh.heads * s * s)?;
+        let lse = self.alloc(sh.heads * s)?;
         for b in 0..sh.b {
             for grp in 0..sh.kv_heads {
                 let n0 = grp * r;
@@ -682,8 +993,9 @@ impl Device for Gpu<'_> {
                 self.batched(s, s, d, scale, q, d, k, 0, 0.0, c, s, s * s, r)?;
             }
             let kept = probs.offset(b * sh.heads * s * s);
-            let op = Op::CausalSoftmax { seq_len: s as u32 };
-            self.run(op, sh.heads * s, &[T(scores), T(kept)])?;
+            let whole = [s, 0, s].map(|v| Arg::L(v as i64));
+            let args = [T(scores), T(kept), T(lse), whole[0], whole[1], whole[2]];
+            self.run(Op::CausalSoftmax, sh.heads * s, &args)?;
             self.round(act, kept, sh.heads * s * s)?;
             for grp in 0..sh.kv_heads {
                 let n0 = grp * r;
@@ -724,13 +1036,9 @@ impl Device for Gpu<'_> {
     ) -> Result<(), DeviceError> {
         let sh = &bp.shape;
         let kept = match keep {
-            Keep::Lse(lse) => {
-                let rows = sh.b * sh.heads * sh.s;
-                let dsum = self.alloc(rows)?;
-                let args = [T(qkv), T(dout), T(lse), T(dsum), T(dqkv)];
-                self.run(Op::FlashBackwardQuery(heads(bp)), rows, &args)?;
-                let key_rows = sh.b * sh.kv_heads * sh.s;
-                return self.run(Op::FlashBackwardKeys(heads(bp)), key_rows, &args);
+            Keep::Lse(_) => {
+                let chunked = (sh, chunk_rows(sh));
+                return self.fused_attention_backward(chunked, qkv, dout, dqkv);
             }
             Keep::Probs(p) => p,
         };
@@ -748,8 +1056,8 @@ impl Device for Gpu<'_> {
                 self.gemm(s, d, s, 1.0, mt(p, s), m(d_o, h), 1.0, dqkv.offset(v), w)?;
                 // dP = dO·Vᵀ; dS = P ∘ (dP − rowsum(P ∘ dP)) · scale
                 self.gemm(s, s, d, 1.0, m(d_o, h), mt(v_m, w), 0.0, dp, s)?;
-                let op = Op::SoftmaxBackward { seq_len: s as u32 };
-                self.run(op, s, &[T(p), T(dp), Arg::F(scale)])?;
+                let args = [T(p), T(dp), T(dp), Arg::F(scale), Arg::L(s as i64)];
+                self.run(Op::SoftmaxBackward, s, &args)?;
                 // dQ = dS·K; dK += dSᵀ·Q
                 self.gemm(s, d, s, 1.0, m(dp, s), m(k_m, w), 0.0, dqkv.offset(q), w)?;
                 self.gemm(s, d, s, 1.0, mt(dp, s), m(q_m, w), 1.0, dqkv.offset(k), w)?;

@@ -3,7 +3,7 @@
 
 use super::blas::Blas;
 use super::device::{drv, Device};
-use super::enqueue::{nccl_call, ColMajor, CudaError, DevAddr, Exec, Grid, Library, A};
+use super::enqueue::{nccl_call, ColMajor, CudaError, DevAddr, Exec, Grid, Library, Pitched, A};
 use super::gpu::{Consts, Gpu};
 use super::kernels::Kernels;
 use super::launch::DistEnv;
@@ -466,5 +466,38 @@ impl Exec for DevExec<'_> {
         // SAFETY: both ranges lie in the arena or the workspace (the callers size them).
         unsafe { cudarc::driver::result::memcpy_dtod_async(dst.0, src.0, bytes, s) }
             .map_err(|e| CudaError::new(Library::Driver, "device copy", e))
+    }
+
+    fn copy_rows(
+        &self,
+        dst: Pitched,
+        src: Pitched,
+        width: usize,
+        rows: usize,
+    ) -> Result<(), CudaError> {
+        use cudarc::driver::sys;
+        let copy = sys::CUDA_MEMCPY2D {
+            srcXInBytes: 0,
+            srcY: 0,
+            srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+            srcHost: std::ptr::null(),
+            srcDevice: src.at.0,
+            srcArray: std::ptr::null_mut(),
+            srcPitch: src.pitch,
+            dstXInBytes: 0,
+            dstY: 0,
+            dstMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+            dstHost: std::ptr::null_mut(),
+            dstDevice: dst.at.0,
+            dstArray: std::ptr::null_mut(),
+            dstPitch: dst.pitch,
+            WidthInBytes: width,
+            Height: rows,
+        };
+        // SAFETY: both row sets lie in the arena or the workspace (the callers size them); the
+        // descriptor is read before the call returns.
+        unsafe { sys::cuMemcpy2DAsync_v2(&copy, self.s.cu_stream()) }
+            .result()
+            .map_err(|e| CudaError::new(Library::Driver, "device 2-D copy", e))
     }
 }
