@@ -20,8 +20,8 @@ mod attention;
 mod bodies;
 mod fx;
 
-use super::{Kernel, Param};
-use fx::Fx;
+use super::{Kernel, Param, Space, COLUMN_LANES, WARP};
+use fx::{Fx, I};
 use inkwell::attributes::{Attribute, AttributeLoc};
 use inkwell::context::Context;
 use inkwell::execution_engine::ExecutionEngine;
@@ -185,13 +185,17 @@ fn kernel<'c>(
     let types = param_types(ctx, k);
     let fn_type = ctx.void_type().fn_type(&types, false);
 
-    // The body: (params..., index, unused) -> void, inlined into the wrapper.
+    // The body: (params..., index, lane) -> void, inlined into the wrapper.
     let body = module.add_function(&format!("{name}.body"), fn_type, Some(Linkage::Internal));
     let inline = Attribute::get_named_enum_kind_id("alwaysinline");
     body.add_attribute(AttributeLoc::Function, ctx.create_enum_attribute(inline, 0));
     {
         let mut fx = Fx::new(ctx, module, body, k, target);
         let index = fx.param_int(types.len() - 2);
+        if k.op.cooperative() && target != Target::Host {
+            let lane = fx.param_int(types.len() - 1);
+            fx.set_lane(lane);
+        }
         bodies::emit(&mut fx, k, index);
         fx.ret();
     }
@@ -217,25 +221,20 @@ fn kernel<'c>(
     let n = types.len();
     let (begin, end) = (fx.param_int(n - 2), fx.param_int(n - 1));
     let args = fx.params_as_args();
-    let (start, stride) = match target {
-        Target::Host => (begin, fx.i64c(1)),
+    let (start, stride, lane) = match target {
+        Target::Host => (begin, fx.i64c(1), fx.i64c(0)),
         Target::Ptx { .. } => {
             let (tid, ntid, ctaid, nctaid) = fx.thread_registers();
-            let first = fx.imul(ctaid, ntid);
-            let mut first = fx.iadd(first, tid);
-            let mut stride = fx.imul(ntid, nctaid);
-            if k.op.cooperative() {
-                // A warp per index: every lane of a warp walks the same indices.
-                let warp = fx.i64c(fx::WARP);
-                first = fx.udiv(first, warp);
-                stride = fx.udiv(stride, warp);
-            }
-            (fx.iadd(begin, first), stride)
+            let thread = fx.iadd(fx.imul(ctaid, ntid), tid);
+            let threads = fx.imul(ntid, nctaid);
+            let (first, stride, lane) = gpu_lanes(&fx, k.op, thread, threads);
+            (fx.iadd(begin, first), stride, lane)
         }
     };
     fx.strided_loop(start, end, stride, |fx, i| {
         let mut call_args = args.clone();
         call_args[n - 2] = i.into();
+        call_args[n - 1] = lane.into();
         fx.call_void(body, &call_args);
     });
     fx.ret();
@@ -243,6 +242,36 @@ fn kernel<'c>(
         packed(ctx, module, k, entry);
     }
     Ok(())
+}
+
+/// How GPU thread `thread` of `threads` walks `op`'s indices: its first index, the stride, and
+/// its lane ([`crate::kernels::Op::lanes_on_gpu`]). One thread per index for element and chunk
+/// ops; a warp per row, lane = the thread's place in its warp; for columns, groups of
+/// 32·[`COLUMN_LANES`] threads take 32 neighbouring columns, a warp being the 32 columns at one
+/// lane (its loads of a row coalesce). The launch's thread count is a multiple of a group
+/// (`grid` in the CUDA backend), so every thread of a warp walks indices together.
+fn gpu_lanes<'c>(
+    fx: &Fx<'c, '_>,
+    op: super::Op,
+    thread: I<'c>,
+    threads: I<'c>,
+) -> (I<'c>, I<'c>, I<'c>) {
+    let warp = fx.i64c(WARP);
+    match op.space() {
+        Space::Rows => (
+            fx.udiv(thread, warp),
+            fx.udiv(threads, warp),
+            fx.urem(thread, warp),
+        ),
+        Space::Columns => {
+            let group = fx.i64c(WARP * COLUMN_LANES);
+            let (g, within) = (fx.udiv(thread, group), fx.urem(thread, group));
+            let first = fx.iadd(fx.imul(g, warp), fx.urem(within, warp));
+            let stride = fx.imul(fx.udiv(threads, group), warp);
+            (first, stride, fx.udiv(within, warp))
+        }
+        Space::Elements | Space::Chunks => (thread, threads, fx.i64c(0)),
+    }
 }
 
 /// The host's uniform entry `{name}.packed(args: *const u64, begin: i64, end: i64)`: each

@@ -22,16 +22,17 @@
 //! are always fp32 (a 16-bit model's saved statistics possibly as 2-byte halves,
 //! [`Kernel::with_halved_stats`]); the loss and gradient-norm sums are f64.
 //!
-//! Work on a GPU: element kernels are one thread per element. The row and column kernels
-//! ([`Op::cooperative`]: norms, softmax, cross-entropy, rotary positions, bias and norm parameter
-//! gradients) give each index a warp: the lanes stride the row (a column kernel: the rows), each
-//! keeping its own partial sums in the CPU's accumulation pattern, then combine them with a
-//! shuffle butterfly (which leaves every lane with the same bits) and lane 0 stores the row's
-//! scalars. The host runs these bodies as one lane, so its order, and with it the CPU backend's
-//! bits, is the sequential one; a GPU sums in another order and agrees to rounding. The
-//! embedding's gradient splits a column's token rows over the lanes, which add into the token
-//! rows atomically: on a GPU its sums' order, and so their last bits, may vary from run to run
-//! (the only such kernel). The loss and gradient-norm sums ([`Op::AddLoss`],
+//! Work on a GPU: element kernels are one thread per element. The row kernels (norms, softmax,
+//! cross-entropy, rotary positions) give each row a warp: the lanes stride the row, each keeping
+//! its own partial sums in the CPU's accumulation pattern, then combine them with a shuffle
+//! butterfly (which leaves every lane with the same bits) and lane 0 stores the row's scalars.
+//! The column kernels (bias and norm parameter gradients, the embedding's) give each column
+//! [`COLUMN_LANES`] lanes that split its rows and add their sums into the column (the embedding:
+//! each row into its token's row) atomically, a warp covering 32 neighbouring columns. The host
+//! runs all these bodies as one lane ([`Op::cooperative`]), so its order, and with it the CPU
+//! backend's bits, is the sequential one; a GPU sums in another order and agrees to rounding,
+//! and for the column kernels its order, and so their last bits, may vary from run to run. The
+//! loss and gradient-norm sums ([`Op::AddLoss`],
 //! [`Op::AddPartials`]) one thread over a micro-batch's rows or a gradient's 4,096-element
 //! chunks. Attention has no fused kernel here: the GPU computes it chunk by chunk of queries
 //! with cuBLAS products and [`Op::CausalSoftmax`] / [`Op::SoftmaxBackward`]
@@ -46,6 +47,12 @@ use crate::job::{
 };
 use std::fmt;
 use std::path::{Path, PathBuf};
+
+/// Threads of a warp: the lanes of a row op's index on the GPU ([`Op::cooperative`]).
+pub const WARP: u64 = 32;
+
+/// Lanes of a column op's index on the GPU ([`Op::cooperative`]): each adds up every 64th row.
+pub const COLUMN_LANES: u64 = 64;
 
 /// Elements per partial sum of [`Op::SumSquares`].
 pub const SUMSQ_CHUNK: usize = 4096;
@@ -224,12 +231,24 @@ impl Op {
         }
     }
 
-    /// Whether the lanes of a warp share each index on the GPU: they stride the index's row (or,
-    /// for a column op, its rows), reduce with shuffles and store a row's scalars from lane 0
-    /// (the embedding's gradient, whose rows scatter into token rows, adds atomically). The
-    /// host runs such a body as one lane, in the CPU's order. Every row and column op.
+    /// Whether several GPU threads (lanes) share each index: every row and column op. A row's
+    /// lanes are a warp: they stride the row, reduce with shuffles and store the row's scalars
+    /// from lane 0. A column's [`COLUMN_LANES`] lanes split its rows and add their partial sums
+    /// into the column atomically; the 32 threads of a warp are 32 neighbouring columns at one
+    /// lane, so that their loads are coalesced. The host runs such a body as one lane, in the
+    /// CPU's order.
     pub fn cooperative(&self) -> bool {
-        matches!(self.space(), Space::Rows | Space::Columns)
+        self.lanes_on_gpu() > 1
+    }
+
+    /// Threads per index on the GPU: [`WARP`] for a row op, [`COLUMN_LANES`] for a column op, 1
+    /// otherwise.
+    pub fn lanes_on_gpu(&self) -> u64 {
+        match self.space() {
+            Space::Rows => WARP,
+            Space::Columns => COLUMN_LANES,
+            Space::Elements | Space::Chunks => 1,
+        }
     }
 
     /// How many storage dtypes the op takes (its [`Param::Tensor`]s, in order).

@@ -4,9 +4,10 @@
 //! `gemm.rs`, `optim.rs`, `cross_entropy`) operation for operation and in the same order:
 //! sums fold left from Rust's starting value (−0.0 for `Iterator::sum`, 0.0 for explicit
 //! accumulators), the loss's `sum_exp` keeps its eight lanes, and no expression is reassociated.
-//! Row and column bodies ([`Op::cooperative`]) are written for a warp: each loop over a row is a
-//! [`Fx::lane_range`], each sum ends in a [`Fx::lane_sum`], a row's scalars are stored by
-//! [`Fx::first_lane`]; with the host's one lane that is the sequential code above.
+//! Row and column bodies ([`Op::cooperative`]) are written for several lanes: each loop over a
+//! row (a column's rows) is a [`Fx::lane_range`]; a row's sums end in a [`Fx::lane_sum`] and its
+//! scalars are stored by [`Fx::first_lane`]; a column's sum runs from [`Fx::start_column`] to
+//! [`Fx::finish_column`]. With the host's one lane that is the sequential code above.
 
 use super::attention;
 use super::fx::{Fx, F, I};
@@ -206,15 +207,14 @@ fn embedding_backward<'c>(
 
 /// `db[j] += dy[r, j]` for each row r in order (`gemm::col_sums`).
 fn column_sums<'c>(fx: &mut Fx<'c, '_>, width: u32, j: I<'c>) {
-    let acc = fx.var(fx.lane0_or(fx.load("db", j), fx.f(0.0)));
+    let acc = fx.var(fx.start_column("db", j));
     let w = fx.i64c(width.into());
     let rows = fx.int_param("rows");
     fx.lane_range(fx.i64c(0), rows, |fx, r| {
         let v = fx.load("dy", fx.iadd(fx.imul(r, w), j));
         fx.set(&acc, fx.add(fx.get(&acc), v));
     });
-    let total = fx.lane_sum(fx.get(&acc));
-    fx.first_lane(|fx| fx.store("db", j, total));
+    fx.finish_column("db", j, fx.get(&acc));
 }
 
 /// `ops::norm_forward` on row `r`.
@@ -307,9 +307,8 @@ fn norm_backward_input<'c>(fx: &mut Fx<'c, '_>, norm: Norm, width: u32, r: I<'c>
 /// The column part of `ops::norm_backward`: `dw[j] += Σ_r dy·x̂`, `db[j] += Σ_r dy`.
 fn norm_backward_params<'c>(fx: &mut Fx<'c, '_>, width: u32, bias: bool, j: I<'c>) {
     let h = fx.i64c(width.into());
-    let zero = fx.f(0.0);
-    let dw = fx.var(fx.lane0_or(fx.load("dw", j), zero));
-    let db = bias.then(|| fx.var(fx.lane0_or(fx.load("db", j), zero)));
+    let dw = fx.var(fx.start_column("dw", j));
+    let db = bias.then(|| fx.var(fx.start_column("db", j)));
     let rows = fx.int_param("rows");
     fx.lane_range(fx.i64c(0), rows, |fx, r| {
         let two_r = fx.imul(r, fx.i64c(2));
@@ -323,14 +322,10 @@ fn norm_backward_params<'c>(fx: &mut Fx<'c, '_>, width: u32, bias: bool, j: I<'c
             fx.set(db, fx.add(fx.get(db), dy));
         }
     });
-    let dw = fx.lane_sum(fx.get(&dw));
-    let db = db.map(|db| fx.lane_sum(fx.get(&db)));
-    fx.first_lane(|fx| {
-        fx.store("dw", j, dw);
-        if let Some(db) = db {
-            fx.store("db", j, db);
-        }
-    });
+    fx.finish_column("dw", j, fx.get(&dw));
+    if let Some(db) = &db {
+        fx.finish_column("db", j, fx.get(db));
+    }
 }
 
 /// One row of `math::cross_entropy`: log-sum-exp with `ops::sum_exp`'s eight lanes, the row's
@@ -359,28 +354,53 @@ fn cross_entropy<'c>(fx: &mut Fx<'c, '_>, vocab: u32, r: I<'c>) {
 }
 
 /// `max + ln(ops::sum_exp(x, max))` of the `n` elements of `name` from element `row`, `max`
-/// folded from −∞ with `f32::max`: the log-sum-exp of the loss and of attention's rows.
+/// folded from −∞ with `f32::max`: the log-sum-exp of the loss and of attention's rows, on the
+/// host; a GPU's warp reads the row once instead ([`online_log_sum_exp`]).
 pub(super) fn log_sum_exp<'c>(fx: &mut Fx<'c, '_>, name: &str, row: I<'c>, n: I<'c>) -> F<'c> {
+    if fx.lanes() > 1 {
+        return online_log_sum_exp(fx, name, row, n);
+    }
     let max = fx.var(fx.f(f32::NEG_INFINITY));
-    fx.lane_range(fx.i64c(0), n, |fx, j| {
+    fx.range(fx.i64c(0), n, |fx, j| {
         let x = fx.load(name, fx.iadd(row, j));
         fx.set(&max, fx.maxnum(fx.get(&max), x));
     });
-    let max = fx.lane_max(fx.get(&max));
+    let max = fx.get(&max);
     let sum = sum_exp(fx, name, row, n, max);
     fx.add(max, fx.ln(sum))
 }
 
+/// The log-sum-exp of a row on a GPU's warp in one pass over the row (a row is read once, not
+/// twice as in the host's max-then-sum order): each lane keeps a running max `m` and a sum `s`
+/// of exp(x − m), rescaled as `m` grows; the lanes' sums are then rescaled to the row's max and
+/// added. The same value as [`log_sum_exp`]'s to rounding (both sum the same exponentials).
+fn online_log_sum_exp<'c>(fx: &mut Fx<'c, '_>, name: &str, row: I<'c>, n: I<'c>) -> F<'c> {
+    let max = fx.var(fx.f(f32::NEG_INFINITY));
+    let sum = fx.var(fx.f(0.0));
+    fx.lane_range(fx.i64c(0), n, |fx, j| {
+        let x = fx.load(name, fx.iadd(row, j));
+        let m = fx.get(&max);
+        let m_new = fx.maxnum(m, x);
+        // exp(−∞ − x) = 0: a lane's first element rescales nothing.
+        let kept = fx.mul(fx.get(&sum), fx.exp(fx.sub(m, m_new)));
+        fx.set(&sum, fx.add(kept, fx.exp(fx.sub(x, m_new))));
+        fx.set(&max, m_new);
+    });
+    let m = fx.get(&max);
+    let row_max = fx.lane_max(m);
+    // A lane with no elements has sum 0 and max −∞: it adds 0·exp(−∞) = 0.
+    let total = fx.lane_sum(fx.mul(fx.get(&sum), fx.exp(fx.sub(m, row_max))));
+    fx.add(row_max, fx.ln(total))
+}
+
 /// `ops::sum_exp`: eight accumulators over whole chunks of eight, then the tail, then the eight
-/// summed in order and the tail added. On a GPU each lane takes every 32nd chunk and its share
-/// of the tail, and the lanes' results are summed.
+/// summed in order and the tail added (the host's one lane; a GPU's warp takes
+/// [`online_log_sum_exp`]).
 fn sum_exp<'c>(fx: &mut Fx<'c, '_>, name: &str, row: I<'c>, n: I<'c>, shift: F<'c>) -> F<'c> {
     let at = |fx: &Fx<'c, '_>, j: I<'c>| fx.iadd(row, j);
     let lanes: Vec<_> = (0..8).map(|_| fx.var(fx.f(0.0))).collect();
     let whole = fx.imul(fx.udiv(n, fx.i64c(8)), fx.i64c(8));
-    let first = fx.imul(fx.lane(), fx.i64c(8));
-    let stride = fx.i64c(8 * fx.lanes());
-    fx.strided_loop(first, whole, stride, |fx, c| {
+    fx.strided_loop(fx.i64c(0), whole, fx.i64c(8), |fx, c| {
         for (k, lane) in lanes.iter().enumerate() {
             let x = fx.load(name, at(fx, fx.iadd(c, fx.i64c(k as u64))));
             let e = fx.exp(fx.sub(x, shift));
@@ -388,7 +408,7 @@ fn sum_exp<'c>(fx: &mut Fx<'c, '_>, name: &str, row: I<'c>, n: I<'c>, shift: F<'
         }
     });
     let tail = fx.var(fx.f(-0.0));
-    fx.lane_range(whole, n, |fx, j| {
+    fx.range(whole, n, |fx, j| {
         let e = fx.exp(fx.sub(fx.load(name, at(fx, j)), shift));
         fx.set(&tail, fx.add(fx.get(&tail), e));
     });
@@ -396,7 +416,7 @@ fn sum_exp<'c>(fx: &mut Fx<'c, '_>, name: &str, row: I<'c>, n: I<'c>, shift: F<'
     for lane in &lanes {
         sum = fx.add(sum, fx.get(lane));
     }
-    fx.lane_sum(fx.add(sum, fx.get(&tail)))
+    fx.add(sum, fx.get(&tail))
 }
 
 /// `ops::Rope::apply` on `heads` heads of `qkv` starting at element `at`.

@@ -8,7 +8,7 @@
 
 use super::Target;
 use crate::job::Dtype;
-use crate::kernels::{Kernel, Param};
+use crate::kernels::{Kernel, Param, WARP};
 use inkwell::basic_block::BasicBlock;
 use inkwell::builder::Builder;
 use inkwell::context::Context;
@@ -20,9 +20,6 @@ use inkwell::values::{
     PointerValue,
 };
 use inkwell::{FloatPredicate, IntPredicate};
-
-/// Threads of a warp: the lanes of a cooperative index on the GPU.
-pub const WARP: u64 = 32;
 
 const BUILD: &str = "the kernel builder is used as LLVM expects";
 
@@ -38,6 +35,10 @@ pub struct Fx<'c, 'm> {
     params: Vec<Param>,
     target: Target,
     entry: BasicBlock<'c>,
+    /// Lanes sharing an index: the op's on the GPU, 1 on the host.
+    lanes: u64,
+    /// This thread's lane (a body's second index parameter; 0 until set).
+    lane: Option<I<'c>>,
 }
 
 impl<'c, 'm> Fx<'c, 'm> {
@@ -59,6 +60,11 @@ impl<'c, 'm> Fx<'c, 'm> {
             params: k.params(),
             target,
             entry,
+            lanes: match target {
+                Target::Host => 1,
+                Target::Ptx { .. } => k.op.lanes_on_gpu(),
+            },
+            lane: None,
         }
     }
 
@@ -864,24 +870,20 @@ impl<'c, 'm> Fx<'c, 'm> {
 
     // ----- lanes: a warp shares a cooperative index on the GPU, the host runs one lane -----
 
-    /// Lanes sharing a cooperative index ([`crate::kernels::Op::cooperative`]): a warp on the
-    /// GPU, one on the host.
+    /// Lanes sharing a cooperative index ([`crate::kernels::Op::cooperative`]): the op's on the
+    /// GPU (a warp for a row), one on the host.
     pub fn lanes(&self) -> u64 {
-        match self.target {
-            Target::Host => 1,
-            Target::Ptx { .. } => WARP,
-        }
+        self.lanes
     }
 
-    /// This thread's lane: `tid.x mod 32` on the GPU (blocks are whole warps), 0 on the host.
+    /// This thread's lane, as the wrapper computed it (0 on the host).
     pub fn lane(&self) -> I<'c> {
-        match self.target {
-            Target::Host => self.i64c(0),
-            Target::Ptx { .. } => {
-                let (tid, ..) = self.thread_registers();
-                self.b.build_and(tid, self.i64c(WARP - 1), "").expect(BUILD)
-            }
-        }
+        self.lane.unwrap_or_else(|| self.i64c(0))
+    }
+
+    /// Sets this thread's lane (the body's lane parameter).
+    pub fn set_lane(&mut self, lane: I<'c>) {
+        self.lane = Some(lane);
     }
 
     /// `for j in (start + lane..end).step_by(lanes)`: this lane's share of `start..end`, in
@@ -896,9 +898,10 @@ impl<'c, 'm> Fx<'c, 'm> {
     /// partner combine the same two values in either order, so every lane ends with the same
     /// bits. `x` itself on the host.
     fn lane_fold(&self, x: F<'c>, op: impl Fn(&Self, F<'c>, F<'c>) -> F<'c>) -> F<'c> {
-        if self.target == Target::Host {
+        if self.lanes == 1 {
             return x;
         }
+        assert_eq!(self.lanes, WARP, "shuffles combine the lanes of a warp");
         let name = "llvm.nvvm.shfl.sync.bfly.f32";
         let shfl = self.module.get_function(name).unwrap_or_else(|| {
             let (f, i) = (self.ctx.f32_type(), self.ctx.i32_type());
@@ -937,11 +940,25 @@ impl<'c, 'm> Fx<'c, 'm> {
         self.when(lane0, body);
     }
 
-    /// On lane 0 `init`, on the others `zero` (a column sum's partials: lane 0 continues the
-    /// stored value).
-    pub fn lane0_or(&self, init: F<'c>, zero: F<'c>) -> F<'c> {
-        let lane0 = self.icmp(IntPredicate::EQ, self.lane(), self.i64c(0));
-        self.fselect(lane0, init, zero)
+    /// Where a column's sum starts: on the host (one lane) the value stored at `name[i]`, which
+    /// it continues in row order; on the GPU 0, each lane's share of the rows being added to
+    /// `name[i]` by [`Fx::finish_column`].
+    pub fn start_column(&self, name: &str, i: I<'c>) -> F<'c> {
+        if self.lanes == 1 {
+            self.load(name, i)
+        } else {
+            self.f(0.0)
+        }
+    }
+
+    /// A column's sum from [`Fx::start_column`] written back: stored on the host, added
+    /// atomically on the GPU.
+    pub fn finish_column(&self, name: &str, i: I<'c>, sum: F<'c>) {
+        if self.lanes == 1 {
+            self.store(name, i, sum);
+        } else {
+            self.add_into(name, i, sum);
+        }
     }
 }
 

@@ -8,7 +8,7 @@
 
 use super::typed::DevPtr;
 use schedc::job::{Collective, Dtype};
-use schedc::kernels::{Op, Space};
+use schedc::kernels::{Op, Space, COLUMN_LANES, WARP};
 
 /// An address in GPU memory (in the host emulation, a host address): typed so that device
 /// addresses, byte offsets in the arena and element counts cannot be mixed up.
@@ -50,25 +50,21 @@ pub struct Grid {
     pub threads: u32,
 }
 
-/// The grid of a launch of `op` over `n` indices: one thread per index, or a warp per index for
-/// a cooperative op ([`Op::cooperative`]: rows and columns), up to 65,536 blocks (the
-/// grid-stride loop covers the rest). Element and cooperative kernels take blocks of 256 (8
-/// warps: 8 rows); the others (the embedding's gradient, a column per thread, and the
-/// chunked sums: much work per index, and few indices) blocks of 64, so that their few
-/// thousand indices still spread over every multiprocessor.
+/// The grid of a launch of `op` over `n` indices, in blocks of 256 threads: one thread per
+/// element, a warp per row, 32·`COLUMN_LANES` threads per 32 columns (so the launch's threads
+/// are whole groups of columns: `Op::lanes_on_gpu`, and the code generator's thread mapping);
+/// the others (a chunk per thread) blocks of 64, so that their few indices still spread over the
+/// multiprocessors. At most 65,536 blocks: the grid-stride loop covers the rest.
 pub fn grid(op: Op, n: usize) -> Grid {
-    let (threads, per_index): (u32, u64) = if op.cooperative() {
-        (256, 32)
-    } else if op.space() == Space::Elements {
-        (256, 1)
-    } else {
-        (64, 1)
+    let n = n as u64;
+    let (threads, needed): (u32, u64) = match op.space() {
+        Space::Elements => (256, n),
+        Space::Rows => (256, n * WARP),
+        Space::Columns => (256, n.div_ceil(WARP) * WARP * COLUMN_LANES),
+        Space::Chunks => (64, n),
     };
-    let threads_needed = n as u64 * per_index;
     Grid {
-        blocks: threads_needed
-            .div_ceil(u64::from(threads))
-            .clamp(1, 1 << 16) as u32,
+        blocks: needed.div_ceil(u64::from(threads)).clamp(1, 1 << 16) as u32,
         threads,
     }
 }
