@@ -5,7 +5,11 @@
 //! - Parity at world size 1: the tiny models' losses over 20 fp32 steps on the CUDA backend match
 //!   the CPU backend's within 1e-4 relative, and the final weights within 1e-3; the device arena
 //!   is exactly the plan's `arena_bytes`.
-//! - `gpt2_small_step_mfu` (ignored): a GPT-2-small step on one GPU, reporting step time and MFU.
+//! - bf16 parity: bf16 twins of the tiny models (one with a 259-word vocabulary and a 172-wide
+//!   SwiGLU, whose products go through padded rows) within 2e-2 of the CPU backend's losses over
+//!   20 steps (written after the first GPU session; it has not run on a GPU yet).
+//! - `gpt2_small_step_mfu` (ignored): a GPT-2-small step on one GPU, reporting step time, MFU and
+//!   the losses of the timed steps.
 //!
 //! The CUDA backend loads each plan's kernels from PTX (`schedc compile --emit ptx`); the device
 //! machine has no LLVM, so `write_the_gpu_tests_ptx` (`--features llvm`, ignored; run by
@@ -89,6 +93,33 @@ schedule gpt_ddp1_m2 { model = tiny_gpt  cluster = cpu4  gpus_per_node = 1  pres
 schedule llama_ddp1 { model = tiny_llama  cluster = cpu4  gpus_per_node = 1  preset = ddp  train { lr = 1e-3  seed = 3 } }
 "#;
 
+/// bf16 twins of the tiny models, one-rank: the GPT with flash attention; the LLaMA-style one with
+/// a 259-word vocabulary and a 172-wide SwiGLU (widths that are not a multiple of 8: its head and
+/// MLP products go through padded rows) and naive attention.
+const BF16: &str = r#"
+import "clusters/cpu.sched"
+model gpt_bf16 {
+    dtype = bf16  optimizer = adamw  seq_len = 64  micro_batch = 2
+    layer embed    = embedding(vocab = 256, hidden = 64, positions = learned)
+    layer block[2] = transformer(hidden = 64, heads = 4, ffn = 256)
+    layer head     = lm_head(hidden = 64, vocab = 256, tied = true)
+}
+model llama_bf16 {
+    dtype = bf16  optimizer = adamw  seq_len = 64  micro_batch = 2
+    layer embed    = embedding(vocab = 259, hidden = 64, positions = rope)
+    layer block[2] = transformer(hidden = 64, heads = 4, kv_heads = 2, ffn = 172, norm = rmsnorm,
+                                 act = swiglu, bias = false, attention = naive)
+    layer head     = lm_head(hidden = 64, vocab = 259, norm = rmsnorm)
+}
+schedule gpt_bf16_ddp1 { model = gpt_bf16  cluster = cpu4  gpus_per_node = 1  preset = ddp  train { lr = 1e-3  seed = 3 } }
+schedule llama_bf16_ddp1 { model = llama_bf16  cluster = cpu4  gpus_per_node = 1  preset = ddp  train { lr = 1e-3  seed = 3 } }
+"#;
+
+/// Every job the GPU tests run.
+fn all_jobs() -> Vec<Job> {
+    [TINY, BF16, GPT2].into_iter().flat_map(jobs).collect()
+}
+
 fn env1() -> DistEnv {
     DistEnv {
         rank: 0,
@@ -109,7 +140,7 @@ schedule gpt2_1gpu { model = gpt2  cluster = h100_400g  nodes = 1  gpus_per_node
 /// does not find a typo first), and the plan's communicator keys and hash are well defined.
 #[test]
 fn the_gpu_tests_schedules_compile_to_one_rank() {
-    for job in jobs(TINY).into_iter().chain(jobs(GPT2)) {
+    for job in all_jobs() {
         let plan = plan_of(&job);
         assert_eq!(plan.ranks(), 1, "{}", job.schedule.name);
         assert_eq!(cuda::plan_hash(&plan), cuda::plan_hash(&plan_of(&job)));
@@ -123,7 +154,7 @@ fn the_gpu_tests_schedules_compile_to_one_rank() {
 #[ignore = "writes files: runtime/gpu/build.sh runs it"]
 fn write_the_gpu_tests_ptx() {
     use schedc::kernels::codegen::{ptx as emit_ptx, SMS};
-    for job in jobs(TINY).into_iter().chain(jobs(GPT2)) {
+    for job in all_jobs() {
         let kernels = schedc::kernels::for_job(&job);
         let files = ptx(&job);
         for sm in SMS {
@@ -219,8 +250,42 @@ fn tiny_models_on_one_gpu_match_the_cpu_backend() {
     }
 }
 
-/// GPT-2 small (124M, seq 1024, micro-batch 8) on one GPU: a few steps, then the step time and
-/// MFU against the cluster's bf16 peak (the kernels compute in fp32, so expect it low).
+/// The bf16 twins of the tiny models on one GPU against the CPU backend: losses within 2e-2
+/// relative over 20 steps (the issue's bf16 tolerance; the host emulation of the same plans
+/// agrees within it), and the device arena is the plan's.
+#[test]
+fn tiny_bf16_models_on_one_gpu_match_the_cpu_backend() {
+    if !gpu() {
+        return;
+    }
+    for job in jobs(BF16) {
+        let name = job.schedule.name.clone();
+        let plan = plan_of(&job);
+        let want = train(
+            plan.clone(),
+            CpuBackend::new(plan.clone(), RunOptions::default()),
+            20,
+        );
+        let backend = CudaBackend::new(plan.clone(), RunOptions::default(), &env1(), &ptx(&job))
+            .unwrap_or_else(|e| {
+                panic!("{name}: {e} (runtime/gpu/build.sh writes these tests' PTX)")
+            });
+        let got = train(plan.clone(), backend, 20);
+        for (i, (g, w)) in got.0.iter().zip(&want.0).enumerate() {
+            assert!(
+                (g - w).abs() <= 2e-2 * w.abs(),
+                "{name}: step {}: cuda loss {g}, cpu loss {w}",
+                i + 1
+            );
+        }
+        let allocated: Vec<u64> = got.2.backend.memory().iter().map(|m| m.allocated).collect();
+        assert_eq!(allocated, vec![plan.program.arena_bytes], "{name}");
+    }
+}
+
+/// GPT-2 small (124M, seq 1024, micro-batch 8, bf16) on one GPU: a warm-up step, then five timed
+/// ones; prints the step time, MFU against the cluster's bf16 peak and the timed steps' losses
+/// (a random-init GPT-2 starts near ln 50,257 ≈ 10.8).
 #[test]
 #[ignore = "a benchmark: needs a GPU with about 20 GB free; run with --ignored"]
 fn gpt2_small_step_mfu() {
@@ -237,8 +302,11 @@ fn gpt2_small_step_mfu() {
     t.step(1e-4, None).unwrap(); // warm-up: the driver's PTX compilation, cuBLAS heuristics
     let steps = 5;
     let mut total = 0.0;
+    let mut losses = vec![];
     for _ in 0..steps {
-        total += t.step(1e-4, None).unwrap().time.as_secs_f64();
+        let r = t.step(1e-4, None).unwrap();
+        total += r.time.as_secs_f64();
+        losses.push(r.loss);
     }
     let step = total / steps as f64;
     let m = &job.model;
@@ -254,5 +322,10 @@ fn gpt2_small_step_mfu() {
         flops / step / 1e12,
         100.0 * flops / step / peak,
         peak / 1e12
+    );
+    println!("gpt2 small, 1 GPU: losses of the timed steps {losses:.4?}");
+    assert!(
+        losses.iter().all(|l| l.is_finite()),
+        "a loss is not finite: {losses:?}"
     );
 }

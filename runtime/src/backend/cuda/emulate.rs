@@ -351,6 +351,12 @@ model gpt_bf16 {
     layer block[1] = transformer(hidden = 32, heads = 2, ffn = 64)
     layer head     = lm_head(hidden = 32, vocab = 256, tied = true)
 }
+model odd_bf16 {
+    dtype = bf16  optimizer = adamw  seq_len = 16  micro_batch = 2
+    layer embed    = embedding(vocab = 259, hidden = 32, positions = rope)
+    layer block[1] = transformer(hidden = 32, heads = 4, kv_heads = 2, ffn = 44, norm = rmsnorm, act = swiglu, bias = false, attention = naive)
+    layer head     = lm_head(hidden = 32, vocab = 259, norm = rmsnorm)
+}
 model llama_bf16 {
     dtype = bf16  optimizer = adamw  seq_len = 16  micro_batch = 2
     layer embed    = embedding(vocab = 256, hidden = 32, positions = rope)
@@ -1333,7 +1339,8 @@ cluster two_by_two { nodes = 2  gpus_per_node = 2  gpu_memory = 4 GiB  peak_flop
 /// relative and final weights within 1e-4 for fp32 models, both within 2e-2 for bf16 and fp16
 /// ones (16-bit products), 20
 /// steps of one-rank plans and 5 of sharded 4-rank ones (ZeRO-2/3, hierarchical MiCS, hpZ, an
-/// AMSP mesh), with clipping, micro-steps and recomputation. Every kernel launched is one
+/// AMSP mesh), with clipping, micro-steps and recomputation, and a bf16 model over a 259-word
+/// vocabulary and a 44-wide SwiGLU (products through padded rows). Every kernel launched is one
 /// `for_job` lists (the emulated device knows no other); with `SCHED_SHOW_ERRORS` each job
 /// also says how many losses and weights are the CPU's bits and which listed kernels it never
 /// launched.
@@ -1349,7 +1356,8 @@ fn training_on_the_emulated_device_matches_the_cpu_backend() {
          schedule f {{ model = llama_gqa  cluster = four  shard {{ params = 1  grads = 2  optimizer = 4 }}  grad_sync = flat  micro_steps = 2  train {{ lr = 1e-3  seed = 7 }} }}\n\
          schedule g {{ model = gpt_bf16  cluster = one  preset = ddp  micro_steps = 2  train {{ lr = 1e-3  seed = 8  clip = 0.5 }} }}\n\
          schedule h {{ model = gpt_bf16  cluster = four  preset = zero3  train {{ lr = 1e-3  seed = 9 }} }}\n\
-         schedule i {{ model = gpt_fp16  cluster = one  preset = zero2  train {{ lr = 1e-3  seed = 10 }} }}\n",
+         schedule i {{ model = gpt_fp16  cluster = one  preset = zero2  train {{ lr = 1e-3  seed = 10 }} }}\n\
+         schedule j {{ model = odd_bf16  cluster = one  preset = ddp  train {{ lr = 1e-3  seed = 11 }} }}\n",
         CLUSTERS
     );
     let loader = schedc::MemLoader::default()
