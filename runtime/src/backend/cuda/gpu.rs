@@ -479,7 +479,18 @@ fn chunk_rows(sh: &Shape) -> usize {
     attention_chunk(sh.heads as u64, sh.s as u64) as usize
 }
 
-impl Chunk<'_> {
+impl<'s> Chunk<'s> {
+    /// Every row of sequence `b`, against every key.
+    fn whole(sh: &'s Shape, b: usize) -> Self {
+        Chunk {
+            sh,
+            b,
+            q0: 0,
+            rows: sh.s,
+            keys: sh.s,
+        }
+    }
+
     /// Query heads per kv group.
     fn r(&self) -> usize {
         self.sh.heads / self.sh.kv_heads
@@ -595,6 +606,63 @@ impl Gpu<'_> {
         Ok((chunks, scores, probs, lse))
     }
 
+    /// A chunk's output rows `P·V` from its probabilities `probs`.
+    fn chunk_values(
+        &self,
+        c: &Chunk<'_>,
+        qkv: DevPtr,
+        out: DevPtr,
+        probs: DevPtr,
+    ) -> Result<(), DeviceError> {
+        for u in 0..c.r() {
+            let p = (c.scores(probs, u), false);
+            let v = (c.kv(qkv, true), false);
+            let o = c.queries(out, c.sh.hidden(), u);
+            self.per_group(c, (c.rows, c.sh.d, c.keys), 1.0, p, v, 0.0, o)?;
+        }
+        Ok(())
+    }
+
+    /// A chunk's backward from its probabilities `probs`: dP = dO·Vᵀ into `dp` (fp32),
+    /// dV += Pᵀ·dO, dS = P ∘ (dP − rowsum(P ∘ dP))·scale into `ds` (`dp` itself, or `probs`
+    /// when they may be overwritten: dS in the product dtype), dQ = dS·K and dK += dSᵀ·Q.
+    #[allow(clippy::too_many_arguments)]
+    fn chunk_backward(
+        &self,
+        c: &Chunk<'_>,
+        qkv: DevPtr,
+        dout: DevPtr,
+        dqkv: DevPtr,
+        probs: DevPtr,
+        dp: DevPtr,
+        ds: DevPtr,
+    ) -> Result<(), DeviceError> {
+        let sh = c.sh;
+        let (w, h) = (sh.width(), sh.hidden());
+        let (rows, keys, d) = (c.rows, c.keys, sh.d);
+        for u in 0..c.r() {
+            let o = (c.queries(dout, h, u), false);
+            let v = (c.kv(qkv, true), true);
+            self.per_group(c, (rows, keys, d), 1.0, o, v, 0.0, c.scores(dp, u))?;
+            let p = (c.scores(probs, u), true);
+            let dv = c.kv(dqkv, true);
+            self.per_group(c, (keys, d, rows), 1.0, p, o, 1.0, dv)?;
+        }
+        let (scale, keys_arg) = (Arg::F(sh.scale()), Arg::L(keys as i64));
+        let args = [T(probs), T(dp), T(ds), scale, keys_arg];
+        self.run(Op::SoftmaxBackward, sh.heads * rows, &args)?;
+        for u in 0..c.r() {
+            let s_u = c.scores(ds, u);
+            let k = c.kv(qkv, false);
+            let dq = c.queries(dqkv, w, u);
+            self.per_group(c, (rows, d, keys), 1.0, (s_u, false), (k, false), 0.0, dq)?;
+            let q = (c.queries(qkv, w, u), false);
+            let dk = c.kv(dqkv, false);
+            self.per_group(c, (keys, d, rows), 1.0, (s_u, true), q, 1.0, dk)?;
+        }
+        Ok(())
+    }
+
     /// The fused attention's forward: per chunk, the probabilities (as [`Gpu::chunk_probs`]),
     /// the output rows `P·V`, and the rows' log-sum-exps into `lse` (what backward keeps; the
     /// s×s matrix is never kept, only a chunk of it lives in workspace during the op).
@@ -606,15 +674,9 @@ impl Gpu<'_> {
         lse: DevPtr,
     ) -> Result<(), DeviceError> {
         let (chunks, scores, probs, rows_lse) = self.chunks(sh, per)?;
-        let h = sh.hidden();
         for c in &chunks {
             self.chunk_probs(c, qkv, scores, probs, rows_lse)?;
-            for u in 0..c.r() {
-                let p = (c.scores(probs, u), false);
-                let v = (c.kv(qkv, true), false);
-                let o = c.queries(out, h, u);
-                self.per_group(c, (c.rows, sh.d, c.keys), 1.0, p, v, 0.0, o)?;
-            }
+            self.chunk_values(c, qkv, out, probs)?;
             // The rows' log-sum-exps, head by head (one run when the chunk is whole sequences).
             let runs = if c.rows == sh.s { 1 } else { sh.heads };
             let len = sh.heads * c.rows / runs;
@@ -627,9 +689,8 @@ impl Gpu<'_> {
     }
 
     /// The fused attention's backward, chunk by chunk on the recomputed probabilities (the
-    /// forward's bits: the same products and softmax): dP = dO·Vᵀ (into the scores' place),
-    /// dV += Pᵀ·dO, dS = P ∘ (dP − rowsum(P ∘ dP))·scale in the product dtype (over the
-    /// probabilities), dQ = dS·K and dK += dSᵀ·Q. `dqkv` is overwritten.
+    /// forward's bits: the same products and softmax), [`Gpu::chunk_backward`] with dP in the
+    /// scores' place and dS in the product dtype over the probabilities. `dqkv` is overwritten.
     pub(super) fn fused_attention_backward(
         &self,
         (sh, per): (&Shape, usize),
@@ -637,34 +698,11 @@ impl Gpu<'_> {
         dout: DevPtr,
         dqkv: DevPtr,
     ) -> Result<(), DeviceError> {
-        let (w, h) = (sh.width(), sh.hidden());
-        self.fill(dqkv, sh.b * sh.s * w, 0.0)?;
+        self.fill(dqkv, sh.b * sh.s * sh.width(), 0.0)?;
         let (chunks, scores, probs, rows_lse) = self.chunks(sh, per)?;
         for c in &chunks {
             self.chunk_probs(c, qkv, scores, probs, rows_lse)?;
-            let (rows, keys, d) = (c.rows, c.keys, sh.d);
-            for u in 0..c.r() {
-                let o = (c.queries(dout, h, u), false);
-                let v = (c.kv(qkv, true), true);
-                self.per_group(c, (rows, keys, d), 1.0, o, v, 0.0, c.scores(scores, u))?;
-                let p = (c.scores(probs, u), true);
-                let dv = c.kv(dqkv, true);
-                self.per_group(c, (keys, d, rows), 1.0, p, o, 1.0, dv)?;
-            }
-            // dS over the probabilities, in the product dtype.
-            let (scale, keys_arg) = (Arg::F(sh.scale()), Arg::L(keys as i64));
-            let args = [T(probs), T(scores), T(probs), scale, keys_arg];
-            self.run(Op::SoftmaxBackward, sh.heads * rows, &args)?;
-            let ds = probs;
-            for u in 0..c.r() {
-                let s_u = c.scores(ds, u);
-                let k = c.kv(qkv, false);
-                let dq = c.queries(dqkv, w, u);
-                self.per_group(c, (rows, d, keys), 1.0, (s_u, false), (k, false), 0.0, dq)?;
-                let q = (c.queries(qkv, w, u), false);
-                let dk = c.kv(dqkv, false);
-                self.per_group(c, (keys, d, rows), 1.0, (s_u, true), q, 1.0, dk)?;
-            }
+            self.chunk_backward(c, qkv, dout, dqkv, probs, scores, probs)?;
         }
         Ok(())
     }
@@ -960,12 +998,9 @@ impl Device for Gpu<'_> {
         Ok(())
     }
 
-    /// `flash`: the fused kernel, one query row per index, never storing the s×s matrix.
-    /// `naive` (which keeps the probabilities): for every sequence, the scores of its heads
-    /// ([heads][s][s] in workspace; the query heads of one kv group share K, stride 0 in a
-    /// strided-batched product), their causal softmax written straight into the kept
-    /// probabilities (rounded to the activation precision, as the CPU keeps them), and the
-    /// output as the product of those probabilities with V.
+    /// `flash`: by chunks of query rows ([`Gpu::fused_attention`]), keeping each row's
+    /// log-sum-exp. `naive` (which keeps the probabilities): each sequence one chunk, its
+    /// softmax written straight into the kept probabilities.
     fn attention(
         &self,
         bp: &BlockP,
@@ -979,53 +1014,23 @@ impl Device for Gpu<'_> {
             Keep::Lse(lse) => return self.fused_attention((sh, chunk_rows(sh)), qkv, out, lse),
             Keep::Probs(p) => p,
         };
-        let (s, w, h, d) = (sh.s, sh.width(), sh.heads * sh.d, sh.d);
-        let r = sh.heads / sh.kv_heads;
-        let scale = sh.scale();
+        // Each sequence a chunk of all its rows, its probabilities kept (rounded to the
+        // activation precision, as the CPU keeps them) and read in place by P·V.
+        let s = sh.s;
         let scores = self.alloc(sh.heads * s * s)?;
         let lse = self.alloc(sh.heads * s)?;
         for b in 0..sh.b {
-            for grp in 0..sh.kv_heads {
-                let n0 = grp * r;
-                let (q, k, _) = sh.offsets(b, n0);
-                let (q, k) = (m(qkv.offset(q), w), mt(qkv.offset(k), w));
-                let c = scores.offset(n0 * s * s);
-                self.batched(s, s, d, scale, q, d, k, 0, 0.0, c, s, s * s, r)?;
-            }
+            let c = Chunk::whole(sh, b);
             let kept = probs.offset(b * sh.heads * s * s);
-            let whole = [s, 0, s].map(|v| Arg::L(v as i64));
-            let args = [T(scores), T(kept), T(lse), whole[0], whole[1], whole[2]];
-            self.run(Op::CausalSoftmax, sh.heads * s, &args)?;
+            self.chunk_probs(&c, qkv, scores, kept, lse)?;
             self.round(act, kept, sh.heads * s * s)?;
-            for grp in 0..sh.kv_heads {
-                let n0 = grp * r;
-                let (_, _, v) = sh.offsets(b, n0);
-                let p = m(kept.offset(n0 * s * s), s);
-                let c = out.offset(b * s * h + n0 * d);
-                self.batched(
-                    s,
-                    d,
-                    s,
-                    1.0,
-                    p,
-                    s * s,
-                    m(qkv.offset(v), w),
-                    0,
-                    0.0,
-                    c,
-                    h,
-                    d,
-                    r,
-                )?;
-            }
+            self.chunk_values(&c, qkv, out, kept)?;
         }
         Ok(())
     }
 
-    /// `flash`: two fused kernels, the query side (dQ and each row's rowsum(P∘dP)) then the key
-    /// side (dK, dV over the group's heads), each index owning the rows it writes. `naive`: dK
-    /// and dV of a kv group sum over its query heads, so those products run head by head (β = 1)
-    /// rather than batched, on the kept probabilities in place.
+    /// `flash`: chunk by chunk on recomputed probabilities ([`Gpu::fused_attention_backward`]).
+    /// `naive`: each sequence one chunk, on the kept probabilities in place.
     fn attention_backward(
         &self,
         bp: &BlockP,
@@ -1042,26 +1047,15 @@ impl Device for Gpu<'_> {
             }
             Keep::Probs(p) => p,
         };
-        let (s, w, h, d) = (sh.s, sh.width(), sh.heads * sh.d, sh.d);
-        let scale = sh.scale();
-        self.fill(dqkv, sh.b * s * w, 0.0)?;
-        let dp = self.alloc(s * s)?;
+        // Each sequence a chunk of all its rows, on the kept probabilities in place (dS in fp32
+        // beside them: they stay as the forward kept them).
+        let s = sh.s;
+        self.fill(dqkv, sh.b * s * sh.width(), 0.0)?;
+        let dp = self.alloc(sh.heads * s * s)?;
         for b in 0..sh.b {
-            for n in 0..sh.heads {
-                let (q, k, v) = sh.offsets(b, n);
-                let (q_m, k_m, v_m) = (qkv.offset(q), qkv.offset(k), qkv.offset(v));
-                let p = kept.offset((b * sh.heads + n) * s * s);
-                let d_o = dout.offset(b * s * h + n * d);
-                // dV += Pᵀ·dO
-                self.gemm(s, d, s, 1.0, mt(p, s), m(d_o, h), 1.0, dqkv.offset(v), w)?;
-                // dP = dO·Vᵀ; dS = P ∘ (dP − rowsum(P ∘ dP)) · scale
-                self.gemm(s, s, d, 1.0, m(d_o, h), mt(v_m, w), 0.0, dp, s)?;
-                let args = [T(p), T(dp), T(dp), Arg::F(scale), Arg::L(s as i64)];
-                self.run(Op::SoftmaxBackward, s, &args)?;
-                // dQ = dS·K; dK += dSᵀ·Q
-                self.gemm(s, d, s, 1.0, m(dp, s), m(k_m, w), 0.0, dqkv.offset(q), w)?;
-                self.gemm(s, d, s, 1.0, mt(dp, s), m(q_m, w), 1.0, dqkv.offset(k), w)?;
-            }
+            let c = Chunk::whole(sh, b);
+            let kept = kept.offset(b * sh.heads * s * s);
+            self.chunk_backward(&c, qkv, dout, dqkv, kept, dp, dp)?;
         }
         Ok(())
     }
