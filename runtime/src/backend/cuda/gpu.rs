@@ -382,6 +382,18 @@ impl Gpu<'_> {
             .map_err(DeviceError::Gpu)
     }
 
+    /// The `n` values at `p` in the product dtype: `p` itself when stored so, else a copy cast
+    /// into workspace that lives until the op ends (for an operand several products read;
+    /// [`Gpu::operand`] casts for one product and releases the copy after it).
+    fn in_product_dtype(&self, p: DevPtr, n: usize) -> Result<DevPtr, DeviceError> {
+        if p.storage.dtype() == Some(self.products) {
+            return Ok(p);
+        }
+        let cast = self.padded(Storage::of(self.products), 1, n)?;
+        self.copy(cast, p, n)?;
+        Ok(cast)
+    }
+
     /// Workspace for `rows` rows of `ld` elements of `storage`.
     fn padded(&self, storage: Storage, rows: usize, ld: usize) -> Result<DevPtr, DeviceError> {
         let floats = (rows as u64 * ld as u64 * storage.bytes()).div_ceil(F);
@@ -869,6 +881,11 @@ impl Device for Gpu<'_> {
         }
         let ld = aligned_ld(out, dy.storage);
         if ld == out {
+            // Both products read dy: cast once (an fp32 gradient of a 16-bit model), not twice.
+            let dy = match dx {
+                Some(_) => self.in_product_dtype(dy, t * out)?,
+                None => dy,
+            };
             self.gemm(out, inp, t, 1.0, mt(dy, out), m(x, inp), 1.0, dw, inp)?;
             if let Some((dx, beta)) = dx {
                 self.gemm(t, inp, out, 1.0, m(dy, out), m(w, inp), beta, dx, inp)?;
