@@ -209,12 +209,11 @@ schedule m { model = tiny_gpt  cluster = cpu2x2  preset = mics(partition = 2) }
     }
 }
 
-#[test]
-fn tiny_models_on_one_gpu_match_the_cpu_backend() {
-    if !gpu() {
-        return;
-    }
-    for job in jobs(TINY) {
+/// Each one-rank job of `schedules` trained 20 steps on the GPU and on the CPU backend: losses
+/// within `loss_tol` relative, final weights within `weight_tol` (when given), and the device
+/// arena exactly the plan's.
+fn one_gpu_matches_the_cpu_backend(schedules: &str, loss_tol: f64, weight_tol: Option<f32>) {
+    for job in jobs(schedules) {
         let name = job.schedule.name.clone();
         let plan = plan_of(&job);
         let want = train(
@@ -229,18 +228,20 @@ fn tiny_models_on_one_gpu_match_the_cpu_backend() {
         let got = train(plan.clone(), backend, 20);
         for (i, (g, w)) in got.0.iter().zip(&want.0).enumerate() {
             assert!(
-                (g - w).abs() <= 1e-4 * w.abs(),
+                (g - w).abs() <= loss_tol * w.abs(),
                 "{name}: step {}: cuda loss {g}, cpu loss {w}",
                 i + 1
             );
         }
-        let worst = got
-            .1
-            .iter()
-            .zip(&want.1)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0f32, f32::max);
-        assert!(worst <= 1e-3, "{name}: final weights differ by {worst}");
+        if let Some(tol) = weight_tol {
+            let worst = got
+                .1
+                .iter()
+                .zip(&want.1)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
+            assert!(worst <= tol, "{name}: final weights differ by {worst}");
+        }
         let allocated: Vec<u64> = got.2.backend.memory().iter().map(|m| m.allocated).collect();
         assert_eq!(
             allocated,
@@ -250,36 +251,20 @@ fn tiny_models_on_one_gpu_match_the_cpu_backend() {
     }
 }
 
-/// The bf16 twins of the tiny models on one GPU against the CPU backend: losses within 2e-2
-/// relative over 20 steps (the bf16 tolerance; the host emulation of the same plans
-/// agrees within it), and the device arena is the plan's.
+/// The fp32 tiny models: losses within 1e-4, final weights within 1e-3.
+#[test]
+fn tiny_models_on_one_gpu_match_the_cpu_backend() {
+    if gpu() {
+        one_gpu_matches_the_cpu_backend(TINY, 1e-4, Some(1e-3));
+    }
+}
+
+/// The bf16 twins of the tiny models: losses within 2e-2 (the bf16 tolerance; the host
+/// emulation of such plans agrees within it). Not yet run on a GPU.
 #[test]
 fn tiny_bf16_models_on_one_gpu_match_the_cpu_backend() {
-    if !gpu() {
-        return;
-    }
-    for job in jobs(BF16) {
-        let name = job.schedule.name.clone();
-        let plan = plan_of(&job);
-        let want = train(
-            plan.clone(),
-            CpuBackend::new(plan.clone(), RunOptions::default()),
-            20,
-        );
-        let backend = CudaBackend::new(plan.clone(), RunOptions::default(), &env1(), &ptx(&job))
-            .unwrap_or_else(|e| {
-                panic!("{name}: {e} (runtime/gpu/build.sh writes these tests' PTX)")
-            });
-        let got = train(plan.clone(), backend, 20);
-        for (i, (g, w)) in got.0.iter().zip(&want.0).enumerate() {
-            assert!(
-                (g - w).abs() <= 2e-2 * w.abs(),
-                "{name}: step {}: cuda loss {g}, cpu loss {w}",
-                i + 1
-            );
-        }
-        let allocated: Vec<u64> = got.2.backend.memory().iter().map(|m| m.allocated).collect();
-        assert_eq!(allocated, vec![plan.program.arena_bytes], "{name}");
+    if gpu() {
+        one_gpu_matches_the_cpu_backend(BF16, 2e-2, None);
     }
 }
 
