@@ -3,8 +3,8 @@
 //! operands through cuBLASLt on tensor cores (fp32 accumulation; C and D fp32 or the operands'
 //! dtype, a bias in the epilogue). Operands lie in the arena in place or in workspace. One of
 //! each handle per stream; both use the GEMM part of the stream's planned workspace, in the
-//! arena (a stream runs one product at a time), and allocate nothing of their own. Compiled,
-//! never run on a GPU yet.
+//! arena (a stream runs one product at a time), and allocate nothing of their own. Run on one
+//! H200 (2026-11-26): bf16 products on cuBLASLt's sm90 kernels.
 
 use super::enqueue::DevAddr;
 use super::enqueue::{ColMajor, CudaError, Library};

@@ -1,5 +1,5 @@
 //! One GPU of the CUDA backend: library checks, the context, the rank's arena (each stream's
-//! workspace lies inside it, `memory.rs`), streams and events. Compiled, never run on a GPU yet.
+//! workspace lies inside it, `memory.rs`), streams and events. Run on one H200 (2026-11-26).
 
 use super::enqueue::{CudaError, DevAddr, Library};
 use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr};

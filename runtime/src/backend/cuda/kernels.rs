@@ -2,7 +2,7 @@
 //! (`ptx.rs` finds, reads and checks it), loaded by the driver from its text (no NVRTC: cudarc's
 //! `Ptx` type is only the wrapper `load_module` takes), one function per kernel `for_job`
 //! lists, all looked up before the first step, and launched by name with raw arguments.
-//! Compiled, never run on a GPU yet.
+//! Run on one H200 (the GPU checklist, 2026-11-26).
 
 use super::device::drv;
 use super::enqueue::{CudaError, Grid, Library, A};

@@ -1,7 +1,8 @@
 //! NCCL communicators and collectives through cudarc's raw bindings. One communicator per
 //! [`CommKey`] the rank belongs to (a plan communicator group used on one stream), each made from
 //! its own unique id; members ranked in the plan's member order, so chunk `j` of an all-gather or
-//! reduce-scatter belongs to member `j` as on the CPU backend. Compiled, never run on a GPU yet.
+//! reduce-scatter belongs to member `j` as on the CPU backend. Never run with several ranks:
+//! the only GPU lent so far was a single one.
 
 use super::enqueue::{CudaError, Library, NcclCall};
 use super::rendezvous::{CommKey, ID_BYTES};

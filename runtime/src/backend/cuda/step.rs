@@ -1,5 +1,6 @@
 //! [`CudaBackend`]: one rank on one GPU. Enqueues a step's ops in the plan's issue order and
-//! watches its collectives. Compiled, never run on a GPU yet.
+//! watches its collectives. Run on one H200 with one rank (2026-11-26); never
+//! with several ranks (NCCL), nor its watchdog's abort.
 
 use super::blas::Blas;
 use super::device::{drv, Device};
