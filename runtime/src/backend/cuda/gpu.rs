@@ -470,8 +470,9 @@ impl Gpu<'_> {
     }
 }
 
-/// One chunk of the fused attention: query rows `q0..q0 + rows` of sequence `b`, every head,
-/// against keys `0..keys` (`keys` = `q0 + rows`). Its workspace matrices (scores,
+/// One chunk of attention: query rows `q0..q0 + rows` of sequence `b`, every head, against keys
+/// `0..keys` (`keys` = `q0 + rows`); the fused path's chunks of query rows, or a whole sequence
+/// for the naive path ([`Chunk::whole`]). Its workspace matrices (scores,
 /// probabilities, their gradients) are `[head][row][key]`. Its products run per query head `u`
 /// within a kv group, batched over the groups `g` (query head `g·r + u` reads group `g`'s keys
 /// and values), so each matrix below is (first matrix, leading dimension, stride between
