@@ -279,3 +279,44 @@ pub trait Exec {
         let _ = (what, n, arena_bytes);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What the generated kernels' thread mapping (`schedc::kernels::codegen`) assumes of a
+    /// launch: a warp per row and whole warps per block; for columns, whole groups of
+    /// 32·`COLUMN_LANES` threads (so that every thread of a warp walks the same columns); enough
+    /// threads for one pass over the indices below the 65,536-block cap.
+    #[test]
+    fn grids_fit_the_kernels_thread_mapping() {
+        let rows = Op::CrossEntropy { vocab: 50257 };
+        let columns = Op::BiasGrad { width: 768 };
+        for n in [1, 31, 32, 33, 767, 768, 8192, 1 << 20, 1 << 24] {
+            for op in [Op::Convert, rows, columns, Op::SumSquares] {
+                let g = grid(op, n);
+                let threads = u64::from(g.blocks) * u64::from(g.threads);
+                assert_eq!(threads % WARP, 0, "{op:?} over {n}: whole warps");
+                let per_index = op.lanes_on_gpu();
+                if op.space() == Space::Columns {
+                    assert_eq!(
+                        threads % (WARP * COLUMN_LANES),
+                        0,
+                        "{op:?} over {n}: groups"
+                    );
+                }
+                let needed = match op.space() {
+                    Space::Columns => (n as u64).div_ceil(WARP) * WARP * COLUMN_LANES,
+                    _ => n as u64 * per_index,
+                };
+                assert!(
+                    threads >= needed || g.blocks == 1 << 16,
+                    "{op:?} over {n}: {threads} threads for {needed}"
+                );
+            }
+        }
+        // GPT-2 small: 8,192 rows of a warp each, 768 columns in 24 groups of 8 blocks.
+        assert_eq!(grid(rows, 8192).blocks, 1024);
+        assert_eq!(grid(columns, 768).blocks, 192);
+    }
+}
