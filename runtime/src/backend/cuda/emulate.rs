@@ -12,9 +12,7 @@
 //!
 //! Needs the `llvm` feature (LLVM 19, for the JIT).
 
-use super::enqueue::{
-    nccl_call, ColMajor, CudaError, DevAddr, Exec, Grid, NcclCall, Pitched, Staged, A,
-};
+use super::enqueue::{nccl_call, ColMajor, CudaError, DevAddr, Exec, Grid, NcclCall, Staged, A};
 use super::gpu::{Consts, Gpu};
 use super::memory::{ConstsLayout, StreamMemory};
 use super::typed::{DevPtr, Storage};
@@ -206,23 +204,6 @@ impl Exec for HostExec {
     fn copy_bytes(&self, dst: DevAddr, src: DevAddr, bytes: usize) -> Result<(), CudaError> {
         // SAFETY: host buffers the test owns.
         unsafe { std::ptr::copy(src.0 as *const u8, dst.0 as *mut u8, bytes) };
-        Ok(())
-    }
-
-    fn copy_rows(
-        &self,
-        dst: Pitched,
-        src: Pitched,
-        width: usize,
-        rows: usize,
-    ) -> Result<(), CudaError> {
-        for r in 0..rows {
-            let (d, s) = (
-                dst.at.0 + (r * dst.pitch) as u64,
-                src.at.0 + (r * src.pitch) as u64,
-            );
-            self.copy_bytes(DevAddr(d), DevAddr(s), width)?;
-        }
         Ok(())
     }
 }
@@ -1302,21 +1283,6 @@ impl Exec for Bounded<'_> {
         self.check("a copy's destination", dst, bytes as u64)?;
         self.check("a copy's source", src, bytes as u64)?;
         self.x.copy_bytes(dst, src, bytes)
-    }
-
-    fn copy_rows(
-        &self,
-        dst: Pitched,
-        src: Pitched,
-        width: usize,
-        rows: usize,
-    ) -> Result<(), CudaError> {
-        // The bytes from the first row's start to the end of the last.
-        let span = |p: Pitched| (rows.max(1) - 1) * p.pitch + width * usize::from(rows > 0);
-        let (d, s) = (span(dst), span(src));
-        self.check("a 2-D copy's destination", dst.at, d as u64)?;
-        self.check("a 2-D copy's source", src.at, s as u64)?;
-        self.x.copy_rows(dst, src, width, rows)
     }
 
     fn staged(&self, what: Staged, n: usize, arena_bytes: u64) {
