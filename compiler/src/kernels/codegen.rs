@@ -192,10 +192,8 @@ fn kernel<'c>(
     {
         let mut fx = Fx::new(ctx, module, body, k, target);
         let index = fx.param_int(types.len() - 2);
-        if k.op.cooperative() && target != Target::Host {
-            let lane = fx.param_int(types.len() - 1);
-            fx.set_lane(lane);
-        }
+        let lane = fx.param_int(types.len() - 1);
+        fx.set_lane(lane);
         bodies::emit(&mut fx, k, index);
         fx.ret();
     }

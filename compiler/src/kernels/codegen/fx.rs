@@ -261,6 +261,21 @@ impl<'c, 'm> Fx<'c, 'm> {
             .expect("the call returns a value")
     }
 
+    /// The module's declaration of `name` (an NVVM intrinsic, declared by name as LLVM's
+    /// intrinsic table does not list them), added on first use.
+    fn declared(&self, name: &str, t: inkwell::types::FunctionType<'c>) -> FunctionValue<'c> {
+        self.module
+            .get_function(name)
+            .unwrap_or_else(|| self.module.add_function(name, t, None))
+    }
+
+    /// The f32 → f32 NVVM intrinsic `name` of `x`.
+    fn nvvm_f32(&self, name: &str, x: F<'c>) -> F<'c> {
+        let t = self.ctx.f32_type();
+        let f = self.declared(name, t.fn_type(&[t.into()], false));
+        self.call(f, &[x.into()]).into_float_value()
+    }
+
     pub fn call_void(&self, f: FunctionValue<'c>, args: &[BasicMetadataValueEnum<'c>]) {
         self.b.build_call(f, args, "").expect(BUILD);
     }
@@ -304,18 +319,7 @@ impl<'c, 'm> Fx<'c, 'm> {
         match self.target {
             Target::Host => self.f32_intrinsic("llvm.log", &[x]),
             Target::Ptx { .. } => {
-                let f = self
-                    .module
-                    .get_function("llvm.nvvm.lg2.approx.f")
-                    .unwrap_or_else(|| {
-                        let t = self.ctx.f32_type();
-                        self.module.add_function(
-                            "llvm.nvvm.lg2.approx.f",
-                            t.fn_type(&[t.into()], false),
-                            None,
-                        )
-                    });
-                let l2 = self.call(f, &[x.into()]).into_float_value();
+                let l2 = self.nvvm_f32("llvm.nvvm.lg2.approx.f", x);
                 self.mul(l2, self.f(std::f32::consts::LN_2))
             }
         }
@@ -350,14 +354,8 @@ impl<'c, 'm> Fx<'c, 'm> {
     /// (relative error about 2⁻²² plus x's rounding times log₂e), as `ln` uses `lg2.approx`.
     pub fn exp(&self, x: F<'c>) -> F<'c> {
         if let Target::Ptx { .. } = self.target {
-            let name = "llvm.nvvm.ex2.approx.f";
-            let f = self.module.get_function(name).unwrap_or_else(|| {
-                let t = self.ctx.f32_type();
-                self.module
-                    .add_function(name, t.fn_type(&[t.into()], false), None)
-            });
             let x2 = self.mul(x, self.f(std::f32::consts::LOG2_E));
-            return self.call(f, &[x2.into()]).into_float_value();
+            return self.nvvm_f32("llvm.nvvm.ex2.approx.f", x2);
         }
         let lo = self.f(-87.33);
         let hi = self.f(88.37);
@@ -851,10 +849,7 @@ impl<'c, 'm> Fx<'c, 'm> {
     /// The GPU's (tid.x, ntid.x, ctaid.x, nctaid.x), as i64.
     pub fn thread_registers(&self) -> (I<'c>, I<'c>, I<'c>, I<'c>) {
         let read = |name: &str| {
-            let f = self.module.get_function(name).unwrap_or_else(|| {
-                let t = self.ctx.i32_type();
-                self.module.add_function(name, t.fn_type(&[], false), None)
-            });
+            let f = self.declared(name, self.ctx.i32_type().fn_type(&[], false));
             let v = self.call(f, &[]).into_int_value();
             self.b
                 .build_int_z_extend(v, self.ctx.i64_type(), "")
@@ -902,12 +897,9 @@ impl<'c, 'm> Fx<'c, 'm> {
             return x;
         }
         assert_eq!(self.lanes, WARP, "shuffles combine the lanes of a warp");
-        let name = "llvm.nvvm.shfl.sync.bfly.f32";
-        let shfl = self.module.get_function(name).unwrap_or_else(|| {
-            let (f, i) = (self.ctx.f32_type(), self.ctx.i32_type());
-            let t = f.fn_type(&[i.into(), f.into(), i.into(), i.into()], false);
-            self.module.add_function(name, t, None)
-        });
+        let (f, i) = (self.ctx.f32_type(), self.ctx.i32_type());
+        let t = f.fn_type(&[i.into(), f.into(), i.into(), i.into()], false);
+        let shfl = self.declared("llvm.nvvm.shfl.sync.bfly.f32", t);
         let mut v = x;
         let mut offset = WARP / 2;
         while offset > 0 {
