@@ -338,9 +338,8 @@ impl Gpu<'_> {
         if storage.dtype() == Some(self.products) || n == 0 {
             return Ok(p);
         }
-        let to = Storage::of(self.products);
-        let dst = self.alloc((n as u64 * to.bytes()).div_ceil(F) as usize)?;
-        self.copy(DevPtr::new(dst.addr, to), DevPtr::new(p, storage), n)?;
+        let dst = self.alloc_as(Storage::of(self.products), n)?;
+        self.copy(dst, DevPtr::new(p, storage), n)?;
         Ok(dst.addr)
     }
 
@@ -382,21 +381,9 @@ impl Gpu<'_> {
             .map_err(DeviceError::Gpu)
     }
 
-    /// The `n` values at `p` in the product dtype: `p` itself when stored so, else a copy cast
-    /// into workspace that lives until the op ends (for an operand several products read;
-    /// [`Gpu::operand`] casts for one product and releases the copy after it).
-    fn in_product_dtype(&self, p: DevPtr, n: usize) -> Result<DevPtr, DeviceError> {
-        if p.storage.dtype() == Some(self.products) {
-            return Ok(p);
-        }
-        let cast = self.padded(Storage::of(self.products), 1, n)?;
-        self.copy(cast, p, n)?;
-        Ok(cast)
-    }
-
-    /// Workspace for `rows` rows of `ld` elements of `storage`.
-    fn padded(&self, storage: Storage, rows: usize, ld: usize) -> Result<DevPtr, DeviceError> {
-        let floats = (rows as u64 * ld as u64 * storage.bytes()).div_ceil(F);
+    /// Workspace for `n` elements of `storage`.
+    fn alloc_as(&self, storage: Storage, n: usize) -> Result<DevPtr, DeviceError> {
+        let floats = (n as u64 * storage.bytes()).div_ceil(F);
         Ok(DevPtr::new(self.alloc(floats as usize)?.addr, storage))
     }
 
@@ -408,7 +395,7 @@ impl Gpu<'_> {
         inp: usize,
         ld: usize,
     ) -> Result<DevPtr, DeviceError> {
-        let wp = self.padded(w.storage, ld, inp)?;
+        let wp = self.alloc_as(w.storage, ld * inp)?;
         self.copy(wp, w, out * inp)?;
         self.fill(wp.offset(out * inp), (ld - out) * inp, 0.0)?;
         Ok(wp)
@@ -600,7 +587,7 @@ impl Gpu<'_> {
     ) -> Result<(Vec<Chunk<'s>>, DevPtr, DevPtr, DevPtr), DeviceError> {
         let floats = sh.heads * per * sh.s;
         let scores = self.alloc(floats)?;
-        let probs = DevPtr::new(self.alloc(floats)?.addr, Storage::of(self.products));
+        let probs = self.alloc_as(Storage::of(self.products), floats)?;
         let lse = self.alloc(sh.heads * per)?;
         let chunks = (0..sh.b)
             .flat_map(|b| {
@@ -850,7 +837,7 @@ impl Device for Gpu<'_> {
         // vocabulary): the product runs on W padded with zero rows to `ld` outputs, into rows
         // padded in workspace (`PADDED_ROWS` at a time), which are then copied into y.
         let wp = self.padded_weight(w, out, inp, ld)?;
-        let padded = self.padded(y.storage, t.min(PADDED_ROWS), ld)?;
+        let padded = self.alloc_as(y.storage, t.min(PADDED_ROWS) * ld)?;
         for r0 in (0..t).step_by(PADDED_ROWS) {
             let rows = PADDED_ROWS.min(t - r0);
             let y = y.offset(r0 * out);
@@ -882,9 +869,13 @@ impl Device for Gpu<'_> {
         }
         let ld = aligned_ld(out, dy.storage);
         if ld == out {
-            // Both products read dy: cast once (an fp32 gradient of a 16-bit model), not twice.
+            // Both products read dy: cast once (an fp32 gradient of a 16-bit model), not once
+            // per product (`operand`'s cast here lives until the op ends).
             let dy = match dx {
-                Some(_) => self.in_product_dtype(dy, t * out)?,
+                Some(_) => DevPtr::new(
+                    self.operand(dy.addr, dy.storage, t * out)?,
+                    Storage::of(self.products),
+                ),
                 None => dy,
             };
             self.gemm(out, inp, t, 1.0, mt(dy, out), m(x, inp), 1.0, dw, inp)?;
@@ -900,7 +891,7 @@ impl Device for Gpu<'_> {
             Some(_) => self.padded_weight(w, out, inp, ld)?,
             None => w,
         };
-        let padded = self.padded(dy.storage, t.min(PADDED_ROWS), ld)?;
+        let padded = self.alloc_as(dy.storage, t.min(PADDED_ROWS) * ld)?;
         self.fill(padded, t.min(PADDED_ROWS) * ld, 0.0)?;
         for r0 in (0..t).step_by(PADDED_ROWS) {
             let rows = PADDED_ROWS.min(t - r0);
