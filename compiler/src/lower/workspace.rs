@@ -473,27 +473,21 @@ mod tests {
                 assert_eq!(op.writes.last().unwrap().buffer, ws.unwrap().buffer);
             }
         }
+        // The backward op of layer `l`, by its place in the program.
+        let backward = |l: usize| {
+            p.ops
+                .iter()
+                .position(|(_, o)| {
+                    o.kind == OpKind::Compute(ComputeKind::Backward)
+                        && o.layer.map(|x| x.index()) == Some(l)
+                })
+                .unwrap()
+        };
         // The mlp's backward: its layer math, and its gradient part padded from 8,481 to 8,484.
-        let mlp_backward = p
-            .ops
-            .iter()
-            .position(|(_, o)| {
-                o.kind == OpKind::Compute(ComputeKind::Backward)
-                    && o.layer.map(|l| l.index()) == Some(1)
-            })
-            .unwrap();
         assert_eq!(j.model.layers[1].params, 8481);
-        assert_eq!(per_op[mlp_backward], layer_floats(&j.model, 1) + 8484);
+        assert_eq!(per_op[backward(1)], layer_floats(&j.model, 1) + 8484);
         // The embedding's 8,192 parameters split evenly: no padded part, no vector for one.
-        let embed_backward = p
-            .ops
-            .iter()
-            .position(|(_, o)| {
-                o.kind == OpKind::Compute(ComputeKind::Backward)
-                    && o.layer.map(|l| l.index()) == Some(0)
-            })
-            .unwrap();
-        assert_eq!(per_op[embed_backward], layer_floats(&j.model, 0));
+        assert_eq!(per_op[backward(0)], layer_floats(&j.model, 0));
     }
 
     /// An output that shares bytes with another region of its op is computed in workspace:
