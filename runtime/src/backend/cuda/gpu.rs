@@ -458,7 +458,7 @@ impl Gpu<'_> {
 }
 
 /// One chunk of attention: query rows `q0..q0 + rows` of sequence `b`, every head, against keys
-/// `0..keys` (`keys` = `q0 + rows`); the fused path's chunks of query rows, or a whole sequence
+/// `0..q0 + rows` ([`Chunk::keys`]); the fused path's chunks of query rows, or a whole sequence
 /// for the naive path ([`Chunk::whole`]). Its workspace matrices (scores,
 /// probabilities, their gradients) are `[head][row][key]`. Its products run per query head `u`
 /// within a kv group, batched over the groups `g` (query head `g·r + u` reads group `g`'s keys
@@ -469,7 +469,6 @@ struct Chunk<'s> {
     b: usize,
     q0: usize,
     rows: usize,
-    keys: usize,
 }
 
 type Mat = (DevPtr, usize, usize);
@@ -487,8 +486,12 @@ impl<'s> Chunk<'s> {
             b,
             q0: 0,
             rows: sh.s,
-            keys: sh.s,
         }
+    }
+
+    /// The keys the chunk's last row sees, `q0 + rows`: every matrix of the chunk is that wide.
+    fn keys(&self) -> usize {
+        self.q0 + self.rows
     }
 
     /// Query heads per kv group.
@@ -498,8 +501,8 @@ impl<'s> Chunk<'s> {
 
     /// Head `u`'s matrix of a `[head][row][key]` workspace buffer.
     fn scores(&self, p: DevPtr, u: usize) -> Mat {
-        let m = self.rows * self.keys;
-        (p.offset(u * m), self.keys, self.r() * m)
+        let m = self.rows * self.keys();
+        (p.offset(u * m), self.keys(), self.r() * m)
     }
 
     /// Head `u`'s query rows of the chunk in a token-major tensor whose rows are `ld` apart and
@@ -569,10 +572,10 @@ impl Gpu<'_> {
         for u in 0..c.r() {
             let q = (c.queries(qkv, w, u), false);
             let k = (c.kv(qkv, false), true);
-            let dims = (c.rows, c.keys, sh.d);
+            let dims = (c.rows, c.keys(), sh.d);
             self.per_group(c, dims, sh.scale(), q, k, 0.0, c.scores(scores, u))?;
         }
-        let [keys, first, per_head] = [c.keys, c.q0, c.rows].map(|v| Arg::L(v as i64));
+        let [keys, first, per_head] = [c.keys(), c.q0, c.rows].map(|v| Arg::L(v as i64));
         let args = [T(scores), T(probs), T(lse), keys, first, per_head];
         self.run(Op::CausalSoftmax, sh.heads * c.rows, &args)
     }
@@ -593,13 +596,7 @@ impl Gpu<'_> {
             .flat_map(|b| {
                 (0..sh.s).step_by(per).map(move |q0| {
                     let rows = per.min(sh.s - q0);
-                    Chunk {
-                        sh,
-                        b,
-                        q0,
-                        rows,
-                        keys: q0 + rows,
-                    }
+                    Chunk { sh, b, q0, rows }
                 })
             })
             .collect();
@@ -618,7 +615,7 @@ impl Gpu<'_> {
             let p = (c.scores(probs, u), false);
             let v = (c.kv(qkv, true), false);
             let o = c.queries(out, c.sh.hidden(), u);
-            self.per_group(c, (c.rows, c.sh.d, c.keys), 1.0, p, v, 0.0, o)?;
+            self.per_group(c, (c.rows, c.sh.d, c.keys()), 1.0, p, v, 0.0, o)?;
         }
         Ok(())
     }
@@ -639,7 +636,7 @@ impl Gpu<'_> {
     ) -> Result<(), DeviceError> {
         let sh = c.sh;
         let (w, h) = (sh.width(), sh.hidden());
-        let (rows, keys, d) = (c.rows, c.keys, sh.d);
+        let (rows, keys, d) = (c.rows, c.keys(), sh.d);
         for u in 0..c.r() {
             let o = (c.queries(dout, h, u), false);
             let v = (c.kv(qkv, true), true);
