@@ -9,9 +9,9 @@
 //! - the gradients it accumulates: its parameters' (P_l), and a tied head's embedding gradient
 //!   plus the zeros that stand in for the embedding where an op reads none (2·vocab·h);
 //! - its fp32 intermediates (`runtime/src/device/layers.rs`): a transformer's backward holds dr,
-//!   da, dattn (T·h each), dqkv (T·w) and the MLP's two T·f, plus attention's (naive: the
-//!   probabilities, max(n, 2)·s² — n·s² forward, two s×s backward — and a log-sum-exp per
-//!   row of a sequence, n·s; flash: two chunks of n·c·s, the scores and the probabilities (their
+//!   da, dattn (T·h each), dqkv (T·w) and the MLP's two T·f, plus attention's (naive: one
+//!   sequence's n·s² scores forward or their gradient backward, and a log-sum-exp per row of a
+//!   sequence, n·s; flash: two chunks of n·c·s, the scores and the probabilities (their
 //!   gradients reuse both), c the [`attention_chunk`] rows, and n·s log-sum-exps); an mlp
 //!   layer's backward da (T·h) and the two T·f; an lm_head's backward da (T·h) and, over a
 //!   vocabulary that is not a multiple of 8, its weight, logits and their gradient padded
@@ -141,8 +141,9 @@ pub fn layer_floats(model: &Model, l: usize) -> u64 {
             let (h, f, s, n) = (tr.hidden, tr.ffn, model.seq_len, tr.heads);
             let w = h + 2 * tr.kv_dim();
             let (attention, probs) = match tr.attention {
-                // The probabilities and, forward, each row's log-sum-exp.
-                Attention::Naive => (n.max(2) * s * s + n * s, n * s * s),
+                // One sequence's scores (forward) or their gradient (backward), and, forward,
+                // each row's log-sum-exp.
+                Attention::Naive => (n * s * s + n * s, n * s * s),
                 // A chunk's scores and probabilities (their gradients reuse both) and its
                 // rows' log-sum-exps.
                 Attention::Flash => (2 * n * attention_chunk(n, s) * s + n * s, 0),
