@@ -248,15 +248,7 @@ fn f32p_mut(v: &mut [f32]) -> DevPtr {
 
 /// A stream over `ws` with no arena (the layer tests pass every tensor by address).
 fn g<'a>(x: &'a HostExec, ws: &'a mut [f32], consts: &'a Consts, products: Dtype) -> Gpu<'a> {
-    Gpu {
-        x,
-        products,
-        ws_base: addr(ws),
-        ws_len: ws.len(),
-        used: Cell::new(0),
-        arena_base: DevAddr::NULL,
-        consts,
-    }
+    Gpu::new(x, products, (addr(ws), ws.len()), DevAddr::NULL, consts)
 }
 
 /// Constants with only the rotary tables (the layer tests give tokens by address).
@@ -1164,21 +1156,12 @@ impl Backend for EmulatedBackend {
                 a => {
                     for (r, rank) in self.ranks.iter().enumerate() {
                         let arena = addr(&rank.arena);
-                        let (ws_base, ws_len) =
-                            StreamMemory::scratch_at(workspaces[o.stream.index()], arena);
                         let x = Bounded {
                             x: &self.x,
                             allocations: rank.allocations(&p, &self.consts),
                         };
-                        let gpu = Gpu {
-                            x: &x,
-                            products: p.job.model.dtype,
-                            ws_base,
-                            ws_len,
-                            used: Cell::new(0),
-                            arena_base: arena,
-                            consts: &consts[r],
-                        };
+                        let ws = StreamMemory::scratch_at(workspaces[o.stream.index()], arena);
+                        let gpu = Gpu::new(&x, p.job.model.dtype, ws, arena, &consts[r]);
                         let view = Rank {
                             plan: &p,
                             rank: r as u32,
@@ -1614,15 +1597,8 @@ fn device_memory_is_the_planned_arena() {
         x: &backend.x,
         allocations: rank.allocations(&plan, &backend.consts),
     };
-    let gpu = Gpu {
-        x: &x,
-        products: plan.job.model.dtype,
-        ws_base: addr(&beside),
-        ws_len: beside.len(),
-        used: Cell::new(0),
-        arena_base: addr(&rank.arena),
-        consts: &consts,
-    };
+    let ws = (addr(&beside), beside.len());
+    let gpu = Gpu::new(&x, plan.job.model.dtype, ws, addr(&rank.arena), &consts);
     let view = Rank {
         plan: &plan,
         rank: 0,

@@ -53,13 +53,36 @@ pub struct Consts {
 /// `memory::StreamMemory`), where the rank's arena starts, the rank's constants, and the dtype its
 /// matrix products run in (the model's: a 16-bit model's products run on tensor cores).
 pub struct Gpu<'a> {
-    pub x: &'a dyn Exec,
-    pub products: Dtype,
-    pub ws_base: DevAddr,
-    pub ws_len: usize,
-    pub used: Cell<usize>,
-    pub arena_base: DevAddr,
-    pub consts: &'a Consts,
+    x: &'a dyn Exec,
+    products: Dtype,
+    ws_base: DevAddr,
+    ws_len: usize,
+    used: Cell<usize>,
+    arena_base: DevAddr,
+    consts: &'a Consts,
+}
+
+impl<'a> Gpu<'a> {
+    /// A stream enqueuing through `x` whose products run in `products`, with the fp32 workspace
+    /// of `ws_len` floats at `ws_base` (nothing of it used yet), the rank's arena at
+    /// `arena_base` and its constants.
+    pub fn new(
+        x: &'a dyn Exec,
+        products: Dtype,
+        (ws_base, ws_len): (DevAddr, usize),
+        arena_base: DevAddr,
+        consts: &'a Consts,
+    ) -> Self {
+        Gpu {
+            x,
+            products,
+            ws_base,
+            ws_len,
+            used: Cell::new(0),
+            arena_base,
+            consts,
+        }
+    }
 }
 
 const F: u64 = 4;

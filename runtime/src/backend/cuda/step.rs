@@ -21,7 +21,6 @@ use crate::plan::Plan;
 use cranelift_entity::EntityRef;
 use cudarc::driver::CudaEvent;
 use schedc::job::Dtype;
-use std::cell::Cell;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -303,22 +302,13 @@ impl CudaBackend {
                     .wait(&self.dev.events[e.index()])
                     .map_err(|e| fail(format!("cuStreamWaitEvent: {e:?}")))?;
             }
-            let (ws_base, ws_len) =
-                StreamMemory::scratch_at(self.workspaces[s], self.dev.arena_base);
+            let ws = StreamMemory::scratch_at(self.workspaces[s], self.dev.arena_base);
             let x = DevExec {
                 k: &self.kernels,
                 blas: &self.blas[s],
                 s: stream,
             };
-            let gpu = Gpu {
-                x: &x,
-                products: p.job.model.dtype,
-                ws_base,
-                ws_len,
-                used: Cell::new(0),
-                arena_base: self.dev.arena_base,
-                consts: &self.consts,
-            };
+            let gpu = Gpu::new(&x, p.job.model.dtype, ws, self.dev.arena_base, &self.consts);
             match &p.actions[op.index()] {
                 Action::Collectives(cs) => {
                     self.collectives(op, cs, stream)
