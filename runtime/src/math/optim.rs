@@ -90,16 +90,20 @@ pub fn optimizer_step(
             let decays = cfg.decays();
 
             for (run, inside) in decay_runs(n, first, decay) {
-                let decayed = decays && inside;
-                for j in run {
-                    let g = grad[j] * grad_scale;
-                    m[j] = cfg.beta1 * m[j] + (1.0 - cfg.beta1) * g;
-                    v[j] = cfg.beta2 * v[j] + (1.0 - cfg.beta2) * g * g;
-                    if decayed {
-                        master[j] *= shrink;
-                    }
-                    let denom = v[j].sqrt() / bc2_sqrt + cfg.eps;
-                    master[j] -= step_size * m[j] / denom;
+                // Zipped slices, not indices, so the loop vectorises (sqrt and division included).
+                let shrink = if decays && inside { shrink } else { 1.0 };
+                let lanes = master[run.clone()]
+                    .iter_mut()
+                    .zip(&mut m[run.clone()])
+                    .zip(&mut v[run.clone()])
+                    .zip(&grad[run]);
+                for (((p, m), v), &g) in lanes {
+                    let g = g * grad_scale;
+                    *m = cfg.beta1 * *m + (1.0 - cfg.beta1) * g;
+                    *v = cfg.beta2 * *v + (1.0 - cfg.beta2) * g * g;
+                    *p *= shrink;
+                    let denom = v.sqrt() / bc2_sqrt + cfg.eps;
+                    *p -= step_size * *m / denom;
                 }
             }
         },
