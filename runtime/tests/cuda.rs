@@ -8,6 +8,9 @@
 //! - bf16 parity: bf16 twins of the tiny models (one with a 259-word vocabulary and a 172-wide
 //!   SwiGLU, whose products go through padded rows) within 2e-2 of the CPU backend's losses over
 //!   20 steps (written after the first GPU session; it has not run on a GPU yet).
+//! - The fused attention kernel against the chunked path on the GPU
+//!   (`flash_attention_kernel_matches_the_chunked_path`; written without a GPU, not yet run on
+//!   one).
 //! - `gpt2_small_step_mfu` (ignored): a GPT-2-small step on one GPU, reporting step time, MFU and
 //!   the losses of the timed steps.
 //!
@@ -265,6 +268,42 @@ fn tiny_models_on_one_gpu_match_the_cpu_backend() {
 fn tiny_bf16_models_on_one_gpu_match_the_cpu_backend() {
     if gpu() {
         one_gpu_matches_the_cpu_backend(BF16, 2e-2, None);
+    }
+}
+
+/// The fused attention kernel (tensor cores, `schedc::kernels::flash`) on the GPU against the
+/// chunked path (cuBLAS products and the softmax kernel, which the parity tests hold to the CPU
+/// backend) on random bf16 inputs of two sequences: the bf16 GPT's heads of 16 (seq 64) and
+/// GPT-2's heads of 64 (seq 1024). Outputs within 1e-2, log-sum-exps within 1e-4 of
+/// 1 + |value|; the host model of the kernel is within 1.9e-3 and 1.2e-7 of `attention.rs`.
+#[cfg(feature = "cuda")]
+#[test]
+fn flash_attention_kernel_matches_the_chunked_path() {
+    if !gpu() {
+        return;
+    }
+    let wanted = ["gpt_bf16_ddp1", "gpt2_1gpu"];
+    let jobs: Vec<Job> = [BF16, GPT2]
+        .into_iter()
+        .flat_map(jobs)
+        .filter(|j| wanted.contains(&j.schedule.name.as_str()))
+        .collect();
+    assert_eq!(jobs.len(), wanted.len());
+    for job in jobs {
+        let checks = cuda::check_flash_attention(&plan_of(&job), &ptx(&job), 2)
+            .unwrap_or_else(|e| panic!("{}: {e}", job.schedule.name));
+        assert!(
+            !checks.is_empty(),
+            "{}: no fused attention kernel",
+            job.schedule.name
+        );
+        for c in checks {
+            eprintln!(
+                "{}: output within {:.2e}, lse within {:.2e}",
+                c.kernel, c.out, c.lse
+            );
+            assert!(c.out <= 1e-2 && c.lse <= 1e-4, "{c:?}");
+        }
     }
 }
 

@@ -18,6 +18,7 @@
 
 mod attention;
 mod bodies;
+mod flash;
 mod fx;
 
 use super::{Kernel, Param, Space, COLUMN_LANES, WARP};
@@ -149,12 +150,20 @@ fn build<'c>(
         module.set_triple(&TargetTriple::create("nvptx64-nvidia-cuda"));
     }
     let mut seen = std::collections::HashSet::new();
-    for k in kernels {
+    for k in on(kernels, target) {
         if seen.insert(k.name()) {
             kernel(ctx, &module, k, target)?;
         }
     }
     Ok(module)
+}
+
+/// The kernels of `kernels` that exist on `target`: all of them on a GPU, those not
+/// [`super::Op::gpu_only`] on the host.
+fn on(kernels: &[Kernel], target: Target) -> impl Iterator<Item = &Kernel> {
+    kernels
+        .iter()
+        .filter(move |k| target != Target::Host || !k.op.gpu_only())
 }
 
 /// The LLVM types of `k`'s parameters, then `begin` and `end`.
@@ -343,7 +352,7 @@ impl HostKernels {
             .create_jit_execution_engine(OptimizationLevel::Aggressive)
             .map_err(|e| err(e.to_string()))?;
         let mut addresses = HashMap::new();
-        for k in kernels {
+        for k in on(kernels, Target::Host) {
             let name = k.name();
             let a = engine
                 .get_function_address(&format!("{name}.packed"))

@@ -34,12 +34,16 @@
 //! and for the column kernels its order, and so their last bits, may vary from run to run. The
 //! loss and gradient-norm sums ([`Op::AddLoss`],
 //! [`Op::AddPartials`]) one thread over a micro-batch's rows or a gradient's 4,096-element
-//! chunks. Attention has no fused kernel here: the GPU computes it chunk by chunk of queries
-//! with cuBLAS products and [`Op::CausalSoftmax`] / [`Op::SoftmaxBackward`]
+//! chunks. Attention: a bf16 model's fused forward is one tensor-core kernel,
+//! [`Op::FlashForward`] (`mma.sync` fragments, a warp per 16 query rows; the GPU only, see
+//! [`flash`], whose lane-by-lane model the host emulation runs instead); everything else of
+//! attention (the backward, other dtypes, the naive path) the GPU computes chunk by chunk of
+//! queries with cuBLAS products and [`Op::CausalSoftmax`] / [`Op::SoftmaxBackward`]
 //! (`schedc::lower::workspace::attention_chunk`).
 
 #[cfg(feature = "llvm")]
 pub mod codegen;
+pub mod flash;
 
 use crate::job::{
     Activation, Attention, Dtype, Job, LayerKind, MlpSpec, Model, Norm, Optimizer, Positions,
@@ -212,6 +216,18 @@ pub enum Op {
     /// to `ds`' dtype. `ds` may be `dp` or `p` (each lane reads an element before it writes it,
     /// after the row's sum).
     SoftmaxBackward,
+    /// The fused causal attention forward of a bf16 `qkv` (token rows of
+    /// `(heads + 2·kv_heads)·head_dim`) on tensor cores, index `w` a warp taking
+    /// [`flash::QROWS`] query rows of one head of one sequence ([`flash::place`]): `out` (token
+    /// rows of `heads·head_dim`) and each row's natural log-sum-exp `lse` (`[seq][head][row]`).
+    /// The GPU only ([`Op::gpu_only`]): [`flash`] is what a warp computes, and what the host
+    /// emulation runs instead.
+    FlashForward {
+        heads: u32,
+        kv_heads: u32,
+        head_dim: u32,
+        seq_len: u32,
+    },
 }
 
 impl Op {
@@ -222,7 +238,8 @@ impl Op {
             | Op::CrossEntropy { .. }
             | Op::Rotary { .. }
             | Op::CausalSoftmax
-            | Op::SoftmaxBackward => Space::Rows,
+            | Op::SoftmaxBackward
+            | Op::FlashForward { .. } => Space::Rows,
             Op::BiasGrad { .. } | Op::NormBackwardParams { .. } | Op::EmbeddingBackward { .. } => {
                 Space::Columns
             }
@@ -249,6 +266,12 @@ impl Op {
             Space::Columns => COLUMN_LANES,
             Space::Elements | Space::Chunks => 1,
         }
+    }
+
+    /// Whether the op exists only as PTX: its body uses warp-wide matrix instructions, which a
+    /// host cannot run ([`Op::FlashForward`]; host modules leave it out).
+    pub fn gpu_only(&self) -> bool {
+        matches!(self, Op::FlashForward { .. })
     }
 
     /// How many storage dtypes the op takes (its [`Param::Tensor`]s, in order).
@@ -401,6 +424,7 @@ impl Op {
                 F32("scale"),
                 I64("keys"),
             ],
+            Op::FlashForward { .. } => vec![Tensor("qkv", d[0]), Tensor("out", d[1]), F32s("lse")],
         }
     }
 
@@ -474,6 +498,12 @@ impl Op {
             ),
             Op::CausalSoftmax => "causal_softmax".into(),
             Op::SoftmaxBackward => "softmax_backward".into(),
+            Op::FlashForward {
+                heads,
+                kv_heads,
+                head_dim,
+                seq_len,
+            } => format!("flash_forward_h{heads}_kv{kv_heads}_d{head_dim}_s{seq_len}"),
         }
     }
 }
@@ -638,7 +668,7 @@ pub fn for_model(model: &Model) -> Vec<Kernel> {
                         k.add(Kernel::new(op, &[f]));
                     }
                 }
-                k.attention(&t);
+                k.attention(&t, model.seq_len as u32);
             }
             LayerKind::Mlp(m) => {
                 k.norm(m.norm, m.hidden as u32, false);
@@ -818,8 +848,10 @@ impl Catalogue {
     /// probabilities and its backward (on probabilities in the arena or workspace, into fp32
     /// gradients); the score products are GEMMs. The naive path keeps its probabilities (in the
     /// arena or workspace, `out`); the fused path recomputes them chunk by chunk in workspace in
-    /// the product dtype, which is the model's.
-    fn attention(&mut self, t: &TransformerSpec) {
+    /// the product dtype, which is the model's. A bf16 model's fused forward with a head width
+    /// the tensor cores take ([`flash::supports`]) is one kernel instead, writing the output
+    /// where the layer's goes (`out`).
+    fn attention(&mut self, t: &TransformerSpec, seq_len: u32) {
         let (a, f) = (self.a, self.f);
         let probs = match t.attention {
             Attention::Flash => vec![a],
@@ -833,6 +865,17 @@ impl Catalogue {
         self.add(Kernel::new(Op::SoftmaxBackward, &[a, f, f]));
         if t.attention == Attention::Flash {
             self.add(Kernel::new(Op::SoftmaxBackward, &[a, f, a]));
+            if flash::supports(a, t.head_dim() as usize) {
+                let op = Op::FlashForward {
+                    heads: t.heads as u32,
+                    kv_heads: t.kv_heads as u32,
+                    head_dim: t.head_dim() as u32,
+                    seq_len,
+                };
+                for o in self.out.clone() {
+                    self.add(Kernel::new(op, &[a, o]));
+                }
+            }
         }
     }
 }

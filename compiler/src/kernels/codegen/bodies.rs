@@ -9,8 +9,8 @@
 //! scalars are stored by [`Fx::first_lane`]; a column's sum runs from [`Fx::start_column`] to
 //! [`Fx::finish_column`]. With the host's one lane that is the sequential code above.
 
-use super::attention;
 use super::fx::{Fx, F, I};
+use super::{attention, flash};
 use crate::job::Norm;
 use crate::kernels::{Kernel, Op, SUMSQ_CHUNK};
 use inkwell::IntPredicate;
@@ -58,6 +58,15 @@ pub fn emit<'c>(fx: &mut Fx<'c, '_>, k: &Kernel, i: I<'c>) {
         } => embedding_backward(fx, vocab, width, seq_len, positions, i),
         Op::CausalSoftmax => attention::causal_softmax(fx, i),
         Op::SoftmaxBackward => attention::softmax_backward(fx, i),
+        Op::FlashForward {
+            heads,
+            kv_heads,
+            head_dim,
+            seq_len,
+        } => {
+            let shape = [heads, kv_heads, head_dim, seq_len].map(u64::from);
+            flash::forward(fx, shape, i)
+        }
         Op::Accumulate => {
             let v = fx.add(fx.load("acc", i), fx.load("x", i));
             fx.store("acc", i, v);

@@ -159,7 +159,7 @@ impl<'c, 'm> Fx<'c, 'm> {
         self.ctx.i64_type().const_int(v, false)
     }
 
-    fn i32c(&self, v: u64) -> I<'c> {
+    pub fn i32c(&self, v: u64) -> I<'c> {
         self.ctx.i32_type().const_int(v, false)
     }
 
@@ -185,6 +185,11 @@ impl<'c, 'm> Fx<'c, 'm> {
             .build_select(lt, a, b, "")
             .expect(BUILD)
             .into_int_value()
+    }
+
+    /// `a | b` (of two conditions, say).
+    pub fn or(&self, a: I<'c>, b: I<'c>) -> I<'c> {
+        self.b.build_or(a, b, "").expect(BUILD)
     }
 
     pub fn icmp(&self, p: IntPredicate, a: I<'c>, b: I<'c>) -> I<'c> {
@@ -897,19 +902,10 @@ impl<'c, 'm> Fx<'c, 'm> {
             return x;
         }
         assert_eq!(self.lanes, WARP, "shuffles combine the lanes of a warp");
-        let (f, i) = (self.ctx.f32_type(), self.ctx.i32_type());
-        let t = f.fn_type(&[i.into(), f.into(), i.into(), i.into()], false);
-        let shfl = self.declared("llvm.nvvm.shfl.sync.bfly.f32", t);
         let mut v = x;
         let mut offset = WARP / 2;
         while offset > 0 {
-            let args = [
-                self.i32c(0xffff_ffff).into(),
-                v.into(),
-                self.i32c(offset).into(),
-                self.i32c(WARP - 1).into(),
-            ];
-            let other = self.call(shfl, &args).into_float_value();
+            let other = self.shfl_xor(v, offset);
             v = op(self, v, other);
             offset /= 2;
         }
@@ -924,6 +920,96 @@ impl<'c, 'm> Fx<'c, 'm> {
     /// The max (`maxnum`) of `x` over the lanes.
     pub fn lane_max(&self, x: F<'c>) -> F<'c> {
         self.lane_fold(x, |fx, a, b| fx.maxnum(a, b))
+    }
+
+    // ----- warp-wide matrix instructions (the fused attention; the GPU only) -----
+
+    fn gpu_only(&self, what: &str) {
+        assert!(
+            matches!(self.target, Target::Ptx { .. }),
+            "{what} exists only on the GPU"
+        );
+    }
+
+    /// The raw bits of element `i` of the 16-bit tensor `name`, zero-extended to i32.
+    pub fn load_bits16(&self, name: &str, i: I<'c>) -> I<'c> {
+        let (p, ptr) = self.ptr(name);
+        assert!(
+            matches!(p, Param::Tensor(_, Dtype::Bf16 | Dtype::Fp16)),
+            "`{name}` ({p:?}) is not a 16-bit tensor"
+        );
+        let h = self.load_i16(ptr, i);
+        self.b
+            .build_int_z_extend(h, self.ctx.i32_type(), "")
+            .expect(BUILD)
+    }
+
+    /// `x` rounded to bf16 as every store rounds it, its bits zero-extended to i32.
+    pub fn bf16_bits(&self, x: F<'c>) -> I<'c> {
+        let h = self.f32_to_bf16(x);
+        self.b
+            .build_int_z_extend(h, self.ctx.i32_type(), "")
+            .expect(BUILD)
+    }
+
+    /// Two 16-bit values (i32, zero-extended) in one 32-bit register, `lo` in the low half.
+    pub fn pack16(&self, lo: I<'c>, hi: I<'c>) -> I<'c> {
+        let hi = self.b.build_left_shift(hi, self.i32c(16), "").expect(BUILD);
+        self.b.build_or(lo, hi, "").expect(BUILD)
+    }
+
+    /// `mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32` over the warp: D = A·B + C, each
+    /// lane passing its fragment registers (layouts: `crate::kernels::flash`).
+    pub fn mma_bf16(&self, a: [I<'c>; 4], b: [I<'c>; 2], c: [F<'c>; 4]) -> [F<'c>; 4] {
+        self.gpu_only("mma.sync");
+        let (i, f) = (self.ctx.i32_type(), self.ctx.f32_type());
+        let ret = self.ctx.struct_type(&[f.into(); 4], false);
+        let params: Vec<inkwell::types::BasicMetadataTypeEnum> =
+            [i.into(); 6].into_iter().chain([f.into(); 4]).collect();
+        let mma = self.declared(
+            "llvm.nvvm.mma.m16n8k16.row.col.bf16",
+            ret.fn_type(&params, false),
+        );
+        let args: Vec<BasicValueEnum> = a
+            .iter()
+            .chain(&b)
+            .map(|&x| x.into())
+            .chain(c.iter().map(|&x| x.into()))
+            .collect();
+        let d = self.call(mma, &args).into_struct_value();
+        std::array::from_fn(|k| {
+            self.b
+                .build_extract_value(d, k as u32, "")
+                .expect(BUILD)
+                .into_float_value()
+        })
+    }
+
+    /// `x` from the lane whose index differs from this one's by `mask` (`shfl.sync.bfly`).
+    pub fn shfl_xor(&self, x: F<'c>, mask: u64) -> F<'c> {
+        self.gpu_only("shfl.sync");
+        let (f, i) = (self.ctx.f32_type(), self.ctx.i32_type());
+        let t = f.fn_type(&[i.into(), f.into(), i.into(), i.into()], false);
+        let shfl = self.declared("llvm.nvvm.shfl.sync.bfly.f32", t);
+        let args = [
+            self.i32c(0xffff_ffff).into(),
+            x.into(),
+            self.i32c(mask).into(),
+            self.i32c(WARP - 1).into(),
+        ];
+        self.call(shfl, &args).into_float_value()
+    }
+
+    /// 2ˣ (`ex2.approx`; 2^−∞ = 0).
+    pub fn exp2_approx(&self, x: F<'c>) -> F<'c> {
+        self.gpu_only("ex2.approx");
+        self.nvvm_f32("llvm.nvvm.ex2.approx.f", x)
+    }
+
+    /// log₂ x (`lg2.approx`).
+    pub fn log2_approx(&self, x: F<'c>) -> F<'c> {
+        self.gpu_only("lg2.approx");
+        self.nvvm_f32("llvm.nvvm.lg2.approx.f", x)
     }
 
     /// `body` on lane 0 only: a cooperative row's scalar outputs.

@@ -29,7 +29,7 @@ use crate::device::{plan_error, ArenaSpan, Device, DeviceError, Ptr, Update};
 use crate::math::attention::{Keep, Shape};
 use crate::math::{BlockP, NormP, Precision, Segment};
 use schedc::job::{Dtype, Optimizer};
-use schedc::kernels::{Kernel, Op, Param, SUMSQ_CHUNK};
+use schedc::kernels::{flash, Kernel, Op, Param, SUMSQ_CHUNK};
 use schedc::lower::workspace::{attention_chunk, PADDED_ROWS};
 use std::cell::Cell;
 
@@ -683,10 +683,25 @@ impl Gpu<'_> {
         Ok(())
     }
 
-    /// The fused attention's forward: per chunk, the probabilities (as [`Gpu::chunk_probs`]),
-    /// the output rows `P·V`, and the rows' log-sum-exps into `lse` (what backward keeps; the
-    /// s×s matrix is never kept, only a chunk of it lives in workspace during the op).
+    /// The fused attention's forward: one tensor-core kernel where it applies
+    /// ([`Gpu::flash_forward`]), else per chunk the probabilities (as [`Gpu::chunk_probs`]), the
+    /// output rows `P·V`, and the rows' log-sum-exps into `lse` (what backward keeps; the s×s
+    /// matrix is never kept, only a chunk of it lives in workspace during the op).
     pub(super) fn fused_attention(
+        &self,
+        (sh, per): (&Shape, usize),
+        qkv: DevPtr,
+        out: DevPtr,
+        lse: DevPtr,
+    ) -> Result<(), DeviceError> {
+        if flash::supports(self.products, sh.d) {
+            return self.flash_forward(sh, qkv, out, lse);
+        }
+        self.chunked_forward((sh, per), qkv, out, lse)
+    }
+
+    /// [`Gpu::fused_attention`] chunk by chunk of `per` query rows.
+    fn chunked_forward(
         &self,
         (sh, per): (&Shape, usize),
         qkv: DevPtr,
@@ -705,6 +720,50 @@ impl Gpu<'_> {
                 self.copy(lse.offset(at), rows_lse.offset(n * c.rows), len)?;
             }
         }
+        Ok(())
+    }
+
+    /// The fused forward as one kernel on tensor cores ([`Op::FlashForward`]; the s×s matrix
+    /// stays in registers): `qkv` in bf16 (cast when it is in fp32 workspace), a warp per 16
+    /// query rows of a head, the rows' log-sum-exps through workspace into `lse` (which may be
+    /// a 16-bit model's saved region at a 2-byte offset).
+    fn flash_forward(
+        &self,
+        sh: &Shape,
+        qkv: DevPtr,
+        out: DevPtr,
+        lse: DevPtr,
+    ) -> Result<(), DeviceError> {
+        let q = self.operand(qkv.addr, qkv.storage, sh.b * sh.s * sh.width())?;
+        let rows = sh.b * sh.heads * sh.s;
+        let rows_lse = self.alloc(rows)?;
+        let op = Op::FlashForward {
+            heads: sh.heads as u32,
+            kv_heads: sh.kv_heads as u32,
+            head_dim: sh.d as u32,
+            seq_len: sh.s as u32,
+        };
+        let warps = flash::Shape::of(op).warps(sh.b);
+        let qkv = DevPtr::new(q, Storage::of(self.products));
+        self.run(op, warps, &[T(qkv), T(out), T(rows_lse)])?;
+        self.copy(lse, rows_lse, rows)
+    }
+
+    /// The fused forward both ways on `qkv` (bf16): the tensor-core kernel into `out[0]` and
+    /// `lse[0]`, the chunked path (cuBLAS products and the softmax kernel) into `out[1]` and
+    /// `lse[1]`. What a GPU checks the kernel against (`step::check_flash_attention`).
+    #[cfg(feature = "cuda")]
+    pub(super) fn flash_and_chunks(
+        &self,
+        sh: &Shape,
+        qkv: DevPtr,
+        out: [DevPtr; 2],
+        lse: [DevPtr; 2],
+    ) -> Result<(), DeviceError> {
+        self.flash_forward(sh, qkv, out[0], lse[0])?;
+        self.reset();
+        self.chunked_forward((sh, chunk_rows(sh)), qkv, out[1], lse[1])?;
+        self.reset();
         Ok(())
     }
 

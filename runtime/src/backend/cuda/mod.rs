@@ -75,7 +75,7 @@ pub use ptx::PtxFiles;
 #[cfg(not(feature = "cuda"))]
 pub use stand_in::CudaBackend;
 #[cfg(feature = "cuda")]
-pub use step::CudaBackend;
+pub use step::{check_flash_attention, CudaBackend, FlashCheck};
 
 use crate::plan::Plan;
 use cranelift_entity::EntityRef;

@@ -492,3 +492,118 @@ impl Exec for DevExec<'_> {
             .map_err(|e| CudaError::new(Library::Driver, "device 2-D copy", e))
     }
 }
+
+/// How far the fused attention kernel's forward is from the chunked path's on this GPU, for one
+/// of a plan's kernels: the worst output and log-sum-exp differences, each relative to
+/// 1 + |chunked value|.
+#[derive(Clone, Debug)]
+pub struct FlashCheck {
+    pub kernel: String,
+    pub out: f32,
+    pub lse: f32,
+}
+
+/// Runs every fused attention kernel of `plan` ([`schedc::kernels::Op::FlashForward`], from the
+/// plan's PTX in `ptx`) on GPU 0 against the chunked path (cuBLAS products and the softmax
+/// kernel, checked against the CPU backend by the parity tests) on the same random bf16 inputs,
+/// `sequences` sequences of the model's length.
+pub fn check_flash_attention(
+    plan: &Plan,
+    ptx: &PtxFiles,
+    sequences: usize,
+) -> Result<Vec<FlashCheck>, CudaError> {
+    use super::typed::{DevPtr, Storage};
+    use crate::math::attention::Shape;
+    use schedc::kernels::{flash, for_job};
+    const GEMM_BYTES: usize = 32 << 20;
+    let mut checks = vec![];
+    for k in for_job(&plan.job).iter().filter(|k| k.op.gpu_only()) {
+        let f = flash::Shape::of(k.op);
+        let sh = Shape {
+            b: sequences,
+            s: f.s,
+            heads: f.heads,
+            kv_heads: f.kv_heads,
+            d: f.d,
+        };
+        let (tokens, rows) = (sh.b * sh.s, sh.b * sh.heads * sh.s);
+        // Arena: qkv (bf16), two outputs and two lse (fp32), the scratch, cuBLAS's workspace.
+        let scratch = 3 * sh.heads * sh.s * sh.s + rows + (1 << 20);
+        let floats = [tokens * sh.width() / 2 + 1, tokens * sh.hidden(), rows];
+        let at: Vec<usize> = [
+            floats[0], floats[1], floats[1], floats[2], floats[2], scratch,
+        ]
+        .iter()
+        .scan(0, |end, n| {
+            let start = *end;
+            *end += n.div_ceil(64) * 64;
+            Some(start)
+        })
+        .collect();
+        let total = at[5] + scratch.div_ceil(64) * 64;
+        let dev = Device::open(0, 1, 0, (total * 4 + GEMM_BYTES) as u64)?;
+        dev.ctx
+            .bind_to_thread()
+            .map_err(drv("binding the context"))?;
+        let kernels = Kernels::load(&dev.ctx, ptx, plan)?;
+        let s = &dev.streams[0];
+        let blas = Blas::new(s, dev.arena_base.add_bytes((total * 4) as u64), GEMM_BYTES)?;
+        let x = DevExec {
+            k: &kernels,
+            blas: &blas,
+            s,
+        };
+        let consts = Consts {
+            tokens: DevAddr::NULL,
+            loss: DevAddr::NULL,
+            sumsq: DevAddr::NULL,
+            rope: None,
+            t: 0,
+        };
+        let addr = |i: usize| dev.arena_base.add_bytes((at[i] * 4) as u64);
+        let gpu = Gpu::new(&x, Dtype::Bf16, (addr(5), scratch), dev.arena_base, &consts);
+        // Inputs in [−2, 2) from a fixed xorshift, as bf16.
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        let qkv: Vec<u8> = (0..tokens * sh.width())
+            .flat_map(|_| {
+                seed ^= seed << 13;
+                seed ^= seed >> 7;
+                seed ^= seed << 17;
+                let v = (seed >> 40) as f32 / (1u64 << 24) as f32 * 4.0 - 2.0;
+                flash::bf16(v).to_le_bytes()
+            })
+            .collect();
+        dev.write_bytes(0, &qkv)?;
+        let f32s = |i: usize| DevPtr::new(addr(i), Storage::F32);
+        gpu.flash_and_chunks(
+            &sh,
+            DevPtr::new(addr(0), Storage::Bf16),
+            [f32s(1), f32s(2)],
+            [f32s(3), f32s(4)],
+        )
+        .map_err(|e| CudaError::backend(format!("{k}: {e}")))?;
+        dev.synchronize()?;
+        let read = |i: usize, n: usize| -> Result<Vec<f32>, CudaError> {
+            let bytes = dev.read_bytes((at[i] * 4) as u64, n * 4)?;
+            Ok(bytes
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect())
+        };
+        let worst = |a: Vec<f32>, b: Vec<f32>| {
+            a.iter()
+                .zip(&b)
+                .map(|(x, y)| (x - y).abs() / (1.0 + y.abs()))
+                .fold(
+                    0f32,
+                    |m, e| if e.is_nan() { f32::INFINITY } else { m.max(e) },
+                )
+        };
+        checks.push(FlashCheck {
+            kernel: k.name(),
+            out: worst(read(1, floats[1])?, read(2, floats[1])?),
+            lse: worst(read(3, rows)?, read(4, rows)?),
+        });
+    }
+    Ok(checks)
+}
