@@ -8,7 +8,7 @@
 //! - bf16 parity: bf16 twins of the tiny models (one with a 259-word vocabulary and a 172-wide
 //!   SwiGLU, whose products go through padded rows) within 2e-2 of the CPU backend's losses over
 //!   20 steps (written after the first GPU session; it has not run on a GPU yet).
-//! - The fused attention kernel against the chunked path on the GPU
+//! - The fused attention kernels (forward and backward) against the chunked path on the GPU
 //!   (`flash_attention_kernel_matches_the_chunked_path`; written without a GPU, not yet run on
 //!   one).
 //! - `gpt2_small_step_mfu` (ignored): a GPT-2-small step on one GPU, reporting step time, MFU and
@@ -271,11 +271,12 @@ fn tiny_bf16_models_on_one_gpu_match_the_cpu_backend() {
     }
 }
 
-/// The fused attention kernel (tensor cores, `schedc::kernels::flash`) on the GPU against the
-/// chunked path (cuBLAS products and the softmax kernel, which the parity tests hold to the CPU
-/// backend) on random bf16 inputs of two sequences: the bf16 GPT's heads of 16 (seq 64) and
-/// GPT-2's heads of 64 (seq 1024). Outputs within 1e-2, log-sum-exps within 1e-4 of
-/// 1 + |value|; the host model of the kernel is within 1.9e-3 and 1.2e-7 of `attention.rs`.
+/// The fused attention kernels (tensor cores, `schedc::kernels::flash`: forward and backward)
+/// on the GPU against the chunked path (cuBLAS products and the softmax kernels, which the
+/// parity tests hold to the CPU backend) on random bf16 inputs of two sequences: the bf16 GPT's
+/// heads of 16 (seq 64) and GPT-2's heads of 64 (seq 1024). Outputs within 1e-2, log-sum-exps
+/// within 1e-4, dqkv within 2e-2 of 1 + |value|; on the host the kernels' models are within
+/// 1.9e-3, 1.2e-7 and 6.9e-3 of `attention.rs`.
 #[cfg(feature = "cuda")]
 #[test]
 fn flash_attention_kernel_matches_the_chunked_path() {
@@ -299,10 +300,10 @@ fn flash_attention_kernel_matches_the_chunked_path() {
         );
         for c in checks {
             eprintln!(
-                "{}: output within {:.2e}, lse within {:.2e}",
-                c.kernel, c.out, c.lse
+                "flash{}: output within {:.2e}, lse {:.2e}, dqkv {:.2e}",
+                c.kernel, c.out, c.lse, c.dqkv
             );
-            assert!(c.out <= 1e-2 && c.lse <= 1e-4, "{c:?}");
+            assert!(c.out <= 1e-2 && c.lse <= 1e-4 && c.dqkv <= 2e-2, "{c:?}");
         }
     }
 }

@@ -1,16 +1,24 @@
-//! The fused causal attention forward on tensor cores ([`super::Op::FlashForward`]), as one warp
-//! runs it, lane by lane: the reference the generated PTX kernel is written after
+//! The fused causal attention on tensor cores ([`super::Op::FlashForward`], and for the
+//! backward [`super::Op::FlashBackwardQuery`] and [`super::Op::FlashBackwardKeys`]) as one warp
+//! runs it, lane by lane: the reference the generated PTX kernels are written after
 //! (`codegen/flash.rs` follows this code step for step) and what the host emulation of the CUDA
-//! backend runs in its place, since a host cannot execute warp-wide matrix instructions.
+//! backend runs in their place, since a host cannot execute warp-wide matrix instructions.
 //!
-//! A warp takes [`QROWS`] query rows of one head of one sequence and walks the keys up to its
-//! last row [`KEYS`] at a time (FlashAttention-2's forward): S = Q·Kᵀ on `mma.m16n8k16` (bf16
-//! operands, f32 accumulators), scaled into base 2 and masked above the diagonal; an online
-//! softmax keeps each row's running max `m` and each lane's share of the row's sum `l`,
-//! rescaling the output accumulators when the max grows; P = exp2(S − m) goes back to bf16 as
-//! the A operand of O += P·V. At the end the four lanes of a row add their sums, O/l is stored
-//! in the output's dtype and the row's natural log-sum-exp `(m + log2 l)·ln 2` into `lse`. The
-//! s×s matrix never leaves registers.
+//! Forward ([`warp`], FlashAttention-2's): a warp takes [`QROWS`] query rows of one head of one
+//! sequence and walks the keys up to its last row [`KEYS`] at a time: S = Q·Kᵀ on
+//! `mma.m16n8k16` (bf16 operands, f32 accumulators), scaled into base 2 and masked above the
+//! diagonal; an online softmax keeps each row's running max `m` and each lane's share of the
+//! row's sum `l`, rescaling the output accumulators when the max grows; P = exp2(S − m) goes back
+//! to bf16 as the A operand of O += P·V. At the end the four lanes of a row add their sums, O/l
+//! is stored in the output's dtype and the row's natural log-sum-exp `(m + log2 l)·ln 2` into
+//! `lse`. The s×s matrix never leaves registers.
+//!
+//! Backward (FlashAttention-2's, without atomics): with each row's `D = Σ dO·O`
+//! ([`super::Op::FlashDot`]), [`warp_dq`] takes 16 query rows and walks their keys, recomputing
+//! P from `lse` and dP = dO·Vᵀ, forming dS = P ∘ (dP − D) and dQ = dS·K/√d; [`warp_dkv`] takes
+//! 16 keys of a kv head and walks every query head of its group and every query block from the
+//! diagonal on, with keys as rows: Pᵀ, dPᵀ = V·dOᵀ, dSᵀ, dV = Pᵀ·dO and dK = dSᵀ·Q/√d. Each
+//! element of dQ, dK and dV is written once.
 //!
 //! Fragments follow the PTX ISA's layouts for `mma.m16n8k16` with 16-bit operands ([`a_at`],
 //! [`b_at`], [`c_at`]): lane `l` is thread `l mod 4` of group `l / 4`; a 32-bit register holds
@@ -30,6 +38,13 @@ pub fn supports(dtype: crate::job::Dtype, head_dim: usize) -> bool {
     dtype == crate::job::Dtype::Bf16
         && head_dim.is_multiple_of(16)
         && (16..=128).contains(&head_dim)
+}
+
+/// Whether its backward runs as this module's kernels too: heads at most 64 wide. At 128 the
+/// key side's dK and dV accumulators (128 registers a lane) spill (ptxas: 255 registers and up
+/// to 224 spilled words), so wider heads keep the chunked backward.
+pub fn supports_backward(dtype: crate::job::Dtype, head_dim: usize) -> bool {
+    supports(dtype, head_dim) && head_dim <= 64
 }
 
 /// (row, column) of the two elements of A-fragment register `r` (0..4) of `lane` (16×16).
@@ -89,9 +104,9 @@ pub fn mma(a: &[[u32; 4]; LANES], b: &[[u32; 2]; LANES], c: &mut [[f32; 4]; LANE
     }
 }
 
-/// The shape a kernel is specialised to: heads, kv heads, head width, sequence length, and the
-/// qkv rows' width (`(heads + 2·kv_heads)·head_dim`).
-#[derive(Clone, Copy, Debug)]
+/// The shape a fused attention kernel is specialised to: query heads, kv heads, head width and
+/// sequence length (qkv rows are [`Shape::width`] wide).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Shape {
     pub heads: usize,
     pub kv_heads: usize,
@@ -100,25 +115,21 @@ pub struct Shape {
 }
 
 impl Shape {
-    /// The shape of an [`Op::FlashForward`](super::Op::FlashForward).
+    /// The shape of a fused attention op ([`super::Op::flash_shape`]).
     ///
     /// # Panics
-    /// When `op` is another op (a caller's bug).
+    /// When `op` is not one (a caller's bug).
     pub fn of(op: super::Op) -> Shape {
-        match op {
-            super::Op::FlashForward {
-                heads,
-                kv_heads,
-                head_dim,
-                seq_len,
-            } => Shape {
-                heads: heads as usize,
-                kv_heads: kv_heads as usize,
-                d: head_dim as usize,
-                s: seq_len as usize,
-            },
-            other => panic!("{other:?} is not the fused attention"),
-        }
+        op.flash_shape()
+            .unwrap_or_else(|| panic!("{op:?} is not a fused attention op"))
+    }
+
+    /// The kernel names' part for the shape.
+    pub fn suffix(&self) -> String {
+        format!(
+            "_h{}_kv{}_d{}_s{}",
+            self.heads, self.kv_heads, self.d, self.s
+        )
     }
 
     pub fn width(&self) -> usize {
@@ -128,6 +139,11 @@ impl Shape {
     /// Warps (indices of the kernel) for `b` sequences.
     pub fn warps(&self, b: usize) -> usize {
         b * self.heads * self.s.div_ceil(QROWS)
+    }
+
+    /// Warps of the backward's key side ([`warp_dkv`]) for `b` sequences.
+    pub fn key_warps(&self, b: usize) -> usize {
+        b * self.kv_heads * self.s.div_ceil(KEYS)
     }
 
     /// √d's reciprocal times log₂e: scores go straight into base 2.
@@ -293,6 +309,253 @@ pub fn warp(sh: &Shape, w: usize, qkv: &[u16], store: &mut dyn FnMut(usize, f32)
     }
 }
 
+/// A warp's fragment registers: four per lane for A, two for B.
+type AFrag = [[u32; 4]; LANES];
+type BFrag = [[u32; 2]; LANES];
+/// A warp's accumulators of one 16×8 tile.
+type CFrag = [[f32; 4]; LANES];
+
+/// The A fragment (16×16) of a row-major source: element (i, c) is `at(i, c)` (bf16 bits).
+fn a_rows(at: &dyn Fn(usize, usize) -> u16) -> AFrag {
+    std::array::from_fn(|lane| {
+        std::array::from_fn(|r| {
+            let (i, c) = a_at(lane, r);
+            pack(at(i, c), at(i, c + 1))
+        })
+    })
+}
+
+/// The B fragment (16×8) whose element (k, n) is `at(n, k)`: pairs along a source row.
+fn b_rows(at: &dyn Fn(usize, usize) -> u16) -> BFrag {
+    std::array::from_fn(|lane| {
+        std::array::from_fn(|r| {
+            let (k, n) = b_at(lane, r);
+            pack(at(n, k), at(n, k + 1))
+        })
+    })
+}
+
+/// The B fragment (16×8) whose element (k, n) is `at(k, n)`: pairs down a source column.
+fn b_cols(at: &dyn Fn(usize, usize) -> u16) -> BFrag {
+    std::array::from_fn(|lane| {
+        std::array::from_fn(|r| {
+            let (k, n) = b_at(lane, r);
+            pack(at(k, n), at(k + 1, n))
+        })
+    })
+}
+
+/// Two accumulator tiles side by side (16×16) as the A fragment of the next product, rounded to
+/// bf16: registers 0/1 from tile 0, 2/3 from tile 1.
+fn c_to_a(t: &[CFrag; 2]) -> AFrag {
+    std::array::from_fn(|lane| {
+        std::array::from_fn(|r| {
+            let (nt, h) = (r >> 1, r & 1);
+            pack(bf16(t[nt][lane][2 * h]), bf16(t[nt][lane][2 * h + 1]))
+        })
+    })
+}
+
+/// What the backward reads: qkv (bf16 bits), the output gradient dO (bf16 bits, rows of the
+/// heads' width), each row's natural log-sum-exp and its `D = Σ dO·O` (`[seq][head][row]`).
+pub struct Grads<'a> {
+    pub qkv: &'a [u16],
+    pub dout: &'a [u16],
+    pub lse: &'a [f32],
+    pub dot: &'a [f32],
+}
+
+/// The query-side warp `w` of the backward ([`place`]'s numbering): for its 16 query rows of
+/// one head it walks the keys up to its last row, recomputes P = exp(S − lse) and
+/// dP = dO·Vᵀ, forms dS = P ∘ (dP − D) and accumulates dQ = dS·K/√d, stored through
+/// `store(index into qkv's layout, value)`.
+pub fn warp_dq(sh: &Shape, w: usize, x: &Grads<'_>, store: &mut dyn FnMut(usize, f32)) {
+    let (d, s, width) = (sh.d, sh.s, sh.width());
+    let (b, n, g, q0) = place(sh, w);
+    let hidden = sh.heads * d;
+    let (qcol, kcol, vcol) = (n * d, hidden + g * d, hidden + sh.kv_heads * d + g * d);
+    let at = |t: usize, c: usize| {
+        if t < s {
+            x.qkv[(b * s + t) * width + c]
+        } else {
+            0
+        }
+    };
+    let dat = |t: usize, c: usize| {
+        if t < s {
+            x.dout[(b * s + t) * hidden + c]
+        } else {
+            0
+        }
+    };
+    let row_at = |i: usize| (b * sh.heads + n) * s + (q0 + i).min(s - 1);
+    let kk = d / 16;
+    let qa: Vec<AFrag> = (0..kk)
+        .map(|k| a_rows(&|i, c| at(q0 + i, qcol + 16 * k + c)))
+        .collect();
+    let da: Vec<AFrag> = (0..kk)
+        .map(|k| a_rows(&|i, c| dat(q0 + i, qcol + 16 * k + c)))
+        .collect();
+    let mut dq = vec![[[0f32; 4]; LANES]; d / 8];
+    let last = (q0 + QROWS).min(s);
+    for j0 in (0..last).step_by(KEYS) {
+        let mut st = [[[0f32; 4]; LANES]; 2];
+        let mut dp = [[[0f32; 4]; LANES]; 2];
+        for nt in 0..2 {
+            for k in 0..kk {
+                mma(
+                    &qa[k],
+                    &b_rows(&|key, c| at(j0 + 8 * nt + key, kcol + 16 * k + c)),
+                    &mut st[nt],
+                );
+                mma(
+                    &da[k],
+                    &b_rows(&|key, c| at(j0 + 8 * nt + key, vcol + 16 * k + c)),
+                    &mut dp[nt],
+                );
+            }
+        }
+        let mut ds = [[[0f32; 4]; LANES]; 2];
+        for lane in 0..LANES {
+            for nt in 0..2 {
+                for c in 0..4 {
+                    let (i, j) = c_at(lane, c);
+                    let (row, key) = (q0 + i, j0 + 8 * nt + j);
+                    let p = if key > row || key >= s || row >= s {
+                        0.0
+                    } else {
+                        let lse2 = x.lse[row_at(i)] * std::f32::consts::LOG2_E;
+                        (st[nt][lane][c] * sh.scale_log2() - lse2).exp2()
+                    };
+                    ds[nt][lane][c] = p * (dp[nt][lane][c] - x.dot[row_at(i)]);
+                }
+            }
+        }
+        let dsa = c_to_a(&ds);
+        for (nt, tile) in dq.iter_mut().enumerate() {
+            mma(
+                &dsa,
+                &b_cols(&|key, c| at(j0 + key, kcol + 8 * nt + c)),
+                tile,
+            );
+        }
+    }
+    let scale = 1.0 / (d as f32).sqrt();
+    for lane in 0..LANES {
+        for c in 0..4 {
+            let (i, col) = c_at(lane, c);
+            if q0 + i < s {
+                for (nt, tile) in dq.iter().enumerate() {
+                    store(
+                        (b * s + q0 + i) * width + qcol + 8 * nt + col,
+                        tile[lane][c] * scale,
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// The key-side warps of the backward: [`Shape::key_warps`] of them, warp `w` taking 16 keys of
+/// one kv head of one sequence. Over every query head of its group and every query block from
+/// its keys' own on, it recomputes Pᵀ and dPᵀ = V·dOᵀ with keys as rows, forms dSᵀ and
+/// accumulates dV = Pᵀ·dO and dK = dSᵀ·Q/√d, stored through `store`.
+pub fn warp_dkv(sh: &Shape, w: usize, x: &Grads<'_>, store: &mut dyn FnMut(usize, f32)) {
+    let (d, s, width) = (sh.d, sh.s, sh.width());
+    let blocks = s.div_ceil(KEYS);
+    let (k0, g, b) = (
+        w % blocks * KEYS,
+        w / blocks % sh.kv_heads,
+        w / blocks / sh.kv_heads,
+    );
+    let hidden = sh.heads * d;
+    let (kcol, vcol) = (hidden + g * d, hidden + sh.kv_heads * d + g * d);
+    let at = |t: usize, c: usize| {
+        if t < s {
+            x.qkv[(b * s + t) * width + c]
+        } else {
+            0
+        }
+    };
+    let dat = |t: usize, c: usize| {
+        if t < s {
+            x.dout[(b * s + t) * hidden + c]
+        } else {
+            0
+        }
+    };
+    let kk = d / 16;
+    let ka: Vec<AFrag> = (0..kk)
+        .map(|k| a_rows(&|i, c| at(k0 + i, kcol + 16 * k + c)))
+        .collect();
+    let va: Vec<AFrag> = (0..kk)
+        .map(|k| a_rows(&|i, c| at(k0 + i, vcol + 16 * k + c)))
+        .collect();
+    let mut dk = vec![[[0f32; 4]; LANES]; d / 8];
+    let mut dv = vec![[[0f32; 4]; LANES]; d / 8];
+    let group = sh.heads / sh.kv_heads;
+    for n in g * group..(g + 1) * group {
+        let qcol = n * d;
+        let row_at = |q: usize| (b * sh.heads + n) * s + q.min(s - 1);
+        for q0 in (k0..s).step_by(QROWS) {
+            let mut st = [[[0f32; 4]; LANES]; 2];
+            let mut dp = [[[0f32; 4]; LANES]; 2];
+            for nt in 0..2 {
+                for k in 0..kk {
+                    let q = |qi: usize, c: usize| at(q0 + 8 * nt + qi, qcol + 16 * k + c);
+                    mma(&ka[k], &b_rows(&q), &mut st[nt]);
+                    let o = |qi: usize, c: usize| dat(q0 + 8 * nt + qi, qcol + 16 * k + c);
+                    mma(&va[k], &b_rows(&o), &mut dp[nt]);
+                }
+            }
+            let mut p = [[[0f32; 4]; LANES]; 2];
+            let mut ds = [[[0f32; 4]; LANES]; 2];
+            for lane in 0..LANES {
+                for nt in 0..2 {
+                    for c in 0..4 {
+                        let (i, j) = c_at(lane, c);
+                        let (key, q) = (k0 + i, q0 + 8 * nt + j);
+                        let v = if key > q || q >= s || key >= s {
+                            0.0
+                        } else {
+                            let lse2 = x.lse[row_at(q)] * std::f32::consts::LOG2_E;
+                            (st[nt][lane][c] * sh.scale_log2() - lse2).exp2()
+                        };
+                        p[nt][lane][c] = v;
+                        ds[nt][lane][c] = v * (dp[nt][lane][c] - x.dot[row_at(q)]);
+                    }
+                }
+            }
+            let (pa, dsa) = (c_to_a(&p), c_to_a(&ds));
+            for nt in 0..d / 8 {
+                mma(
+                    &pa,
+                    &b_cols(&|qi, c| dat(q0 + qi, qcol + 8 * nt + c)),
+                    &mut dv[nt],
+                );
+                mma(
+                    &dsa,
+                    &b_cols(&|qi, c| at(q0 + qi, qcol + 8 * nt + c)),
+                    &mut dk[nt],
+                );
+            }
+        }
+    }
+    let scale = 1.0 / (d as f32).sqrt();
+    for lane in 0..LANES {
+        for c in 0..4 {
+            let (i, col) = c_at(lane, c);
+            if k0 + i < s {
+                let row = (b * s + k0 + i) * width;
+                for nt in 0..d / 8 {
+                    store(row + kcol + 8 * nt + col, dk[nt][lane][c] * scale);
+                    store(row + vcol + 8 * nt + col, dv[nt][lane][c]);
+                }
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -399,6 +662,140 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// The backward's two warps against f64 gradients of causal attention on the same bf16
+    /// inputs (given the f64 log-sum-exps and D, rounded to f32): dQ, dK and dV within 1e-2 of
+    /// 1 + |value| (P and dS go to bf16 before their products; observed BWD_OBSERVED), every
+    /// element written exactly once.
+    #[test]
+    fn backward_warps_compute_the_gradients() {
+        let shapes = [
+            (
+                Shape {
+                    heads: 2,
+                    kv_heads: 2,
+                    d: 32,
+                    s: 48,
+                },
+                2,
+            ),
+            (
+                Shape {
+                    heads: 4,
+                    kv_heads: 2,
+                    d: 16,
+                    s: 37,
+                },
+                1,
+            ),
+            (
+                Shape {
+                    heads: 2,
+                    kv_heads: 1,
+                    d: 64,
+                    s: 20,
+                },
+                2,
+            ),
+        ];
+        for (sh, b) in shapes {
+            let mut seed = 0x1234_5678_9abc_def1u64;
+            let mut rnd = || {
+                seed ^= seed << 13;
+                seed ^= seed >> 7;
+                seed ^= seed << 17;
+                (seed >> 40) as f32 / (1u64 << 24) as f32 * 4.0 - 2.0
+            };
+            let (w, hidden) = (sh.width(), sh.heads * sh.d);
+            let qkv: Vec<u16> = (0..b * sh.s * w).map(|_| bf16(rnd())).collect();
+            let dout: Vec<u16> = (0..b * sh.s * hidden).map(|_| bf16(rnd())).collect();
+            let (want, lse, dot) = reference_grads(&sh, b, &qkv, &dout);
+            let (lse, dot): (Vec<f32>, Vec<f32>) = (
+                lse.iter().map(|&v| v as f32).collect(),
+                dot.iter().map(|&v| v as f32).collect(),
+            );
+            let x = Grads {
+                qkv: &qkv,
+                dout: &dout,
+                lse: &lse,
+                dot: &dot,
+            };
+            let mut got = vec![f32::NAN; qkv.len()];
+            let mut writes = vec![0u8; qkv.len()];
+            let mut store = |i: usize, v: f32| {
+                got[i] = v;
+                writes[i] += 1;
+            };
+            for wi in 0..sh.warps(b) {
+                warp_dq(&sh, wi, &x, &mut store);
+            }
+            for wi in 0..sh.key_warps(b) {
+                warp_dkv(&sh, wi, &x, &mut store);
+            }
+            assert!(writes.iter().all(|&n| n == 1), "{sh:?}: every element once");
+            let mut worst = 0f64;
+            for (i, (&g, &want)) in got.iter().zip(&want).enumerate() {
+                let err = (f64::from(g) - want).abs() / (1.0 + want.abs());
+                worst = worst.max(err);
+                assert!(err <= 1e-2, "{sh:?} dqkv[{i}]: {g} vs {want}");
+            }
+            eprintln!("BWD {sh:?} worst {worst:.2e}");
+        }
+    }
+
+    /// f64 gradients of causal attention: dqkv, and each row's log-sum-exp and D = Σ dO·O.
+    fn reference_grads(
+        sh: &Shape,
+        b: usize,
+        qkv: &[u16],
+        dout: &[u16],
+    ) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
+        let (d, s, w, hidden) = (sh.d, sh.s, sh.width(), sh.heads * sh.d);
+        let x = |t: usize, c: usize| f64::from(widen(qkv[t * w + c]));
+        let dy = |t: usize, c: usize| f64::from(widen(dout[t * hidden + c]));
+        let mut g = vec![0f64; qkv.len()];
+        let mut lse = vec![0f64; b * sh.heads * s];
+        let mut dot = vec![0f64; b * sh.heads * s];
+        let scale = 1.0 / (d as f64).sqrt();
+        for bi in 0..b {
+            for n in 0..sh.heads {
+                let gr = n / (sh.heads / sh.kv_heads);
+                let (qc, kc) = (n * d, hidden + gr * d);
+                let vc = hidden + sh.kv_heads * d + gr * d;
+                let t = |i: usize| bi * s + i;
+                for i in 0..s {
+                    let sc: Vec<f64> = (0..=i)
+                        .map(|j| {
+                            (0..d)
+                                .map(|c| x(t(i), qc + c) * x(t(j), kc + c))
+                                .sum::<f64>()
+                                * scale
+                        })
+                        .collect();
+                    let max = sc.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                    let sum: f64 = sc.iter().map(|v| (v - max).exp()).sum();
+                    let l = max + sum.ln();
+                    let p: Vec<f64> = sc.iter().map(|v| (v - l).exp()).collect();
+                    let o: Vec<f64> = (0..d)
+                        .map(|c| (0..=i).map(|j| p[j] * x(t(j), vc + c)).sum())
+                        .collect();
+                    let dd: f64 = (0..d).map(|c| dy(t(i), qc + c) * o[c]).sum();
+                    lse[(bi * sh.heads + n) * s + i] = l;
+                    dot[(bi * sh.heads + n) * s + i] = dd;
+                    for j in 0..=i {
+                        let dp: f64 = (0..d).map(|c| dy(t(i), qc + c) * x(t(j), vc + c)).sum();
+                        let ds = p[j] * (dp - dd);
+                        for c in 0..d {
+                            g[t(i) * w + qc + c] += ds * x(t(j), kc + c) * scale;
+                            g[t(j) * w + kc + c] += ds * x(t(i), qc + c) * scale;
+                            g[t(j) * w + vc + c] += p[j] * dy(t(i), qc + c);
+                        }
+                    }
+                }
+            }
+        }
+        (g, lse, dot)
     }
 
     /// The fragment layouts cover each tile exactly once (two elements per register).

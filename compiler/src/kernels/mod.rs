@@ -217,17 +217,22 @@ pub enum Op {
     /// after the row's sum).
     SoftmaxBackward,
     /// The fused causal attention forward of a bf16 `qkv` (token rows of
-    /// `(heads + 2·kv_heads)·head_dim`) on tensor cores, index `w` a warp taking
-    /// [`flash::QROWS`] query rows of one head of one sequence ([`flash::place`]): `out` (token
-    /// rows of `heads·head_dim`) and each row's natural log-sum-exp `lse` (`[seq][head][row]`).
-    /// The GPU only ([`Op::gpu_only`]): [`flash`] is what a warp computes, and what the host
+    /// [`flash::Shape::width`]) on tensor cores, index `w` a warp taking [`flash::QROWS`] query
+    /// rows of one head of one sequence ([`flash::place`]): `out` (token rows of
+    /// `heads·head_dim`) and each row's natural log-sum-exp `lse` (`[seq][head][row]`). The GPU
+    /// only ([`Op::gpu_only`]): [`flash::warp`] is what a warp computes, and what the host
     /// emulation runs instead.
-    FlashForward {
-        heads: u32,
-        kv_heads: u32,
-        head_dim: u32,
-        seq_len: u32,
-    },
+    FlashForward(flash::Shape),
+    /// Row `r` (token `r / heads`, head `r mod heads`) of the fused backward's
+    /// `dot = Σ_c dO·O` over the head's columns, in column order, into `dot[seq][head][row]`
+    /// (FlashAttention-2's D; a warp per row on the GPU).
+    FlashDot(flash::Shape),
+    /// The fused backward's query side ([`flash::warp_dq`], GPU only): each warp's 16 query
+    /// rows' dQ, from bf16 `qkv` and `dout`, the rows' `lse` and `dot`, into fp32 `dqkv`.
+    FlashBackwardQuery(flash::Shape),
+    /// The fused backward's key side ([`flash::warp_dkv`], GPU only): each warp's 16 keys' dK
+    /// and dV over the query heads of their group, into fp32 `dqkv`.
+    FlashBackwardKeys(flash::Shape),
 }
 
 impl Op {
@@ -239,7 +244,10 @@ impl Op {
             | Op::Rotary { .. }
             | Op::CausalSoftmax
             | Op::SoftmaxBackward
-            | Op::FlashForward { .. } => Space::Rows,
+            | Op::FlashForward(_)
+            | Op::FlashDot(_)
+            | Op::FlashBackwardQuery(_)
+            | Op::FlashBackwardKeys(_) => Space::Rows,
             Op::BiasGrad { .. } | Op::NormBackwardParams { .. } | Op::EmbeddingBackward { .. } => {
                 Space::Columns
             }
@@ -271,7 +279,21 @@ impl Op {
     /// Whether the op exists only as PTX: its body uses warp-wide matrix instructions, which a
     /// host cannot run ([`Op::FlashForward`]; host modules leave it out).
     pub fn gpu_only(&self) -> bool {
-        matches!(self, Op::FlashForward { .. })
+        matches!(
+            self,
+            Op::FlashForward(_) | Op::FlashBackwardQuery(_) | Op::FlashBackwardKeys(_)
+        )
+    }
+
+    /// The shape of a fused attention op.
+    pub fn flash_shape(&self) -> Option<flash::Shape> {
+        match *self {
+            Op::FlashForward(s)
+            | Op::FlashDot(s)
+            | Op::FlashBackwardQuery(s)
+            | Op::FlashBackwardKeys(s) => Some(s),
+            _ => None,
+        }
     }
 
     /// How many storage dtypes the op takes (its [`Param::Tensor`]s, in order).
@@ -424,7 +446,15 @@ impl Op {
                 F32("scale"),
                 I64("keys"),
             ],
-            Op::FlashForward { .. } => vec![Tensor("qkv", d[0]), Tensor("out", d[1]), F32s("lse")],
+            Op::FlashForward(_) => vec![Tensor("qkv", d[0]), Tensor("out", d[1]), F32s("lse")],
+            Op::FlashDot(_) => vec![Tensor("dout", d[0]), Tensor("out", d[1]), F32s("dot")],
+            Op::FlashBackwardQuery(_) | Op::FlashBackwardKeys(_) => vec![
+                Tensor("qkv", d[0]),
+                Tensor("dout", d[1]),
+                F32s("lse"),
+                F32s("dot"),
+                Tensor("dqkv", d[2]),
+            ],
         }
     }
 
@@ -498,12 +528,10 @@ impl Op {
             ),
             Op::CausalSoftmax => "causal_softmax".into(),
             Op::SoftmaxBackward => "softmax_backward".into(),
-            Op::FlashForward {
-                heads,
-                kv_heads,
-                head_dim,
-                seq_len,
-            } => format!("flash_forward_h{heads}_kv{kv_heads}_d{head_dim}_s{seq_len}"),
+            Op::FlashForward(s) => format!("flash_forward{}", s.suffix()),
+            Op::FlashDot(s) => format!("flash_dot{}", s.suffix()),
+            Op::FlashBackwardQuery(s) => format!("flash_backward_query{}", s.suffix()),
+            Op::FlashBackwardKeys(s) => format!("flash_backward_keys{}", s.suffix()),
         }
     }
 }
@@ -866,14 +894,23 @@ impl Catalogue {
         if t.attention == Attention::Flash {
             self.add(Kernel::new(Op::SoftmaxBackward, &[a, f, a]));
             if flash::supports(a, t.head_dim() as usize) {
-                let op = Op::FlashForward {
-                    heads: t.heads as u32,
-                    kv_heads: t.kv_heads as u32,
-                    head_dim: t.head_dim() as u32,
-                    seq_len,
+                let sh = flash::Shape {
+                    heads: t.heads as usize,
+                    kv_heads: t.kv_heads as usize,
+                    d: t.head_dim() as usize,
+                    s: seq_len as usize,
                 };
                 for o in self.out.clone() {
-                    self.add(Kernel::new(op, &[a, o]));
+                    self.add(Kernel::new(Op::FlashForward(sh), &[a, o]));
+                }
+                if flash::supports_backward(a, sh.d) {
+                    // The backward's D from the output gradient (fp32 workspace) and the saved
+                    // output, then its two sides into fp32 workspace.
+                    for o in self.out.clone() {
+                        self.add(Kernel::new(Op::FlashDot(sh), &[f, o]));
+                    }
+                    self.add(Kernel::new(Op::FlashBackwardQuery(sh), &[a, a, f]));
+                    self.add(Kernel::new(Op::FlashBackwardKeys(sh), &[a, a, f]));
                 }
             }
         }

@@ -608,7 +608,7 @@ impl Device for Host<'_> {
     fn attention_backward(
         &self,
         bp: &BlockP,
-        qkv: HostPtr,
+        (qkv, _): (HostPtr, HostPtr),
         keep: Keep<HostPtr>,
         dout: HostPtr,
         dqkv: HostPtr,

@@ -358,7 +358,7 @@ fn transformer_backward<D: Device>(
         h,
         h,
     )?;
-    d.attention_backward(bp, qkv, keep, datt, dqkv)?;
+    d.attention_backward(bp, (qkv, att), keep, datt, dqkv)?;
     if bp.rope.is_some() {
         d.rope(bp, t, dqkv, dqkv, true)?;
     }

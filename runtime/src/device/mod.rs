@@ -322,11 +322,12 @@ pub(crate) trait Device {
         out: Self::Ptr,
         keep: Keep<Self::Ptr>,
     ) -> Result<(), DeviceError>;
-    /// Attention's backward: `dqkv` is overwritten.
+    /// Attention's backward from the forward's input `qkv` and output `out` (whose row sums
+    /// with `dout` a fused backward needs): `dqkv` is overwritten.
     fn attention_backward(
         &self,
         bp: &BlockP,
-        qkv: Self::Ptr,
+        qkv_out: (Self::Ptr, Self::Ptr),
         keep: Keep<Self::Ptr>,
         dout: Self::Ptr,
         dqkv: Self::Ptr,

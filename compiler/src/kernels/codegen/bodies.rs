@@ -58,15 +58,10 @@ pub fn emit<'c>(fx: &mut Fx<'c, '_>, k: &Kernel, i: I<'c>) {
         } => embedding_backward(fx, vocab, width, seq_len, positions, i),
         Op::CausalSoftmax => attention::causal_softmax(fx, i),
         Op::SoftmaxBackward => attention::softmax_backward(fx, i),
-        Op::FlashForward {
-            heads,
-            kv_heads,
-            head_dim,
-            seq_len,
-        } => {
-            let shape = [heads, kv_heads, head_dim, seq_len].map(u64::from);
-            flash::forward(fx, shape, i)
-        }
+        Op::FlashForward(sh) => flash::forward(fx, &sh, i),
+        Op::FlashDot(sh) => flash::dot(fx, &sh, i),
+        Op::FlashBackwardQuery(sh) => flash::backward_query(fx, &sh, i),
+        Op::FlashBackwardKeys(sh) => flash::backward_keys(fx, &sh, i),
         Op::Accumulate => {
             let v = fx.add(fx.load("acc", i), fx.load("x", i));
             fx.store("acc", i, v);

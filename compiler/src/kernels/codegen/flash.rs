@@ -1,106 +1,231 @@
-//! The fused causal attention forward ([`crate::kernels::Op::FlashForward`]) on tensor cores:
-//! `crate::kernels::flash::warp` step for step, each lane its own slot of that model's arrays.
-//! Loops over a head's columns and over the 16×8 tiles are unrolled here (the head width is a
-//! constant of the kernel); the walk over key blocks is the one loop of the code, with the
-//! running maxima, sums and output accumulators in registers.
+//! The fused causal attention kernels on tensor cores: the forward
+//! ([`crate::kernels::Op::FlashForward`]) and the backward's two sides
+//! ([`crate::kernels::Op::FlashBackwardQuery`], [`crate::kernels::Op::FlashBackwardKeys`]), each
+//! `crate::kernels::flash`'s model (`warp`, `warp_dq`, `warp_dkv`) step for step, every lane its
+//! own slot of the model's arrays; and the backward's row sums `D` ([`crate::kernels::Op::FlashDot`],
+//! an ordinary warp-per-row kernel that the host runs too). Loops over a head's columns and over
+//! the 16×8 tiles are unrolled here (the head width is a constant of the kernel); the walks over
+//! key or query blocks are the only loops of the code, with running maxima, sums and
+//! accumulators in registers.
 
 use super::fx::{Fx, Var, F, I};
-use crate::kernels::flash::{KEYS, QROWS};
+use crate::kernels::flash::{Shape, KEYS, QROWS};
 use inkwell::IntPredicate;
 
-/// Warp `w` of the kernel for `heads` query heads of `d` columns reading `kv_heads` key/value
-/// heads, sequences of `s` tokens.
-pub fn forward<'c>(fx: &mut Fx<'c, '_>, [heads, kv_heads, d, s]: [u64; 4], w: I<'c>) {
-    let (hidden, width) = (heads * d, (heads + 2 * kv_heads) * d);
-    let blocks = s.div_ceil(QROWS as u64);
-    let lane = fx.lane();
-    let (grp, tig) = (fx.udiv(lane, fx.i64c(4)), fx.urem(lane, fx.i64c(4)));
-    // flash::place: sequence b, head n, kv group g, first query row q0.
-    let q0 = fx.imul(fx.urem(w, fx.i64c(blocks)), fx.i64c(QROWS as u64));
-    let n = fx.urem(fx.udiv(w, fx.i64c(blocks)), fx.i64c(heads));
-    let b = fx.udiv(fx.udiv(w, fx.i64c(blocks)), fx.i64c(heads));
-    let g = fx.udiv(n, fx.i64c(heads / kv_heads));
-    let base = fx.imul(b, fx.i64c(s));
-    let qcol = fx.imul(n, fx.i64c(d));
-    let kcol = fx.iadd(fx.i64c(hidden), fx.imul(g, fx.i64c(d)));
-    let vcol = fx.iadd(fx.i64c(hidden + kv_heads * d), fx.imul(g, fx.i64c(d)));
+/// A 16-bit tensor read by (token row of the sequence, column): rows `width` apart.
+#[derive(Clone, Copy)]
+struct Src {
+    name: &'static str,
+    width: u64,
+}
 
-    // The bits of qkv's element (token t of the sequence, column c); 0 past the sequence (the
-    // load reads its last row instead, so that no address leaves the tensor).
-    let elem = |fx: &Fx<'c, '_>, t: I<'c>, c: I<'c>| -> I<'c> {
-        let inside = fx.icmp(IntPredicate::ULT, t, fx.i64c(s));
-        let row = fx.iadd(base, fx.umin(t, fx.i64c(s - 1)));
-        let v = fx.load_bits16("qkv", fx.iadd(fx.imul(row, fx.i64c(width)), c));
+/// What a warp's body shares: the shape, the lane's place in the fragments (its group `grp`
+/// = lane / 4, `two_tig` = 2·(lane mod 4), `tig` = lane mod 4) and the sequence's first token row.
+struct Warp<'c> {
+    sh: Shape,
+    grp: I<'c>,
+    tig: I<'c>,
+    two_tig: I<'c>,
+    base: I<'c>,
+}
+
+type Tile<'c> = [F<'c>; 4];
+
+impl<'c> Warp<'c> {
+    fn new(fx: &Fx<'c, '_>, sh: &Shape, b: I<'c>) -> Self {
+        let lane = fx.lane();
+        let tig = fx.urem(lane, fx.i64c(4));
+        Warp {
+            sh: *sh,
+            grp: fx.udiv(lane, fx.i64c(4)),
+            tig,
+            two_tig: fx.imul(tig, fx.i64c(2)),
+            base: fx.imul(b, fx.i64c(sh.s as u64)),
+        }
+    }
+
+    fn k(&self, fx: &Fx<'c, '_>, v: usize) -> I<'c> {
+        fx.i64c(v as u64)
+    }
+
+    fn qkv(&self) -> Src {
+        Src {
+            name: "qkv",
+            width: self.sh.width() as u64,
+        }
+    }
+
+    fn dout(&self) -> Src {
+        Src {
+            name: "dout",
+            width: (self.sh.heads * self.sh.d) as u64,
+        }
+    }
+
+    /// The bits of `src`'s element (token `t` of the sequence, column `c`), 0 past the
+    /// sequence (the load reads its last row instead, so that no address leaves the tensor).
+    fn elem(&self, fx: &Fx<'c, '_>, src: Src, t: I<'c>, c: I<'c>) -> I<'c> {
+        let s = self.sh.s;
+        let inside = fx.icmp(IntPredicate::ULT, t, self.k(fx, s));
+        let row = fx.iadd(self.base, fx.umin(t, self.k(fx, s - 1)));
+        let v = fx.load_bits16(src.name, fx.iadd(fx.imul(row, fx.i64c(src.width)), c));
         fx.iselect(inside, v, fx.i32c(0))
-    };
-    let pair = |fx: &Fx<'c, '_>, t: I<'c>, c: I<'c>| -> I<'c> {
-        let hi = elem(fx, t, fx.iadd(c, fx.i64c(1)));
-        fx.pack16(elem(fx, t, c), hi)
-    };
-    // flash::a_at / b_at / c_at, as offsets from (grp, 2·tig).
-    let two_tig = fx.imul(tig, fx.i64c(2));
-    let a_at = |fx: &Fx<'c, '_>, r: u64| {
-        (
-            fx.iadd(grp, fx.i64c(8 * (r & 1))),
-            fx.iadd(two_tig, fx.i64c(8 * (r >> 1))),
-        )
-    };
+    }
 
-    // Q's A fragments, per 16 columns of the head.
-    let qa: Vec<[I<'c>; 4]> = (0..d / 16)
-        .map(|kk| {
-            std::array::from_fn(|r| {
-                let (i, c) = a_at(fx, r as u64);
-                let col = fx.iadd(fx.iadd(qcol, fx.i64c(16 * kk)), c);
-                pair(fx, fx.iadd(q0, i), col)
-            })
+    fn pair(
+        &self,
+        fx: &Fx<'c, '_>,
+        (src, t, c): (Src, I<'c>, I<'c>),
+        next: (I<'c>, I<'c>),
+    ) -> I<'c> {
+        let hi = self.elem(fx, src, next.0, next.1);
+        fx.pack16(self.elem(fx, src, t, c), hi)
+    }
+
+    /// The A fragment whose element (i, c) is `src(row0 + i, col0 + c)` (`flash::a_at`).
+    fn a_rows(&self, fx: &Fx<'c, '_>, src: Src, row0: I<'c>, col0: I<'c>) -> [I<'c>; 4] {
+        std::array::from_fn(|r| {
+            let t = fx.iadd(fx.iadd(row0, self.grp), self.k(fx, 8 * (r & 1)));
+            let c = fx.iadd(fx.iadd(col0, self.two_tig), self.k(fx, 8 * (r >> 1)));
+            self.pair(fx, (src, t, c), (t, fx.iadd(c, fx.i64c(1))))
         })
+    }
+
+    /// The B fragment whose element (k, n) is `src(n0 + n, col0 + k)`: pairs along a row.
+    fn b_rows(&self, fx: &Fx<'c, '_>, src: Src, n0: I<'c>, col0: I<'c>) -> [I<'c>; 2] {
+        let t = fx.iadd(n0, self.grp);
+        std::array::from_fn(|r| {
+            let c = fx.iadd(fx.iadd(col0, self.two_tig), self.k(fx, 8 * r));
+            self.pair(fx, (src, t, c), (t, fx.iadd(c, fx.i64c(1))))
+        })
+    }
+
+    /// The B fragment whose element (k, n) is `src(k0 + k, col0 + n)`: pairs down a column.
+    fn b_cols(&self, fx: &Fx<'c, '_>, src: Src, k0: I<'c>, col0: I<'c>) -> [I<'c>; 2] {
+        let c = fx.iadd(col0, self.grp);
+        std::array::from_fn(|r| {
+            let t = fx.iadd(fx.iadd(k0, self.two_tig), self.k(fx, 8 * r));
+            self.pair(fx, (src, t, c), (fx.iadd(t, fx.i64c(1)), c))
+        })
+    }
+
+    /// Two accumulator tiles side by side as the A fragment of the next product, in bf16.
+    fn c_to_a(&self, fx: &Fx<'c, '_>, t: &[Tile<'c>; 2]) -> [I<'c>; 4] {
+        std::array::from_fn(|r| {
+            let (nt, h) = (r >> 1, r & 1);
+            let hi = fx.bf16_bits(t[nt][2 * h + 1]);
+            fx.pack16(fx.bf16_bits(t[nt][2 * h]), hi)
+        })
+    }
+
+    /// Σ over the head's 16-column slices of A-fragments `a` times `b(slice)`: one S-like tile.
+    fn product(
+        &self,
+        fx: &Fx<'c, '_>,
+        a: &[[I<'c>; 4]],
+        b: impl Fn(usize) -> [I<'c>; 2],
+    ) -> Tile<'c> {
+        let mut acc = [fx.f(0.0); 4];
+        for (kk, frag) in a.iter().enumerate() {
+            acc = fx.mma_bf16(*frag, b(kk), acc);
+        }
+        acc
+    }
+
+    /// Row and column offsets of accumulator `c` within its tile (`flash::c_at`).
+    fn c_row(&self, fx: &Fx<'c, '_>, c: usize) -> I<'c> {
+        fx.iadd(self.grp, self.k(fx, 8 * (c >> 1)))
+    }
+
+    fn c_col(&self, fx: &Fx<'c, '_>, c: usize) -> I<'c> {
+        fx.iadd(self.two_tig, self.k(fx, c & 1))
+    }
+
+    /// √d's reciprocal.
+    fn scale(&self) -> f32 {
+        1.0 / (self.sh.d as f32).sqrt()
+    }
+}
+
+/// Accumulators of `tiles` 16×8 tiles, zeroed.
+fn tiles<'c>(fx: &Fx<'c, '_>, tiles: usize) -> Vec<[Var<'c>; 4]> {
+    (0..tiles)
+        .map(|_| std::array::from_fn(|_| fx.var(fx.f(0.0))))
+        .collect()
+}
+
+/// `tile += A·B` through its variables.
+fn accumulate<'c>(fx: &Fx<'c, '_>, tile: &[Var<'c>; 4], a: [I<'c>; 4], b: [I<'c>; 2]) {
+    let c = std::array::from_fn(|e| fx.get(&tile[e]));
+    for (v, x) in tile.iter().zip(fx.mma_bf16(a, b, c)) {
+        fx.set(v, x);
+    }
+}
+
+/// `flash::place` of warp `w`: sequence, query head, kv group, first query row.
+fn place<'c>(fx: &Fx<'c, '_>, sh: &Shape, w: I<'c>) -> (I<'c>, I<'c>, I<'c>, I<'c>) {
+    let blocks = fx.i64c(sh.s.div_ceil(QROWS) as u64);
+    let q0 = fx.imul(fx.urem(w, blocks), fx.i64c(QROWS as u64));
+    let n = fx.urem(fx.udiv(w, blocks), fx.i64c(sh.heads as u64));
+    let b = fx.udiv(fx.udiv(w, blocks), fx.i64c(sh.heads as u64));
+    let g = fx.udiv(n, fx.i64c((sh.heads / sh.kv_heads) as u64));
+    (b, n, g, q0)
+}
+
+/// Columns in qkv of query head `n` and of kv group `g`'s keys and values.
+fn columns<'c>(fx: &Fx<'c, '_>, sh: &Shape, n: I<'c>, g: I<'c>) -> (I<'c>, I<'c>, I<'c>) {
+    let (d, hidden) = (sh.d as u64, (sh.heads * sh.d) as u64);
+    let gd = fx.imul(g, fx.i64c(d));
+    (
+        fx.imul(n, fx.i64c(d)),
+        fx.iadd(fx.i64c(hidden), gd),
+        fx.iadd(fx.i64c(hidden + sh.kv_heads as u64 * d), gd),
+    )
+}
+
+/// Index of row `row` of head `n` of sequence `b` in the `[seq][head][row]` statistics.
+fn stat<'c>(fx: &Fx<'c, '_>, sh: &Shape, b: I<'c>, n: I<'c>, row: I<'c>) -> I<'c> {
+    let bn = fx.iadd(fx.imul(b, fx.i64c(sh.heads as u64)), n);
+    fx.iadd(fx.imul(bn, fx.i64c(sh.s as u64)), row)
+}
+
+/// `flash::warp`: warp `w` of the forward.
+pub fn forward<'c>(fx: &mut Fx<'c, '_>, sh: &Shape, w: I<'c>) {
+    let (b, n, g, q0) = place(fx, sh, w);
+    let x = Warp::new(fx, sh, b);
+    let (qcol, kcol, vcol) = columns(fx, sh, n, g);
+    let qkv = x.qkv();
+    let slice = |fx: &Fx<'c, '_>, col: I<'c>, kk: usize| fx.iadd(col, x.k(fx, 16 * kk));
+    let qa: Vec<[I<'c>; 4]> = (0..sh.d / 16)
+        .map(|kk| x.a_rows(fx, qkv, q0, slice(fx, qcol, kk)))
         .collect();
     let m: [Var<'c>; 2] = std::array::from_fn(|_| fx.var(fx.f(f32::NEG_INFINITY)));
     let l: [Var<'c>; 2] = std::array::from_fn(|_| fx.var(fx.f(0.0)));
-    let o: Vec<[Var<'c>; 4]> = (0..d / 8)
-        .map(|_| std::array::from_fn(|_| fx.var(fx.f(0.0))))
-        .collect();
-    let scale_log2 = (1.0 / (d as f32).sqrt()) * std::f32::consts::LOG2_E;
-    let last = fx.umin(fx.iadd(q0, fx.i64c(QROWS as u64)), fx.i64c(s));
-    fx.strided_loop(fx.i64c(0), last, fx.i64c(KEYS as u64), |fx, j0| {
-        // S for keys j0..j0 + 16: two n-tiles of 8 keys.
-        let st: [[F<'c>; 4]; 2] = std::array::from_fn(|nt| {
-            let key = fx.iadd(fx.iadd(j0, fx.i64c(8 * nt as u64)), grp);
-            let mut acc = [fx.f(0.0); 4];
-            for (kk, a) in qa.iter().enumerate() {
-                let kb = std::array::from_fn(|r| {
-                    let col = fx.iadd(
-                        fx.iadd(kcol, fx.i64c(16 * kk as u64 + 8 * r as u64)),
-                        two_tig,
-                    );
-                    pair(fx, key, col)
-                });
-                acc = fx.mma_bf16(*a, kb, acc);
-            }
-            acc
-        });
-        // Scaled into base 2, masked above the diagonal and past the sequence.
-        let x: [[F<'c>; 4]; 2] = std::array::from_fn(|nt| {
+    let o = tiles(fx, sh.d / 8);
+    let scale_log2 = sh.scale_log2();
+    let last = fx.umin(fx.iadd(q0, x.k(fx, QROWS)), x.k(fx, sh.s));
+    fx.strided_loop(x.k(fx, 0), last, x.k(fx, KEYS), |fx, j0| {
+        // S for keys j0..j0 + 16, two n-tiles of 8 keys; scaled into base 2 and masked above
+        // the diagonal and past the sequence.
+        let xs: [Tile<'c>; 2] = std::array::from_fn(|nt| {
+            let keys = fx.iadd(j0, x.k(fx, 8 * nt));
+            let st = x.product(fx, &qa, |kk| x.b_rows(fx, qkv, keys, slice(fx, kcol, kk)));
             std::array::from_fn(|c| {
-                let row = fx.iadd(fx.iadd(q0, grp), fx.i64c(8 * (c as u64 >> 1)));
-                let key = fx.iadd(
-                    fx.iadd(j0, fx.i64c(8 * nt as u64 + (c as u64 & 1))),
-                    two_tig,
-                );
+                let row = fx.iadd(q0, x.c_row(fx, c));
+                let key = fx.iadd(keys, x.c_col(fx, c));
                 let late = fx.icmp(IntPredicate::UGT, key, row);
-                let past = fx.icmp(IntPredicate::UGE, key, fx.i64c(s));
-                let masked = fx.or(late, past);
-                let v = fx.mul(st[nt][c], fx.f(scale_log2));
-                fx.fselect(masked, fx.f(f32::NEG_INFINITY), v)
+                let past = fx.icmp(IntPredicate::UGE, key, x.k(fx, sh.s));
+                let v = fx.mul(st[c], fx.f(scale_log2));
+                fx.fselect(fx.or(late, past), fx.f(f32::NEG_INFINITY), v)
             })
         });
         let mut p = [[fx.f(0.0); 4]; 2];
         for h in 0..2 {
+            // The row's max over the block, agreed by its four lanes.
             let mut bmax = fx.f(f32::NEG_INFINITY);
-            for row in &x {
+            for tile in &xs {
                 for e in 0..2 {
-                    bmax = fx.maxnum(bmax, row[2 * h + e]);
+                    bmax = fx.maxnum(bmax, tile[2 * h + e]);
                 }
             }
             for bit in [1, 2] {
@@ -113,7 +238,7 @@ pub fn forward<'c>(fx: &mut Fx<'c, '_>, [heads, kv_heads, d, s]: [u64; 4], w: I<
             let mut sum = fx.f(0.0);
             for nt in 0..2 {
                 for e in 0..2 {
-                    let v = fx.exp2_approx(fx.sub(x[nt][2 * h + e], new));
+                    let v = fx.exp2_approx(fx.sub(xs[nt][2 * h + e], new));
                     p[nt][2 * h + e] = v;
                     sum = fx.add(sum, v);
                 }
@@ -125,25 +250,10 @@ pub fn forward<'c>(fx: &mut Fx<'c, '_>, [heads, kv_heads, d, s]: [u64; 4], w: I<
                 }
             }
         }
-        // P's accumulators as the A fragment of P·V: registers 0/1 from n-tile 0, 2/3 from 1.
-        let pa: [I<'c>; 4] = std::array::from_fn(|r| {
-            let (nt, h) = (r >> 1, r & 1);
-            let hi = fx.bf16_bits(p[nt][2 * h + 1]);
-            fx.pack16(fx.bf16_bits(p[nt][2 * h]), hi)
-        });
-        // O += P·V, 8 columns of the head at a time.
+        let pa = x.c_to_a(fx, &p);
         for (nt, tile) in o.iter().enumerate() {
-            let col = fx.iadd(fx.iadd(vcol, fx.i64c(8 * nt as u64)), grp);
-            let vb = std::array::from_fn(|r| {
-                let key = fx.iadd(fx.iadd(j0, fx.i64c(8 * r as u64)), two_tig);
-                let hi = elem(fx, fx.iadd(key, fx.i64c(1)), col);
-                fx.pack16(elem(fx, key, col), hi)
-            });
-            let c = std::array::from_fn(|e| fx.get(&tile[e]));
-            let d = fx.mma_bf16(pa, vb, c);
-            for (v, x) in tile.iter().zip(d) {
-                fx.set(v, x);
-            }
+            let col = fx.iadd(vcol, x.k(fx, 8 * nt));
+            accumulate(fx, tile, pa, x.b_cols(fx, qkv, j0, col));
         }
     });
     // Each row's sum over its four lanes, then O/l and the natural log-sum-exp.
@@ -153,29 +263,187 @@ pub fn forward<'c>(fx: &mut Fx<'c, '_>, [heads, kv_heads, d, s]: [u64; 4], w: I<
             fx.set(lh, fx.add(v, fx.shfl_xor(v, bit)));
         }
     }
-    for h in 0..2u64 {
-        let row = fx.iadd(fx.iadd(q0, grp), fx.i64c(8 * h));
-        let inside = fx.icmp(IntPredicate::ULT, row, fx.i64c(s));
+    let hidden = (sh.heads * sh.d) as u64;
+    for h in 0..2 {
+        let row = fx.iadd(q0, x.c_row(fx, 2 * h));
+        let inside = fx.icmp(IntPredicate::ULT, row, x.k(fx, sh.s));
         fx.when(inside, |fx| {
-            let sum = fx.get(&l[h as usize]);
-            let at = fx.iadd(fx.imul(fx.iadd(base, row), fx.i64c(hidden)), qcol);
+            let sum = fx.get(&l[h]);
+            let at = fx.iadd(fx.imul(fx.iadd(x.base, row), fx.i64c(hidden)), qcol);
             for (nt, tile) in o.iter().enumerate() {
                 for e in 0..2 {
-                    let col = fx.iadd(two_tig, fx.i64c(8 * nt as u64 + e as u64));
-                    let v = fx.div(fx.get(&tile[2 * h as usize + e]), sum);
+                    let col = fx.iadd(x.c_col(fx, e), x.k(fx, 8 * nt));
+                    let v = fx.div(fx.get(&tile[2 * h + e]), sum);
                     fx.store("out", fx.iadd(at, col), v);
                 }
             }
-            let first = fx.icmp(IntPredicate::EQ, tig, fx.i64c(0));
+            let first = fx.icmp(IntPredicate::EQ, x.tig, x.k(fx, 0));
             fx.when(first, |fx| {
-                let lse = fx.add(fx.get(&m[h as usize]), fx.log2_approx(sum));
+                let lse = fx.add(fx.get(&m[h]), fx.log2_approx(sum));
                 let lse = fx.mul(lse, fx.f(std::f32::consts::LN_2));
-                let head_row = fx.iadd(
-                    fx.imul(fx.iadd(fx.imul(b, fx.i64c(heads)), n), fx.i64c(s)),
-                    row,
-                );
-                fx.store("lse", head_row, lse);
+                fx.store("lse", stat(fx, sh, b, n, row), lse);
             });
+        });
+    }
+}
+
+/// Row `r` of [`crate::kernels::Op::FlashDot`]: `D = Σ_c dO·O` over head `r mod heads` of token
+/// `r / heads`, its lanes striding the columns.
+pub fn dot<'c>(fx: &mut Fx<'c, '_>, sh: &Shape, r: I<'c>) {
+    let heads = fx.i64c(sh.heads as u64);
+    let (t, n) = (fx.udiv(r, heads), fx.urem(r, heads));
+    let s = fx.i64c(sh.s as u64);
+    let (b, i) = (fx.udiv(t, s), fx.urem(t, s));
+    let d = fx.i64c(sh.d as u64);
+    let at = fx.iadd(fx.imul(t, fx.i64c((sh.heads * sh.d) as u64)), fx.imul(n, d));
+    let total = fx.var(fx.f(-0.0));
+    fx.lane_range(fx.i64c(0), d, |fx, c| {
+        let j = fx.iadd(at, c);
+        let v = fx.mul(fx.load("dout", j), fx.load("out", j));
+        fx.set(&total, fx.add(fx.get(&total), v));
+    });
+    let sum = fx.lane_sum(fx.get(&total));
+    fx.first_lane(|fx| fx.store("dot", stat(fx, sh, b, n, i), sum));
+}
+
+/// The probability and score gradient of accumulator `c` of an S-like tile `st` with its dP
+/// tile `dp`: masked (0) where `masked`, else P = exp2(S·scale·log₂e − lse·log₂e) and
+/// dS = P·(dP − D).
+fn p_and_ds<'c>(
+    fx: &Fx<'c, '_>,
+    sh: &Shape,
+    (st, dp): (F<'c>, F<'c>),
+    masked: I<'c>,
+    (lse, dot): (F<'c>, F<'c>),
+) -> (F<'c>, F<'c>) {
+    let lse2 = fx.mul(lse, fx.f(std::f32::consts::LOG2_E));
+    let e = fx.exp2_approx(fx.sub(fx.mul(st, fx.f(sh.scale_log2())), lse2));
+    let p = fx.fselect(masked, fx.f(0.0), e);
+    (p, fx.mul(p, fx.sub(dp, dot)))
+}
+
+/// `flash::warp_dq`: the backward's query-side warp `w`.
+pub fn backward_query<'c>(fx: &mut Fx<'c, '_>, sh: &Shape, w: I<'c>) {
+    let (b, n, g, q0) = place(fx, sh, w);
+    let x = Warp::new(fx, sh, b);
+    let (qcol, kcol, vcol) = columns(fx, sh, n, g);
+    let (qkv, dout) = (x.qkv(), x.dout());
+    let slice = |fx: &Fx<'c, '_>, col: I<'c>, kk: usize| fx.iadd(col, x.k(fx, 16 * kk));
+    let qa: Vec<[I<'c>; 4]> = (0..sh.d / 16)
+        .map(|kk| x.a_rows(fx, qkv, q0, slice(fx, qcol, kk)))
+        .collect();
+    let da: Vec<[I<'c>; 4]> = (0..sh.d / 16)
+        .map(|kk| x.a_rows(fx, dout, q0, slice(fx, qcol, kk)))
+        .collect();
+    // This lane's two rows' log-sum-exps and D (rows past the sequence read the last one's).
+    let stats: [(F<'c>, F<'c>); 2] = std::array::from_fn(|h| {
+        let row = fx.umin(fx.iadd(q0, x.c_row(fx, 2 * h)), x.k(fx, sh.s - 1));
+        let at = stat(fx, sh, b, n, row);
+        (fx.load("lse", at), fx.load("dot", at))
+    });
+    let dq = tiles(fx, sh.d / 8);
+    let last = fx.umin(fx.iadd(q0, x.k(fx, QROWS)), x.k(fx, sh.s));
+    fx.strided_loop(x.k(fx, 0), last, x.k(fx, KEYS), |fx, j0| {
+        let ds: [Tile<'c>; 2] = std::array::from_fn(|nt| {
+            let keys = fx.iadd(j0, x.k(fx, 8 * nt));
+            let st = x.product(fx, &qa, |kk| x.b_rows(fx, qkv, keys, slice(fx, kcol, kk)));
+            let dp = x.product(fx, &da, |kk| x.b_rows(fx, qkv, keys, slice(fx, vcol, kk)));
+            std::array::from_fn(|c| {
+                let row = fx.iadd(q0, x.c_row(fx, c));
+                let key = fx.iadd(keys, x.c_col(fx, c));
+                let late = fx.icmp(IntPredicate::UGT, key, row);
+                let past = fx.icmp(IntPredicate::UGE, row, x.k(fx, sh.s));
+                let (_, ds) = p_and_ds(fx, sh, (st[c], dp[c]), fx.or(late, past), stats[c >> 1]);
+                ds
+            })
+        });
+        let dsa = x.c_to_a(fx, &ds);
+        for (nt, tile) in dq.iter().enumerate() {
+            let col = fx.iadd(kcol, x.k(fx, 8 * nt));
+            accumulate(fx, tile, dsa, x.b_cols(fx, qkv, j0, col));
+        }
+    });
+    let width = fx.i64c(sh.width() as u64);
+    for c in 0..4 {
+        let row = fx.iadd(q0, x.c_row(fx, c));
+        let inside = fx.icmp(IntPredicate::ULT, row, x.k(fx, sh.s));
+        fx.when(inside, |fx| {
+            let at = fx.iadd(fx.imul(fx.iadd(x.base, row), width), qcol);
+            for (nt, tile) in dq.iter().enumerate() {
+                let col = fx.iadd(x.c_col(fx, c), x.k(fx, 8 * nt));
+                let v = fx.mul(fx.get(&tile[c]), fx.f(x.scale()));
+                fx.store("dqkv", fx.iadd(at, col), v);
+            }
+        });
+    }
+}
+
+/// `flash::warp_dkv`: the backward's key-side warp `w` (16 keys of one kv head).
+pub fn backward_keys<'c>(fx: &mut Fx<'c, '_>, sh: &Shape, w: I<'c>) {
+    let blocks = fx.i64c(sh.s.div_ceil(KEYS) as u64);
+    let kv = fx.i64c(sh.kv_heads as u64);
+    let k0 = fx.imul(fx.urem(w, blocks), fx.i64c(KEYS as u64));
+    let g = fx.urem(fx.udiv(w, blocks), kv);
+    let b = fx.udiv(fx.udiv(w, blocks), kv);
+    let x = Warp::new(fx, sh, b);
+    let (_, kcol, vcol) = columns(fx, sh, fx.i64c(0), g);
+    let (qkv, dout) = (x.qkv(), x.dout());
+    let slice = |fx: &Fx<'c, '_>, col: I<'c>, kk: usize| fx.iadd(col, x.k(fx, 16 * kk));
+    let ka: Vec<[I<'c>; 4]> = (0..sh.d / 16)
+        .map(|kk| x.a_rows(fx, qkv, k0, slice(fx, kcol, kk)))
+        .collect();
+    let va: Vec<[I<'c>; 4]> = (0..sh.d / 16)
+        .map(|kk| x.a_rows(fx, qkv, k0, slice(fx, vcol, kk)))
+        .collect();
+    let (dk, dv) = (tiles(fx, sh.d / 8), tiles(fx, sh.d / 8));
+    let group = (sh.heads / sh.kv_heads) as u64;
+    let first_head = fx.imul(g, fx.i64c(group));
+    let heads_end = fx.iadd(first_head, fx.i64c(group));
+    fx.range(first_head, heads_end, |fx, n| {
+        let qcol = fx.imul(n, fx.i64c(sh.d as u64));
+        fx.strided_loop(k0, x.k(fx, sh.s), x.k(fx, QROWS), |fx, q0| {
+            let mut p = [[fx.f(0.0); 4]; 2];
+            let mut ds = [[fx.f(0.0); 4]; 2];
+            for nt in 0..2 {
+                let queries = fx.iadd(q0, x.k(fx, 8 * nt));
+                let st = x.product(fx, &ka, |kk| {
+                    x.b_rows(fx, qkv, queries, slice(fx, qcol, kk))
+                });
+                let dp = x.product(fx, &va, |kk| {
+                    x.b_rows(fx, dout, queries, slice(fx, qcol, kk))
+                });
+                for c in 0..4 {
+                    let key = fx.iadd(k0, x.c_row(fx, c));
+                    let q = fx.iadd(queries, x.c_col(fx, c));
+                    let late = fx.icmp(IntPredicate::UGT, key, q);
+                    let past = fx.icmp(IntPredicate::UGE, q, x.k(fx, sh.s));
+                    let at = stat(fx, sh, b, n, fx.umin(q, x.k(fx, sh.s - 1)));
+                    let stats = (fx.load("lse", at), fx.load("dot", at));
+                    let masked = fx.or(late, past);
+                    (p[nt][c], ds[nt][c]) = p_and_ds(fx, sh, (st[c], dp[c]), masked, stats);
+                }
+            }
+            let (pa, dsa) = (x.c_to_a(fx, &p), x.c_to_a(fx, &ds));
+            for nt in 0..sh.d / 8 {
+                let col = fx.iadd(qcol, x.k(fx, 8 * nt));
+                accumulate(fx, &dv[nt], pa, x.b_cols(fx, dout, q0, col));
+                accumulate(fx, &dk[nt], dsa, x.b_cols(fx, qkv, q0, col));
+            }
+        });
+    });
+    let width = fx.i64c(sh.width() as u64);
+    for c in 0..4 {
+        let key = fx.iadd(k0, x.c_row(fx, c));
+        let inside = fx.icmp(IntPredicate::ULT, key, x.k(fx, sh.s));
+        fx.when(inside, |fx| {
+            let row = fx.imul(fx.iadd(x.base, key), width);
+            for nt in 0..sh.d / 8 {
+                let col = fx.iadd(x.c_col(fx, c), x.k(fx, 8 * nt));
+                let v = fx.mul(fx.get(&dk[nt][c]), fx.f(x.scale()));
+                fx.store("dqkv", fx.iadd(fx.iadd(row, kcol), col), v);
+                let v = fx.get(&dv[nt][c]);
+                fx.store("dqkv", fx.iadd(fx.iadd(row, vcol), col), v);
+            }
         });
     }
 }

@@ -84,36 +84,56 @@ impl HostExec {
     }
 }
 
-/// The fused attention forward's warps `begin..end` on the host: [`schedc::kernels::flash`]'s
-/// lane-by-lane model of the PTX kernel (a host has no warp-wide matrix instructions).
+/// The GPU-only kernels' warps `begin..end` on the host: [`schedc::kernels::flash`]'s
+/// lane-by-lane models of the fused attention's PTX kernels (a host has no warp-wide matrix
+/// instructions).
 ///
 /// # Safety
-/// `args` are the kernel's: a bf16 `qkv`, `out` in the kernel's second dtype and an fp32
-/// `lse`, each holding every element the warps touch.
+/// `args` are the kernel's ([`Kernel::params`]): bf16 `qkv` (and `dout`), fp32 statistics, and
+/// the output in its dtype, each holding every element the warps touch.
 unsafe fn flash_on_host(k: &Kernel, args: &[A], begin: usize, end: usize) {
     use schedc::kernels::flash;
     let sh = flash::Shape::of(k.op);
     let ptr = |i: usize| match args[i] {
         A::P(p) => p.0 as usize,
-        _ => unreachable!("the fused attention's first three arguments are pointers"),
+        _ => unreachable!("the fused attention kernels take pointers first"),
     };
-    let b = end.div_ceil(sh.warps(1));
-    let (qkv, out, lse) = (ptr(0), ptr(1), ptr(2));
-    // SAFETY: the caller's contract: these are the tensors the kernel covers over b sequences.
-    let (qkv, lse) = unsafe {
-        (
-            std::slice::from_raw_parts(qkv as *const u16, b * sh.s * sh.width()),
-            std::slice::from_raw_parts_mut(lse as *mut f32, b * sh.heads * sh.s),
-        )
+    let b = end.div_ceil(match k.op {
+        Op::FlashBackwardKeys(_) => sh.key_warps(1),
+        _ => sh.warps(1),
+    });
+    let (tokens, rows) = (b * sh.s, b * sh.heads * sh.s);
+    // SAFETY (of every slice below): the caller's contract, for `b` sequences.
+    let u16s = |i: usize, n: usize| unsafe { std::slice::from_raw_parts(ptr(i) as *const u16, n) };
+    let f32s = |i: usize, n: usize| unsafe { std::slice::from_raw_parts(ptr(i) as *const f32, n) };
+    let qkv = u16s(0, tokens * sh.width());
+    let (out, out_dtype) = match k.op {
+        Op::FlashForward(_) => (ptr(1), k.dtypes[1]),
+        _ => (ptr(4), k.dtypes[2]),
     };
-    let out_dtype = k.dtypes[1];
     let mut store = |i: usize, v: f32| match out_dtype {
-        // SAFETY: element i of `out` lies within the rows the warps write.
+        // SAFETY: element i of the output lies within the rows the warps write.
         Dtype::Fp32 => unsafe { *(out as *mut f32).add(i) = v },
         d => unsafe { *(out as *mut u16).add(i) = f32_to_half(d, v) },
     };
+    if let Op::FlashForward(_) = k.op {
+        let lse = unsafe { std::slice::from_raw_parts_mut(ptr(2) as *mut f32, rows) };
+        for w in begin..end {
+            flash::warp(&sh, w, qkv, &mut store, lse);
+        }
+        return;
+    }
+    let x = flash::Grads {
+        qkv,
+        dout: u16s(1, tokens * sh.heads * sh.d),
+        lse: f32s(2, rows),
+        dot: f32s(3, rows),
+    };
     for w in begin..end {
-        flash::warp(&sh, w, qkv, &mut store, lse);
+        match k.op {
+            Op::FlashBackwardQuery(_) => flash::warp_dq(&sh, w, &x, &mut store),
+            _ => flash::warp_dkv(&sh, w, &x, &mut store),
+        }
     }
 }
 
@@ -594,18 +614,20 @@ fn chunked_attention_matches_attention_rs() {
         close(&format!("{what} lse"), &d_lse, &lse, 1e-6);
         let mut d_dqkv = vec![f32::NAN; t * w];
         let dq = f32p_mut(&mut d_dqkv);
-        gg.fused_attention_backward((&sh, per), q, f32p(&dout), dq)
+        gg.fused_attention_backward((&sh, per), (q, o, l), f32p(&dout), dq)
             .unwrap();
         close(&format!("{what} dqkv"), &d_dqkv, &dqkv, 1e-6);
     }
 }
 
-/// A bf16 model's fused attention forward is the tensor-core kernel ([`Op::FlashForward`], run
-/// here as `schedc::kernels::flash`'s lane-by-lane model from the device code's launch): on qkv
-/// in fp32 workspace (cast to bf16 first), its output and log-sum-exps match `attention.rs`'s on
-/// the same bf16 values. Only P's rounding to bf16 before P·V differs (FlashAttention's choice):
-/// outputs within 5e-3 of 1 + |value| (observed 1.9e-3), log-sum-exps within 1e-6 (observed
-/// 1.2e-7). A 70-token sequence ends inside a 16-row block; grouped-query and multi-head, heads
+/// A bf16 model's fused attention is the tensor-core kernels (forward [`Op::FlashForward`],
+/// backward [`Op::FlashDot`], [`Op::FlashBackwardQuery`], [`Op::FlashBackwardKeys`]; the GPU-only
+/// ones run here as `schedc::kernels::flash`'s lane-by-lane models from the device code's
+/// launches): on qkv and dO in fp32 workspace (cast to bf16 first), the output, log-sum-exps and
+/// dqkv match `attention.rs`'s on the same bf16 values. Only the bf16 rounding of P (and of dS)
+/// before their products differs, as in FlashAttention: outputs within 5e-3 of 1 + |value|
+/// (observed 1.9e-3), log-sum-exps within 1e-6 (observed 1.2e-7), dqkv within 1e-2 (observed
+/// 6.9e-3). A 70-token sequence ends inside a 16-row block; grouped-query and multi-head, heads
 /// of 16 and 32.
 #[test]
 fn flash_attention_of_a_bf16_model_matches_attention_rs() {
@@ -619,25 +641,38 @@ fn flash_attention_of_a_bf16_model_matches_attention_rs() {
             kv_heads,
             d,
         };
-        let op = Op::FlashForward {
-            heads: heads as u32,
-            kv_heads: kv_heads as u32,
-            head_dim: d as u32,
-            seq_len: sh.s as u32,
+        let op = Op::FlashForward(schedc::kernels::flash::Shape {
+            heads,
+            kv_heads,
+            d,
+            s: sh.s,
+        });
+        let Op::FlashForward(shape) = op else {
+            unreachable!()
         };
-        let kernels = vec![Kernel::new(Op::Convert, &[f, h]), Kernel::new(op, &[h, f])];
+        let kernels = vec![
+            Kernel::new(Op::Convert, &[f, h]),
+            Kernel::new(op, &[h, f]),
+            Kernel::new(Op::FlashDot(shape), &[f, f]),
+            Kernel::new(Op::FlashBackwardQuery(shape), &[h, h, f]),
+            Kernel::new(Op::FlashBackwardKeys(shape), &[h, h, f]),
+        ];
         let x = HostExec::new(kernels, "the flash attention's");
         let (t, w, hid) = (sh.b * sh.s, sh.width(), sh.hidden());
         let mut rng = Rng::new(13);
-        let mut qkv: Vec<f32> = (0..t * w)
-            .map(|_| rng.next_f64() as f32 * 4.0 - 2.0)
-            .collect();
-        Precision::of(h).round(&mut qkv);
+        let mut values = |n: usize| -> Vec<f32> {
+            let mut v: Vec<f32> = (0..n).map(|_| rng.next_f64() as f32 * 4.0 - 2.0).collect();
+            Precision::of(h).round(&mut v);
+            v
+        };
+        let (qkv, dout) = (values(t * w), values(t * hid));
         let rows = sh.b * sh.heads * sh.s;
         let mut scratch = vec![0.0; 2 * sh.scratch()];
         let (mut out, mut lse) = (vec![0.0; t * hid], vec![0.0; rows]);
         let keep = Keep::Lse(&mut lse[..]);
         attention::forward(&sh, &qkv, &mut out, keep, Precision::F32, &mut scratch);
+        let mut dqkv = vec![0.0; t * w];
+        attention::backward(&sh, &qkv, Keep::Lse(&lse), &dout, &mut dqkv, &mut scratch);
 
         let mut ws = vec![0f32; 1 << 20];
         let consts = table_consts(None);
@@ -652,6 +687,17 @@ fn flash_attention_of_a_bf16_model_matches_attention_rs() {
             x.launched.take().len(),
             2,
             "{what}: the cast and the kernel"
+        );
+        gg.reset();
+        let mut d_dqkv = vec![f32::NAN; t * w];
+        let dq = f32p_mut(&mut d_dqkv);
+        gg.fused_attention_backward((&sh, sh.s), (q, o, l), f32p(&dout), dq)
+            .unwrap();
+        close(&format!("{what} dqkv"), &d_dqkv, &dqkv, 1e-2);
+        assert_eq!(
+            x.launched.take().len(),
+            4,
+            "{what}: the casts and three kernels"
         );
     }
 }

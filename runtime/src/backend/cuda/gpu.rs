@@ -496,6 +496,16 @@ struct Chunk<'s> {
 
 type Mat = (DevPtr, usize, usize);
 
+/// The fused attention kernels' shape of `sh` (its sequences aside).
+fn flash_shape(sh: &Shape) -> flash::Shape {
+    flash::Shape {
+        heads: sh.heads,
+        kv_heads: sh.kv_heads,
+        d: sh.d,
+        s: sh.s,
+    }
+}
+
 /// Query rows per chunk of `sh`'s fused attention, as the plan's workspace was sized.
 fn chunk_rows(sh: &Shape) -> usize {
     attention_chunk(sh.heads as u64, sh.s as u64) as usize
@@ -737,40 +747,83 @@ impl Gpu<'_> {
         let q = self.operand(qkv.addr, qkv.storage, sh.b * sh.s * sh.width())?;
         let rows = sh.b * sh.heads * sh.s;
         let rows_lse = self.alloc(rows)?;
-        let op = Op::FlashForward {
-            heads: sh.heads as u32,
-            kv_heads: sh.kv_heads as u32,
-            head_dim: sh.d as u32,
-            seq_len: sh.s as u32,
-        };
-        let warps = flash::Shape::of(op).warps(sh.b);
+        let op = Op::FlashForward(flash_shape(sh));
+        let warps = flash_shape(sh).warps(sh.b);
         let qkv = DevPtr::new(q, Storage::of(self.products));
         self.run(op, warps, &[T(qkv), T(out), T(rows_lse)])?;
         self.copy(lse, rows_lse, rows)
     }
 
-    /// The fused forward both ways on `qkv` (bf16): the tensor-core kernel into `out[0]` and
-    /// `lse[0]`, the chunked path (cuBLAS products and the softmax kernel) into `out[1]` and
-    /// `lse[1]`. What a GPU checks the kernel against (`step::check_flash_attention`).
+    /// The fused attention both ways on `qkv` (bf16) and the output gradient `dout` (fp32):
+    /// the tensor-core kernels into `out[0]`, `lse[0]` and `dqkv[0]`, the chunked path (cuBLAS
+    /// products and the softmax kernels) into `out[1]`, `lse[1]` and `dqkv[1]`. What a GPU
+    /// checks the kernels against (`step::check_flash_attention`).
     #[cfg(feature = "cuda")]
     pub(super) fn flash_and_chunks(
         &self,
         sh: &Shape,
-        qkv: DevPtr,
+        (qkv, dout): (DevPtr, DevPtr),
         out: [DevPtr; 2],
         lse: [DevPtr; 2],
+        dqkv: [DevPtr; 2],
     ) -> Result<(), DeviceError> {
+        let per = chunk_rows(sh);
         self.flash_forward(sh, qkv, out[0], lse[0])?;
         self.reset();
-        self.chunked_forward((sh, chunk_rows(sh)), qkv, out[1], lse[1])?;
+        self.flash_backward(sh, (qkv, out[0], lse[0]), dout, dqkv[0])?;
+        self.reset();
+        self.chunked_forward((sh, per), qkv, out[1], lse[1])?;
+        self.reset();
+        self.chunked_backward((sh, per), qkv, dout, dqkv[1])?;
         self.reset();
         Ok(())
     }
 
-    /// The fused attention's backward, chunk by chunk on the recomputed probabilities (the
-    /// forward's bits: the same products and softmax), [`Gpu::chunk_backward`] with dP in the
-    /// scores' place and dS in the product dtype over the probabilities. `dqkv` is overwritten.
+    /// The fused attention's backward from the forward's `out` and `lse` (what it kept): the
+    /// tensor-core kernels where they apply ([`Gpu::flash_backward`]), else chunk by chunk on
+    /// the recomputed probabilities (the forward's bits: the same products and softmax),
+    /// [`Gpu::chunk_backward`] with dP in the scores' place and dS in the product dtype over the
+    /// probabilities. `dqkv` is overwritten.
     pub(super) fn fused_attention_backward(
+        &self,
+        (sh, per): (&Shape, usize),
+        (qkv, out, lse): (DevPtr, DevPtr, DevPtr),
+        dout: DevPtr,
+        dqkv: DevPtr,
+    ) -> Result<(), DeviceError> {
+        if flash::supports_backward(self.products, sh.d) && dqkv.storage == Storage::F32 {
+            return self.flash_backward(sh, (qkv, out, lse), dout, dqkv);
+        }
+        self.chunked_backward((sh, per), qkv, dout, dqkv)
+    }
+
+    /// The fused backward on tensor cores (FlashAttention-2's): each row's `D = Σ dO·O`
+    /// ([`Op::FlashDot`]), then dQ by 16 query rows ([`Op::FlashBackwardQuery`]) and dK, dV by
+    /// 16 keys ([`Op::FlashBackwardKeys`]), each recomputing P from the kept log-sum-exps; the
+    /// operands in bf16 (cast when in fp32 workspace), every element of the fp32 `dqkv` written
+    /// once.
+    fn flash_backward(
+        &self,
+        sh: &Shape,
+        (qkv, out, lse): (DevPtr, DevPtr, DevPtr),
+        dout: DevPtr,
+        dqkv: DevPtr,
+    ) -> Result<(), DeviceError> {
+        let shape = flash_shape(sh);
+        let (tokens, rows) = (sh.b * sh.s, sh.b * sh.heads * sh.s);
+        let bf16 = |p: DevAddr| DevPtr::new(p, Storage::of(self.products));
+        let q = bf16(self.operand(qkv.addr, qkv.storage, tokens * sh.width())?);
+        let d_o = bf16(self.operand(dout.addr, dout.storage, tokens * sh.hidden())?);
+        let (rows_lse, dot) = (self.alloc(rows)?, self.alloc(rows)?);
+        self.copy(rows_lse, lse, rows)?;
+        self.run(Op::FlashDot(shape), rows, &[T(dout), T(out), T(dot)])?;
+        let args = [T(q), T(d_o), T(rows_lse), T(dot), T(dqkv)];
+        self.run(Op::FlashBackwardQuery(shape), shape.warps(sh.b), &args)?;
+        self.run(Op::FlashBackwardKeys(shape), shape.key_warps(sh.b), &args)
+    }
+
+    /// [`Gpu::fused_attention_backward`] chunk by chunk of `per` query rows.
+    fn chunked_backward(
         &self,
         (sh, per): (&Shape, usize),
         qkv: DevPtr,
@@ -1117,21 +1170,21 @@ impl Device for Gpu<'_> {
         Ok(())
     }
 
-    /// `flash`: chunk by chunk on recomputed probabilities ([`Gpu::fused_attention_backward`]).
-    /// `naive`: each sequence one chunk, on the kept probabilities in place.
+    /// `flash`: [`Gpu::fused_attention_backward`]. `naive`: each sequence one chunk, on the
+    /// kept probabilities in place.
     fn attention_backward(
         &self,
         bp: &BlockP,
-        qkv: DevPtr,
+        (qkv, out): (DevPtr, DevPtr),
         keep: Keep<DevPtr>,
         dout: DevPtr,
         dqkv: DevPtr,
     ) -> Result<(), DeviceError> {
         let sh = &bp.shape;
         let kept = match keep {
-            Keep::Lse(_) => {
+            Keep::Lse(lse) => {
                 let chunked = (sh, chunk_rows(sh));
-                return self.fused_attention_backward(chunked, qkv, dout, dqkv);
+                return self.fused_attention_backward(chunked, (qkv, out, lse), dout, dqkv);
             }
             Keep::Probs(p) => p,
         };

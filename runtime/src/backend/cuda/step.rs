@@ -493,20 +493,22 @@ impl Exec for DevExec<'_> {
     }
 }
 
-/// How far the fused attention kernel's forward is from the chunked path's on this GPU, for one
-/// of a plan's kernels: the worst output and log-sum-exp differences, each relative to
+/// How far the fused attention kernels are from the chunked path on this GPU, for one shape
+/// of a plan's: the worst output, log-sum-exp and dqkv differences, each relative to
 /// 1 + |chunked value|.
 #[derive(Clone, Debug)]
 pub struct FlashCheck {
     pub kernel: String,
     pub out: f32,
     pub lse: f32,
+    pub dqkv: f32,
 }
 
-/// Runs every fused attention kernel of `plan` ([`schedc::kernels::Op::FlashForward`], from the
-/// plan's PTX in `ptx`) on GPU 0 against the chunked path (cuBLAS products and the softmax
-/// kernel, checked against the CPU backend by the parity tests) on the same random bf16 inputs,
-/// `sequences` sequences of the model's length.
+/// Runs the fused attention kernels of `plan` (forward and backward,
+/// [`schedc::kernels::Op::FlashForward`] and the rest, from the plan's PTX in `ptx`) on GPU 0
+/// against the chunked path (cuBLAS products and the softmax kernels, which the parity tests
+/// check against the CPU backend) on the same random bf16 inputs and output gradient,
+/// `sequences` sequences of the model's length, once per shape.
 pub fn check_flash_attention(
     plan: &Plan,
     ptx: &PtxFiles,
@@ -514,11 +516,18 @@ pub fn check_flash_attention(
 ) -> Result<Vec<FlashCheck>, CudaError> {
     use super::typed::{DevPtr, Storage};
     use crate::math::attention::Shape;
-    use schedc::kernels::{flash, for_job};
+    use schedc::kernels::{flash, for_job, Op};
     const GEMM_BYTES: usize = 32 << 20;
     let mut checks = vec![];
-    for k in for_job(&plan.job).iter().filter(|k| k.op.gpu_only()) {
-        let f = flash::Shape::of(k.op);
+    let mut shapes: Vec<flash::Shape> = for_job(&plan.job)
+        .iter()
+        .filter_map(|k| match k.op {
+            Op::FlashForward(f) => Some(f),
+            _ => None,
+        })
+        .collect();
+    shapes.dedup();
+    for f in shapes {
         let sh = Shape {
             b: sequences,
             s: f.s,
@@ -527,20 +536,34 @@ pub fn check_flash_attention(
             d: f.d,
         };
         let (tokens, rows) = (sh.b * sh.s, sh.b * sh.heads * sh.s);
-        // Arena: qkv (bf16), two outputs and two lse (fp32), the scratch, cuBLAS's workspace.
-        let scratch = 3 * sh.heads * sh.s * sh.s + rows + (1 << 20);
-        let floats = [tokens * sh.width() / 2 + 1, tokens * sh.hidden(), rows];
-        let at: Vec<usize> = [
-            floats[0], floats[1], floats[1], floats[2], floats[2], scratch,
-        ]
-        .iter()
-        .scan(0, |end, n| {
-            let start = *end;
-            *end += n.div_ceil(64) * 64;
-            Some(start)
-        })
-        .collect();
-        let total = at[5] + scratch.div_ceil(64) * 64;
+        // Arena, in floats: qkv (bf16), dout, two outputs, two lse, two dqkv (fp32), the
+        // scratch; then cuBLAS's workspace.
+        let scratch = 4 * sh.heads * sh.s * sh.s + 4 * tokens * sh.width() + (1 << 20);
+        let (qkv_n, out_n, dqkv_n) = (
+            tokens * sh.width(),
+            tokens * sh.hidden(),
+            tokens * sh.width(),
+        );
+        let sizes = [
+            qkv_n / 2 + 1,
+            out_n,
+            out_n,
+            out_n,
+            rows,
+            rows,
+            dqkv_n,
+            dqkv_n,
+            scratch,
+        ];
+        let at: Vec<usize> = sizes
+            .iter()
+            .scan(0, |end, n| {
+                let start = *end;
+                *end += n.div_ceil(64) * 64;
+                Some(start)
+            })
+            .collect();
+        let total = at[8] + scratch.div_ceil(64) * 64;
         let dev = Device::open(0, 1, 0, (total * 4 + GEMM_BYTES) as u64)?;
         dev.ctx
             .bind_to_thread()
@@ -561,27 +584,30 @@ pub fn check_flash_attention(
             t: 0,
         };
         let addr = |i: usize| dev.arena_base.add_bytes((at[i] * 4) as u64);
-        let gpu = Gpu::new(&x, Dtype::Bf16, (addr(5), scratch), dev.arena_base, &consts);
-        // Inputs in [−2, 2) from a fixed xorshift, as bf16.
+        let gpu = Gpu::new(&x, Dtype::Bf16, (addr(8), scratch), dev.arena_base, &consts);
+        // Inputs in [−2, 2) from a fixed xorshift: qkv as bf16, dout as bf16 values in fp32.
         let mut seed = 0x9e37_79b9_7f4a_7c15u64;
-        let qkv: Vec<u8> = (0..tokens * sh.width())
-            .flat_map(|_| {
-                seed ^= seed << 13;
-                seed ^= seed >> 7;
-                seed ^= seed << 17;
-                let v = (seed >> 40) as f32 / (1u64 << 24) as f32 * 4.0 - 2.0;
-                flash::bf16(v).to_le_bytes()
-            })
+        let mut next = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            flash::bf16((seed >> 40) as f32 / (1u64 << 24) as f32 * 4.0 - 2.0)
+        };
+        let qkv: Vec<u8> = (0..qkv_n).flat_map(|_| next().to_le_bytes()).collect();
+        let dout: Vec<u8> = (0..out_n)
+            .flat_map(|_| flash::widen(next()).to_le_bytes())
             .collect();
         dev.write_bytes(0, &qkv)?;
+        dev.write_bytes((at[1] * 4) as u64, &dout)?;
         let f32s = |i: usize| DevPtr::new(addr(i), Storage::F32);
         gpu.flash_and_chunks(
             &sh,
-            DevPtr::new(addr(0), Storage::Bf16),
-            [f32s(1), f32s(2)],
-            [f32s(3), f32s(4)],
+            (DevPtr::new(addr(0), Storage::Bf16), f32s(1)),
+            [f32s(2), f32s(3)],
+            [f32s(4), f32s(5)],
+            [f32s(6), f32s(7)],
         )
-        .map_err(|e| CudaError::backend(format!("{k}: {e}")))?;
+        .map_err(|e| CudaError::backend(format!("flash{}: {e}", f.suffix())))?;
         dev.synchronize()?;
         let read = |i: usize, n: usize| -> Result<Vec<f32>, CudaError> {
             let bytes = dev.read_bytes((at[i] * 4) as u64, n * 4)?;
@@ -600,9 +626,10 @@ pub fn check_flash_attention(
                 )
         };
         checks.push(FlashCheck {
-            kernel: k.name(),
-            out: worst(read(1, floats[1])?, read(2, floats[1])?),
-            lse: worst(read(3, rows)?, read(4, rows)?),
+            kernel: f.suffix(),
+            out: worst(read(2, out_n)?, read(3, out_n)?),
+            lse: worst(read(4, rows)?, read(5, rows)?),
+            dqkv: worst(read(6, dqkv_n)?, read(7, dqkv_n)?),
         });
     }
     Ok(checks)
