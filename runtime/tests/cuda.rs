@@ -308,9 +308,11 @@ fn flash_attention_kernel_matches_the_chunked_path() {
     }
 }
 
-/// GPT-2 small (124M, seq 1024, micro-batch 8, bf16) on one GPU: a warm-up step, then five timed
-/// ones; prints the step time, MFU against the cluster's bf16 peak and the timed steps' losses
-/// (a random-init GPT-2 starts near ln 50,257 ≈ 10.8).
+/// GPT-2 small (124M, seq 1024, micro-batch 8, bf16) on one GPU, twice in one run: attention as
+/// the tensor-core kernels (the default), then chunked on cuBLAS (`RunOptions::attention_kernels`
+/// off). Each: a warm-up step, then five timed ones; prints the step time, MFU against the
+/// cluster's bf16 peak and the timed steps' losses (a random-init GPT-2 starts near
+/// ln 50,257 ≈ 10.8), then the ratio of the two step times.
 #[test]
 #[ignore = "a benchmark: needs a GPU with about 20 GB free; run with --ignored"]
 fn gpt2_small_step_mfu() {
@@ -319,21 +321,6 @@ fn gpt2_small_step_mfu() {
     }
     let job = jobs(GPT2).remove(0);
     let plan = plan_of(&job);
-    let backend = CudaBackend::new(plan.clone(), RunOptions::default(), &env1(), &ptx(&job))
-        .unwrap_or_else(|e| panic!("{e} (runtime/gpu/build.sh writes these tests' PTX)"));
-    let mut t = Trainer::new(plan.clone(), backend, Corpus::builtin());
-    let init = t.initial_state(0);
-    t.load(&init).unwrap();
-    t.step(1e-4, None).unwrap(); // warm-up: the driver's PTX compilation, cuBLAS heuristics
-    let steps = 5;
-    let mut total = 0.0;
-    let mut losses = vec![];
-    for _ in 0..steps {
-        let r = t.step(1e-4, None).unwrap();
-        total += r.time.as_secs_f64();
-        losses.push(r.loss);
-    }
-    let step = total / steps as f64;
     let m = &job.model;
     let (b, s) = (
         (m.micro_batch * u64::from(job.schedule.micro_steps)) as f64,
@@ -342,15 +329,44 @@ fn gpt2_small_step_mfu() {
     let (l, h, v) = (12.0, 768.0, 50257.0);
     let flops = 72.0 * b * s * l * h * h * (1.0 + s / (6.0 * h) + v / (12.0 * l * h));
     let peak = job.cluster.peak_flops;
+    // Attention as the tensor-core kernels (the default), then chunked on cuBLAS as before
+    // them, in the same run.
+    let mut times = vec![];
+    for (kernels, what) in [(true, "attention kernels"), (false, "chunked attention")] {
+        let options = RunOptions {
+            attention_kernels: kernels,
+            ..RunOptions::default()
+        };
+        let backend = CudaBackend::new(plan.clone(), options, &env1(), &ptx(&job))
+            .unwrap_or_else(|e| panic!("{e} (runtime/gpu/build.sh writes these tests' PTX)"));
+        let mut t = Trainer::new(plan.clone(), backend, Corpus::builtin());
+        let init = t.initial_state(0);
+        t.load(&init).unwrap();
+        t.step(1e-4, None).unwrap(); // warm-up: the driver's PTX compilation, cuBLAS heuristics
+        let steps = 5;
+        let mut total = 0.0;
+        let mut losses = vec![];
+        for _ in 0..steps {
+            let r = t.step(1e-4, None).unwrap();
+            total += r.time.as_secs_f64();
+            losses.push(r.loss);
+        }
+        let step = total / steps as f64;
+        times.push(step);
+        println!(
+            "gpt2 small, 1 GPU, {what}: {step:.4} s/step, {:.1} TFLOP/s, MFU {:.2}% of {:.0} TFLOP/s",
+            flops / step / 1e12,
+            100.0 * flops / step / peak,
+            peak / 1e12
+        );
+        println!("gpt2 small, 1 GPU, {what}: losses of the timed steps {losses:.4?}");
+        assert!(
+            losses.iter().all(|l| l.is_finite()),
+            "{what}: a loss is not finite: {losses:?}"
+        );
+    }
     println!(
-        "gpt2 small, 1 GPU: {step:.3} s/step, {:.1} TFLOP/s, MFU {:.2}% of {:.0} TFLOP/s",
-        flops / step / 1e12,
-        100.0 * flops / step / peak,
-        peak / 1e12
-    );
-    println!("gpt2 small, 1 GPU: losses of the timed steps {losses:.4?}");
-    assert!(
-        losses.iter().all(|l| l.is_finite()),
-        "a loss is not finite: {losses:?}"
+        "gpt2 small, 1 GPU: the attention kernels take {:.2}x the chunked path's step time",
+        times[0] / times[1]
     );
 }

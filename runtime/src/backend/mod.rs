@@ -103,6 +103,10 @@ pub struct RunOptions {
     pub timeout: Duration,
     /// Make one rank fail or stop answering at one op (tests of fault handling).
     pub fault: Option<Fault>,
+    /// The CUDA backend: whether a bf16 model's flash attention runs as the tensor-core kernels
+    /// (`schedc::kernels::flash`; the default) or chunk by chunk on cuBLAS products, the path
+    /// they replace (kept for same-run comparisons, as the GPT-2 benchmark makes).
+    pub attention_kernels: bool,
 }
 
 /// An injected fault: `rank` fails, or hangs, when it reaches `op`.
@@ -121,6 +125,7 @@ impl Default for RunOptions {
             jitter_seed: 0,
             timeout: Duration::from_secs(60),
             fault: None,
+            attention_kernels: true,
         }
     }
 }

@@ -134,7 +134,7 @@ fn run(cli: &Cli) -> Result<(), Failure> {
         jitter: cli.jitter.map(Duration::from_micros),
         jitter_seed: cli.seed.unwrap_or(plan.job.schedule.train.seed),
         timeout: Duration::from_secs(cli.timeout),
-        fault: None,
+        ..RunOptions::default()
     };
     match dist {
         None => {

@@ -60,6 +60,8 @@ pub struct Gpu<'a> {
     used: Cell<usize>,
     arena_base: DevAddr,
     consts: &'a Consts,
+    /// Whether flash attention may run as the tensor-core kernels (`RunOptions::attention_kernels`).
+    attention_kernels: bool,
 }
 
 impl<'a> Gpu<'a> {
@@ -81,6 +83,16 @@ impl<'a> Gpu<'a> {
             used: Cell::new(0),
             arena_base,
             consts,
+            attention_kernels: true,
+        }
+    }
+
+    /// The same stream with flash attention's tensor-core kernels on or off
+    /// (`RunOptions::attention_kernels`).
+    pub fn with_attention_kernels(self, on: bool) -> Self {
+        Gpu {
+            attention_kernels: on,
+            ..self
         }
     }
 }
@@ -704,7 +716,7 @@ impl Gpu<'_> {
         out: DevPtr,
         lse: DevPtr,
     ) -> Result<(), DeviceError> {
-        if flash::supports(self.products, sh.d) {
+        if self.attention_kernels && flash::supports(self.products, sh.d) {
             return self.flash_forward(sh, qkv, out, lse);
         }
         self.chunked_forward((sh, per), qkv, out, lse)
@@ -791,7 +803,8 @@ impl Gpu<'_> {
         dout: DevPtr,
         dqkv: DevPtr,
     ) -> Result<(), DeviceError> {
-        if flash::supports_backward(self.products, sh.d) && dqkv.storage == Storage::F32 {
+        let kernels = self.attention_kernels && flash::supports_backward(self.products, sh.d);
+        if kernels && dqkv.storage == Storage::F32 {
             return self.flash_backward(sh, (qkv, out, lse), dout, dqkv);
         }
         self.chunked_backward((sh, per), qkv, dout, dqkv)

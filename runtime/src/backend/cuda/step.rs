@@ -308,7 +308,8 @@ impl CudaBackend {
                 blas: &self.blas[s],
                 s: stream,
             };
-            let gpu = Gpu::new(&x, p.job.model.dtype, ws, self.dev.arena_base, &self.consts);
+            let gpu = Gpu::new(&x, p.job.model.dtype, ws, self.dev.arena_base, &self.consts)
+                .with_attention_kernels(self.options.attention_kernels);
             match &p.actions[op.index()] {
                 Action::Collectives(cs) => {
                     self.collectives(op, cs, stream)
