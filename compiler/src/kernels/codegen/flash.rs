@@ -62,24 +62,31 @@ impl<'c> Warp<'c> {
         }
     }
 
-    /// The bits of `src`'s element (token `t` of the sequence, column `c`), 0 past the
-    /// sequence (the load reads its last row instead, so that no address leaves the tensor).
-    fn elem(&self, fx: &Fx<'c, '_>, src: Src, t: I<'c>, c: I<'c>) -> I<'c> {
-        let s = self.sh.s;
-        let inside = fx.icmp(IntPredicate::ULT, t, self.k(fx, s));
-        let row = fx.iadd(self.base, fx.umin(t, self.k(fx, s - 1)));
-        let v = fx.load_bits16(src.name, fx.iadd(fx.imul(row, fx.i64c(src.width)), c));
-        fx.iselect(inside, v, fx.i32c(0))
-    }
-
-    fn pair(
+    /// `src`'s element (token `t` of the sequence, column `c`) read by `load` at its index; 0
+    /// past the sequence (the load reads the last row instead, so no address leaves the tensor).
+    fn read(
         &self,
         fx: &Fx<'c, '_>,
         (src, t, c): (Src, I<'c>, I<'c>),
-        next: (I<'c>, I<'c>),
+        load: impl Fn(&str, I<'c>) -> I<'c>,
     ) -> I<'c> {
-        let hi = self.elem(fx, src, next.0, next.1);
-        fx.pack16(self.elem(fx, src, t, c), hi)
+        let s = self.sh.s;
+        let inside = fx.icmp(IntPredicate::ULT, t, self.k(fx, s));
+        let row = fx.iadd(self.base, fx.umin(t, self.k(fx, s - 1)));
+        let v = load(src.name, fx.iadd(fx.imul(row, fx.i64c(src.width)), c));
+        fx.iselect(inside, v, fx.i32c(0))
+    }
+
+    /// Elements (t, c) and (t, c + 1) in one register: one 32-bit load (`c` is even, rows are
+    /// an even number of elements wide, and the device code passes 4-byte-aligned tensors).
+    fn row_pair(&self, fx: &Fx<'c, '_>, src: Src, t: I<'c>, c: I<'c>) -> I<'c> {
+        self.read(fx, (src, t, c), |name, i| fx.load_pair16(name, i))
+    }
+
+    /// Elements (t, c) and (t + 1, c) in one register.
+    fn col_pair(&self, fx: &Fx<'c, '_>, src: Src, t: I<'c>, c: I<'c>) -> I<'c> {
+        let elem = |t| self.read(fx, (src, t, c), |name, i| fx.load_bits16(name, i));
+        fx.pack16(elem(t), elem(fx.iadd(t, fx.i64c(1))))
     }
 
     /// The A fragment whose element (i, c) is `src(row0 + i, col0 + c)` (`flash::a_at`).
@@ -87,7 +94,7 @@ impl<'c> Warp<'c> {
         std::array::from_fn(|r| {
             let t = fx.iadd(fx.iadd(row0, self.grp), self.k(fx, 8 * (r & 1)));
             let c = fx.iadd(fx.iadd(col0, self.two_tig), self.k(fx, 8 * (r >> 1)));
-            self.pair(fx, (src, t, c), (t, fx.iadd(c, fx.i64c(1))))
+            self.row_pair(fx, src, t, c)
         })
     }
 
@@ -96,7 +103,7 @@ impl<'c> Warp<'c> {
         let t = fx.iadd(n0, self.grp);
         std::array::from_fn(|r| {
             let c = fx.iadd(fx.iadd(col0, self.two_tig), self.k(fx, 8 * r));
-            self.pair(fx, (src, t, c), (t, fx.iadd(c, fx.i64c(1))))
+            self.row_pair(fx, src, t, c)
         })
     }
 
@@ -105,7 +112,7 @@ impl<'c> Warp<'c> {
         let c = fx.iadd(col0, self.grp);
         std::array::from_fn(|r| {
             let t = fx.iadd(fx.iadd(k0, self.two_tig), self.k(fx, 8 * r));
-            self.pair(fx, (src, t, c), (fx.iadd(t, fx.i64c(1)), c))
+            self.col_pair(fx, src, t, c)
         })
     }
 

@@ -944,6 +944,20 @@ impl<'c, 'm> Fx<'c, 'm> {
             .expect(BUILD)
     }
 
+    /// Elements `i` and `i + 1` of the 16-bit tensor `name` in one 32-bit load, element `i` in
+    /// the low half: `i` must be even and the tensor 4-byte aligned (the fused attention's
+    /// callers guarantee both).
+    pub fn load_pair16(&self, name: &str, i: I<'c>) -> I<'c> {
+        let (p, ptr) = self.ptr(name);
+        assert!(
+            matches!(p, Param::Tensor(_, Dtype::Bf16 | Dtype::Fp16)),
+            "`{name}` ({p:?}) is not a 16-bit tensor"
+        );
+        let at = self.gep(ptr, self.ctx.i16_type().into(), i);
+        let t = self.ctx.i32_type();
+        self.b.build_load(t, at, "").expect(BUILD).into_int_value()
+    }
+
     /// `x` rounded to bf16 as every store rounds it, its bits zero-extended to i32.
     pub fn bf16_bits(&self, x: F<'c>) -> I<'c> {
         let h = self.f32_to_bf16(x);

@@ -699,6 +699,30 @@ fn flash_attention_of_a_bf16_model_matches_attention_rs() {
             4,
             "{what}: the casts and three kernels"
         );
+        // The same qkv in bf16 at a 2-byte offset (a saved region may lie there): copied to
+        // 4-byte alignment for the kernels' paired loads, the same bits out.
+        gg.reset();
+        let mut odd = vec![0u16; t * w + 1];
+        for (h, &v) in odd[1..].iter_mut().zip(&qkv) {
+            *h = (v.to_bits() >> 16) as u16;
+        }
+        let at = DevAddr(odd.as_ptr() as u64 + 2);
+        let (mut o2, mut l2) = (vec![f32::NAN; t * hid], vec![f32::NAN; rows]);
+        let (o2p, l2p) = (f32p_mut(&mut o2), f32p_mut(&mut l2));
+        let q16 = DevPtr::new(at, Storage::Bf16);
+        gg.fused_attention((&sh, sh.s), q16, o2p, l2p).unwrap();
+        assert!(
+            o2.iter()
+                .zip(&d_out)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{what}"
+        );
+        assert!(
+            l2.iter()
+                .zip(&d_lse)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{what}"
+        );
     }
 }
 

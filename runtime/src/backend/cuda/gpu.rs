@@ -378,6 +378,20 @@ impl Gpu<'_> {
         Ok(dst.addr)
     }
 
+    /// [`Gpu::operand`] of `n` elements at `p`, 4-byte aligned for the fused attention kernels,
+    /// which read pairs of 16-bit values at once: a 16-bit tensor at a 2-byte offset of the
+    /// arena is copied into workspace.
+    fn aligned_operand(&self, p: DevPtr, n: usize) -> Result<DevPtr, DeviceError> {
+        let storage = Storage::of(self.products);
+        let q = DevPtr::new(self.operand(p.addr, p.storage, n)?, storage);
+        if q.addr.0 % 4 == 0 {
+            return Ok(q);
+        }
+        let dst = self.alloc_as(storage, n)?;
+        self.copy(dst, q, n)?;
+        Ok(dst)
+    }
+
     /// y[r][c] += b[c] for `t` rows of `w`.
     fn bias_add(&self, y: DevPtr, b: DevPtr, t: usize, w: usize) -> Result<(), DeviceError> {
         let op = Op::BiasAdd { width: w as u32 };
@@ -748,7 +762,8 @@ impl Gpu<'_> {
     /// The fused forward as one kernel on tensor cores ([`Op::FlashForward`]; the s×s matrix
     /// stays in registers): `qkv` in bf16 (cast when it is in fp32 workspace), a warp per 16
     /// query rows of a head, the rows' log-sum-exps through workspace into `lse` (which may be
-    /// a 16-bit model's saved region at a 2-byte offset).
+    /// a 16-bit model's saved region at a 2-byte offset); `qkv` 4-byte aligned
+    /// ([`Gpu::aligned_operand`]).
     fn flash_forward(
         &self,
         sh: &Shape,
@@ -756,12 +771,11 @@ impl Gpu<'_> {
         out: DevPtr,
         lse: DevPtr,
     ) -> Result<(), DeviceError> {
-        let q = self.operand(qkv.addr, qkv.storage, sh.b * sh.s * sh.width())?;
+        let qkv = self.aligned_operand(qkv, sh.b * sh.s * sh.width())?;
         let rows = sh.b * sh.heads * sh.s;
         let rows_lse = self.alloc(rows)?;
         let op = Op::FlashForward(flash_shape(sh));
         let warps = flash_shape(sh).warps(sh.b);
-        let qkv = DevPtr::new(q, Storage::of(self.products));
         self.run(op, warps, &[T(qkv), T(out), T(rows_lse)])?;
         self.copy(lse, rows_lse, rows)
     }
@@ -824,9 +838,8 @@ impl Gpu<'_> {
     ) -> Result<(), DeviceError> {
         let shape = flash_shape(sh);
         let (tokens, rows) = (sh.b * sh.s, sh.b * sh.heads * sh.s);
-        let bf16 = |p: DevAddr| DevPtr::new(p, Storage::of(self.products));
-        let q = bf16(self.operand(qkv.addr, qkv.storage, tokens * sh.width())?);
-        let d_o = bf16(self.operand(dout.addr, dout.storage, tokens * sh.hidden())?);
+        let q = self.aligned_operand(qkv, tokens * sh.width())?;
+        let d_o = self.aligned_operand(dout, tokens * sh.hidden())?;
         let (rows_lse, dot) = (self.alloc(rows)?, self.alloc(rows)?);
         self.copy(rows_lse, lse, rows)?;
         self.run(Op::FlashDot(shape), rows, &[T(dout), T(out), T(dot)])?;
