@@ -384,7 +384,7 @@ impl Gpu<'_> {
     fn aligned_operand(&self, p: DevPtr, n: usize) -> Result<DevPtr, DeviceError> {
         let storage = Storage::of(self.products);
         let q = DevPtr::new(self.operand(p.addr, p.storage, n)?, storage);
-        if q.addr.0 % 4 == 0 {
+        if q.addr.0.is_multiple_of(4) {
             return Ok(q);
         }
         let dst = self.alloc_as(storage, n)?;
