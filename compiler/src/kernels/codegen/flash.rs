@@ -98,6 +98,14 @@ impl<'c> Warp<'c> {
         })
     }
 
+    /// The A fragments of a whole head: rows `row0..row0 + 16` of `src` from column `col`, one
+    /// per 16 columns.
+    fn head(&self, fx: &Fx<'c, '_>, src: Src, row0: I<'c>, col: I<'c>) -> Vec<[I<'c>; 4]> {
+        (0..self.sh.d / 16)
+            .map(|kk| self.a_rows(fx, src, row0, fx.iadd(col, self.k(fx, 16 * kk))))
+            .collect()
+    }
+
     /// The B fragment whose element (k, n) is `src(n0 + n, col0 + k)`: pairs along a row.
     fn b_rows(&self, fx: &Fx<'c, '_>, src: Src, n0: I<'c>, col0: I<'c>) -> [I<'c>; 2] {
         let t = fx.iadd(n0, self.grp);
@@ -125,16 +133,18 @@ impl<'c> Warp<'c> {
         })
     }
 
-    /// Σ over the head's 16-column slices of A-fragments `a` times `b(slice)`: one S-like tile.
+    /// A head's A fragments `a` times the B fragments of `src`'s rows `n0..n0 + 8` from
+    /// column `col` (the same 16-column slices), summed: one S-like 16×8 tile.
     fn product(
         &self,
         fx: &Fx<'c, '_>,
         a: &[[I<'c>; 4]],
-        b: impl Fn(usize) -> [I<'c>; 2],
+        (src, n0, col): (Src, I<'c>, I<'c>),
     ) -> Tile<'c> {
         let mut acc = [fx.f(0.0); 4];
         for (kk, frag) in a.iter().enumerate() {
-            acc = fx.mma_bf16(*frag, b(kk), acc);
+            let b = self.b_rows(fx, src, n0, fx.iadd(col, self.k(fx, 16 * kk)));
+            acc = fx.mma_bf16(*frag, b, acc);
         }
         acc
     }
@@ -202,10 +212,7 @@ pub fn forward<'c>(fx: &mut Fx<'c, '_>, sh: &Shape, w: I<'c>) {
     let x = Warp::new(fx, sh, b);
     let (qcol, kcol, vcol) = columns(fx, sh, n, g);
     let qkv = x.qkv();
-    let slice = |fx: &Fx<'c, '_>, col: I<'c>, kk: usize| fx.iadd(col, x.k(fx, 16 * kk));
-    let qa: Vec<[I<'c>; 4]> = (0..sh.d / 16)
-        .map(|kk| x.a_rows(fx, qkv, q0, slice(fx, qcol, kk)))
-        .collect();
+    let qa = x.head(fx, qkv, q0, qcol);
     let m: [Var<'c>; 2] = std::array::from_fn(|_| fx.var(fx.f(f32::NEG_INFINITY)));
     let l: [Var<'c>; 2] = std::array::from_fn(|_| fx.var(fx.f(0.0)));
     let o = tiles(fx, sh.d / 8);
@@ -216,7 +223,7 @@ pub fn forward<'c>(fx: &mut Fx<'c, '_>, sh: &Shape, w: I<'c>) {
         // the diagonal and past the sequence.
         let xs: [Tile<'c>; 2] = std::array::from_fn(|nt| {
             let keys = fx.iadd(j0, x.k(fx, 8 * nt));
-            let st = x.product(fx, &qa, |kk| x.b_rows(fx, qkv, keys, slice(fx, kcol, kk)));
+            let st = x.product(fx, &qa, (qkv, keys, kcol));
             std::array::from_fn(|c| {
                 let row = fx.iadd(q0, x.c_row(fx, c));
                 let key = fx.iadd(keys, x.c_col(fx, c));
@@ -335,13 +342,8 @@ pub fn backward_query<'c>(fx: &mut Fx<'c, '_>, sh: &Shape, w: I<'c>) {
     let x = Warp::new(fx, sh, b);
     let (qcol, kcol, vcol) = columns(fx, sh, n, g);
     let (qkv, dout) = (x.qkv(), x.dout());
-    let slice = |fx: &Fx<'c, '_>, col: I<'c>, kk: usize| fx.iadd(col, x.k(fx, 16 * kk));
-    let qa: Vec<[I<'c>; 4]> = (0..sh.d / 16)
-        .map(|kk| x.a_rows(fx, qkv, q0, slice(fx, qcol, kk)))
-        .collect();
-    let da: Vec<[I<'c>; 4]> = (0..sh.d / 16)
-        .map(|kk| x.a_rows(fx, dout, q0, slice(fx, qcol, kk)))
-        .collect();
+    let qa = x.head(fx, qkv, q0, qcol);
+    let da = x.head(fx, dout, q0, qcol);
     // This lane's two rows' log-sum-exps and D (rows past the sequence read the last one's).
     let stats: [(F<'c>, F<'c>); 2] = std::array::from_fn(|h| {
         let row = fx.umin(fx.iadd(q0, x.c_row(fx, 2 * h)), x.k(fx, sh.s - 1));
@@ -353,8 +355,8 @@ pub fn backward_query<'c>(fx: &mut Fx<'c, '_>, sh: &Shape, w: I<'c>) {
     fx.strided_loop(x.k(fx, 0), last, x.k(fx, KEYS), |fx, j0| {
         let ds: [Tile<'c>; 2] = std::array::from_fn(|nt| {
             let keys = fx.iadd(j0, x.k(fx, 8 * nt));
-            let st = x.product(fx, &qa, |kk| x.b_rows(fx, qkv, keys, slice(fx, kcol, kk)));
-            let dp = x.product(fx, &da, |kk| x.b_rows(fx, qkv, keys, slice(fx, vcol, kk)));
+            let st = x.product(fx, &qa, (qkv, keys, kcol));
+            let dp = x.product(fx, &da, (qkv, keys, vcol));
             std::array::from_fn(|c| {
                 let row = fx.iadd(q0, x.c_row(fx, c));
                 let key = fx.iadd(keys, x.c_col(fx, c));
@@ -395,13 +397,8 @@ pub fn backward_keys<'c>(fx: &mut Fx<'c, '_>, sh: &Shape, w: I<'c>) {
     let x = Warp::new(fx, sh, b);
     let (_, kcol, vcol) = columns(fx, sh, fx.i64c(0), g);
     let (qkv, dout) = (x.qkv(), x.dout());
-    let slice = |fx: &Fx<'c, '_>, col: I<'c>, kk: usize| fx.iadd(col, x.k(fx, 16 * kk));
-    let ka: Vec<[I<'c>; 4]> = (0..sh.d / 16)
-        .map(|kk| x.a_rows(fx, qkv, k0, slice(fx, kcol, kk)))
-        .collect();
-    let va: Vec<[I<'c>; 4]> = (0..sh.d / 16)
-        .map(|kk| x.a_rows(fx, qkv, k0, slice(fx, vcol, kk)))
-        .collect();
+    let ka = x.head(fx, qkv, k0, kcol);
+    let va = x.head(fx, qkv, k0, vcol);
     let (dk, dv) = (tiles(fx, sh.d / 8), tiles(fx, sh.d / 8));
     let group = (sh.heads / sh.kv_heads) as u64;
     let first_head = fx.imul(g, fx.i64c(group));
@@ -413,12 +410,8 @@ pub fn backward_keys<'c>(fx: &mut Fx<'c, '_>, sh: &Shape, w: I<'c>) {
             let mut ds = [[fx.f(0.0); 4]; 2];
             for nt in 0..2 {
                 let queries = fx.iadd(q0, x.k(fx, 8 * nt));
-                let st = x.product(fx, &ka, |kk| {
-                    x.b_rows(fx, qkv, queries, slice(fx, qcol, kk))
-                });
-                let dp = x.product(fx, &va, |kk| {
-                    x.b_rows(fx, dout, queries, slice(fx, qcol, kk))
-                });
+                let st = x.product(fx, &ka, (qkv, queries, qcol));
+                let dp = x.product(fx, &va, (dout, queries, qcol));
                 for c in 0..4 {
                     let key = fx.iadd(k0, x.c_row(fx, c));
                     let q = fx.iadd(queries, x.c_col(fx, c));
