@@ -15,11 +15,18 @@
 //! `lg2.approx` and `ex2.approx` on the GPU), the thread-index registers, a cooperative index's
 //! lanes (a warp on the GPU, one on the host) and how lanes add into one place (atomically on
 //! the GPU).
+//!
+//! A third target checks the GPU's lane code without a GPU: [`HostKernels::jit_warp`] builds
+//! the bodies for this processor with a GPU's lanes ([`Target::Warp`]), which
+//! [`HostKernels::run_warp`] runs as 32 threads meeting at the warp's shuffles and matrix
+//! products ([`warp`](self::warp)). The fused attention's kernels run so give their models'
+//! bits exactly.
 
 mod attention;
 mod bodies;
 mod flash;
 mod fx;
+mod warp;
 
 use super::{Kernel, Param, Space, COLUMN_LANES, WARP};
 use fx::{Fx, I};
@@ -55,6 +62,12 @@ pub enum Target {
     Ptx { sm: u32 },
     /// The processor running this process.
     Host,
+    /// The processor running this process, as a GPU warp: the GPU's lanes (a warp per row),
+    /// each an OS thread running the body in lockstep with the others at the warp's shuffles
+    /// and matrix products ([`warp`]), which are calls here. What checks the GPU's lane code,
+    /// the fused attention's included, without a GPU ([`HostKernels::jit_warp`]); `exp` and
+    /// `ln` are the host's.
+    Warp,
 }
 
 /// Why code could not be generated.
@@ -104,7 +117,7 @@ fn machine(target: Target) -> Result<TargetMachine, CodegenError> {
                 PTX_FEATURES.to_string(),
             )
         }
-        Target::Host => {
+        Target::Host | Target::Warp => {
             LlvmTarget::initialize_native(&InitializationConfig::default()).map_err(err)?;
             (
                 TargetMachine::get_default_triple(),
@@ -164,6 +177,12 @@ fn on(kernels: &[Kernel], target: Target) -> impl Iterator<Item = &Kernel> {
     kernels
         .iter()
         .filter(move |k| target != Target::Host || !k.op.gpu_only())
+        .inspect(move |k| {
+            assert!(
+                target != Target::Warp || k.op.lanes_on_gpu() <= super::WARP,
+                "{k}: a warp on the host runs row and element ops"
+            )
+        })
 }
 
 /// The LLVM types of `k`'s parameters, then `begin` and `end`.
@@ -230,6 +249,8 @@ fn kernel<'c>(
     let args = fx.params_as_args();
     let (start, stride, lane) = match target {
         Target::Host => (begin, fx.i64c(1), fx.i64c(0)),
+        // Every lane walks every index, in lockstep at the warp's collective calls.
+        Target::Warp => (begin, fx.i64c(1), fx.warp_lane()),
         Target::Ptx { .. } => {
             let (tid, ntid, ctaid, nctaid) = fx.thread_registers();
             let thread = fx.iadd(fx.imul(ctaid, ntid), tid);
@@ -245,7 +266,7 @@ fn kernel<'c>(
         fx.call_void(body, &call_args);
     });
     fx.ret();
-    if target == Target::Host {
+    if !matches!(target, Target::Ptx { .. }) {
         packed(ctx, module, k, entry);
     }
     Ok(())
@@ -340,19 +361,30 @@ unsafe impl Sync for HostKernels {}
 impl HostKernels {
     /// Compiles `kernels` for this processor.
     pub fn jit(kernels: &[Kernel]) -> Result<Self, CodegenError> {
+        Self::jit_for(kernels, Target::Host)
+    }
+
+    /// Compiles `kernels` for this processor as a GPU warp ([`Target::Warp`]; row and element
+    /// ops, the GPU-only ones included), to run with [`HostKernels::run_warp`].
+    pub fn jit_warp(kernels: &[Kernel]) -> Result<Self, CodegenError> {
+        Self::jit_for(kernels, Target::Warp)
+    }
+
+    fn jit_for(kernels: &[Kernel], target: Target) -> Result<Self, CodegenError> {
         let ctx = Box::new(Context::create());
         // SAFETY: the context is boxed (its address is stable) and outlives the engine: both are
         // fields of the returned value, the engine declared (and so dropped) first.
         let ctx_ref: &'static Context = unsafe { &*(ctx.as_ref() as *const Context) };
-        let module = build(ctx_ref, kernels, Target::Host)?;
-        optimise(&module, &machine(Target::Host)?)?;
+        let module = build(ctx_ref, kernels, target)?;
+        optimise(&module, &machine(target)?)?;
         // MCJIT resolves libm's `logf` from this process (the engine makes the program's own
         // symbols visible when it is created).
         let engine = module
             .create_jit_execution_engine(OptimizationLevel::Aggressive)
             .map_err(|e| err(e.to_string()))?;
+        warp::map(&module, &engine);
         let mut addresses = HashMap::new();
-        for k in on(kernels, Target::Host) {
+        for k in on(kernels, target) {
             let name = k.name();
             let a = engine
                 .get_function_address(&format!("{name}.packed"))
@@ -403,6 +435,27 @@ impl HostKernels {
         let f: extern "C" fn(*const u64, i64, i64) = unsafe { std::mem::transmute(*a) };
         f(args.as_ptr(), begin as i64, end as i64);
         Ok(())
+    }
+}
+
+impl HostKernels {
+    /// [`HostKernels::run`] of a [`HostKernels::jit_warp`] build: 32 threads, one per lane,
+    /// each walking `begin..end`.
+    ///
+    /// # Errors
+    /// As [`HostKernels::run`].
+    ///
+    /// # Safety
+    /// As [`HostKernels::run`]; the lanes of a warp write what the GPU's would.
+    pub unsafe fn run_warp(
+        &self,
+        k: &Kernel,
+        args: &[u64],
+        begin: usize,
+        end: usize,
+    ) -> Result<(), CodegenError> {
+        // SAFETY: the caller's contract, for every lane.
+        warp::lanes(|| unsafe { self.run(k, args, begin, end) })
     }
 }
 

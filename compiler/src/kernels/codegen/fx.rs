@@ -62,7 +62,7 @@ impl<'c, 'm> Fx<'c, 'm> {
             entry,
             lanes: match target {
                 Target::Host => 1,
-                Target::Ptx { .. } => k.op.lanes_on_gpu(),
+                Target::Ptx { .. } | Target::Warp => k.op.lanes_on_gpu(),
             },
             lane: None,
         }
@@ -322,7 +322,7 @@ impl<'c, 'm> Fx<'c, 'm> {
     /// times ln 2 on the GPU.
     pub fn ln(&self, x: F<'c>) -> F<'c> {
         match self.target {
-            Target::Host => self.f32_intrinsic("llvm.log", &[x]),
+            Target::Host | Target::Warp => self.f32_intrinsic("llvm.log", &[x]),
             Target::Ptx { .. } => {
                 let l2 = self.nvvm_f32("llvm.nvvm.lg2.approx.f", x);
                 self.mul(l2, self.f(std::f32::consts::LN_2))
@@ -583,7 +583,7 @@ impl<'c, 'm> Fx<'c, 'm> {
     pub fn add_into(&self, name: &str, i: I<'c>, v: F<'c>) {
         match self.target {
             Target::Host => self.store(name, i, self.add(self.load(name, i), v)),
-            Target::Ptx { .. } => {
+            Target::Ptx { .. } | Target::Warp => {
                 let (p, ptr) = self.ptr(name);
                 assert!(
                     matches!(p, Param::Tensor(_, Dtype::Fp32) | Param::F32s(_)),
@@ -926,8 +926,8 @@ impl<'c, 'm> Fx<'c, 'm> {
 
     fn gpu_only(&self, what: &str) {
         assert!(
-            matches!(self.target, Target::Ptx { .. }),
-            "{what} exists only on the GPU"
+            self.target != Target::Host,
+            "{what} exists only on the GPU (and a warp on the host)"
         );
     }
 
@@ -977,6 +977,9 @@ impl<'c, 'm> Fx<'c, 'm> {
     pub fn mma_bf16(&self, a: [I<'c>; 4], b: [I<'c>; 2], c: [F<'c>; 4]) -> [F<'c>; 4] {
         self.gpu_only("mma.sync");
         let (i, f) = (self.ctx.i32_type(), self.ctx.f32_type());
+        if self.target == Target::Warp {
+            return self.warp_mma(a, b, c);
+        }
         let ret = self.ctx.struct_type(&[f.into(); 4], false);
         let params: Vec<inkwell::types::BasicMetadataTypeEnum> =
             [i.into(); 6].into_iter().chain([f.into(); 4]).collect();
@@ -999,10 +1002,56 @@ impl<'c, 'm> Fx<'c, 'm> {
         })
     }
 
-    /// `x` from the lane whose index differs from this one's by `mask` (`shfl.sync.bfly`).
+    /// [`Fx::mma_bf16`] on a [`Target::Warp`]: the host's lanes meet in a call that writes
+    /// each lane's D through a pointer to four floats.
+    fn warp_mma(&self, a: [I<'c>; 4], b: [I<'c>; 2], c: [F<'c>; 4]) -> [F<'c>; 4] {
+        let (i, f) = (self.ctx.i32_type(), self.ctx.f32_type());
+        let ptr = self.ctx.ptr_type(inkwell::AddressSpace::default());
+        let params: Vec<inkwell::types::BasicMetadataTypeEnum> = [i.into(); 6]
+            .into_iter()
+            .chain([f.into(); 4])
+            .chain([ptr.into()])
+            .collect();
+        let mma = self.declared(
+            super::warp::MMA,
+            self.ctx.void_type().fn_type(&params, false),
+        );
+        let quad = f.array_type(4);
+        let here = self.b.get_insert_block().expect(BUILD);
+        match self.entry.get_first_instruction() {
+            Some(first) => self.b.position_before(&first),
+            None => self.b.position_at_end(self.entry),
+        }
+        let out = self.b.build_alloca(quad, "").expect(BUILD);
+        self.b.position_at_end(here);
+        let args: Vec<BasicMetadataValueEnum> = a
+            .iter()
+            .chain(&b)
+            .map(|&x| x.into())
+            .chain(c.iter().map(|&x| x.into()))
+            .chain([out.into()])
+            .collect();
+        self.call_void(mma, &args);
+        std::array::from_fn(|k| {
+            let at = self.gep(out, f.into(), self.i64c(k as u64));
+            self.b
+                .build_load(f, at, "")
+                .expect(BUILD)
+                .into_float_value()
+        })
+    }
+
+    /// `x` from the lane whose index differs from this one's by `mask` (`shfl.sync.bfly`; on
+    /// a [`Target::Warp`], the host's lanes exchanging it).
     pub fn shfl_xor(&self, x: F<'c>, mask: u64) -> F<'c> {
         self.gpu_only("shfl.sync");
         let (f, i) = (self.ctx.f32_type(), self.ctx.i32_type());
+        if self.target == Target::Warp {
+            let shfl = self.declared(super::warp::SHFL, f.fn_type(&[f.into(), i.into()], false));
+            return self
+                .call(shfl, &[x.into(), self.i32c(mask).into()])
+                .into_float_value();
+        }
         let t = f.fn_type(&[i.into(), f.into(), i.into(), i.into()], false);
         let shfl = self.declared("llvm.nvvm.shfl.sync.bfly.f32", t);
         let args = [
@@ -1014,16 +1063,28 @@ impl<'c, 'm> Fx<'c, 'm> {
         self.call(shfl, &args).into_float_value()
     }
 
-    /// 2ˣ (`ex2.approx`; 2^−∞ = 0).
+    /// 2ˣ (`ex2.approx` on the GPU, the host's `exp2` on a [`Target::Warp`]; 2^−∞ = 0).
     pub fn exp2_approx(&self, x: F<'c>) -> F<'c> {
         self.gpu_only("ex2.approx");
+        if self.target == Target::Warp {
+            return self.f32_intrinsic("llvm.exp2", &[x]);
+        }
         self.nvvm_f32("llvm.nvvm.ex2.approx.f", x)
     }
 
-    /// log₂ x (`lg2.approx`).
+    /// log₂ x (`lg2.approx` on the GPU, the host's `log2` on a [`Target::Warp`]).
     pub fn log2_approx(&self, x: F<'c>) -> F<'c> {
         self.gpu_only("lg2.approx");
+        if self.target == Target::Warp {
+            return self.f32_intrinsic("llvm.log2", &[x]);
+        }
         self.nvvm_f32("llvm.nvvm.lg2.approx.f", x)
+    }
+
+    /// This thread's lane on a [`Target::Warp`] (the host's lanes are threads).
+    pub fn warp_lane(&self) -> I<'c> {
+        let f = self.declared(super::warp::LANE, self.ctx.i64_type().fn_type(&[], false));
+        self.call(f, &[]).into_int_value()
     }
 
     /// `body` on lane 0 only: a cooperative row's scalar outputs.
