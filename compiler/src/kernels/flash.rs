@@ -556,11 +556,11 @@ pub fn warp_dkv(sh: &Shape, w: usize, x: &Grads<'_>, store: &mut dyn FnMut(usize
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    /// `n` bf16 values in [−2, 2) from a xorshift seeded with `seed`.
-    fn values(n: usize, seed: &mut u64) -> Vec<u16> {
+    /// `n` bf16 values in [−2, 2) from a xorshift seeded with `seed` (also the warp tests').
+    pub(crate) fn values(n: usize, seed: &mut u64) -> Vec<u16> {
         (0..n)
             .map(|_| {
                 *seed ^= *seed << 13;

@@ -141,20 +141,9 @@ pub fn lanes<R: Send>(f: impl Fn() -> R + Sync) -> R {
 mod tests {
     use super::super::{slot_f32, slot_i64, slot_ptr, HostKernels};
     use crate::job::{Dtype, Norm};
-    use crate::kernels::flash::{self, bf16, Grads, Shape};
+    use crate::kernels::flash::tests::values;
+    use crate::kernels::flash::{self, Grads, Shape};
     use crate::kernels::{Kernel, Op, Param};
-
-    /// `n` bf16 values in [−2, 2) from a xorshift.
-    fn values(n: usize, seed: &mut u64) -> Vec<u16> {
-        (0..n)
-            .map(|_| {
-                *seed ^= *seed << 13;
-                *seed ^= *seed >> 7;
-                *seed ^= *seed << 17;
-                bf16((*seed >> 40) as f32 / (1u64 << 24) as f32 * 4.0 - 2.0)
-            })
-            .collect()
-    }
 
     /// The fused attention's generated code (the PTX kernels' IR, built for the host with the
     /// warp's instructions as calls), run as a warp of 32 threads, computes exactly what its
