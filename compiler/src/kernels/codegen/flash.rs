@@ -5,8 +5,9 @@
 //! own slot of the model's arrays; and the backward's row sums `D` ([`crate::kernels::Op::FlashDot`],
 //! an ordinary warp-per-row kernel that the host runs too). Loops over a head's columns and over
 //! the 16×8 tiles are unrolled here (the head width is a constant of the kernel); the walks over
-//! key or query blocks are the only loops of the code, with running maxima, sums and
-//! accumulators in registers.
+//! key or query blocks (and, for the key side, over its group's query heads) are the only loops
+//! of the code, with running maxima, sums and accumulators in registers. Built for a warp on the
+//! host ([`super::Target::Warp`]), the kernels give their models' bits exactly (`warp.rs`'s test).
 
 use super::fx::{Fx, Var, F, I};
 use crate::kernels::flash::{Shape, KEYS, QROWS};
