@@ -91,7 +91,9 @@ pub unsafe fn run(k: &Kernel, args: &[Arg], n: usize) -> Result<(), DeviceError>
 
 /// Runs `k`, any typed variant, over indices `begin..end` with its arguments as 8-byte slots
 /// ([`HostKernels::run`]'s), compiling it on first use: the host emulation of the CUDA
-/// backend calls the kernel each launch names this way.
+/// backend calls the kernel each launch names this way. A GPU-only kernel (the fused
+/// attention's, warp-wide matrix products) runs as a warp of host threads
+/// ([`HostKernels::jit_warp`]: its PTX kernel's code with the warp's instructions as calls).
 ///
 /// # Safety
 /// Every pointer in `slots` must be valid for everything the kernel touches over `begin..end`.
@@ -114,10 +116,14 @@ pub unsafe fn run_slots(
     let host = match found {
         Some(h) => h,
         None => {
-            let h = Arc::new(
-                HostKernels::jit(std::slice::from_ref(k))
-                    .map_err(|e| DeviceError::Kernel(format!("compiling {name}: {e}")))?,
-            );
+            let one = std::slice::from_ref(k);
+            let built = if k.op.gpu_only() {
+                HostKernels::jit_warp(one)
+            } else {
+                HostKernels::jit(one)
+            };
+            let h =
+                Arc::new(built.map_err(|e| DeviceError::Kernel(format!("compiling {name}: {e}")))?);
             cache()
                 .compiled
                 .write()
@@ -128,7 +134,14 @@ pub unsafe fn run_slots(
         }
     };
     // SAFETY: the caller's promise.
-    unsafe { host.run(k, slots, begin, end) }.map_err(|e| DeviceError::Kernel(e.to_string()))
+    let ran = unsafe {
+        if k.op.gpu_only() {
+            host.run_warp(k, slots, begin, end)
+        } else {
+            host.run(k, slots, begin, end)
+        }
+    };
+    ran.map_err(|e| DeviceError::Kernel(e.to_string()))
 }
 
 #[cfg(test)]

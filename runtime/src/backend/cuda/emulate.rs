@@ -1,6 +1,8 @@
 //! Tests of the device code on the host, where no GPU is: the generated kernels the GPU runs
 //! (`schedc::kernels`), each launch calling the host JIT build of exactly the typed variant it
-//! names (`device::jit::run_slots`) over the launch's index range, the column-major products
+//! names (`device::jit::run_slots`) over the launch's index range (a GPU-only kernel, the fused
+//! attention's, as a warp of 32 host threads running its PTX kernel's code with the warp's
+//! instructions as calls: `schedc::kernels::codegen::HostKernels::jit_warp`), the column-major products
 //! computed by their BLAS definition, and "device addresses" that are host addresses. What this
 //! checks: the kernels' logic on the GPU's launches (the IR is the PTX's; only `ln` and the
 //! thread loop differ), the launch arguments, the row-major to column-major mapping, the
@@ -84,59 +86,6 @@ impl HostExec {
     }
 }
 
-/// The GPU-only kernels' warps `begin..end` on the host: [`schedc::kernels::flash`]'s
-/// lane-by-lane models of the fused attention's PTX kernels (a host has no warp-wide matrix
-/// instructions).
-///
-/// # Safety
-/// `args` are the kernel's ([`Kernel::params`]): bf16 `qkv` (and `dout`), fp32 statistics, and
-/// the output in its dtype, each holding every element the warps touch.
-unsafe fn flash_on_host(k: &Kernel, args: &[A], begin: usize, end: usize) {
-    use schedc::kernels::flash;
-    let sh = flash::Shape::of(k.op);
-    let ptr = |i: usize| match args[i] {
-        A::P(p) => p.0 as usize,
-        _ => unreachable!("the fused attention kernels take pointers first"),
-    };
-    let b = end.div_ceil(match k.op {
-        Op::FlashBackwardKeys(_) => sh.key_warps(1),
-        _ => sh.warps(1),
-    });
-    let (tokens, rows) = (b * sh.s, b * sh.heads * sh.s);
-    // SAFETY (of every slice below): the caller's contract, for `b` sequences.
-    let u16s = |i: usize, n: usize| unsafe { std::slice::from_raw_parts(ptr(i) as *const u16, n) };
-    let f32s = |i: usize, n: usize| unsafe { std::slice::from_raw_parts(ptr(i) as *const f32, n) };
-    let qkv = u16s(0, tokens * sh.width());
-    let (out, out_dtype) = match k.op {
-        Op::FlashForward(_) => (ptr(1), k.dtypes[1]),
-        _ => (ptr(4), k.dtypes[2]),
-    };
-    let mut store = |i: usize, v: f32| match out_dtype {
-        // SAFETY: element i of the output lies within the rows the warps write.
-        Dtype::Fp32 => unsafe { *(out as *mut f32).add(i) = v },
-        d => unsafe { *(out as *mut u16).add(i) = f32_to_half(d, v) },
-    };
-    if let Op::FlashForward(_) = k.op {
-        let lse = unsafe { std::slice::from_raw_parts_mut(ptr(2) as *mut f32, rows) };
-        for w in begin..end {
-            flash::warp(&sh, w, qkv, &mut store, lse);
-        }
-        return;
-    }
-    let x = flash::Grads {
-        qkv,
-        dout: u16s(1, tokens * sh.heads * sh.d),
-        lse: f32s(2, rows),
-        dot: f32s(3, rows),
-    };
-    for w in begin..end {
-        match k.op {
-            Op::FlashBackwardQuery(_) => flash::warp_dq(&sh, w, &x, &mut store),
-            _ => flash::warp_dkv(&sh, w, &x, &mut store),
-        }
-    }
-}
-
 /// Per kind of staging: calls, elements and arena bytes moved.
 #[derive(Clone, Debug, Default, PartialEq)]
 struct Staging(BTreeMap<Staged, (usize, usize, u64)>);
@@ -185,11 +134,6 @@ impl Exec for HostExec {
             "{name}: an empty grid"
         );
         self.launched.borrow_mut().insert(name.to_string());
-        if k.op.gpu_only() {
-            // SAFETY: as for the JIT below; the model reads and writes what the kernel would.
-            unsafe { flash_on_host(k, args, begin as usize, end as usize) };
-            return Ok(());
-        }
         // Each argument in one 8-byte slot (an f32's bits in the low half), as the kernel's
         // host entry takes them.
         let slots: Vec<u64> = args[..params]
@@ -622,8 +566,8 @@ fn chunked_attention_matches_attention_rs() {
 
 /// A bf16 model's fused attention is the tensor-core kernels (forward [`Op::FlashForward`],
 /// backward [`Op::FlashDot`], [`Op::FlashBackwardQuery`], [`Op::FlashBackwardKeys`]; the GPU-only
-/// ones run here as `schedc::kernels::flash`'s lane-by-lane models from the device code's
-/// launches): on qkv and dO in fp32 workspace (cast to bf16 first), the output, log-sum-exps and
+/// ones run here as a warp of host threads on their generated code, which gives
+/// `schedc::kernels::flash`'s models' bits): on qkv and dO in fp32 workspace (cast to bf16 first), the output, log-sum-exps and
 /// dqkv match `attention.rs`'s on the same bf16 values. Only the bf16 rounding of P (and of dS)
 /// before their products differs, as in FlashAttention: outputs within 5e-3 of 1 + |value|
 /// (observed 1.9e-3), log-sum-exps within 1e-6 (observed 1.2e-7), dqkv within 1e-2 (observed
@@ -726,7 +670,7 @@ fn flash_attention_of_a_bf16_model_matches_attention_rs() {
     }
 }
 
-/// A bf16 GPT with flash attention (its forward the tensor-core kernel's model) and its twin with
+/// A bf16 GPT with flash attention (the tensor-core kernels, run as warps on the host) and its twin with
 /// naive attention (score products and the softmax kernel, the probabilities kept in bf16 as the
 /// kernel rounds P) train alike on the emulated device: losses within 1e-3 relative over 10
 /// steps (observed 5.0e-5; scaling the kernel's outputs by 1.01 moves them 1.2e-4, so this
