@@ -436,9 +436,7 @@ impl HostKernels {
         f(args.as_ptr(), begin as i64, end as i64);
         Ok(())
     }
-}
 
-impl HostKernels {
     /// [`HostKernels::run`] of a [`HostKernels::jit_warp`] build: 32 threads, one per lane,
     /// each walking `begin..end`.
     ///
