@@ -30,6 +30,9 @@ pub const QROWS: usize = 16;
 pub const KEYS: usize = 16;
 /// Lanes of a warp.
 const LANES: usize = 32;
+/// Columns of dK and dV one key-side warp accumulates ([`warp_dkv`]): a head wider than this is
+/// split over several warps, so that the accumulators stay in registers.
+pub const KEY_COLUMNS: usize = 64;
 
 /// Whether a model of `dtype` with heads `head_dim` wide runs its fused attention forward as
 /// this kernel: bf16 operands, whole 16-column k-slices of the head, and at most 128 columns
@@ -40,11 +43,11 @@ pub fn supports(dtype: crate::job::Dtype, head_dim: usize) -> bool {
         && (16..=128).contains(&head_dim)
 }
 
-/// Whether its backward runs as this module's kernels too: heads at most 64 wide. At 128 the
-/// key side's dK and dV accumulators (128 registers a lane) spill (ptxas: 255 registers and up
-/// to 224 spilled words), so wider heads keep the chunked backward.
+/// Whether its backward runs as this module's kernels too: heads at most [`KEY_COLUMNS`] wide,
+/// or whole multiples of it (128), which the key side splits into parts so that its dK and dV
+/// accumulators stay in registers (one 128-wide warp spilled: 255 registers, up to 224 words).
 pub fn supports_backward(dtype: crate::job::Dtype, head_dim: usize) -> bool {
-    supports(dtype, head_dim) && head_dim <= 64
+    supports(dtype, head_dim) && (head_dim <= KEY_COLUMNS || head_dim.is_multiple_of(KEY_COLUMNS))
 }
 
 /// (row, column) of the two elements of A-fragment register `r` (0..4) of `lane` (16×16).
@@ -143,7 +146,12 @@ impl Shape {
 
     /// Warps of the backward's key side ([`warp_dkv`]) for `b` sequences.
     pub fn key_warps(&self, b: usize) -> usize {
-        b * self.kv_heads * self.s.div_ceil(KEYS)
+        b * self.kv_heads * self.s.div_ceil(KEYS) * self.key_parts()
+    }
+
+    /// The [`KEY_COLUMNS`]-column parts of a head the key side splits it into.
+    pub fn key_parts(&self) -> usize {
+        self.d.div_ceil(KEY_COLUMNS)
     }
 
     /// √d's reciprocal times log₂e: scores go straight into base 2.
@@ -469,17 +477,21 @@ pub fn warp_dq(sh: &Shape, w: usize, x: &Grads<'_>, store: &mut dyn FnMut(usize,
 }
 
 /// The key-side warps of the backward: [`Shape::key_warps`] of them, warp `w` taking 16 keys of
-/// one kv head of one sequence. Over every query head of its group and every query block from
-/// its keys' own on, it recomputes Pᵀ and dPᵀ = V·dOᵀ with keys as rows, forms dSᵀ and
+/// one kv head of one sequence and one [`KEY_COLUMNS`]-column part of their dK and dV (the
+/// parts of a head are neighbouring warps). Over every query head of its group and every query
+/// block from its keys' own on, it recomputes Pᵀ and dPᵀ = V·dOᵀ with keys as rows, forms dSᵀ and
 /// accumulates dV = Pᵀ·dO and dK = dSᵀ·Q/√d, stored through `store`.
 pub fn warp_dkv(sh: &Shape, w: usize, x: &Grads<'_>, store: &mut dyn FnMut(usize, f32)) {
     let (d, s, width) = (sh.d, sh.s, sh.width());
     let blocks = s.div_ceil(KEYS);
+    let (part, w) = (w % sh.key_parts(), w / sh.key_parts());
     let (k0, g, b) = (
         w % blocks * KEYS,
         w / blocks % sh.kv_heads,
         w / blocks / sh.kv_heads,
     );
+    // This warp's n-tiles of dK and dV: 8 columns each, KEY_COLUMNS of the head at most.
+    let tiles = part * KEY_COLUMNS / 8..(d.min((part + 1) * KEY_COLUMNS)) / 8;
     let hidden = sh.heads * d;
     let (kcol, vcol) = (hidden + g * d, hidden + sh.kv_heads * d + g * d);
     let (at, dat) = x.readers(sh, b);
@@ -490,8 +502,8 @@ pub fn warp_dkv(sh: &Shape, w: usize, x: &Grads<'_>, store: &mut dyn FnMut(usize
     let va: Vec<AFrag> = (0..kk)
         .map(|k| a_rows(&|i, c| at(k0 + i, vcol + 16 * k + c)))
         .collect();
-    let mut dk = vec![[[0f32; 4]; LANES]; d / 8];
-    let mut dv = vec![[[0f32; 4]; LANES]; d / 8];
+    let mut dk = vec![[[0f32; 4]; LANES]; tiles.len()];
+    let mut dv = vec![[[0f32; 4]; LANES]; tiles.len()];
     let group = sh.heads / sh.kv_heads;
     for n in g * group..(g + 1) * group {
         let qcol = n * d;
@@ -526,16 +538,16 @@ pub fn warp_dkv(sh: &Shape, w: usize, x: &Grads<'_>, store: &mut dyn FnMut(usize
                 }
             }
             let (pa, dsa) = (c_to_a(&p), c_to_a(&ds));
-            for nt in 0..d / 8 {
+            for (t, nt) in tiles.clone().enumerate() {
                 mma(
                     &pa,
                     &b_cols(&|qi, c| dat(q0 + qi, qcol + 8 * nt + c)),
-                    &mut dv[nt],
+                    &mut dv[t],
                 );
                 mma(
                     &dsa,
                     &b_cols(&|qi, c| at(q0 + qi, qcol + 8 * nt + c)),
-                    &mut dk[nt],
+                    &mut dk[t],
                 );
             }
         }
@@ -546,9 +558,9 @@ pub fn warp_dkv(sh: &Shape, w: usize, x: &Grads<'_>, store: &mut dyn FnMut(usize
             let (i, col) = c_at(lane, c);
             if k0 + i < s {
                 let row = (b * s + k0 + i) * width;
-                for nt in 0..d / 8 {
-                    store(row + kcol + 8 * nt + col, dk[nt][lane][c] * scale);
-                    store(row + vcol + 8 * nt + col, dv[nt][lane][c]);
+                for (t, nt) in tiles.clone().enumerate() {
+                    store(row + kcol + 8 * nt + col, dk[t][lane][c] * scale);
+                    store(row + vcol + 8 * nt + col, dv[t][lane][c]);
                 }
             }
         }
@@ -656,12 +668,13 @@ pub(crate) mod tests {
     }
 
     /// The backward's two warps against f64 gradients of causal attention on the same bf16
-    /// inputs (given the f64 log-sum-exps and D, rounded to f32): dQ, dK and dV within 1e-2 of
-    /// 1 + |value| (P and dS go to bf16 before their products; observed 7.7e-3), every
+    /// inputs (given the f64 log-sum-exps and D, rounded to f32): dQ, dK and dV within 2e-2 of
+    /// 1 + |value|, the bf16 bound (P and dS go to bf16 before their products; observed
+    /// 6.3e-3 at heads of 16 and 32, 9.4e-3 at 128, where the key side runs in two parts), every
     /// element written exactly once.
     #[test]
     fn backward_warps_compute_the_gradients() {
-        for (sh, b) in shapes([32, 16, 64]) {
+        for (sh, b) in shapes([32, 16, 128]) {
             let mut seed = 0x1234_5678_9abc_def1;
             let (w, hidden) = (sh.width(), sh.heads * sh.d);
             let qkv = values(b * sh.s * w, &mut seed);
@@ -692,7 +705,7 @@ pub(crate) mod tests {
             assert!(writes.iter().all(|&n| n == 1), "{sh:?}: every element once");
             for (i, (&g, &want)) in got.iter().zip(&want).enumerate() {
                 let err = (f64::from(g) - want).abs() / (1.0 + want.abs());
-                assert!(err <= 1e-2, "{sh:?} dqkv[{i}]: {g} vs {want}");
+                assert!(err <= 2e-2, "{sh:?} dqkv[{i}]: {g} vs {want}");
             }
         }
     }

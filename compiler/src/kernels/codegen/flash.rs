@@ -10,7 +10,7 @@
 //! host ([`super::Target::Warp`]), the kernels give their models' bits exactly (`warp.rs`'s test).
 
 use super::fx::{Fx, Var, F, I};
-use crate::kernels::flash::{Shape, KEYS, QROWS};
+use crate::kernels::flash::{Shape, KEYS, KEY_COLUMNS, QROWS};
 use inkwell::IntPredicate;
 
 /// A 16-bit tensor read by (token row of the sequence, column): rows `width` apart.
@@ -390,6 +390,10 @@ pub fn backward_query<'c>(fx: &mut Fx<'c, '_>, sh: &Shape, w: I<'c>) {
 
 /// `flash::warp_dkv`: the backward's key-side warp `w` (16 keys of one kv head).
 pub fn backward_keys<'c>(fx: &mut Fx<'c, '_>, sh: &Shape, w: I<'c>) {
+    // flash::warp_dkv's numbering: the head's column part fastest.
+    let parts = fx.i64c(sh.key_parts() as u64);
+    let part_col = fx.imul(fx.urem(w, parts), fx.i64c(KEY_COLUMNS as u64));
+    let w = fx.udiv(w, parts);
     let blocks = fx.i64c(sh.s.div_ceil(KEYS) as u64);
     let kv = fx.i64c(sh.kv_heads as u64);
     let k0 = fx.imul(fx.urem(w, blocks), fx.i64c(KEYS as u64));
@@ -400,7 +404,8 @@ pub fn backward_keys<'c>(fx: &mut Fx<'c, '_>, sh: &Shape, w: I<'c>) {
     let (qkv, dout) = (x.qkv(), x.dout());
     let ka = x.head(fx, qkv, k0, kcol);
     let va = x.head(fx, qkv, k0, vcol);
-    let (dk, dv) = (tiles(fx, sh.d / 8), tiles(fx, sh.d / 8));
+    let part_tiles = sh.d.min(KEY_COLUMNS) / 8;
+    let (dk, dv) = (tiles(fx, part_tiles), tiles(fx, part_tiles));
     let group = (sh.heads / sh.kv_heads) as u64;
     let first_head = fx.imul(g, fx.i64c(group));
     let heads_end = fx.iadd(first_head, fx.i64c(group));
@@ -425,10 +430,10 @@ pub fn backward_keys<'c>(fx: &mut Fx<'c, '_>, sh: &Shape, w: I<'c>) {
                 }
             }
             let (pa, dsa) = (x.c_to_a(fx, &p), x.c_to_a(fx, &ds));
-            for nt in 0..sh.d / 8 {
-                let col = fx.iadd(qcol, x.k(fx, 8 * nt));
-                accumulate(fx, &dv[nt], pa, x.b_cols(fx, dout, q0, col));
-                accumulate(fx, &dk[nt], dsa, x.b_cols(fx, qkv, q0, col));
+            for t in 0..part_tiles {
+                let col = fx.iadd(fx.iadd(qcol, part_col), x.k(fx, 8 * t));
+                accumulate(fx, &dv[t], pa, x.b_cols(fx, dout, q0, col));
+                accumulate(fx, &dk[t], dsa, x.b_cols(fx, qkv, q0, col));
             }
         });
     });
@@ -438,11 +443,11 @@ pub fn backward_keys<'c>(fx: &mut Fx<'c, '_>, sh: &Shape, w: I<'c>) {
         let inside = fx.icmp(IntPredicate::ULT, key, x.k(fx, sh.s));
         fx.when(inside, |fx| {
             let row = fx.imul(fx.iadd(x.base, key), width);
-            for nt in 0..sh.d / 8 {
-                let col = fx.iadd(x.c_col(fx, c), x.k(fx, 8 * nt));
-                let v = fx.mul(fx.get(&dk[nt][c]), fx.f(x.scale()));
+            for t in 0..part_tiles {
+                let col = fx.iadd(fx.iadd(x.c_col(fx, c), part_col), x.k(fx, 8 * t));
+                let v = fx.mul(fx.get(&dk[t][c]), fx.f(x.scale()));
                 fx.store("dqkv", fx.iadd(fx.iadd(row, kcol), col), v);
-                let v = fx.get(&dv[nt][c]);
+                let v = fx.get(&dv[t][c]);
                 fx.store("dqkv", fx.iadd(fx.iadd(row, vcol), col), v);
             }
         });

@@ -149,8 +149,9 @@ mod tests {
     /// warp's instructions as calls), run as a warp of 32 threads, computes exactly what its
     /// lane-by-lane model computes: the same bits for the forward's output and log-sum-exps
     /// and for the backward's dqkv, over sequences that end inside a 16-row block, GQA and
-    /// MHA. Both take their products from `flash::mma` and exp2/log2 from the host, so any
-    /// difference is the code's: an index, a mask, a fragment, a rounding point.
+    /// MHA, heads of 16, 32 and 128 (whose key side runs in two 64-column parts). Both take
+    /// their products from `flash::mma` and exp2/log2 from the host, so any difference is the
+    /// code's: an index, a mask, a fragment, a rounding point.
     #[test]
     fn the_generated_fused_attention_is_its_model() {
         let (h, f) = (Dtype::Bf16, Dtype::Fp32);
@@ -169,6 +170,15 @@ mod tests {
                     heads: 2,
                     kv_heads: 2,
                     d: 16,
+                    s: 20,
+                },
+                1,
+            ),
+            (
+                Shape {
+                    heads: 2,
+                    kv_heads: 1,
+                    d: 128,
                     s: 20,
                 },
                 1,
