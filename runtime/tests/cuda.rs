@@ -98,7 +98,8 @@ schedule llama_ddp1 { model = tiny_llama  cluster = cpu4  gpus_per_node = 1  pre
 
 /// bf16 twins of the tiny models, one-rank: the GPT with flash attention; the LLaMA-style one with
 /// a 259-word vocabulary and a 172-wide SwiGLU (widths that are not a multiple of 8: its head and
-/// MLP products go through padded rows) and naive attention.
+/// MLP products go through padded rows) and naive attention; and a LLaMA-style block with two
+/// query heads of 128 sharing one kv head (the fused attention's widest heads).
 const BF16: &str = r#"
 import "clusters/cpu.sched"
 model gpt_bf16 {
@@ -114,8 +115,16 @@ model llama_bf16 {
                                  act = swiglu, bias = false, attention = naive)
     layer head     = lm_head(hidden = 64, vocab = 259, norm = rmsnorm)
 }
+model wide_bf16 {
+    dtype = bf16  optimizer = adamw  seq_len = 64  micro_batch = 2
+    layer embed    = embedding(vocab = 256, hidden = 256, positions = rope)
+    layer block[1] = transformer(hidden = 256, heads = 2, kv_heads = 1, ffn = 512, norm = rmsnorm,
+                                 act = swiglu, bias = false)
+    layer head     = lm_head(hidden = 256, vocab = 256, norm = rmsnorm)
+}
 schedule gpt_bf16_ddp1 { model = gpt_bf16  cluster = cpu4  gpus_per_node = 1  preset = ddp  train { lr = 1e-3  seed = 3 } }
 schedule llama_bf16_ddp1 { model = llama_bf16  cluster = cpu4  gpus_per_node = 1  preset = ddp  train { lr = 1e-3  seed = 3 } }
+schedule wide_bf16_ddp1 { model = wide_bf16  cluster = cpu4  gpus_per_node = 1  preset = ddp  train { lr = 1e-3  seed = 3 } }
 "#;
 
 /// Every job the GPU tests run.
@@ -274,7 +283,8 @@ fn tiny_bf16_models_on_one_gpu_match_the_cpu_backend() {
 /// The fused attention kernels (tensor cores, `schedc::kernels::flash`: forward and backward)
 /// on the GPU against the chunked path (cuBLAS products and the softmax kernels, which the
 /// parity tests hold to the CPU backend) on random bf16 inputs of two sequences: the bf16 GPT's
-/// heads of 16 (seq 64) and GPT-2's heads of 64 (seq 1024). Outputs within 1e-2, log-sum-exps
+/// heads of 16 (seq 64), the wide LLaMA-style model's grouped heads of 128 (seq 64; the key side
+/// in two parts) and GPT-2's heads of 64 (seq 1024). Outputs within 1e-2, log-sum-exps
 /// within 1e-4, dqkv within 2e-2 of 1 + |value|; on the host the kernels' models are within
 /// 1.9e-3, 1.2e-7 and 6.9e-3 of `attention.rs`.
 #[cfg(feature = "cuda")]
@@ -283,7 +293,7 @@ fn flash_attention_kernel_matches_the_chunked_path() {
     if !gpu() {
         return;
     }
-    let wanted = ["gpt_bf16_ddp1", "gpt2_1gpu"];
+    let wanted = ["gpt_bf16_ddp1", "wide_bf16_ddp1", "gpt2_1gpu"];
     let jobs: Vec<Job> = [BF16, GPT2]
         .into_iter()
         .flat_map(jobs)
