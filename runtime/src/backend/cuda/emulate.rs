@@ -510,6 +510,24 @@ fn layers_on_the_emulated_device_match_the_cpu_math() {
     }
 }
 
+/// `math/attention.rs`'s lse path on `qkv` with output gradient `dout`, in fp32: the output,
+/// the rows' log-sum-exps and dqkv (what the fused attention's tests hold the device to).
+fn attention_rs(
+    sh: &crate::math::attention::Shape,
+    qkv: &[f32],
+    dout: &[f32],
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    use crate::math::attention::{self, Keep};
+    let (t, rows) = (sh.b * sh.s, sh.b * sh.heads * sh.s);
+    let mut scratch = vec![0.0; 2 * sh.scratch()];
+    let (mut out, mut lse) = (vec![0.0; t * sh.hidden()], vec![0.0; rows]);
+    let keep = Keep::Lse(&mut lse[..]);
+    attention::forward(sh, qkv, &mut out, keep, Precision::F32, &mut scratch);
+    let mut dqkv = vec![0.0; t * sh.width()];
+    attention::backward(sh, qkv, Keep::Lse(&lse), dout, &mut dqkv, &mut scratch);
+    (out, lse, dqkv)
+}
+
 /// The fused attention in chunks of queries equals `attention.rs`'s lse path, forward and
 /// backward: chunks of 24 query rows split a 70-token sequence in three (the last short, each
 /// against keys up to its end), grouped-query and multi-head, and one chunk of the whole
@@ -517,7 +535,7 @@ fn layers_on_the_emulated_device_match_the_cpu_math() {
 /// within 1e-6 of 1 + |value|.
 #[test]
 fn chunked_attention_matches_attention_rs() {
-    use crate::math::attention::{self, Keep, Shape};
+    use crate::math::attention::Shape;
     let f = Dtype::Fp32;
     let kernels = vec![
         Kernel::new(Op::CausalSoftmax, &[f, f]),
@@ -539,12 +557,7 @@ fn chunked_attention_matches_attention_rs() {
             |n: usize| -> Vec<f32> { (0..n).map(|_| rng.next_f64() as f32 * 2.0 - 1.0).collect() };
         let (qkv, dout) = (values(t * w), values(t * hid));
         let rows = sh.b * sh.heads * sh.s;
-        let mut scratch = vec![0.0; 2 * sh.scratch()];
-        let (mut out, mut lse) = (vec![0.0; t * hid], vec![0.0; rows]);
-        let keep = Keep::Lse(&mut lse[..]);
-        attention::forward(&sh, &qkv, &mut out, keep, Precision::F32, &mut scratch);
-        let mut dqkv = vec![0.0; t * w];
-        attention::backward(&sh, &qkv, Keep::Lse(&lse), &dout, &mut dqkv, &mut scratch);
+        let (out, lse, dqkv) = attention_rs(&sh, &qkv, &dout);
 
         let mut ws = vec![0f32; 1 << 20];
         let consts = table_consts(None);
@@ -576,7 +589,7 @@ fn chunked_attention_matches_attention_rs() {
 /// and multi-head, heads of 16, 32 and 128 (the key side in two 64-column parts).
 #[test]
 fn flash_attention_of_a_bf16_model_matches_attention_rs() {
-    use crate::math::attention::{self, Keep, Shape};
+    use crate::math::attention::Shape;
     let (f, h) = (Dtype::Fp32, Dtype::Bf16);
     for (heads, kv_heads, d) in [(4, 2, 16), (2, 2, 32), (2, 1, 128)] {
         let sh = Shape {
@@ -586,18 +599,15 @@ fn flash_attention_of_a_bf16_model_matches_attention_rs() {
             kv_heads,
             d,
         };
-        let op = Op::FlashForward(schedc::kernels::flash::Shape {
+        let shape = schedc::kernels::flash::Shape {
             heads,
             kv_heads,
             d,
             s: sh.s,
-        });
-        let Op::FlashForward(shape) = op else {
-            unreachable!()
         };
         let kernels = vec![
             Kernel::new(Op::Convert, &[f, h]),
-            Kernel::new(op, &[h, f]),
+            Kernel::new(Op::FlashForward(shape), &[h, f]),
             Kernel::new(Op::FlashDot(shape), &[f, f]),
             Kernel::new(Op::FlashBackwardQuery(shape), &[h, h, f]),
             Kernel::new(Op::FlashBackwardKeys(shape), &[h, h, f]),
@@ -612,12 +622,7 @@ fn flash_attention_of_a_bf16_model_matches_attention_rs() {
         };
         let (qkv, dout) = (values(t * w), values(t * hid));
         let rows = sh.b * sh.heads * sh.s;
-        let mut scratch = vec![0.0; 2 * sh.scratch()];
-        let (mut out, mut lse) = (vec![0.0; t * hid], vec![0.0; rows]);
-        let keep = Keep::Lse(&mut lse[..]);
-        attention::forward(&sh, &qkv, &mut out, keep, Precision::F32, &mut scratch);
-        let mut dqkv = vec![0.0; t * w];
-        attention::backward(&sh, &qkv, Keep::Lse(&lse), &dout, &mut dqkv, &mut scratch);
+        let (out, lse, dqkv) = attention_rs(&sh, &qkv, &dout);
 
         let mut ws = vec![0f32; 1 << 20];
         let consts = table_consts(None);
