@@ -177,12 +177,6 @@ fn on(kernels: &[Kernel], target: Target) -> impl Iterator<Item = &Kernel> {
     kernels
         .iter()
         .filter(move |k| target != Target::Host || !k.op.gpu_only())
-        .inspect(move |k| {
-            assert!(
-                target != Target::Warp || k.op.lanes_on_gpu() <= super::WARP,
-                "{k}: a warp on the host runs row and element ops"
-            )
-        })
 }
 
 /// The LLVM types of `k`'s parameters, then `begin` and `end`.
@@ -371,6 +365,13 @@ impl HostKernels {
     }
 
     fn jit_for(kernels: &[Kernel], target: Target) -> Result<Self, CodegenError> {
+        if let Some(k) = kernels.iter().find(|k| k.op.lanes_on_gpu() > super::WARP) {
+            if target == Target::Warp {
+                return Err(err(format!(
+                    "{k}: a warp on the host runs row and element ops"
+                )));
+            }
+        }
         let ctx = Box::new(Context::create());
         // SAFETY: the context is boxed (its address is stable) and outlives the engine: both are
         // fields of the returned value, the engine declared (and so dropped) first.

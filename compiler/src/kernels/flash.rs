@@ -118,15 +118,6 @@ pub struct Shape {
 }
 
 impl Shape {
-    /// The shape of a fused attention op ([`super::Op::flash_shape`]).
-    ///
-    /// # Panics
-    /// When `op` is not one (a caller's bug).
-    pub fn of(op: super::Op) -> Shape {
-        op.flash_shape()
-            .unwrap_or_else(|| panic!("{op:?} is not a fused attention op"))
-    }
-
     /// The kernel names' part for the shape.
     pub fn suffix(&self) -> String {
         format!(

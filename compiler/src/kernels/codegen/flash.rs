@@ -159,6 +159,16 @@ impl<'c> Warp<'c> {
         fx.iadd(self.two_tig, self.k(fx, c & 1))
     }
 
+    /// Whether a tile's element (query `query`, key `key`) is masked: above the diagonal, or
+    /// `last` (the query or key the caller's walk may carry past the sequence) is past it.
+    fn masked(&self, fx: &Fx<'c, '_>, query: I<'c>, key: I<'c>, last: I<'c>) -> I<'c> {
+        let late = fx.icmp(IntPredicate::UGT, key, query);
+        fx.or(
+            late,
+            fx.icmp(IntPredicate::UGE, last, self.k(fx, self.sh.s)),
+        )
+    }
+
     /// √d's reciprocal.
     fn scale(&self) -> f32 {
         1.0 / (self.sh.d as f32).sqrt()
@@ -228,10 +238,8 @@ pub fn forward<'c>(fx: &mut Fx<'c, '_>, sh: &Shape, w: I<'c>) {
             std::array::from_fn(|c| {
                 let row = fx.iadd(q0, x.c_row(fx, c));
                 let key = fx.iadd(keys, x.c_col(fx, c));
-                let late = fx.icmp(IntPredicate::UGT, key, row);
-                let past = fx.icmp(IntPredicate::UGE, key, x.k(fx, sh.s));
                 let v = fx.mul(st[c], fx.f(scale_log2));
-                fx.fselect(fx.or(late, past), fx.f(f32::NEG_INFINITY), v)
+                fx.fselect(x.masked(fx, row, key, key), fx.f(f32::NEG_INFINITY), v)
             })
         });
         let mut p = [[fx.f(0.0); 4]; 2];
@@ -361,10 +369,8 @@ pub fn backward_query<'c>(fx: &mut Fx<'c, '_>, sh: &Shape, w: I<'c>) {
             std::array::from_fn(|c| {
                 let row = fx.iadd(q0, x.c_row(fx, c));
                 let key = fx.iadd(keys, x.c_col(fx, c));
-                let late = fx.icmp(IntPredicate::UGT, key, row);
-                let past = fx.icmp(IntPredicate::UGE, row, x.k(fx, sh.s));
-                let (_, ds) = p_and_ds(fx, sh, (st[c], dp[c]), fx.or(late, past), stats[c >> 1]);
-                ds
+                let masked = x.masked(fx, row, key, row);
+                p_and_ds(fx, sh, (st[c], dp[c]), masked, stats[c >> 1]).1
             })
         });
         let dsa = x.c_to_a(fx, &ds);
@@ -421,11 +427,9 @@ pub fn backward_keys<'c>(fx: &mut Fx<'c, '_>, sh: &Shape, w: I<'c>) {
                 for c in 0..4 {
                     let key = fx.iadd(k0, x.c_row(fx, c));
                     let q = fx.iadd(queries, x.c_col(fx, c));
-                    let late = fx.icmp(IntPredicate::UGT, key, q);
-                    let past = fx.icmp(IntPredicate::UGE, q, x.k(fx, sh.s));
                     let at = stat(fx, sh, b, n, fx.umin(q, x.k(fx, sh.s - 1)));
                     let stats = (fx.load("lse", at), fx.load("dot", at));
-                    let masked = fx.or(late, past);
+                    let masked = x.masked(fx, q, key, q);
                     (p[nt][c], ds[nt][c]) = p_and_ds(fx, sh, (st[c], dp[c]), masked, stats);
                 }
             }

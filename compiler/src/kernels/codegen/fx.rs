@@ -775,15 +775,22 @@ impl<'c, 'm> Fx<'c, 'm> {
 
     // ----- control flow -----
 
-    /// An f32 (or f64, by `init`'s type) accumulator on the stack, set to `init`.
-    pub fn var(&self, init: F<'c>) -> Var<'c> {
+    /// A stack slot of type `t`, allocated at the function's entry (where the optimiser promotes
+    /// slots to registers), the builder staying where it was.
+    fn entry_alloca(&self, t: impl BasicType<'c>) -> PointerValue<'c> {
         let here = self.b.get_insert_block().expect(BUILD);
         match self.entry.get_first_instruction() {
             Some(first) => self.b.position_before(&first),
             None => self.b.position_at_end(self.entry),
         }
-        let slot = self.b.build_alloca(init.get_type(), "").expect(BUILD);
+        let slot = self.b.build_alloca(t, "").expect(BUILD);
         self.b.position_at_end(here);
+        slot
+    }
+
+    /// An f32 (or f64, by `init`'s type) accumulator on the stack, set to `init`.
+    pub fn var(&self, init: F<'c>) -> Var<'c> {
+        let slot = self.entry_alloca(init.get_type());
         self.b.build_store(slot, init).expect(BUILD);
         Var {
             slot,
@@ -1016,14 +1023,7 @@ impl<'c, 'm> Fx<'c, 'm> {
             super::warp::MMA,
             self.ctx.void_type().fn_type(&params, false),
         );
-        let quad = f.array_type(4);
-        let here = self.b.get_insert_block().expect(BUILD);
-        match self.entry.get_first_instruction() {
-            Some(first) => self.b.position_before(&first),
-            None => self.b.position_at_end(self.entry),
-        }
-        let out = self.b.build_alloca(quad, "").expect(BUILD);
-        self.b.position_at_end(here);
+        let out = self.entry_alloca(f.array_type(4));
         let args: Vec<BasicMetadataValueEnum> = a
             .iter()
             .chain(&b)
