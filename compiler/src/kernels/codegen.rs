@@ -383,7 +383,9 @@ impl HostKernels {
         let engine = module
             .create_jit_execution_engine(OptimizationLevel::Aggressive)
             .map_err(|e| err(e.to_string()))?;
-        warp::map(&module, &engine);
+        if target == Target::Warp {
+            warp::map(&module, &engine);
+        }
         let mut addresses = HashMap::new();
         for k in on(kernels, target) {
             let name = k.name();

@@ -774,9 +774,9 @@ impl Gpu<'_> {
         let qkv = self.aligned_operand(qkv, sh.b * sh.s * sh.width())?;
         let rows = sh.b * sh.heads * sh.s;
         let rows_lse = self.alloc(rows)?;
-        let op = Op::FlashForward(flash_shape(sh));
-        let warps = flash_shape(sh).warps(sh.b);
-        self.run(op, warps, &[T(qkv), T(out), T(rows_lse)])?;
+        let shape = flash_shape(sh);
+        let args = [T(qkv), T(out), T(rows_lse)];
+        self.run(Op::FlashForward(shape), shape.warps(sh.b), &args)?;
         self.copy(lse, rows_lse, rows)
     }
 
