@@ -285,8 +285,8 @@ fn tiny_bf16_models_on_one_gpu_match_the_cpu_backend() {
 /// parity tests hold to the CPU backend) on random bf16 inputs of two sequences: the bf16 GPT's
 /// heads of 16 (seq 64), the wide LLaMA-style model's grouped heads of 128 (seq 64; the key side
 /// in two parts) and GPT-2's heads of 64 (seq 1024). Outputs within 1e-2, log-sum-exps
-/// within 1e-4, dqkv within 2e-2 of 1 + |value|; on the host the kernels' models are within
-/// 1.9e-3, 1.2e-7 and 6.9e-3 of `attention.rs`.
+/// within 1e-4, dqkv within 2e-2 of 1 + |value|; on the host the kernels' code (run as warps) is
+/// within 2.1e-3, 1.2e-7 and 9.4e-3 of `attention.rs` (`backend::cuda::emulate`).
 #[cfg(feature = "cuda")]
 #[test]
 fn flash_attention_kernel_matches_the_chunked_path() {
