@@ -304,9 +304,10 @@ fn overlap_pair(micro_steps: u32, contention: f64) -> (f64, f64) {
 
 /// Lee et al. 2025 (arXiv 2507.03114, abstract): running computation and communication one after
 /// the other is on average 10.2% slower than overlapping them, at most 26.6%. The refresh overlap
-/// on LLaMA-13B over 64 GPUs moves the step by that much once a step holds a few micro-steps; with
-/// one micro-step 26 GB of all-gather nothing else can hide are exposed, which no contention
-/// factor can hide either, but contention narrows the gap the old model gave.
+/// on LLaMA-13B over 64 GPUs moves the step by that much at every micro-step count: without it the
+/// 26 GB refresh all-gather runs after the step's last backward (as DeepSpeed's ZeRO-1 runs it
+/// after its optimizer step) while the boundary reductions still overlap the backward; with it,
+/// contention narrows the gap the old model gave.
 #[test]
 #[allow(clippy::print_stdout)]
 fn overlap_settings_move_the_step_like_published_runs() {
@@ -326,13 +327,11 @@ fn overlap_settings_move_the_step_like_published_runs() {
             gap < gap0,
             "contention narrows the gap: {gap} vs {gap0} without it"
         );
-        if micro_steps >= 4 {
-            assert!(
-                (0.02..=0.266).contains(&gap),
-                "{micro_steps} micro-steps: +{:.1}% outside Lee et al.'s 2-26.6%",
-                100.0 * gap
-            );
-        }
+        assert!(
+            (0.02..=0.266).contains(&gap),
+            "{micro_steps} micro-steps: +{:.1}% outside Lee et al.'s 2-26.6%",
+            100.0 * gap
+        );
     }
 }
 
@@ -350,7 +349,7 @@ fn ranges_bracket_the_figures() {
         g.step_time_s
     );
     // Without overlap, contention changes nothing.
-    let r = simulate("calibration_overlap.sched", "overlap_1_off");
+    let r = simulate("calibration_overlap.sched", "overlap_1_serial");
     let g = r.ranges.unwrap();
     assert!(g.step_time_s[1] - g.step_time_s[0] <= 1e-9 * r.step_time_s);
 }

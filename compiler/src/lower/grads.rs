@@ -241,7 +241,8 @@ impl Builder<'_> {
     }
 
     /// Optimizer update of each layer of `grads` (reading its optimizer-shard gradient, then with
-    /// clipping the norm) and, unless deferred to the next step, the refresh of `bucket`.
+    /// clipping the norm) and, when the refresh overlaps on the sync stream, the refresh of
+    /// `bucket` (deferred or not overlapped, the step places it: `step::after_last_backward`).
     pub(super) fn update_refresh(
         &mut self,
         bucket: &[usize],
@@ -268,7 +269,7 @@ impl Builder<'_> {
             self.p.ops[update].role = OpRole::Sync;
             ops.push(update);
         }
-        if self.job.schedule.overlap.refresh != Refresh::NextForward {
+        if self.job.schedule.overlap.refresh == Refresh::Overlap(true) {
             let layers = self.with_params(bucket);
             ops.extend(self.refresh(&layers));
         }

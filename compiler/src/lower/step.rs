@@ -1,7 +1,7 @@
 //! The step's shape: micro-steps of forward slots, the loss and backward slots; the buckets of
 //! gathers and reductions ([`super::buckets`]); which slot each gather unit serves and how far
 //! prefetch may hoist it; and the boundary, clipping, update and refresh after each layer's last
-//! backward of the last micro-step.
+//! backward of the last micro-step (a refresh that does not overlap: after the step's last backward).
 
 use super::buckets::partition;
 use super::Builder;
@@ -211,6 +211,12 @@ impl Builder<'_> {
 
     /// Boundary, update and refresh after the last micro-step's reductions. With clipping, every
     /// update waits for the norm, which follows every layer's boundary.
+    ///
+    /// A refresh that overlaps runs on the sync stream right after its update. One that does not
+    /// (`refresh = false`) runs on the compute stream after the step's last backward (lowering §3:
+    /// after the last micro-step), as a framework without that overlap does after its optimizer
+    /// step; placed after each update instead, it would also stall the compute stream on every
+    /// layer's boundary synchronisation, which the `sync` switch ablates, not this one.
     fn after_last_backward(&mut self, buckets: &Buckets, at: &MicroStepSlots, slots: &mut [Slot]) {
         let clip = self.job.schedule.train.clip.is_some();
         let mut pending = vec![];
@@ -235,6 +241,13 @@ impl Builder<'_> {
             }
             // The last backward slot is layer 0's.
             slots[at.backward[0]].after.extend(ops);
+        }
+        if self.job.schedule.overlap.refresh == Refresh::Overlap(false) {
+            for bucket in &buckets.reduce {
+                let layers = self.with_params(bucket);
+                let ops = self.refresh(&layers);
+                slots[at.backward[0]].after.extend(ops);
+            }
         }
     }
 }
