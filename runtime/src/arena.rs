@@ -43,7 +43,7 @@ impl Arena {
     pub fn new(bytes: u64) -> Self {
         let words = (bytes.div_ceil(4)) as usize;
         Arena {
-            words: (0..words).map(|_| AtomicU32::new(0)).collect(),
+            words: crate::pages::zeroed::<AtomicU32>(words).into_boxed_slice(),
             bytes,
             high_water: AtomicU64::new(0),
             bulk: AtomicBool::new(false),

@@ -23,6 +23,7 @@ pub mod data;
 pub(crate) mod device;
 pub mod exec;
 pub mod math;
+mod pages;
 pub mod plan;
 pub mod reference;
 pub mod train;

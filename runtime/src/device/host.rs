@@ -194,7 +194,9 @@ impl Device for Host<'_> {
         let mut v = fit.map(|i| free.swap_remove(i)).unwrap_or_default();
         drop(free);
         if v.len() < n {
-            v.resize(n, 0.0);
+            // A fresh buffer rather than a grown one: the old values need not move, and the new
+            // one can start on huge pages (`crate::pages`).
+            v = crate::pages::zeroed(n);
         }
         let p = HostPtr::of(&mut v);
         // Moving the vector moves only its header: the values stay where `p` points.
