@@ -113,17 +113,17 @@ pub fn attention_chunk(heads: u64, seq_len: u64) -> u64 {
     }
 }
 
-/// Rows of a padded product output (or output gradient) in workspace at a time (see
-/// [`padded_rows`]): the product runs on that many token rows at once.
+/// The size of an unaligned product's workspace block, in padded rows (see [`padded_rows`]).
 pub const PADDED_ROWS: usize = 1024;
 
 /// Floats for a product whose output width among `widths` is not a multiple of 8 (a head over
-/// an odd vocabulary): the GPU pads it to the next multiple, w₈, so that its tensor-core
-/// kernels run (`aligned_ld` in the CUDA device). Its weight, `inputs` wide at most, gets w₈
-/// rows (the last ones zero), and its output (forward) or output gradient (backward) goes
-/// through rows of w₈, [`PADDED_ROWS`] of the T tokens at a time, in fp32 at most and, for a
-/// 16-bit model's fp32 gradient, cast to the product dtype: 1.5·min(T, rows)·w₈ + w₈·inputs,
-/// for the widest such product.
+/// an odd vocabulary): no tensor-core product reads or writes its rows in place (`aligned_ld`
+/// in the CUDA device), so its output (forward) or output gradient (backward) goes through
+/// workspace a block of columns at a time, as many elements as [`PADDED_ROWS`] rows of w₈ (the
+/// width rounded up to 8) hold and at most min(T, rows)·w₈, in fp32 at most and, for a 16-bit
+/// model's fp32 gradient, cast to the product dtype; the last block's weight rows, padded with
+/// zero rows, take at most w₈·inputs: 1.5·min(T, rows)·w₈ + w₈·inputs, for the widest such
+/// product.
 pub fn padded_rows(tokens: u64, widths: &[u64], inputs: u64) -> u64 {
     let widest = widths.iter().filter(|&&w| w % 8 != 0).max();
     widest.map_or(0, |&w| {

@@ -726,7 +726,7 @@ fn flash_and_naive_attention_train_alike() {
 /// A 16-bit model's products (forward and both backward products) round both operands to the
 /// model dtype and accumulate in f32: each result equals the f64 sum over the rounded operands
 /// within f32 accumulation error, and differs from the product of the unrounded ones. An output
-/// width whose rows do not start 16 bytes aligned (11) goes through padded rows (the backward's
+/// width whose rows do not start 16 bytes aligned (11) goes through workspace (the backward's
 /// dy, and a forward without a bias) to the same values.
 #[test]
 fn products_of_a_16_bit_model_round_their_operands() {
@@ -868,13 +868,19 @@ fn products_of_a_16_bit_model_round_their_operands() {
     }
 }
 
-/// A product over an output width whose rows do not start 16 bytes aligned (11 fp32 values)
-/// and more token rows than go through padded rows at once (`PADDED_ROWS`: three batches, the
-/// last short): y = x·Wᵀ, dW += dyᵀ·x, dx = dy·W equal their sums over the unpadded operands.
+/// A product over an output width whose rows do not start 16 bytes aligned (11 fp32 values):
+/// y = x·Wᵀ, dW += dyᵀ·x, dx = dy·W equal their sums over the unpadded operands.
+/// Columns go through workspace in blocks: one block of 12 (100 tokens), blocks of 4 over every
+/// row (2,348 tokens), blocks of 4 in row batches of 3,072 and 928 (4,000 tokens).
 #[test]
 fn padded_products_cover_every_row() {
     use schedc::lower::workspace::PADDED_ROWS;
-    let (t, inp, out) = (2 * PADDED_ROWS + 300, 5, 11);
+    for t in [100, 2 * PADDED_ROWS + 300, 4000] {
+        padded_products(t, 5, 11);
+    }
+}
+
+fn padded_products(t: usize, inp: usize, out: usize) {
     let f = Dtype::Fp32;
     let x = HostExec::new(vec![Kernel::new(Op::Fill, &[f])], "fill");
     let mut rng = Rng::new(9);
@@ -883,7 +889,9 @@ fn padded_products_cover_every_row() {
         rng.normals(out * inp, 1.0),
         rng.normals(t * out, 1.0),
     );
-    let mut ws = vec![0f32; 1 << 20];
+    // Forward and backward each on NaN workspace: a product that reads workspace its own op
+    // did not write fails.
+    let (mut ws, mut ws2) = (vec![f32::NAN; 1 << 20], vec![f32::NAN; 1 << 20]);
     let consts = table_consts(None);
     let gg = g(&x, &mut ws, &consts, f);
     let (mut y, mut dw, mut dx) = (
@@ -902,7 +910,7 @@ fn padded_products_cover_every_row() {
         0.0,
     )
     .unwrap();
-    gg.reset();
+    let gg = g(&x, &mut ws2, &consts, f);
     let (dwp, dxp) = (f32p_mut(&mut dw), f32p_mut(&mut dx));
     gg.linear_backward(
         f32p(&xs),

@@ -436,18 +436,39 @@ impl Gpu<'_> {
         Ok(DevPtr::new(self.alloc(floats as usize)?.addr, storage))
     }
 
-    /// W [out × inp] copied into workspace with zero rows after it up to `ld` outputs.
-    fn padded_weight(
+    /// How a product over an output width `out` whose rows do not start 16 bytes aligned (a
+    /// head over an odd vocabulary: no product can read or write such rows in place) goes
+    /// through workspace: `cols` of its columns at a time (a multiple of the alignment), over
+    /// `rows` token rows at a time, as many as [`PADDED_ROWS`] padded rows of `ld` hold: every
+    /// token row at once when they fit, so that each column block's weight rows meet all the
+    /// tokens in one product. Returns (cols, rows).
+    fn column_blocks(t: usize, ld: usize, storage: Storage) -> (usize, usize) {
+        let align = aligned_ld(1, storage);
+        let budget = PADDED_ROWS * ld;
+        let cols = ((budget / t).min(ld) / align * align).max(align);
+        (cols, (budget / cols).min(t))
+    }
+
+    /// W's rows `c0..c0 + width` [width × inp] as a product operand of a row count that is a
+    /// multiple of the alignment: W in place when `width` is one, else (the last block) those
+    /// rows copied into workspace with zero rows after them. Returns it and its row count.
+    fn weight_rows(
         &self,
         w: DevPtr,
-        out: usize,
+        c0: usize,
+        width: usize,
         inp: usize,
-        ld: usize,
-    ) -> Result<DevPtr, DeviceError> {
-        let wp = self.alloc_as(w.storage, ld * inp)?;
-        self.copy(wp, w, out * inp)?;
-        self.fill(wp.offset(out * inp), (ld - out) * inp, 0.0)?;
-        Ok(wp)
+        storage: Storage,
+    ) -> Result<(DevPtr, usize), DeviceError> {
+        let w = w.offset(c0 * inp);
+        let wide = aligned_ld(width, storage);
+        if wide == width {
+            return Ok((w, width));
+        }
+        let wp = self.alloc_as(w.storage, wide * inp)?;
+        self.copy(wp, w, width * inp)?;
+        self.fill(wp.offset(width * inp), (wide - width) * inp, 0.0)?;
+        Ok((wp, wide))
     }
 
     /// y (β)= x·Wᵀ (+ bias) into rows of y `ld` elements apart.
@@ -991,20 +1012,23 @@ impl Device for Gpu<'_> {
         if ld == out || bias.is_some() {
             return self.linear_rows(x, w, bias, (y, out), t, inp, out, beta);
         }
-        // An output width whose rows do not start 16 bytes aligned (a head over an odd
-        // vocabulary): the product runs on W padded with zero rows to `ld` outputs, into rows
-        // padded in workspace (`PADDED_ROWS` at a time), which are then copied into y.
-        let wp = self.padded_weight(w, out, inp, ld)?;
-        let padded = self.alloc_as(y.storage, t.min(PADDED_ROWS) * ld)?;
-        for r0 in (0..t).step_by(PADDED_ROWS) {
-            let rows = PADDED_ROWS.min(t - r0);
-            let y = y.offset(r0 * out);
-            if beta != 0.0 {
-                self.copy_rows((padded, ld), (y, out), out, rows)?;
+        // An output width whose rows do not start 16 bytes aligned: y's columns a block at a
+        // time (`column_blocks`) are computed into rows of `cols` in workspace and copied into y.
+        let (cols, rows) = Self::column_blocks(t, ld, y.storage);
+        let block = self.alloc_as(y.storage, rows * cols)?;
+        for c0 in (0..out).step_by(cols) {
+            let width = cols.min(out - c0);
+            let (wb, wide) = self.weight_rows(w, c0, width, inp, y.storage)?;
+            for r0 in (0..t).step_by(rows) {
+                let n = rows.min(t - r0);
+                let y = y.offset(r0 * out + c0);
+                if beta != 0.0 {
+                    self.copy_rows((block, cols), (y, out), width, n)?;
+                }
+                let x = x.offset(r0 * inp);
+                self.linear_rows(x, wb, None, (block, cols), n, inp, wide, beta)?;
+                self.copy_rows((y, out), (block, cols), width, n)?;
             }
-            let x = x.offset(r0 * inp);
-            self.linear_rows(x, wp, None, (padded, ld), rows, inp, ld, beta)?;
-            self.copy_rows((y, out), (padded, ld), out, rows)?;
         }
         Ok(())
     }
@@ -1042,23 +1066,41 @@ impl Device for Gpu<'_> {
             }
             return Ok(());
         }
-        // dy's rows do not start 16 bytes aligned (see `linear`): `PADDED_ROWS` of them at a
-        // time are copied into rows padded with zeros to `ld`, and dx's product sums over `ld`
-        // outputs of W padded with zero rows.
-        let w = match dx {
-            Some(_) => self.padded_weight(w, out, inp, ld)?,
-            None => w,
-        };
-        let padded = self.alloc_as(dy.storage, t.min(PADDED_ROWS) * ld)?;
-        self.fill(padded, t.min(PADDED_ROWS) * ld, 0.0)?;
-        for r0 in (0..t).step_by(PADDED_ROWS) {
-            let rows = PADDED_ROWS.min(t - r0);
-            self.copy_rows((padded, ld), (dy.offset(r0 * out), out), out, rows)?;
-            let x = x.offset(r0 * inp);
-            self.gemm(out, inp, rows, 1.0, mt(padded, ld), m(x, inp), 1.0, dw, inp)?;
-            if let Some((dx, beta)) = dx {
-                let dx = dx.offset(r0 * inp);
-                self.gemm(rows, inp, ld, 1.0, m(padded, ld), m(w, inp), beta, dx, inp)?;
+        // dy's rows do not start 16 bytes aligned: its columns a block at a time
+        // (`column_blocks`) are copied into rows of `cols` in workspace. Each block's dW rows
+        // are one product over its token rows (all of them when they fit: a head's dW is then
+        // written once, not re-read per row batch), and dx adds the blocks' products (β = 1
+        // after the first). The last block's columns past dy's are zeros, against W's rows
+        // padded with zeros (`weight_rows`), so that every product's k is aligned.
+        let (cols, rows) = Self::column_blocks(t, ld, dy.storage);
+        if let Some((dx, _)) = dx {
+            if dx.storage != Storage::F32 && cols < out {
+                return Err(plan_error(
+                    "a 16-bit dx of a product over an unaligned output width",
+                ));
+            }
+        }
+        let block = self.alloc_as(dy.storage, rows * cols)?;
+        for c0 in (0..out).step_by(cols) {
+            let width = cols.min(out - c0);
+            let (wb, wide) = match dx {
+                Some(_) => self.weight_rows(w, c0, width, inp, dy.storage)?,
+                None => (w, width),
+            };
+            if wide > width {
+                self.fill(block, rows * cols, 0.0)?;
+            }
+            let dw = dw.offset(c0 * inp);
+            for r0 in (0..t).step_by(rows) {
+                let n = rows.min(t - r0);
+                self.copy_rows((block, cols), (dy.offset(r0 * out + c0), out), width, n)?;
+                let x = x.offset(r0 * inp);
+                self.gemm(width, inp, n, 1.0, mt(block, cols), m(x, inp), 1.0, dw, inp)?;
+                if let Some((dx, beta)) = dx {
+                    let beta = if c0 == 0 { beta } else { 1.0 };
+                    let dx = dx.offset(r0 * inp);
+                    self.gemm(n, inp, wide, 1.0, m(block, cols), m(wb, inp), beta, dx, inp)?;
+                }
             }
         }
         Ok(())
