@@ -162,6 +162,79 @@ fn refusals_have_exit_codes_and_one_clear_line() {
     assert!(out.stdout.is_empty(), "nothing runs after a refusal");
 }
 
+/// `--trace`: the last step as measured, in `schedc simulate --trace`'s format. Every op of every
+/// rank is one slice on its stream's thread, the stream's slices in the plan's issue order and
+/// apart, within the step's time; every event wait is a flow arrow; the cuda backend refuses it
+/// before anything runs.
+#[test]
+fn a_measured_trace_has_every_op_of_every_rank_in_issue_order() {
+    let path = temp("tiny.trace.json");
+    let out = schedrun(&[
+        "schedules/tiny_cpu.sched",
+        "--steps",
+        "2",
+        "--json",
+        "--trace",
+        path.to_str().unwrap(),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let step_us = json_lines(&out)[1]["step_time_s"].as_f64().unwrap() * 1e6;
+    let plan = schedrun::plan::Plan::load(&root().join("schedules/tiny_cpu.sched"), None).unwrap();
+    let trace: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let events = trace["traceEvents"].as_array().unwrap();
+    let of = |ph: &'static str| events.iter().filter(move |e| e["ph"] == ph);
+    let names: Vec<&str> = of("M")
+        .filter(|e| e["name"] == "process_name")
+        .map(|e| e["args"]["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["rank 0", "rank 1", "rank 2", "rank 3"]);
+    for rank in 0..4u64 {
+        for (stream, ops) in plan.stream_ops.iter().enumerate() {
+            let mut slices: Vec<&Value> = of("X")
+                .filter(|e| e["pid"] == rank && e["tid"] == stream as u64)
+                .collect();
+            slices.sort_by(|a, b| a["ts"].as_f64().partial_cmp(&b["ts"].as_f64()).unwrap());
+            let order: Vec<String> = slices
+                .iter()
+                .map(|e| e["args"]["op"].as_str().unwrap().to_string())
+                .collect();
+            let want: Vec<String> = ops.iter().map(|o| o.to_string()).collect();
+            assert_eq!(order, want, "rank {rank}, stream {stream}");
+            let mut end = 0.0;
+            for e in slices {
+                let (ts, dur) = (e["ts"].as_f64().unwrap(), e["dur"].as_f64().unwrap());
+                assert!(dur >= 0.0 && ts >= end - 1e-3, "{e}: starts before {end}");
+                end = ts + dur;
+            }
+            assert!(
+                end <= step_us,
+                "rank {rank}, stream {stream} ends after the step"
+            );
+        }
+    }
+    let waits: usize = plan.program.ops.values().map(|o| o.wait.len()).sum();
+    assert_eq!(of("s").count(), 4 * waits);
+    assert_eq!(of("f").count(), 4 * waits);
+    assert!(plan.program.ops.len() > 1 && plan.stream_ops.len() > 1);
+    assert_eq!(of("X").count(), 4 * plan.program.ops.len());
+
+    let refused = temp("refused.trace.json");
+    let out = schedrun(&[
+        "schedules/tiny_cpu.sched",
+        "--backend",
+        "cuda",
+        "--trace",
+        refused.to_str().unwrap(),
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--trace needs the cpu backend"));
+    assert!(!refused.exists());
+}
+
 /// Whether this machine can run the CUDA backend (then the tests of its absence do not apply).
 fn cuda_here() -> bool {
     schedrun::backend::cuda::probe().is_ok()

@@ -1,7 +1,8 @@
 //! `--trace`: the simulated step as Chrome trace-event JSON (opens in Perfetto and
 //! chrome://tracing).
 //!
-//! One process per simulated rank (named `rank R`, with how many ranks it stands for), one thread
+//! One process per simulated rank (named `rank R`, with how many ranks it stands for when more
+//! than one; `schedrun --trace` writes a measured step this way too, every rank), one thread
 //! per stream (named by the stream's role), one complete slice (`ph: "X"`) per op, named by its
 //! kind and layer, with `op`, `layer`, `micro_step` and `bytes` (a collective's payload, a compute
 //! op's bytes read and written, its workspace not counted) in `args`. Every event wait is a flow arrow from the op that records
@@ -30,8 +31,11 @@ pub fn emit_trace(program: &Program, timeline: &Timeline) -> Trace {
     let mut flow = 0u64;
     for rt in &timeline.ranks {
         let pid = rt.rank;
-        ev.push(json!({"ph": "M", "name": "process_name", "pid": pid,
-            "args": {"name": format!("rank {} ({} ranks alike)", rt.rank, rt.ranks)}}));
+        let name = match rt.ranks {
+            1 => format!("rank {}", rt.rank),
+            n => format!("rank {} ({n} ranks alike)", rt.rank),
+        };
+        ev.push(json!({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": name}}));
         for (id, s) in program.streams.iter() {
             ev.push(
                 json!({"ph": "M", "name": "thread_name", "pid": pid, "tid": id.index(),

@@ -45,6 +45,17 @@ pub struct StreamWait {
     pub busy: Duration,
 }
 
+/// When one op of one rank ran, measured from the start of the step: a compute op from the
+/// moment it holds a core to its end, a collective from this rank's arrival at it (waiting for
+/// the other members included) to its completion. Event waits before an op are not in it.
+#[derive(Clone, Copy, Debug)]
+pub struct OpSpan {
+    pub rank: u32,
+    pub op: OpId,
+    pub start: Duration,
+    pub end: Duration,
+}
+
 /// What a step produced.
 #[derive(Clone, Debug)]
 pub struct StepOutcome {
@@ -52,6 +63,9 @@ pub struct StepOutcome {
     /// only some ranks, one process per GPU, sums it across processes).
     pub loss_sum: f64,
     pub waits: Vec<StreamWait>,
+    /// Every op of every rank, for a backend that measures them (the CPU backend); empty
+    /// otherwise.
+    pub spans: Vec<OpSpan>,
 }
 
 /// Memory of one rank: the arena allocated and the highest byte any op touched.

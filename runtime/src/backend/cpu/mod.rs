@@ -14,7 +14,9 @@
 mod collectives;
 mod sync;
 
-use super::{Backend, RankMemory, RunError, RunOptions, StepInput, StepOutcome, StreamWait};
+use super::{
+    Backend, OpSpan, RankMemory, RunError, RunOptions, StepInput, StepOutcome, StreamWait,
+};
 use crate::arena::Arena;
 use crate::device::action::{run_action, Rank};
 use crate::device::host::Host;
@@ -81,6 +83,8 @@ struct StepShared<'a> {
     /// Each (rank, stream)'s staging for the collectives it completes.
     staging: &'a [Mutex<collectives::Staging>],
     cores: &'a Cores,
+    /// When the step began: op spans are measured from it.
+    began: Instant,
 }
 
 /// One rank's view while it runs an op: its compute ops run on `device`.
@@ -99,6 +103,7 @@ pub enum Stopped {
 struct ThreadResult {
     loss: f64,
     wait: StreamWait,
+    spans: Vec<OpSpan>,
 }
 
 impl Backend for CpuBackend {
@@ -148,6 +153,7 @@ impl Backend for CpuBackend {
             pools: &self.pools,
             staging: &self.staging,
             cores: &self.cores,
+            began: Instant::now(),
         };
         let results: Vec<Option<ThreadResult>> = std::thread::scope(|s| {
             let handles: Vec<_> = (0..p.ranks())
@@ -179,9 +185,18 @@ impl Backend for CpuBackend {
             });
         }
         let results: Vec<ThreadResult> = results.into_iter().flatten().collect();
+        let mut spans = vec![];
+        let mut waits = vec![];
+        let mut loss_sum = 0.0;
+        for r in results {
+            loss_sum += r.loss;
+            waits.push(r.wait);
+            spans.extend(r.spans);
+        }
         Ok(StepOutcome {
-            loss_sum: results.iter().map(|r| r.loss).sum(),
-            waits: results.into_iter().map(|r| r.wait).collect(),
+            loss_sum,
+            waits,
+            spans,
         })
     }
 
@@ -221,6 +236,7 @@ fn run_ops(sh: &StepShared<'_>, ctx: &RankCtx<'_>, stream: usize) -> Option<Thre
     let (p, rank) = (sh.plan, ctx.rank);
     let mut jitter = Jitter::new(sh.options, rank, stream as u64, sh.input.step);
     let (mut loss, mut waiting) = (0.0, Duration::ZERO);
+    let mut spans = Vec::with_capacity(p.stream_ops[stream].len());
     let started = Instant::now();
     for &op in &p.stream_ops[stream] {
         if sh.abort.is_set() {
@@ -261,15 +277,16 @@ fn run_ops(sh: &StepShared<'_>, ctx: &RankCtx<'_>, stream: usize) -> Option<Thre
             }
             return None;
         }
+        let mut begun = Instant::now();
         let result = match &p.actions[op.index()] {
             Action::Collectives(cs) => {
-                let t = Instant::now();
                 let r = collectives::run(sh, ctx, op, cs);
-                waiting += t.elapsed();
+                waiting += begun.elapsed();
                 r.map(|()| 0.0)
             }
             a => {
                 let _core = sh.cores.take();
+                begun = Instant::now();
                 let r = Rank {
                     plan: p,
                     rank,
@@ -288,6 +305,12 @@ fn run_ops(sh: &StepShared<'_>, ctx: &RankCtx<'_>, stream: usize) -> Option<Thre
             }
             Err(Stopped::Aborted) => return None,
         }
+        spans.push(OpSpan {
+            rank,
+            op,
+            start: begun.duration_since(sh.began),
+            end: sh.began.elapsed(),
+        });
         if let Some(e) = o.record {
             sh.events[rank as usize].record(e.index(), sh.input.step);
         }
@@ -300,6 +323,7 @@ fn run_ops(sh: &StepShared<'_>, ctx: &RankCtx<'_>, stream: usize) -> Option<Thre
             waiting,
             busy: started.elapsed().saturating_sub(waiting),
         },
+        spans,
     })
 }
 

@@ -1350,6 +1350,7 @@ impl Backend for EmulatedBackend {
             // The CUDA backend's loss all-reduce over the world.
             loss_sum: self.ranks.iter().map(loss).sum(),
             waits: vec![],
+            spans: vec![],
         })
     }
 

@@ -259,6 +259,8 @@ impl Backend for CudaBackend {
                     busy,
                 })
                 .collect(),
+            // Ops run asynchronously on the GPU's streams; none is timed.
+            spans: vec![],
         })
     }
 
