@@ -277,24 +277,27 @@ fn run_ops(sh: &StepShared<'_>, ctx: &RankCtx<'_>, stream: usize) -> Option<Thre
             }
             return None;
         }
-        let mut begun = Instant::now();
-        let result = match &p.actions[op.index()] {
+        // The op's span: timed where it holds what it runs on (a compute op's core is released
+        // when the arm ends, and the thread may wait to be scheduled again after that).
+        let begun = Instant::now();
+        let (result, start, end) = match &p.actions[op.index()] {
             Action::Collectives(cs) => {
                 let r = collectives::run(sh, ctx, op, cs);
                 waiting += begun.elapsed();
-                r.map(|()| 0.0)
+                (r.map(|()| 0.0), begun, Instant::now())
             }
             a => {
                 let _core = sh.cores.take();
-                begun = Instant::now();
+                let start = Instant::now();
                 let r = Rank {
                     plan: p,
                     rank,
                     device: &ctx.device,
                 };
-                run_action(&r, a, o.micro_step, sh.input)
+                let r = run_action(&r, a, o.micro_step, sh.input)
                     .map(|()| ctx.device.take_loss())
-                    .map_err(|e| Stopped::Failed(e.to_string()))
+                    .map_err(|e| Stopped::Failed(e.to_string()));
+                (r, start, Instant::now())
             }
         };
         match result {
@@ -308,8 +311,8 @@ fn run_ops(sh: &StepShared<'_>, ctx: &RankCtx<'_>, stream: usize) -> Option<Thre
         spans.push(OpSpan {
             rank,
             op,
-            start: begun.duration_since(sh.began),
-            end: sh.began.elapsed(),
+            start: start.duration_since(sh.began),
+            end: end.duration_since(sh.began),
         });
         if let Some(e) = o.record {
             sh.events[rank as usize].record(e.index(), sh.input.step);
