@@ -1092,6 +1092,66 @@ fn check_hierarchical(uneven: bool) {
 // 2e. Plan tightness
 // ---------------------------------------------------------------------------------------------------------------
 
+/// Where each `overlap.refresh` puts the refresh all-gathers of ZeRO-1 (lowering §3 and §5,
+/// dsl.md's overlap switches), over 1 and 2 micro-steps: `true` on the sync stream, each after its
+/// layer's update; `false` on the compute stream after the step's last backward, so that the
+/// compute stream waits for no boundary synchronisation before it; `next_forward` before each
+/// layer's first forward of the step.
+#[test]
+fn the_refresh_runs_where_its_overlap_switch_puts_it() {
+    use schedc::ir::{ComputeKind, OpKind, OpRole, StreamRole};
+    for m in [1, 2] {
+        for refresh in ["true", "false", "next_forward"] {
+            let src = format!(
+                "schedule z {{ model = llama_odd  cluster = gpu8  nodes = 1  preset = zero1  \
+                 micro_steps = {m}  overlap {{ refresh = {refresh} }} }}"
+            );
+            let job = &jobs(&src)[0];
+            let (p, _) = try_compile(job).unwrap_or_else(|e| panic!("{e}"));
+            let what = format!("refresh = {refresh}, {m} micro-steps");
+            let on_compute = |o: &schedc::ir::Op| p.streams[o.stream].role == StreamRole::Compute;
+            let ops: Vec<&schedc::ir::Op> = p.ops.values().collect();
+            let refreshes: Vec<usize> = (0..ops.len())
+                .filter(|&i| ops[i].role == OpRole::Refresh)
+                .collect();
+            assert_eq!(refreshes.len(), 5, "{what}: one refresh per layer");
+            let compute_kind = |i: usize, k: ComputeKind| {
+                matches!(ops[i].kind, OpKind::Compute(c) if c == k) && on_compute(ops[i])
+            };
+            let last_backward = (0..ops.len())
+                .filter(|&i| compute_kind(i, ComputeKind::Backward))
+                .max()
+                .unwrap();
+            let first_forward = (0..ops.len())
+                .find(|&i| compute_kind(i, ComputeKind::Forward))
+                .unwrap();
+            for &i in &refreshes {
+                match refresh {
+                    "true" => {
+                        assert!(!on_compute(ops[i]), "{what}: off the compute stream");
+                        let update = (0..i)
+                            .rev()
+                            .find(|&j| matches!(ops[j].kind, OpKind::Compute(ComputeKind::Update)))
+                            .expect("an update before the refresh");
+                        assert_eq!(ops[update].layer, ops[i].layer, "{what}: after its update");
+                    }
+                    "false" => {
+                        assert!(on_compute(ops[i]), "{what}: on the compute stream");
+                        assert!(i > last_backward, "{what}: after the last backward");
+                    }
+                    _ => assert!(i < last_backward && ops[i].micro_step.is_none_or(|s| s == 0)),
+                }
+            }
+            if refresh == "next_forward" {
+                assert!(
+                    refreshes[0] < first_forward,
+                    "{what}: before the first forward"
+                );
+            }
+        }
+    }
+}
+
 /// The memory plan's tightness for every example schedule (transient bytes placed over the most transient bytes
 /// simultaneously alive that `schedc` finds a witness execution for, a lower bound on any valid placement; see
 /// `passes/memory/bound.rs`), printed as a table (`--nocapture`). Issue 3 asks for 2%, and every example meets it.
