@@ -57,7 +57,7 @@ if [ ! -e "$built" ]; then mkdir -p "$(dirname "$built")" && ln -s "$PWD" "$buil
 
 # SCHED_REQUIRE: a parity test that skips for want of a usable GPU fails the step instead.
 SCHED_REQUIRE=gpu step parity "${PARITY_S:-200}" "$carry/bin/cuda-tests" --test-threads=1 --nocapture
-step gpt2_schedrun "${GPT2_S:-150}" "$carry/bin/cuda-tests" --ignored gpt2_small_step_mfu --nocapture
+SCHED_TRACE_DIR="$results" step gpt2_schedrun "${GPT2_S:-150}" "$carry/bin/cuda-tests" --ignored gpt2_small_step_mfu --nocapture
 step gpt2_pytorch "${TORCH_S:-120}" python3 runtime/gpu/torch_gpt2.py --steps 6 --micro-batch 8 --seq 1024
 gpus=$(nvidia-smi -L | wc -l)
 if [ "$gpus" -ge 2 ]; then

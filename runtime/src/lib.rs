@@ -14,7 +14,8 @@
 //! - [`train`]: the host side: initial state, batches by `runtime.md`'s rule, steps, whole-tensor
 //!   state in and out; [`checkpoint`] stores that state in safetensors files.
 //! - [`data`]: the byte corpus and the batch rule; [`reference`]: an independent single-process
-//!   trainer that parity tests compare every schedule against.
+//!   trainer that parity tests compare every schedule against; [`trace`]: a measured step as a
+//!   Perfetto trace.
 
 pub mod arena;
 pub mod backend;
@@ -26,4 +27,5 @@ pub mod math;
 mod pages;
 pub mod plan;
 pub mod reference;
+pub mod trace;
 pub mod train;

@@ -11,8 +11,11 @@
 //! - The fused attention kernels (forward and backward) against the chunked path on the GPU
 //!   (`flash_attention_kernel_matches_the_chunked_path`; written without a GPU, not yet run on
 //!   one).
+//! - A step timed op by op with CUDA events (`RunOptions::time_ops`, `schedrun --trace`): one span
+//!   per op, each stream's in issue order (written without a GPU, not yet run on one).
 //! - `gpt2_small_step_mfu` (ignored): a GPT-2-small step on one GPU, reporting step time, MFU and
-//!   the losses of the timed steps.
+//!   the losses of the timed steps; with `SCHED_TRACE_DIR`, one more step traced op by op there
+//!   (`gpt2_small.trace.json`, Perfetto).
 //!
 //! The CUDA backend loads each plan's kernels from PTX (`schedc compile --emit ptx`); the device
 //! machine has no LLVM, so `write_the_gpu_tests_ptx` (`--features llvm`, ignored; run by
@@ -22,6 +25,7 @@
 mod common;
 
 use common::{plan_of, train};
+use cranelift_entity::EntityRef;
 use schedc::sema::Loader;
 use schedc::{analyze, Job};
 use schedrun::backend::cpu::CpuBackend;
@@ -280,6 +284,46 @@ fn tiny_bf16_models_on_one_gpu_match_the_cpu_backend() {
     }
 }
 
+/// `RunOptions::time_ops`: a step on the GPU times every op with CUDA events: each span ends after
+/// it starts and within the step, and a stream's ops follow one another in the plan's issue order.
+/// Written without a GPU, not yet run on one.
+#[test]
+fn a_timed_gpu_step_spans_every_op_in_issue_order() {
+    if !gpu() {
+        return;
+    }
+    let job = jobs(TINY).remove(0);
+    let plan = plan_of(&job);
+    let options = RunOptions {
+        time_ops: true,
+        ..RunOptions::default()
+    };
+    let backend = CudaBackend::new(plan.clone(), options, &env1(), &ptx(&job))
+        .unwrap_or_else(|e| panic!("{e} (runtime/gpu/build.sh writes these tests' PTX)"));
+    let mut t = Trainer::new(plan.clone(), backend, Corpus::builtin());
+    let init = t.initial_state(job.schedule.train.seed);
+    t.load(&init).unwrap();
+    for _ in 0..2 {
+        let r = t.step(job.schedule.train.lr, None).unwrap();
+        let spans = &r.outcome.spans;
+        assert_eq!(spans.len(), plan.program.ops.len(), "one span per op");
+        for s in spans {
+            assert!(
+                s.start <= s.end && s.end <= r.time,
+                "{s:?} within {:?}",
+                r.time
+            );
+        }
+        for ops in &plan.stream_ops {
+            for w in ops.windows(2) {
+                let (a, b) = (&spans[w[0].index()], &spans[w[1].index()]);
+                assert!(a.end <= b.start, "{a:?} then {b:?} on one stream");
+            }
+        }
+        schedrun::trace::measured(&plan, r.time, spans).unwrap();
+    }
+}
+
 /// The fused attention kernels (tensor cores, `schedc::kernels::flash`: forward and backward)
 /// on the GPU against the chunked path (cuBLAS products and the softmax kernels, which the
 /// parity tests hold to the CPU backend) on random bf16 inputs of two sequences: the bf16 GPT's
@@ -379,4 +423,26 @@ fn gpt2_small_step_mfu() {
         "gpt2 small, 1 GPU: the attention kernels take {:.2}x the chunked path's step time",
         times[0] / times[1]
     );
+    // With SCHED_TRACE_DIR: one more step, every op timed with CUDA events (after the timed
+    // steps, so the events cost them nothing), as a Perfetto trace there.
+    if let Some(dir) = std::env::var_os("SCHED_TRACE_DIR") {
+        let options = RunOptions {
+            time_ops: true,
+            ..RunOptions::default()
+        };
+        let backend = CudaBackend::new(plan.clone(), options, &env1(), &ptx(&job)).unwrap();
+        let mut t = Trainer::new(plan.clone(), backend, Corpus::builtin());
+        let init = t.initial_state(0);
+        t.load(&init).unwrap();
+        t.step(1e-4, None).unwrap();
+        let r = t.step(1e-4, None).unwrap();
+        let trace = schedrun::trace::measured(&plan, r.time, &r.outcome.spans).unwrap();
+        let path = PathBuf::from(dir).join("gpt2_small.trace.json");
+        std::fs::write(&path, serde_json::to_string(&trace).unwrap()).unwrap();
+        println!(
+            "gpt2 small, 1 GPU: a timed step of {:.4} s traced in {}",
+            r.time.as_secs_f64(),
+            path.display()
+        );
+    }
 }

@@ -63,8 +63,8 @@ pub struct StepOutcome {
     /// only some ranks, one process per GPU, sums it across processes).
     pub loss_sum: f64,
     pub waits: Vec<StreamWait>,
-    /// Every op of every rank, for a backend that measures them (the CPU backend); empty
-    /// otherwise.
+    /// Every op of every rank this backend drives, when it measures them (the CPU backend always;
+    /// the CUDA backend with [`RunOptions::time_ops`]); empty otherwise.
     pub spans: Vec<OpSpan>,
 }
 
@@ -121,6 +121,9 @@ pub struct RunOptions {
     /// (`schedc::kernels::flash`; the default) or chunk by chunk on cuBLAS products, the path
     /// they replace (kept for same-run comparisons, as the GPT-2 benchmark makes).
     pub attention_kernels: bool,
+    /// Time every op of every step (`schedrun --trace`). The CPU backend always does; the CUDA
+    /// backend then records a timing event on the op's stream before and after each op.
+    pub time_ops: bool,
 }
 
 /// An injected fault: `rank` fails, or hangs, when it reaches `op`.
@@ -140,6 +143,7 @@ impl Default for RunOptions {
             timeout: Duration::from_secs(60),
             fault: None,
             attention_kernels: true,
+            time_ops: false,
         }
     }
 }

@@ -7,13 +7,11 @@
 //! stderr, the progress bar only when stderr is a terminal.
 
 use clap::Parser;
-use cranelift_entity::EntityRef;
 use indicatif::{ProgressBar, ProgressStyle};
-use schedc::sim::engine::{RankTimeline, Timeline};
 use schedrun::backend::cpu::CpuBackend;
 use schedrun::backend::cuda::launch::{self, DistEnv};
 use schedrun::backend::cuda::{self, CudaBackend, PtxFiles};
-use schedrun::backend::{Backend, OpSpan, RunOptions, StreamWait};
+use schedrun::backend::{Backend, RunOptions, StreamWait};
 use schedrun::checkpoint::{self, Contents};
 use schedrun::data::Corpus;
 use schedrun::plan::{LoadError, Plan};
@@ -86,8 +84,9 @@ struct Cli {
     /// `NAME.sm_90.ptx` by the GPU's compute capability).
     #[arg(long, value_name = "FILE")]
     ptx: Option<PathBuf>,
-    /// Write the last step as measured, every op of every rank, as a Chrome/Perfetto trace (the
-    /// format of `schedc simulate --trace`, to compare with it; CPU backend).
+    /// Write the last step as measured, every op, as a Chrome/Perfetto trace (the format of
+    /// `schedc simulate --trace`, to compare with it): every rank on the CPU backend, rank 0's
+    /// process on the CUDA backend (timed with CUDA events around each op).
     #[arg(long, value_name = "OUT.json")]
     trace: Option<PathBuf>,
 }
@@ -119,13 +118,6 @@ fn main() -> ExitCode {
 }
 
 fn run(cli: &Cli) -> Result<(), Failure> {
-    if cli.trace.is_some() && cli.backend == BackendKind::Cuda {
-        return Err(Failure::Input(
-            "--trace needs the cpu backend: the cuda backend does not time its ops (Nsight \
-             Systems traces a GPU run)"
-                .into(),
-        ));
-    }
     let dist = match cli.backend {
         BackendKind::Cpu => None,
         BackendKind::Cuda => match DistEnv::from_env().map_err(Failure::Input)? {
@@ -147,6 +139,7 @@ fn run(cli: &Cli) -> Result<(), Failure> {
         jitter: cli.jitter.map(Duration::from_micros),
         jitter_seed: cli.seed.unwrap_or(plan.job.schedule.train.seed),
         timeout: Duration::from_secs(cli.timeout),
+        time_ops: cli.trace.is_some(),
         ..RunOptions::default()
     };
     match dist {
@@ -314,7 +307,7 @@ fn run_steps<B: Backend>(
             .map_err(|e| Failure::Fault(e.to_string()))?;
     }
     if let (Some(f), Some((time, spans))) = (&cli.trace, &last) {
-        let trace = measured_trace(&plan, *time, spans)?;
+        let trace = schedrun::trace::measured(&plan, *time, spans).map_err(Failure::Fault)?;
         let text = serde_json::to_string(&trace).expect("traces serialise") + "\n";
         schedc::files::write_atomically(f, text.as_bytes())
             .map_err(|e| Failure::Fault(format!("cannot write {}: {e}", f.display())))?;
@@ -322,39 +315,6 @@ fn run_steps<B: Backend>(
     }
     summary(cli.json, &plan, &trainer, &reports);
     Ok(())
-}
-
-/// The measured step as `schedc simulate --trace` writes a simulated one: each rank a process,
-/// each stream a thread, each op a slice from its span.
-fn measured_trace(
-    plan: &Plan,
-    time: Duration,
-    spans: &[OpSpan],
-) -> Result<schedc::sim::trace::Trace, Failure> {
-    let ops = plan.program.ops.len();
-    let mut ranks: Vec<RankTimeline> = (0..plan.ranks())
-        .map(|rank| RankTimeline {
-            rank,
-            ranks: 1,
-            start: vec![f64::NAN; ops],
-            end: vec![f64::NAN; ops],
-        })
-        .collect();
-    for s in spans {
-        let rt = &mut ranks[s.rank as usize];
-        rt.start[s.op.index()] = s.start.as_secs_f64();
-        rt.end[s.op.index()] = s.end.as_secs_f64();
-    }
-    if ranks.iter().any(|r| r.start.iter().any(|t| t.is_nan())) {
-        return Err(Failure::Fault(
-            "the backend did not time every op of the last step".into(),
-        ));
-    }
-    let timeline = Timeline {
-        ranks,
-        step_time_s: time.as_secs_f64(),
-    };
-    Ok(schedc::sim::trace::emit_trace(&plan.program, &timeline))
 }
 
 fn progress(steps: u64) -> Option<ProgressBar> {

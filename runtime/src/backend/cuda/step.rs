@@ -13,7 +13,7 @@ use super::nccl::{self, Comms, LOSS_KEY};
 use super::ptx::PtxFiles;
 use super::rendezvous::{self, CommKey, Hello};
 use crate::backend::{
-    Backend, RankMemory, RunError, RunOptions, StepInput, StepOutcome, StreamWait,
+    Backend, OpSpan, RankMemory, RunError, RunOptions, StepInput, StepOutcome, StreamWait,
 };
 use crate::device::action::{run_action, Rank};
 use crate::exec::Action;
@@ -43,6 +43,50 @@ pub struct CudaBackend {
     /// Each stream's workspace in the arena, as planned.
     workspaces: Vec<Option<StreamMemory>>,
     world: u32,
+    /// With [`RunOptions::time_ops`]: timing events around every op.
+    timers: Option<Timers>,
+}
+
+/// Timing events of a step: one recorded on the first stream when the step is issued, and one
+/// on each op's stream before and after the op (after its waits).
+struct Timers {
+    step: CudaEvent,
+    ops: Vec<(CudaEvent, CudaEvent)>,
+}
+
+impl Timers {
+    fn new(dev: &Device, ops: usize) -> Result<Self, cudarc::driver::DriverError> {
+        let timed = || {
+            dev.ctx
+                .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+        };
+        Ok(Timers {
+            step: timed()?,
+            ops: (0..ops)
+                .map(|_| Ok((timed()?, timed()?)))
+                .collect::<Result<_, _>>()?,
+        })
+    }
+
+    /// Every op's span on `rank`, once the step's work has finished.
+    fn spans(&self, rank: u32) -> Result<Vec<OpSpan>, cudarc::driver::DriverError> {
+        let at = |e: &CudaEvent| -> Result<Duration, cudarc::driver::DriverError> {
+            let ms = self.step.elapsed_ms(e)?;
+            Ok(Duration::from_secs_f64(f64::from(ms.max(0.0)) / 1e3))
+        };
+        self.ops
+            .iter()
+            .enumerate()
+            .map(|(i, (start, end))| {
+                Ok(OpSpan {
+                    rank,
+                    op: schedc::ir::OpId::new(i),
+                    start: at(start)?,
+                    end: at(end)?,
+                })
+            })
+            .collect()
+    }
 }
 
 fn fault(rank: u32, m: impl std::fmt::Display) -> RunError {
@@ -154,6 +198,11 @@ impl CudaBackend {
             .map_err(|e| f(format!("creating marker events: {e:?}")))?;
         let consts_layout = ConstsLayout::of(p);
         let consts = new_consts(&consts_layout, &dev).map_err(g)?;
+        let timers = options
+            .time_ops
+            .then(|| Timers::new(&dev, p.program.ops.len()))
+            .transpose()
+            .map_err(|e| f(format!("creating timing events: {e:?}")))?;
         Ok(CudaBackend {
             plan,
             options,
@@ -167,6 +216,7 @@ impl CudaBackend {
             consts_layout,
             workspaces,
             world: env.world,
+            timers,
         })
     }
 }
@@ -245,6 +295,13 @@ impl Backend for CudaBackend {
         self.watch()?;
         let loss = self.finish_loss()?;
         let busy = started.elapsed();
+        // Every stream is idle (`watch`), so every timing event has been reached.
+        let spans = match &self.timers {
+            Some(t) => t
+                .spans(rank)
+                .map_err(|e| fault(rank, format!("reading timing events: {e:?}")))?,
+            None => vec![],
+        };
         Ok(StepOutcome {
             loss_sum: loss,
             waits: self
@@ -259,8 +316,7 @@ impl Backend for CudaBackend {
                     busy,
                 })
                 .collect(),
-            // Ops run asynchronously on the GPU's streams; none is timed.
-            spans: vec![],
+            spans,
         })
     }
 
@@ -295,6 +351,13 @@ impl CudaBackend {
             .ctx
             .bind_to_thread()
             .map_err(|e| fault(self.rank, format!("{e:?}")))?;
+        let timer = |e: &CudaEvent, stream| {
+            e.record(stream)
+                .map_err(|e| fault(self.rank, format!("recording a timing event: {e:?}")))
+        };
+        if let Some(t) = &self.timers {
+            timer(&t.step, &self.dev.streams[0])?;
+        }
         for (op, o) in p.program.ops.iter() {
             let s = o.stream.index();
             let stream = &self.dev.streams[s];
@@ -303,6 +366,9 @@ impl CudaBackend {
                 stream
                     .wait(&self.dev.events[e.index()])
                     .map_err(|e| fail(format!("cuStreamWaitEvent: {e:?}")))?;
+            }
+            if let Some(t) = &self.timers {
+                timer(&t.ops[op.index()].0, stream)?;
             }
             let ws = StreamMemory::scratch_at(self.workspaces[s], self.dev.arena_base);
             let x = DevExec {
@@ -329,6 +395,9 @@ impl CudaBackend {
                     };
                     run_action(&r, a, o.micro_step, input).map_err(|e| fail(e.to_string()))?
                 }
+            }
+            if let Some(t) = &self.timers {
+                timer(&t.ops[op.index()].1, stream)?;
             }
             if let Some(e) = o.record {
                 self.dev.events[e.index()]

@@ -1,0 +1,41 @@
+//! Measured traces: a step as a backend timed it ([`crate::backend::OpSpan`]), written as
+//! `schedc simulate --trace` writes a simulated one (each rank a process, each stream a thread,
+//! each op a slice, each event wait a flow arrow), so the two open side by side in Perfetto.
+
+use crate::backend::OpSpan;
+use crate::plan::Plan;
+use cranelift_entity::EntityRef;
+use schedc::sim::engine::{RankTimeline, Timeline};
+use schedc::sim::trace::{emit_trace, Trace};
+use std::time::Duration;
+
+/// The trace of one step that took `time`, from the spans of every op of each rank in `spans`
+/// (the ranks this process drove); an error when a rank lacks an op.
+pub fn measured(plan: &Plan, time: Duration, spans: &[OpSpan]) -> Result<Trace, String> {
+    let ops = plan.program.ops.len();
+    let mut present: Vec<u32> = spans.iter().map(|s| s.rank).collect();
+    present.sort_unstable();
+    present.dedup();
+    let mut ranks: Vec<RankTimeline> = present
+        .iter()
+        .map(|&rank| RankTimeline {
+            rank,
+            ranks: 1,
+            start: vec![f64::NAN; ops],
+            end: vec![f64::NAN; ops],
+        })
+        .collect();
+    for s in spans {
+        let rt = &mut ranks[present.binary_search(&s.rank).expect("present")];
+        rt.start[s.op.index()] = s.start.as_secs_f64();
+        rt.end[s.op.index()] = s.end.as_secs_f64();
+    }
+    if ranks.is_empty() || ranks.iter().any(|r| r.start.iter().any(|t| t.is_nan())) {
+        return Err("the backend did not time every op of the step".into());
+    }
+    let timeline = Timeline {
+        ranks,
+        step_time_s: time.as_secs_f64(),
+    };
+    Ok(emit_trace(&plan.program, &timeline))
+}
