@@ -113,6 +113,28 @@ impl<D: Device> Rank<'_, D> {
         self.device.alloc(n)
     }
 
+    /// Where a layer's parameter gradient of `n` values is computed: on the arena when it is
+    /// written whole into one fp32 part (not added to it) that [`Rank::output`] can give, else in
+    /// fp32 workspace (and written part by part by [`Rank::write_grads`]). A 16-bit part is
+    /// never computed on: the gradient is summed in fp32 and rounded once, when written.
+    fn grads_output(
+        &self,
+        parts: &[GradPart],
+        n: usize,
+        op: &[&Region],
+    ) -> Result<D::Ptr, DeviceError> {
+        match parts {
+            [p] if p.first == 0
+                && !p.accumulate
+                && self.dtype(&p.region) == Dtype::Fp32
+                && self.elements(&p.region) == n =>
+            {
+                self.output(Some(&p.region), n, op)
+            }
+            _ => self.device.alloc(n),
+        }
+    }
+
     /// Whether `r`'s bytes overlap no other region of `op` (an output computed in place must
     /// not be one of the op's inputs).
     fn alone(&self, r: &Region, op: &[&Region]) -> bool {
@@ -301,7 +323,7 @@ impl<D: Device> Rank<'_, D> {
                     .as_ref()
                     .map(|r| self.output(Some(r), math.input_elements(), &op))
                     .transpose()?;
-                let dp = d.alloc(math.params())?;
+                let dp = self.grads_output(grads, math.params(), &op)?;
                 let dt = t.map(|_| d.alloc(math.tied_elements())).transpose()?;
                 layers::backward(d, math, pp, t, keep, x, dy, dx, dp, dt)?;
                 if let (Some(r), Some(dx)) = (grad_input, dx) {
