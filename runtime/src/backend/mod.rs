@@ -63,8 +63,7 @@ pub struct StepOutcome {
     /// only some ranks, one process per GPU, sums it across processes).
     pub loss_sum: f64,
     pub waits: Vec<StreamWait>,
-    /// Every op of every rank this backend drives, when it measures them (the CPU backend always;
-    /// the CUDA backend with [`RunOptions::time_ops`]); empty otherwise.
+    /// With [`RunOptions::time_ops`], every op of every rank this backend drives; else empty.
     pub spans: Vec<OpSpan>,
 }
 
@@ -121,8 +120,9 @@ pub struct RunOptions {
     /// (`schedc::kernels::flash`; the default) or chunk by chunk on cuBLAS products, the path
     /// they replace (kept for same-run comparisons, as the GPT-2 benchmark makes).
     pub attention_kernels: bool,
-    /// Time every op of every step (`schedrun --trace`). The CPU backend always does; the CUDA
-    /// backend then records a timing event on the op's stream before and after each op.
+    /// Time every op of every step into [`StepOutcome::spans`] (`schedrun --trace`): the CPU
+    /// backend with the clock around each op, the CUDA backend with a timing event on the op's
+    /// stream before and after it.
     pub time_ops: bool,
 }
 

@@ -236,7 +236,7 @@ fn run_ops(sh: &StepShared<'_>, ctx: &RankCtx<'_>, stream: usize) -> Option<Thre
     let (p, rank) = (sh.plan, ctx.rank);
     let mut jitter = Jitter::new(sh.options, rank, stream as u64, sh.input.step);
     let (mut loss, mut waiting) = (0.0, Duration::ZERO);
-    let mut spans = Vec::with_capacity(p.stream_ops[stream].len());
+    let mut spans = vec![];
     let started = Instant::now();
     for &op in &p.stream_ops[stream] {
         if sh.abort.is_set() {
@@ -308,12 +308,14 @@ fn run_ops(sh: &StepShared<'_>, ctx: &RankCtx<'_>, stream: usize) -> Option<Thre
             }
             Err(Stopped::Aborted) => return None,
         }
-        spans.push(OpSpan {
-            rank,
-            op,
-            start: start.duration_since(sh.began),
-            end: end.duration_since(sh.began),
-        });
+        if sh.options.time_ops {
+            spans.push(OpSpan {
+                rank,
+                op,
+                start: start.duration_since(sh.began),
+                end: end.duration_since(sh.began),
+            });
+        }
         if let Some(e) = o.record {
             sh.events[rank as usize].record(e.index(), sh.input.step);
         }
