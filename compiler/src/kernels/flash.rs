@@ -432,13 +432,10 @@ pub fn warp_dq(sh: &Shape, w: usize, x: &Grads<'_>, store: &mut dyn FnMut(usize,
                 for c in 0..4 {
                     let (i, j) = c_at(lane, c);
                     let (row, key) = (q0 + i, j0 + 8 * nt + j);
-                    let p = if key > row || key >= s || row >= s {
-                        0.0
-                    } else {
-                        let lse2 = x.lse[row_at(i)] * std::f32::consts::LOG2_E;
-                        (st[nt][lane][c] * sh.scale_log2() - lse2).exp2()
-                    };
-                    ds[nt][lane][c] = p * (dp[nt][lane][c] - x.dot[row_at(i)]);
+                    let masked = key > row || key >= s || row >= s;
+                    let stats = (x.lse[row_at(i)], x.dot[row_at(i)]);
+                    ds[nt][lane][c] =
+                        p_and_ds(sh, (st[nt][lane][c], dp[nt][lane][c]), masked, stats).1;
                 }
             }
         }
@@ -465,6 +462,18 @@ pub fn warp_dq(sh: &Shape, w: usize, x: &Grads<'_>, store: &mut dyn FnMut(usize,
             }
         }
     }
+}
+
+/// The probability and score gradient of one accumulator of an S-like tile with its dP: 0 where
+/// `masked`, else P = exp2(S·scale·log₂e − lse·log₂e) and dS = P·(dP − D) (the kernels'
+/// `codegen::flash::p_and_ds`).
+fn p_and_ds(sh: &Shape, (st, dp): (f32, f32), masked: bool, (lse, dot): (f32, f32)) -> (f32, f32) {
+    let p = if masked {
+        0.0
+    } else {
+        (st * sh.scale_log2() - lse * std::f32::consts::LOG2_E).exp2()
+    };
+    (p, p * (dp - dot))
 }
 
 /// The key-side warps of the backward: [`Shape::key_warps`] of them, warp `w` taking 16 keys of
@@ -517,14 +526,10 @@ pub fn warp_dkv(sh: &Shape, w: usize, x: &Grads<'_>, store: &mut dyn FnMut(usize
                     for c in 0..4 {
                         let (i, j) = c_at(lane, c);
                         let (key, q) = (k0 + i, q0 + 8 * nt + j);
-                        let v = if key > q || q >= s || key >= s {
-                            0.0
-                        } else {
-                            let lse2 = x.lse[row_at(q)] * std::f32::consts::LOG2_E;
-                            (st[nt][lane][c] * sh.scale_log2() - lse2).exp2()
-                        };
-                        p[nt][lane][c] = v;
-                        ds[nt][lane][c] = v * (dp[nt][lane][c] - x.dot[row_at(q)]);
+                        let masked = key > q || q >= s || key >= s;
+                        let stats = (x.lse[row_at(q)], x.dot[row_at(q)]);
+                        (p[nt][lane][c], ds[nt][lane][c]) =
+                            p_and_ds(sh, (st[nt][lane][c], dp[nt][lane][c]), masked, stats);
                     }
                 }
             }
