@@ -33,8 +33,10 @@ use schedrun::backend::cuda::launch::DistEnv;
 use schedrun::backend::cuda::{self, CudaBackend, PtxFiles};
 use schedrun::backend::{Backend, RunOptions};
 use schedrun::data::Corpus;
+use schedrun::plan::Plan;
 use schedrun::train::Trainer;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 /// Whether the CUDA backend can run here; says why not (`schedc::testing::skip`, which fails
 /// where `SCHED_REQUIRE` has `gpu`, as the GPU checklist's parity step sets).
@@ -284,6 +286,22 @@ fn tiny_bf16_models_on_one_gpu_match_the_cpu_backend() {
     }
 }
 
+/// A trainer on the CUDA backend (GPU 0, one rank) for `job`'s plan, with `options`, loaded with
+/// the initial state of `seed`.
+fn gpu_trainer(
+    job: &Job,
+    plan: &Arc<Plan>,
+    options: RunOptions,
+    seed: u64,
+) -> Trainer<CudaBackend> {
+    let backend = CudaBackend::new(plan.clone(), options, &env1(), &ptx(job))
+        .unwrap_or_else(|e| panic!("{e} (runtime/gpu/build.sh writes these tests' PTX)"));
+    let mut t = Trainer::new(plan.clone(), backend, Corpus::builtin());
+    let init = t.initial_state(seed);
+    t.load(&init).unwrap();
+    t
+}
+
 /// `RunOptions::time_ops`: a step on the GPU times every op with CUDA events: each span ends after
 /// it starts and within the step, and a stream's ops follow one another in the plan's issue order.
 /// Written without a GPU, not yet run on one.
@@ -298,11 +316,7 @@ fn a_timed_gpu_step_spans_every_op_in_issue_order() {
         time_ops: true,
         ..RunOptions::default()
     };
-    let backend = CudaBackend::new(plan.clone(), options, &env1(), &ptx(&job))
-        .unwrap_or_else(|e| panic!("{e} (runtime/gpu/build.sh writes these tests' PTX)"));
-    let mut t = Trainer::new(plan.clone(), backend, Corpus::builtin());
-    let init = t.initial_state(job.schedule.train.seed);
-    t.load(&init).unwrap();
+    let mut t = gpu_trainer(&job, &plan, options, job.schedule.train.seed);
     for _ in 0..2 {
         let r = t.step(job.schedule.train.lr, None).unwrap();
         let spans = &r.outcome.spans;
@@ -391,11 +405,7 @@ fn gpt2_small_step_mfu() {
             attention_kernels: kernels,
             ..RunOptions::default()
         };
-        let backend = CudaBackend::new(plan.clone(), options, &env1(), &ptx(&job))
-            .unwrap_or_else(|e| panic!("{e} (runtime/gpu/build.sh writes these tests' PTX)"));
-        let mut t = Trainer::new(plan.clone(), backend, Corpus::builtin());
-        let init = t.initial_state(0);
-        t.load(&init).unwrap();
+        let mut t = gpu_trainer(&job, &plan, options, 0);
         t.step(1e-4, None).unwrap(); // warm-up: the driver's PTX compilation, cuBLAS heuristics
         let steps = 5;
         let mut total = 0.0;
@@ -430,10 +440,7 @@ fn gpt2_small_step_mfu() {
             time_ops: true,
             ..RunOptions::default()
         };
-        let backend = CudaBackend::new(plan.clone(), options, &env1(), &ptx(&job)).unwrap();
-        let mut t = Trainer::new(plan.clone(), backend, Corpus::builtin());
-        let init = t.initial_state(0);
-        t.load(&init).unwrap();
+        let mut t = gpu_trainer(&job, &plan, options, 0);
         t.step(1e-4, None).unwrap();
         let r = t.step(1e-4, None).unwrap();
         let trace = schedrun::trace::measured(&plan, r.time, &r.outcome.spans).unwrap();

@@ -365,12 +365,15 @@ impl HostKernels {
     }
 
     fn jit_for(kernels: &[Kernel], target: Target) -> Result<Self, CodegenError> {
-        if let Some(k) = kernels.iter().find(|k| k.op.lanes_on_gpu() > super::WARP) {
-            if target == Target::Warp {
-                return Err(err(format!(
-                    "{k}: a warp on the host runs row and element ops"
-                )));
-            }
+        let too_wide = |k: &&Kernel| k.op.lanes_on_gpu() > super::WARP;
+        if let Some(k) = kernels
+            .iter()
+            .find(too_wide)
+            .filter(|_| target == Target::Warp)
+        {
+            return Err(err(format!(
+                "{k}: a warp on the host runs row and element ops"
+            )));
         }
         let ctx = Box::new(Context::create());
         // SAFETY: the context is boxed (its address is stable) and outlives the engine: both are

@@ -34,12 +34,13 @@
 //! and for the column kernels its order, and so their last bits, may vary from run to run. The
 //! loss and gradient-norm sums ([`Op::AddLoss`],
 //! [`Op::AddPartials`]) one thread over a micro-batch's rows or a gradient's 4,096-element
-//! chunks. Attention: a bf16 model's fused forward is one tensor-core kernel,
-//! [`Op::FlashForward`] (`mma.sync` fragments, a warp per 16 query rows; the GPU only, see
-//! [`flash`], whose lane-by-lane model the host emulation runs instead); everything else of
-//! attention (the backward, other dtypes, the naive path) the GPU computes chunk by chunk of
-//! queries with cuBLAS products and [`Op::CausalSoftmax`] / [`Op::SoftmaxBackward`]
-//! (`schedc::lower::workspace::attention_chunk`).
+//! chunks. Attention: a bf16 model's fused forward and backward are tensor-core kernels,
+//! [`Op::FlashForward`], then [`Op::FlashDot`], [`Op::FlashBackwardQuery`] and
+//! [`Op::FlashBackwardKeys`] (`mma.sync` fragments, a warp per 16 query rows or keys; GPU-only
+//! but for the dot, written after [`flash`]'s lane-by-lane models, whose code the host emulation
+//! runs as a warp of threads); everything else of attention (other dtypes and head widths, the
+//! naive path) the GPU computes chunk by chunk of queries with cuBLAS products and
+//! [`Op::CausalSoftmax`] / [`Op::SoftmaxBackward`] (`schedc::lower::workspace::attention_chunk`).
 
 #[cfg(feature = "llvm")]
 pub mod codegen;
@@ -277,7 +278,8 @@ impl Op {
     }
 
     /// Whether the op exists only as PTX: its body uses warp-wide matrix instructions, which a
-    /// host cannot run ([`Op::FlashForward`]; host modules leave it out).
+    /// host module cannot run (the fused attention's forward and two backward sides; host
+    /// modules leave them out, a warp build runs them).
     pub fn gpu_only(&self) -> bool {
         matches!(
             self,

@@ -599,12 +599,7 @@ fn flash_attention_of_a_bf16_model_matches_attention_rs() {
             kv_heads,
             d,
         };
-        let shape = schedc::kernels::flash::Shape {
-            heads,
-            kv_heads,
-            d,
-            s: sh.s,
-        };
+        let shape = super::gpu::flash_shape(&sh);
         let kernels = vec![
             Kernel::new(Op::Convert, &[f, h]),
             Kernel::new(Op::FlashForward(shape), &[h, f]),

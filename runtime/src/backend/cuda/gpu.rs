@@ -544,7 +544,7 @@ struct Chunk<'s> {
 type Mat = (DevPtr, usize, usize);
 
 /// The fused attention kernels' shape of `sh` (its sequences aside).
-fn flash_shape(sh: &Shape) -> flash::Shape {
+pub(super) fn flash_shape(sh: &Shape) -> flash::Shape {
     flash::Shape {
         heads: sh.heads,
         kv_heads: sh.kv_heads,
@@ -1083,11 +1083,14 @@ impl Device for Gpu<'_> {
         let block = self.alloc_as(dy.storage, rows * cols)?;
         for c0 in (0..out).step_by(cols) {
             let width = cols.min(out - c0);
-            let (wb, wide) = match dx {
-                Some(_) => self.weight_rows(w, c0, width, inp, dy.storage)?,
-                None => (w, width),
-            };
-            if wide > width {
+            // dx's operand: W's rows of this block, and how many (padded) it sums over.
+            let dx_of = dx
+                .map(|(dx, beta)| {
+                    let w = self.weight_rows(w, c0, width, inp, dy.storage)?;
+                    Ok::<_, DeviceError>((dx, if c0 == 0 { beta } else { 1.0 }, w))
+                })
+                .transpose()?;
+            if dx_of.is_some_and(|(_, _, (_, wide))| wide > width) {
                 self.fill(block, rows * cols, 0.0)?;
             }
             let dw = dw.offset(c0 * inp);
@@ -1096,8 +1099,7 @@ impl Device for Gpu<'_> {
                 self.copy_rows((block, cols), (dy.offset(r0 * out + c0), out), width, n)?;
                 let x = x.offset(r0 * inp);
                 self.gemm(width, inp, n, 1.0, mt(block, cols), m(x, inp), 1.0, dw, inp)?;
-                if let Some((dx, beta)) = dx {
-                    let beta = if c0 == 0 { beta } else { 1.0 };
+                if let Some((dx, beta, (wb, wide))) = dx_of {
                     let dx = dx.offset(r0 * inp);
                     self.gemm(n, inp, wide, 1.0, m(block, cols), m(wb, inp), beta, dx, inp)?;
                 }
