@@ -29,13 +29,10 @@ pub fn causal_softmax<'c>(fx: &mut Fx<'c, '_>, r: I<'c>) {
 pub fn softmax_backward<'c>(fx: &mut Fx<'c, '_>, r: I<'c>) {
     let keys = fx.int_param("keys");
     let row = fx.imul(r, keys);
-    let total = fx.var(fx.f(-0.0));
-    fx.lane_range(fx.i64c(0), keys, |fx, j| {
+    let dot = fx.row_sum(fx.i64c(0), keys, |fx, j| {
         let at = fx.iadd(row, j);
-        let x = fx.mul(fx.load("p", at), fx.load("dp", at));
-        fx.set(&total, fx.add(fx.get(&total), x));
+        fx.mul(fx.load("p", at), fx.load("dp", at))
     });
-    let dot = fx.lane_sum(fx.get(&total));
     let scale = fx.scalar("scale");
     fx.lane_range(fx.i64c(0), keys, |fx, j| {
         let at = fx.iadd(row, j);

@@ -230,30 +230,24 @@ fn norm_forward<'c>(fx: &mut Fx<'c, '_>, norm: Norm, width: u32, bias: bool, r: 
     let zero = fx.i64c(0);
     let (mean, rstd) = match norm {
         Norm::LayerNorm => {
-            let s = fx.var(fx.f(-0.0));
-            fx.lane_range(zero, h, |fx, j| {
-                let v = fx.load("x", at(fx, j));
-                fx.set(&s, fx.add(fx.get(&s), v));
-            });
-            let mean = fx.div(fx.lane_sum(fx.get(&s)), hf);
-            let q = fx.var(fx.f(-0.0));
-            fx.lane_range(zero, h, |fx, j| {
+            let sum = fx.row_sum(zero, h, |fx, j| fx.load("x", at(fx, j)));
+            let mean = fx.div(sum, hf);
+            let squares = fx.row_sum(zero, h, |fx, j| {
                 let d = fx.sub(fx.load("x", at(fx, j)), mean);
-                fx.set(&q, fx.add(fx.get(&q), fx.mul(d, d)));
+                fx.mul(d, d)
             });
-            let var = fx.div(fx.lane_sum(fx.get(&q)), hf);
+            let var = fx.div(squares, hf);
             (
                 mean,
                 fx.div(fx.f(1.0), fx.sqrt(fx.add(var, fx.f(NORM_EPS)))),
             )
         }
         Norm::RmsNorm => {
-            let q = fx.var(fx.f(-0.0));
-            fx.lane_range(zero, h, |fx, j| {
+            let squares = fx.row_sum(zero, h, |fx, j| {
                 let v = fx.load("x", at(fx, j));
-                fx.set(&q, fx.add(fx.get(&q), fx.mul(v, v)));
+                fx.mul(v, v)
             });
-            let ms = fx.div(fx.lane_sum(fx.get(&q)), hf);
+            let ms = fx.div(squares, hf);
             (
                 fx.f(0.0),
                 fx.div(fx.f(1.0), fx.sqrt(fx.add(ms, fx.f(NORM_EPS)))),

@@ -319,13 +319,10 @@ pub fn dot<'c>(fx: &mut Fx<'c, '_>, sh: &Shape, r: I<'c>) {
     let (b, i) = (fx.udiv(t, s), fx.urem(t, s));
     let d = fx.i64c(sh.d as u64);
     let at = fx.iadd(fx.imul(t, fx.i64c((sh.heads * sh.d) as u64)), fx.imul(n, d));
-    let total = fx.var(fx.f(-0.0));
-    fx.lane_range(fx.i64c(0), d, |fx, c| {
+    let sum = fx.row_sum(fx.i64c(0), d, |fx, c| {
         let j = fx.iadd(at, c);
-        let v = fx.mul(fx.load("dout", j), fx.load("out", j));
-        fx.set(&total, fx.add(fx.get(&total), v));
+        fx.mul(fx.load("dout", j), fx.load("out", j))
     });
-    let sum = fx.lane_sum(fx.get(&total));
     fx.first_lane(|fx| fx.store("dot", stat(fx, sh, b, n, i), sum));
 }
 

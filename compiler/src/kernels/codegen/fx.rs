@@ -901,6 +901,22 @@ impl<'c, 'm> Fx<'c, 'm> {
         self.strided_loop(first, end, stride, body);
     }
 
+    /// Σ over `start..end` of `term(j)`: each lane adds its strided share ([`Fx::lane_range`])
+    /// from −0.0, as Rust's `sum` starts, then [`Fx::lane_sum`] adds the lanes'. A row's sums.
+    pub fn row_sum(
+        &mut self,
+        start: I<'c>,
+        end: I<'c>,
+        term: impl Fn(&Self, I<'c>) -> F<'c>,
+    ) -> F<'c> {
+        let total = self.var(self.f(-0.0));
+        self.lane_range(start, end, |fx, j| {
+            let v = term(fx, j);
+            fx.set(&total, fx.add(fx.get(&total), v));
+        });
+        self.lane_sum(self.get(&total))
+    }
+
     /// `x` combined over the lanes by `op` with a shuffle butterfly: at each step a lane and its
     /// partner combine the same two values in either order, so every lane ends with the same
     /// bits. `x` itself on the host.
