@@ -241,14 +241,8 @@ impl Builder<'_> {
     }
 
     /// Optimizer update of each layer of `grads` (reading its optimizer-shard gradient, then with
-    /// clipping the norm) and, when the refresh overlaps on the sync stream, the refresh of
-    /// `bucket` (deferred or not overlapped, the step places it: `step::after_last_backward`).
-    pub(super) fn update_refresh(
-        &mut self,
-        bucket: &[usize],
-        grads: &[(usize, Region)],
-        norm: Option<Region>,
-    ) -> Vec<OpId> {
+    /// clipping the norm); the refresh after it is the step's to place (`super::step`).
+    pub(super) fn update(&mut self, grads: &[(usize, Region)], norm: Option<Region>) -> Vec<OpId> {
         let mut ops: Vec<OpId> = vec![];
         for &(l, g) in grads {
             let st = &self.layers[l];
@@ -268,10 +262,6 @@ impl Builder<'_> {
             // Off the compute stream: the optimizer runs beside the remaining backward.
             self.p.ops[update].role = OpRole::Sync;
             ops.push(update);
-        }
-        if self.job.schedule.overlap.refresh == Refresh::Overlap(true) {
-            let layers = self.with_params(bucket);
-            ops.extend(self.refresh(&layers));
         }
         ops
     }

@@ -226,7 +226,7 @@ impl Builder<'_> {
             if clip {
                 pending.push((bucket, grads));
             } else {
-                ops.extend(self.update_refresh(bucket, &grads, None));
+                ops.extend(self.update_then_refresh(bucket, &grads, None));
             }
             slots[last].after.extend(ops);
         }
@@ -237,17 +237,31 @@ impl Builder<'_> {
         if !all.is_empty() {
             let (mut ops, norm) = self.grad_norm(&all);
             for (bucket, grads) in &pending {
-                ops.extend(self.update_refresh(bucket, grads, Some(norm)));
+                ops.extend(self.update_then_refresh(bucket, grads, Some(norm)));
             }
             // The last backward slot is layer 0's.
             slots[at.backward[0]].after.extend(ops);
         }
         if self.job.schedule.overlap.refresh == Refresh::Overlap(false) {
             for bucket in &buckets.reduce {
-                let layers = self.with_params(bucket);
-                let ops = self.refresh(&layers);
+                let ops = self.refresh(bucket);
                 slots[at.backward[0]].after.extend(ops);
             }
         }
+    }
+
+    /// The updates of `bucket`'s layers, followed by its refresh when that overlaps (on the sync
+    /// stream, right after them).
+    fn update_then_refresh(
+        &mut self,
+        bucket: &[usize],
+        grads: &[(usize, Region)],
+        norm: Option<Region>,
+    ) -> Vec<OpId> {
+        let mut ops = self.update(grads, norm);
+        if self.job.schedule.overlap.refresh == Refresh::Overlap(true) {
+            ops.extend(self.refresh(bucket));
+        }
+        ops
     }
 }
