@@ -13,7 +13,7 @@ use crate::arena::Arena;
 use crate::backend::Batch;
 use crate::math::attention::{self, Keep};
 use crate::math::gemm::{linear, linear_backward};
-use crate::math::ops::{gelu, gelu_grad, norm_backward, norm_forward, sigmoid, wide};
+use crate::math::ops::{gelu, gelu_grad, norm_backward, norm_forward, prefetched, sigmoid, wide};
 use crate::math::saved::Piece;
 use crate::math::{cross_entropy, optimizer_step, BlockP, NormP, Precision};
 use schedc::job::Dtype;
@@ -494,9 +494,18 @@ impl Device for Host<'_> {
         wide(
             #[inline(always)]
             || unsafe {
-                for (d, &x) in d.w(n).iter_mut().zip(pre.r(n)) {
-                    *d *= gelu_grad(x);
-                }
+                let (d, pre) = (d.w(n), pre.r(n));
+                prefetched(
+                    n,
+                    [d.as_ptr(), pre.as_ptr()],
+                    // Inlined, so that it is compiled for `wide`'s vectors.
+                    #[inline(always)]
+                    |lo, hi| {
+                        for (d, &x) in d[lo..hi].iter_mut().zip(&pre[lo..hi]) {
+                            *d *= gelu_grad(x);
+                        }
+                    },
+                );
             },
         );
         Ok(())

@@ -255,6 +255,55 @@ pub(crate) fn wide<R>(f: impl FnOnce() -> R) -> R {
     f()
 }
 
+/// Indices per block of [`prefetched`]: 8 KiB of f32 per stream.
+const BLOCK: usize = 2048;
+
+/// Calls `body(lo, hi)` over `0..n` in blocks of [`BLOCK`] indices, after asking the cache for
+/// the next block of every stream in `streams` (f32 arrays indexed like `0..n`).
+///
+/// For kernels whose long dependency chain per vector keeps too few loads in flight for the
+/// hardware prefetcher to hide memory latency, over data that is not in cache. GELU's backward
+/// (a division and two polynomials per vector, over the pre-activations saved in the forward) is
+/// one: in a bench step it took 3.6 ms on its first pass over a layer and 1.2 ms once the same
+/// data was in cache; prefetched, it takes about half as long as before and the bench's DDP step
+/// gains 5-7%. The same blocks slowed the simpler kernels (norms, the optimizer, GELU's forward),
+/// whose loads the hardware prefetcher already covers, so they do not use it. A prefetch is only a
+/// hint: the results are the same bits.
+#[inline(always)]
+pub(crate) fn prefetched<const S: usize>(
+    n: usize,
+    streams: [*const f32; S],
+    mut body: impl FnMut(usize, usize),
+) {
+    let mut lo = 0;
+    while lo < n {
+        let hi = (lo + BLOCK).min(n);
+        let next = (hi + BLOCK).min(n);
+        for s in streams {
+            prefetch(s, hi, next);
+        }
+        body(lo, hi);
+        lo = hi;
+    }
+}
+
+/// Hints that the cache lines of `p[lo..hi]` will be read soon. Never faults (a prefetch of any
+/// address is allowed), and does nothing off x86-64.
+#[inline(always)]
+fn prefetch(p: *const f32, lo: usize, hi: usize) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        // One hint per 64-byte line.
+        for i in (lo..hi).step_by(16) {
+            // SAFETY: a prefetch reads nothing architecturally; wrapping_add only forms the address.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(i).cast()) };
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (p, lo, hi);
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
