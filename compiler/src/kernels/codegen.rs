@@ -253,12 +253,18 @@ fn kernel<'c>(
             (fx.iadd(begin, first), stride, lane)
         }
     };
-    fx.strided_loop(start, end, stride, |fx, i| {
-        let mut call_args = args.clone();
-        call_args[n - 2] = i.into();
-        call_args[n - 1] = lane.into();
-        fx.call_void(body, &call_args);
-    });
+    if k.op.unrolled() && target != Target::Warp {
+        // The body inline, so that the unrolled iteration's stores can follow all its loads.
+        fx.set_lane(lane);
+        fx.unrolled_loop(start, end, stride, |fx, i| bodies::emit(fx, k, i));
+    } else {
+        fx.strided_loop(start, end, stride, |fx, i| {
+            let mut call_args = args.clone();
+            call_args[n - 2] = i.into();
+            call_args[n - 1] = lane.into();
+            fx.call_void(body, &call_args);
+        });
+    }
     fx.ret();
     if !matches!(target, Target::Ptx { .. }) {
         packed(ctx, module, k, entry);

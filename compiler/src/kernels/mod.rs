@@ -56,6 +56,12 @@ use std::path::{Path, PathBuf};
 /// Threads of a warp: the lanes of a row op's index on the GPU ([`Op::cooperative`]).
 pub const WARP: u64 = 32;
 
+/// Indices of an [`Op::unrolled`] op each thread walks per loop iteration, loading all of them
+/// before storing any: with a thread per element, a 16-bit element kernel keeps one 2-byte load
+/// per thread in flight, too few for the GPU's memory latency. The launch gives such an op a
+/// thread per `UNROLL` indices (PyTorch's element kernels take 4 per thread too).
+pub const UNROLL: u64 = 4;
+
 /// Lanes of a column op's index on the GPU ([`Op::cooperative`]): each adds up every 64th row.
 pub const COLUMN_LANES: u64 = 64;
 
@@ -265,6 +271,27 @@ impl Op {
     /// CPU's order.
     pub fn cooperative(&self) -> bool {
         self.lanes_on_gpu() > 1
+    }
+
+    /// Whether each thread walks [`UNROLL`] indices at a time, loading all of them before
+    /// storing any: the element ops whose index `i` reads and writes only element `i` of each
+    /// tensor it writes (besides reading a shared bias row), so that the order changes no value
+    /// (the plan gives distinct tensors disjoint or identical memory), and which load one or two
+    /// values per index. The optimizer's kernels, which are also independent, already issue
+    /// five loads per index; four indices' worth would take ~110 registers a thread (ptxas) and
+    /// cut the threads resident per multiprocessor by more than the loads it adds.
+    pub fn unrolled(&self) -> bool {
+        matches!(
+            self,
+            Op::Convert
+                | Op::Round { .. }
+                | Op::Accumulate
+                | Op::Gelu
+                | Op::GeluBackward
+                | Op::SwiGlu
+                | Op::SwiGluBackward
+                | Op::BiasAdd { .. }
+        )
     }
 
     /// Threads per index on the GPU: [`WARP`] for a row op, [`COLUMN_LANES`] for a column op, 1

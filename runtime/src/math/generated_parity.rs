@@ -162,6 +162,53 @@ fn conversions_match_the_arena() {
     }
 }
 
+/// The unrolled kernels' loop (`schedc::kernels::UNROLL` indices an iteration, loads before
+/// stores, then one at a time) writes every index of `begin..end` as the Rust math does, and
+/// nothing outside it: ranges of every length up to three iterations, from aligned and unaligned
+/// starts, for an in-place op (GELU's backward) and one reading a shared row (the bias add).
+#[test]
+fn unrolled_kernels_cover_every_range() {
+    let (w, n) = (5, 60);
+    let pre = round(Dtype::Bf16, &finite(24, n, 2.0));
+    let d0 = finite(25, n, 1.0);
+    let b = finite(26, w, 1.0);
+    let backward = Kernel::new(Op::GeluBackward, &[Dtype::Fp32, Dtype::Bf16]);
+    let bias = Kernel::new(Op::BiasAdd { width: w as u32 }, &[Dtype::Fp32, Dtype::Fp32]);
+    let host = HostKernels::jit(&[backward.clone(), bias.clone()]).unwrap();
+    for begin in [0, 1, 3] {
+        for len in 0..=13 {
+            let range = begin..begin + len;
+            let (mut tp, mut td) = (T::new(Dtype::Bf16, &pre), T::F32(d0.clone()));
+            // SAFETY: both buffers hold n ≥ begin + len elements.
+            unsafe { host.run(&backward, &[td.ptr(), tp.ptr()], begin, range.end) }.unwrap();
+            let want: Vec<f32> = (0..n)
+                .map(|i| {
+                    if range.contains(&i) {
+                        d0[i] * gelu_grad(pre[i])
+                    } else {
+                        d0[i]
+                    }
+                })
+                .collect();
+            same(&format!("gelu' over {range:?}"), &td.values(), &want);
+
+            let (mut ty, mut tb) = (T::F32(d0.clone()), T::F32(b.clone()));
+            // SAFETY: y holds n elements, b one row of w.
+            unsafe { host.run(&bias, &[ty.ptr(), tb.ptr()], begin, range.end) }.unwrap();
+            let want: Vec<f32> = (0..n)
+                .map(|i| {
+                    if range.contains(&i) {
+                        d0[i] + b[i % w]
+                    } else {
+                        d0[i]
+                    }
+                })
+                .collect();
+            same(&format!("bias add over {range:?}"), &ty.values(), &want);
+        }
+    }
+}
+
 #[test]
 fn activations_match_ops() {
     for d in DTYPES {

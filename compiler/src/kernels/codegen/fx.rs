@@ -20,6 +20,7 @@ use inkwell::values::{
     PointerValue,
 };
 use inkwell::{FloatPredicate, IntPredicate};
+use std::cell::RefCell;
 
 const BUILD: &str = "the kernel builder is used as LLVM expects";
 
@@ -39,6 +40,12 @@ pub struct Fx<'c, 'm> {
     lanes: u64,
     /// This thread's lane (a body's second index parameter; 0 until set).
     lane: Option<I<'c>>,
+    /// Stores held back while [`Fx::unrolled_loop`] emits an iteration's indices, so that all
+    /// of their loads come first.
+    deferred: RefCell<Option<Vec<(String, I<'c>, F<'c>)>>>,
+    /// While [`Fx::unrolled_loop`] emits an iteration: the block its loads go to, ahead of every
+    /// index's arithmetic, and the indices (besides constants) whose loads may go there.
+    hoist: RefCell<Option<(BasicBlock<'c>, Vec<I<'c>>)>>,
 }
 
 impl<'c, 'm> Fx<'c, 'm> {
@@ -65,6 +72,8 @@ impl<'c, 'm> Fx<'c, 'm> {
                 Target::Ptx { .. } | Target::Warp => k.op.lanes_on_gpu(),
             },
             lane: None,
+            deferred: RefCell::new(None),
+            hoist: RefCell::new(None),
         }
     }
 
@@ -449,8 +458,27 @@ impl<'c, 'm> Fx<'c, 'm> {
         (p, v.into_pointer_value())
     }
 
-    /// Element `i` of tensor `name`, widened to f32.
+    /// Element `i` of tensor `name`, widened to f32. Inside [`Fx::unrolled_loop`], a load at
+    /// one of the iteration's indices (or a constant one) is emitted in the iteration's loads
+    /// block, before any index's arithmetic.
     pub fn load(&self, name: &str, i: I<'c>) -> F<'c> {
+        let early = self
+            .hoist
+            .borrow()
+            .as_ref()
+            .filter(|(_, at)| i.is_const() || at.contains(&i))
+            .map(|(block, _)| *block);
+        let Some(block) = early else {
+            return self.load_here(name, i);
+        };
+        let here = self.b.get_insert_block().expect(BUILD);
+        self.b.position_at_end(block);
+        let v = self.load_here(name, i);
+        self.b.position_at_end(here);
+        v
+    }
+
+    fn load_here(&self, name: &str, i: I<'c>) -> F<'c> {
         let (p, ptr) = self.ptr(name);
         match p {
             Param::Tensor(_, Dtype::Fp32) | Param::F32s(_) => self.load_f32(ptr, i),
@@ -541,8 +569,13 @@ impl<'c, 'm> Fx<'c, 'm> {
             .expect(BUILD)
     }
 
-    /// Stores f32 `v` as element `i` of `name`, rounded to its dtype.
+    /// Stores f32 `v` as element `i` of `name`, rounded to its dtype (at the end of the
+    /// iteration inside [`Fx::unrolled_loop`]).
     pub fn store(&self, name: &str, i: I<'c>, v: F<'c>) {
+        if let Some(held) = self.deferred.borrow_mut().as_mut() {
+            held.push((name.to_owned(), i, v));
+            return;
+        }
         let (p, ptr) = self.ptr(name);
         match p {
             Param::Tensor(_, Dtype::Fp32) | Param::F32s(_) => {
@@ -837,6 +870,65 @@ impl<'c, 'm> Fx<'c, 'm> {
         i.add_incoming(&[(&next, latch)]);
         self.b.build_unconditional_branch(head).expect(BUILD);
         self.b.position_at_end(exit);
+    }
+
+    /// `for i in (start..end).step_by(stride) { body(i) }`, [`UNROLL`](crate::kernels::UNROLL)
+    /// indices per iteration while that many remain: the iteration emits the loads of all of
+    /// them (those at their index or a constant one) first, then their bodies' arithmetic in
+    /// order, then every [`Fx::store`], held back to the end. Only
+    /// for bodies whose indices touch disjoint elements ([`crate::kernels::Op::unrolled`]);
+    /// the values stored are the same as `strided_loop`'s.
+    pub fn unrolled_loop(
+        &mut self,
+        start: I<'c>,
+        end: I<'c>,
+        stride: I<'c>,
+        mut body: impl FnMut(&mut Self, I<'c>),
+    ) {
+        let copies = crate::kernels::UNROLL;
+        let pre = self.b.get_insert_block().expect(BUILD);
+        let head = self.ctx.append_basic_block(self.func, "unrolled.head");
+        let step = self.ctx.append_basic_block(self.func, "unrolled.body");
+        let rest = self.ctx.append_basic_block(self.func, "unrolled.rest");
+        self.b.build_unconditional_branch(head).expect(BUILD);
+        self.b.position_at_end(head);
+        let i = self.b.build_phi(start.get_type(), "i").expect(BUILD);
+        i.add_incoming(&[(&start, pre)]);
+        let iv = i.as_basic_value().into_int_value();
+        let last = self.iadd(iv, self.imul(stride, self.i64c(copies - 1)));
+        let whole = self.icmp(IntPredicate::ULT, last, end);
+        self.b
+            .build_conditional_branch(whole, step, rest)
+            .expect(BUILD);
+        // `step` holds the iteration's indices and, as the bodies ask for them, their loads;
+        // the bodies' arithmetic follows in `compute`, their stores at the end.
+        self.b.position_at_end(step);
+        let at: Vec<I<'c>> = (0..copies)
+            .map(|c| self.iadd(iv, self.imul(stride, self.i64c(c))))
+            .collect();
+        let compute = self.ctx.append_basic_block(self.func, "unrolled.compute");
+        self.b.position_at_end(compute);
+        *self.hoist.borrow_mut() = Some((step, at.clone()));
+        *self.deferred.borrow_mut() = Some(Vec::new());
+        for &j in &at {
+            body(self, j);
+        }
+        *self.hoist.borrow_mut() = None;
+        let held = self.deferred.borrow_mut().take().unwrap_or_default();
+        for (name, j, v) in held {
+            self.store(&name, j, v);
+        }
+        let end_of_compute = self.b.get_insert_block().expect(BUILD);
+        self.b.position_at_end(step);
+        self.b.build_unconditional_branch(compute).expect(BUILD);
+        self.b.position_at_end(end_of_compute);
+        let at = self.iadd(iv, self.imul(stride, self.i64c(copies)));
+        let latch = self.b.get_insert_block().expect(BUILD);
+        i.add_incoming(&[(&at, latch)]);
+        self.b.build_unconditional_branch(head).expect(BUILD);
+        // The last indices, fewer than a whole iteration, one at a time.
+        self.b.position_at_end(rest);
+        self.strided_loop(iv, end, stride, body);
     }
 
     /// `if cond { body() }`.

@@ -8,7 +8,7 @@
 
 use super::typed::DevPtr;
 use schedc::job::{Collective, Dtype};
-use schedc::kernels::{Op, Space, COLUMN_LANES, WARP};
+use schedc::kernels::{Op, Space, COLUMN_LANES, UNROLL, WARP};
 
 /// An address in GPU memory (in the host emulation, a host address): typed so that device
 /// addresses, byte offsets in the arena and element counts cannot be mixed up.
@@ -51,13 +51,15 @@ pub struct Grid {
 }
 
 /// The grid of a launch of `op` over `n` indices, in blocks of 256 threads: one thread per
-/// element, a warp per row, 32·`COLUMN_LANES` threads per 32 columns (so the launch's threads
+/// element ([`UNROLL`] elements for an unrolled op, which its loop walks in one iteration), a warp
+/// per row, 32·`COLUMN_LANES` threads per 32 columns (so the launch's threads
 /// are whole groups of columns: `Op::lanes_on_gpu`, and the code generator's thread mapping);
 /// the others (a chunk per thread) blocks of 64, so that their few indices still spread over the
 /// multiprocessors. At most 65,536 blocks: the grid-stride loop covers the rest.
 pub fn grid(op: Op, n: usize) -> Grid {
     let n = n as u64;
     let (threads, needed): (u32, u64) = match op.space() {
+        Space::Elements if op.unrolled() => (256, n.div_ceil(UNROLL)),
         Space::Elements => (256, n),
         Space::Rows => (256, n * WARP),
         Space::Columns => (256, n.div_ceil(WARP) * WARP * COLUMN_LANES),
@@ -294,13 +296,15 @@ mod tests {
     /// What the generated kernels' thread mapping (`schedc::kernels::codegen`) assumes of a
     /// launch: a warp per row and whole warps per block; for columns, whole groups of
     /// 32·`COLUMN_LANES` threads (so that every thread of a warp walks the same columns); enough
-    /// threads for one pass over the indices below the 65,536-block cap.
+    /// threads for one pass over the indices below the 65,536-block cap (an unrolled op's pass
+    /// being [`UNROLL`] indices a thread).
     #[test]
     fn grids_fit_the_kernels_thread_mapping() {
         let rows = Op::CrossEntropy { vocab: 50257 };
         let columns = Op::BiasGrad { width: 768 };
         for n in [1, 31, 32, 33, 767, 768, 8192, 1 << 20, 1 << 24] {
-            for op in [Op::Convert, rows, columns, Op::SumSquares] {
+            let adam = Op::Adam { decayed: false };
+            for op in [Op::Convert, Op::Gelu, adam, rows, columns, Op::SumSquares] {
                 let g = grid(op, n);
                 let threads = u64::from(g.blocks) * u64::from(g.threads);
                 assert_eq!(threads % WARP, 0, "{op:?} over {n}: whole warps");
@@ -312,9 +316,11 @@ mod tests {
                     );
                 }
                 // Indices one pass covers, by the mapping: 32 columns per group of threads,
-                // else one index per `lanes_on_gpu` threads.
+                // `UNROLL` indices per thread of an unrolled op, else one index per
+                // `lanes_on_gpu` threads.
                 let per_pass = match op.space() {
                     Space::Columns => threads / (WARP * COLUMN_LANES) * WARP,
+                    _ if op.unrolled() => threads * UNROLL,
                     _ => threads / op.lanes_on_gpu(),
                 };
                 assert!(
