@@ -17,7 +17,7 @@ use inkwell::module::Module;
 use inkwell::types::{BasicType, BasicTypeEnum};
 use inkwell::values::{
     BasicMetadataValueEnum, BasicValue, BasicValueEnum, FloatValue, FunctionValue, IntValue,
-    PointerValue,
+    PhiValue, PointerValue,
 };
 use inkwell::{FloatPredicate, IntPredicate};
 use std::cell::RefCell;
@@ -842,6 +842,20 @@ impl<'c, 'm> Fx<'c, 'm> {
         self.b.build_store(v.slot, x).expect(BUILD);
     }
 
+    /// A loop's head block, entered from here, its index phi (`start` on entry; the latch adds
+    /// the other incoming value) and the index's value. The builder is left in the head.
+    fn loop_head(&self, start: I<'c>, prefix: &str) -> (BasicBlock<'c>, PhiValue<'c>, I<'c>) {
+        let pre = self.b.get_insert_block().expect(BUILD);
+        let head = self
+            .ctx
+            .append_basic_block(self.func, &format!("{prefix}head"));
+        self.b.build_unconditional_branch(head).expect(BUILD);
+        self.b.position_at_end(head);
+        let i = self.b.build_phi(start.get_type(), "i").expect(BUILD);
+        i.add_incoming(&[(&start, pre)]);
+        (head, i, i.as_basic_value().into_int_value())
+    }
+
     /// `for i in (start..end).step_by(stride) { body(i) }` (unsigned compare).
     pub fn strided_loop(
         &mut self,
@@ -850,15 +864,9 @@ impl<'c, 'm> Fx<'c, 'm> {
         stride: I<'c>,
         body: impl FnOnce(&mut Self, I<'c>),
     ) {
-        let pre = self.b.get_insert_block().expect(BUILD);
-        let head = self.ctx.append_basic_block(self.func, "head");
+        let (head, i, iv) = self.loop_head(start, "");
         let step = self.ctx.append_basic_block(self.func, "body");
         let exit = self.ctx.append_basic_block(self.func, "exit");
-        self.b.build_unconditional_branch(head).expect(BUILD);
-        self.b.position_at_end(head);
-        let i = self.b.build_phi(self.ctx.i64_type(), "i").expect(BUILD);
-        i.add_incoming(&[(&start, pre)]);
-        let iv = i.as_basic_value().into_int_value();
         let more = self.icmp(IntPredicate::ULT, iv, end);
         self.b
             .build_conditional_branch(more, step, exit)
@@ -886,15 +894,9 @@ impl<'c, 'm> Fx<'c, 'm> {
         mut body: impl FnMut(&mut Self, I<'c>),
     ) {
         let copies = crate::kernels::UNROLL;
-        let pre = self.b.get_insert_block().expect(BUILD);
-        let head = self.ctx.append_basic_block(self.func, "unrolled.head");
+        let (head, i, iv) = self.loop_head(start, "unrolled.");
         let step = self.ctx.append_basic_block(self.func, "unrolled.body");
         let rest = self.ctx.append_basic_block(self.func, "unrolled.rest");
-        self.b.build_unconditional_branch(head).expect(BUILD);
-        self.b.position_at_end(head);
-        let i = self.b.build_phi(start.get_type(), "i").expect(BUILD);
-        i.add_incoming(&[(&start, pre)]);
-        let iv = i.as_basic_value().into_int_value();
         let last = self.iadd(iv, self.imul(stride, self.i64c(copies - 1)));
         let whole = self.icmp(IntPredicate::ULT, last, end);
         self.b
