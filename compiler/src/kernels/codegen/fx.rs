@@ -662,20 +662,26 @@ impl<'c, 'm> Fx<'c, 'm> {
         self.b.build_store(self.gep(dp, t, d), v).expect(BUILD);
     }
 
-    /// `schedrun::math::f32_to_bf16_bits` in integer IR: round to nearest even, NaN kept quiet.
+    /// `schedrun::math::f32_to_bf16_bits`: round to nearest even, NaN kept quiet. In integer IR
+    /// on the host; on the GPU the hardware's conversion (`cvt.rn.bf16.f32`, the same IEEE
+    /// rounding in one instruction instead of five), NaN still mapped as the host maps it.
     fn f32_to_bf16(&self, x: F<'c>) -> I<'c> {
         let b = self.bits(x);
         let hi = self
             .b
             .build_right_shift(b, self.i32c(16), false, "")
             .expect(BUILD);
-        let lsb = self.b.build_and(hi, self.i32c(1), "").expect(BUILD);
-        let bias = self.iadd(self.i32c(0x7fff), lsb);
-        let rounded = self.iadd(b, bias);
-        let rounded = self
-            .b
-            .build_right_shift(rounded, self.i32c(16), false, "")
-            .expect(BUILD);
+        let rounded = match self.target {
+            Target::Ptx { .. } => self.converted(x, self.ctx.bf16_type()),
+            Target::Host | Target::Warp => {
+                let lsb = self.b.build_and(hi, self.i32c(1), "").expect(BUILD);
+                let bias = self.iadd(self.i32c(0x7fff), lsb);
+                let rounded = self.iadd(b, bias);
+                self.b
+                    .build_right_shift(rounded, self.i32c(16), false, "")
+                    .expect(BUILD)
+            }
+        };
         let nan = self.b.build_or(hi, self.i32c(0x40), "").expect(BUILD);
         let is_nan = self.fcmp(FloatPredicate::UNO, x, x);
         let v = self.iselect(is_nan, nan, rounded);
@@ -727,8 +733,24 @@ impl<'c, 'm> Fx<'c, 'm> {
         self.float_of_bits(self.b.build_or(mag, sign, "").expect(BUILD))
     }
 
+    /// `x` rounded to nearest even into the 16-bit float type `t` by the GPU's conversion
+    /// (`fptrunc`: `cvt.rn.bf16.f32` or `cvt.rn.f16.f32`), its bits zero-extended to i32.
+    fn converted(&self, x: F<'c>, t: inkwell::types::FloatType<'c>) -> I<'c> {
+        let h = self.b.build_float_trunc(x, t, "").expect(BUILD);
+        let h = self
+            .b
+            .build_bit_cast(h, self.ctx.i16_type(), "")
+            .expect(BUILD)
+            .into_int_value();
+        self.b
+            .build_int_z_extend(h, self.ctx.i32_type(), "")
+            .expect(BUILD)
+    }
+
     /// f32 to IEEE half bits, round to nearest even (the `half` crate's `f16::from_f32`), through
-    /// the Rust math's `round_f16`: scale to the half's quantum, round, then pack exactly.
+    /// the Rust math's `round_f16`: scale to the half's quantum, round, then pack exactly. On the
+    /// GPU the hardware's conversion (`cvt.rn.f16.f32`, the same IEEE rounding), NaN mapped as on
+    /// the host.
     fn f32_to_f16(&self, x: F<'c>) -> I<'c> {
         let b = self.bits(x);
         let sign = self
@@ -747,6 +769,20 @@ impl<'c, 'm> Fx<'c, 'm> {
                 "",
             )
             .expect(BUILD);
+        let v = match self.target {
+            Target::Ptx { .. } => self.converted(x, self.ctx.f16_type()),
+            Target::Host | Target::Warp => self.f32_to_f16_bits(x, sign),
+        };
+        let is_nan = self.fcmp(FloatPredicate::UNO, x, x);
+        let v = self.iselect(is_nan, nan, v);
+        self.b
+            .build_int_truncate(v, self.ctx.i16_type(), "")
+            .expect(BUILD)
+    }
+
+    /// The non-NaN half bits of [`Fx::f32_to_f16`] in integer and f32 IR, `sign` being x's sign
+    /// in the half's place.
+    fn f32_to_f16_bits(&self, x: F<'c>, sign: I<'c>) -> I<'c> {
         let inf = self.b.build_or(sign, self.i32c(0x7c00), "").expect(BUILD);
         let a = self.fabs(x);
         // q = 2^max(e − 10, −24) where e is x's unbiased exponent.
@@ -798,12 +834,7 @@ impl<'c, 'm> Fx<'c, 'm> {
         let mag = self.iselect(r_small, subn, normal);
         let v = self.b.build_or(sign, mag, "").expect(BUILD);
         let big = self.fcmp(FloatPredicate::OGE, a, self.f(65520.0));
-        let v = self.iselect(big, inf, v);
-        let is_nan = self.fcmp(FloatPredicate::UNO, x, x);
-        let v = self.iselect(is_nan, nan, v);
-        self.b
-            .build_int_truncate(v, self.ctx.i16_type(), "")
-            .expect(BUILD)
+        self.iselect(big, inf, v)
     }
 
     // ----- control flow -----
