@@ -914,9 +914,9 @@ impl<'c, 'm> Fx<'c, 'm> {
     /// `for i in (start..end).step_by(stride) { body(i) }`, [`UNROLL`](crate::kernels::UNROLL)
     /// indices per iteration while that many remain: the iteration emits the loads of all of
     /// them (those at their index or a constant one) first, then their bodies' arithmetic in
-    /// order, then every [`Fx::store`], held back to the end. Only
-    /// for bodies whose indices touch disjoint elements ([`crate::kernels::Op::unrolled`]);
-    /// the values stored are the same as `strided_loop`'s.
+    /// order, then every [`Fx::store`], held back to the end. Only for bodies whose indices touch
+    /// disjoint elements ([`crate::kernels::Op::unrolled`]): the values stored are then the same
+    /// as `strided_loop`'s.
     pub fn unrolled_loop(
         &mut self,
         start: I<'c>,
@@ -955,9 +955,8 @@ impl<'c, 'm> Fx<'c, 'm> {
         self.b.position_at_end(step);
         self.b.build_unconditional_branch(compute).expect(BUILD);
         self.b.position_at_end(end_of_compute);
-        let at = self.iadd(iv, self.imul(stride, self.i64c(copies)));
-        let latch = self.b.get_insert_block().expect(BUILD);
-        i.add_incoming(&[(&at, latch)]);
+        let next = self.iadd(iv, self.imul(stride, self.i64c(copies)));
+        i.add_incoming(&[(&next, end_of_compute)]);
         self.b.build_unconditional_branch(head).expect(BUILD);
         // The last indices, fewer than a whole iteration, one at a time.
         self.b.position_at_end(rest);
