@@ -266,9 +266,12 @@ const BLOCK: usize = 2048;
 /// (a division and two polynomials per vector, over the pre-activations saved in the forward) is
 /// one: in a bench step it took 3.6 ms on its first pass over a layer and 1.2 ms once the same
 /// data was in cache; prefetched, it takes about half as long as before and the bench's DDP step
-/// gains 5-7%. The same blocks slowed the simpler kernels (norms, the optimizer, GELU's forward),
-/// whose loads the hardware prefetcher already covers, so they do not use it. A prefetch is only a
-/// hint: the results are the same bits.
+/// gains 5-7%. Timed per kernel over 12 bench_ddp steps (thread CPU time), the same prefetching
+/// made GELU's forward 30% slower, the optimizer 87% and the norm forward 3% (their loads the
+/// hardware prefetcher already covers; the hints add work and evict lines), so they do not use
+/// it. It cut the norm backward's time by 23% (rows 8 ahead), about 0.5% of a step, which an
+/// interleaved whole-step A/B could not tell from noise (−2.9% in 5 rounds): not used either. A
+/// prefetch is only a hint: the results are the same bits.
 #[inline(always)]
 pub(crate) fn prefetched<const S: usize>(
     n: usize,
