@@ -41,6 +41,7 @@ use inkwell::targets::{
 };
 use inkwell::types::BasicMetadataTypeEnum;
 use inkwell::values::FunctionValue;
+use inkwell::IntPredicate;
 use inkwell::OptimizationLevel;
 use std::collections::HashMap;
 use std::fmt;
@@ -253,17 +254,41 @@ fn kernel<'c>(
             (fx.iadd(begin, first), stride, lane)
         }
     };
+    let walk = |fx: &mut Fx<'c, '_>, start: I<'c>, end: I<'c>, stride: I<'c>| {
+        if k.op.unrolled() && target != Target::Warp {
+            // The body inline, so that the unrolled iteration's stores can follow all its loads.
+            fx.set_lane(lane);
+            fx.unrolled_loop(start, end, stride, |fx, i| bodies::emit(fx, k, i));
+        } else {
+            fx.strided_loop(start, end, stride, |fx, i| {
+                let mut call_args = args.clone();
+                call_args[n - 2] = i.into();
+                call_args[n - 1] = lane.into();
+                fx.call_void(body, &call_args);
+            });
+        }
+    };
     if k.op.unrolled() && target != Target::Warp {
-        // The body inline, so that the unrolled iteration's stores can follow all its loads.
-        fx.set_lane(lane);
-        fx.unrolled_loop(start, end, stride, |fx, i| bodies::emit(fx, k, i));
-    } else {
-        fx.strided_loop(start, end, stride, |fx, i| {
-            let mut call_args = args.clone();
-            call_args[n - 2] = i.into();
-            call_args[n - 1] = lane.into();
-            fx.call_void(body, &call_args);
+        // Counted in 32 bits when every index the loop forms fits (a GPU's 64-bit integer
+        // arithmetic takes two instructions, a 32-bit index's address one), else in 64. Only the
+        // unrolled ops: ptxas gave the others (Adam, the embedding) more registers for the
+        // two loops than the narrower indices saved.
+        let reach = fx.iadd(end, fx.imul(stride, fx.i64c(crate::kernels::UNROLL)));
+        let fits = fx.icmp(IntPredicate::ULE, reach, fx.i64c(u64::from(u32::MAX)));
+        let narrow = |fx: &Fx<'c, '_>, v: I<'c>| {
+            fx.b.build_int_truncate(v, fx.ctx.i32_type(), "")
+                .expect("the kernel builder is used as LLVM expects")
+        };
+        fx.when(fits, |fx| {
+            let (s, e, st) = (narrow(fx, start), narrow(fx, end), narrow(fx, stride));
+            walk(fx, s, e, st);
         });
+        let wide =
+            fx.b.build_not(fits, "")
+                .expect("the kernel builder is used as LLVM expects");
+        fx.when(wide, |fx| walk(fx, start, end, stride));
+    } else {
+        walk(&mut fx, start, end, stride);
     }
     fx.ret();
     if !matches!(target, Target::Ptx { .. }) {

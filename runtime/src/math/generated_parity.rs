@@ -209,6 +209,31 @@ fn unrolled_kernels_cover_every_range() {
     }
 }
 
+/// Past 2³² indices the element loops count in 64 bits (below, in 32): GELU's backward over
+/// indices 2³² − 6 .. 2³² + 7, its tensors' addresses offset so that those indices land in small
+/// buffers (the kernel only forms `base + i`), writes every index as the Rust math does.
+#[test]
+fn unrolled_kernels_count_past_32_bits() {
+    let n = 13;
+    let begin = (1usize << 32) - 6;
+    let pre = round(Dtype::Bf16, &finite(27, n, 2.0));
+    let d0 = finite(28, n, 1.0);
+    let backward = Kernel::new(Op::GeluBackward, &[Dtype::Fp32, Dtype::Bf16]);
+    let host = HostKernels::jit(std::slice::from_ref(&backward)).unwrap();
+    let (mut tp, mut td) = (T::new(Dtype::Bf16, &pre), T::F32(d0.clone()));
+    let shift = |slot: u64, bytes: usize| slot.wrapping_sub((begin * bytes) as u64);
+    let args = [shift(td.ptr(), 4), shift(tp.ptr(), 2)];
+    // SAFETY: the kernel reads and writes `base + i` for i in begin..begin + n, which the
+    // offsets place at the buffers' n elements.
+    unsafe { host.run(&backward, &args, begin, begin + n) }.unwrap();
+    let want: Vec<f32> = d0
+        .iter()
+        .zip(&pre)
+        .map(|(&d, &x)| d * gelu_grad(x))
+        .collect();
+    same("gelu' past 2^32", &td.values(), &want);
+}
+
 #[test]
 fn activations_match_ops() {
     for d in DTYPES {

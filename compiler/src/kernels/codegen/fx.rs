@@ -172,6 +172,21 @@ impl<'c, 'm> Fx<'c, 'm> {
         self.ctx.i32_type().const_int(v, false)
     }
 
+    /// The constant `v` of `like`'s integer type.
+    pub fn int_like(&self, like: I<'c>, v: u64) -> I<'c> {
+        like.get_type().const_int(v, false)
+    }
+
+    /// `i` zero-extended to i64 (an index counted in fewer bits), or `i` itself.
+    pub fn widened(&self, i: I<'c>) -> I<'c> {
+        if i.get_type().get_bit_width() >= 64 {
+            return i;
+        }
+        self.b
+            .build_int_z_extend(i, self.ctx.i64_type(), "")
+            .expect(BUILD)
+    }
+
     pub fn iadd(&self, a: I<'c>, b: I<'c>) -> I<'c> {
         self.b.build_int_add(a, b, "").expect(BUILD)
     }
@@ -887,7 +902,8 @@ impl<'c, 'm> Fx<'c, 'm> {
         (head, i, i.as_basic_value().into_int_value())
     }
 
-    /// `for i in (start..end).step_by(stride) { body(i) }` (unsigned compare).
+    /// `for i in (start..end).step_by(stride) { body(i) }` (unsigned compare), counted in the
+    /// type of `start`, `end` and `stride`; the body gets `i` as i64.
     pub fn strided_loop(
         &mut self,
         start: I<'c>,
@@ -903,7 +919,8 @@ impl<'c, 'm> Fx<'c, 'm> {
             .build_conditional_branch(more, step, exit)
             .expect(BUILD);
         self.b.position_at_end(step);
-        body(self, iv);
+        let wide = self.widened(iv);
+        body(self, wide);
         let next = self.iadd(iv, stride);
         let latch = self.b.get_insert_block().expect(BUILD);
         i.add_incoming(&[(&next, latch)]);
@@ -916,7 +933,7 @@ impl<'c, 'm> Fx<'c, 'm> {
     /// them (those at their index or a constant one) first, then their bodies' arithmetic in
     /// order, then every [`Fx::store`], held back to the end. Only for bodies whose indices touch
     /// disjoint elements ([`crate::kernels::Op::unrolled`]): the values stored are then the same
-    /// as `strided_loop`'s.
+    /// as `strided_loop`'s. Counted like `strided_loop`.
     pub fn unrolled_loop(
         &mut self,
         start: I<'c>,
@@ -928,7 +945,7 @@ impl<'c, 'm> Fx<'c, 'm> {
         let (head, i, iv) = self.loop_head(start, "unrolled.");
         let step = self.ctx.append_basic_block(self.func, "unrolled.body");
         let rest = self.ctx.append_basic_block(self.func, "unrolled.rest");
-        let last = self.iadd(iv, self.imul(stride, self.i64c(copies - 1)));
+        let last = self.iadd(iv, self.imul(stride, self.int_like(stride, copies - 1)));
         let whole = self.icmp(IntPredicate::ULT, last, end);
         self.b
             .build_conditional_branch(whole, step, rest)
@@ -937,7 +954,7 @@ impl<'c, 'm> Fx<'c, 'm> {
         // the bodies' arithmetic follows in `compute`, their stores at the end.
         self.b.position_at_end(step);
         let at: Vec<I<'c>> = (0..copies)
-            .map(|c| self.iadd(iv, self.imul(stride, self.i64c(c))))
+            .map(|c| self.widened(self.iadd(iv, self.imul(stride, self.int_like(stride, c)))))
             .collect();
         let compute = self.ctx.append_basic_block(self.func, "unrolled.compute");
         self.b.position_at_end(compute);
@@ -955,7 +972,7 @@ impl<'c, 'm> Fx<'c, 'm> {
         self.b.position_at_end(step);
         self.b.build_unconditional_branch(compute).expect(BUILD);
         self.b.position_at_end(end_of_compute);
-        let next = self.iadd(iv, self.imul(stride, self.i64c(copies)));
+        let next = self.iadd(iv, self.imul(stride, self.int_like(stride, copies)));
         i.add_incoming(&[(&next, end_of_compute)]);
         self.b.build_unconditional_branch(head).expect(BUILD);
         // The last indices, fewer than a whole iteration, one at a time.
