@@ -6,7 +6,8 @@
 //! address. Both call [`body`](super::codegen) once per kernel: the body is an internal
 //! `alwaysinline` function of the index and the parameters; the wrappers differ only in how
 //! they walk `begin..end` (a loop on the host, a grid-stride loop on the GPU, over warps for a
-//! cooperative op) and in the calling convention (`ptx_kernel` on the GPU).
+//! cooperative op, four indices an iteration for an [`super::Op::unrolled`] op on the GPU) and in
+//! the calling convention (`ptx_kernel` on the GPU).
 //!
 //! Bodies live in [`bodies`](self::bodies); the arithmetic helpers they use (storage
 //! conversions, `exp`, `tanh`, loops, accumulators, lanes) in [`fx`](self::fx). Target
@@ -91,7 +92,7 @@ fn err(what: impl fmt::Display) -> CodegenError {
 pub fn ptx(kernels: &[Kernel], sm: u32) -> Result<String, CodegenError> {
     let ctx = Context::create();
     let target = Target::Ptx { sm };
-    let module = build(&ctx, kernels, target)?;
+    let module = build(&ctx, kernels, target, Loops::Gpu)?;
     let tm = machine(target)?;
     optimise(&module, &tm)?;
     let buf = tm
@@ -103,7 +104,7 @@ pub fn ptx(kernels: &[Kernel], sm: u32) -> Result<String, CodegenError> {
 /// The optimised LLVM IR text of `kernels` for `target` (for inspection and tests).
 pub fn ir(kernels: &[Kernel], target: Target) -> Result<String, CodegenError> {
     let ctx = Context::create();
-    let module = build(&ctx, kernels, target)?;
+    let module = build(&ctx, kernels, target, Loops::of(target))?;
     optimise(&module, &machine(target)?)?;
     Ok(module.print_to_string().to_string())
 }
@@ -153,11 +154,31 @@ fn optimise(module: &Module<'_>, tm: &TargetMachine) -> Result<(), CodegenError>
         .map_err(|e| err(e.to_string()))
 }
 
+/// How a kernel's entry walks its indices.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Loops {
+    /// One index at a time (the host's loops, which LLVM vectorises).
+    Plain,
+    /// As on the GPU: an [`super::Op::unrolled`] op [`super::UNROLL`] indices an iteration, loads
+    /// first, counted in 32 bits when they fit (the PTX target; on the host, to test it).
+    Gpu,
+}
+
+impl Loops {
+    fn of(target: Target) -> Self {
+        match target {
+            Target::Ptx { .. } => Loops::Gpu,
+            Target::Host | Target::Warp => Loops::Plain,
+        }
+    }
+}
+
 /// A module holding every kernel of `kernels` (each once) for `target`.
 fn build<'c>(
     ctx: &'c Context,
     kernels: &[Kernel],
     target: Target,
+    loops: Loops,
 ) -> Result<Module<'c>, CodegenError> {
     let module = ctx.create_module("sched_kernels");
     if let Target::Ptx { .. } = target {
@@ -166,7 +187,7 @@ fn build<'c>(
     let mut seen = std::collections::HashSet::new();
     for k in on(kernels, target) {
         if seen.insert(k.name()) {
-            kernel(ctx, &module, k, target)?;
+            kernel(ctx, &module, k, target, loops)?;
         }
     }
     Ok(module)
@@ -203,6 +224,7 @@ fn kernel<'c>(
     module: &Module<'c>,
     k: &Kernel,
     target: Target,
+    loops: Loops,
 ) -> Result<(), CodegenError> {
     let name = k.name();
     let types = param_types(ctx, k);
@@ -254,8 +276,9 @@ fn kernel<'c>(
             (fx.iadd(begin, first), stride, lane)
         }
     };
+    let unrolled = k.op.unrolled() && loops == Loops::Gpu;
     let walk = |fx: &mut Fx<'c, '_>, start: I<'c>, end: I<'c>, stride: I<'c>| {
-        if k.op.unrolled() && target != Target::Warp {
+        if unrolled {
             // The body inline, so that the unrolled iteration's stores can follow all its loads.
             fx.set_lane(lane);
             fx.unrolled_loop(start, end, stride, |fx, i| bodies::emit(fx, k, i));
@@ -268,7 +291,7 @@ fn kernel<'c>(
             });
         }
     };
-    if k.op.unrolled() && target != Target::Warp {
+    if unrolled {
         // Counted in 32 bits when every index the loop forms fits (a GPU's 64-bit integer
         // arithmetic takes two instructions, a 32-bit index's address one), else in 64. Only the
         // unrolled ops: ptxas gave the others (Adam, the embedding) more registers for the
@@ -386,16 +409,25 @@ unsafe impl Sync for HostKernels {}
 impl HostKernels {
     /// Compiles `kernels` for this processor.
     pub fn jit(kernels: &[Kernel]) -> Result<Self, CodegenError> {
-        Self::jit_for(kernels, Target::Host)
+        Self::jit_for(kernels, Target::Host, Loops::Plain)
+    }
+
+    /// Compiles `kernels` for this processor with the GPU's index loops (an
+    /// [`super::Op::unrolled`] op four indices an iteration, loads first, counted in 32 bits
+    /// when they fit), stride 1: what tests the loops the PTX runs. The host's own loops
+    /// ([`HostKernels::jit`]) take one index at a time, which LLVM vectorises; the unrolled form
+    /// ran the CPU backend's element kernels about 20% slower (bench_ddp, llvm build).
+    pub fn jit_gpu_loops(kernels: &[Kernel]) -> Result<Self, CodegenError> {
+        Self::jit_for(kernels, Target::Host, Loops::Gpu)
     }
 
     /// Compiles `kernels` for this processor as a GPU warp ([`Target::Warp`]; row and element
     /// ops, the GPU-only ones included), to run with [`HostKernels::run_warp`].
     pub fn jit_warp(kernels: &[Kernel]) -> Result<Self, CodegenError> {
-        Self::jit_for(kernels, Target::Warp)
+        Self::jit_for(kernels, Target::Warp, Loops::Plain)
     }
 
-    fn jit_for(kernels: &[Kernel], target: Target) -> Result<Self, CodegenError> {
+    fn jit_for(kernels: &[Kernel], target: Target, loops: Loops) -> Result<Self, CodegenError> {
         let too_wide = |k: &&Kernel| k.op.lanes_on_gpu() > super::WARP;
         if let Some(k) = kernels
             .iter()
@@ -410,7 +442,7 @@ impl HostKernels {
         // SAFETY: the context is boxed (its address is stable) and outlives the engine: both are
         // fields of the returned value, the engine declared (and so dropped) first.
         let ctx_ref: &'static Context = unsafe { &*(ctx.as_ref() as *const Context) };
-        let module = build(ctx_ref, kernels, target)?;
+        let module = build(ctx_ref, kernels, target, loops)?;
         optimise(&module, &machine(target)?)?;
         // MCJIT resolves libm's `logf` from this process (the engine makes the program's own
         // symbols visible when it is created).

@@ -162,8 +162,9 @@ fn conversions_match_the_arena() {
     }
 }
 
-/// The unrolled kernels' loop (`schedc::kernels::UNROLL` indices an iteration, loads before
-/// stores, then one at a time) writes every index of `begin..end` as the Rust math does, and
+/// The GPU's loop of the unrolled kernels (`schedc::kernels::UNROLL` indices an iteration, loads
+/// before stores, then one at a time; `HostKernels::jit_gpu_loops`) writes every index of
+/// `begin..end` as the Rust math does, and
 /// nothing outside it: ranges of every length up to three iterations, from aligned and unaligned
 /// starts, for an in-place op (GELU's backward) and one reading a shared row (the bias add).
 #[test]
@@ -174,7 +175,7 @@ fn unrolled_kernels_cover_every_range() {
     let b = finite(26, w, 1.0);
     let backward = Kernel::new(Op::GeluBackward, &[Dtype::Fp32, Dtype::Bf16]);
     let bias = Kernel::new(Op::BiasAdd { width: w as u32 }, &[Dtype::Fp32, Dtype::Fp32]);
-    let host = HostKernels::jit(&[backward.clone(), bias.clone()]).unwrap();
+    let host = HostKernels::jit_gpu_loops(&[backward.clone(), bias.clone()]).unwrap();
     for begin in [0, 1, 3] {
         for len in 0..=13 {
             let range = begin..begin + len;
@@ -209,7 +210,7 @@ fn unrolled_kernels_cover_every_range() {
     }
 }
 
-/// Past 2³² indices the element loops count in 64 bits (below, in 32): GELU's backward over
+/// Past 2³² indices the GPU's unrolled loops count in 64 bits (below, in 32): GELU's backward over
 /// indices 2³² − 6 .. 2³² + 7, its tensors' addresses offset so that those indices land in small
 /// buffers (the kernel only forms `base + i`), writes every index as the Rust math does.
 #[test]
@@ -219,7 +220,7 @@ fn unrolled_kernels_count_past_32_bits() {
     let pre = round(Dtype::Bf16, &finite(27, n, 2.0));
     let d0 = finite(28, n, 1.0);
     let backward = Kernel::new(Op::GeluBackward, &[Dtype::Fp32, Dtype::Bf16]);
-    let host = HostKernels::jit(std::slice::from_ref(&backward)).unwrap();
+    let host = HostKernels::jit_gpu_loops(std::slice::from_ref(&backward)).unwrap();
     let (mut tp, mut td) = (T::new(Dtype::Bf16, &pre), T::F32(d0.clone()));
     let shift = |slot: u64, bytes: usize| slot.wrapping_sub((begin * bytes) as u64);
     let args = [shift(td.ptr(), 4), shift(tp.ptr(), 2)];
