@@ -298,18 +298,14 @@ fn kernel<'c>(
         // two loops than the narrower indices saved.
         let reach = fx.iadd(end, fx.imul(stride, fx.i64c(crate::kernels::UNROLL)));
         let fits = fx.icmp(IntPredicate::ULE, reach, fx.i64c(u64::from(u32::MAX)));
-        let narrow = |fx: &Fx<'c, '_>, v: I<'c>| {
-            fx.b.build_int_truncate(v, fx.ctx.i32_type(), "")
-                .expect("the kernel builder is used as LLVM expects")
-        };
-        fx.when(fits, |fx| {
-            let (s, e, st) = (narrow(fx, start), narrow(fx, end), narrow(fx, stride));
-            walk(fx, s, e, st);
-        });
-        let wide =
-            fx.b.build_not(fits, "")
-                .expect("the kernel builder is used as LLVM expects");
-        fx.when(wide, |fx| walk(fx, start, end, stride));
+        fx.if_else(
+            fits,
+            |fx| {
+                let (s, e, st) = (fx.narrowed(start), fx.narrowed(end), fx.narrowed(stride));
+                walk(fx, s, e, st);
+            },
+            |fx| walk(fx, start, end, stride),
+        );
     } else {
         walk(&mut fx, start, end, stride);
     }

@@ -40,12 +40,16 @@ pub struct Fx<'c, 'm> {
     lanes: u64,
     /// This thread's lane (a body's second index parameter; 0 until set).
     lane: Option<I<'c>>,
-    /// Stores held back while [`Fx::unrolled_loop`] emits an iteration's indices, so that all
-    /// of their loads come first.
-    deferred: RefCell<Option<Vec<(String, I<'c>, F<'c>)>>>,
-    /// While [`Fx::unrolled_loop`] emits an iteration: the block its loads go to, ahead of every
-    /// index's arithmetic, and the indices (besides constants) whose loads may go there.
-    hoist: RefCell<Option<(BasicBlock<'c>, Vec<I<'c>>)>>,
+    /// The iteration [`Fx::unrolled_loop`] is emitting, if any.
+    iteration: RefCell<Option<Iteration<'c>>>,
+}
+
+/// An iteration of [`Fx::unrolled_loop`] being emitted: loads at its indices go to `loads`, ahead
+/// of every index's arithmetic; stores wait in `stores` until all the bodies are emitted.
+struct Iteration<'c> {
+    loads: BasicBlock<'c>,
+    at: Vec<I<'c>>,
+    stores: Vec<(String, I<'c>, F<'c>)>,
 }
 
 impl<'c, 'm> Fx<'c, 'm> {
@@ -72,8 +76,7 @@ impl<'c, 'm> Fx<'c, 'm> {
                 Target::Ptx { .. } | Target::Warp => k.op.lanes_on_gpu(),
             },
             lane: None,
-            deferred: RefCell::new(None),
-            hoist: RefCell::new(None),
+            iteration: RefCell::new(None),
         }
     }
 
@@ -175,6 +178,13 @@ impl<'c, 'm> Fx<'c, 'm> {
     /// The constant `v` of `like`'s integer type.
     pub fn int_like(&self, like: I<'c>, v: u64) -> I<'c> {
         like.get_type().const_int(v, false)
+    }
+
+    /// `v` truncated to i32.
+    pub fn narrowed(&self, v: I<'c>) -> I<'c> {
+        self.b
+            .build_int_truncate(v, self.ctx.i32_type(), "")
+            .expect(BUILD)
     }
 
     /// `i` zero-extended to i64 (an index counted in fewer bits), or `i` itself.
@@ -474,15 +484,15 @@ impl<'c, 'm> Fx<'c, 'm> {
     }
 
     /// Element `i` of tensor `name`, widened to f32. Inside [`Fx::unrolled_loop`], a load at
-    /// one of the iteration's indices (or a constant one) is emitted in the iteration's loads
-    /// block, before any index's arithmetic.
+    /// one of the iteration's indices is emitted in the iteration's loads block, before any
+    /// index's arithmetic.
     pub fn load(&self, name: &str, i: I<'c>) -> F<'c> {
         let early = self
-            .hoist
+            .iteration
             .borrow()
             .as_ref()
-            .filter(|(_, at)| i.is_const() || at.contains(&i))
-            .map(|(block, _)| *block);
+            .filter(|it| it.at.contains(&i))
+            .map(|it| it.loads);
         let Some(block) = early else {
             return self.load_here(name, i);
         };
@@ -587,8 +597,8 @@ impl<'c, 'm> Fx<'c, 'm> {
     /// Stores f32 `v` as element `i` of `name`, rounded to its dtype (at the end of the
     /// iteration inside [`Fx::unrolled_loop`]).
     pub fn store(&self, name: &str, i: I<'c>, v: F<'c>) {
-        if let Some(held) = self.deferred.borrow_mut().as_mut() {
-            held.push((name.to_owned(), i, v));
+        if let Some(it) = self.iteration.borrow_mut().as_mut() {
+            it.stores.push((name.to_owned(), i, v));
             return;
         }
         let (p, ptr) = self.ptr(name);
@@ -958,14 +968,16 @@ impl<'c, 'm> Fx<'c, 'm> {
             .collect();
         let compute = self.ctx.append_basic_block(self.func, "unrolled.compute");
         self.b.position_at_end(compute);
-        *self.hoist.borrow_mut() = Some((step, at.clone()));
-        *self.deferred.borrow_mut() = Some(Vec::new());
+        *self.iteration.borrow_mut() = Some(Iteration {
+            loads: step,
+            at: at.clone(),
+            stores: vec![],
+        });
         for &j in &at {
             body(self, j);
         }
-        *self.hoist.borrow_mut() = None;
-        let held = self.deferred.borrow_mut().take().unwrap_or_default();
-        for (name, j, v) in held {
+        let held = self.iteration.borrow_mut().take().map(|it| it.stores);
+        for (name, j, v) in held.unwrap_or_default() {
             self.store(&name, j, v);
         }
         let end_of_compute = self.b.get_insert_block().expect(BUILD);
@@ -980,17 +992,29 @@ impl<'c, 'm> Fx<'c, 'm> {
         self.strided_loop(iv, end, stride, body);
     }
 
-    /// `if cond { body() }`.
-    pub fn when(&mut self, cond: I<'c>, body: impl FnOnce(&mut Self)) {
-        let then = self.ctx.append_basic_block(self.func, "then");
+    /// `if cond { then() } else { otherwise() }`.
+    pub fn if_else(
+        &mut self,
+        cond: I<'c>,
+        then: impl FnOnce(&mut Self),
+        otherwise: impl FnOnce(&mut Self),
+    ) {
+        let yes = self.ctx.append_basic_block(self.func, "then");
+        let no = self.ctx.append_basic_block(self.func, "else");
         let merge = self.ctx.append_basic_block(self.func, "merge");
-        self.b
-            .build_conditional_branch(cond, then, merge)
-            .expect(BUILD);
-        self.b.position_at_end(then);
-        body(self);
+        self.b.build_conditional_branch(cond, yes, no).expect(BUILD);
+        self.b.position_at_end(yes);
+        then(self);
+        self.b.build_unconditional_branch(merge).expect(BUILD);
+        self.b.position_at_end(no);
+        otherwise(self);
         self.b.build_unconditional_branch(merge).expect(BUILD);
         self.b.position_at_end(merge);
+    }
+
+    /// `if cond { body() }`.
+    pub fn when(&mut self, cond: I<'c>, body: impl FnOnce(&mut Self)) {
+        self.if_else(cond, body, |_| {});
     }
 
     /// `for i in start..end { body(i) }`.
