@@ -164,8 +164,8 @@ fn refusals_have_exit_codes_and_one_clear_line() {
 
 /// `--trace`: the last step as measured, in `schedc simulate --trace`'s format. Every op of every
 /// rank is one slice on its stream's thread, the stream's slices in the plan's issue order and
-/// apart, within the step's time; every event wait is a flow arrow; a run that fails writes no
-/// trace.
+/// apart, within the step's time; every event wait is a flow arrow; a run that fails after its
+/// steps writes no trace.
 #[test]
 fn a_measured_trace_has_every_op_of_every_rank_in_issue_order() {
     let path = temp("tiny.trace.json");
@@ -222,17 +222,21 @@ fn a_measured_trace_has_every_op_of_every_rank_in_issue_order() {
     assert!(plan.program.ops.len() > 1 && plan.stream_ops.len() > 1);
     assert_eq!(of("X").count(), 4 * plan.program.ops.len());
 
+    // A run that fails after its steps have run (its checkpoint cannot be written) writes no
+    // trace: the trace is the last thing a run writes, once all else has succeeded.
     let refused = temp("refused.trace.json");
+    let save = temp("no such folder").join("state.safetensors");
     let out = schedrun(&[
         "schedules/tiny_cpu.sched",
         "--steps",
-        "1",
-        "--clip",
-        "1.0",
+        "2",
+        "--save",
+        save.to_str().unwrap(),
         "--trace",
         refused.to_str().unwrap(),
     ]);
     assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("step"));
     assert!(!refused.exists());
 }
 

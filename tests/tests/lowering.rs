@@ -1139,7 +1139,16 @@ fn the_refresh_runs_where_its_overlap_switch_puts_it() {
                         assert!(on_compute(ops[i]), "{what}: on the compute stream");
                         assert!(i > last_backward, "{what}: after the last backward");
                     }
-                    _ => assert!(i < last_backward && ops[i].micro_step.is_none_or(|s| s == 0)),
+                    _ => {
+                        assert!(i < last_backward && ops[i].micro_step.is_none_or(|s| s == 0));
+                        let own_forward = (0..ops.len())
+                            .find(|&j| {
+                                compute_kind(j, ComputeKind::Forward)
+                                    && ops[j].layer == ops[i].layer
+                            })
+                            .expect("the layer's forward");
+                        assert!(i < own_forward, "{what}: before its layer's first forward");
+                    }
                 }
             }
             if refresh == "next_forward" {

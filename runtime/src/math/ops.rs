@@ -311,6 +311,21 @@ fn prefetch(p: *const f32, lo: usize, hi: usize) {
 mod tests {
     use super::*;
 
+    /// `prefetched` hands its body every index of `0..n` once, in order, in blocks of at most
+    /// `BLOCK`, whatever n's remainder.
+    #[test]
+    fn prefetched_blocks_cover_every_index_once() {
+        for n in [0, 1, BLOCK - 1, BLOCK, BLOCK + 1, 3 * BLOCK + 77] {
+            let data = vec![0f32; n];
+            let mut seen = vec![];
+            prefetched(n, [data.as_ptr()], |lo, hi| {
+                assert!(lo < hi && hi - lo <= BLOCK, "block {lo}..{hi} of {n}");
+                seen.extend(lo..hi);
+            });
+            assert_eq!(seen, (0..n).collect::<Vec<_>>(), "n = {n}");
+        }
+    }
+
     /// `exp` reads n's integer value from the bits of its rounding sum; the saturating cast it
     /// replaced gives the same bits everywhere (NaN included), on a sweep of every 4,099th f32.
     #[test]
