@@ -6,8 +6,9 @@
 //! address. Both call [`body`](super::codegen) once per kernel: the body is an internal
 //! `alwaysinline` function of the index and the parameters; the wrappers differ only in how
 //! they walk `begin..end` (a loop on the host, a grid-stride loop on the GPU, over warps for a
-//! cooperative op, four indices an iteration for an [`super::Op::unrolled`] op on the GPU) and in
-//! the calling convention (`ptx_kernel` on the GPU).
+//! cooperative op, four indices an iteration for an [`super::Op::unrolled`] op on the GPU; a
+//! column op's rows outside its columns on the host) and in the calling convention
+//! (`ptx_kernel` on the GPU).
 //!
 //! Bodies live in [`bodies`](self::bodies); the arithmetic helpers they use (storage
 //! conversions, `exp`, `tanh`, loops, accumulators, lanes) in [`fx`](self::fx). Target
@@ -277,18 +278,20 @@ fn kernel<'c>(
         }
     };
     let unrolled = k.op.unrolled() && loops == Loops::Gpu;
+    // The body called at index `i` with lane `lane`.
+    let call = |fx: &mut Fx<'c, '_>, i: I<'c>, lane: I<'c>| {
+        let mut call_args = args.clone();
+        call_args[n - 2] = i.into();
+        call_args[n - 1] = lane.into();
+        fx.call_void(body, &call_args);
+    };
     let walk = |fx: &mut Fx<'c, '_>, start: I<'c>, end: I<'c>, stride: I<'c>| {
         if unrolled {
             // The body inline, so that the unrolled iteration's stores can follow all its loads.
             fx.set_lane(lane);
             fx.unrolled_loop(start, end, stride, |fx, i| bodies::emit(fx, k, i));
         } else {
-            fx.strided_loop(start, end, stride, |fx, i| {
-                let mut call_args = args.clone();
-                call_args[n - 2] = i.into();
-                call_args[n - 1] = lane.into();
-                fx.call_void(body, &call_args);
-            });
+            fx.strided_loop(start, end, stride, |fx, i| call(fx, i, lane));
         }
     };
     if unrolled {
@@ -306,6 +309,14 @@ fn kernel<'c>(
             },
             |fx| walk(fx, start, end, stride),
         );
+    } else if target == Target::Host && k.op.space() == Space::Columns {
+        // Rows outside, columns inside: each row is read along its length and a column's sum
+        // waits in its output between rows (`Fx::column_rows`), the body getting the row as
+        // its lane.
+        let rows = fx.int_param("rows");
+        fx.strided_loop(fx.i64c(0), rows, fx.i64c(1), |fx, r| {
+            fx.strided_loop(start, end, stride, |fx, j| call(fx, j, r));
+        });
     } else {
         walk(&mut fx, start, end, stride);
     }

@@ -5,9 +5,10 @@
 //! sums fold left from Rust's starting value (−0.0 for `Iterator::sum`, 0.0 for explicit
 //! accumulators), the loss's `sum_exp` keeps its eight lanes, and no expression is reassociated.
 //! Row and column bodies ([`Op::cooperative`]) are written for several lanes: each loop over a
-//! row (a column's rows) is a [`Fx::lane_range`]; a row's sums end in a [`Fx::lane_sum`] and its
-//! scalars are stored by [`Fx::first_lane`]; a column's sum runs from [`Fx::start_column`] to
-//! [`Fx::finish_column`]. With the host's one lane that is the sequential code above.
+//! row is a [`Fx::lane_range`], a column's walk down its rows a [`Fx::column_rows`]; a row's sums
+//! end in a [`Fx::lane_sum`] and its scalars are stored by [`Fx::first_lane`]; a column's sum
+//! runs from [`Fx::start_column`] to [`Fx::finish_column`]. With the host's one lane that is the
+//! sequential code above (a column op's rows walked outside its columns, same order per column).
 
 use super::fx::{Fx, F, I};
 use super::{attention, flash};
@@ -194,7 +195,7 @@ fn embedding_backward<'c>(
 ) {
     let w = fx.i64c(width.into());
     let rows = fx.int_param("rows");
-    fx.lane_range(fx.i64c(0), rows, |fx, r| {
+    fx.column_rows(rows, |fx, r| {
         let g = fx.load("dy", fx.iadd(fx.imul(r, w), c));
         let (tok, valid) = token(fx, vocab, r);
         fx.when(valid, |fx| {
@@ -214,7 +215,7 @@ fn column_sums<'c>(fx: &mut Fx<'c, '_>, width: u32, j: I<'c>) {
     let acc = fx.var(fx.start_column("db", j));
     let w = fx.i64c(width.into());
     let rows = fx.int_param("rows");
-    fx.lane_range(fx.i64c(0), rows, |fx, r| {
+    fx.column_rows(rows, |fx, r| {
         let v = fx.load("dy", fx.iadd(fx.imul(r, w), j));
         fx.set(&acc, fx.add(fx.get(&acc), v));
     });
@@ -308,7 +309,7 @@ fn norm_backward_params<'c>(fx: &mut Fx<'c, '_>, width: u32, bias: bool, j: I<'c
     let dw = fx.var(fx.start_column("dw", j));
     let db = bias.then(|| fx.var(fx.start_column("db", j)));
     let rows = fx.int_param("rows");
-    fx.lane_range(fx.i64c(0), rows, |fx, r| {
+    fx.column_rows(rows, |fx, r| {
         let two_r = fx.imul(r, fx.i64c(2));
         let mean = fx.load("stats", two_r);
         let rstd = fx.load("stats", fx.iadd(two_r, fx.i64c(1)));

@@ -8,7 +8,7 @@
 
 use super::Target;
 use crate::job::Dtype;
-use crate::kernels::{Kernel, Param, WARP};
+use crate::kernels::{Kernel, Param, Space, WARP};
 use inkwell::basic_block::BasicBlock;
 use inkwell::builder::Builder;
 use inkwell::context::Context;
@@ -38,8 +38,12 @@ pub struct Fx<'c, 'm> {
     entry: BasicBlock<'c>,
     /// Lanes sharing an index: the op's on the GPU, 1 on the host.
     lanes: u64,
-    /// This thread's lane (a body's second index parameter; 0 until set).
+    /// This thread's lane (a body's second index parameter; 0 until set). On the host a column
+    /// op's is the row: see [`Fx::column_rows`].
     lane: Option<I<'c>>,
+    /// Whether the entry walks a column op's rows itself, outside its columns (the host's
+    /// column ops; [`Fx::column_rows`]).
+    rows_outside: bool,
     /// The iteration [`Fx::unrolled_loop`] is emitting, if any.
     iteration: RefCell<Option<Iteration<'c>>>,
 }
@@ -76,6 +80,7 @@ impl<'c, 'm> Fx<'c, 'm> {
                 Target::Ptx { .. } | Target::Warp => k.op.lanes_on_gpu(),
             },
             lane: None,
+            rows_outside: target == Target::Host && k.op.space() == Space::Columns,
             iteration: RefCell::new(None),
         }
     }
@@ -1064,6 +1069,21 @@ impl<'c, 'm> Fx<'c, 'm> {
         let first = self.iadd(start, self.lane());
         let stride = self.i64c(self.lanes());
         self.strided_loop(first, end, stride, body);
+    }
+
+    /// `for r in 0..rows`, a column's walk down its rows: on the GPU this lane's share
+    /// ([`Fx::lane_range`]). On the host the entry walks the rows outside the columns (each row
+    /// read along its length, not a column down a 4 KiB stride) and passes the row as the
+    /// lane, so `body` runs at that row only; a column's sum, kept in its output between rows
+    /// ([`Fx::start_column`], [`Fx::finish_column`]), takes its terms in the same order either
+    /// way.
+    pub fn column_rows(&mut self, rows: I<'c>, body: impl FnOnce(&mut Self, I<'c>)) {
+        if self.rows_outside {
+            let r = self.lane();
+            body(self, r);
+        } else {
+            self.lane_range(self.i64c(0), rows, body);
+        }
     }
 
     /// Σ over `start..end` of `term(j)`: each lane adds its strided share ([`Fx::lane_range`])
