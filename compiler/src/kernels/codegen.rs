@@ -148,6 +148,23 @@ fn host_cpu() -> (String, String) {
     )
 }
 
+/// Compiles `f` for this processor, with the widest vectors it has: LLVM tunes server CPUs with
+/// AVX-512 to prefer 256-bit vectors, which ran the vectorised element kernels at about half
+/// the speed of the Rust math's AVX-512 code (`math::ops::wide`).
+fn for_this_cpu(ctx: &Context, f: FunctionValue<'_>) {
+    let (cpu, features) = host_cpu();
+    for (key, value) in [
+        ("target-cpu", cpu.as_str()),
+        ("target-features", features.as_str()),
+        ("prefer-vector-width", "512"),
+    ] {
+        f.add_attribute(
+            AttributeLoc::Function,
+            ctx.create_string_attribute(key, value),
+        );
+    }
+}
+
 fn optimise(module: &Module<'_>, tm: &TargetMachine) -> Result<(), CodegenError> {
     module.verify().map_err(|e| err(e.to_string()))?;
     module
@@ -249,16 +266,8 @@ fn kernel<'c>(
     if let Target::Ptx { .. } = target {
         entry.set_call_conventions(PTX_KERNEL_CC);
     } else {
-        let (cpu, features) = host_cpu();
         for f in [body, entry] {
-            f.add_attribute(
-                AttributeLoc::Function,
-                ctx.create_string_attribute("target-cpu", &cpu),
-            );
-            f.add_attribute(
-                AttributeLoc::Function,
-                ctx.create_string_attribute("target-features", &features),
-            );
+            for_this_cpu(ctx, f);
         }
     }
     let mut fx = Fx::new(ctx, module, entry, k, target);
@@ -368,15 +377,7 @@ fn packed<'c>(ctx: &'c Context, module: &Module<'c>, k: &Kernel, entry: Function
         .void_type()
         .fn_type(&[ptr.into(), i64t.into(), i64t.into()], false);
     let f = module.add_function(&format!("{}.packed", k.name()), t, None);
-    let (cpu, features) = host_cpu();
-    f.add_attribute(
-        AttributeLoc::Function,
-        ctx.create_string_attribute("target-cpu", &cpu),
-    );
-    f.add_attribute(
-        AttributeLoc::Function,
-        ctx.create_string_attribute("target-features", &features),
-    );
+    for_this_cpu(ctx, f);
     let fx = Fx::new(ctx, module, f, k, Target::Host);
     let slots = f
         .get_nth_param(0)

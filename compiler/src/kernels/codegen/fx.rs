@@ -370,13 +370,6 @@ impl<'c, 'm> Fx<'c, 'm> {
     }
 
     /// `x as i32` with Rust's saturating semantics (NaN gives 0).
-    fn f32_to_i32_sat(&self, x: F<'c>) -> I<'c> {
-        let i32t = self.ctx.i32_type().as_basic_type_enum();
-        let f32t = self.ctx.f32_type().as_basic_type_enum();
-        self.intrinsic("llvm.fptosi.sat", &[i32t, f32t], &[x.into()])
-            .into_int_value()
-    }
-
     fn bits(&self, x: F<'c>) -> I<'c> {
         self.b
             .build_bit_cast(x, self.ctx.i32_type(), "")
@@ -407,10 +400,8 @@ impl<'c, 'm> Fx<'c, 'm> {
         let xc = self.fselect(self.fcmp(FloatPredicate::OLT, x, lo), lo, x);
         let xc = self.fselect(self.fcmp(FloatPredicate::OGT, xc, hi), hi, xc);
         let round = self.f(12_582_912.0);
-        let n = self.sub(
-            self.add(self.mul(xc, self.f(std::f32::consts::LOG2_E)), round),
-            round,
-        );
+        let t = self.add(self.mul(xc, self.f(std::f32::consts::LOG2_E)), round);
+        let n = self.sub(t, round);
         let r = self.sub(
             self.sub(xc, self.mul(n, self.f(0.693_359_4))),
             self.mul(n, self.f(-2.121_944_4e-4)),
@@ -426,8 +417,16 @@ impl<'c, 'm> Fx<'c, 'm> {
             p = self.add(self.mul(p, r), self.f(c));
         }
         let y = self.add(self.add(self.mul(self.mul(p, r), r), r), self.f(1.0));
-        let ni = self.f32_to_i32_sat(n);
-        let e = self.b.build_int_add(ni, self.i32c(127), "").expect(BUILD);
+        // n as an integer from t's low mantissa bits (2²² + n), clamped as the Rust math does:
+        // a saturating conversion would not vectorise on the host.
+        let k = self
+            .b
+            .build_int_sub(self.bits(t), self.bits(round), "")
+            .expect(BUILD);
+        let (lo_k, hi_k) = (self.i32c((-126i32) as u32 as u64), self.i32c(127));
+        let k = self.iselect(self.icmp(IntPredicate::SLT, k, lo_k), lo_k, k);
+        let k = self.iselect(self.icmp(IntPredicate::SGT, k, hi_k), hi_k, k);
+        let e = self.b.build_int_add(k, self.i32c(127), "").expect(BUILD);
         let e = self.b.build_left_shift(e, self.i32c(23), "").expect(BUILD);
         let v = self.mul(y, self.float_of_bits(e));
         let v = self.fselect(self.fcmp(FloatPredicate::OLT, x, lo), self.f(0.0), v);
