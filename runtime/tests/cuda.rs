@@ -408,11 +408,12 @@ fn gpt2_small_step_mfu() {
         let mut t = gpu_trainer(&job, &plan, options, 0);
         t.step(1e-4, None).unwrap(); // warm-up: the driver's PTX compilation, cuBLAS heuristics
         let steps = 5;
-        let mut total = 0.0;
+        let (mut total, mut enqueue) = (0.0, 0.0);
         let mut losses = vec![];
         for _ in 0..steps {
             let r = t.step(1e-4, None).unwrap();
             total += r.time.as_secs_f64();
+            enqueue += r.outcome.enqueue.map_or(0.0, |d| d.as_secs_f64());
             losses.push(r.loss);
         }
         let step = total / steps as f64;
@@ -422,6 +423,12 @@ fn gpt2_small_step_mfu() {
             flops / step / 1e12,
             100.0 * flops / step / peak,
             peak / 1e12
+        );
+        // Near the step time, the host's launches bound the step (CUDA graphs would help);
+        // far below it, the GPU's kernels do.
+        println!(
+            "gpt2 small, 1 GPU, {what}: the host enqueued a step's ops in {:.4} s",
+            enqueue / steps as f64
         );
         println!("gpt2 small, 1 GPU, {what}: losses of the timed steps {losses:.4?}");
         assert!(

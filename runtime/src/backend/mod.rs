@@ -65,6 +65,10 @@ pub struct StepOutcome {
     pub waits: Vec<StreamWait>,
     /// With [`RunOptions::time_ops`], every op of every rank this backend drives; else empty.
     pub spans: Vec<OpSpan>,
+    /// How long the host took to enqueue the step's ops, where a backend enqueues them for a
+    /// device to run (the CUDA backend): near the step time, the step is bound by launches
+    /// rather than by the GPU. `None` where ops run as they are issued.
+    pub enqueue: Option<Duration>,
 }
 
 /// Memory of one rank: the arena allocated and the highest byte any op touched.

@@ -197,6 +197,7 @@ impl Backend for CpuBackend {
             loss_sum,
             waits,
             spans,
+            enqueue: None,
         })
     }
 

@@ -1346,6 +1346,7 @@ impl Backend for EmulatedBackend {
             loss_sum: self.ranks.iter().map(loss).sum(),
             waits: vec![],
             spans: vec![],
+            enqueue: None,
         })
     }
 

@@ -286,12 +286,14 @@ impl Backend for CudaBackend {
         let started = Instant::now();
         let rank = self.rank;
         self.upload_batches(input)?;
+        let issuing = Instant::now();
         if let Err(e) = self.issue(input) {
             // Work may be in flight that other ranks will never match: abort the communicators
             // so nothing waits on them, and fail (the process exits).
             self.comms.abort();
             return Err(e);
         }
+        let enqueue = issuing.elapsed();
         self.watch()?;
         let loss = self.finish_loss()?;
         let busy = started.elapsed();
@@ -317,6 +319,7 @@ impl Backend for CudaBackend {
                 })
                 .collect(),
             spans,
+            enqueue: Some(enqueue),
         })
     }
 
