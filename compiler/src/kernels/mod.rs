@@ -139,8 +139,10 @@ pub enum Op {
     SwiGluBackward,
     /// `y[i] += b[i mod width]`.
     BiasAdd { width: u32 },
-    /// `db[j] += Σ_rows dy[r, j]`, rows in order.
-    BiasGrad { width: u32 },
+    /// `db[j] += Σ_rows dy[r, j]`, rows in order; with `cast`, each `dy[r, j]` also stored into
+    /// `cast` in its dtype: a 16-bit model's fp32 output gradient cast for the backward
+    /// products in the same pass over it that sums it, not a second.
+    BiasGrad { width: u32, cast: bool },
     /// Layer or RMS norm of each row into `out`, with (mean, 1/σ) per row in `stats`.
     Norm { norm: Norm, width: u32, bias: bool },
     /// A norm's input gradient, accumulated into `dx`, per row.
@@ -364,7 +366,14 @@ impl Op {
                 Tensor("up", d[3]),
             ],
             Op::BiasAdd { .. } => vec![Tensor("y", d[0]), Tensor("b", d[1])],
-            Op::BiasGrad { .. } => vec![Tensor("dy", d[0]), Tensor("db", d[1]), I64("rows")],
+            Op::BiasGrad { cast, .. } => {
+                let mut v = vec![Tensor("dy", d[0]), Tensor("db", d[1])];
+                if cast {
+                    v.push(Tensor("cast", d[2]));
+                }
+                v.push(I64("rows"));
+                v
+            }
             Op::Norm { bias, .. } => {
                 let mut v = vec![Tensor("x", d[0]), Tensor("w", d[1])];
                 if bias {
@@ -501,7 +510,9 @@ impl Op {
             Op::SwiGlu => "swiglu".into(),
             Op::SwiGluBackward => "swiglu_backward".into(),
             Op::BiasAdd { width } => format!("bias_add_w{width}"),
-            Op::BiasGrad { width } => format!("bias_grad_w{width}"),
+            Op::BiasGrad { width, cast } => {
+                format!("bias_grad{}_w{width}", if cast { "_cast" } else { "" })
+            }
             Op::Norm {
                 norm: n,
                 width,
@@ -708,9 +719,9 @@ pub fn for_model(model: &Model) -> Vec<Kernel> {
                 let width = (t.hidden + 2 * t.kv_dim()) as u32;
                 if t.bias {
                     k.add(Kernel::new(Op::BiasAdd { width }, &[f, a]));
-                    k.add(Kernel::new(Op::BiasGrad { width }, &[f, f]));
+                    k.bias_grad(width, f);
                     k.add(Kernel::new(Op::BiasAdd { width: h }, &[f, a]));
-                    k.add(Kernel::new(Op::BiasGrad { width: h }, &[f, f]));
+                    k.bias_grad(h, f);
                 }
                 if rope {
                     for inverse in [false, true] {
@@ -834,6 +845,16 @@ impl Catalogue {
         }
     }
 
+    /// A bias gradient from `dy` stored in `dy`'s dtype; from fp32 gradients of a 16-bit model,
+    /// also the kernel that casts them for the products as it sums them.
+    fn bias_grad(&mut self, width: u32, dy: Dtype) {
+        let (a, f) = (self.a, self.f);
+        self.add(Kernel::new(Op::BiasGrad { width, cast: false }, &[dy, f]));
+        if dy == f && a != f {
+            self.add(Kernel::new(Op::BiasGrad { width, cast: true }, &[f, f, a]));
+        }
+    }
+
     /// `k`, and with halved statistics when `saved` (its statistics) is a 16-bit model's saved
     /// region in the arena.
     fn add_stats(&mut self, k: Kernel, saved: Dtype) {
@@ -894,10 +915,9 @@ impl Catalogue {
         if m.bias {
             for width in [m.ffn as u32, m.hidden as u32] {
                 self.add(Kernel::new(Op::BiasAdd { width }, &[f, a]));
-                self.add(Kernel::new(Op::BiasGrad { width }, &[f, f]));
+                self.bias_grad(width, f);
             }
-            let width = m.hidden as u32;
-            self.add(Kernel::new(Op::BiasGrad { width }, &[a, f]));
+            self.bias_grad(m.hidden as u32, a);
         }
     }
 

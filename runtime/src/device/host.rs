@@ -358,7 +358,10 @@ impl Device for Host<'_> {
         if let (true, Some(db)) = (jit::enabled(), dbias) {
             self.linear_backward(x, w, dy, dw, None, dx, t, inp, out)?;
             let args = [dy.arg(), db.arg(), Arg::I64(t as i64)];
-            let op = Op::BiasGrad { width: out as u32 };
+            let op = Op::BiasGrad {
+                width: out as u32,
+                cast: false,
+            };
             return generated(op, &args, out).unwrap_or(Ok(()));
         }
         wide(

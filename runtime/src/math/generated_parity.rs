@@ -718,13 +718,30 @@ fn small_kernels_match() {
         let db0 = finite(22, w, 1.0);
         let mut wdb = db0.clone();
         super::gemm::col_sums(&y, w, &mut wdb);
-        let (mut tdy, mut tdb) = (T::F32(y.clone()), T::F32(db0));
+        let (mut tdy, mut tdb) = (T::F32(y.clone()), T::F32(db0.clone()));
         let k = Kernel::new(
-            Op::BiasGrad { width: w as u32 },
+            Op::BiasGrad {
+                width: w as u32,
+                cast: false,
+            },
             &[Dtype::Fp32, Dtype::Fp32],
         );
         run(&k, &[tdy.ptr(), tdb.ptr(), slot_i64(rows as i64)], w);
         same("bias grad", &tdb.values(), &wdb);
+        // The same sums, dy also stored in `d` as they are taken (a 16-bit model's products).
+        let mut tdb = T::F32(db0);
+        let mut tcast = T::new(d, &vec![f32::NAN; rows * w]);
+        let k = Kernel::new(
+            Op::BiasGrad {
+                width: w as u32,
+                cast: true,
+            },
+            &[Dtype::Fp32, Dtype::Fp32, d],
+        );
+        let args = [tdy.ptr(), tdb.ptr(), tcast.ptr(), slot_i64(rows as i64)];
+        run(&k, &args, w);
+        same(&format!("bias grad casting to {d:?}"), &tdb.values(), &wdb);
+        same(&format!("cast to {d:?}"), &tcast.values(), &round(d, &y));
 
         // Sum of squares in f64 partials of SUMSQ_CHUNK elements.
         let n = 2 * SUMSQ_CHUNK + 77;

@@ -94,7 +94,7 @@ pub fn emit<'c>(fx: &mut Fx<'c, '_>, k: &Kernel, i: I<'c>) {
             let v = fx.add(fx.load("y", i), fx.load("b", j));
             fx.store("y", i, v);
         }
-        Op::BiasGrad { width } => column_sums(fx, width, i),
+        Op::BiasGrad { width, cast } => column_sums(fx, width, cast, i),
         Op::Norm { norm, width, bias } => norm_forward(fx, norm, width, bias, i),
         Op::NormBackwardInput { norm, width } => norm_backward_input(fx, norm, width, i),
         Op::NormBackwardParams { width, bias } => norm_backward_params(fx, width, bias, i),
@@ -210,13 +210,18 @@ fn embedding_backward<'c>(
     });
 }
 
-/// `db[j] += dy[r, j]` for each row r in order (`gemm::col_sums`).
-fn column_sums<'c>(fx: &mut Fx<'c, '_>, width: u32, j: I<'c>) {
+/// `db[j] += dy[r, j]` for each row r in order (`gemm::col_sums`); with `cast`, each element
+/// also stored into `cast` (rounded to its dtype).
+fn column_sums<'c>(fx: &mut Fx<'c, '_>, width: u32, cast: bool, j: I<'c>) {
     let acc = fx.var(fx.start_column("db", j));
     let w = fx.i64c(width.into());
     let rows = fx.int_param("rows");
     fx.column_rows(rows, |fx, r| {
-        let v = fx.load("dy", fx.iadd(fx.imul(r, w), j));
+        let e = fx.iadd(fx.imul(r, w), j);
+        let v = fx.load("dy", e);
+        if cast {
+            fx.store("cast", e, v);
+        }
         fx.set(&acc, fx.add(fx.get(&acc), v));
     });
     fx.finish_column("db", j, fx.get(&acc));

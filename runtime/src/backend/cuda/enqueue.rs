@@ -301,7 +301,10 @@ mod tests {
     #[test]
     fn grids_fit_the_kernels_thread_mapping() {
         let rows = Op::CrossEntropy { vocab: 50257 };
-        let columns = Op::BiasGrad { width: 768 };
+        let columns = Op::BiasGrad {
+            width: 768,
+            cast: false,
+        };
         for n in [1, 31, 32, 33, 767, 768, 8192, 1 << 20, 1 << 24] {
             let adam = Op::Adam { decayed: false };
             for op in [Op::Convert, Op::Gelu, adam, rows, columns, Op::SumSquares] {

@@ -1045,21 +1045,33 @@ impl Device for Gpu<'_> {
         inp: usize,
         out: usize,
     ) -> Result<(), DeviceError> {
-        if let Some(db) = dbias {
-            let op = Op::BiasGrad { width: out as u32 };
-            self.run(op, out, &[T(dy), T(db), Arg::L(t as i64)])?;
-        }
         let ld = aligned_ld(out, dy.storage);
+        let (width, rows) = (out as u32, Arg::L(t as i64));
+        let products = Storage::of(self.products);
+        // Both products read dy: an fp32 gradient of a 16-bit model is cast once, not once per
+        // product (it lives in workspace until the op ends), by the bias gradient's pass over
+        // dy when there is one.
+        let cast = ld == out && dx.is_some() && dy.storage.dtype() != Some(self.products);
+        let dy = match dbias {
+            Some(db) if cast && dy.storage == Storage::F32 => {
+                let dy16 = self.alloc_as(products, t * out)?;
+                let op = Op::BiasGrad { width, cast: true };
+                self.run(op, out, &[T(dy), T(db), T(dy16), rows])?;
+                dy16
+            }
+            _ => {
+                if let Some(db) = dbias {
+                    let op = Op::BiasGrad { width, cast: false };
+                    self.run(op, out, &[T(dy), T(db), rows])?;
+                }
+                if cast {
+                    DevPtr::new(self.operand(dy.addr, dy.storage, t * out)?, products)
+                } else {
+                    dy
+                }
+            }
+        };
         if ld == out {
-            // Both products read dy: cast once (an fp32 gradient of a 16-bit model), not once
-            // per product (`operand`'s cast here lives until the op ends).
-            let dy = match dx {
-                Some(_) => DevPtr::new(
-                    self.operand(dy.addr, dy.storage, t * out)?,
-                    Storage::of(self.products),
-                ),
-                None => dy,
-            };
             self.gemm(out, inp, t, 1.0, mt(dy, out), m(x, inp), 1.0, dw, inp)?;
             if let Some((dx, beta)) = dx {
                 self.gemm(t, inp, out, 1.0, m(dy, out), m(w, inp), beta, dx, inp)?;
