@@ -440,6 +440,13 @@ fn gpt2_small_step_mfu() {
         "gpt2 small, 1 GPU: the attention kernels take {:.2}x the chunked path's step time",
         times[0] / times[1]
     );
+    // What `schedc simulate` predicts for this plan, to calibrate its GPU cost model.
+    let predicted = schedc::sim::simulate(&plan.program, &plan.job).step_time_s;
+    println!(
+        "gpt2 small, 1 GPU: schedc simulate predicts {predicted:.4} s/step; measured {:.4} s          ({:.2}x the prediction)",
+        times[0],
+        times[0] / predicted
+    );
     // With SCHED_TRACE_DIR: one more step, every op timed with CUDA events (after the timed
     // steps, so the events cost them nothing), as a Perfetto trace there.
     if let Some(dir) = std::env::var_os("SCHED_TRACE_DIR") {
