@@ -55,8 +55,9 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=c
 built=$(cat "$carry/BUILD_ROOT")
 if [ ! -e "$built" ]; then mkdir -p "$(dirname "$built")" && ln -s "$PWD" "$built"; fi
 
-# SCHED_REQUIRE: a parity test that skips for want of a usable GPU fails the step instead.
-SCHED_REQUIRE=gpu step parity "${PARITY_S:-200}" "$carry/bin/cuda-tests" --test-threads=1 --nocapture
+# SCHED_REQUIRE: a parity test that skips for want of a usable GPU fails the step instead. Each
+# test in its own process (each_test.sh): a kernel that faults fails only its own test.
+SCHED_REQUIRE=gpu step parity "${PARITY_S:-200}" runtime/gpu/each_test.sh "$carry/bin/cuda-tests" --nocapture
 SCHED_TRACE_DIR="$results" step gpt2_schedrun "${GPT2_S:-150}" "$carry/bin/cuda-tests" --ignored gpt2_small_step_mfu --nocapture
 step gpt2_pytorch "${TORCH_S:-120}" python3 runtime/gpu/torch_gpt2.py --steps 6 --micro-batch 8 --seq 1024
 gpus=$(nvidia-smi -L | wc -l)
