@@ -1084,7 +1084,12 @@ impl Device for Gpu<'_> {
         // written once, not re-read per row batch), and dx adds the blocks' products (β = 1
         // after the first). The last block's columns past dy's are zeros, against W's rows
         // padded with zeros (`weight_rows`), so that every product's k is aligned.
-        let (cols, rows) = Self::column_blocks(t, ld, dy.storage);
+        // Blocks aligned for dy's storage and for the product dtype it is cast to.
+        let narrow = [dy.storage, Storage::of(self.products)]
+            .into_iter()
+            .min_by_key(|s| s.bytes())
+            .unwrap_or(dy.storage);
+        let (cols, rows) = Self::column_blocks(t, ld, narrow);
         if let Some((dx, _)) = dx {
             if dx.storage != Storage::F32 && cols < out {
                 return Err(plan_error(
@@ -1109,12 +1114,20 @@ impl Device for Gpu<'_> {
             for r0 in (0..t).step_by(rows) {
                 let n = rows.min(t - r0);
                 self.copy_rows((block, cols), (dy.offset(r0 * out + c0), out), width, n)?;
+                // Both products read the block: cast once (an fp32 gradient of a 16-bit
+                // model), not once per product; released after them.
+                let mark = self.used.get();
+                let dyb = DevPtr::new(
+                    self.operand(block.addr, block.storage, n * cols)?,
+                    Storage::of(self.products),
+                );
                 let x = x.offset(r0 * inp);
-                self.gemm(width, inp, n, 1.0, mt(block, cols), m(x, inp), 1.0, dw, inp)?;
+                self.gemm(width, inp, n, 1.0, mt(dyb, cols), m(x, inp), 1.0, dw, inp)?;
                 if let Some((dx, beta, (wb, wide))) = dx_of {
                     let dx = dx.offset(r0 * inp);
-                    self.gemm(n, inp, wide, 1.0, m(block, cols), m(wb, inp), beta, dx, inp)?;
+                    self.gemm(n, inp, wide, 1.0, m(dyb, cols), m(wb, inp), beta, dx, inp)?;
                 }
+                self.used.set(mark);
             }
         }
         Ok(())
