@@ -149,8 +149,9 @@ fn host_cpu() -> (String, String) {
 }
 
 /// Compiles `f` for this processor, with the widest vectors it has: LLVM tunes server CPUs with
-/// AVX-512 to prefer 256-bit vectors, which ran the vectorised element kernels at about half
-/// the speed of the Rust math's AVX-512 code (`math::ops::wide`).
+/// AVX-512 to prefer 256-bit vectors, with which GELU over 1M fp32 elements from cold caches
+/// took 1.23-1.33 ms against 0.99 ms with 512-bit ones (the Rust math's `math::ops::wide`
+/// runs AVX-512: 0.94-1.12 ms).
 fn for_this_cpu(ctx: &Context, f: FunctionValue<'_>) {
     let (cpu, features) = host_cpu();
     for (key, value) in [

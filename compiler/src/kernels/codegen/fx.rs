@@ -369,7 +369,6 @@ impl<'c, 'm> Fx<'c, 'm> {
         }
     }
 
-    /// `x as i32` with Rust's saturating semantics (NaN gives 0).
     fn bits(&self, x: F<'c>) -> I<'c> {
         self.b
             .build_bit_cast(x, self.ctx.i32_type(), "")
