@@ -319,6 +319,27 @@ fn kernel<'c>(
             },
             |fx| walk(fx, start, end, stride),
         );
+    } else if target == Target::Host && k.op.prefetched() {
+        // Blocks of PREFETCH_BLOCK indices, each after hinting the next block of every tensor.
+        let block = fx.i64c(crate::kernels::PREFETCH_BLOCK);
+        let tensors: Vec<&str> = k
+            .params()
+            .iter()
+            .filter(|p| matches!(p, Param::Tensor(..)))
+            .map(|p| p.name())
+            .collect();
+        fx.strided_loop(start, end, block, |fx, lo| {
+            let upto = |fx: &Fx<'c, '_>, a: I<'c>| {
+                let b = fx.iadd(a, block);
+                fx.iselect(fx.icmp(IntPredicate::ULT, b, end), b, end)
+            };
+            let hi = upto(fx, lo);
+            let next = upto(fx, hi);
+            for t in &tensors {
+                fx.prefetch_lines(t, hi, next);
+            }
+            fx.strided_loop(lo, hi, fx.i64c(1), |fx, i| call(fx, i, lane));
+        });
     } else if target == Target::Host && k.op.space() == Space::Columns {
         // Rows outside, columns inside: each row is read along its length and a column's sum
         // waits in its output between rows (`Fx::column_rows`), the body getting the row as

@@ -62,6 +62,10 @@ pub const WARP: u64 = 32;
 /// thread per `UNROLL` indices (PyTorch's element kernels take 4 per thread too).
 pub const UNROLL: u64 = 4;
 
+/// Indices per block of a [`Op::prefetched`] op's host loop: 8 KiB of fp32 per tensor, as the
+/// Rust math's `prefetched` walks them.
+pub const PREFETCH_BLOCK: u64 = 2048;
+
 /// Lanes of a column op's index on the GPU ([`Op::cooperative`]): each adds up every 64th row.
 pub const COLUMN_LANES: u64 = 64;
 
@@ -294,6 +298,16 @@ impl Op {
                 | Op::SwiGluBackward
                 | Op::BiasAdd { .. }
         )
+    }
+
+    /// Whether the host walks the op in blocks of [`PREFETCH_BLOCK`] indices, hinting the next
+    /// block's cache lines of every tensor first, as the Rust math's `math::ops::prefetched`
+    /// runs the same kernel: GELU's backward, whose long dependency chain per vector keeps too
+    /// few loads in flight for the hardware prefetcher (see that function for the measurements,
+    /// and for the kernels it made slower). Only a hint: the same bits. The GPU's loops are
+    /// unchanged.
+    pub fn prefetched(&self) -> bool {
+        matches!(self, Op::GeluBackward)
     }
 
     /// Threads per index on the GPU: [`WARP`] for a row op, [`COLUMN_LANES`] for a column op, 1

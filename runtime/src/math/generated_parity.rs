@@ -210,6 +210,47 @@ fn unrolled_kernels_cover_every_range() {
     }
 }
 
+/// The host's prefetching loop of GELU's backward (`Op::prefetched`: blocks of
+/// `PREFETCH_BLOCK` indices, the next block hinted first) writes every index of `begin..end`
+/// as the Rust math does, and nothing outside it: ranges ending inside, at and past block
+/// boundaries, from aligned and unaligned starts.
+#[test]
+fn prefetched_kernels_cover_every_range() {
+    use schedc::kernels::PREFETCH_BLOCK;
+    let block = PREFETCH_BLOCK as usize;
+    let n = 3 * block + 40;
+    let pre = round(Dtype::Bf16, &finite(29, n, 2.0));
+    let d0 = finite(30, n, 1.0);
+    let backward = Kernel::new(Op::GeluBackward, &[Dtype::Fp32, Dtype::Bf16]);
+    let host = HostKernels::jit(std::slice::from_ref(&backward)).unwrap();
+    for begin in [0, 1, 17] {
+        for end in [
+            begin,
+            begin + 1,
+            block - 1,
+            block,
+            block + 1,
+            2 * block + 3,
+            n,
+        ] {
+            let range = begin..end.max(begin);
+            let (mut tp, mut td) = (T::new(Dtype::Bf16, &pre), T::F32(d0.clone()));
+            // SAFETY: both buffers hold n ≥ range.end elements.
+            unsafe { host.run(&backward, &[td.ptr(), tp.ptr()], range.start, range.end) }.unwrap();
+            let want: Vec<f32> = (0..n)
+                .map(|i| {
+                    if range.contains(&i) {
+                        d0[i] * gelu_grad(pre[i])
+                    } else {
+                        d0[i]
+                    }
+                })
+                .collect();
+            same(&format!("gelu' over {range:?}"), &td.values(), &want);
+        }
+    }
+}
+
 /// Past 2³² indices the GPU's unrolled loops count in 64 bits (below, in 32): GELU's backward over
 /// indices 2³² − 6 .. 2³² + 7, its tensors' addresses offset so that those indices land in small
 /// buffers (the kernel only forms `base + i`), writes every index as the Rust math does.

@@ -1069,6 +1069,35 @@ impl<'c, 'm> Fx<'c, 'm> {
         self.strided_loop(first, end, stride, body);
     }
 
+    /// A hint that the cache lines of tensor `name`'s elements `lo..hi` will be read soon (the
+    /// host's `llvm.prefetch`, read, high locality, data); `lo..hi` lies inside the kernel's
+    /// range.
+    pub fn prefetch_lines(&mut self, name: &str, lo: I<'c>, hi: I<'c>) {
+        let (p, ptr) = self.ptr(name);
+        let bytes = match p {
+            Param::Tensor(_, d) => d.bytes(),
+            _ => panic!("`{name}` is not a tensor"),
+        };
+        let i8t = self.ctx.i8_type().as_basic_type_enum();
+        let ptr_t = ptr.get_type().as_basic_type_enum();
+        let f = Intrinsic::find("llvm.prefetch")
+            .expect("LLVM has llvm.prefetch")
+            .get_declaration(self.module, &[ptr_t])
+            .expect("llvm.prefetch for a pointer");
+        let i32t = self.ctx.i32_type();
+        let line = self.i64c(64 / bytes);
+        self.strided_loop(lo, hi, line, |fx, i| {
+            let at = fx.gep(ptr, i8t, fx.imul(i, fx.i64c(bytes)));
+            let args = [
+                at.into(),
+                i32t.const_int(0, false).into(),
+                i32t.const_int(3, false).into(),
+                i32t.const_int(1, false).into(),
+            ];
+            fx.b.build_call(f, &args, "").expect(BUILD);
+        });
+    }
+
     /// `for r in 0..rows`, a column's walk down its rows: on the GPU this lane's share
     /// ([`Fx::lane_range`]). On the host the entry walks the rows outside the columns (each row
     /// read along its length, not a column down a 4 KiB stride) and passes the row as the
