@@ -179,19 +179,7 @@ fn unrolled_kernels_cover_every_range() {
     for begin in [0, 1, 3] {
         for len in 0..=13 {
             let range = begin..begin + len;
-            let (mut tp, mut td) = (T::new(Dtype::Bf16, &pre), T::F32(d0.clone()));
-            // SAFETY: both buffers hold n ≥ begin + len elements.
-            unsafe { host.run(&backward, &[td.ptr(), tp.ptr()], begin, range.end) }.unwrap();
-            let want: Vec<f32> = (0..n)
-                .map(|i| {
-                    if range.contains(&i) {
-                        d0[i] * gelu_grad(pre[i])
-                    } else {
-                        d0[i]
-                    }
-                })
-                .collect();
-            same(&format!("gelu' over {range:?}"), &td.values(), &want);
+            gelu_backward_over(&host, &backward, &pre, &d0, range.clone());
 
             let (mut ty, mut tb) = (T::F32(d0.clone()), T::F32(b.clone()));
             // SAFETY: y holds n elements, b one row of w.
@@ -233,22 +221,33 @@ fn prefetched_kernels_cover_every_range() {
             2 * block + 3,
             n,
         ] {
-            let range = begin..end.max(begin);
-            let (mut tp, mut td) = (T::new(Dtype::Bf16, &pre), T::F32(d0.clone()));
-            // SAFETY: both buffers hold n ≥ range.end elements.
-            unsafe { host.run(&backward, &[td.ptr(), tp.ptr()], range.start, range.end) }.unwrap();
-            let want: Vec<f32> = (0..n)
-                .map(|i| {
-                    if range.contains(&i) {
-                        d0[i] * gelu_grad(pre[i])
-                    } else {
-                        d0[i]
-                    }
-                })
-                .collect();
-            same(&format!("gelu' over {range:?}"), &td.values(), &want);
+            gelu_backward_over(&host, &backward, &pre, &d0, begin..end.max(begin));
         }
     }
+}
+
+/// Runs `backward` (GELU's backward, fp32 `d` and bf16 `pre`) over `range` of `d0` and checks
+/// every element: the Rust math's product inside the range, `d0` untouched outside it.
+fn gelu_backward_over(
+    host: &HostKernels,
+    backward: &Kernel,
+    pre: &[f32],
+    d0: &[f32],
+    range: std::ops::Range<usize>,
+) {
+    let (mut tp, mut td) = (T::new(Dtype::Bf16, pre), T::F32(d0.to_vec()));
+    // SAFETY: both buffers hold d0.len() ≥ range.end elements.
+    unsafe { host.run(backward, &[td.ptr(), tp.ptr()], range.start, range.end) }.unwrap();
+    let want: Vec<f32> = (0..d0.len())
+        .map(|i| {
+            if range.contains(&i) {
+                d0[i] * gelu_grad(pre[i])
+            } else {
+                d0[i]
+            }
+        })
+        .collect();
+    same(&format!("gelu' over {range:?}"), &td.values(), &want);
 }
 
 /// Past 2³² indices the GPU's unrolled loops count in 64 bits (below, in 32): GELU's backward over
