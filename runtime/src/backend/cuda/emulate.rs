@@ -60,13 +60,14 @@ fn every_variant(kernels: &[Kernel]) -> Vec<Kernel> {
 }
 
 /// A stream on the host: the generated kernels it knows, by name, run through the JIT;
-/// products by their definition. It records the kernels launched and tallies what the device
-/// layer staged ([`Exec::staged`]).
+/// products by their definition. It counts the kernels launched (by name) and the products, and
+/// tallies what the device layer staged ([`Exec::staged`]).
 struct HostExec {
     kernels: HashMap<String, Kernel>,
     /// The set the kernels came from, for messages (`for_job`, or every variant).
     from: String,
-    launched: RefCell<BTreeSet<String>>,
+    launched: RefCell<BTreeMap<String, u64>>,
+    products: Cell<u64>,
     staging: RefCell<Staging>,
 }
 
@@ -76,6 +77,7 @@ impl HostExec {
             kernels: kernels.into_iter().map(|k| (k.name(), k)).collect(),
             from: from.into(),
             launched: Default::default(),
+            products: Cell::new(0),
             staging: Default::default(),
         }
     }
@@ -133,7 +135,11 @@ impl Exec for HostExec {
             grid.blocks >= 1 && grid.threads >= 1,
             "{name}: an empty grid"
         );
-        self.launched.borrow_mut().insert(name.to_string());
+        *self
+            .launched
+            .borrow_mut()
+            .entry(name.to_string())
+            .or_insert(0) += 1;
         // Each argument in one 8-byte slot (an f32's bits in the low half), as the kernel's
         // host entry takes them.
         let slots: Vec<u64> = args[..params]
@@ -160,6 +166,7 @@ impl Exec for HostExec {
     }
 
     fn gemm(&self, c: &ColMajor) -> Result<(), CudaError> {
+        self.products.set(self.products.get() + 1);
         // The BLAS definition, column-major: D(i, j) = α Σ op(A)(i, l)·op(B)(l, j) + β C(i, j)
         // (+ bias(i)), operands, C and the bias widened from their dtype to f32 (exact),
         // products and sums in f32 (what tensor cores do with fp32 accumulation, up to the
@@ -1574,8 +1581,57 @@ fn go_emulated(plan: Arc<Plan>, steps: u64) -> (Vec<(f64, Vec<f32>)>, BTreeSet<S
     let backend = EmulatedBackend::new(plan.clone());
     let mut t = Trainer::new(plan, backend, crate::data::Corpus::builtin());
     let out = train(&mut t, steps);
-    let launched = t.backend.x.launched.take();
+    let launched = t.backend.x.launched.take().into_keys().collect();
     (out, launched)
+}
+
+/// What one training step of a GPT-2-shaped bf16 model (two blocks, an odd vocabulary, learned
+/// positions, tied head, flash attention, AdamW, one GPU) launches on the CUDA device: every
+/// kernel by name with its count, and the products. Pinned as a snapshot, so that a change that
+/// adds launches or casts to the GPU's step shows in review (GPT-2 small has twelve blocks: the
+/// per-block kernels scale by six). The second step is counted; the first pays for nothing the
+/// second does not, but starts from the loaded state.
+#[test]
+fn launches_of_a_gpt2_shaped_step_are_pinned() {
+    let text = format!(
+        "{MODELS}\n{CLUSTERS}\n\
+         model gpt2_shaped {{\n\
+           dtype = bf16  optimizer = adamw  seq_len = 64  micro_batch = 2\n\
+           layer embed    = embedding(vocab = 251, hidden = 64, positions = learned)\n\
+           layer block[2] = transformer(hidden = 64, heads = 4, ffn = 256)\n\
+           layer head     = lm_head(hidden = 64, vocab = 251, tied = true)\n\
+         }}\n\
+         schedule s {{ model = gpt2_shaped  cluster = one  preset = ddp  train {{ lr = 1e-3  seed = 3 }} }}\n"
+    );
+    let loader = schedc::MemLoader::default()
+        .in_dir("/mem")
+        .with("/mem/s.sched", &text);
+    let a = schedc::analyze(std::path::Path::new("/mem/s.sched"), &loader).expect("readable");
+    assert!(!a.has_errors(), "{}", a.render());
+    let job = &a.jobs[0];
+    let (program, _) = schedc::compile(job).unwrap();
+    let plan = Arc::new(Plan::unverified(program, job.clone()).unwrap());
+    let mut t = Trainer::new(
+        plan.clone(),
+        EmulatedBackend::new(plan),
+        crate::data::Corpus::builtin(),
+    );
+    let train = t.plan.job.schedule.train.clone();
+    let init = t.initial_state(train.seed);
+    t.load(&init).unwrap();
+    t.step(train.lr, train.clip).unwrap();
+    t.backend.x.launched.take();
+    t.backend.x.products.set(0);
+    let loss = t.step(train.lr, train.clip).unwrap().loss;
+    assert!(loss.is_finite(), "loss {loss}");
+    let launched = t.backend.x.launched.take();
+    let total: u64 = launched.values().sum();
+    let products = t.backend.x.products.get();
+    let mut census = format!("{total} kernel launches and {products} products a step\n");
+    for (name, n) in &launched {
+        census += &format!("{n:>4} {name}\n");
+    }
+    insta::assert_snapshot!(census);
 }
 
 /// A 16-bit model's layer forward and backward ops compute on the arena in place: over whole
