@@ -73,6 +73,15 @@ pub enum Target {
     Warp,
 }
 
+impl Target {
+    /// Whether a kernel entry of `op` walks its rows itself, outside its columns: the host's
+    /// column ops, each row then read along its length rather than a column down a row-sized
+    /// stride ([`Fx::column_rows`] runs the body at the entry's row).
+    pub(crate) fn walks_rows_outside(self, op: super::Op) -> bool {
+        self == Target::Host && op.space() == Space::Columns
+    }
+}
+
 /// Why code could not be generated.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CodegenError(pub String);
@@ -192,6 +201,35 @@ impl Loops {
     }
 }
 
+/// How a kernel's entry walks `begin..end`: the one place that decides it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Walk {
+    /// An [`super::Op::unrolled`] op with the GPU's loops: [`super::UNROLL`] indices an
+    /// iteration, counted in 32 bits when they fit.
+    Unrolled,
+    /// An [`super::Op::prefetched`] op on the host: blocks of [`super::PREFETCH_BLOCK`], the
+    /// next block hinted first.
+    Prefetched,
+    /// A column op on the host: rows outside, columns inside ([`Target::walks_rows_outside`]).
+    RowsOutside,
+    /// One index at a time, by the target's stride.
+    Strided,
+}
+
+impl Walk {
+    fn of(op: super::Op, target: Target, loops: Loops) -> Self {
+        if op.unrolled() && loops == Loops::Gpu {
+            Walk::Unrolled
+        } else if target == Target::Host && op.prefetched() {
+            Walk::Prefetched
+        } else if target.walks_rows_outside(op) {
+            Walk::RowsOutside
+        } else {
+            Walk::Strided
+        }
+    }
+}
+
 /// A module holding every kernel of `kernels` (each once) for `target`.
 fn build<'c>(
     ctx: &'c Context,
@@ -287,7 +325,6 @@ fn kernel<'c>(
             (fx.iadd(begin, first), stride, lane)
         }
     };
-    let unrolled = k.op.unrolled() && loops == Loops::Gpu;
     // The body called at index `i` with lane `lane`.
     let call = |fx: &mut Fx<'c, '_>, i: I<'c>, lane: I<'c>| {
         let mut call_args = args.clone();
@@ -295,61 +332,59 @@ fn kernel<'c>(
         call_args[n - 1] = lane.into();
         fx.call_void(body, &call_args);
     };
-    let walk = |fx: &mut Fx<'c, '_>, start: I<'c>, end: I<'c>, stride: I<'c>| {
-        if unrolled {
+    match Walk::of(k.op, target, loops) {
+        Walk::Unrolled => {
             // The body inline, so that the unrolled iteration's stores can follow all its loads.
-            fx.set_lane(lane);
-            fx.unrolled_loop(start, end, stride, |fx, i| bodies::emit(fx, k, i));
-        } else {
-            fx.strided_loop(start, end, stride, |fx, i| call(fx, i, lane));
-        }
-    };
-    if unrolled {
-        // Counted in 32 bits when every index the loop forms fits (a GPU's 64-bit integer
-        // arithmetic takes two instructions, a 32-bit index's address one), else in 64. Only the
-        // unrolled ops: ptxas gave the others (Adam, the embedding) more registers for the
-        // two loops than the narrower indices saved.
-        let reach = fx.iadd(end, fx.imul(stride, fx.i64c(crate::kernels::UNROLL)));
-        let fits = fx.icmp(IntPredicate::ULE, reach, fx.i64c(u64::from(u32::MAX)));
-        fx.if_else(
-            fits,
-            |fx| {
-                let (s, e, st) = (fx.narrowed(start), fx.narrowed(end), fx.narrowed(stride));
-                walk(fx, s, e, st);
-            },
-            |fx| walk(fx, start, end, stride),
-        );
-    } else if target == Target::Host && k.op.prefetched() {
-        // Blocks of PREFETCH_BLOCK indices, each after hinting the next block of every tensor.
-        let block = fx.i64c(crate::kernels::PREFETCH_BLOCK);
-        let tensors: Vec<&str> = k
-            .params()
-            .iter()
-            .filter(|p| matches!(p, Param::Tensor(..)))
-            .map(|p| p.name())
-            .collect();
-        fx.strided_loop(start, end, block, |fx, lo| {
-            let upto = |fx: &Fx<'c, '_>, a: I<'c>| {
-                let b = fx.iadd(a, block);
-                fx.iselect(fx.icmp(IntPredicate::ULT, b, end), b, end)
+            let walk = |fx: &mut Fx<'c, '_>, start: I<'c>, end: I<'c>, stride: I<'c>| {
+                fx.set_lane(lane);
+                fx.unrolled_loop(start, end, stride, |fx, i| bodies::emit(fx, k, i));
             };
-            let hi = upto(fx, lo);
-            let next = upto(fx, hi);
-            for t in &tensors {
-                fx.prefetch_lines(t, hi, next);
-            }
-            fx.strided_loop(lo, hi, fx.i64c(1), |fx, i| call(fx, i, lane));
-        });
-    } else if target == Target::Host && k.op.space() == Space::Columns {
-        // Rows outside, columns inside: each row is read along its length and a column's sum
-        // waits in its output between rows (`Fx::column_rows`), the body getting the row as
-        // its lane.
-        let rows = fx.int_param("rows");
-        fx.strided_loop(fx.i64c(0), rows, fx.i64c(1), |fx, r| {
-            fx.strided_loop(start, end, stride, |fx, j| call(fx, j, r));
-        });
-    } else {
-        walk(&mut fx, start, end, stride);
+            // Counted in 32 bits when every index the loop forms fits (a GPU's 64-bit integer
+            // arithmetic takes two instructions, a 32-bit index's address one), else in 64.
+            // Only the unrolled ops: ptxas gave the others (Adam, the embedding) more registers
+            // for the two loops than the narrower indices saved.
+            let reach = fx.iadd(end, fx.imul(stride, fx.i64c(crate::kernels::UNROLL)));
+            let fits = fx.icmp(IntPredicate::ULE, reach, fx.i64c(u64::from(u32::MAX)));
+            fx.if_else(
+                fits,
+                |fx| {
+                    let (s, e, st) = (fx.narrowed(start), fx.narrowed(end), fx.narrowed(stride));
+                    walk(fx, s, e, st);
+                },
+                |fx| walk(fx, start, end, stride),
+            );
+        }
+        Walk::Prefetched => {
+            // Blocks of PREFETCH_BLOCK indices, each after hinting the next block of every tensor.
+            let block = fx.i64c(crate::kernels::PREFETCH_BLOCK);
+            let tensors: Vec<&str> = k
+                .params()
+                .iter()
+                .filter(|p| matches!(p, Param::Tensor(..)))
+                .map(|p| p.name())
+                .collect();
+            fx.strided_loop(start, end, block, |fx, lo| {
+                let upto = |fx: &Fx<'c, '_>, a: I<'c>| {
+                    let b = fx.iadd(a, block);
+                    fx.iselect(fx.icmp(IntPredicate::ULT, b, end), b, end)
+                };
+                let hi = upto(fx, lo);
+                let next = upto(fx, hi);
+                for t in &tensors {
+                    fx.prefetch_lines(t, hi, next);
+                }
+                fx.strided_loop(lo, hi, fx.i64c(1), |fx, i| call(fx, i, lane));
+            });
+        }
+        Walk::RowsOutside => {
+            // Each row is read along its length and a column's sum waits in its output between
+            // rows (`Fx::column_rows`), the body getting the row as its lane.
+            let rows = fx.int_param("rows");
+            fx.strided_loop(fx.i64c(0), rows, fx.i64c(1), |fx, r| {
+                fx.strided_loop(start, end, stride, |fx, j| call(fx, j, r));
+            });
+        }
+        Walk::Strided => fx.strided_loop(start, end, stride, |fx, i| call(fx, i, lane)),
     }
     fx.ret();
     if !matches!(target, Target::Ptx { .. }) {

@@ -8,7 +8,7 @@
 
 use super::Target;
 use crate::job::Dtype;
-use crate::kernels::{Kernel, Param, Space, WARP};
+use crate::kernels::{Kernel, Param, WARP};
 use inkwell::basic_block::BasicBlock;
 use inkwell::builder::Builder;
 use inkwell::context::Context;
@@ -80,7 +80,7 @@ impl<'c, 'm> Fx<'c, 'm> {
                 Target::Ptx { .. } | Target::Warp => k.op.lanes_on_gpu(),
             },
             lane: None,
-            rows_outside: target == Target::Host && k.op.space() == Space::Columns,
+            rows_outside: target.walks_rows_outside(k.op),
             iteration: RefCell::new(None),
         }
     }
@@ -288,11 +288,15 @@ impl<'c, 'm> Fx<'c, 'm> {
         types: &[BasicTypeEnum<'c>],
         args: &[BasicValueEnum<'c>],
     ) -> BasicValueEnum<'c> {
-        let f = Intrinsic::find(name)
+        self.call(self.intrinsic_fn(name, types), args)
+    }
+
+    /// The module's declaration of LLVM intrinsic `name` overloaded on `types`.
+    fn intrinsic_fn(&self, name: &str, types: &[BasicTypeEnum<'c>]) -> FunctionValue<'c> {
+        Intrinsic::find(name)
             .unwrap_or_else(|| panic!("LLVM has no intrinsic {name}"))
             .get_declaration(self.module, types)
-            .unwrap_or_else(|| panic!("no declaration of {name} for {types:?}"));
-        self.call(f, args)
+            .unwrap_or_else(|| panic!("no declaration of {name} for {types:?}"))
     }
 
     fn call(&self, f: FunctionValue<'c>, args: &[BasicValueEnum<'c>]) -> BasicValueEnum<'c> {
@@ -1074,27 +1078,18 @@ impl<'c, 'm> Fx<'c, 'm> {
     /// range.
     pub fn prefetch_lines(&mut self, name: &str, lo: I<'c>, hi: I<'c>) {
         let (p, ptr) = self.ptr(name);
-        let bytes = match p {
-            Param::Tensor(_, d) => d.bytes(),
+        let (elem, bytes) = match p {
+            Param::Tensor(_, Dtype::Fp32) => (self.ctx.f32_type().as_basic_type_enum(), 4),
+            Param::Tensor(..) => (self.ctx.i16_type().as_basic_type_enum(), 2),
             _ => panic!("`{name}` is not a tensor"),
         };
-        let i8t = self.ctx.i8_type().as_basic_type_enum();
-        let ptr_t = ptr.get_type().as_basic_type_enum();
-        let f = Intrinsic::find("llvm.prefetch")
-            .expect("LLVM has llvm.prefetch")
-            .get_declaration(self.module, &[ptr_t])
-            .expect("llvm.prefetch for a pointer");
-        let i32t = self.ctx.i32_type();
+        let f = self.intrinsic_fn("llvm.prefetch", &[ptr.get_type().as_basic_type_enum()]);
         let line = self.i64c(64 / bytes);
         self.strided_loop(lo, hi, line, |fx, i| {
-            let at = fx.gep(ptr, i8t, fx.imul(i, fx.i64c(bytes)));
-            let args = [
-                at.into(),
-                i32t.const_int(0, false).into(),
-                i32t.const_int(3, false).into(),
-                i32t.const_int(1, false).into(),
-            ];
-            fx.b.build_call(f, &args, "").expect(BUILD);
+            let at = fx.gep(ptr, elem, i);
+            // Read, high locality (T0), data cache.
+            let [rw, locality, data] = [0, 3, 1].map(|v| fx.i32c(v).into());
+            fx.call_void(f, &[at.into(), rw, locality, data]);
         });
     }
 
