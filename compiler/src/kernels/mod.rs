@@ -62,8 +62,8 @@ pub const WARP: u64 = 32;
 /// thread per `UNROLL` indices (PyTorch's element kernels take 4 per thread too).
 pub const UNROLL: u64 = 4;
 
-/// Indices per block of a [`Op::prefetched`] op's host loop: 8 KiB of fp32 per tensor, as the
-/// Rust math's `prefetched` walks them.
+/// Indices per block of a [`Op::prefetched`] op's host loop: 8 KiB of fp32 per tensor (the Rust
+/// math's `prefetched` takes its blocks from here too).
 pub const PREFETCH_BLOCK: u64 = 2048;
 
 /// Lanes of a column op's index on the GPU ([`Op::cooperative`]): each adds up every 64th row.

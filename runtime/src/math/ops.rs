@@ -255,8 +255,9 @@ pub(crate) fn wide<R>(f: impl FnOnce() -> R) -> R {
     f()
 }
 
-/// Indices per block of [`prefetched`]: 8 KiB of f32 per stream.
-const BLOCK: usize = 2048;
+/// Indices per block of [`prefetched`]: 8 KiB of f32 per stream. The generated kernels' host
+/// loop walks the same blocks (`schedc::kernels::Op::prefetched`), so the constant is theirs.
+const BLOCK: usize = schedc::kernels::PREFETCH_BLOCK as usize;
 
 /// Calls `body(lo, hi)` over `0..n` in blocks of [`BLOCK`] indices, after asking the cache for
 /// the next block of every stream in `streams` (f32 arrays indexed like `0..n`).
