@@ -1048,28 +1048,29 @@ impl Device for Gpu<'_> {
         let ld = aligned_ld(out, dy.storage);
         let (width, rows) = (out as u32, Arg::L(t as i64));
         let products = Storage::of(self.products);
-        // Both products read dy: an fp32 gradient of a 16-bit model is cast once, not once per
-        // product (it lives in workspace until the op ends), by the bias gradient's pass over
-        // dy when there is one.
-        let cast = ld == out && dx.is_some() && dy.storage.dtype() != Some(self.products);
+        // Both products read dy in place: an fp32 gradient of a 16-bit model is cast once for
+        // the two, not once per product (the cast lives in workspace until the op ends); with a
+        // bias, by the bias gradient's pass over dy.
+        let shared = ld == out && dx.is_some();
         let dy = match dbias {
-            Some(db) if cast && dy.storage == Storage::F32 => {
+            Some(db) if shared && dy.storage == Storage::F32 && products != Storage::F32 => {
                 let dy16 = self.alloc_as(products, t * out)?;
                 let op = Op::BiasGrad { width, cast: true };
                 self.run(op, out, &[T(dy), T(db), T(dy16), rows])?;
                 dy16
             }
-            _ => {
-                if let Some(db) = dbias {
-                    let op = Op::BiasGrad { width, cast: false };
-                    self.run(op, out, &[T(dy), T(db), rows])?;
-                }
-                if cast {
-                    DevPtr::new(self.operand(dy.addr, dy.storage, t * out)?, products)
-                } else {
-                    dy
-                }
+            Some(db) => {
+                let op = Op::BiasGrad { width, cast: false };
+                self.run(op, out, &[T(dy), T(db), rows])?;
+                dy
             }
+            None => dy,
+        };
+        // (`operand` is dy itself when dy is already in the product dtype.)
+        let dy = if shared {
+            DevPtr::new(self.operand(dy.addr, dy.storage, t * out)?, products)
+        } else {
+            dy
         };
         if ld == out {
             self.gemm(out, inp, t, 1.0, mt(dy, out), m(x, inp), 1.0, dw, inp)?;
@@ -1085,10 +1086,11 @@ impl Device for Gpu<'_> {
         // after the first). The last block's columns past dy's are zeros, against W's rows
         // padded with zeros (`weight_rows`), so that every product's k is aligned.
         // Blocks aligned for dy's storage and for the product dtype it is cast to.
-        let narrow = [dy.storage, Storage::of(self.products)]
-            .into_iter()
-            .min_by_key(|s| s.bytes())
-            .unwrap_or(dy.storage);
+        let narrow = if products.bytes() < dy.storage.bytes() {
+            products
+        } else {
+            dy.storage
+        };
         let (cols, rows) = Self::column_blocks(t, ld, narrow);
         if let Some((dx, _)) = dx {
             if dx.storage != Storage::F32 && cols < out {
@@ -1117,10 +1119,7 @@ impl Device for Gpu<'_> {
                 // Both products read the block: cast once (an fp32 gradient of a 16-bit
                 // model), not once per product; released after them.
                 let mark = self.used.get();
-                let dyb = DevPtr::new(
-                    self.operand(block.addr, block.storage, n * cols)?,
-                    Storage::of(self.products),
-                );
+                let dyb = DevPtr::new(self.operand(block.addr, block.storage, n * cols)?, products);
                 let x = x.offset(r0 * inp);
                 self.gemm(width, inp, n, 1.0, mt(dyb, cols), m(x, inp), 1.0, dw, inp)?;
                 if let Some((dx, beta, (wb, wide))) = dx_of {
