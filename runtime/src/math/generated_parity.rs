@@ -20,6 +20,7 @@ use crate::math::{bf16_bits_to_f32, f32_to_bf16_bits};
 use schedc::job::{Dtype, Norm, Optimizer};
 use schedc::kernels::codegen::{slot_f32, slot_f64, slot_i64, slot_ptr, HostKernels};
 use schedc::kernels::{Kernel, Op, SUMSQ_CHUNK};
+use std::ops::Range;
 
 /// A tensor in one storage dtype: its words and their f32 values.
 #[derive(Clone)]
@@ -184,15 +185,7 @@ fn unrolled_kernels_cover_every_range() {
             let (mut ty, mut tb) = (T::F32(d0.clone()), T::F32(b.clone()));
             // SAFETY: y holds n elements, b one row of w.
             unsafe { host.run(&bias, &[ty.ptr(), tb.ptr()], begin, range.end) }.unwrap();
-            let want: Vec<f32> = (0..n)
-                .map(|i| {
-                    if range.contains(&i) {
-                        d0[i] + b[i % w]
-                    } else {
-                        d0[i]
-                    }
-                })
-                .collect();
+            let want = within(&range, &d0, |i| d0[i] + b[i % w]);
             same(&format!("bias add over {range:?}"), &ty.values(), &want);
         }
     }
@@ -233,21 +226,27 @@ fn gelu_backward_over(
     backward: &Kernel,
     pre: &[f32],
     d0: &[f32],
-    range: std::ops::Range<usize>,
+    range: Range<usize>,
 ) {
     let (mut tp, mut td) = (T::new(Dtype::Bf16, pre), T::F32(d0.to_vec()));
     // SAFETY: both buffers hold d0.len() ≥ range.end elements.
     unsafe { host.run(backward, &[td.ptr(), tp.ptr()], range.start, range.end) }.unwrap();
-    let want: Vec<f32> = (0..d0.len())
+    let want = within(&range, d0, |i| d0[i] * gelu_grad(pre[i]));
+    same(&format!("gelu' over {range:?}"), &td.values(), &want);
+}
+
+/// What a kernel run over `range` of a tensor that held `before` leaves: `inside(i)` at the
+/// indices of the range, `before` elsewhere.
+fn within(range: &Range<usize>, before: &[f32], inside: impl Fn(usize) -> f32) -> Vec<f32> {
+    (0..before.len())
         .map(|i| {
             if range.contains(&i) {
-                d0[i] * gelu_grad(pre[i])
+                inside(i)
             } else {
-                d0[i]
+                before[i]
             }
         })
-        .collect();
-    same(&format!("gelu' over {range:?}"), &td.values(), &want);
+        .collect()
 }
 
 /// Past 2³² indices the GPU's unrolled loops count in 64 bits (below, in 32): GELU's backward over
