@@ -30,6 +30,7 @@ use crate::math::LayerMath;
 use cranelift_entity::EntityRef;
 use schedc::ir::{BufferKind, CollectiveOp, ComputeKind, Offset, OpKind, Program, Region};
 use schedc::job::{LayerKind, Model};
+use schedc::lower::workspace::logits_stride;
 
 /// A compute op's parameter-gradient write: `region` holds gradient elements from `first` on.
 #[derive(Clone, Debug)]
@@ -363,12 +364,12 @@ fn check_sizes(p: &Program, model: &Model, maths: &[LayerMath], a: &Action) -> R
         }
         Action::Loss { logits, grad } => {
             let tokens = (model.micro_batch * model.seq_len) as usize;
-            let vocab = match model.layers.last().map(|l| l.kind) {
-                Some(LayerKind::LmHead { vocab, .. }) => vocab as usize,
+            let stride = match model.layers.last().map(|l| l.kind) {
+                Some(LayerKind::LmHead { vocab, .. }) => logits_stride(vocab) as usize,
                 _ => return Err("the model does not end in an lm_head".into()),
             };
-            exactly(&Some(*logits), tokens * vocab, "logits")?;
-            exactly(&Some(*grad), tokens * vocab, "logits gradient")?;
+            exactly(&Some(*logits), tokens * stride, "logits")?;
+            exactly(&Some(*grad), tokens * stride, "logits gradient")?;
         }
         _ => {}
     }

@@ -143,6 +143,7 @@ impl Reference {
             &self.outputs[n - 1],
             targets,
             self.vocab,
+            self.math[n - 1].output_stride(),
             &mut self.grad_logits,
         );
         let mut grad_out = std::mem::take(&mut self.grad_logits);
@@ -189,7 +190,9 @@ impl Reference {
         for (x, y) in batch.inputs.chunks(chunk).zip(batch.targets.chunks(chunk)) {
             self.forward(x);
             let n = self.math.len();
-            total += cross_entropy(&self.outputs[n - 1], y, self.vocab, &mut self.grad_logits);
+            let stride = self.math[n - 1].output_stride();
+            let (z, dz) = (&self.outputs[n - 1], &mut self.grad_logits);
+            total += cross_entropy(z, y, self.vocab, stride, dz);
         }
         total / batch.targets.len() as f64
     }

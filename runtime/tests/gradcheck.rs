@@ -348,7 +348,7 @@ fn cross_entropy_gradient_and_value() {
     let mut logits = rng.normals(n * vocab, 2.0);
     let targets: Vec<u32> = (0..n).map(|_| rng.below(vocab as u64) as u32).collect();
     let mut grad = vec![0.0; n * vocab];
-    let total = cross_entropy(&logits, &targets, vocab, &mut grad);
+    let total = cross_entropy(&logits, &targets, vocab, vocab, &mut grad);
 
     // The value against a direct f64 computation.
     let direct: f64 = logits
@@ -370,9 +370,9 @@ fn cross_entropy_gradient_and_value() {
     for i in 0..n * vocab {
         let x = logits[i];
         logits[i] = x + EPS;
-        let up = cross_entropy(&logits, &targets, vocab, &mut scratch) / n as f64;
+        let up = cross_entropy(&logits, &targets, vocab, vocab, &mut scratch) / n as f64;
         logits[i] = x - EPS;
-        let down = cross_entropy(&logits, &targets, vocab, &mut scratch) / n as f64;
+        let down = cross_entropy(&logits, &targets, vocab, vocab, &mut scratch) / n as f64;
         logits[i] = x;
         compare(
             &format!("logit {i}"),

@@ -153,8 +153,10 @@ pub enum Op {
     NormBackwardInput { norm: Norm, width: u32 },
     /// A norm's parameter gradients, accumulated into `dw` (and `db`), per column over the rows.
     NormBackwardParams { width: u32, bias: bool },
-    /// Softmax cross-entropy of each row: `grad = (softmax − onehot)·inv`, `loss[r]` the row's loss.
-    CrossEntropy { vocab: u32 },
+    /// Softmax cross-entropy of each row of `vocab` logits, rows `stride` elements apart
+    /// (`crate::lower::workspace::logits_stride`): `grad = (softmax − onehot)·inv` in the same
+    /// layout, `loss[r]` the row's loss.
+    CrossEntropy { vocab: u32, stride: u32 },
     /// Rotary positions on the q and k heads of each token row of a fused qkv tensor
     /// (rotate-half pairing); `inverse` turns the other way (for gradients).
     Rotary {
@@ -538,7 +540,10 @@ impl Op {
             Op::NormBackwardParams { width, bias } => {
                 format!("norm_backward_params{}_w{width}", nb(bias))
             }
-            Op::CrossEntropy { vocab } => format!("cross_entropy_v{vocab}"),
+            Op::CrossEntropy { vocab, stride } if stride == vocab => {
+                format!("cross_entropy_v{vocab}")
+            }
+            Op::CrossEntropy { vocab, stride } => format!("cross_entropy_v{vocab}_ld{stride}"),
             Op::Rotary {
                 heads,
                 kv_heads,
@@ -765,11 +770,12 @@ pub fn for_model(model: &Model) -> Vec<Kernel> {
             } => {
                 k.norm(norm, hidden as u32, false);
                 k.norm_input_grad(norm, hidden as u32, &k.out.clone());
+                let stride = crate::lower::workspace::logits_stride(vocab) as u32;
                 let vocab = vocab as u32;
                 for o in k.out.clone() {
                     // The input gradient starts as zeros, then the norm's backward adds to it.
                     k.add(Kernel::new(Op::Fill, &[o]));
-                    k.add(Kernel::new(Op::CrossEntropy { vocab }, &[a, o]));
+                    k.add(Kernel::new(Op::CrossEntropy { vocab, stride }, &[a, o]));
                 }
             }
             LayerKind::Embedding {

@@ -79,10 +79,5 @@ pub fn saved_elements(kind: &LayerKind, model: &Model) -> SavedElements {
 
 /// Bytes of the hidden state a layer outputs in one micro-step (logits for an lm_head).
 pub fn output_bytes(kind: &LayerKind, model: &Model) -> u64 {
-    let t = model.micro_batch * model.seq_len;
-    let d = model.dtype.bytes();
-    match *kind {
-        LayerKind::LmHead { vocab, .. } => t * vocab * d,
-        _ => kind.hidden().map_or(0, |h| t * h * d),
-    }
+    super::workspace::output_elements(kind, model) * model.dtype.bytes()
 }

@@ -13,9 +13,10 @@
 //!   sequence's n·s² scores forward or their gradient backward, and a log-sum-exp per row of a
 //!   sequence, n·s; flash: two chunks of n·c·s, the scores and the probabilities (their
 //!   gradients reuse both), c the [`attention_chunk`] rows, and n·s log-sum-exps); an mlp
-//!   layer's backward da (T·h) and the two T·f; an lm_head's backward da (T·h) and, over a
-//!   vocabulary that is not a multiple of 8, its weight, logits and their gradient padded
-//!   ([`padded_rows`], which pads any product width not a multiple of 8). A forward needs less (with rotary positions, the projected qkv, T·w);
+//!   layer's backward da (T·h) and the two T·f; an lm_head's backward da (T·h) (its logits'
+//!   rows start aligned, [`logits_stride`]); and a product over a width that is not a multiple
+//!   of 8 its padded rows ([`padded_rows`]). A forward needs less (with rotary positions, the
+//!   projected qkv, T·w);
 //! - the casts of one product's operands at a time (operands stored in the product dtype are
 //!   used in place): for a 16-bit model, two of the widest fp32 operand at two bytes an element,
 //!   that is one widest in floats (max(T·f, T·w), and n·s² with naive attention, whose
@@ -65,11 +66,24 @@ fn tokens(model: &Model) -> u64 {
     model.micro_batch * model.seq_len
 }
 
-/// Elements of the hidden state layer `kind` outputs (the logits for an lm_head).
+/// Elements a row of the logits starts after in any storage: 16 bytes of bf16.
+pub const LOGITS_ROW_ALIGN: u64 = 8;
+
+/// Elements between two rows of an lm_head's logits (and of their gradient): the vocabulary
+/// rounded up to [`LOGITS_ROW_ALIGN`], so that every row starts 16 bytes aligned. The GPU's
+/// tensor-core products read and write a matrix in place only at such a row stride; GPT-2's
+/// 50,257 words would otherwise send the head's three products through workspace a column
+/// block at a time. The columns past the vocabulary are never read or written.
+pub fn logits_stride(vocab: u64) -> u64 {
+    vocab.next_multiple_of(LOGITS_ROW_ALIGN)
+}
+
+/// Elements of the hidden state layer `kind` outputs (the logits for an lm_head, rows
+/// [`logits_stride`] apart).
 pub fn output_elements(kind: &LayerKind, model: &Model) -> u64 {
     let t = tokens(model);
     match *kind {
-        LayerKind::LmHead { vocab, .. } => t * vocab,
+        LayerKind::LmHead { vocab, .. } => t * logits_stride(vocab),
         _ => kind.hidden().map_or(0, |h| t * h),
     }
 }
@@ -116,8 +130,9 @@ pub fn attention_chunk(heads: u64, seq_len: u64) -> u64 {
 /// The size of an unaligned product's workspace block, in padded rows (see [`padded_rows`]).
 pub const PADDED_ROWS: usize = 1024;
 
-/// Floats for a product whose output width among `widths` is not a multiple of 8 (a head over
-/// an odd vocabulary): no tensor-core product reads or writes its rows in place (`aligned_ld`
+/// Floats for a product whose output width among `widths` is not a multiple of 8 (an MLP's
+/// odd width; never a head's, whose logits lie in aligned rows, [`logits_stride`]): no
+/// tensor-core product reads or writes its rows in place (`aligned_ld`
 /// in the CUDA device), so its output (forward) or output gradient (backward) goes through
 /// workspace a block of columns at a time, as many elements as [`PADDED_ROWS`] rows of w₈ (the
 /// width rounded up to 8) hold and at most min(T, rows)·w₈, in fp32 at most and, for a 16-bit
@@ -164,9 +179,8 @@ pub fn layer_floats(model: &Model, l: usize) -> u64 {
                 t * f,
             )
         }
-        LayerKind::LmHead { hidden, vocab, .. } => {
-            (t * hidden + padded_rows(t, &[vocab], hidden), t * hidden)
-        }
+        // The logits' rows are aligned ([`logits_stride`]): the products run in place.
+        LayerKind::LmHead { hidden, .. } => (t * hidden, t * hidden),
         LayerKind::Embedding { .. } | LayerKind::Dense { .. } => (0, 0),
     };
     let mut casts = 0;

@@ -12,6 +12,7 @@ use crate::math::{OptimizerConfig, Stored};
 use crate::plan::Plan;
 use schedc::ir::{Region, ShardIndex};
 use schedc::job::{Dtype, LayerKind};
+use schedc::lower::workspace::logits_stride;
 
 /// What an op of one rank runs against: the plan, the rank, and the device of its stream.
 pub struct Rank<'a, D> {
@@ -341,10 +342,11 @@ impl<D: Device> Rank<'_, D> {
                 };
                 let n = (p.job.model.micro_batch * p.job.model.seq_len) as usize;
                 let m = m.ok_or_else(|| plan_error("a loss op without a micro-step"))?;
-                let z = self.read(logits, n * vocab)?;
-                let dz = self.output(Some(grad), n * vocab, &op_regions(a))?;
-                d.cross_entropy(z, d.tokens(m, true)?, vocab, n, dz)?;
-                self.write(grad, dz, n * vocab, false)?;
+                let stride = logits_stride(vocab as u64) as usize;
+                let z = self.read(logits, n * stride)?;
+                let dz = self.output(Some(grad), n * stride, &op_regions(a))?;
+                d.cross_entropy(z, d.tokens(m, true)?, vocab, stride, n, dz)?;
+                self.write(grad, dz, n * stride, false)?;
             }
             Action::Update {
                 layer,

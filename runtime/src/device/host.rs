@@ -294,12 +294,12 @@ impl Device for Host<'_> {
         Ok(())
     }
 
-    fn linear(
+    fn linear_rows(
         &self,
         x: HostPtr,
         w: HostPtr,
         bias: Option<HostPtr>,
-        y: HostPtr,
+        (y, ld): (HostPtr, usize),
         t: usize,
         inp: usize,
         out: usize,
@@ -312,7 +312,7 @@ impl Device for Host<'_> {
                     x.r(t * inp),
                     w.r(out * inp),
                     None,
-                    y.w(t * out),
+                    (y.w(t * ld), ld),
                     t,
                     inp,
                     out,
@@ -320,6 +320,9 @@ impl Device for Host<'_> {
                 )
             };
             let Some(b) = bias else { return Ok(()) };
+            if ld != out {
+                return Err(plan_error("a bias added to rows wider than the product"));
+            }
             let op = Op::BiasAdd { width: out as u32 };
             return generated(op, &[y.arg(), b.arg()], t * out).unwrap_or(Ok(()));
         }
@@ -331,7 +334,7 @@ impl Device for Host<'_> {
                     x.r(t * inp),
                     w.r(out * inp),
                     b,
-                    y.w(t * out),
+                    (y.w(t * ld), ld),
                     t,
                     inp,
                     out,
@@ -342,11 +345,11 @@ impl Device for Host<'_> {
         Ok(())
     }
 
-    fn linear_backward(
+    fn linear_backward_rows(
         &self,
         x: HostPtr,
         w: HostPtr,
-        dy: HostPtr,
+        (dy, ld): (HostPtr, usize),
         dw: HostPtr,
         dbias: Option<HostPtr>,
         dx: Option<(HostPtr, f32)>,
@@ -356,6 +359,9 @@ impl Device for Host<'_> {
     ) -> Result<(), DeviceError> {
         #[cfg(feature = "llvm")]
         if let (true, Some(db)) = (jit::enabled(), dbias) {
+            if ld != out {
+                return Err(plan_error("a bias gradient of rows wider than the product"));
+            }
             self.linear_backward(x, w, dy, dw, None, dx, t, inp, out)?;
             let args = [dy.arg(), db.arg(), Arg::I64(t as i64)];
             let op = Op::BiasGrad {
@@ -370,7 +376,7 @@ impl Device for Host<'_> {
                 linear_backward(
                     x.r(t * inp),
                     w.r(out * inp),
-                    dy.r(t * out),
+                    (dy.r(t * ld), ld),
                     dw.w(out * inp),
                     dbias.map(|b| b.w(out)),
                     dx.map(|(p, beta)| (p.w(t * inp), beta)),
@@ -699,6 +705,7 @@ impl Device for Host<'_> {
         logits: HostPtr,
         targets: HostTokens,
         vocab: usize,
+        stride: usize,
         n: usize,
         grad: HostPtr,
     ) -> Result<(), DeviceError> {
@@ -711,6 +718,7 @@ impl Device for Host<'_> {
             let rows = self.alloc(n)?;
             let op = Op::CrossEntropy {
                 vocab: vocab as u32,
+                stride: stride as u32,
             };
             let args = [
                 logits.arg(),
@@ -724,8 +732,8 @@ impl Device for Host<'_> {
             self.loss.set(self.loss.get() + loss);
             return Ok(());
         }
-        let (z, dz) = unsafe { (logits.r(n * vocab), grad.w(n * vocab)) };
-        let loss = cross_entropy(z, targets, vocab, dz);
+        let (z, dz) = unsafe { (logits.r(n * stride), grad.w(n * stride)) };
+        let loss = cross_entropy(z, targets, vocab, stride, dz);
         self.loss.set(self.loss.get() + loss);
         Ok(())
     }

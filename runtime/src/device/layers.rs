@@ -174,8 +174,9 @@ pub(crate) fn forward<D: Device>(
                 Some(r) => p.at(r),
                 None => tied.ok_or_else(|| plan_error("a tied lm_head needs the embedding"))?,
             };
-            d.linear(a, w, None, out, t, *h, *vocab, 0.0)?;
-            d.round(act, out, t * vocab)
+            let stride = lm.output_stride();
+            d.linear_rows(a, w, None, (out, stride), t, *h, *vocab, 0.0)?;
+            d.round(act, out, t * stride)
         }
     }
 }
@@ -283,20 +284,19 @@ pub(crate) fn backward<D: Device>(
             let x = hidden(input, lm)?;
             let NormedSaved { a, st, .. } = NormedSaved::carve(t, *h, saved);
             let da = d.alloc(t * h)?;
-            match weight {
-                Some(r) => {
-                    let (w, dw) = (p.at(r), gp.at(r));
-                    d.linear_backward(a, w, dy, dw, None, Some((da, 0.0)), t, *h, *vocab)?
-                }
+            let (w, dw) = match weight {
+                Some(r) => (p.at(r), gp.at(r)),
                 None => {
                     let dw = gt.ok_or_else(|| {
                         plan_error("a tied lm_head needs the embedding's gradient")
                     })?;
                     d.fill(dw, vocab * h, 0.0)?;
                     let w = tied.ok_or_else(|| plan_error("a tied lm_head needs the embedding"))?;
-                    d.linear_backward(a, w, dy, dw, None, Some((da, 0.0)), t, *h, *vocab)?;
+                    (w, dw)
                 }
-            }
+            };
+            let dy = (dy, lm.output_stride());
+            d.linear_backward_rows(a, w, dy, dw, None, Some((da, 0.0)), t, *h, *vocab)?;
             if let Some(gi) = gi {
                 d.fill(gi, t * h, 0.0)?;
             }

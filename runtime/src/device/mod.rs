@@ -225,7 +225,21 @@ pub(crate) trait Device {
     /// Rounds `n` values in place to `prec`.
     fn round(&self, prec: Precision, p: Self::Ptr, n: usize) -> Result<(), DeviceError>;
 
-    /// y (β)= x·Wᵀ (+ bias): x [t, inp], w [out, inp], y [t, out]; y is read when β ≠ 0.
+    /// y (β)= x·Wᵀ (+ bias): x [t, inp], w [out, inp], y [t, out] in rows `y.1` ≥ out
+    /// elements apart (columns past `out` untouched); y is read when β ≠ 0.
+    #[allow(clippy::too_many_arguments)]
+    fn linear_rows(
+        &self,
+        x: Self::Ptr,
+        w: Self::Ptr,
+        bias: Option<Self::Ptr>,
+        y: (Self::Ptr, usize),
+        t: usize,
+        inp: usize,
+        out: usize,
+        beta: f32,
+    ) -> Result<(), DeviceError>;
+    /// [`Device::linear_rows`] into contiguous rows.
     #[allow(clippy::too_many_arguments)]
     fn linear(
         &self,
@@ -237,8 +251,25 @@ pub(crate) trait Device {
         inp: usize,
         out: usize,
         beta: f32,
+    ) -> Result<(), DeviceError> {
+        self.linear_rows(x, w, bias, (y, out), t, inp, out, beta)
+    }
+    /// dW += dyᵀ·x, dbias += Σ_rows dy, dx (β)= dy·W, dy's rows `dy.1` ≥ out elements apart
+    /// (columns past `out` not read). A bias gradient needs contiguous rows.
+    #[allow(clippy::too_many_arguments)]
+    fn linear_backward_rows(
+        &self,
+        x: Self::Ptr,
+        w: Self::Ptr,
+        dy: (Self::Ptr, usize),
+        dw: Self::Ptr,
+        dbias: Option<Self::Ptr>,
+        dx: Option<(Self::Ptr, f32)>,
+        t: usize,
+        inp: usize,
+        out: usize,
     ) -> Result<(), DeviceError>;
-    /// dW += dyᵀ·x, dbias += Σ_rows dy, dx (β)= dy·W.
+    /// [`Device::linear_backward_rows`] of contiguous rows.
     #[allow(clippy::too_many_arguments)]
     fn linear_backward(
         &self,
@@ -251,7 +282,9 @@ pub(crate) trait Device {
         t: usize,
         inp: usize,
         out: usize,
-    ) -> Result<(), DeviceError>;
+    ) -> Result<(), DeviceError> {
+        self.linear_backward_rows(x, w, (dy, out), dw, dbias, dx, t, inp, out)
+    }
 
     /// Layer or RMS norm of `t` rows of `h`: out and the statistics (2 per row).
     #[allow(clippy::too_many_arguments)]
@@ -360,13 +393,16 @@ pub(crate) trait Device {
         dwpe: Option<Self::Ptr>,
         t: usize,
     ) -> Result<(), DeviceError>;
-    /// Softmax cross-entropy of `n` rows of `logits` against `targets`: `grad` ← (softmax −
-    /// onehot)/n, and the rows' loss sum added to the device's loss accumulator.
+    /// Softmax cross-entropy of `n` rows of `vocab` logits, `stride` elements apart, against
+    /// `targets`: `grad` (the same layout) ← (softmax − onehot)/n, and the rows' loss sum added
+    /// to the device's loss accumulator.
+    #[allow(clippy::too_many_arguments)]
     fn cross_entropy(
         &self,
         logits: Self::Ptr,
         targets: Self::Tokens,
         vocab: usize,
+        stride: usize,
         n: usize,
         grad: Self::Ptr,
     ) -> Result<(), DeviceError>;

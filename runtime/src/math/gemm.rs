@@ -131,12 +131,13 @@ pub(crate) fn gemm(alpha: f32, a: Mat<'_>, b: Mat<'_>, beta: f32, c: MatMut<'_>)
 }
 
 #[allow(clippy::too_many_arguments)]
-/// y (+)= x·Wᵀ (+ bias): x is [t, in], w is [out, in] (a PyTorch `Linear`), y is [t, out].
+/// y (+)= x·Wᵀ (+ bias): x is [t, in], w is [out, in] (a PyTorch `Linear`), y is [t, out] in
+/// rows `ld` apart.
 pub(crate) fn linear(
     x: &[f32],
     w: &[f32],
     bias: Option<&[f32]>,
-    y: &mut [f32],
+    (y, ld): (&mut [f32], usize),
     t: usize,
     inp: usize,
     out: usize,
@@ -147,23 +148,24 @@ pub(crate) fn linear(
         Mat::dense(x, t, inp),
         Mat::dense(w, out, inp).t(),
         beta,
-        MatMut::dense(y, t, out),
+        MatMut::rows(y, t, out, ld),
     );
     if let Some(b) = bias {
-        for row in y.chunks_exact_mut(out) {
-            for (v, &bb) in row.iter_mut().zip(b) {
+        for row in y.chunks_mut(ld).take(t) {
+            for (v, &bb) in row[..out].iter_mut().zip(b) {
                 *v += bb;
             }
         }
     }
 }
 
-/// The backward of [`linear`]: dW += dyᵀ·x, dbias += Σ_rows dy, and dx (β)= dy·W when wanted.
+/// The backward of [`linear`]: dW += dyᵀ·x, dbias += Σ_rows dy, and dx (β)= dy·W when wanted,
+/// dy in rows `ld` apart.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn linear_backward(
     x: &[f32],
     w: &[f32],
-    dy: &[f32],
+    (dy, ld): (&[f32], usize),
     dw: &mut [f32],
     dbias: Option<&mut [f32]>,
     dx: Option<(&mut [f32], f32)>,
@@ -171,20 +173,21 @@ pub(crate) fn linear_backward(
     inp: usize,
     out: usize,
 ) {
+    let dy_rows = Mat::rows(dy, t, out, ld);
     gemm(
         1.0,
-        Mat::dense(dy, t, out).t(),
+        dy_rows.t(),
         Mat::dense(x, t, inp),
         1.0,
         MatMut::dense(dw, out, inp),
     );
     if let Some(db) = dbias {
-        col_sums(dy, out, db);
+        col_sums(dy, (out, ld), db);
     }
     if let Some((dx, beta)) = dx {
         gemm(
             1.0,
-            Mat::dense(dy, t, out),
+            dy_rows,
             Mat::dense(w, out, inp),
             beta,
             MatMut::dense(dx, t, inp),
@@ -192,10 +195,10 @@ pub(crate) fn linear_backward(
     }
 }
 
-/// acc += the sum of the rows of `m` (rows of `width`).
-pub(crate) fn col_sums(m: &[f32], width: usize, acc: &mut [f32]) {
-    for row in m.chunks_exact(width) {
-        for (a, &v) in acc.iter_mut().zip(row) {
+/// acc += the sum of the rows of `m` (rows of `width` columns, `ld` apart).
+pub(crate) fn col_sums(m: &[f32], (width, ld): (usize, usize), acc: &mut [f32]) {
+    for row in m.chunks(ld) {
+        for (a, &v) in acc.iter_mut().zip(&row[..width]) {
             *a += v;
         }
     }

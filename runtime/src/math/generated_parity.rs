@@ -495,23 +495,27 @@ fn halved_statistics_are_the_same_bits() {
 
 #[test]
 fn cross_entropy_matches() {
-    // A vocabulary that is not a multiple of the eight lanes.
-    let (rows, vocab) = (9, 203);
+    // A vocabulary that is not a multiple of the eight lanes, in rows padded to 208 (the
+    // logits' layout): the padding holds NaN, which neither reads, and neither writes there.
+    let (rows, vocab, stride) = (9, 203, 208);
     for d in [Dtype::Fp32, Dtype::Bf16] {
-        let z = round(d, &finite(12, rows * vocab, 4.0));
+        let mut z = round(d, &finite(12, rows * stride, 4.0));
+        z.chunks_exact_mut(stride)
+            .for_each(|row| row[vocab..].fill(f32::NAN));
         let targets: Vec<u32> = (0..rows as u32)
             .map(|r| (r * 37 + 5) % vocab as u32)
             .collect();
-        let mut wg = vec![0.0; rows * vocab];
-        let total = cross_entropy(&z, &targets, vocab, &mut wg);
+        let mut wg = vec![-1.0; rows * stride];
+        let total = cross_entropy(&z, &targets, vocab, stride, &mut wg);
         let mut tz = T::new(d, &z);
         let mut tt = targets.clone();
-        let mut grad = T::F32(vec![0.0; rows * vocab]);
+        let mut grad = T::F32(vec![-1.0; rows * stride]);
         let mut loss = T::F32(vec![0.0; rows]);
         let inv = 1.0 / rows as f32;
         let k = Kernel::new(
             Op::CrossEntropy {
                 vocab: vocab as u32,
+                stride: stride as u32,
             },
             &[d, Dtype::Fp32],
         );
@@ -524,6 +528,11 @@ fn cross_entropy_matches() {
         ];
         run(&k, &args, rows);
         same(&format!("cross-entropy {d:?} grad"), &grad.values(), &wg);
+        let padding = wg.chunks_exact(stride).flat_map(|row| &row[vocab..]);
+        assert!(
+            padding.into_iter().all(|&g| g == -1.0),
+            "written past the vocab"
+        );
         let sum: f64 = loss.values().iter().map(|&l| f64::from(l)).sum();
         assert_eq!(sum.to_bits(), total.to_bits(), "loss {sum} vs {total}");
     }
@@ -756,7 +765,7 @@ fn small_kernels_match() {
         same(&format!("bias add {d:?}"), &ty.values(), &want);
         let db0 = finite(22, w, 1.0);
         let mut wdb = db0.clone();
-        super::gemm::col_sums(&y, w, &mut wdb);
+        super::gemm::col_sums(&y, (w, w), &mut wdb);
         let (mut tdy, mut tdb) = (T::F32(y.clone()), T::F32(db0.clone()));
         let k = Kernel::new(
             Op::BiasGrad {

@@ -39,6 +39,7 @@ use crate::device::host::{Host, HostPtr, HostTokens};
 use crate::device::layers::{self, In};
 pub(crate) use precision::Precision;
 use schedc::job::{Activation, Attention, Layer, LayerKind, Model, Norm, Positions};
+use schedc::lower::workspace::logits_stride;
 use std::fmt;
 use std::ops::Range;
 
@@ -475,13 +476,27 @@ impl LayerMath {
         self.segments.iter().map(|s| s.elements).sum()
     }
 
-    /// T·hidden, or T·vocab (the logits) for an lm_head.
+    /// T rows of [`LayerMath::output_stride`].
     pub fn output_elements(&self) -> usize {
-        let t = self.dims.t;
+        self.dims.t * self.output_stride()
+    }
+
+    /// Columns of the output: the hidden width, or an lm_head's vocabulary.
+    pub fn output_width(&self) -> usize {
         match &self.kind {
-            Kind::Embedding { hidden, .. } | Kind::Mlp { hidden, .. } => t * hidden,
-            Kind::Transformer(p) => t * p.hidden,
-            Kind::LmHead { vocab, .. } => t * vocab,
+            Kind::Embedding { hidden, .. } | Kind::Mlp { hidden, .. } => *hidden,
+            Kind::Transformer(p) => p.hidden,
+            Kind::LmHead { vocab, .. } => *vocab,
+        }
+    }
+
+    /// Elements between two rows of the output: its width, except that an lm_head's logits
+    /// start every `schedc::lower::workspace::logits_stride` elements (aligned rows; the
+    /// columns past the vocabulary are never read or written).
+    pub fn output_stride(&self) -> usize {
+        match &self.kind {
+            Kind::LmHead { vocab, .. } => logits_stride(*vocab as u64) as usize,
+            _ => self.output_width(),
         }
     }
 
@@ -635,27 +650,34 @@ fn host_input<'h>(input: Input<'_>) -> In<Host<'h>> {
     }
 }
 
-/// Softmax cross-entropy of each row of `logits` ([n, vocab]) against `targets` (n). Returns the
-/// SUM of the n token losses; `grad_logits` is overwritten with (softmax − onehot) / n.
+/// Softmax cross-entropy of each row of `logits` ([n, vocab], rows `stride` apart) against
+/// `targets` (n). Returns the SUM of the n token losses; `grad_logits` (the same layout) is
+/// overwritten with (softmax − onehot) / n in each row's first `vocab` columns.
 pub fn cross_entropy(
     logits: &[f32],
     targets: &[u32],
     vocab: usize,
+    stride: usize,
     grad_logits: &mut [f32],
 ) -> f64 {
     ops::wide(
         #[inline(always)]
         || {
             let n = targets.len();
-            assert_eq!(logits.len(), n * vocab, "cross_entropy: logits length");
-            assert_eq!(grad_logits.len(), n * vocab, "cross_entropy: grad length");
+            assert!(
+                vocab <= stride,
+                "cross_entropy: rows narrower than the vocab"
+            );
+            assert_eq!(logits.len(), n * stride, "cross_entropy: logits length");
+            assert_eq!(grad_logits.len(), n * stride, "cross_entropy: grad length");
             let inv = 1.0 / n as f32;
             let mut total = 0f64;
             for ((row, grad), &target) in logits
-                .chunks_exact(vocab)
-                .zip(grad_logits.chunks_exact_mut(vocab))
+                .chunks_exact(stride)
+                .zip(grad_logits.chunks_exact_mut(stride))
                 .zip(targets)
             {
+                let (row, grad) = (&row[..vocab], &mut grad[..vocab]);
                 let target = target as usize;
                 assert!(
                     target < vocab,

@@ -98,7 +98,7 @@ pub fn emit<'c>(fx: &mut Fx<'c, '_>, k: &Kernel, i: I<'c>) {
         Op::Norm { norm, width, bias } => norm_forward(fx, norm, width, bias, i),
         Op::NormBackwardInput { norm, width } => norm_backward_input(fx, norm, width, i),
         Op::NormBackwardParams { width, bias } => norm_backward_params(fx, width, bias, i),
-        Op::CrossEntropy { vocab } => cross_entropy(fx, vocab, i),
+        Op::CrossEntropy { vocab, stride } => cross_entropy(fx, vocab, stride, i),
         Op::Rotary {
             heads,
             kv_heads,
@@ -332,12 +332,12 @@ fn norm_backward_params<'c>(fx: &mut Fx<'c, '_>, width: u32, bias: bool, j: I<'c
     }
 }
 
-/// One row of `math::cross_entropy`: log-sum-exp with `ops::sum_exp`'s eight lanes, the row's
-/// loss, and the gradient `(softmax − onehot)·inv`. A target outside the vocabulary gives a NaN
-/// loss rather than a read out of bounds.
-fn cross_entropy<'c>(fx: &mut Fx<'c, '_>, vocab: u32, r: I<'c>) {
+/// One row of `math::cross_entropy` (rows `stride` apart): log-sum-exp with `ops::sum_exp`'s
+/// eight lanes, the row's loss, and the gradient `(softmax − onehot)·inv`. A target outside the
+/// vocabulary gives a NaN loss rather than a read out of bounds.
+fn cross_entropy<'c>(fx: &mut Fx<'c, '_>, vocab: u32, stride: u32, r: I<'c>) {
     let v = u64::from(vocab);
-    let row = fx.imul(r, fx.i64c(v));
+    let row = fx.imul(r, fx.i64c(stride.into()));
     let at = |fx: &Fx<'c, '_>, j: I<'c>| fx.iadd(row, j);
     let zero = fx.i64c(0);
     let vv = fx.i64c(v);

@@ -320,7 +320,16 @@ mod tests {
                 ),
                 rows,
             ),
-            (Kernel::new(Op::CrossEntropy { vocab: 259 }, &[f, f]), rows),
+            (
+                Kernel::new(
+                    Op::CrossEntropy {
+                        vocab: 259,
+                        stride: 264,
+                    },
+                    &[f, f],
+                ),
+                rows,
+            ),
             (Kernel::new(rotary, &[f]), rows),
             (Kernel::new(Op::CausalSoftmax, &[f, h]), rows),
             (Kernel::new(Op::SoftmaxBackward, &[f, f, f]), rows),

@@ -395,7 +395,11 @@ impl LayerCase {
         let t = m.dims().t;
         let tokens: Vec<u32> = (0..t).map(|i| ((i * 37 + 11) % 256) as u32).collect();
         let xin = round(rng.normals(m.input_elements(), 1.0));
-        let dy = round(rng.normals(m.output_elements(), 0.1));
+        // NaN in the padding of the logits' rows: neither side may read it.
+        let mut dy = round(rng.normals(m.output_elements(), 0.1));
+        let width = m.output_width();
+        dy.chunks_mut(m.output_stride())
+            .for_each(|row| row[width..].fill(f32::NAN));
         let input = if m.takes_tokens() {
             Input::Tokens(&tokens)
         } else {
@@ -424,7 +428,7 @@ impl LayerCase {
             tokens,
             xin,
             dy,
-            out,
+            out: unpad(&out, width, m.output_stride()),
             saved,
             gi,
             gp,
@@ -441,10 +445,12 @@ impl LayerCase {
         }
     }
 
-    /// The emulated device's forward results against the CPU's.
-    fn check_forward(&self, dtype: Dtype, out: &[f32], saved: &[f32]) {
+    /// The emulated device's forward results (the output in rows of `m`'s stride) against the
+    /// CPU's.
+    fn check_forward(&self, m: &LayerMath, dtype: Dtype, out: &[f32], saved: &[f32]) {
         let (fwd, _) = tolerances(dtype);
-        close(&format!("{} output", self.what), out, &self.out, fwd);
+        let out = unpad(out, m.output_width(), m.output_stride());
+        close(&format!("{} output", self.what), &out, &self.out, fwd);
         close(&format!("{} saved", self.what), saved, &self.saved, fwd);
     }
 
@@ -494,7 +500,7 @@ fn layers_on_the_emulated_device_match_the_cpu_math() {
                 f32p_mut(&mut d_saved),
             )
             .unwrap();
-            c.check_forward(model.dtype, &d_out, &d_saved);
+            c.check_forward(&m, model.dtype, &d_out, &d_saved);
             let mut d_gi = c.gi.as_ref().map(|v| vec![f32::NAN; v.len()]);
             let mut d_gp = vec![f32::NAN; m.params()];
             let mut d_gt = c.gt.as_ref().map(|v| vec![f32::NAN; v.len()]);
@@ -878,54 +884,59 @@ fn products_of_a_16_bit_model_round_their_operands() {
 fn padded_products_cover_every_row() {
     use schedc::lower::workspace::PADDED_ROWS;
     for t in [100, 2 * PADDED_ROWS + 300, 4000] {
-        padded_products(t, 5, 11);
+        padded_products(t, 5, 11, 11);
     }
 }
 
-fn padded_products(t: usize, inp: usize, out: usize) {
+/// The same product over rows the plan pads to start aligned (11 fp32 values, 12 apart: an
+/// lm_head's logits, `logits_stride`) runs in place: it takes no workspace, never reads the
+/// padding (NaN in dy) and never writes it.
+#[test]
+fn products_over_aligned_rows_run_in_place() {
+    for t in [100, 4000] {
+        padded_products(t, 5, 11, 12);
+    }
+}
+
+/// y = x·Wᵀ, dW += dyᵀ·x, dx = dy·W over `t` rows of `out` values, y's and dy's rows `ld`
+/// apart, against f64 sums; with `ld` aligned, workspace untouched.
+fn padded_products(t: usize, inp: usize, out: usize, ld: usize) {
+    const PAD: f32 = 7.0;
     let f = Dtype::Fp32;
     let x = HostExec::new(vec![Kernel::new(Op::Fill, &[f])], "fill");
     let mut rng = Rng::new(9);
-    let (xs, w, dy) = (
-        rng.normals(t * inp, 1.0),
-        rng.normals(out * inp, 1.0),
-        rng.normals(t * out, 1.0),
-    );
+    let (xs, w) = (rng.normals(t * inp, 1.0), rng.normals(out * inp, 1.0));
+    let mut dy = rng.normals(t * ld, 1.0);
+    dy.chunks_mut(ld).for_each(|row| row[out..].fill(f32::NAN));
     // Forward and backward each on NaN workspace: a product that reads workspace its own op
     // did not write fails.
     let (mut ws, mut ws2) = (vec![f32::NAN; 1 << 20], vec![f32::NAN; 1 << 20]);
     let consts = table_consts(None);
     let gg = g(&x, &mut ws, &consts, f);
     let (mut y, mut dw, mut dx) = (
-        vec![f32::NAN; t * out],
+        vec![PAD; t * ld],
         vec![0f32; out * inp],
         vec![f32::NAN; t * inp],
     );
-    gg.linear(
-        f32p(&xs),
-        f32p(&w),
-        None,
-        f32p_mut(&mut y),
-        t,
-        inp,
-        out,
-        0.0,
-    )
-    .unwrap();
+    y.chunks_mut(ld).for_each(|row| row[..out].fill(f32::NAN));
+    let (xp, wp) = (f32p(&xs), f32p(&w));
+    gg.linear_rows(xp, wp, None, (f32p_mut(&mut y), ld), t, inp, out, 0.0)
+        .unwrap();
     let gg = g(&x, &mut ws2, &consts, f);
     let (dwp, dxp) = (f32p_mut(&mut dw), f32p_mut(&mut dx));
-    gg.linear_backward(
-        f32p(&xs),
-        f32p(&w),
-        f32p(&dy),
-        dwp,
-        None,
-        Some((dxp, 0.0)),
-        t,
-        inp,
-        out,
-    )
-    .unwrap();
+    let dy_rows = (f32p(&dy), ld);
+    gg.linear_backward_rows(xp, wp, dy_rows, dwp, None, Some((dxp, 0.0)), t, inp, out)
+        .unwrap();
+    if ld.is_multiple_of(4) {
+        let untouched = ws.iter().chain(&ws2).all(|v| v.is_nan());
+        assert!(untouched, "aligned rows went through workspace");
+    }
+    let padding = y.chunks(ld).flat_map(|row| &row[out..]);
+    assert!(
+        padding.into_iter().all(|&v| v == PAD),
+        "y's padding written"
+    );
+    let (y, dy): (Vec<f32>, Vec<f32>) = (unpad(&y, out, ld), unpad(&dy, out, ld));
     let near = |what: &str, got: f32, want: f64| {
         assert!(
             (f64::from(got) - want).abs() <= 1e-4 * (1.0 + want.abs()),
@@ -951,6 +962,14 @@ fn padded_products(t: usize, inp: usize, out: usize) {
             near(&format!("dW[{o}, {i}]"), dw[o * inp + i], want);
         }
     }
+}
+
+/// The first `width` values of each row of `v`, rows `ld` apart.
+fn unpad(v: &[f32], width: usize, ld: usize) -> Vec<f32> {
+    v.chunks(ld)
+        .flat_map(|row| &row[..width])
+        .copied()
+        .collect()
 }
 
 /// Values of `dtype` as the arena stores them (bf16/fp16 words, fp32 bits), in 8-byte words.
@@ -1035,7 +1054,7 @@ fn layers_on_16_bit_storage_in_place_match_the_cpu_math() {
             layers::forward(&gg, &m, on(&d_p), tied_ptr, dev_in, out_ptr, saved_ptr).unwrap();
             let unpack = |v: &[u64], n: usize| read(addr(v), n, d);
             let got_out = unpack(&d_out, m.output_elements());
-            c.check_forward(d, &got_out, &unpack_saved(&d_saved, d, &m));
+            c.check_forward(&m, d, &got_out, &unpack_saved(&d_saved, d, &m));
             let mut d_gi = c.gi.as_ref().map(|v| packed(&vec![f32::NAN; v.len()], d));
             let mut d_gp = vec![f32::NAN; m.params()];
             let mut d_gt = c.gt.as_ref().map(|v| vec![f32::NAN; v.len()]);
@@ -1462,7 +1481,8 @@ cluster two_by_two { nodes = 2  gpus_per_node = 2  gpu_memory = 4 GiB  peak_flop
 /// ones (16-bit products), 20
 /// steps of one-rank plans and 5 of sharded 4-rank ones (ZeRO-2/3, hierarchical MiCS, hpZ, an
 /// AMSP mesh), with clipping, micro-steps and recomputation, and a bf16 model over a 259-word
-/// vocabulary and a 44-wide SwiGLU (products through padded rows). Every kernel launched is one
+/// vocabulary (logits in rows of 264, the head's products in place, split at column 256) and a
+/// 44-wide SwiGLU (products through padded rows). Every kernel launched is one
 /// `for_job` lists (the emulated device knows no other); with `SCHED_SHOW_ERRORS` each job
 /// also says how many losses and weights are the CPU's bits and which listed kernels it never
 /// launched.

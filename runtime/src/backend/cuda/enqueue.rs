@@ -300,7 +300,10 @@ mod tests {
     /// being [`UNROLL`] indices a thread).
     #[test]
     fn grids_fit_the_kernels_thread_mapping() {
-        let rows = Op::CrossEntropy { vocab: 50257 };
+        let rows = Op::CrossEntropy {
+            vocab: 50257,
+            stride: 50264,
+        };
         let columns = Op::BiasGrad {
             width: 768,
             cast: false,

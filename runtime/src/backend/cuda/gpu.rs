@@ -117,6 +117,19 @@ fn aligned_ld(cols: usize, storage: Storage) -> usize {
     cols.next_multiple_of((16 / storage.bytes()) as usize)
 }
 
+/// The columns `c0..c0 + n` that a product over `out` output columns, in rows that start 16
+/// bytes aligned, runs as products of their own: the most whole 16-byte vectors of `storage`,
+/// then the rest (fewer than 8 columns: an lm_head's logits past the last whole vector), so
+/// that the contiguous extent of each big product's output (forward) or output gradient
+/// (backward) is aligned as its leading dimension is (`aligned_ld`), and only a product a few
+/// columns wide runs cuBLASLt's unaligned kernels.
+fn aligned_parts(out: usize, storage: Storage) -> impl Iterator<Item = (usize, usize)> {
+    let body = out - out % aligned_ld(1, storage);
+    [(0, body), (body, out - body)]
+        .into_iter()
+        .filter(|&(_, n)| n > 0)
+}
+
 /// One argument of a launch, for one parameter of the op ([`Kernel::params`] order).
 #[derive(Clone, Copy, Debug)]
 enum Arg {
@@ -436,8 +449,9 @@ impl Gpu<'_> {
         Ok(DevPtr::new(self.alloc(floats as usize)?.addr, storage))
     }
 
-    /// How a product over an output width `out` whose rows do not start 16 bytes aligned (a
-    /// head over an odd vocabulary: no product can read or write such rows in place) goes
+    /// How a product over an output width `out` whose rows do not start 16 bytes aligned (an
+    /// MLP's width that is not a multiple of 8: no product can read or write such rows in place;
+    /// an lm_head's logits are planned in aligned rows instead, `logits_stride`) goes
     /// through workspace: `cols` of its columns at a time (a multiple of the alignment), over
     /// `rows` token rows at a time, as many as [`PADDED_ROWS`] padded rows of `ld` hold: every
     /// token row at once when they fit, so that each column block's weight rows meet all the
@@ -471,9 +485,9 @@ impl Gpu<'_> {
         Ok((wp, wide))
     }
 
-    /// y (β)= x·Wᵀ (+ bias) into rows of y `ld` elements apart.
+    /// y (β)= x·Wᵀ (+ bias) into rows of y `ld` elements apart, one product in place.
     #[allow(clippy::too_many_arguments)]
-    fn linear_rows(
+    fn linear_in_place(
         &self,
         x: DevPtr,
         w: DevPtr,
@@ -997,47 +1011,54 @@ impl Device for Gpu<'_> {
         self.run(Op::Round { to }, n, &[T(p)])
     }
 
-    fn linear(
+    fn linear_rows(
         &self,
         x: DevPtr,
         w: DevPtr,
         bias: Option<DevPtr>,
-        y: DevPtr,
+        (y, ld): (DevPtr, usize),
         t: usize,
         inp: usize,
         out: usize,
         beta: f32,
     ) -> Result<(), DeviceError> {
-        let ld = aligned_ld(out, y.storage);
-        if ld == out || bias.is_some() {
-            return self.linear_rows(x, w, bias, (y, out), t, inp, out, beta);
+        if aligned_ld(ld, y.storage) == ld {
+            for (c0, n) in aligned_parts(out, y.storage) {
+                let (w, bias) = (w.offset(c0 * inp), bias.map(|b| b.offset(c0)));
+                self.linear_in_place(x, w, bias, (y.offset(c0), ld), t, inp, n, beta)?;
+            }
+            return Ok(());
         }
-        // An output width whose rows do not start 16 bytes aligned: y's columns a block at a
-        // time (`column_blocks`) are computed into rows of `cols` in workspace and copied into y.
-        let (cols, rows) = Self::column_blocks(t, ld, y.storage);
+        if bias.is_some() {
+            return self.linear_in_place(x, w, bias, (y, ld), t, inp, out, beta);
+        }
+        // Rows that do not start 16 bytes aligned: y's columns a block at a time
+        // (`column_blocks`) are computed into rows of `cols` in workspace and copied into y.
+        let wide = aligned_ld(out, y.storage);
+        let (cols, rows) = Self::column_blocks(t, wide, y.storage);
         let block = self.alloc_as(y.storage, rows * cols)?;
         for c0 in (0..out).step_by(cols) {
             let width = cols.min(out - c0);
             let (wb, wide) = self.weight_rows(w, c0, width, inp, y.storage)?;
             for r0 in (0..t).step_by(rows) {
                 let n = rows.min(t - r0);
-                let y = y.offset(r0 * out + c0);
+                let y = y.offset(r0 * ld + c0);
                 if beta != 0.0 {
-                    self.copy_rows((block, cols), (y, out), width, n)?;
+                    self.copy_rows((block, cols), (y, ld), width, n)?;
                 }
                 let x = x.offset(r0 * inp);
-                self.linear_rows(x, wb, None, (block, cols), n, inp, wide, beta)?;
-                self.copy_rows((y, out), (block, cols), width, n)?;
+                self.linear_in_place(x, wb, None, (block, cols), n, inp, wide, beta)?;
+                self.copy_rows((y, ld), (block, cols), width, n)?;
             }
         }
         Ok(())
     }
 
-    fn linear_backward(
+    fn linear_backward_rows(
         &self,
         x: DevPtr,
         w: DevPtr,
-        dy: DevPtr,
+        (dy, ld): (DevPtr, usize),
         dw: DevPtr,
         dbias: Option<DevPtr>,
         dx: Option<(DevPtr, f32)>,
@@ -1045,13 +1066,16 @@ impl Device for Gpu<'_> {
         inp: usize,
         out: usize,
     ) -> Result<(), DeviceError> {
-        let ld = aligned_ld(out, dy.storage);
+        if dbias.is_some() && ld != out {
+            return Err(plan_error("a bias gradient of rows wider than the product"));
+        }
+        let aligned = aligned_ld(ld, dy.storage) == ld;
         let (width, rows) = (out as u32, Arg::L(t as i64));
         let products = Storage::of(self.products);
         // Both products read dy in place: an fp32 gradient of a 16-bit model is cast once for
         // the two, not once per product (the cast lives in workspace until the op ends); with a
         // bias, by the bias gradient's pass over dy.
-        let shared = ld == out && dx.is_some();
+        let shared = aligned && dx.is_some();
         let dy = match dbias {
             Some(db) if shared && dy.storage == Storage::F32 && products != Storage::F32 => {
                 let dy16 = self.alloc_as(products, t * out)?;
@@ -1068,14 +1092,25 @@ impl Device for Gpu<'_> {
         };
         // (`operand` is dy itself when dy is already in the product dtype.)
         let dy = if shared {
-            DevPtr::new(self.operand(dy.addr, dy.storage, t * out)?, products)
+            DevPtr::new(self.operand(dy.addr, dy.storage, t * ld)?, products)
         } else {
             dy
         };
-        if ld == out {
-            self.gemm(out, inp, t, 1.0, mt(dy, out), m(x, inp), 1.0, dw, inp)?;
-            if let Some((dx, beta)) = dx {
-                self.gemm(t, inp, out, 1.0, m(dy, out), m(w, inp), beta, dx, inp)?;
+        // Blocks aligned for dy's storage and for the product dtype it is cast to.
+        let narrow = if products.bytes() < dy.storage.bytes() {
+            products
+        } else {
+            dy.storage
+        };
+        if aligned {
+            for (c0, n) in aligned_parts(out, narrow) {
+                let (dy, w) = (dy.offset(c0), w.offset(c0 * inp));
+                let dw = dw.offset(c0 * inp);
+                self.gemm(n, inp, t, 1.0, mt(dy, ld), m(x, inp), 1.0, dw, inp)?;
+                if let Some((dx, beta)) = dx {
+                    let beta = if c0 == 0 { beta } else { 1.0 };
+                    self.gemm(t, inp, n, 1.0, m(dy, ld), m(w, inp), beta, dx, inp)?;
+                }
             }
             return Ok(());
         }
@@ -1085,13 +1120,7 @@ impl Device for Gpu<'_> {
         // written once, not re-read per row batch), and dx adds the blocks' products (β = 1
         // after the first). The last block's columns past dy's are zeros, against W's rows
         // padded with zeros (`weight_rows`), so that every product's k is aligned.
-        // Blocks aligned for dy's storage and for the product dtype it is cast to.
-        let narrow = if products.bytes() < dy.storage.bytes() {
-            products
-        } else {
-            dy.storage
-        };
-        let (cols, rows) = Self::column_blocks(t, ld, narrow);
+        let (cols, rows) = Self::column_blocks(t, aligned_ld(out, dy.storage), narrow);
         if let Some((dx, _)) = dx {
             if dx.storage != Storage::F32 && cols < out {
                 return Err(plan_error(
@@ -1115,7 +1144,7 @@ impl Device for Gpu<'_> {
             let dw = dw.offset(c0 * inp);
             for r0 in (0..t).step_by(rows) {
                 let n = rows.min(t - r0);
-                self.copy_rows((block, cols), (dy.offset(r0 * out + c0), out), width, n)?;
+                self.copy_rows((block, cols), (dy.offset(r0 * ld + c0), ld), width, n)?;
                 // Both products read the block: cast once (an fp32 gradient of a 16-bit
                 // model), not once per product; released after them.
                 let mark = self.used.get();
@@ -1348,12 +1377,14 @@ impl Device for Gpu<'_> {
         logits: DevPtr,
         targets: DevAddr,
         vocab: usize,
+        stride: usize,
         n: usize,
         grad: DevPtr,
     ) -> Result<(), DeviceError> {
         let rows = self.alloc(n)?;
         let op = Op::CrossEntropy {
             vocab: vocab as u32,
+            stride: stride as u32,
         };
         let inv = Arg::F(1.0 / n as f32);
         self.run(op, n, &[T(logits), Arg::P(targets), T(grad), T(rows), inv])?;
