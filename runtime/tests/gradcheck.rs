@@ -8,7 +8,7 @@
 
 mod common;
 
-use schedc::job::Model;
+use schedc::job::{LayerKind, Model};
 use schedrun::math::{cross_entropy, Input, LayerMath, Rng};
 
 const EPS: f32 = 1e-2;
@@ -58,6 +58,12 @@ model llama_long {
     layer block[1] = transformer(hidden = 8, heads = 2, kv_heads = 1, ffn = 12,
                                  norm = rmsnorm, act = swiglu, bias = false, attention = naive)
     layer head     = lm_head(hidden = 8, vocab = 16, norm = rmsnorm)
+}
+model odd_vocab {
+    dtype = fp32  optimizer = adamw  seq_len = 5  micro_batch = 2
+    layer embed    = embedding(vocab = 13, hidden = 8, positions = learned)
+    layer block[1] = transformer(hidden = 8, heads = 2, ffn = 12, attention = naive)
+    layer head     = lm_head(hidden = 8, vocab = 13, tied = true)
 }
 model plain {
     dtype = fp32  optimizer = adamw  seq_len = 5  micro_batch = 2
@@ -136,7 +142,14 @@ fn check(model_name: &str, layer: &str) {
             params.extend(rng.normals(n, 0.3));
         }
     }
-    let vocab = 16;
+    let vocab = model
+        .layers
+        .iter()
+        .find_map(|l| match l.kind {
+            LayerKind::Embedding { vocab, .. } => Some(vocab),
+            _ => None,
+        })
+        .expect("an embedding");
     let mut c = Case {
         params,
         tied: m.is_tied().then(|| rng.normals(m.tied_elements(), 0.3)),
@@ -341,18 +354,36 @@ fn lm_head_tied_rmsnorm() {
     check("llama_flash", "head");
 }
 
+/// A head over 13 words: its logits lie in rows of 16 (`logits_stride`), whose padding the
+/// backward is handed random values in (R) and must not read.
+#[test]
+fn lm_head_tied_over_an_odd_vocabulary() {
+    check("odd_vocab", "head");
+}
+
+/// The loss over rows of 7 logits 8 apart, NaN in the padding: the value and the gradient of
+/// the mean loss agree with f64 sums and central differences over the 7 columns, and the
+/// padding of the gradient is not written.
 #[test]
 fn cross_entropy_gradient_and_value() {
-    let (n, vocab) = (6, 7);
+    let (n, vocab, stride) = (6, 7, 8);
     let mut rng = Rng::new(7);
-    let mut logits = rng.normals(n * vocab, 2.0);
+    let mut logits = rng.normals(n * stride, 2.0);
+    logits
+        .chunks_mut(stride)
+        .for_each(|row| row[vocab] = f32::NAN);
     let targets: Vec<u32> = (0..n).map(|_| rng.below(vocab as u64) as u32).collect();
-    let mut grad = vec![0.0; n * vocab];
-    let total = cross_entropy(&logits, &targets, vocab, vocab, &mut grad);
+    let mut grad = vec![-1.0; n * stride];
+    let total = cross_entropy(&logits, &targets, vocab, stride, &mut grad);
+    assert!(
+        grad.chunks(stride).all(|row| row[vocab] == -1.0),
+        "padding written"
+    );
 
     // The value against a direct f64 computation.
     let direct: f64 = logits
-        .chunks(vocab)
+        .chunks(stride)
+        .map(|row| &row[..vocab])
         .zip(&targets)
         .map(|(row, &t)| {
             let z: f64 = row.iter().map(|&x| f64::from(x).exp()).sum();
@@ -365,14 +396,14 @@ fn cross_entropy_gradient_and_value() {
     );
 
     // The gradient of the mean loss, by central differences.
-    let mut scratch = vec![0.0; n * vocab];
+    let mut scratch = vec![0.0; n * stride];
     let mut failures = vec![];
-    for i in 0..n * vocab {
+    for i in (0..n * stride).filter(|i| i % stride < vocab) {
         let x = logits[i];
         logits[i] = x + EPS;
-        let up = cross_entropy(&logits, &targets, vocab, vocab, &mut scratch) / n as f64;
+        let up = cross_entropy(&logits, &targets, vocab, stride, &mut scratch) / n as f64;
         logits[i] = x - EPS;
-        let down = cross_entropy(&logits, &targets, vocab, vocab, &mut scratch) / n as f64;
+        let down = cross_entropy(&logits, &targets, vocab, stride, &mut scratch) / n as f64;
         logits[i] = x;
         compare(
             &format!("logit {i}"),
@@ -383,7 +414,7 @@ fn cross_entropy_gradient_and_value() {
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
     // Each row's gradient sums to zero.
-    for row in grad.chunks(vocab) {
-        assert!(row.iter().sum::<f32>().abs() < 1e-6);
+    for row in grad.chunks(stride) {
+        assert!(row[..vocab].iter().sum::<f32>().abs() < 1e-6);
     }
 }
