@@ -328,9 +328,13 @@ fn check_sizes(p: &Program, model: &Model, maths: &[LayerMath], a: &Action) -> R
         )),
         _ => Ok(()),
     };
+    // A size this schedrun's layer math does not give comes from a plan that another schedc
+    // laid out (or an edited file): say so (an lm_head's logits, say, are in rows of
+    // `logits_stride` since the plan padded them).
     let exactly = |r: &Option<Region>, n: usize, what: &str| match r {
         Some(r) if elems(r) as usize != n => Err(format!(
-            "its {what} region holds {} elements, the layer has {n}",
+            "its {what} region holds {} elements, the layer has {n} (a plan compiled by another \
+             schedc? compile it again)",
             elems(r)
         )),
         _ => Ok(()),
