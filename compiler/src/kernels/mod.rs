@@ -145,8 +145,11 @@ pub enum Op {
     BiasAdd { width: u32 },
     /// `db[j] += Σ_rows dy[r, j]`, rows in order; with `cast`, each `dy[r, j]` also stored into
     /// `cast` in its dtype: a 16-bit model's fp32 output gradient cast for the backward
-    /// products in the same pass over it that sums it, not a second.
-    BiasGrad { width: u32, cast: bool },
+    /// products in the same pass over it that sums it, not a second. With `gelu`, each
+    /// `dy[r, j]` is first `dy[r, j]·gelu'(pre[r, j])` ([`Op::GeluBackward`], the same bits),
+    /// stored back into `dy` unless cast: the MLP's GELU backward in the pass that sums and
+    /// casts its result, instead of a pass of its own over the fp32 gradient.
+    BiasGrad { width: u32, cast: bool, gelu: bool },
     /// Layer or RMS norm of each row into `out`, with (mean, 1/σ) per row in `stats`.
     Norm { norm: Norm, width: u32, bias: bool },
     /// A norm's input gradient, accumulated into `dx`, per row.
@@ -382,10 +385,13 @@ impl Op {
                 Tensor("up", d[3]),
             ],
             Op::BiasAdd { .. } => vec![Tensor("y", d[0]), Tensor("b", d[1])],
-            Op::BiasGrad { cast, .. } => {
+            Op::BiasGrad { cast, gelu, .. } => {
                 let mut v = vec![Tensor("dy", d[0]), Tensor("db", d[1])];
                 if cast {
                     v.push(Tensor("cast", d[2]));
+                }
+                if gelu {
+                    v.push(Tensor("pre", d[v.len()]));
                 }
                 v.push(I64("rows"));
                 v
@@ -526,8 +532,12 @@ impl Op {
             Op::SwiGlu => "swiglu".into(),
             Op::SwiGluBackward => "swiglu_backward".into(),
             Op::BiasAdd { width } => format!("bias_add_w{width}"),
-            Op::BiasGrad { width, cast } => {
-                format!("bias_grad{}_w{width}", if cast { "_cast" } else { "" })
+            Op::BiasGrad { width, cast, gelu } => {
+                let gelu = if gelu { "_gelu" } else { "" };
+                format!(
+                    "bias_grad{gelu}{}_w{width}",
+                    if cast { "_cast" } else { "" }
+                )
             }
             Op::Norm {
                 norm: n,
@@ -868,10 +878,27 @@ impl Catalogue {
     /// A bias gradient from `dy` stored in `dy`'s dtype; from fp32 gradients of a 16-bit model,
     /// also the kernel that casts them for the products as it sums them.
     fn bias_grad(&mut self, width: u32, dy: Dtype) {
+        self.bias_grad_after(width, dy, false);
+    }
+
+    /// [`Catalogue::bias_grad`], with `gelu` of fp32 gradients through GELU's backward first
+    /// (the GELU read from the arena).
+    fn bias_grad_after(&mut self, width: u32, dy: Dtype, gelu: bool) {
         let (a, f) = (self.a, self.f);
-        self.add(Kernel::new(Op::BiasGrad { width, cast: false }, &[dy, f]));
+        let pre = if gelu { vec![a] } else { vec![] };
+        let op = Op::BiasGrad {
+            width,
+            cast: false,
+            gelu,
+        };
+        self.add(Kernel::new(op, &[&[dy, f][..], &pre].concat()));
         if dy == f && a != f {
-            self.add(Kernel::new(Op::BiasGrad { width, cast: true }, &[f, f, a]));
+            let op = Op::BiasGrad {
+                width,
+                cast: true,
+                gelu,
+            };
+            self.add(Kernel::new(op, &[&[f, f, a][..], &pre].concat()));
         }
     }
 
@@ -936,6 +963,10 @@ impl Catalogue {
             for width in [m.ffn as u32, m.hidden as u32] {
                 self.add(Kernel::new(Op::BiasAdd { width }, &[f, a]));
                 self.bias_grad(width, f);
+            }
+            // The first product's bias gradient through GELU's backward (`Device::gelu_linear_backward`).
+            if m.act == Activation::Gelu {
+                self.bias_grad_after(m.ffn as u32, f, true);
             }
             self.bias_grad(m.hidden as u32, a);
         }

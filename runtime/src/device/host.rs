@@ -367,6 +367,7 @@ impl Device for Host<'_> {
             let op = Op::BiasGrad {
                 width: out as u32,
                 cast: false,
+                gelu: false,
             };
             return generated(op, &args, out).unwrap_or(Ok(()));
         }
@@ -387,6 +388,36 @@ impl Device for Host<'_> {
             },
         );
         Ok(())
+    }
+
+    /// With the generated kernels, GELU's backward in the bias gradient's pass over dy, the
+    /// kernel the CUDA device runs (`Op::BiasGrad` with `gelu`), then the products.
+    fn gelu_linear_backward(
+        &self,
+        pre: HostPtr,
+        x: HostPtr,
+        w: HostPtr,
+        dy: HostPtr,
+        dw: HostPtr,
+        dbias: Option<HostPtr>,
+        dx: Option<(HostPtr, f32)>,
+        t: usize,
+        inp: usize,
+        out: usize,
+    ) -> Result<(), DeviceError> {
+        #[cfg(feature = "llvm")]
+        if let (true, Some(db)) = (jit::enabled(), dbias) {
+            let args = [dy.arg(), db.arg(), pre.arg(), Arg::I64(t as i64)];
+            let op = Op::BiasGrad {
+                width: out as u32,
+                cast: false,
+                gelu: true,
+            };
+            generated(op, &args, out).unwrap_or(Ok(()))?;
+            return self.linear_backward(x, w, dy, dw, None, dx, t, inp, out);
+        }
+        self.gelu_backward(pre, dy, t * out)?;
+        self.linear_backward(x, w, dy, dw, dbias, dx, t, inp, out)
     }
 
     fn norm_forward(

@@ -109,8 +109,7 @@ fn mlp_backward<D: Device>(
     match kept {
         MlpSaved::Gelu { pre, post } => {
             d.linear_backward(post, wp, dy, dwp, dbp, Some((s1, 0.0)), t, f, h)?;
-            d.gelu_backward(pre, s1, t * f)?;
-            d.linear_backward(a, w1, s1, dw1, db1, Some((da, 0.0)), t, h, f)
+            d.gelu_linear_backward(pre, a, w1, s1, dw1, db1, Some((da, 0.0)), t, h, f)
         }
         MlpSaved::SwiGlu { gate, up, prod } => {
             d.linear_backward(prod, wp, dy, dwp, dbp, Some((s1, 0.0)), t, f, h)?;

@@ -285,6 +285,26 @@ pub(crate) trait Device {
     ) -> Result<(), DeviceError> {
         self.linear_backward_rows(x, w, (dy, out), dw, dbias, dx, t, inp, out)
     }
+    /// [`Device::gelu_backward`] of `dy` (in place, `pre` GELU's input) then
+    /// [`Device::linear_backward`] over it: the MLP's first product. A device may take GELU's
+    /// backward in the pass that sums the bias gradient (the same values).
+    #[allow(clippy::too_many_arguments)]
+    fn gelu_linear_backward(
+        &self,
+        pre: Self::Ptr,
+        x: Self::Ptr,
+        w: Self::Ptr,
+        dy: Self::Ptr,
+        dw: Self::Ptr,
+        dbias: Option<Self::Ptr>,
+        dx: Option<(Self::Ptr, f32)>,
+        t: usize,
+        inp: usize,
+        out: usize,
+    ) -> Result<(), DeviceError> {
+        self.gelu_backward(pre, dy, t * out)?;
+        self.linear_backward(x, w, dy, dw, dbias, dx, t, inp, out)
+    }
 
     /// Layer or RMS norm of `t` rows of `h`: out and the statistics (2 per row).
     #[allow(clippy::too_many_arguments)]

@@ -771,6 +771,7 @@ fn small_kernels_match() {
             Op::BiasGrad {
                 width: w as u32,
                 cast: false,
+                gelu: false,
             },
             &[Dtype::Fp32, Dtype::Fp32],
         );
@@ -783,6 +784,7 @@ fn small_kernels_match() {
             Op::BiasGrad {
                 width: w as u32,
                 cast: true,
+                gelu: false,
             },
             &[Dtype::Fp32, Dtype::Fp32, d],
         );
@@ -790,6 +792,46 @@ fn small_kernels_match() {
         run(&k, &args, w);
         same(&format!("bias grad casting to {d:?}"), &tdb.values(), &wdb);
         same(&format!("cast to {d:?}"), &tcast.values(), &round(d, &y));
+
+        // Through GELU's backward first (the MLP's first product): the Rust math's two
+        // passes, `d ∘ gelu'(pre)` then its column sums, and the cast of the first's values;
+        // without the cast, those values in place of dy.
+        let pre = round(d, &finite(24, rows * w, 2.0));
+        let g: Vec<f32> = y
+            .iter()
+            .zip(&pre)
+            .map(|(&v, &x)| v * gelu_grad(x))
+            .collect();
+        let db0 = finite(25, w, 1.0);
+        let mut wdb = db0.clone();
+        super::gemm::col_sums(&g, (w, w), &mut wdb);
+        for cast in [false, true] {
+            let (mut tdy, mut tdb, mut tpre) =
+                (T::F32(y.clone()), T::F32(db0.clone()), T::new(d, &pre));
+            let mut tcast = T::new(d, &vec![f32::NAN; rows * w]);
+            let mut dtypes = vec![Dtype::Fp32, Dtype::Fp32];
+            let mut args = vec![tdy.ptr(), tdb.ptr()];
+            if cast {
+                dtypes.push(d);
+                args.push(tcast.ptr());
+            }
+            dtypes.push(d);
+            args.extend([tpre.ptr(), slot_i64(rows as i64)]);
+            let op = Op::BiasGrad {
+                width: w as u32,
+                cast,
+                gelu: true,
+            };
+            run(&Kernel::new(op, &dtypes), &args, w);
+            let what = format!("bias grad through gelu' (cast {cast}) {d:?}");
+            same(&what, &tdb.values(), &wdb);
+            if cast {
+                same(&what, &tcast.values(), &round(d, &g));
+                same(&what, &tdy.values(), &y);
+            } else {
+                same(&what, &tdy.values(), &g);
+            }
+        }
 
         // Sum of squares in f64 partials of SUMSQ_CHUNK elements.
         let n = 2 * SUMSQ_CHUNK + 77;

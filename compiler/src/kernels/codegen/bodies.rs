@@ -94,7 +94,7 @@ pub fn emit<'c>(fx: &mut Fx<'c, '_>, k: &Kernel, i: I<'c>) {
             let v = fx.add(fx.load("y", i), fx.load("b", j));
             fx.store("y", i, v);
         }
-        Op::BiasGrad { width, cast } => column_sums(fx, width, cast, i),
+        Op::BiasGrad { width, cast, gelu } => column_sums(fx, width, cast, gelu, i),
         Op::Norm { norm, width, bias } => norm_forward(fx, norm, width, bias, i),
         Op::NormBackwardInput { norm, width } => norm_backward_input(fx, norm, width, i),
         Op::NormBackwardParams { width, bias } => norm_backward_params(fx, width, bias, i),
@@ -210,15 +210,23 @@ fn embedding_backward<'c>(
     });
 }
 
-/// `db[j] += dy[r, j]` for each row r in order (`gemm::col_sums`); with `cast`, each element
-/// also stored into `cast` (rounded to its dtype).
-fn column_sums<'c>(fx: &mut Fx<'c, '_>, width: u32, cast: bool, j: I<'c>) {
+/// `db[j] += dy[r, j]` for each row r in order (`gemm::col_sums`); with `gelu`, each element
+/// first through GELU's backward (stored back unless cast); with `cast`, each element also
+/// stored into `cast` (rounded to its dtype).
+fn column_sums<'c>(fx: &mut Fx<'c, '_>, width: u32, cast: bool, gelu: bool, j: I<'c>) {
     let acc = fx.var(fx.start_column("db", j));
     let w = fx.i64c(width.into());
     let rows = fx.int_param("rows");
     fx.column_rows(rows, |fx, r| {
         let e = fx.iadd(fx.imul(r, w), j);
-        let v = fx.load("dy", e);
+        let mut v = fx.load("dy", e);
+        if gelu {
+            // `Op::GeluBackward`'s value.
+            v = fx.mul(v, fx.gelu_grad(fx.load("pre", e)));
+            if !cast {
+                fx.store("dy", e, v);
+            }
+        }
         if cast {
             fx.store("cast", e, v);
         }

@@ -745,7 +745,14 @@ fn products_of_a_16_bit_model_round_their_operands() {
         every_variant(&[
             Kernel::new(Op::Convert, &[f, f]),
             Kernel::new(Op::BiasAdd { width }, &[f, f]),
-            Kernel::new(Op::BiasGrad { width, cast: false }, &[f, f]),
+            Kernel::new(
+                Op::BiasGrad {
+                    width,
+                    cast: false,
+                    gelu: false,
+                },
+                &[f, f],
+            ),
             Kernel::new(Op::Fill, &[f]),
         ]),
         "every variant",

@@ -307,6 +307,7 @@ mod tests {
         let columns = Op::BiasGrad {
             width: 768,
             cast: false,
+            gelu: false,
         };
         for n in [1, 31, 32, 33, 767, 768, 8192, 1 << 20, 1 << 24] {
             let adam = Op::Adam { decayed: false };

@@ -485,6 +485,127 @@ impl Gpu<'_> {
         Ok((wp, wide))
     }
 
+    /// `Device::linear_backward_rows`, dy first through GELU's backward when `gelu` gives its
+    /// input (`Device::gelu_linear_backward`; contiguous rows).
+    #[allow(clippy::too_many_arguments)]
+    fn linear_backward_after(
+        &self,
+        gelu: Option<DevPtr>,
+        x: DevPtr,
+        w: DevPtr,
+        (dy, ld): (DevPtr, usize),
+        dw: DevPtr,
+        dbias: Option<DevPtr>,
+        dx: Option<(DevPtr, f32)>,
+        t: usize,
+        inp: usize,
+        out: usize,
+    ) -> Result<(), DeviceError> {
+        if (dbias.is_some() || gelu.is_some()) && ld != out {
+            return Err(plan_error("a bias gradient of rows wider than the product"));
+        }
+        let aligned = aligned_ld(ld, dy.storage) == ld;
+        let (width, rows) = (out as u32, Arg::L(t as i64));
+        let products = Storage::of(self.products);
+        // Both products read dy in place: an fp32 gradient of a 16-bit model is cast once for
+        // the two, not once per product (the cast lives in workspace until the op ends); with a
+        // bias, by the bias gradient's pass over dy, which also takes GELU's backward.
+        let shared = aligned && dx.is_some();
+        let pre = gelu.map(T);
+        let dy = match dbias {
+            Some(db) if shared && dy.storage == Storage::F32 && products != Storage::F32 => {
+                let dy16 = self.alloc_as(products, t * out)?;
+                let (cast, gelu) = (true, gelu.is_some());
+                let op = Op::BiasGrad { width, cast, gelu };
+                let args: Vec<Arg> = [T(dy), T(db), T(dy16)].into_iter().chain(pre).collect();
+                self.run(op, out, &[&args[..], &[rows]].concat())?;
+                dy16
+            }
+            Some(db) => {
+                let (cast, gelu) = (false, gelu.is_some());
+                let op = Op::BiasGrad { width, cast, gelu };
+                let args: Vec<Arg> = [T(dy), T(db)].into_iter().chain(pre).collect();
+                self.run(op, out, &[&args[..], &[rows]].concat())?;
+                dy
+            }
+            None => {
+                if let Some(pre) = gelu {
+                    self.gelu_backward(pre, dy, t * out)?;
+                }
+                dy
+            }
+        };
+        // (`operand` is dy itself when dy is already in the product dtype.)
+        let dy = if shared {
+            DevPtr::new(self.operand(dy.addr, dy.storage, t * ld)?, products)
+        } else {
+            dy
+        };
+        // Blocks aligned for dy's storage and for the product dtype it is cast to.
+        let narrow = if products.bytes() < dy.storage.bytes() {
+            products
+        } else {
+            dy.storage
+        };
+        if aligned {
+            for (c0, n) in aligned_parts(out, narrow) {
+                let (dy, w) = (dy.offset(c0), w.offset(c0 * inp));
+                let dw = dw.offset(c0 * inp);
+                self.gemm(n, inp, t, 1.0, mt(dy, ld), m(x, inp), 1.0, dw, inp)?;
+                if let Some((dx, beta)) = dx {
+                    let beta = if c0 == 0 { beta } else { 1.0 };
+                    self.gemm(t, inp, n, 1.0, m(dy, ld), m(w, inp), beta, dx, inp)?;
+                }
+            }
+            return Ok(());
+        }
+        // dy's rows do not start 16 bytes aligned: its columns a block at a time
+        // (`column_blocks`) are copied into rows of `cols` in workspace. Each block's dW rows
+        // are one product over its token rows (all of them when they fit: a head's dW is then
+        // written once, not re-read per row batch), and dx adds the blocks' products (β = 1
+        // after the first). The last block's columns past dy's are zeros, against W's rows
+        // padded with zeros (`weight_rows`), so that every product's k is aligned.
+        let (cols, rows) = Self::column_blocks(t, aligned_ld(out, dy.storage), narrow);
+        if let Some((dx, _)) = dx {
+            if dx.storage != Storage::F32 && cols < out {
+                return Err(plan_error(
+                    "a 16-bit dx of a product over an unaligned output width",
+                ));
+            }
+        }
+        let block = self.alloc_as(dy.storage, rows * cols)?;
+        for c0 in (0..out).step_by(cols) {
+            let width = cols.min(out - c0);
+            // dx's operand: W's rows of this block, and how many (padded) it sums over.
+            let dx_of = dx
+                .map(|(dx, beta)| {
+                    let w = self.weight_rows(w, c0, width, inp, dy.storage)?;
+                    Ok::<_, DeviceError>((dx, if c0 == 0 { beta } else { 1.0 }, w))
+                })
+                .transpose()?;
+            if dx_of.is_some_and(|(_, _, (_, wide))| wide > width) {
+                self.fill(block, rows * cols, 0.0)?;
+            }
+            let dw = dw.offset(c0 * inp);
+            for r0 in (0..t).step_by(rows) {
+                let n = rows.min(t - r0);
+                self.copy_rows((block, cols), (dy.offset(r0 * ld + c0), ld), width, n)?;
+                // Both products read the block: cast once (an fp32 gradient of a 16-bit
+                // model), not once per product; released after them.
+                let mark = self.used.get();
+                let dyb = DevPtr::new(self.operand(block.addr, block.storage, n * cols)?, products);
+                let x = x.offset(r0 * inp);
+                self.gemm(width, inp, n, 1.0, mt(dyb, cols), m(x, inp), 1.0, dw, inp)?;
+                if let Some((dx, beta, (wb, wide))) = dx_of {
+                    let dx = dx.offset(r0 * inp);
+                    self.gemm(n, inp, wide, 1.0, m(dyb, cols), m(wb, inp), beta, dx, inp)?;
+                }
+                self.used.set(mark);
+            }
+        }
+        Ok(())
+    }
+
     /// y (β)= x·Wᵀ (+ bias) into rows of y `ld` elements apart, one product in place.
     #[allow(clippy::too_many_arguments)]
     fn linear_in_place(
@@ -1058,7 +1179,7 @@ impl Device for Gpu<'_> {
         &self,
         x: DevPtr,
         w: DevPtr,
-        (dy, ld): (DevPtr, usize),
+        dy: (DevPtr, usize),
         dw: DevPtr,
         dbias: Option<DevPtr>,
         dx: Option<(DevPtr, f32)>,
@@ -1066,99 +1187,26 @@ impl Device for Gpu<'_> {
         inp: usize,
         out: usize,
     ) -> Result<(), DeviceError> {
-        if dbias.is_some() && ld != out {
-            return Err(plan_error("a bias gradient of rows wider than the product"));
-        }
-        let aligned = aligned_ld(ld, dy.storage) == ld;
-        let (width, rows) = (out as u32, Arg::L(t as i64));
-        let products = Storage::of(self.products);
-        // Both products read dy in place: an fp32 gradient of a 16-bit model is cast once for
-        // the two, not once per product (the cast lives in workspace until the op ends); with a
-        // bias, by the bias gradient's pass over dy.
-        let shared = aligned && dx.is_some();
-        let dy = match dbias {
-            Some(db) if shared && dy.storage == Storage::F32 && products != Storage::F32 => {
-                let dy16 = self.alloc_as(products, t * out)?;
-                let op = Op::BiasGrad { width, cast: true };
-                self.run(op, out, &[T(dy), T(db), T(dy16), rows])?;
-                dy16
-            }
-            Some(db) => {
-                let op = Op::BiasGrad { width, cast: false };
-                self.run(op, out, &[T(dy), T(db), rows])?;
-                dy
-            }
-            None => dy,
-        };
-        // (`operand` is dy itself when dy is already in the product dtype.)
-        let dy = if shared {
-            DevPtr::new(self.operand(dy.addr, dy.storage, t * ld)?, products)
-        } else {
-            dy
-        };
-        // Blocks aligned for dy's storage and for the product dtype it is cast to.
-        let narrow = if products.bytes() < dy.storage.bytes() {
-            products
-        } else {
-            dy.storage
-        };
-        if aligned {
-            for (c0, n) in aligned_parts(out, narrow) {
-                let (dy, w) = (dy.offset(c0), w.offset(c0 * inp));
-                let dw = dw.offset(c0 * inp);
-                self.gemm(n, inp, t, 1.0, mt(dy, ld), m(x, inp), 1.0, dw, inp)?;
-                if let Some((dx, beta)) = dx {
-                    let beta = if c0 == 0 { beta } else { 1.0 };
-                    self.gemm(t, inp, n, 1.0, m(dy, ld), m(w, inp), beta, dx, inp)?;
-                }
-            }
-            return Ok(());
-        }
-        // dy's rows do not start 16 bytes aligned: its columns a block at a time
-        // (`column_blocks`) are copied into rows of `cols` in workspace. Each block's dW rows
-        // are one product over its token rows (all of them when they fit: a head's dW is then
-        // written once, not re-read per row batch), and dx adds the blocks' products (β = 1
-        // after the first). The last block's columns past dy's are zeros, against W's rows
-        // padded with zeros (`weight_rows`), so that every product's k is aligned.
-        let (cols, rows) = Self::column_blocks(t, aligned_ld(out, dy.storage), narrow);
-        if let Some((dx, _)) = dx {
-            if dx.storage != Storage::F32 && cols < out {
-                return Err(plan_error(
-                    "a 16-bit dx of a product over an unaligned output width",
-                ));
-            }
-        }
-        let block = self.alloc_as(dy.storage, rows * cols)?;
-        for c0 in (0..out).step_by(cols) {
-            let width = cols.min(out - c0);
-            // dx's operand: W's rows of this block, and how many (padded) it sums over.
-            let dx_of = dx
-                .map(|(dx, beta)| {
-                    let w = self.weight_rows(w, c0, width, inp, dy.storage)?;
-                    Ok::<_, DeviceError>((dx, if c0 == 0 { beta } else { 1.0 }, w))
-                })
-                .transpose()?;
-            if dx_of.is_some_and(|(_, _, (_, wide))| wide > width) {
-                self.fill(block, rows * cols, 0.0)?;
-            }
-            let dw = dw.offset(c0 * inp);
-            for r0 in (0..t).step_by(rows) {
-                let n = rows.min(t - r0);
-                self.copy_rows((block, cols), (dy.offset(r0 * ld + c0), ld), width, n)?;
-                // Both products read the block: cast once (an fp32 gradient of a 16-bit
-                // model), not once per product; released after them.
-                let mark = self.used.get();
-                let dyb = DevPtr::new(self.operand(block.addr, block.storage, n * cols)?, products);
-                let x = x.offset(r0 * inp);
-                self.gemm(width, inp, n, 1.0, mt(dyb, cols), m(x, inp), 1.0, dw, inp)?;
-                if let Some((dx, beta, (wb, wide))) = dx_of {
-                    let dx = dx.offset(r0 * inp);
-                    self.gemm(n, inp, wide, 1.0, m(dyb, cols), m(wb, inp), beta, dx, inp)?;
-                }
-                self.used.set(mark);
-            }
-        }
-        Ok(())
+        self.linear_backward_after(None, x, w, dy, dw, dbias, dx, t, inp, out)
+    }
+
+    /// GELU's backward in the bias gradient's pass over dy where there is one (`Op::BiasGrad`
+    /// with `gelu`: the fp32 gradient read once, not written and read again).
+    fn gelu_linear_backward(
+        &self,
+        pre: DevPtr,
+        x: DevPtr,
+        w: DevPtr,
+        dy: DevPtr,
+        dw: DevPtr,
+        dbias: Option<DevPtr>,
+        dx: Option<(DevPtr, f32)>,
+        t: usize,
+        inp: usize,
+        out: usize,
+    ) -> Result<(), DeviceError> {
+        let dy = (dy, out);
+        self.linear_backward_after(Some(pre), x, w, dy, dw, dbias, dx, t, inp, out)
     }
 
     fn norm_forward(
