@@ -8,7 +8,7 @@ use super::layers::{self, In};
 use super::{plan_error, ArenaSpan, Device, DeviceError, Ptr, Update};
 use crate::backend::StepInput;
 use crate::exec::{Action, GradPart};
-use crate::math::{OptimizerConfig, Stored};
+use crate::math::{OptimizerConfig, Precision, Stored};
 use crate::plan::Plan;
 use schedc::ir::{Region, ShardIndex};
 use schedc::job::{Dtype, LayerKind};
@@ -167,6 +167,15 @@ impl<D: Device> Rank<'_, D> {
     /// padding up to a multiple of the optimizer shards) are zero. A part inside the gradient is
     /// written straight from it; one workspace vector of the largest padded part serves the
     /// padded ones in turn.
+    /// Whether [`Rank::write_grads`] into `parts` rounds a gradient as `Device::round` to
+    /// `prec` would: every part written, not added to, in a buffer of `prec`'s dtype (a store
+    /// rounds once to nearest even; rounding first would give the same bits).
+    fn stores_round(&self, parts: &[GradPart], prec: Precision) -> bool {
+        parts
+            .iter()
+            .all(|p| !p.accumulate && Precision::of(self.dtype(&p.region)) == prec)
+    }
+
     fn write_grads(&self, parts: &[GradPart], grad: D::Ptr, len: usize) -> Result<(), DeviceError> {
         let padded = |p: &GradPart| p.first + self.elements(&p.region) > len;
         let most = parts
@@ -326,7 +335,13 @@ impl<D: Device> Rank<'_, D> {
                     .transpose()?;
                 let dp = self.grads_output(grads, math.params(), &op)?;
                 let dt = t.map(|_| d.alloc(math.tied_elements())).transpose()?;
-                layers::backward(d, math, pp, t, keep, x, dy, dx, dp, dt)?;
+                // Stores that round as `Device::round` would leave the gradients unrounded
+                // until they are stored: the same bits, a pass over them less.
+                let prec = math.precisions().1;
+                let stored = self.stores_round(grads, prec)
+                    && self.stores_round(tied_grads, prec)
+                    && !round_before_store();
+                layers::backward(d, math, pp, t, keep, x, dy, dx, (dp, dt), !stored)?;
                 if let (Some(r), Some(dx)) = (grad_input, dx) {
                     self.write(r, dx, math.input_elements(), false)?;
                 }
@@ -477,4 +492,86 @@ fn alone(plan: &Plan, rank: u32, r: &Region, op: &[&Region]) -> bool {
         let (a, b) = span(x);
         b <= lo || hi <= a
     })
+}
+
+/// Tests: round every layer gradient before it is stored even where the store rounds it, the
+/// way before `Rank::stores_round`, to check that the two give the same bits.
+#[cfg(test)]
+static ROUND_BEFORE_STORE: std::sync::atomic::AtomicBool =
+    std::sync::atomic::AtomicBool::new(false);
+
+#[cfg(test)]
+fn round_before_store() -> bool {
+    ROUND_BEFORE_STORE.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+#[cfg(not(test))]
+fn round_before_store() -> bool {
+    false
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ROUND_BEFORE_STORE;
+    use crate::backend::cpu::CpuBackend;
+    use crate::backend::RunOptions;
+    use crate::plan::Plan;
+    use crate::train::Trainer;
+    use std::sync::atomic::Ordering;
+    use std::sync::Arc;
+
+    /// The bits of the losses and final weights of 3 steps of `plan` on the CPU backend.
+    fn run(plan: &Arc<Plan>) -> (Vec<u64>, Vec<u32>) {
+        let backend = CpuBackend::new(plan.clone(), RunOptions::default());
+        let mut t = Trainer::new(plan.clone(), backend, crate::data::Corpus::builtin());
+        let train = plan.job.schedule.train.clone();
+        t.load(&t.initial_state(train.seed)).unwrap();
+        let losses = (0..3)
+            .map(|_| t.step(train.lr, train.clip).unwrap().loss.to_bits())
+            .collect();
+        let weights = t.state().unwrap().into_params();
+        (losses, weights.iter().map(|w| w.to_bits()).collect())
+    }
+
+    /// A 16-bit model's layer gradients stored unrounded where the store rounds them (a bf16
+    /// part written whole) give the bits of rounding them first: one rank, with micro-steps
+    /// (whose second adds to the parts, and so still rounds first), and ZeRO-2 over two ranks.
+    #[test]
+    fn gradients_rounded_by_their_store_give_the_same_bits() {
+        let text = "\
+            model m { dtype = bf16  optimizer = adamw  seq_len = 16  micro_batch = 2
+              layer embed    = embedding(vocab = 256, hidden = 32, positions = learned)
+              layer block[1] = transformer(hidden = 32, heads = 4, ffn = 64)
+              layer head     = lm_head(hidden = 32, vocab = 256, tied = true) }
+            cluster one { nodes = 1  gpus_per_node = 1  gpu_memory = 4 GiB  peak_flops = 1 TFLOPS
+              intra_node { bandwidth = 10 GB/s  latency = 1 us }
+              inter_node { bandwidth = 1 Gbps  latency = 50 us } }
+            cluster two { nodes = 1  gpus_per_node = 2  gpu_memory = 4 GiB  peak_flops = 1 TFLOPS
+              intra_node { bandwidth = 10 GB/s  latency = 1 us }
+              inter_node { bandwidth = 1 Gbps  latency = 50 us } }
+            schedule a { model = m  cluster = one  preset = ddp  train { lr = 1e-2  seed = 1 } }
+            schedule b { model = m  cluster = one  preset = ddp  micro_steps = 2  train { lr = 1e-2  seed = 2 } }
+            schedule c { model = m  cluster = two  preset = zero2  train { lr = 1e-2  seed = 3 } }\n";
+        let loader = schedc::MemLoader::default()
+            .in_dir("/mem")
+            .with("/mem/s.sched", text);
+        let a = schedc::analyze(std::path::Path::new("/mem/s.sched"), &loader).expect("readable");
+        assert!(!a.has_errors(), "{}", a.render());
+        for job in &a.jobs {
+            let (program, _) = schedc::compile(job).unwrap();
+            let plan = Arc::new(Plan::unverified(program, job.clone()).unwrap());
+            ROUND_BEFORE_STORE.store(true, Ordering::Relaxed);
+            let rounded_first = run(&plan);
+            ROUND_BEFORE_STORE.store(false, Ordering::Relaxed);
+            let stored = run(&plan);
+            let name = &job.schedule.name;
+            assert_eq!(stored.0, rounded_first.0, "{name}: the losses' bits");
+            let differ = stored
+                .1
+                .iter()
+                .zip(&rounded_first.1)
+                .filter(|(a, b)| a != b);
+            assert_eq!(differ.count(), 0, "{name}: weights whose bits differ");
+        }
+    }
 }

@@ -232,7 +232,8 @@ fn transformer_forward<D: Device>(
 }
 
 /// Backward of one layer: overwrites `gi` (when given), `gp` and `gt` (a tied head's embedding
-/// gradient).
+/// gradient), each rounded to the gradient precision; `gp` and `gt` only with `round_grads`
+/// (the caller's stores round them the same way: `action::Rank::stores_round`).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn backward<D: Device>(
     d: &D,
@@ -243,8 +244,8 @@ pub(crate) fn backward<D: Device>(
     input: In<D>,
     dy: D::Ptr,
     gi: Option<D::Ptr>,
-    gp: D::Ptr,
-    gt: Option<D::Ptr>,
+    (gp, gt): (D::Ptr, Option<D::Ptr>),
+    round_grads: bool,
 ) -> Result<(), DeviceError> {
     let t = lm.dims().t;
     let grad = lm.precisions().1;
@@ -302,12 +303,14 @@ pub(crate) fn backward<D: Device>(
             d.norm_backward(norm, p, t, *h, x, st, da, gi, gp)?;
         }
     }
-    d.round(grad, gp, lm.params())?;
     if let Some(gi) = gi {
         d.round(grad, gi, lm.input_elements())?;
     }
-    if let Some(gt) = gt {
-        d.round(grad, gt, lm.tied_elements())?;
+    if round_grads {
+        d.round(grad, gp, lm.params())?;
+        if let Some(gt) = gt {
+            d.round(grad, gt, lm.tied_elements())?;
+        }
     }
     Ok(())
 }

@@ -605,8 +605,8 @@ impl LayerMath {
                 host_input(input),
                 HostPtr::read_only(grad_output),
                 grad_input.map(HostPtr::of),
-                HostPtr::of(grad_params),
-                grad_tied.map(HostPtr::of),
+                (HostPtr::of(grad_params), grad_tied.map(HostPtr::of)),
+                true,
             )
         });
         done.unwrap_or_else(|e| panic!("{}: {e}", self.name));

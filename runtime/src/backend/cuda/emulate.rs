@@ -514,8 +514,8 @@ fn layers_on_the_emulated_device_match_the_cpu_math() {
                 dev_in,
                 f32p(&c.dy),
                 d_gi.as_deref_mut().map(f32p_mut),
-                f32p_mut(&mut d_gp),
-                d_gt.as_deref_mut().map(f32p_mut),
+                (f32p_mut(&mut d_gp), d_gt.as_deref_mut().map(f32p_mut)),
+                true,
             )
             .unwrap();
             c.check_backward(model.dtype, &d_gp, d_gi.as_deref(), d_gt.as_deref());
@@ -1075,8 +1075,8 @@ fn layers_on_16_bit_storage_in_place_match_the_cpu_math() {
                 dev_in,
                 on(&d_dy),
                 d_gi.as_deref_mut().map(on_mut),
-                f32p_mut(&mut d_gp),
-                d_gt.as_deref_mut().map(f32p_mut),
+                (f32p_mut(&mut d_gp), d_gt.as_deref_mut().map(f32p_mut)),
+                true,
             )
             .unwrap();
             let gi = d_gi
