@@ -46,6 +46,10 @@ pub struct Plan {
     indices: Vec<[u64; 7]>,
     /// `members[communicator][rank]`: the rank's group and its position in it.
     pub members: Vec<Vec<(usize, usize)>>,
+    /// Tests: round every layer gradient before it is stored even where the store rounds it
+    /// the same way (`device::action`'s `stores_round`), to check that both give the same bits.
+    #[cfg(test)]
+    pub(crate) round_grads_first: bool,
 }
 
 impl Plan {
@@ -133,6 +137,8 @@ impl Plan {
             call_numbers,
             indices,
             members,
+            #[cfg(test)]
+            round_grads_first: false,
         })
     }
 

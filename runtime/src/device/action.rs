@@ -167,6 +167,14 @@ impl<D: Device> Rank<'_, D> {
     /// padding up to a multiple of the optimizer shards) are zero. A part inside the gradient is
     /// written straight from it; one workspace vector of the largest padded part serves the
     /// padded ones in turn.
+    /// Whether the plan asks for layer gradients rounded before every store (tests only).
+    fn rounds_grads_first(&self) -> bool {
+        #[cfg(test)]
+        return self.plan.round_grads_first;
+        #[cfg(not(test))]
+        false
+    }
+
     /// Whether [`Rank::write_grads`] into `parts` rounds a gradient as `Device::round` to
     /// `prec` would: every part written, not added to, in a buffer of `prec`'s dtype (a store
     /// rounds once to nearest even; rounding first would give the same bits).
@@ -340,7 +348,7 @@ impl<D: Device> Rank<'_, D> {
                 let prec = math.precisions().1;
                 let stored = self.stores_round(grads, prec)
                     && self.stores_round(tied_grads, prec)
-                    && !round_before_store();
+                    && !self.rounds_grads_first();
                 layers::backward(d, math, pp, t, keep, x, dy, dx, (dp, dt), !stored)?;
                 if let (Some(r), Some(dx)) = (grad_input, dx) {
                     self.write(r, dx, math.input_elements(), false)?;
@@ -494,34 +502,17 @@ fn alone(plan: &Plan, rank: u32, r: &Region, op: &[&Region]) -> bool {
     })
 }
 
-/// Tests: round every layer gradient before it is stored even where the store rounds it, the
-/// way before `Rank::stores_round`, to check that the two give the same bits.
-#[cfg(test)]
-static ROUND_BEFORE_STORE: std::sync::atomic::AtomicBool =
-    std::sync::atomic::AtomicBool::new(false);
-
-#[cfg(test)]
-fn round_before_store() -> bool {
-    ROUND_BEFORE_STORE.load(std::sync::atomic::Ordering::Relaxed)
-}
-
-#[cfg(not(test))]
-fn round_before_store() -> bool {
-    false
-}
-
 #[cfg(test)]
 mod tests {
-    use super::ROUND_BEFORE_STORE;
     use crate::backend::cpu::CpuBackend;
     use crate::backend::RunOptions;
     use crate::plan::Plan;
     use crate::train::Trainer;
-    use std::sync::atomic::Ordering;
     use std::sync::Arc;
 
     /// The bits of the losses and final weights of 3 steps of `plan` on the CPU backend.
-    fn run(plan: &Arc<Plan>) -> (Vec<u64>, Vec<u32>) {
+    fn run(plan: Plan) -> (Vec<u64>, Vec<u32>) {
+        let plan = Arc::new(plan);
         let backend = CpuBackend::new(plan.clone(), RunOptions::default());
         let mut t = Trainer::new(plan.clone(), backend, crate::data::Corpus::builtin());
         let train = plan.job.schedule.train.clone();
@@ -559,11 +550,11 @@ mod tests {
         assert!(!a.has_errors(), "{}", a.render());
         for job in &a.jobs {
             let (program, _) = schedc::compile(job).unwrap();
-            let plan = Arc::new(Plan::unverified(program, job.clone()).unwrap());
-            ROUND_BEFORE_STORE.store(true, Ordering::Relaxed);
-            let rounded_first = run(&plan);
-            ROUND_BEFORE_STORE.store(false, Ordering::Relaxed);
-            let stored = run(&plan);
+            let plan = || Plan::unverified(program.clone(), job.clone()).unwrap();
+            let stored = run(plan());
+            let mut first = plan();
+            first.round_grads_first = true;
+            let rounded_first = run(first);
             let name = &job.schedule.name;
             assert_eq!(stored.0, rounded_first.0, "{name}: the losses' bits");
             let differ = stored
