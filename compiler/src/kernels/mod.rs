@@ -173,9 +173,11 @@ pub enum Op {
     /// Adam or AdamW on a flat shard: fp32 master, m and v updated from the gradient times
     /// `grad_scale[0]` (one f32 in memory, [`Op::GradScale`]'s output or a fill, so that a GPU
     /// reads the clipped scale without the host waiting for it). `decayed` applies AdamW's
-    /// decoupled weight decay (`shrink`). The parameter itself is written from the master
-    /// afterwards, by a conversion (`run_action` stores the state's master into it).
-    Adam { decayed: bool },
+    /// decoupled weight decay (`shrink`). With `param`, the new master is also stored into
+    /// `param`, the model's parameter in its dtype (rounded once), in the same pass; without,
+    /// `run_action` stores the state's master into the parameter afterwards, a pass of its own
+    /// (where the device cannot write the parameter's region in place).
+    Adam { decayed: bool, param: bool },
     /// SGD on a flat shard: fp32 master updated from the gradient times `grad_scale[0]`.
     Sgd,
     /// `scale[i] = (min(clip / (√sumsq[i] / contributions + 1e-6), 1) / contributions) as f32`,
@@ -433,21 +435,21 @@ impl Op {
                 F32("inv"),
             ],
             Op::Rotary { .. } => vec![Tensor("qkv", d[0]), F32s("cos"), F32s("sin")],
-            Op::Adam { .. } => vec![
-                F32s("master"),
-                F32s("m"),
-                F32s("v"),
-                Tensor("grad", d[0]),
-                F32s("grad_scale"),
-                F32("beta1"),
-                F32("one_minus_beta1"),
-                F32("beta2"),
-                F32("one_minus_beta2"),
-                F32("eps"),
-                F32("step_size"),
-                F32("bc2_sqrt"),
-                F32("shrink"),
-            ],
+            Op::Adam { param, .. } => [F32s("master"), F32s("m"), F32s("v"), Tensor("grad", d[0])]
+                .into_iter()
+                .chain(param.then(|| Tensor("param", d[1])))
+                .chain([
+                    F32s("grad_scale"),
+                    F32("beta1"),
+                    F32("one_minus_beta1"),
+                    F32("beta2"),
+                    F32("one_minus_beta2"),
+                    F32("eps"),
+                    F32("step_size"),
+                    F32("bc2_sqrt"),
+                    F32("shrink"),
+                ])
+                .collect(),
             Op::Sgd => vec![
                 F32s("master"),
                 Tensor("grad", d[0]),
@@ -565,7 +567,11 @@ impl Op {
                 "rotary{}_h{heads}_kv{kv_heads}_d{head_dim}_w{width}_s{seq_len}",
                 if inverse { "_inverse" } else { "" }
             ),
-            Op::Adam { decayed } => format!("adam{}", if decayed { "_decayed" } else { "" }),
+            Op::Adam { decayed, param } => format!(
+                "adam{}{}",
+                if decayed { "_decayed" } else { "" },
+                if param { "_param" } else { "" }
+            ),
             Op::Sgd => "sgd".into(),
             Op::GradScale => "grad_scale".into(),
             Op::Round { to } => format!("round_to_{}", to.name()),
@@ -824,13 +830,31 @@ pub fn for_model(model: &Model) -> Vec<Kernel> {
     k.add(Kernel::new(Op::AddLoss, &[]));
     // The optimizer: the gradient scale (clipped, or a fill), then the update of the shard.
     k.add(Kernel::new(Op::GradScale, &[f]));
-    match model.optimizer {
-        Optimizer::Adam => k.add(Kernel::new(Op::Adam { decayed: false }, &[g])),
-        Optimizer::AdamW => {
-            k.add(Kernel::new(Op::Adam { decayed: false }, &[g]));
-            k.add(Kernel::new(Op::Adam { decayed: true }, &[g]));
-        }
-        Optimizer::Sgd => k.add(Kernel::new(Op::Sgd, &[g])),
+    // Adam's with the parameter written in the same pass where the device can write its
+    // region in place, and without.
+    let decays: &[bool] = match model.optimizer {
+        Optimizer::Adam => &[false],
+        Optimizer::AdamW => &[false, true],
+        Optimizer::Sgd => &[],
+    };
+    for &decayed in decays {
+        k.add(Kernel::new(
+            Op::Adam {
+                decayed,
+                param: false,
+            },
+            &[g],
+        ));
+        k.add(Kernel::new(
+            Op::Adam {
+                decayed,
+                param: true,
+            },
+            &[g, a],
+        ));
+    }
+    if model.optimizer == Optimizer::Sgd {
+        k.add(Kernel::new(Op::Sgd, &[g]));
     }
     // The gradient norm: chunked sums of squares of the gradients in place, summed, stored.
     k.add(Kernel::new(Op::SumSquares, &[g]));

@@ -401,9 +401,19 @@ impl<D: Device> Rank<'_, D> {
                         .map(|(s, clip)| (self.span(s), clip)),
                     contributions,
                 };
-                d.update(&u, st, g)?;
+                // The parameter written by the update's own pass where the device can write its
+                // region in place (no other region of the op shares its bytes), else stored
+                // from the new master after.
+                let regions = [grad, state, param];
+                let in_place = match self.alone(param, &regions) {
+                    true => self.device.view(self.at(param), self.dtype(param), n)?,
+                    false => None,
+                };
+                d.update(&u, st, g, in_place)?;
                 self.write(state, st, self.elements(state), false)?;
-                self.write(param, st, n, false)?;
+                if in_place.is_none() {
+                    self.write(param, st, n, false)?;
+                }
             }
             Action::GradNorm { grads, sumsq } => {
                 let spans: Vec<ArenaSpan> = grads.iter().map(|g| self.span(g)).collect();

@@ -769,7 +769,13 @@ impl Device for Host<'_> {
         Ok(())
     }
 
-    fn update(&self, u: &Update<'_>, state: HostPtr, grad: HostPtr) -> Result<(), DeviceError> {
+    fn update(
+        &self,
+        u: &Update<'_>,
+        state: HostPtr,
+        grad: HostPtr,
+        param: Option<HostPtr>,
+    ) -> Result<(), DeviceError> {
         let factor = match u.clip {
             Some((s, clip)) => {
                 let mut v = [0f32];
@@ -782,11 +788,12 @@ impl Device for Host<'_> {
         let scale = (factor / u.contributions) as f32;
         #[cfg(feature = "llvm")]
         if jit::enabled() {
-            return self.generated_update(u, scale, state, grad);
+            self.generated_update(u, scale, state, grad)?;
+            return param.map_or(Ok(()), |p| self.copy(p, state, u.n));
         }
         let (st, g) = unsafe { (state.w(u.cfg.state_per_param() * u.n), grad.r(u.n)) };
         optimizer_step(u.cfg, st, g, scale, u.step, u.first, u.decay);
-        Ok(())
+        param.map_or(Ok(()), |p| self.copy(p, state, u.n))
     }
 
     fn grad_norm(&self, grads: &[ArenaSpan], out: ArenaSpan) -> Result<(), DeviceError> {
@@ -824,7 +831,7 @@ impl Host<'_> {
         }
         let (m, v) = (state.offset(n), state.offset(2 * n));
         let scalars = u.adam_scalars()?;
-        for (run, op) in u.adam_runs() {
+        for (run, op) in u.adam_runs(false) {
             let i = run.start;
             let tensors = [state, m, v, grad].map(|t| t.offset(i).arg());
             let args: Vec<Arg> = tensors

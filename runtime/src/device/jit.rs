@@ -262,7 +262,7 @@ model llama {
             )),
             contributions: 4.0,
         };
-        host.update(&u, HostPtr::of(&mut st), HostPtr::of(&mut g))
+        host.update(&u, HostPtr::of(&mut st), HostPtr::of(&mut g), None)
             .unwrap();
         bits(&st)
     }

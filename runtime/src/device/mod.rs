@@ -150,12 +150,16 @@ impl Update<'_> {
     }
 
     /// The generated Adam kernel for each run of the shard's elements that lies all inside or
-    /// all outside the decayed ranges, as `optimizer_step` walks them.
-    pub fn adam_runs(&self) -> impl Iterator<Item = (Range<usize>, schedc::kernels::Op)> + '_ {
+    /// all outside the decayed ranges, as `optimizer_step` walks them; with `param`, the
+    /// kernels that also store the parameter.
+    pub fn adam_runs(
+        &self,
+        param: bool,
+    ) -> impl Iterator<Item = (Range<usize>, schedc::kernels::Op)> + '_ {
         let decays = self.cfg.decays();
         crate::math::optim::decay_runs(self.n, self.first, self.decay).map(move |(run, inside)| {
             let decayed = decays && inside;
-            (run, schedc::kernels::Op::Adam { decayed })
+            (run, schedc::kernels::Op::Adam { decayed, param })
         })
     }
 }
@@ -426,8 +430,15 @@ pub(crate) trait Device {
         n: usize,
         grad: Self::Ptr,
     ) -> Result<(), DeviceError>;
-    /// One optimizer step on `state` from the summed gradient `grad`.
-    fn update(&self, u: &Update<'_>, state: Self::Ptr, grad: Self::Ptr) -> Result<(), DeviceError>;
+    /// One optimizer step on `state` from the summed gradient `grad`; with `param`, the new
+    /// master (the state's first `u.n` values) also stored there, in its storage.
+    fn update(
+        &self,
+        u: &Update<'_>,
+        state: Self::Ptr,
+        grad: Self::Ptr,
+        param: Option<Self::Ptr>,
+    ) -> Result<(), DeviceError>;
     /// The sum of squares of every value of `grads`, stored as one value at `out`.
     fn grad_norm(&self, grads: &[ArenaSpan], out: ArenaSpan) -> Result<(), DeviceError>;
 }

@@ -614,7 +614,8 @@ fn optimizers_match_optimizer_step() {
                     let (m, v) = rest.split_at_mut(n);
                     let bc1 = 1.0 - f64::from(cfg.beta1).powf(step as f64);
                     let bc2 = 1.0 - f64::from(cfg.beta2).powf(step as f64);
-                    let k = Kernel::new(Op::Adam { decayed }, &[d]);
+                    let param = false;
+                    let k = Kernel::new(Op::Adam { decayed, param }, &[d]);
                     let args = vec![
                         slot_ptr(master.as_mut_ptr()),
                         slot_ptr(m.as_mut_ptr()),
@@ -638,6 +639,33 @@ fn optimizers_match_optimizer_step() {
                     &st,
                     &want,
                 );
+                if kind == Optimizer::Sgd {
+                    continue;
+                }
+                // With the parameter (in the gradient's dtype here) stored in the same pass:
+                // the same state, and the new master rounded once.
+                let mut st = state.clone();
+                let (master, rest) = st.split_at_mut(n);
+                let (m, v) = rest.split_at_mut(n);
+                let mut tp = T::new(d, &vec![f32::NAN; n]);
+                let mut args = vec![
+                    slot_ptr(master.as_mut_ptr()),
+                    slot_ptr(m.as_mut_ptr()),
+                    slot_ptr(v.as_mut_ptr()),
+                    tg.ptr(),
+                    tp.ptr(),
+                    slot_ptr(cell.as_mut_ptr()),
+                ];
+                let scalars = crate::math::optim::adam_scalars(&cfg, step);
+                args.extend(scalars.map(slot_f32));
+                let op = Op::Adam {
+                    decayed,
+                    param: true,
+                };
+                run(&Kernel::new(op, &[d, d]), &args, n);
+                let what = format!("{kind:?} {d:?} decayed={decayed} with the parameter");
+                same(&what, &st, &want);
+                same(&what, &tp.values(), &round(d, &want[..n]));
             }
         }
     }

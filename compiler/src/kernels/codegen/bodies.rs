@@ -114,7 +114,7 @@ pub fn emit<'c>(fx: &mut Fx<'c, '_>, k: &Kernel, i: I<'c>) {
             let k_at = fx.iadd(row, fx.i64c(u64::from(heads * head_dim)));
             rotate(fx, k_at, pos, kv_heads, head_dim, sign);
         }
-        Op::Adam { decayed } => adam(fx, decayed, i),
+        Op::Adam { decayed, param } => adam(fx, decayed, param, i),
         Op::Sgd => {
             let g = fx.mul(fx.load("grad", i), fx.load("grad_scale", fx.i64c(0)));
             let p = fx.sub(fx.load("master", i), fx.mul(fx.scalar("lr"), g));
@@ -450,7 +450,7 @@ fn rotate<'c>(fx: &mut Fx<'c, '_>, at: I<'c>, pos: I<'c>, heads: u32, d: u32, si
 }
 
 /// One element of `optim::optimizer_step` for Adam/AdamW (PyTorch's single-tensor AdamW).
-fn adam<'c>(fx: &mut Fx<'c, '_>, decayed: bool, i: I<'c>) {
+fn adam<'c>(fx: &mut Fx<'c, '_>, decayed: bool, param: bool, i: I<'c>) {
     let g = fx.mul(fx.load("grad", i), fx.load("grad_scale", fx.i64c(0)));
     let m = fx.add(
         fx.mul(fx.scalar("beta1"), fx.load("m", i)),
@@ -469,4 +469,7 @@ fn adam<'c>(fx: &mut Fx<'c, '_>, decayed: bool, i: I<'c>) {
     let denom = fx.add(fx.div(fx.sqrt(v), fx.scalar("bc2_sqrt")), fx.scalar("eps"));
     let p = fx.sub(p, fx.div(fx.mul(fx.scalar("step_size"), m), denom));
     fx.store("master", i, p);
+    if param {
+        fx.store("param", i, p);
+    }
 }

@@ -310,7 +310,10 @@ mod tests {
             gelu: false,
         };
         for n in [1, 31, 32, 33, 767, 768, 8192, 1 << 20, 1 << 24] {
-            let adam = Op::Adam { decayed: false };
+            let adam = Op::Adam {
+                decayed: false,
+                param: false,
+            };
             for op in [Op::Convert, Op::Gelu, adam, rows, columns, Op::SumSquares] {
                 let g = grid(op, n);
                 let threads = u64::from(g.blocks) * u64::from(g.threads);

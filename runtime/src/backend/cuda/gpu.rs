@@ -1443,7 +1443,15 @@ impl Device for Gpu<'_> {
     /// The gradient scale into workspace (from the stored sum of squares on the device when
     /// clipping, so the host never waits for it), then the optimizer kernel run by run of
     /// elements all inside or all outside the decayed ranges, as the host device runs it.
-    fn update(&self, u: &Update<'_>, state: DevPtr, grad: DevPtr) -> Result<(), DeviceError> {
+    /// Adam stores the parameter in the pass that updates the master (`Op::Adam` with
+    /// `param`); SGD's is converted after.
+    fn update(
+        &self,
+        u: &Update<'_>,
+        state: DevPtr,
+        grad: DevPtr,
+        param: Option<DevPtr>,
+    ) -> Result<(), DeviceError> {
         let (cfg, n) = (u.cfg, u.n);
         let scale = self.alloc(1)?;
         match u.clip {
@@ -1456,15 +1464,17 @@ impl Device for Gpu<'_> {
         }
         if cfg.kind == Optimizer::Sgd {
             let args = [T(state), T(grad), T(scale), Arg::F(cfg.lr)];
-            return self.run(Op::Sgd, n, &args);
+            self.run(Op::Sgd, n, &args)?;
+            return param.map_or(Ok(()), |p| self.copy(p, state, n));
         }
         let (m, v) = (state.offset(n), state.offset(2 * n));
         let scalars = u.adam_scalars()?;
-        for (run, op) in u.adam_runs() {
+        for (run, op) in u.adam_runs(param.is_some()) {
             let i = run.start;
             let tensors = [state, m, v, grad].map(|t| T(t.offset(i)));
             let args: Vec<Arg> = tensors
                 .into_iter()
+                .chain(param.map(|p| T(p.offset(i))))
                 .chain([T(scale)])
                 .chain(scalars.map(Arg::F))
                 .collect();
