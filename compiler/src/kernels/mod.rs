@@ -140,7 +140,10 @@ pub enum Op {
     /// `prod[i] = gate[i]·σ(gate[i])·up[i]`.
     SwiGlu,
     /// From `dprod` (in `dgate`): `dup = dprod·g·σ(g)`, `dgate = dprod·u·σ(g)·(1 + g(1 − σ(g)))`.
-    SwiGluBackward,
+    /// With `cast`, `dgate` is only read and the gate's gradient goes to `cast` instead: a
+    /// 16-bit model's two gradients written once in the product dtype, for products alone to
+    /// read, rather than in fp32 and then cast (`Device::swiglu_backward_for_products`).
+    SwiGluBackward { cast: bool },
     /// `y[i] += b[i mod width]`.
     BiasAdd { width: u32 },
     /// `db[j] += Σ_rows dy[r, j]`, rows in order; with `cast`, each `dy[r, j]` also stored into
@@ -302,7 +305,7 @@ impl Op {
                 | Op::Gelu
                 | Op::GeluBackward
                 | Op::SwiGlu
-                | Op::SwiGluBackward
+                | Op::SwiGluBackward { .. }
                 | Op::BiasAdd { .. }
         )
     }
@@ -380,12 +383,15 @@ impl Op {
                 Tensor("up", d[1]),
                 Tensor("prod", d[2]),
             ],
-            Op::SwiGluBackward => vec![
+            Op::SwiGluBackward { cast } => [
                 Tensor("dgate", d[0]),
                 Tensor("dup", d[1]),
                 Tensor("gate", d[2]),
                 Tensor("up", d[3]),
-            ],
+            ]
+            .into_iter()
+            .chain(cast.then(|| Tensor("cast", d[4])))
+            .collect(),
             Op::BiasAdd { .. } => vec![Tensor("y", d[0]), Tensor("b", d[1])],
             Op::BiasGrad { cast, gelu, .. } => {
                 let mut v = vec![Tensor("dy", d[0]), Tensor("db", d[1])];
@@ -532,7 +538,9 @@ impl Op {
             Op::Gelu => "gelu".into(),
             Op::GeluBackward => "gelu_backward".into(),
             Op::SwiGlu => "swiglu".into(),
-            Op::SwiGluBackward => "swiglu_backward".into(),
+            Op::SwiGluBackward { cast } => {
+                format!("swiglu_backward{}", if cast { "_cast" } else { "" })
+            }
             Op::BiasAdd { width } => format!("bias_add_w{width}"),
             Op::BiasGrad { width, cast, gelu } => {
                 let gelu = if gelu { "_gelu" } else { "" };
@@ -981,7 +989,18 @@ impl Catalogue {
         }
         match m.act {
             Activation::Gelu => self.add(Kernel::new(Op::GeluBackward, &[f, a])),
-            Activation::SwiGlu => self.add(Kernel::new(Op::SwiGluBackward, &[f, f, a, a])),
+            Activation::SwiGlu => {
+                self.add(Kernel::new(
+                    Op::SwiGluBackward { cast: false },
+                    &[f, f, a, a],
+                ));
+                // Without biases (whose gradients sum the fp32 values), a 16-bit model's
+                // gradients for its products alone.
+                if !m.bias && a != f {
+                    let op = Op::SwiGluBackward { cast: true };
+                    self.add(Kernel::new(op, &[f, a, a, a, a]));
+                }
+            }
         }
         if m.bias {
             for width in [m.ffn as u32, m.hidden as u32] {

@@ -584,7 +584,7 @@ impl Device for Host<'_> {
         #[cfg(feature = "llvm")]
         {
             let args = [dgate.arg(), dup.arg(), gate.arg(), up.arg()];
-            if let Some(r) = generated(Op::SwiGluBackward, &args, n) {
+            if let Some(r) = generated(Op::SwiGluBackward { cast: false }, &args, n) {
                 return r;
             }
         }

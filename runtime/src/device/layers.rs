@@ -113,14 +113,26 @@ fn mlp_backward<D: Device>(
         }
         MlpSaved::SwiGlu { gate, up, prod } => {
             d.linear_backward(prod, wp, dy, dwp, dbp, Some((s1, 0.0)), t, f, h)?;
-            d.swiglu_backward(gate, up, s1, s2, t * f)?;
             let (wu, bu) = mp
                 .up
                 .as_ref()
                 .ok_or_else(|| plan_error("swiglu without an up projection"))?;
-            d.linear_backward(a, w1, s1, dw1, db1, Some((da, 0.0)), t, h, f)?;
             let dbu = bu.as_ref().map(|r| gp.at(r));
-            d.linear_backward(a, p.at(wu), s2, gp.at(wu), dbu, Some((da, 1.0)), t, h, f)
+            // Gradients only the products read (no bias sums them) where the device has them
+            // in the products' storage; else fp32, the gate's in place of dprod.
+            let cast = match (db1, dbu) {
+                (None, None) => d.swiglu_backward_cast(gate, up, s1, s2, t * f)?,
+                _ => None,
+            };
+            let [dgate, dup] = match cast {
+                Some(both) => both,
+                None => {
+                    d.swiglu_backward(gate, up, s1, s2, t * f)?;
+                    [s1, s2]
+                }
+            };
+            d.linear_backward(a, w1, dgate, dw1, db1, Some((da, 0.0)), t, h, f)?;
+            d.linear_backward(a, p.at(wu), dup, gp.at(wu), dbu, Some((da, 1.0)), t, h, f)
         }
     }
 }

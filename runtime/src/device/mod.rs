@@ -359,6 +359,21 @@ pub(crate) trait Device {
         dup: Self::Ptr,
         n: usize,
     ) -> Result<(), DeviceError>;
+    /// SwiGLU's backward for gradients that only matrix products read (a layer without biases):
+    /// from `dprod`, which it leaves as it is, the gate's and the up projection's gradients in
+    /// the storage the device's products take, inside `spare` (`n` floats of workspace), where
+    /// that saves their casts; `None` where the device has no such form (then
+    /// [`Device::swiglu_backward`] in fp32).
+    fn swiglu_backward_cast(
+        &self,
+        _gate: Self::Ptr,
+        _up: Self::Ptr,
+        _dprod: Self::Ptr,
+        _spare: Self::Ptr,
+        _n: usize,
+    ) -> Result<Option<[Self::Ptr; 2]>, DeviceError> {
+        Ok(None)
+    }
     /// `qkv` ← `src` (`t` rows) with rotary positions on the q and k heads (`inverse` for
     /// gradients); `src` may be `qkv` (in place), else it is workspace the device may overwrite.
     /// Only called for blocks with rotary positions.

@@ -316,7 +316,8 @@ fn activations_match_ops() {
 
         let mut dgate = T::F32(g.clone());
         let mut dup = T::F32(vec![0.0; pre.len()]);
-        let k = Kernel::new(Op::SwiGluBackward, &[Dtype::Fp32, Dtype::Fp32, d, d]);
+        let op = Op::SwiGluBackward { cast: false };
+        let k = Kernel::new(op, &[Dtype::Fp32, Dtype::Fp32, d, d]);
         run(&k, &[dgate.ptr(), dup.ptr(), tp.ptr(), tu.ptr()], pre.len());
         let (mut wg, mut wu) = (g.clone(), vec![0.0; pre.len()]);
         for (((dg, du), &x), &u) in wg.iter_mut().zip(wu.iter_mut()).zip(&pre).zip(&up) {
@@ -327,6 +328,28 @@ fn activations_match_ops() {
         }
         same(&format!("swiglu' gate {d:?}"), &dgate.values(), &wg);
         same(&format!("swiglu' up {d:?}"), &dup.values(), &wu);
+
+        // Both written in `d` for the products (dprod only read): the same values rounded once.
+        let mut dprod = T::F32(g.clone());
+        let mut dup = T::new(d, &vec![f32::NAN; pre.len()]);
+        let mut cast = T::new(d, &vec![f32::NAN; pre.len()]);
+        let k = Kernel::new(
+            Op::SwiGluBackward { cast: true },
+            &[Dtype::Fp32, d, d, d, d],
+        );
+        let args = [dprod.ptr(), dup.ptr(), tp.ptr(), tu.ptr(), cast.ptr()];
+        run(&k, &args, pre.len());
+        same(
+            &format!("swiglu' cast gate {d:?}"),
+            &cast.values(),
+            &round(d, &wg),
+        );
+        same(
+            &format!("swiglu' cast up {d:?}"),
+            &dup.values(),
+            &round(d, &wu),
+        );
+        same(&format!("swiglu' cast dprod {d:?}"), &dprod.values(), &g);
     }
 }
 

@@ -80,14 +80,15 @@ pub fn emit<'c>(fx: &mut Fx<'c, '_>, k: &Kernel, i: I<'c>) {
             let v = fx.mul(fx.mul(g, fx.sigmoid(g)), fx.load("up", i));
             fx.store("prod", i, v);
         }
-        Op::SwiGluBackward => {
+        Op::SwiGluBackward { cast } => {
             let (x, u) = (fx.load("gate", i), fx.load("up", i));
             let sg = fx.sigmoid(x);
             let dprod = fx.load("dgate", i);
             fx.store("dup", i, fx.mul(fx.mul(dprod, x), sg));
             let one = fx.f(1.0);
             let shape = fx.add(one, fx.mul(x, fx.sub(one, sg)));
-            fx.store("dgate", i, fx.mul(fx.mul(fx.mul(dprod, u), sg), shape));
+            let dgate = fx.mul(fx.mul(fx.mul(dprod, u), sg), shape);
+            fx.store(if cast { "cast" } else { "dgate" }, i, dgate);
         }
         Op::BiasAdd { width } => {
             let j = fx.urem(i, fx.i64c(width.into()));

@@ -1282,7 +1282,30 @@ impl Device for Gpu<'_> {
         dup: DevPtr,
         n: usize,
     ) -> Result<(), DeviceError> {
-        self.run(Op::SwiGluBackward, n, &[T(dgate), T(dup), T(gate), T(up)])
+        let op = Op::SwiGluBackward { cast: false };
+        self.run(op, n, &[T(dgate), T(dup), T(gate), T(up)])
+    }
+
+    /// A 16-bit model's two gradients written once in the product dtype (`Op::SwiGluBackward`
+    /// with `cast`), the two halves of `spare`, where the products would otherwise cast each
+    /// fp32 one in a pass of its own.
+    fn swiglu_backward_cast(
+        &self,
+        gate: DevPtr,
+        up: DevPtr,
+        dprod: DevPtr,
+        spare: DevPtr,
+        n: usize,
+    ) -> Result<Option<[DevPtr; 2]>, DeviceError> {
+        let products = Storage::of(self.products);
+        if products == Storage::F32 {
+            return Ok(None);
+        }
+        let dgate = DevPtr::new(spare.addr, products);
+        let dup = dgate.offset(n);
+        let op = Op::SwiGluBackward { cast: true };
+        self.run(op, n, &[T(dprod), T(dup), T(gate), T(up), T(dgate)])?;
+        Ok(Some([dgate, dup]))
     }
 
     /// Rotates `src` in place where it is fp32 (the layer math's workspace: the projected qkv,
