@@ -11,7 +11,12 @@
 //! `run_action` stages nothing: the host does so for fp32 regions (its pointers are f32), the
 //! GPU for regions of every dtype (its pointers carry their storage, and each kernel reads and
 //! writes that storage, rounding once where it stores). Workspace from [`Device::alloc`] is
-//! always f32. Everything above the primitives is written once and generic:
+//! always f32. A few primitives are two steps that a device may fuse into one pass, with a
+//! provided default that takes them one after the other: GELU's backward with the next
+//! product's bias gradient ([`Device::gelu_linear_backward`]), SwiGLU's backward straight into
+//! the products' storage ([`Device::swiglu_backward_cast`]), the parameter stored by the
+//! optimizer's pass ([`Device::update`]). Everything above the primitives is written once and
+//! generic:
 //! [`layers`] is each layer kind's forward and backward (where rounding to the activation and
 //! gradient dtypes happens, which tensors are kept), [`action`] is `run_action`, one plan op on
 //! one rank (reading parameters, writing gradient parts, saved activations, the optimizer step).
