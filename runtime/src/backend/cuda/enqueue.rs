@@ -50,17 +50,28 @@ pub struct Grid {
     pub threads: u32,
 }
 
+/// Threads per block of the fused attention's tensor-core kernels (`Op::gpu_only`): four
+/// warps. Their registers bound how many warps a multiprocessor holds (65,536 registers: ptxas
+/// gives GPT-2's 64-wide heads 96 a thread forward, 127 and 168 for the backward's two sides).
+/// In blocks of eight warps the key side fits one block, 8 warps, where blocks of four fit
+/// three, 12; the forward 16 against 20. FlashAttention-2 launches four warps a block too. More
+/// resident warps hide more of the kernels' global loads (they read K and V without shared
+/// memory), and a causal block's uneven warps hold fewer of them idle. Not yet timed on a GPU.
+pub const TENSOR_CORE_BLOCK: u32 = 128;
+
 /// The grid of a launch of `op` over `n` indices, in blocks of 256 threads: one thread per
 /// element ([`UNROLL`] elements for an unrolled op, which its loop walks in one iteration), a warp
-/// per row, 32·`COLUMN_LANES` threads per 32 columns (so the launch's threads
-/// are whole groups of columns: `Op::lanes_on_gpu`, and the code generator's thread mapping);
-/// the others (a chunk per thread) blocks of 64, so that their few indices still spread over the
-/// multiprocessors. At most 65,536 blocks: the grid-stride loop covers the rest.
+/// per row (the tensor-core kernels' in blocks of [`TENSOR_CORE_BLOCK`]), 32·`COLUMN_LANES`
+/// threads per 32 columns (so the launch's threads are whole groups of columns:
+/// `Op::lanes_on_gpu`, and the code generator's thread mapping); the others (a chunk per
+/// thread) blocks of 64, so that their few indices still spread over the multiprocessors. At
+/// most 65,536 blocks: the grid-stride loop covers the rest.
 pub fn grid(op: Op, n: usize) -> Grid {
     let n = n as u64;
     let (threads, needed): (u32, u64) = match op.space() {
         Space::Elements if op.unrolled() => (256, n.div_ceil(UNROLL)),
         Space::Elements => (256, n),
+        Space::Rows if op.gpu_only() => (TENSOR_CORE_BLOCK, n * WARP),
         Space::Rows => (256, n * WARP),
         Space::Columns => (256, n.div_ceil(WARP) * WARP * COLUMN_LANES),
         Space::Chunks => (64, n),
@@ -292,6 +303,7 @@ pub trait Exec {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use schedc::kernels::flash;
 
     /// What the generated kernels' thread mapping (`schedc::kernels::codegen`) assumes of a
     /// launch: a warp per row and whole warps per block; for columns, whole groups of
@@ -314,7 +326,21 @@ mod tests {
                 decayed: false,
                 param: false,
             };
-            for op in [Op::Convert, Op::Gelu, adam, rows, columns, Op::SumSquares] {
+            let flash = Op::FlashBackwardKeys(flash::Shape {
+                heads: 12,
+                kv_heads: 12,
+                d: 64,
+                s: 1024,
+            });
+            for op in [
+                Op::Convert,
+                Op::Gelu,
+                adam,
+                rows,
+                columns,
+                Op::SumSquares,
+                flash,
+            ] {
                 let g = grid(op, n);
                 let threads = u64::from(g.blocks) * u64::from(g.threads);
                 assert_eq!(threads % WARP, 0, "{op:?} over {n}: whole warps");
@@ -339,8 +365,22 @@ mod tests {
                 );
             }
         }
-        // GPT-2 small: 8,192 rows of a warp each, 768 columns in 24 groups of 8 blocks.
+        // GPT-2 small: 8,192 rows of a warp each, 768 columns in 24 groups of 8 blocks; the
+        // key side's 6,144 warps in blocks of four.
         assert_eq!(grid(rows, 8192).blocks, 1024);
         assert_eq!(grid(columns, 768).blocks, 192);
+        let keys = Op::FlashBackwardKeys(flash::Shape {
+            heads: 12,
+            kv_heads: 12,
+            d: 64,
+            s: 1024,
+        });
+        assert_eq!(
+            grid(keys, 6144),
+            Grid {
+                blocks: 1536,
+                threads: 128
+            }
+        );
     }
 }
