@@ -14,7 +14,9 @@
 //!
 //! Needs the `llvm` feature (LLVM 19, for the JIT).
 
-use super::enqueue::{nccl_call, ColMajor, CudaError, DevAddr, Exec, Grid, NcclCall, Staged, A};
+use super::enqueue::{
+    nccl_call, ColMajor, CudaError, DevAddr, Exec, Grid, NcclCall, Pitched, Staged, A,
+};
 use super::gpu::{Consts, Gpu};
 use super::memory::{ConstsLayout, StreamMemory};
 use super::typed::{DevPtr, Storage};
@@ -60,14 +62,16 @@ fn every_variant(kernels: &[Kernel]) -> Vec<Kernel> {
 }
 
 /// A stream on the host: the generated kernels it knows, by name, run through the JIT;
-/// products by their definition. It counts the kernels launched (by name) and the products, and
-/// tallies what the device layer staged ([`Exec::staged`]).
+/// products by their definition. It counts the kernels launched (by name), the products and
+/// the copies (calls and bytes: a GPU's one 2-D copy counts once), and tallies what the device
+/// layer staged ([`Exec::staged`]).
 struct HostExec {
     kernels: HashMap<String, Kernel>,
     /// The set the kernels came from, for messages (`for_job`, or every variant).
     from: String,
     launched: RefCell<BTreeMap<String, u64>>,
     products: Cell<u64>,
+    copies: Cell<(u64, u64)>,
     staging: RefCell<Staging>,
 }
 
@@ -78,6 +82,7 @@ impl HostExec {
             from: from.into(),
             launched: Default::default(),
             products: Cell::new(0),
+            copies: Cell::new((0, 0)),
             staging: Default::default(),
         }
     }
@@ -85,6 +90,11 @@ impl HostExec {
     /// A stream that runs every variant of the kernels of `model`'s layers.
     fn for_model(model: &schedc::job::Model) -> Self {
         HostExec::new(every_variant(&for_model(model)), "every variant")
+    }
+
+    fn tally_copy(&self, bytes: usize) {
+        let (calls, total) = self.copies.get();
+        self.copies.set((calls + 1, total + bytes as u64));
     }
 }
 
@@ -211,8 +221,25 @@ impl Exec for HostExec {
     }
 
     fn copy_bytes(&self, dst: DevAddr, src: DevAddr, bytes: usize) -> Result<(), CudaError> {
+        self.tally_copy(bytes);
         // SAFETY: host buffers the test owns.
         unsafe { std::ptr::copy(src.0 as *const u8, dst.0 as *mut u8, bytes) };
+        Ok(())
+    }
+
+    fn copy_rows(
+        &self,
+        dst: Pitched,
+        src: Pitched,
+        width: usize,
+        rows: usize,
+    ) -> Result<(), CudaError> {
+        self.tally_copy(width * rows);
+        for r in 0..rows {
+            let at = |p: Pitched| (p.at.0 + (r * p.pitch) as u64) as *mut u8;
+            // SAFETY: host buffers the test owns.
+            unsafe { std::ptr::copy(at(src), at(dst), width) };
+        }
         Ok(())
     }
 }
@@ -1614,8 +1641,9 @@ fn go_emulated(plan: Arc<Plan>, steps: u64) -> (Vec<(f64, Vec<f32>)>, BTreeSet<S
 
 /// What one training step of a GPT-2-shaped bf16 model (two blocks, an odd vocabulary, learned
 /// positions, tied head, flash attention, AdamW, one GPU) launches on the CUDA device: every
-/// kernel by name with its count, and the products. Pinned as a snapshot, so that a change that
-/// adds launches or casts to the GPU's step shows in review (GPT-2 small has twelve blocks: the
+/// kernel by name with its count, the products, and the copies with the bytes they move. Pinned
+/// as a snapshot, so that a change that adds launches, casts or copies to the GPU's step shows
+/// in review (GPT-2 small has twelve blocks: the
 /// per-block kernels scale by six). Every step launches the same (checked once: the first and
 /// the second step's counts were equal), so one is counted.
 #[test]
@@ -1651,7 +1679,10 @@ fn launches_of_a_gpt2_shaped_step_are_pinned() {
     let launched = t.backend.x.launched.take();
     let total: u64 = launched.values().sum();
     let products = t.backend.x.products.get();
-    let mut census = format!("{total} kernel launches and {products} products a step\n");
+    let (copies, copied) = t.backend.x.copies.get();
+    let mut census = format!(
+        "{total} kernel launches, {products} products and {copies} copies ({copied} bytes) a step\n"
+    );
     for (name, n) in &launched {
         census += &format!("{n:>4} {name}\n");
     }
