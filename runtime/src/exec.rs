@@ -30,7 +30,6 @@ use crate::math::LayerMath;
 use cranelift_entity::EntityRef;
 use schedc::ir::{BufferKind, CollectiveOp, ComputeKind, Offset, OpKind, Program, Region};
 use schedc::job::{LayerKind, Model};
-use schedc::lower::workspace::logits_stride;
 
 /// A compute op's parameter-gradient write: `region` holds gradient elements from `first` on.
 #[derive(Clone, Debug)]
@@ -314,12 +313,12 @@ fn decode_op(
         }
     };
     l.finish()?;
-    check_sizes(p, model, maths, &action)?;
+    check_sizes(p, maths, &action)?;
     Ok(action)
 }
 
 /// Sizes every region of a layer action against the layer math.
-fn check_sizes(p: &Program, model: &Model, maths: &[LayerMath], a: &Action) -> Result<(), String> {
+fn check_sizes(p: &Program, maths: &[LayerMath], a: &Action) -> Result<(), String> {
     let elems = |r: &Region| r.bytes / p.buffers[r.buffer].dtype.bytes();
     let at_least = |r: &Option<Region>, n: usize, what: &str| match r {
         Some(r) if (elems(r) as usize) < n => Err(format!(
@@ -367,13 +366,9 @@ fn check_sizes(p: &Program, model: &Model, maths: &[LayerMath], a: &Action) -> R
             exactly(&Some(*grad_output), m.output_elements(), "output gradient")?;
         }
         Action::Loss { logits, grad } => {
-            let tokens = (model.micro_batch * model.seq_len) as usize;
-            let stride = match model.layers.last().map(|l| l.kind) {
-                Some(LayerKind::LmHead { vocab, .. }) => logits_stride(vocab) as usize,
-                _ => return Err("the model does not end in an lm_head".into()),
-            };
-            exactly(&Some(*logits), tokens * stride, "logits")?;
-            exactly(&Some(*grad), tokens * stride, "logits gradient")?;
+            let head = LayerMath::head(maths).ok_or("the model does not end in an lm_head")?;
+            exactly(&Some(*logits), head.output_elements(), "logits")?;
+            exactly(&Some(*grad), head.output_elements(), "logits gradient")?;
         }
         _ => {}
     }

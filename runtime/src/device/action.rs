@@ -8,11 +8,10 @@ use super::layers::{self, In};
 use super::{plan_error, ArenaSpan, Device, DeviceError, Ptr, Update};
 use crate::backend::StepInput;
 use crate::exec::{Action, GradPart};
-use crate::math::{OptimizerConfig, Precision, Stored};
+use crate::math::{LayerMath, OptimizerConfig, Precision, Stored};
 use crate::plan::Plan;
 use schedc::ir::{Region, ShardIndex};
 use schedc::job::{Dtype, LayerKind};
-use schedc::lower::workspace::logits_stride;
 
 /// What an op of one rank runs against: the plan, the rank, and the device of its stream.
 pub struct Rank<'a, D> {
@@ -105,13 +104,25 @@ impl<D: Device> Rank<'_, D> {
     /// device can and `r` shares no byte with the op's other regions, else in workspace (and
     /// stored by [`Rank::write`]).
     fn output(&self, r: Option<&Region>, n: usize, op: &[&Region]) -> Result<D::Ptr, DeviceError> {
-        if let Some(r) = r.filter(|r| self.alone(r, op)) {
-            self.check_size(r, n, true)?;
-            if let Some(p) = self.device.view(self.at(r), self.dtype(r), n)? {
-                return Ok(p);
-            }
+        if let Some(p) = r.map(|r| self.in_place(r, n, op)).transpose()?.flatten() {
+            return Ok(p);
         }
         self.device.alloc(n)
+    }
+
+    /// `r`'s `n` values on the arena itself, where the device can compute on them there and
+    /// `r` shares no byte with the op's other regions.
+    fn in_place(
+        &self,
+        r: &Region,
+        n: usize,
+        op: &[&Region],
+    ) -> Result<Option<D::Ptr>, DeviceError> {
+        if !self.alone(r, op) {
+            return Ok(None);
+        }
+        self.check_size(r, n, true)?;
+        self.device.view(self.at(r), self.dtype(r), n)
     }
 
     /// Where a layer's parameter gradient of `n` values is computed: on the arena when it is
@@ -359,13 +370,10 @@ impl<D: Device> Rank<'_, D> {
                 }
             }
             Action::Loss { logits, grad } => {
-                let vocab = match p.job.model.layers.last().map(|l| l.kind) {
-                    Some(LayerKind::LmHead { vocab, .. }) => vocab as usize,
-                    _ => return Err(plan_error("the model does not end in an lm_head")),
-                };
-                let n = (p.job.model.micro_batch * p.job.model.seq_len) as usize;
+                let head = LayerMath::head(&p.maths)
+                    .ok_or_else(|| plan_error("the model does not end in an lm_head"))?;
+                let (n, vocab, stride) = (head.dims().t, head.output_width(), head.output_stride());
                 let m = m.ok_or_else(|| plan_error("a loss op without a micro-step"))?;
-                let stride = logits_stride(vocab as u64) as usize;
                 let z = self.read(logits, n * stride)?;
                 let dz = self.output(Some(grad), n * stride, &op_regions(a))?;
                 d.cross_entropy(z, d.tokens(m, true)?, vocab, stride, n, dz)?;
@@ -401,14 +409,9 @@ impl<D: Device> Rank<'_, D> {
                         .map(|(s, clip)| (self.span(s), clip)),
                     contributions,
                 };
-                // The parameter written by the update's own pass where the device can write its
-                // region in place (no other region of the op shares its bytes), else stored
-                // from the new master after.
-                let regions = [grad, state, param];
-                let in_place = match self.alone(param, &regions) {
-                    true => self.device.view(self.at(param), self.dtype(param), n)?,
-                    false => None,
-                };
+                // The parameter written by the update's own pass where the device can write it
+                // in place, else stored from the new master after.
+                let in_place = self.in_place(param, n, &op_regions(a))?;
                 d.update(&u, st, g, in_place)?;
                 self.write(state, st, self.elements(state), false)?;
                 if in_place.is_none() {
@@ -493,6 +496,9 @@ fn op_regions(a: &Action) -> Vec<&Region> {
             .chain(grads.iter().chain(tied_grads).map(|g| &g.region))
             .collect(),
         Action::Loss { logits, grad } => vec![logits, grad],
+        Action::Update {
+            grad, state, param, ..
+        } => vec![grad, state, param],
         _ => vec![],
     };
     named

@@ -510,6 +510,13 @@ impl LayerMath {
         }
     }
 
+    /// The model's lm_head, whose output the loss reads: the last layer's math when it is one.
+    pub fn head(maths: &[LayerMath]) -> Option<&LayerMath> {
+        maths
+            .last()
+            .filter(|m| matches!(m.kind, Kind::LmHead { .. }))
+    }
+
     /// True for the embedding, whose input is token ids.
     pub fn takes_tokens(&self) -> bool {
         matches!(self.kind, Kind::Embedding { .. })
