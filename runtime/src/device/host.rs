@@ -307,6 +307,9 @@ impl Device for Host<'_> {
     ) -> Result<(), DeviceError> {
         #[cfg(feature = "llvm")]
         if jit::enabled() {
+            if bias.is_some() && ld != out {
+                return Err(plan_error("a bias added to rows wider than the product"));
+            }
             unsafe {
                 linear(
                     x.r(t * inp),
@@ -320,9 +323,6 @@ impl Device for Host<'_> {
                 )
             };
             let Some(b) = bias else { return Ok(()) };
-            if ld != out {
-                return Err(plan_error("a bias added to rows wider than the product"));
-            }
             let op = Op::BiasAdd { width: out as u32 };
             return generated(op, &[y.arg(), b.arg()], t * out).unwrap_or(Ok(()));
         }
@@ -786,13 +786,7 @@ impl Device for Host<'_> {
             None => 1.0,
         };
         let scale = (factor / u.contributions) as f32;
-        #[cfg(feature = "llvm")]
-        if jit::enabled() {
-            self.generated_update(u, scale, state, grad)?;
-            return param.map_or(Ok(()), |p| self.copy(p, state, u.n));
-        }
-        let (st, g) = unsafe { (state.w(u.cfg.state_per_param() * u.n), grad.r(u.n)) };
-        optimizer_step(u.cfg, st, g, scale, u.step, u.first, u.decay);
+        self.step_shard(u, scale, state, grad)?;
         param.map_or(Ok(()), |p| self.copy(p, state, u.n))
     }
 
@@ -807,6 +801,26 @@ impl Device for Host<'_> {
         }
         a.write(out.at, out.dtype, &[total as f32])
             .map_err(DeviceError::from)
+    }
+}
+
+impl Host<'_> {
+    /// The optimizer step on the shard's state with the gradient scaled by `scale`: the
+    /// generated kernels where they run, else the Rust math.
+    fn step_shard(
+        &self,
+        u: &Update<'_>,
+        scale: f32,
+        state: HostPtr,
+        grad: HostPtr,
+    ) -> Result<(), DeviceError> {
+        #[cfg(feature = "llvm")]
+        if jit::enabled() {
+            return self.generated_update(u, scale, state, grad);
+        }
+        let (st, g) = unsafe { (state.w(u.cfg.state_per_param() * u.n), grad.r(u.n)) };
+        optimizer_step(u.cfg, st, g, scale, u.step, u.first, u.decay);
+        Ok(())
     }
 }
 
