@@ -502,7 +502,9 @@ impl Gpu<'_> {
         out: usize,
     ) -> Result<(), DeviceError> {
         if (dbias.is_some() || gelu.is_some()) && ld != out {
-            return Err(plan_error("a bias gradient of rows wider than the product"));
+            return Err(plan_error(
+                "a bias gradient or GELU's backward over rows wider than the product",
+            ));
         }
         let aligned = aligned_ld(ld, dy.storage) == ld;
         let (width, rows) = (out as u32, Arg::L(t as i64));
@@ -511,22 +513,19 @@ impl Gpu<'_> {
         // the two, not once per product (the cast lives in workspace until the op ends); with a
         // bias, by the bias gradient's pass over dy, which also takes GELU's backward.
         let shared = aligned && dx.is_some();
-        let pre = gelu.map(T);
         let dy = match dbias {
-            Some(db) if shared && dy.storage == Storage::F32 && products != Storage::F32 => {
-                let dy16 = self.alloc_as(products, t * out)?;
-                let (cast, gelu) = (true, gelu.is_some());
-                let op = Op::BiasGrad { width, cast, gelu };
-                let args: Vec<Arg> = [T(dy), T(db), T(dy16)].into_iter().chain(pre).collect();
-                self.run(op, out, &[&args[..], &[rows]].concat())?;
-                dy16
-            }
             Some(db) => {
-                let (cast, gelu) = (false, gelu.is_some());
-                let op = Op::BiasGrad { width, cast, gelu };
-                let args: Vec<Arg> = [T(dy), T(db)].into_iter().chain(pre).collect();
-                self.run(op, out, &[&args[..], &[rows]].concat())?;
-                dy
+                let cast = shared && dy.storage == Storage::F32 && products != Storage::F32;
+                let dy16 = cast.then(|| self.alloc_as(products, t * out)).transpose()?;
+                let op = Op::BiasGrad {
+                    width,
+                    cast,
+                    gelu: gelu.is_some(),
+                };
+                let tensors = [dy, db].into_iter().chain(dy16).chain(gelu);
+                let args: Vec<Arg> = tensors.map(T).chain([rows]).collect();
+                self.run(op, out, &args)?;
+                dy16.unwrap_or(dy)
             }
             None => {
                 if let Some(pre) = gelu {
@@ -1155,8 +1154,7 @@ impl Device for Gpu<'_> {
         }
         // Rows that do not start 16 bytes aligned: y's columns a block at a time
         // (`column_blocks`) are computed into rows of `cols` in workspace and copied into y.
-        let wide = aligned_ld(out, y.storage);
-        let (cols, rows) = Self::column_blocks(t, wide, y.storage);
+        let (cols, rows) = Self::column_blocks(t, aligned_ld(out, y.storage), y.storage);
         let block = self.alloc_as(y.storage, rows * cols)?;
         for c0 in (0..out).step_by(cols) {
             let width = cols.min(out - c0);
