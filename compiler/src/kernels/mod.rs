@@ -142,7 +142,7 @@ pub enum Op {
     /// From `dprod` (in `dgate`): `dup = dprod·g·σ(g)`, `dgate = dprod·u·σ(g)·(1 + g(1 − σ(g)))`.
     /// With `cast`, `dgate` is only read and the gate's gradient goes to `cast` instead: a
     /// 16-bit model's two gradients written once in the product dtype, for products alone to
-    /// read, rather than in fp32 and then cast (`Device::swiglu_backward_for_products`).
+    /// read, rather than in fp32 and then cast (the runtime's `Device::swiglu_backward_cast`).
     SwiGluBackward { cast: bool },
     /// `y[i] += b[i mod width]`.
     BiasAdd { width: u32 },
@@ -910,12 +910,12 @@ impl Catalogue {
     /// A bias gradient from `dy` stored in `dy`'s dtype; from fp32 gradients of a 16-bit model,
     /// also the kernel that casts them for the products as it sums them.
     fn bias_grad(&mut self, width: u32, dy: Dtype) {
-        self.bias_grad_after(width, dy, false);
+        self.bias_grad_through(width, dy, false);
     }
 
     /// [`Catalogue::bias_grad`], with `gelu` of fp32 gradients through GELU's backward first
-    /// (the GELU read from the arena).
-    fn bias_grad_after(&mut self, width: u32, dy: Dtype, gelu: bool) {
+    /// (its input read from the arena).
+    fn bias_grad_through(&mut self, width: u32, dy: Dtype, gelu: bool) {
         let (a, f) = (self.a, self.f);
         let pre = if gelu { vec![a] } else { vec![] };
         let op = Op::BiasGrad {
@@ -1005,12 +1005,12 @@ impl Catalogue {
         if m.bias {
             for width in [m.ffn as u32, m.hidden as u32] {
                 self.add(Kernel::new(Op::BiasAdd { width }, &[f, a]));
-                self.bias_grad(width, f);
             }
-            // The first product's bias gradient through GELU's backward (`Device::gelu_linear_backward`).
-            if m.act == Activation::Gelu {
-                self.bias_grad_after(m.ffn as u32, f, true);
-            }
+            // The first product's bias gradient: of SwiGLU's fp32 gradients, or GELU's taken
+            // in the same pass (the runtime's `Device::gelu_linear_backward`).
+            self.bias_grad_through(m.ffn as u32, f, m.act == Activation::Gelu);
+            // The output projection's, from fp32 or the arena's output gradient.
+            self.bias_grad(m.hidden as u32, f);
             self.bias_grad(m.hidden as u32, a);
         }
     }
