@@ -222,11 +222,11 @@ impl Exec for HostExec {
 
     fn copy_bytes(&self, dst: DevAddr, src: DevAddr, bytes: usize) -> Result<(), CudaError> {
         self.tally_copy(bytes);
-        // SAFETY: host buffers the test owns.
-        unsafe { std::ptr::copy(src.0 as *const u8, dst.0 as *mut u8, bytes) };
+        copy_host(dst, src, bytes);
         Ok(())
     }
 
+    /// One copy in the tally, as a GPU's one 2-D copy.
     fn copy_rows(
         &self,
         dst: Pitched,
@@ -235,13 +235,15 @@ impl Exec for HostExec {
         rows: usize,
     ) -> Result<(), CudaError> {
         self.tally_copy(width * rows);
-        for r in 0..rows {
-            let at = |p: Pitched| (p.at.0 + (r * p.pitch) as u64) as *mut u8;
-            // SAFETY: host buffers the test owns.
-            unsafe { std::ptr::copy(at(src), at(dst), width) };
-        }
+        (0..rows).for_each(|r| copy_host(dst.row(r), src.row(r), width));
         Ok(())
     }
+}
+
+/// `bytes` from `src` to `dst`, host buffers the test owns.
+fn copy_host(dst: DevAddr, src: DevAddr, bytes: usize) {
+    // SAFETY: the device layer sizes every copy inside the buffers it was given.
+    unsafe { std::ptr::copy(src.0 as *const u8, dst.0 as *mut u8, bytes) };
 }
 
 /// Element `e` of a product operand stored in `dtype` at `base`, as f32.

@@ -42,6 +42,13 @@ pub struct Pitched {
     pub pitch: usize,
 }
 
+impl Pitched {
+    /// The address of row `r`.
+    pub fn row(self, r: usize) -> DevAddr {
+        DevAddr(self.at.0 + (r * self.pitch) as u64)
+    }
+}
+
 /// A launch shape: `blocks` of `threads`, covering the kernel's index range with its
 /// grid-stride loop.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -54,9 +61,9 @@ pub struct Grid {
 /// warps. Their registers bound how many warps a multiprocessor holds (65,536 registers: ptxas
 /// gives GPT-2's 64-wide heads 96 a thread forward, 127 and 168 for the backward's two sides).
 /// In blocks of eight warps the key side fits one block, 8 warps, where blocks of four fit
-/// three, 12; the forward 16 against 20. FlashAttention-2 launches four warps a block too. More
-/// resident warps hide more of the kernels' global loads (they read K and V without shared
-/// memory), and a causal block's uneven warps hold fewer of them idle. Not yet timed on a GPU.
+/// three, 12; the forward 16 against 20. More resident warps hide more of the kernels' global
+/// loads (they read K and V without shared memory), and a causal block's uneven warps hold
+/// fewer of them idle. Not yet timed on a GPU.
 pub const TENSOR_CORE_BLOCK: u32 = 128;
 
 /// The grid of a launch of `op` over `n` indices, in blocks of 256 threads: one thread per
@@ -286,11 +293,7 @@ pub trait Exec {
         width: usize,
         rows: usize,
     ) -> Result<(), CudaError> {
-        for r in 0..rows {
-            let at = |p: Pitched| DevAddr(p.at.0 + (r * p.pitch) as u64);
-            self.copy_bytes(at(dst), at(src), width)?;
-        }
-        Ok(())
+        (0..rows).try_for_each(|r| self.copy_bytes(dst.row(r), src.row(r), width))
     }
     /// Told, before the launch or copy that does it, that the device layer staged `n` values
     /// (`arena_bytes` of the arena) between the arena and workspace: the tests' tally of what
