@@ -72,6 +72,19 @@ pub const COLUMN_LANES: u64 = 64;
 /// Elements per partial sum of [`Op::SumSquares`].
 pub const SUMSQ_CHUNK: usize = 4096;
 
+/// Decayed ranges one [`Op::Adam`] launch takes: a transformer block's flat vector has four
+/// (GPT-2's weight matrices between its biases and norm gains; LLaMA's merge into two), so a
+/// block's whole update is one launch. A shard with more is updated in several.
+pub const ADAM_DECAY_RANGES: usize = 4;
+
+/// The names of [`Op::Adam`]'s decayed ranges' bounds, `[from, to)` in the launch's elements.
+pub(crate) const ADAM_DECAY_BOUNDS: [[&str; 2]; ADAM_DECAY_RANGES] = [
+    ["decay0_from", "decay0_to"],
+    ["decay1_from", "decay1_to"],
+    ["decay2_from", "decay2_to"],
+    ["decay3_from", "decay3_to"],
+];
+
 /// How a kernel's index range is read.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Space {
@@ -175,12 +188,15 @@ pub enum Op {
     },
     /// Adam or AdamW on a flat shard: fp32 master, m and v updated from the gradient times
     /// `grad_scale[0]` (one f32 in memory, [`Op::GradScale`]'s output or a fill, so that a GPU
-    /// reads the clipped scale without the host waiting for it). `decayed` applies AdamW's
-    /// decoupled weight decay (`shrink`). With `param`, the new master is also stored into
+    /// reads the clipped scale without the host waiting for it). The master is multiplied by
+    /// `shrink` (AdamW's decoupled weight decay) inside the launch's [`ADAM_DECAY_RANGES`]
+    /// ranges `[decayK_from, decayK_to)` and by 1 outside them (exact, as `optimizer_step`
+    /// does), so one launch covers runs of decayed and undecayed elements; unused ranges are
+    /// empty, and plain Adam passes none. With `param`, the new master is also stored into
     /// `param`, the model's parameter in its dtype (rounded once), in the same pass; without,
     /// `run_action` stores the state's master into the parameter afterwards, a pass of its own
     /// (where the device cannot write the parameter's region in place).
-    Adam { decayed: bool, param: bool },
+    Adam { param: bool },
     /// SGD on a flat shard: fp32 master updated from the gradient times `grad_scale[0]`.
     Sgd,
     /// `scale[i] = (min(clip / (√sumsq[i] / contributions + 1e-6), 1) / contributions) as f32`,
@@ -441,7 +457,7 @@ impl Op {
                 F32("inv"),
             ],
             Op::Rotary { .. } => vec![Tensor("qkv", d[0]), F32s("cos"), F32s("sin")],
-            Op::Adam { param, .. } => [F32s("master"), F32s("m"), F32s("v"), Tensor("grad", d[0])]
+            Op::Adam { param } => [F32s("master"), F32s("m"), F32s("v"), Tensor("grad", d[0])]
                 .into_iter()
                 .chain(param.then(|| Tensor("param", d[1])))
                 .chain([
@@ -455,6 +471,7 @@ impl Op {
                     F32("bc2_sqrt"),
                     F32("shrink"),
                 ])
+                .chain(ADAM_DECAY_BOUNDS.iter().flatten().map(|&b| I64(b)))
                 .collect(),
             Op::Sgd => vec![
                 F32s("master"),
@@ -575,11 +592,7 @@ impl Op {
                 "rotary{}_h{heads}_kv{kv_heads}_d{head_dim}_w{width}_s{seq_len}",
                 if inverse { "_inverse" } else { "" }
             ),
-            Op::Adam { decayed, param } => format!(
-                "adam{}{}",
-                if decayed { "_decayed" } else { "" },
-                if param { "_param" } else { "" }
-            ),
+            Op::Adam { param } => format!("adam{}", if param { "_param" } else { "" }),
             Op::Sgd => "sgd".into(),
             Op::GradScale => "grad_scale".into(),
             Op::Round { to } => format!("round_to_{}", to.name()),
@@ -840,29 +853,12 @@ pub fn for_model(model: &Model) -> Vec<Kernel> {
     k.add(Kernel::new(Op::GradScale, &[f]));
     // Adam's with the parameter written in the same pass where the device can write its
     // region in place, and without.
-    let decays: &[bool] = match model.optimizer {
-        Optimizer::Adam => &[false],
-        Optimizer::AdamW => &[false, true],
-        Optimizer::Sgd => &[],
-    };
-    for &decayed in decays {
-        k.add(Kernel::new(
-            Op::Adam {
-                decayed,
-                param: false,
-            },
-            &[g],
-        ));
-        k.add(Kernel::new(
-            Op::Adam {
-                decayed,
-                param: true,
-            },
-            &[g, a],
-        ));
-    }
-    if model.optimizer == Optimizer::Sgd {
-        k.add(Kernel::new(Op::Sgd, &[g]));
+    match model.optimizer {
+        Optimizer::Adam | Optimizer::AdamW => {
+            k.add(Kernel::new(Op::Adam { param: false }, &[g]));
+            k.add(Kernel::new(Op::Adam { param: true }, &[g, a]));
+        }
+        Optimizer::Sgd => k.add(Kernel::new(Op::Sgd, &[g])),
     }
     // The gradient norm: chunked sums of squares of the gradients in place, summed, stored.
     k.add(Kernel::new(Op::SumSquares, &[g]));

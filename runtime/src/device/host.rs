@@ -826,9 +826,9 @@ impl Host<'_> {
 
 #[cfg(feature = "llvm")]
 impl Host<'_> {
-    /// The optimizer step with the generated Adam or SGD kernel, run by run of elements all
-    /// inside or all outside the decayed ranges (as `optimizer_step` walks them), reading the
-    /// gradient scale from memory as the GPU does.
+    /// The optimizer step with the generated Adam or SGD kernel, Adam's in the launches the
+    /// GPU makes ([`Update::adam_launches`]), reading the gradient scale from memory as the GPU
+    /// does.
     fn generated_update(
         &self,
         u: &Update<'_>,
@@ -845,15 +845,17 @@ impl Host<'_> {
         }
         let (m, v) = (state.offset(n), state.offset(2 * n));
         let scalars = u.adam_scalars()?;
-        for (run, op) in u.adam_runs(false) {
-            let i = run.start;
+        for launch in u.adam_launches() {
+            let i = launch.elements.start;
             let tensors = [state, m, v, grad].map(|t| t.offset(i).arg());
             let args: Vec<Arg> = tensors
                 .into_iter()
                 .chain([scale])
                 .chain(scalars.map(Arg::F32))
+                .chain(launch.bounds().map(Arg::I64))
                 .collect();
-            generated(op, &args, run.len()).unwrap_or(Ok(()))?;
+            let op = Op::Adam { param: false };
+            generated(op, &args, launch.elements.len()).unwrap_or(Ok(()))?;
         }
         Ok(())
     }

@@ -37,6 +37,7 @@ use crate::math::attention::Keep;
 use crate::math::saved::Piece;
 use crate::math::{BlockP, NormP, OptimizerConfig, Precision, Segment};
 use schedc::job::Dtype;
+use schedc::kernels::ADAM_DECAY_RANGES;
 use std::ops::Range;
 
 /// A run of values on a device, by its first element: f32 on the host; on a GPU a typed
@@ -154,18 +155,52 @@ impl Update<'_> {
         Ok(crate::math::optim::adam_scalars(self.cfg, self.step))
     }
 
-    /// The generated Adam kernel for each run of the shard's elements that lies all inside or
-    /// all outside the decayed ranges, as `optimizer_step` walks them; with `param`, the
-    /// kernels that also store the parameter.
-    pub fn adam_runs(
-        &self,
-        param: bool,
-    ) -> impl Iterator<Item = (Range<usize>, schedc::kernels::Op)> + '_ {
-        let decays = self.cfg.decays();
-        crate::math::optim::decay_runs(self.n, self.first, self.decay).map(move |(run, inside)| {
-            let decayed = decays && inside;
-            (run, schedc::kernels::Op::Adam { decayed, param })
-        })
+    /// The generated Adam kernel's launches over the shard: each covers a range of its elements
+    /// and takes the decayed runs (as `optimizer_step` walks them) that lie in it, as ranges of
+    /// the launch's elements, at most [`ADAM_DECAY_RANGES`] (the rest empty). One launch covers
+    /// the shard unless it holds more decayed runs; none for an empty shard.
+    pub fn adam_launches(&self) -> Vec<AdamLaunch> {
+        let decayed: Vec<Range<usize>> = match self.cfg.decays() {
+            true => crate::math::optim::decay_runs(self.n, self.first, self.decay)
+                .filter_map(|(run, inside)| inside.then_some(run))
+                .collect(),
+            false => vec![],
+        };
+        let groups: Vec<&[Range<usize>]> = match decayed.is_empty() {
+            true => vec![&[]],
+            false => decayed.chunks(ADAM_DECAY_RANGES).collect(),
+        };
+        let starts = groups.iter().enumerate().map(|(g, runs)| match g {
+            0 => 0,
+            _ => runs[0].start,
+        });
+        let ends = starts.clone().skip(1).chain([self.n]);
+        let launches = groups.iter().zip(starts.zip(ends)).map(|(runs, (lo, hi))| {
+            let mut bounds = [(0u64, 0u64); ADAM_DECAY_RANGES];
+            for (b, r) in bounds.iter_mut().zip(runs.iter()) {
+                *b = ((r.start - lo) as u64, (r.end - lo) as u64);
+            }
+            AdamLaunch {
+                elements: lo..hi,
+                decayed: bounds,
+            }
+        });
+        launches.filter(|l| !l.elements.is_empty()).collect()
+    }
+}
+
+/// One launch of the generated Adam kernel ([`Update::adam_launches`]): `elements` of the
+/// shard, with `decayed` ranges counted from its first element.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AdamLaunch {
+    pub elements: Range<usize>,
+    pub decayed: [(u64, u64); ADAM_DECAY_RANGES],
+}
+
+impl AdamLaunch {
+    /// The decayed ranges' bounds as the kernel takes them, after its scalars.
+    pub fn bounds(&self) -> impl Iterator<Item = i64> + '_ {
+        self.decayed.iter().flat_map(|&(a, b)| [a as i64, b as i64])
     }
 }
 

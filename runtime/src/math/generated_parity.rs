@@ -15,7 +15,7 @@ use super::{cross_entropy, optimizer_step, OptimizerConfig, Precision, Rng};
 use crate::arena::Arena;
 use crate::device::host::{Host, HostPtr, HostTokens};
 use crate::device::jit::without;
-use crate::device::Device;
+use crate::device::{Device, Update};
 use crate::math::{bf16_bits_to_f32, f32_to_bf16_bits};
 use schedc::job::{Dtype, Norm, Optimizer};
 use schedc::kernels::codegen::{slot_f32, slot_f64, slot_i64, slot_ptr, HostKernels};
@@ -55,9 +55,14 @@ impl T {
     }
 
     fn ptr(&mut self) -> u64 {
+        self.ptr_at(0)
+    }
+
+    /// The address of element `i`.
+    fn ptr_at(&mut self, i: usize) -> u64 {
         match self {
-            T::F32(v) => slot_ptr(v.as_mut_ptr()),
-            T::Half(v, _) => slot_ptr(v.as_mut_ptr()),
+            T::F32(v) => slot_ptr(v[i..].as_mut_ptr()),
+            T::Half(v, _) => slot_ptr(v[i..].as_mut_ptr()),
         }
     }
 
@@ -593,105 +598,148 @@ fn rotary_matches_rope() {
     }
 }
 
+/// Decayed ranges of a layer's flat vector (elements `FIRST..FIRST + n` are the shard): none,
+/// all, a GPT-2 block's four weight matrices between biases and norm gains, six runs (two
+/// launches), and ranges that begin before the shard and end past it.
+const FIRST: usize = 100;
+fn decay_patterns(n: usize) -> Vec<Vec<Range<usize>>> {
+    let at = |a: usize, b: usize| FIRST + a..FIRST + b;
+    vec![
+        vec![],
+        vec![0..FIRST + n + 5],
+        vec![at(7, 300), at(301, 500), at(530, 700), at(760, 1000)],
+        (0..6).map(|k| at(150 * k + 20, 150 * k + 90)).collect(),
+        vec![0..FIRST + 10, at(1000, n + 40)],
+    ]
+}
+
 #[test]
 fn optimizers_match_optimizer_step() {
     let n = 1037;
+    let step = 7;
+    let scale = 0.25f32;
     for kind in [Optimizer::Adam, Optimizer::AdamW, Optimizer::Sgd] {
+        let cfg = OptimizerConfig::new(kind, 3e-3);
         for d in [Dtype::Fp32, Dtype::Bf16] {
-            let cfg = OptimizerConfig::new(kind, 3e-3);
-            let step = 7;
             let grad = round(d, &finite(14, n, 1.0));
             let mut state = finite(15, n, 1.0);
             if kind != Optimizer::Sgd {
                 state.extend(finite(16, n, 0.01));
                 state.extend(finite(17, n, 0.01).iter().map(|x| x * x));
             }
-            let scale = 0.25f32;
-            // The whole shard decayed (AdamW's 2-D tensors), or not.
-            for decayed in [false, true] {
-                if decayed && kind != Optimizer::AdamW {
-                    continue;
-                }
-                let decay: Vec<std::ops::Range<usize>> = if decayed {
-                    std::iter::once(0..n).collect()
-                } else {
-                    vec![]
-                };
+            let mut tg = T::new(d, &grad);
+            // The scale is read from memory (a GPU's comes from `GradScale`).
+            let mut cell = [scale];
+            if kind == Optimizer::Sgd {
                 let mut want = state.clone();
-                optimizer_step(&cfg, &mut want, &grad, scale, step, 0, &decay);
+                optimizer_step(&cfg, &mut want, &grad, scale, step, 0, &[]);
                 let mut st = state.clone();
-                let (master, rest) = st.split_at_mut(n);
-                let mut tg = T::new(d, &grad);
-                // The scale is read from memory (a GPU's comes from `GradScale`).
-                let mut cell = [scale];
-                let (k, args) = if kind == Optimizer::Sgd {
-                    let k = Kernel::new(Op::Sgd, &[d]);
-                    let args = vec![
-                        slot_ptr(master.as_mut_ptr()),
-                        tg.ptr(),
-                        slot_ptr(cell.as_mut_ptr()),
-                        slot_f32(cfg.lr),
-                    ];
-                    (k, args)
-                } else {
-                    let (m, v) = rest.split_at_mut(n);
-                    let bc1 = 1.0 - f64::from(cfg.beta1).powf(step as f64);
-                    let bc2 = 1.0 - f64::from(cfg.beta2).powf(step as f64);
-                    let param = false;
-                    let k = Kernel::new(Op::Adam { decayed, param }, &[d]);
-                    let args = vec![
-                        slot_ptr(master.as_mut_ptr()),
-                        slot_ptr(m.as_mut_ptr()),
-                        slot_ptr(v.as_mut_ptr()),
-                        tg.ptr(),
-                        slot_ptr(cell.as_mut_ptr()),
-                        slot_f32(cfg.beta1),
-                        slot_f32(1.0 - cfg.beta1),
-                        slot_f32(cfg.beta2),
-                        slot_f32(1.0 - cfg.beta2),
-                        slot_f32(cfg.eps),
-                        slot_f32((f64::from(cfg.lr) / bc1) as f32),
-                        slot_f32(bc2.sqrt() as f32),
-                        slot_f32(1.0 - cfg.lr * cfg.weight_decay),
-                    ];
-                    (k, args)
-                };
-                run(&k, &args, n);
-                same(
-                    &format!("{kind:?} {d:?} decayed={decayed} state"),
-                    &st,
-                    &want,
-                );
-                if kind == Optimizer::Sgd {
-                    continue;
-                }
-                // With the parameter (in the gradient's dtype here) stored in the same pass:
-                // the same state, and the new master rounded once.
-                let mut st = state.clone();
-                let (master, rest) = st.split_at_mut(n);
-                let (m, v) = rest.split_at_mut(n);
-                let mut tp = T::new(d, &vec![f32::NAN; n]);
-                let mut args = vec![
-                    slot_ptr(master.as_mut_ptr()),
-                    slot_ptr(m.as_mut_ptr()),
-                    slot_ptr(v.as_mut_ptr()),
+                let args = vec![
+                    slot_ptr(st.as_mut_ptr()),
                     tg.ptr(),
-                    tp.ptr(),
                     slot_ptr(cell.as_mut_ptr()),
+                    slot_f32(cfg.lr),
                 ];
-                let scalars = crate::math::optim::adam_scalars(&cfg, step);
-                args.extend(scalars.map(slot_f32));
-                let op = Op::Adam {
-                    decayed,
-                    param: true,
+                run(&Kernel::new(Op::Sgd, &[d]), &args, n);
+                same(&format!("{kind:?} {d:?}"), &st, &want);
+                continue;
+            }
+            for decay in decay_patterns(n) {
+                let update = Update {
+                    cfg: &cfg,
+                    step,
+                    n,
+                    first: FIRST,
+                    decay: &decay,
+                    clip: None,
+                    contributions: 1.0,
                 };
-                run(&Kernel::new(op, &[d, d]), &args, n);
-                let what = format!("{kind:?} {d:?} decayed={decayed} with the parameter");
-                same(&what, &st, &want);
-                same(&what, &tp.values(), &round(d, &want[..n]));
+                let launches = update.adam_launches();
+                let mut want = state.clone();
+                optimizer_step(&cfg, &mut want, &grad, scale, step, FIRST, &decay);
+                // Without and with the parameter (in the gradient's dtype here) stored in the
+                // same pass: the same state, and the new master rounded once.
+                for param in [false, true] {
+                    let mut st = state.clone();
+                    let mut tp = T::new(d, &vec![f32::NAN; n]);
+                    let k = match param {
+                        false => Kernel::new(Op::Adam { param }, &[d]),
+                        true => Kernel::new(Op::Adam { param }, &[d, d]),
+                    };
+                    for l in &launches {
+                        let i = l.elements.start;
+                        let at =
+                            |t: &mut [f32], part: usize| slot_ptr(t[part * n + i..].as_mut_ptr());
+                        let mut args = vec![at(&mut st, 0), at(&mut st, 1), at(&mut st, 2)];
+                        args.push(tg.ptr_at(i));
+                        if param {
+                            args.push(tp.ptr_at(i));
+                        }
+                        args.push(slot_ptr(cell.as_mut_ptr()));
+                        let scalars = crate::math::optim::adam_scalars(&cfg, step);
+                        args.extend(scalars.map(slot_f32));
+                        args.extend(l.bounds().map(slot_i64));
+                        run(&k, &args, l.elements.len());
+                    }
+                    let what = format!("{kind:?} {d:?} decay {decay:?} param={param}");
+                    same(&what, &st, &want);
+                    if param {
+                        same(&what, &tp.values(), &round(d, &want[..n]));
+                    }
+                }
             }
         }
     }
+}
+
+/// A shard's Adam launches: one for a layer's shard with up to four decayed runs, another
+/// for each four more; each run exactly where `decay_runs` puts it; none for an empty shard.
+#[test]
+fn adam_launches_cover_the_shard_once() {
+    let cfg = OptimizerConfig::new(Optimizer::AdamW, 1e-3);
+    let n = 1037;
+    for (decay, count) in decay_patterns(n).iter().zip([1, 1, 1, 2, 1]) {
+        let update = Update {
+            cfg: &cfg,
+            step: 1,
+            n,
+            first: FIRST,
+            decay,
+            clip: None,
+            contributions: 1.0,
+        };
+        let launches = update.adam_launches();
+        assert_eq!(launches.len(), count, "{decay:?}");
+        let mut decayed = vec![false; n];
+        let mut next = 0;
+        for l in &launches {
+            assert_eq!(
+                l.elements.start, next,
+                "{decay:?}: launches in order, no gap"
+            );
+            next = l.elements.end;
+            for &(a, b) in &l.decayed {
+                let (a, b) = (a as usize + l.elements.start, b as usize + l.elements.start);
+                assert!(a <= b && b <= l.elements.end, "{decay:?}: {l:?}");
+                decayed[a..b].iter_mut().for_each(|x| *x = true);
+            }
+        }
+        assert_eq!(next, n, "{decay:?}: launches cover the shard");
+        let want: Vec<bool> = (0..n)
+            .map(|i| decay.iter().any(|r| r.contains(&(FIRST + i))))
+            .collect();
+        assert_eq!(decayed, want, "{decay:?}");
+    }
+    let empty = Update {
+        cfg: &cfg,
+        step: 1,
+        n: 0,
+        first: FIRST,
+        decay: &[],
+        clip: None,
+        contributions: 1.0,
+    };
+    assert!(empty.adam_launches().is_empty());
 }
 
 /// The gradient scale under clipping (`GradScale`) is the host device's `update`'s, from a sum

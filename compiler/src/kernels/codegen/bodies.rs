@@ -13,7 +13,7 @@
 use super::fx::{Fx, F, I};
 use super::{attention, flash};
 use crate::job::Norm;
-use crate::kernels::{Kernel, Op, SUMSQ_CHUNK};
+use crate::kernels::{Kernel, Op, ADAM_DECAY_BOUNDS, SUMSQ_CHUNK};
 use inkwell::IntPredicate;
 
 const NORM_EPS: f32 = 1e-5;
@@ -115,7 +115,7 @@ pub fn emit<'c>(fx: &mut Fx<'c, '_>, k: &Kernel, i: I<'c>) {
             let k_at = fx.iadd(row, fx.i64c(u64::from(heads * head_dim)));
             rotate(fx, k_at, pos, kv_heads, head_dim, sign);
         }
-        Op::Adam { decayed, param } => adam(fx, decayed, param, i),
+        Op::Adam { param } => adam(fx, param, i),
         Op::Sgd => {
             let g = fx.mul(fx.load("grad", i), fx.load("grad_scale", fx.i64c(0)));
             let p = fx.sub(fx.load("master", i), fx.mul(fx.scalar("lr"), g));
@@ -450,8 +450,10 @@ fn rotate<'c>(fx: &mut Fx<'c, '_>, at: I<'c>, pos: I<'c>, heads: u32, d: u32, si
     });
 }
 
-/// One element of `optim::optimizer_step` for Adam/AdamW (PyTorch's single-tensor AdamW).
-fn adam<'c>(fx: &mut Fx<'c, '_>, decayed: bool, param: bool, i: I<'c>) {
+/// One element of `optim::optimizer_step` for Adam/AdamW (PyTorch's single-tensor AdamW): the
+/// master shrunk inside the launch's decayed ranges and multiplied by 1 outside them, as the
+/// Rust loop multiplies its undecayed runs.
+fn adam<'c>(fx: &mut Fx<'c, '_>, param: bool, i: I<'c>) {
     let g = fx.mul(fx.load("grad", i), fx.load("grad_scale", fx.i64c(0)));
     let m = fx.add(
         fx.mul(fx.scalar("beta1"), fx.load("m", i)),
@@ -463,10 +465,17 @@ fn adam<'c>(fx: &mut Fx<'c, '_>, decayed: bool, param: bool, i: I<'c>) {
     );
     fx.store("m", i, m);
     fx.store("v", i, v);
-    let mut p = fx.load("master", i);
-    if decayed {
-        p = fx.mul(p, fx.scalar("shrink"));
-    }
+    let i64 = fx.widened(i);
+    let decayed = ADAM_DECAY_BOUNDS
+        .iter()
+        .map(|[from, to]| {
+            let after = fx.icmp(IntPredicate::UGE, i64, fx.int_param(from));
+            fx.and(after, fx.icmp(IntPredicate::ULT, i64, fx.int_param(to)))
+        })
+        .reduce(|a, b| fx.or(a, b))
+        .expect("Adam takes decayed ranges");
+    let shrink = fx.fselect(decayed, fx.scalar("shrink"), fx.f(1.0));
+    let p = fx.mul(fx.load("master", i), shrink);
     let denom = fx.add(fx.div(fx.sqrt(v), fx.scalar("bc2_sqrt")), fx.scalar("eps"));
     let p = fx.sub(p, fx.div(fx.mul(fx.scalar("step_size"), m), denom));
     fx.store("master", i, p);

@@ -226,6 +226,11 @@ impl<'c, 'm> Fx<'c, 'm> {
             .into_int_value()
     }
 
+    /// `a & b` (of two conditions, say).
+    pub fn and(&self, a: I<'c>, b: I<'c>) -> I<'c> {
+        self.b.build_and(a, b, "").expect(BUILD)
+    }
+
     /// `a | b` (of two conditions, say).
     pub fn or(&self, a: I<'c>, b: I<'c>) -> I<'c> {
         self.b.build_or(a, b, "").expect(BUILD)

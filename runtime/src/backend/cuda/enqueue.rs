@@ -325,10 +325,7 @@ mod tests {
             gelu: false,
         };
         for n in [1, 31, 32, 33, 767, 768, 8192, 1 << 20, 1 << 24] {
-            let adam = Op::Adam {
-                decayed: false,
-                param: false,
-            };
+            let adam = Op::Adam { param: false };
             let flash = Op::FlashBackwardKeys(flash::Shape {
                 heads: 12,
                 kv_heads: 12,

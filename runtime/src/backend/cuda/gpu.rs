@@ -1462,8 +1462,8 @@ impl Device for Gpu<'_> {
     }
 
     /// The gradient scale into workspace (from the stored sum of squares on the device when
-    /// clipping, so the host never waits for it), then the optimizer kernel run by run of
-    /// elements all inside or all outside the decayed ranges, as the host device runs it.
+    /// clipping, so the host never waits for it), then the optimizer kernel: Adam in one launch
+    /// per [`Update::adam_launches`] (one for a layer's shard), as the host device runs it.
     /// Adam stores the parameter in the pass that updates the master (`Op::Adam` with
     /// `param`); SGD's is converted after.
     fn update(
@@ -1490,16 +1490,20 @@ impl Device for Gpu<'_> {
         }
         let (m, v) = (state.offset(n), state.offset(2 * n));
         let scalars = u.adam_scalars()?;
-        for (run, op) in u.adam_runs(param.is_some()) {
-            let i = run.start;
+        let op = Op::Adam {
+            param: param.is_some(),
+        };
+        for launch in u.adam_launches() {
+            let i = launch.elements.start;
             let tensors = [state, m, v, grad].map(|t| T(t.offset(i)));
             let args: Vec<Arg> = tensors
                 .into_iter()
                 .chain(param.map(|p| T(p.offset(i))))
                 .chain([T(scale)])
                 .chain(scalars.map(Arg::F))
+                .chain(launch.bounds().map(Arg::L))
                 .collect();
-            self.run(op, run.len(), &args)?;
+            self.run(op, launch.elements.len(), &args)?;
         }
         Ok(())
     }

@@ -241,13 +241,7 @@ mod tests {
         let (f, a) = (Dtype::Fp32, Dtype::Bf16);
         let kernels = [
             Kernel::new(Op::Round { to: a }, &[f]),
-            Kernel::new(
-                Op::Adam {
-                    decayed: true,
-                    param: false,
-                },
-                &[a],
-            ),
+            Kernel::new(Op::Adam { param: false }, &[a]),
             Kernel::new(Op::AddLoss, &[]),
         ];
         for sm in SMS {
