@@ -8,7 +8,7 @@
 //! vector off the free list and parks it on the used list until [`Device::reset`], so its
 //! address is stable while the op runs and steady-state steps allocate nothing.
 
-use super::{plan_error, ArenaSpan, Device, DeviceError, Ptr, Update};
+use super::{plan_error, ArenaSpan, Device, DeviceError, Linear, Ptr, Update};
 use crate::arena::Arena;
 use crate::backend::Batch;
 use crate::math::attention::{self, Keep};
@@ -296,15 +296,12 @@ impl Device for Host<'_> {
 
     fn linear_rows(
         &self,
-        x: HostPtr,
-        w: HostPtr,
+        l: Linear<HostPtr>,
         bias: Option<HostPtr>,
         (y, ld): (HostPtr, usize),
-        t: usize,
-        inp: usize,
-        out: usize,
         beta: f32,
     ) -> Result<(), DeviceError> {
+        let Linear { x, w, t, inp, out } = l;
         #[cfg(feature = "llvm")]
         if jit::enabled() {
             if bias.is_some() && ld != out {
@@ -347,22 +344,19 @@ impl Device for Host<'_> {
 
     fn linear_backward_rows(
         &self,
-        x: HostPtr,
-        w: HostPtr,
+        l: Linear<HostPtr>,
         (dy, ld): (HostPtr, usize),
         dw: HostPtr,
         dbias: Option<HostPtr>,
         dx: Option<(HostPtr, f32)>,
-        t: usize,
-        inp: usize,
-        out: usize,
     ) -> Result<(), DeviceError> {
+        let Linear { x, w, t, inp, out } = l;
         #[cfg(feature = "llvm")]
         if let (true, Some(db)) = (jit::enabled(), dbias) {
             if ld != out {
                 return Err(plan_error("a bias gradient of rows wider than the product"));
             }
-            self.linear_backward(x, w, dy, dw, None, dx, t, inp, out)?;
+            self.linear_backward(l, dy, dw, None, dx)?;
             let args = [dy.arg(), db.arg(), Arg::I64(t as i64)];
             let op = Op::BiasGrad {
                 width: out as u32,
@@ -395,29 +389,25 @@ impl Device for Host<'_> {
     fn gelu_linear_backward(
         &self,
         pre: HostPtr,
-        x: HostPtr,
-        w: HostPtr,
+        l: Linear<HostPtr>,
         dy: HostPtr,
         dw: HostPtr,
         dbias: Option<HostPtr>,
         dx: Option<(HostPtr, f32)>,
-        t: usize,
-        inp: usize,
-        out: usize,
     ) -> Result<(), DeviceError> {
         #[cfg(feature = "llvm")]
         if let (true, Some(db)) = (jit::enabled(), dbias) {
-            let args = [dy.arg(), db.arg(), pre.arg(), Arg::I64(t as i64)];
+            let args = [dy.arg(), db.arg(), pre.arg(), Arg::I64(l.t as i64)];
             let op = Op::BiasGrad {
-                width: out as u32,
+                width: l.out as u32,
                 cast: false,
                 gelu: true,
             };
-            generated(op, &args, out).unwrap_or(Ok(()))?;
-            return self.linear_backward(x, w, dy, dw, None, dx, t, inp, out);
+            generated(op, &args, l.out).unwrap_or(Ok(()))?;
+            return self.linear_backward(l, dy, dw, None, dx);
         }
-        self.gelu_backward(pre, dy, t * out)?;
-        self.linear_backward(x, w, dy, dw, dbias, dx, t, inp, out)
+        self.gelu_backward(pre, dy, l.t * l.out)?;
+        self.linear_backward(l, dy, dw, dbias, dx)
     }
 
     fn norm_forward(

@@ -6,7 +6,7 @@
 //! `saved`; `backward` overwrites the input gradient (when asked for), the parameter gradient and
 //! a tied head's embedding gradient, never accumulating across calls.
 
-use super::{plan_error, Device, DeviceError, Ptr};
+use super::{plan_error, Device, DeviceError, Linear, Ptr};
 use crate::math::saved::{BlockSaved, MlpSaved, NormedSaved};
 use crate::math::{BlockP, Kind, LayerMath, MlpP};
 
@@ -44,6 +44,36 @@ fn tokens<D: Device>(input: In<D>, lm: &LayerMath) -> Result<D::Tokens, DeviceEr
     }
 }
 
+/// A block's product of its normed input `x` [t, hidden] into q, k and v.
+fn qkv_product<P>(bp: &BlockP, t: usize, x: P, w: P) -> Linear<P> {
+    let (inp, out) = (bp.hidden, bp.shape.width());
+    Linear { x, w, t, inp, out }
+}
+
+/// A block's projection of attention's output `x` [t, hidden] back to the hidden width.
+fn proj_product<P>(bp: &BlockP, t: usize, x: P, w: P) -> Linear<P> {
+    let (inp, out) = (bp.hidden, bp.hidden);
+    Linear { x, w, t, inp, out }
+}
+
+/// An MLP's products of its normed input `x` [t, hidden] into the ffn width (the first, and
+/// SwiGLU's up projection).
+fn into_ffn<P>(mp: &MlpP, t: usize, x: P, w: P) -> Linear<P> {
+    let (inp, out) = (mp.hidden, mp.ffn);
+    Linear { x, w, t, inp, out }
+}
+
+/// An MLP's projection of `x` [t, ffn] back to the hidden width.
+fn from_ffn<P>(mp: &MlpP, t: usize, x: P, w: P) -> Linear<P> {
+    let (inp, out) = (mp.ffn, mp.hidden);
+    Linear { x, w, t, inp, out }
+}
+
+/// The head's product of the normed hidden states `x` [t, hidden] into the vocabulary.
+fn head_product<P>(t: usize, (inp, out): (usize, usize), x: P, w: P) -> Linear<P> {
+    Linear { x, w, t, inp, out }
+}
+
 /// out += MLP(a), keeping the MLP's tensors in `kept`.
 fn mlp_forward<D: Device>(
     d: &D,
@@ -54,12 +84,13 @@ fn mlp_forward<D: Device>(
     kept: MlpSaved<D::Ptr>,
     out: D::Ptr,
 ) -> Result<(), DeviceError> {
-    let (t, h, f) = (lm.dims().t, mp.hidden, mp.ffn);
+    let (t, f) = (lm.dims().t, mp.ffn);
     let act = lm.precisions().0;
     let (w1, b1) = (p.at(&mp.w1), mp.b1.as_ref().map(|r| p.at(r)));
+    let into_ffn = |w| into_ffn(mp, t, a, w);
     let mid = match kept {
         MlpSaved::Gelu { pre, post } => {
-            d.linear(a, w1, b1, pre, t, h, f, 0.0)?;
+            d.linear(into_ffn(w1), b1, pre, 0.0)?;
             d.round(act, pre, t * f)?;
             d.gelu(pre, post, t * f)?;
             d.round(act, post, t * f)?;
@@ -70,8 +101,8 @@ fn mlp_forward<D: Device>(
                 .up
                 .as_ref()
                 .ok_or_else(|| plan_error("swiglu without an up projection"))?;
-            d.linear(a, w1, b1, gate, t, h, f, 0.0)?;
-            d.linear(a, p.at(wu), bu.as_ref().map(|r| p.at(r)), up, t, h, f, 0.0)?;
+            d.linear(into_ffn(w1), b1, gate, 0.0)?;
+            d.linear(into_ffn(p.at(wu)), bu.as_ref().map(|r| p.at(r)), up, 0.0)?;
             d.round(act, gate, t * f)?;
             d.round(act, up, t * f)?;
             d.swiglu(gate, up, prod, t * f)?;
@@ -80,7 +111,7 @@ fn mlp_forward<D: Device>(
         }
     };
     let proj_b = mp.proj_b.as_ref().map(|r| p.at(r));
-    d.linear(mid, p.at(&mp.proj), proj_b, out, t, f, h, 1.0)
+    d.linear(from_ffn(mp, t, mid, p.at(&mp.proj)), proj_b, out, 1.0)
 }
 
 /// The MLP's backward: parameter gradients accumulate into `gp`; `da` (the gradient of the
@@ -97,7 +128,7 @@ fn mlp_backward<D: Device>(
     da: D::Ptr,
     gp: D::Ptr,
 ) -> Result<(), DeviceError> {
-    let (t, h, f) = (lm.dims().t, mp.hidden, mp.ffn);
+    let (t, f) = (lm.dims().t, mp.ffn);
     let (s1, s2) = (d.alloc(t * f)?, d.alloc(t * f)?);
     let wp = p.at(&mp.proj);
     let (dwp, dbp) = (gp.at(&mp.proj), mp.proj_b.as_ref().map(|r| gp.at(r)));
@@ -106,13 +137,15 @@ fn mlp_backward<D: Device>(
         gp.at(&mp.w1),
         mp.b1.as_ref().map(|r| gp.at(r)),
     );
+    let into_ffn = |w| into_ffn(mp, t, a, w);
+    let from_ffn = |x| from_ffn(mp, t, x, wp);
     match kept {
         MlpSaved::Gelu { pre, post } => {
-            d.linear_backward(post, wp, dy, dwp, dbp, Some((s1, 0.0)), t, f, h)?;
-            d.gelu_linear_backward(pre, a, w1, s1, dw1, db1, Some((da, 0.0)), t, h, f)
+            d.linear_backward(from_ffn(post), dy, dwp, dbp, Some((s1, 0.0)))?;
+            d.gelu_linear_backward(pre, into_ffn(w1), s1, dw1, db1, Some((da, 0.0)))
         }
         MlpSaved::SwiGlu { gate, up, prod } => {
-            d.linear_backward(prod, wp, dy, dwp, dbp, Some((s1, 0.0)), t, f, h)?;
+            d.linear_backward(from_ffn(prod), dy, dwp, dbp, Some((s1, 0.0)))?;
             let (wu, bu) = mp
                 .up
                 .as_ref()
@@ -131,8 +164,8 @@ fn mlp_backward<D: Device>(
                     [s1, s2]
                 }
             };
-            d.linear_backward(a, w1, dgate, dw1, db1, Some((da, 0.0)), t, h, f)?;
-            d.linear_backward(a, p.at(wu), dup, gp.at(wu), dbu, Some((da, 1.0)), t, h, f)
+            d.linear_backward(into_ffn(w1), dgate, dw1, db1, Some((da, 0.0)))?;
+            d.linear_backward(into_ffn(p.at(wu)), dup, gp.at(wu), dbu, Some((da, 1.0)))
         }
     }
 }
@@ -186,7 +219,8 @@ pub(crate) fn forward<D: Device>(
                 None => tied.ok_or_else(|| plan_error("a tied lm_head needs the embedding"))?,
             };
             let stride = lm.output_stride();
-            d.linear_rows(a, w, None, (out, stride), t, *h, *vocab, 0.0)?;
+            let head = head_product(t, (*h, *vocab), a, w);
+            d.linear_rows(head, None, (out, stride), 0.0)?;
             d.round(act, out, t * stride)
         }
     }
@@ -225,7 +259,8 @@ fn transformer_forward<D: Device>(
         Some(_) => d.alloc(t * w)?,
         None => qkv,
     };
-    d.linear(a1, p.at(&bp.qkv), bias(&bp.qkv_b), projected, t, h, w, 0.0)?;
+    let product = qkv_product(bp, t, a1, p.at(&bp.qkv));
+    d.linear(product, bias(&bp.qkv_b), projected, 0.0)?;
     if bp.rope.is_some() {
         d.rope(bp, t, projected, qkv, false)?;
     }
@@ -233,7 +268,8 @@ fn transformer_forward<D: Device>(
     d.attention(bp, act, qkv, att, keep)?;
     d.round(act, att, t * h)?;
     d.copy(resid, x, t * h)?;
-    d.linear(att, p.at(&bp.proj), bias(&bp.proj_b), resid, t, h, h, 1.0)?;
+    let proj = proj_product(bp, t, att, p.at(&bp.proj));
+    d.linear(proj, bias(&bp.proj_b), resid, 1.0)?;
     d.round(act, resid, t * h)?;
     d.norm_forward(&bp.ln2, p, t, h, resid, a2, st2)?;
     d.round(act, a2, t * h)?;
@@ -308,7 +344,8 @@ pub(crate) fn backward<D: Device>(
                 }
             };
             let dy = (dy, lm.output_stride());
-            d.linear_backward_rows(a, w, dy, dw, None, Some((da, 0.0)), t, *h, *vocab)?;
+            let head = head_product(t, (*h, *vocab), a, w);
+            d.linear_backward_rows(head, dy, dw, None, Some((da, 0.0)))?;
             if let Some(gi) = gi {
                 d.fill(gi, t * h, 0.0)?;
             }
@@ -361,23 +398,15 @@ fn transformer_backward<D: Device>(
     d.copy(dr, dy, t * h)?;
     d.norm_backward(&bp.ln2, p, t, h, resid, st2, da, Some(dr), gp)?;
     let (wp, dwp) = (p.at(&bp.proj), gp.at(&bp.proj));
-    d.linear_backward(
-        att,
-        wp,
-        dr,
-        dwp,
-        bias(&bp.proj_b),
-        Some((datt, 0.0)),
-        t,
-        h,
-        h,
-    )?;
+    let proj = proj_product(bp, t, att, wp);
+    d.linear_backward(proj, dr, dwp, bias(&bp.proj_b), Some((datt, 0.0)))?;
     d.attention_backward(bp, (qkv, att), keep, datt, dqkv)?;
     if bp.rope.is_some() {
         d.rope(bp, t, dqkv, dqkv, true)?;
     }
     let (wq, dwq) = (p.at(&bp.qkv), gp.at(&bp.qkv));
-    d.linear_backward(a1, wq, dqkv, dwq, bias(&bp.qkv_b), Some((da, 0.0)), t, h, w)?;
+    let product = qkv_product(bp, t, a1, wq);
+    d.linear_backward(product, dqkv, dwq, bias(&bp.qkv_b), Some((da, 0.0)))?;
     // The input gradient is dr + ln1's, summed in f32 workspace and then copied out, so that
     // an input gradient stored in 16 bits in place is rounded once, as the CPU rounds it.
     d.norm_backward(&bp.ln1, p, t, h, x, st1, da, gi.map(|_| dr), gp)?;

@@ -52,6 +52,28 @@ pub(crate) trait Ptr: Piece + Copy + PartialEq {
     }
 }
 
+/// The operands of a linear layer's product over `t` token rows (PyTorch's `Linear`): the input
+/// x [t, inp] and the weight w [out, inp], each in contiguous rows.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Linear<P> {
+    pub x: P,
+    pub w: P,
+    pub t: usize,
+    pub inp: usize,
+    pub out: usize,
+}
+
+impl<P: Ptr> Linear<P> {
+    /// The product's output columns `c0..c0 + n` (W's rows from `c0`).
+    pub fn columns(self, c0: usize, n: usize) -> Self {
+        Linear {
+            w: self.w.offset(c0 * self.inp),
+            out: n,
+            ..self
+        }
+    }
+}
+
 /// Why a primitive or an op failed on a device.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum DeviceError {
@@ -269,85 +291,60 @@ pub(crate) trait Device {
     /// Rounds `n` values in place to `prec`.
     fn round(&self, prec: Precision, p: Self::Ptr, n: usize) -> Result<(), DeviceError>;
 
-    /// y (β)= x·Wᵀ (+ bias): x [t, inp], w [out, inp], y [t, out] in rows `y.1` ≥ out
-    /// elements apart (columns past `out` untouched); y is read when β ≠ 0.
-    #[allow(clippy::too_many_arguments)]
+    /// y (β)= x·Wᵀ (+ bias) of `l`, y [t, out] in rows `y.1` ≥ out elements apart (columns past
+    /// `out` untouched); y is read when β ≠ 0.
     fn linear_rows(
         &self,
-        x: Self::Ptr,
-        w: Self::Ptr,
+        l: Linear<Self::Ptr>,
         bias: Option<Self::Ptr>,
         y: (Self::Ptr, usize),
-        t: usize,
-        inp: usize,
-        out: usize,
         beta: f32,
     ) -> Result<(), DeviceError>;
     /// [`Device::linear_rows`] into contiguous rows.
-    #[allow(clippy::too_many_arguments)]
     fn linear(
         &self,
-        x: Self::Ptr,
-        w: Self::Ptr,
+        l: Linear<Self::Ptr>,
         bias: Option<Self::Ptr>,
         y: Self::Ptr,
-        t: usize,
-        inp: usize,
-        out: usize,
         beta: f32,
     ) -> Result<(), DeviceError> {
-        self.linear_rows(x, w, bias, (y, out), t, inp, out, beta)
+        self.linear_rows(l, bias, (y, l.out), beta)
     }
-    /// dW += dyᵀ·x, dbias += Σ_rows dy, dx (β)= dy·W, dy's rows `dy.1` ≥ out elements apart
-    /// (columns past `out` not read). A bias gradient needs contiguous rows.
-    #[allow(clippy::too_many_arguments)]
+    /// The backward of `l`: dW += dyᵀ·x, dbias += Σ_rows dy, dx (β)= dy·W, dy's rows `dy.1` ≥
+    /// out elements apart (columns past `out` not read). A bias gradient needs contiguous rows.
     fn linear_backward_rows(
         &self,
-        x: Self::Ptr,
-        w: Self::Ptr,
+        l: Linear<Self::Ptr>,
         dy: (Self::Ptr, usize),
         dw: Self::Ptr,
         dbias: Option<Self::Ptr>,
         dx: Option<(Self::Ptr, f32)>,
-        t: usize,
-        inp: usize,
-        out: usize,
     ) -> Result<(), DeviceError>;
     /// [`Device::linear_backward_rows`] of contiguous rows.
-    #[allow(clippy::too_many_arguments)]
     fn linear_backward(
         &self,
-        x: Self::Ptr,
-        w: Self::Ptr,
+        l: Linear<Self::Ptr>,
         dy: Self::Ptr,
         dw: Self::Ptr,
         dbias: Option<Self::Ptr>,
         dx: Option<(Self::Ptr, f32)>,
-        t: usize,
-        inp: usize,
-        out: usize,
     ) -> Result<(), DeviceError> {
-        self.linear_backward_rows(x, w, (dy, out), dw, dbias, dx, t, inp, out)
+        self.linear_backward_rows(l, (dy, l.out), dw, dbias, dx)
     }
     /// [`Device::gelu_backward`] of `dy` (in place, `pre` GELU's input) then
     /// [`Device::linear_backward`] over it: the MLP's first product. A device may take GELU's
     /// backward in the pass that sums the bias gradient (the same values).
-    #[allow(clippy::too_many_arguments)]
     fn gelu_linear_backward(
         &self,
         pre: Self::Ptr,
-        x: Self::Ptr,
-        w: Self::Ptr,
+        l: Linear<Self::Ptr>,
         dy: Self::Ptr,
         dw: Self::Ptr,
         dbias: Option<Self::Ptr>,
         dx: Option<(Self::Ptr, f32)>,
-        t: usize,
-        inp: usize,
-        out: usize,
     ) -> Result<(), DeviceError> {
-        self.gelu_backward(pre, dy, t * out)?;
-        self.linear_backward(x, w, dy, dw, dbias, dx, t, inp, out)
+        self.gelu_backward(pre, dy, l.t * l.out)?;
+        self.linear_backward(l, dy, dw, dbias, dx)
     }
 
     /// Layer or RMS norm of `t` rows of `h`: out and the statistics (2 per row).

@@ -26,7 +26,7 @@ use crate::backend::{Backend, RankMemory, RunError, RunOptions, StepInput, StepO
 use crate::device::action::{run_action, Rank};
 use crate::device::jit;
 use crate::device::layers::{self, In};
-use crate::device::Device;
+use crate::device::{Device, Linear};
 use crate::exec::Action;
 use crate::math::{Input, LayerMath, Precision, Rng};
 use crate::plan::Plan;
@@ -827,40 +827,26 @@ fn products_of_a_16_bit_model_round_their_operands() {
             vec![0f32; out],
             vec![f32::NAN; t * inp],
         );
-        gg.linear(
-            f32p(&xs),
-            f32p(&w),
-            Some(f32p(&bias)),
-            ptr(&mut y),
+        let l = Linear {
+            x: f32p(&xs),
+            w: f32p(&w),
             t,
             inp,
             out,
-            0.0,
-        )
-        .unwrap();
+        };
+        gg.linear(l, Some(f32p(&bias)), ptr(&mut y), 0.0).unwrap();
         gg.reset();
         // Without a bias the product writes rows padded to start 16 bytes aligned (11 fp32
         // values, 12 apart) and copies them out: the same values as the unpadded product's.
         let mut y2 = vec![f32::NAN; t * out];
-        let (xp, wp) = (f32p(&xs), f32p(&w));
-        gg.linear(xp, wp, None, ptr(&mut y2), t, inp, out, 0.0)
-            .unwrap();
+        gg.linear(l, None, ptr(&mut y2), 0.0).unwrap();
         gg.reset();
         for (e, (&a, &b)) in y2.iter().zip(&y).enumerate() {
             assert_eq!(a + bias[e % out], b, "{dtype:?} padded y[{e}]");
         }
-        gg.linear_backward(
-            f32p(&xs),
-            f32p(&w),
-            f32p(&dy),
-            ptr(&mut dw),
-            Some(ptr(&mut db)),
-            Some((ptr(&mut dx), 0.0)),
-            t,
-            inp,
-            out,
-        )
-        .unwrap();
+        let (dwp, dbp, dxp) = (ptr(&mut dw), ptr(&mut db), ptr(&mut dx));
+        gg.linear_backward(l, f32p(&dy), dwp, Some(dbp), Some((dxp, 0.0)))
+            .unwrap();
         // y = x·Wᵀ + b, dW = dyᵀ·x, dx = dy·W.
         let checks = [
             (
@@ -955,13 +941,18 @@ fn padded_products(t: usize, inp: usize, out: usize, ld: usize) {
         vec![f32::NAN; t * inp],
     );
     y.chunks_mut(ld).for_each(|row| row[..out].fill(f32::NAN));
-    let (xp, wp) = (f32p(&xs), f32p(&w));
-    gg.linear_rows(xp, wp, None, (f32p_mut(&mut y), ld), t, inp, out, 0.0)
+    let l = Linear {
+        x: f32p(&xs),
+        w: f32p(&w),
+        t,
+        inp,
+        out,
+    };
+    gg.linear_rows(l, None, (f32p_mut(&mut y), ld), 0.0)
         .unwrap();
     let gg = g(&x, &mut ws2, &consts, f);
     let (dwp, dxp) = (f32p_mut(&mut dw), f32p_mut(&mut dx));
-    let dy_rows = (f32p(&dy), ld);
-    gg.linear_backward_rows(xp, wp, dy_rows, dwp, None, Some((dxp, 0.0)), t, inp, out)
+    gg.linear_backward_rows(l, (f32p(&dy), ld), dwp, None, Some((dxp, 0.0)))
         .unwrap();
     if ld.is_multiple_of(4) {
         let untouched = ws.iter().chain(&ws2).all(|v| v.is_nan());

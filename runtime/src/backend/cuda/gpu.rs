@@ -25,7 +25,7 @@
 
 use super::enqueue::{grid, m, mt, row_major, ColMajor, DevAddr, Exec, Pitched, Staged, A, M};
 use super::typed::{DevPtr, Storage};
-use crate::device::{plan_error, ArenaSpan, Device, DeviceError, Ptr, Update};
+use crate::device::{plan_error, ArenaSpan, Device, DeviceError, Linear, Ptr, Update};
 use crate::math::attention::{Keep, Shape};
 use crate::math::{BlockP, NormP, Precision, Segment};
 use schedc::job::{Dtype, Optimizer};
@@ -487,20 +487,16 @@ impl Gpu<'_> {
 
     /// `Device::linear_backward_rows`, dy first through GELU's backward when `gelu` gives its
     /// input (`Device::gelu_linear_backward`; contiguous rows).
-    #[allow(clippy::too_many_arguments)]
     fn linear_backward_after(
         &self,
         gelu: Option<DevPtr>,
-        x: DevPtr,
-        w: DevPtr,
+        l: Linear<DevPtr>,
         (dy, ld): (DevPtr, usize),
         dw: DevPtr,
         dbias: Option<DevPtr>,
         dx: Option<(DevPtr, f32)>,
-        t: usize,
-        inp: usize,
-        out: usize,
     ) -> Result<(), DeviceError> {
+        let Linear { x, w, t, inp, out } = l;
         if (dbias.is_some() || gelu.is_some()) && ld != out {
             return Err(plan_error(
                 "a bias gradient or GELU's backward over rows wider than the product",
@@ -606,18 +602,14 @@ impl Gpu<'_> {
     }
 
     /// y (β)= x·Wᵀ (+ bias) into rows of y `ld` elements apart, one product in place.
-    #[allow(clippy::too_many_arguments)]
     fn linear_in_place(
         &self,
-        x: DevPtr,
-        w: DevPtr,
+        l: Linear<DevPtr>,
         bias: Option<DevPtr>,
         (y, ld): (DevPtr, usize),
-        t: usize,
-        inp: usize,
-        out: usize,
         beta: f32,
     ) -> Result<(), DeviceError> {
+        let Linear { x, w, t, inp, out } = l;
         let call = row_major(
             t,
             out,
@@ -1133,25 +1125,22 @@ impl Device for Gpu<'_> {
 
     fn linear_rows(
         &self,
-        x: DevPtr,
-        w: DevPtr,
+        l: Linear<DevPtr>,
         bias: Option<DevPtr>,
         (y, ld): (DevPtr, usize),
-        t: usize,
-        inp: usize,
-        out: usize,
         beta: f32,
     ) -> Result<(), DeviceError> {
         if aligned_ld(ld, y.storage) == ld {
-            for (c0, n) in aligned_parts(out, y.storage) {
-                let (w, bias) = (w.offset(c0 * inp), bias.map(|b| b.offset(c0)));
-                self.linear_in_place(x, w, bias, (y.offset(c0), ld), t, inp, n, beta)?;
+            for (c0, n) in aligned_parts(l.out, y.storage) {
+                let bias = bias.map(|b| b.offset(c0));
+                self.linear_in_place(l.columns(c0, n), bias, (y.offset(c0), ld), beta)?;
             }
             return Ok(());
         }
         if bias.is_some() {
-            return self.linear_in_place(x, w, bias, (y, ld), t, inp, out, beta);
+            return self.linear_in_place(l, bias, (y, ld), beta);
         }
+        let Linear { x, w, t, inp, out } = l;
         // Rows that do not start 16 bytes aligned: y's columns a block at a time
         // (`column_blocks`) are computed into rows of `cols` in workspace and copied into y.
         let (cols, rows) = Self::column_blocks(t, aligned_ld(out, y.storage), y.storage);
@@ -1165,8 +1154,14 @@ impl Device for Gpu<'_> {
                 if beta != 0.0 {
                     self.copy_rows((block, cols), (y, ld), width, n)?;
                 }
-                let x = x.offset(r0 * inp);
-                self.linear_in_place(x, wb, None, (block, cols), n, inp, wide, beta)?;
+                let part = Linear {
+                    x: x.offset(r0 * inp),
+                    w: wb,
+                    t: n,
+                    inp,
+                    out: wide,
+                };
+                self.linear_in_place(part, None, (block, cols), beta)?;
                 self.copy_rows((y, ld), (block, cols), width, n)?;
             }
         }
@@ -1175,17 +1170,13 @@ impl Device for Gpu<'_> {
 
     fn linear_backward_rows(
         &self,
-        x: DevPtr,
-        w: DevPtr,
+        l: Linear<DevPtr>,
         dy: (DevPtr, usize),
         dw: DevPtr,
         dbias: Option<DevPtr>,
         dx: Option<(DevPtr, f32)>,
-        t: usize,
-        inp: usize,
-        out: usize,
     ) -> Result<(), DeviceError> {
-        self.linear_backward_after(None, x, w, dy, dw, dbias, dx, t, inp, out)
+        self.linear_backward_after(None, l, dy, dw, dbias, dx)
     }
 
     /// GELU's backward in the bias gradient's pass over dy where there is one (`Op::BiasGrad`
@@ -1193,18 +1184,13 @@ impl Device for Gpu<'_> {
     fn gelu_linear_backward(
         &self,
         pre: DevPtr,
-        x: DevPtr,
-        w: DevPtr,
+        l: Linear<DevPtr>,
         dy: DevPtr,
         dw: DevPtr,
         dbias: Option<DevPtr>,
         dx: Option<(DevPtr, f32)>,
-        t: usize,
-        inp: usize,
-        out: usize,
     ) -> Result<(), DeviceError> {
-        let dy = (dy, out);
-        self.linear_backward_after(Some(pre), x, w, dy, dw, dbias, dx, t, inp, out)
+        self.linear_backward_after(Some(pre), l, (dy, l.out), dw, dbias, dx)
     }
 
     fn norm_forward(
