@@ -376,6 +376,20 @@ fn flash_attention_kernel_matches_the_chunked_path() {
     }
 }
 
+/// NCCL as far as one GPU takes it (`cuda::check_one_rank_collectives`): the library loads,
+/// one-member communicators initialise in a group, and every collective kind in every dtype,
+/// out of place and in place, and the loss's f64 sum deliver their input. No plan with one rank
+/// has a collective, so without this no NCCL call would run on a one-GPU machine.
+#[cfg(feature = "cuda")]
+#[test]
+fn nccl_collectives_run_on_one_gpu() {
+    if !gpu() {
+        return;
+    }
+    let wrong = cuda::check_one_rank_collectives().unwrap_or_else(|e| panic!("{e}"));
+    assert!(wrong.is_empty(), "{}", wrong.join("\n"));
+}
+
 /// GPT-2 small (124M, seq 1024, micro-batch 8, bf16) on one GPU, twice in one run: attention as
 /// the tensor-core kernels (the default), then chunked on cuBLAS (`RunOptions::attention_kernels`
 /// off). Each: a warm-up step, then five timed ones; prints the step time, MFU against the

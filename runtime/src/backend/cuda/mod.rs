@@ -71,6 +71,8 @@ mod nccl;
 #[cfg(feature = "cuda")]
 mod step;
 
+#[cfg(feature = "cuda")]
+pub use nccl::check_one_rank_collectives;
 pub use ptx::PtxFiles;
 #[cfg(not(feature = "cuda"))]
 pub use stand_in::CudaBackend;

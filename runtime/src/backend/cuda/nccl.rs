@@ -2,7 +2,7 @@
 //! [`CommKey`] the rank belongs to (a plan communicator group used on one stream), each made from
 //! its own unique id; members ranked in the plan's member order, so chunk `j` of an all-gather or
 //! reduce-scatter belongs to member `j` as on the CPU backend. Never run with several ranks:
-//! the only GPU lent so far was a single one.
+//! the GPUs lent are single ones, where [`check_one_rank_collectives`] is what can run.
 
 use super::enqueue::{CudaError, Library, NcclCall};
 use super::rendezvous::{CommKey, ID_BYTES};
@@ -152,4 +152,98 @@ pub fn group_end() -> Result<(), CudaError> {
     nr::group_end()
         .map(|_| ())
         .map_err(|e| CudaError::new(Library::Nccl, "ncclGroupEnd", e))
+}
+
+/// NCCL on one GPU, as far as one GPU takes it (NCCL refuses two ranks on one device, so the
+/// lent single-GPU machines cannot run a two-rank plan): a one-member communicator per
+/// collective kind, each from its own unique id and initialised in one group as [`Comms::init`]
+/// does; then every kind in every dtype through [`collective`] inside a group, out of place
+/// and in place, and the loss's [`sum_f64`]. With one member each call delivers its input, so a
+/// wrong dtype, element count, buffer or stream shows as a wrong or unwritten value. What it
+/// cannot show: the split of a count over members ([`nccl_call`]'s division, which the emulated
+/// backend checks) and anything between processes. Returns one line per wrong result.
+pub fn check_one_rank_collectives() -> Result<Vec<String>, CudaError> {
+    use super::device::{drv, probe_libraries, Device};
+    probe_libraries()?;
+    const N: usize = 1001;
+    let kinds = [
+        Collective::AllGather,
+        Collective::ReduceScatter,
+        Collective::AllReduce,
+        Collective::Broadcast,
+    ];
+    // Send at byte 0, an out-of-place receive at 8·N: room for N values of any dtype each.
+    let away = 8 * N as u64;
+    let dev = Device::open(0, 1, 0, 2 * away)?;
+    dev.ctx
+        .bind_to_thread()
+        .map_err(drv("binding the context"))?;
+    let keys: Vec<CommKey> = (0..kinds.len() as u32)
+        .map(|comm| CommKey {
+            comm,
+            group: 0,
+            stream: 0,
+        })
+        .collect();
+    let mine = keys
+        .iter()
+        .map(|k| Ok((*k, new_id()?, 1, 0)))
+        .collect::<Result<Vec<_>, CudaError>>()?;
+    let comms = Comms::init(&mine)?;
+    let stream = &dev.streams[0];
+    let wait = || stream.synchronize().map_err(drv("waiting for NCCL"));
+    let mut wrong = vec![];
+    for dtype in [Dtype::Fp32, Dtype::Bf16, Dtype::Fp16] {
+        // Integers from -125 to 125, exact in every dtype, as the arena stores them.
+        let value = |i: usize| (i % 251) as f32 - 125.0;
+        let words: Vec<u8> = (0..N)
+            .flat_map(|i| match dtype {
+                Dtype::Fp32 => value(i).to_le_bytes().to_vec(),
+                _ => crate::arena::f32_to_half(dtype, value(i))
+                    .to_le_bytes()
+                    .to_vec(),
+            })
+            .collect();
+        for (key, kind) in keys.iter().zip(kinds) {
+            for in_place in [false, true] {
+                let at = if in_place { 0 } else { away };
+                dev.write_bytes(0, &words)?;
+                if !in_place {
+                    dev.write_bytes(at, &vec![0xFF; words.len()])?;
+                }
+                let call = NcclCall {
+                    kind,
+                    send: dev.arena_base,
+                    recv: dev.arena_base.add_bytes(at),
+                    n: N,
+                };
+                group_start()?;
+                // SAFETY: both ranges hold N values of `dtype` inside the arena; in place they
+                // coincide, as NCCL allows for the only member.
+                unsafe { collective(comms.get(key)?, stream.cu_stream(), dtype, &call) }?;
+                group_end()?;
+                wait()?;
+                let got = dev.read_bytes(at, words.len())?;
+                if got != words {
+                    let first = got.iter().zip(&words).position(|(g, w)| g != w);
+                    wrong.push(format!(
+                        "{kind:?} of {N} {dtype:?} values{}: byte {} differs",
+                        if in_place { " in place" } else { "" },
+                        first.unwrap_or(0)
+                    ));
+                }
+            }
+        }
+    }
+    let loss = 2.5f64;
+    dev.write_bytes(0, &loss.to_le_bytes())?;
+    // SAFETY: byte 0 of the arena holds one f64.
+    unsafe { sum_f64(comms.get(&keys[0])?, stream.cu_stream(), dev.arena_base.0) }?;
+    wait()?;
+    let back = dev.read_bytes(0, 8)?;
+    let sum = f64::from_le_bytes(back.try_into().expect("8 bytes"));
+    if sum != loss {
+        wrong.push(format!("the loss's f64 sum gave {sum}, not {loss}"));
+    }
+    Ok(wrong)
 }
