@@ -188,26 +188,20 @@ impl Update<'_> {
                 .collect(),
             false => vec![],
         };
-        let groups: Vec<&[Range<usize>]> = match decayed.is_empty() {
-            true => vec![&[]],
-            false => decayed.chunks(ADAM_DECAY_RANGES).collect(),
-        };
-        let starts = groups.iter().enumerate().map(|(g, runs)| match g {
-            0 => 0,
-            _ => runs[0].start,
-        });
-        let ends = starts.clone().skip(1).chain([self.n]);
-        let launches = groups.iter().zip(starts.zip(ends)).map(|(runs, (lo, hi))| {
-            let mut bounds = [(0u64, 0u64); ADAM_DECAY_RANGES];
-            for (b, r) in bounds.iter_mut().zip(runs.iter()) {
-                *b = ((r.start - lo) as u64, (r.end - lo) as u64);
-            }
-            AdamLaunch {
-                elements: lo..hi,
-                decayed: bounds,
-            }
-        });
-        launches.filter(|l| !l.elements.is_empty()).collect()
+        if decayed.is_empty() {
+            let whole = (self.n > 0).then(|| AdamLaunch::new(0..self.n, &[]));
+            return whole.into_iter().collect();
+        }
+        // A launch from the shard's start or its first decayed run to the next launch's.
+        let groups: Vec<&[Range<usize>]> = decayed.chunks(ADAM_DECAY_RANGES).collect();
+        let mut lo = 0;
+        let mut launches = vec![];
+        for (g, runs) in groups.iter().enumerate() {
+            let hi = groups.get(g + 1).map_or(self.n, |next| next[0].start);
+            launches.push(AdamLaunch::new(lo..hi, runs));
+            lo = hi;
+        }
+        launches
     }
 }
 
@@ -220,6 +214,19 @@ pub struct AdamLaunch {
 }
 
 impl AdamLaunch {
+    /// `elements` of the shard with the decayed `runs` (shard elements, at most
+    /// [`ADAM_DECAY_RANGES`]) that lie in them.
+    fn new(elements: Range<usize>, runs: &[Range<usize>]) -> Self {
+        let mut decayed = [(0u64, 0u64); ADAM_DECAY_RANGES];
+        for (b, r) in decayed.iter_mut().zip(runs) {
+            *b = (
+                (r.start - elements.start) as u64,
+                (r.end - elements.start) as u64,
+            );
+        }
+        AdamLaunch { elements, decayed }
+    }
+
     /// The decayed ranges' bounds as the kernel takes them, after its scalars.
     pub fn bounds(&self) -> impl Iterator<Item = i64> + '_ {
         self.decayed.iter().flat_map(|&(a, b)| [a as i64, b as i64])
