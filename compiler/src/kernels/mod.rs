@@ -168,7 +168,8 @@ pub enum Op {
     BiasGrad { width: u32, cast: bool, gelu: bool },
     /// Layer or RMS norm of each row into `out`, with (mean, 1/σ) per row in `stats`.
     Norm { norm: Norm, width: u32, bias: bool },
-    /// A norm's input gradient, accumulated into `dx`, per row.
+    /// A norm's input gradient added to `base` into `dx`, per row: the residual stream's
+    /// gradient taken in the same pass (`base` may be `dx`, which then accumulates).
     NormBackwardInput { norm: Norm, width: u32 },
     /// A norm's parameter gradients, accumulated into `dw` (and `db`), per column over the rows.
     NormBackwardParams { width: u32, bias: bool },
@@ -434,7 +435,8 @@ impl Op {
                 Tensor("w", d[1]),
                 F32s("stats"),
                 Tensor("dy", d[2]),
-                Tensor("dx", d[3]),
+                Tensor("base", d[3]),
+                Tensor("dx", d[4]),
             ],
             Op::NormBackwardParams { bias, .. } => {
                 let mut v = vec![
@@ -770,7 +772,13 @@ pub fn for_model(model: &Model) -> Vec<Kernel> {
                 // ln1 reads the layer input; ln2 the saved residual, where its output goes.
                 k.norm(t.norm, h, false);
                 k.norm(t.norm, h, true);
-                k.norm_input_grad(t.norm, h, &[f]);
+                // ln2's input gradient from the layer's output gradient into fp32 workspace;
+                // ln1's from that into the layer's input gradient (or in place without one).
+                let out = k.out.clone();
+                let pairs: Vec<(Dtype, Dtype)> = (out.iter().map(|&o| (o, f)))
+                    .chain(out.iter().map(|&o| (f, o)))
+                    .collect();
+                k.norm_input_grad(t.norm, h, &pairs);
                 k.mlp(t.mlp());
                 let width = (t.hidden + 2 * t.kv_dim()) as u32;
                 if t.bias {
@@ -796,7 +804,13 @@ pub fn for_model(model: &Model) -> Vec<Kernel> {
             }
             LayerKind::Mlp(m) => {
                 k.norm(m.norm, m.hidden as u32, false);
-                k.norm_input_grad(m.norm, m.hidden as u32, &k.out.clone());
+                // From the layer's output gradient into its input gradient.
+                let out = k.out.clone();
+                let pairs: Vec<(Dtype, Dtype)> = out
+                    .iter()
+                    .flat_map(|&dy| out.iter().map(move |&dx| (dy, dx)))
+                    .collect();
+                k.norm_input_grad(m.norm, m.hidden as u32, &pairs);
                 k.mlp(m);
             }
             LayerKind::LmHead {
@@ -806,7 +820,9 @@ pub fn for_model(model: &Model) -> Vec<Kernel> {
                 ..
             } => {
                 k.norm(norm, hidden as u32, false);
-                k.norm_input_grad(norm, hidden as u32, &k.out.clone());
+                // Added in place to the zeroed input gradient.
+                let pairs: Vec<(Dtype, Dtype)> = k.out.iter().map(|&dx| (dx, dx)).collect();
+                k.norm_input_grad(norm, hidden as u32, &pairs);
                 let stride = crate::lower::workspace::logits_stride(vocab) as u32;
                 let vocab = vocab as u32;
                 for o in k.out.clone() {
@@ -962,12 +978,12 @@ impl Catalogue {
         self.add_stats(Kernel::new(Op::NormBackwardParams { width, bias }, &d), a);
     }
 
-    /// A norm's input gradient, added into `dx` stored in each of `dxs`.
-    fn norm_input_grad(&mut self, norm: Norm, width: u32, dxs: &[Dtype]) {
+    /// A norm's input gradient, added to `base` into `dx`, for each (base, dx) storage pair.
+    fn norm_input_grad(&mut self, norm: Norm, width: u32, pairs: &[(Dtype, Dtype)]) {
         let (a, f) = (self.a, self.f);
-        for &dx in dxs {
+        for &(base, dx) in pairs {
             let op = Op::NormBackwardInput { norm, width };
-            self.add_stats(Kernel::new(op, &[a, a, f, dx]), a);
+            self.add_stats(Kernel::new(op, &[a, a, f, base, dx]), a);
         }
     }
 

@@ -454,7 +454,7 @@ impl Device for Host<'_> {
         x: HostPtr,
         stats: HostPtr,
         dy: HostPtr,
-        dx: Option<HostPtr>,
+        dx: Option<(HostPtr, HostPtr)>,
         grads: HostPtr,
     ) -> Result<(), DeviceError> {
         #[cfg(feature = "llvm")]
@@ -468,13 +468,20 @@ impl Device for Host<'_> {
             args.extend(np.b.as_ref().map(|r| grads.at(r).arg()));
             args.push(Arg::I64(t as i64));
             generated(op, &args, h).unwrap_or(Ok(()))?;
-            if let Some(dx) = dx {
+            if let Some((dx, base)) = dx {
                 let op = Op::NormBackwardInput {
                     norm: np.kind,
                     width,
                 };
                 let w = params.at(&np.w);
-                let args = [x.arg(), w.arg(), stats.arg(), dy.arg(), dx.arg()];
+                let args = [
+                    x.arg(),
+                    w.arg(),
+                    stats.arg(),
+                    dy.arg(),
+                    base.arg(),
+                    dx.arg(),
+                ];
                 generated(op, &args, t).unwrap_or(Ok(()))?;
             }
             return Ok(());
@@ -491,7 +498,8 @@ impl Device for Host<'_> {
                     w,
                     stats.r(2 * t),
                     dy.r(t * h),
-                    dx.map(|p| p.w(t * h)),
+                    // The base read as its own slice only where it is not `out` (in place).
+                    dx.map(|(out, base)| (out.w(t * h), (base != out).then(|| base.r(t * h)))),
                     grads.at(&np.w).w(h),
                     db,
                 )

@@ -318,10 +318,8 @@ pub(crate) fn backward<D: Device>(
             let da = d.alloc(t * h)?;
             let kept = MlpSaved::carve(t, mlp, &mut rest);
             mlp_backward(d, lm, mlp, p, a, kept, dy, da, gp)?;
-            if let Some(gi) = gi {
-                d.copy(gi, dy, t * h)?;
-            }
-            d.norm_backward(ln, p, t, *h, x, st, da, gi, gp)?;
+            // The input gradient is the output gradient (the residual) plus the norm's.
+            d.norm_backward(ln, p, t, *h, x, st, da, gi.map(|gi| (gi, dy)), gp)?;
         }
         Kind::LmHead {
             hidden: h,
@@ -349,7 +347,7 @@ pub(crate) fn backward<D: Device>(
             if let Some(gi) = gi {
                 d.fill(gi, t * h, 0.0)?;
             }
-            d.norm_backward(norm, p, t, *h, x, st, da, gi, gp)?;
+            d.norm_backward(norm, p, t, *h, x, st, da, gi.map(|gi| (gi, gi)), gp)?;
         }
     }
     if let Some(gi) = gi {
@@ -395,8 +393,8 @@ fn transformer_backward<D: Device>(
 
     let mlp_kept = MlpSaved::carve(t, &bp.mlp, &mut mlp);
     mlp_backward(d, lm, &bp.mlp, p, a2, mlp_kept, dy, da, gp)?;
-    d.copy(dr, dy, t * h)?;
-    d.norm_backward(&bp.ln2, p, t, h, resid, st2, da, Some(dr), gp)?;
+    // The residual stream's gradient, dr = dy + ln2's, in f32 workspace.
+    d.norm_backward(&bp.ln2, p, t, h, resid, st2, da, Some((dr, dy)), gp)?;
     let (wp, dwp) = (p.at(&bp.proj), gp.at(&bp.proj));
     let proj = proj_product(bp, t, att, wp);
     d.linear_backward(proj, dr, dwp, bias(&bp.proj_b), Some((datt, 0.0)))?;
@@ -407,11 +405,7 @@ fn transformer_backward<D: Device>(
     let (wq, dwq) = (p.at(&bp.qkv), gp.at(&bp.qkv));
     let product = qkv_product(bp, t, a1, wq);
     d.linear_backward(product, dqkv, dwq, bias(&bp.qkv_b), Some((da, 0.0)))?;
-    // The input gradient is dr + ln1's, summed in f32 workspace and then copied out, so that
-    // an input gradient stored in 16 bits in place is rounded once, as the CPU rounds it.
-    d.norm_backward(&bp.ln1, p, t, h, x, st1, da, gi.map(|_| dr), gp)?;
-    match gi {
-        Some(gi) => d.copy(gi, dr, t * h),
-        None => Ok(()),
-    }
+    // The input gradient is dr + ln1's, summed in f32 and stored (rounded once, as the CPU
+    // rounds it) in the pass that computes ln1's.
+    d.norm_backward(&bp.ln1, p, t, h, x, st1, da, gi.map(|gi| (gi, dr)), gp)
 }

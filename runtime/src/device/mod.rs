@@ -367,7 +367,8 @@ pub(crate) trait Device {
         stats: Self::Ptr,
     ) -> Result<(), DeviceError>;
     /// The norm's backward: parameter gradients accumulate into `grads` (the layer's flat
-    /// gradient) and, when given, the input gradient into `dx`.
+    /// gradient) and, when `dx` = (out, base) is given, out ← base + the input gradient, in the
+    /// same pass (base is the residual stream's gradient, or `out` itself to accumulate).
     #[allow(clippy::too_many_arguments)]
     fn norm_backward(
         &self,
@@ -378,7 +379,7 @@ pub(crate) trait Device {
         x: Self::Ptr,
         stats: Self::Ptr,
         dy: Self::Ptr,
-        dx: Option<Self::Ptr>,
+        dx: Option<(Self::Ptr, Self::Ptr)>,
         grads: Self::Ptr,
     ) -> Result<(), DeviceError>;
 

@@ -399,7 +399,8 @@ fn norms_match_ops() {
             let db0 = finite(11, h, 0.1);
             let (mut wdx, mut wdw, mut wdb) = (dx0.clone(), dw0.clone(), db0.clone());
             let wdbr = bias.then_some(&mut wdb[..]);
-            norm_backward(norm, h, &x, &w, &ws, &dy, Some(&mut wdx), &mut wdw, wdbr);
+            let dx = Some((&mut wdx[..], None));
+            norm_backward(norm, h, &x, &w, &ws, &dy, dx, &mut wdw, wdbr);
             let f = Dtype::Fp32;
             let mut tdy = T::F32(dy.clone());
             let mut tdx = T::F32(dx0);
@@ -407,9 +408,28 @@ fn norms_match_ops() {
                 norm,
                 width: h as u32,
             };
-            let args = [tx.ptr(), tw.ptr(), stats.ptr(), tdy.ptr(), tdx.ptr()];
-            run(&Kernel::new(op, &[d, d, f, f]), &args, rows);
+            // Added in place (base = dx).
+            let (dxp, dyp) = (tdx.ptr(), tdy.ptr());
+            let args = [tx.ptr(), tw.ptr(), stats.ptr(), dyp, dxp, dxp];
+            run(&Kernel::new(op, &[d, d, f, f, f]), &args, rows);
             same(&format!("{norm:?} {d:?} dx"), &tdx.values(), &wdx);
+            // From a base of the residual's gradient in `d` into an output in `d`, rounded once.
+            let base = round(d, &finite(12, rows * h, 1.0));
+            let mut from_base = vec![f32::NAN; rows * h];
+            let dx = Some((&mut from_base[..], Some(&base[..])));
+            norm_backward(norm, h, &x, &w, &ws, &dy, dx, &mut dw0.clone(), None);
+            let (mut tbase, mut tout) = (T::new(d, &base), T::new(d, &vec![f32::NAN; rows * h]));
+            let args = [
+                tx.ptr(),
+                tw.ptr(),
+                stats.ptr(),
+                dyp,
+                tbase.ptr(),
+                tout.ptr(),
+            ];
+            run(&Kernel::new(op, &[d, d, f, d, d]), &args, rows);
+            let what = format!("{norm:?} {d:?} dx from a base");
+            same(&what, &tout.values(), &round(d, &from_base));
             let (mut tdw, mut tdb) = (T::F32(dw0), T::F32(db0));
             let op = Op::NormBackwardParams {
                 width: h as u32,
@@ -493,14 +513,15 @@ fn halved_statistics_are_the_same_bits() {
         norm: Norm::LayerNorm,
         width: h as u32,
     };
-    let k = Kernel::new(op, &[d, d, f, f]);
+    let k = Kernel::new(op, &[d, d, f, f, f]);
     let mut dxs = [T::F32(vec![0.5; rows * h]), T::F32(vec![0.5; rows * h])];
     let mut tdy = T::F32(dy.clone());
     for (dx, (k, s)) in dxs.iter_mut().zip([
         (k.clone(), slot_ptr(stats.as_mut_ptr())),
         (k.with_halved_stats(), slot_ptr(words[1..].as_mut_ptr())),
     ]) {
-        run(&k, &[tx.ptr(), tw.ptr(), s, tdy.ptr(), dx.ptr()], rows);
+        let p = dx.ptr();
+        run(&k, &[tx.ptr(), tw.ptr(), s, tdy.ptr(), p, p], rows);
     }
     assert_eq!(dxs[0].words(), dxs[1].words(), "norm dx");
     let op = Op::NormBackwardParams {

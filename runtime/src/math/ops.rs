@@ -51,7 +51,8 @@ pub(crate) fn norm_forward(
 }
 
 /// The backward of [`norm_forward`] from the input `x` and the saved statistics. Accumulates into
-/// `dx` (when given), `dw` and `db`.
+/// `dw` and `db`; the input gradient (when asked for) goes into `dx`, added to `base` (the
+/// residual stream's gradient, read in the same pass) or, without one, to `dx` itself.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 pub(crate) fn norm_backward(
@@ -61,7 +62,7 @@ pub(crate) fn norm_backward(
     w: &[f32],
     stats: &[f32],
     dy: &[f32],
-    mut dx: Option<&mut [f32]>,
+    mut dx: Option<(&mut [f32], Option<&[f32]>)>,
     dw: &mut [f32],
     mut db: Option<&mut [f32]>,
 ) {
@@ -89,16 +90,26 @@ pub(crate) fn norm_backward(
                 *a += g;
             }
         }
-        if let Some(dx) = dx.as_deref_mut() {
+        if let Some((dx, base)) = dx.as_mut() {
             let mean_d = match kind {
                 Norm::LayerNorm => sum_d / hf,
                 Norm::RmsNorm => 0.0,
             };
             let mean_dx = sum_dx / hf;
-            let dxr = &mut dx[i * h..(i + 1) * h];
-            for j in 0..h {
-                let xhat = (xr[j] - mean) * rstd;
-                dxr[j] += rstd * (dxhat[j] - mean_d - xhat * mean_dx);
+            let row = i * h..(i + 1) * h;
+            let term = |j: usize| rstd * (dxhat[j] - mean_d - (xr[j] - mean) * rstd * mean_dx);
+            let dxr = &mut dx[row.clone()];
+            match base {
+                Some(base) => {
+                    for (j, (d, &b)) in dxr.iter_mut().zip(&base[row]).enumerate() {
+                        *d = b + term(j);
+                    }
+                }
+                None => {
+                    for (j, d) in dxr.iter_mut().enumerate() {
+                        *d += term(j);
+                    }
+                }
             }
         }
     }

@@ -282,7 +282,7 @@ fn norm_forward<'c>(fx: &mut Fx<'c, '_>, norm: Norm, width: u32, bias: bool, r: 
     });
 }
 
-/// The row part of `ops::norm_backward`: `dx += rstd·(d − mean(d) − x̂·mean(d·x̂))`.
+/// The row part of `ops::norm_backward`: `dx = base + rstd·(d − mean(d) − x̂·mean(d·x̂))`.
 fn norm_backward_input<'c>(fx: &mut Fx<'c, '_>, norm: Norm, width: u32, r: I<'c>) {
     let h = fx.i64c(width.into());
     let hf = fx.f(width as f32);
@@ -312,7 +312,7 @@ fn norm_backward_input<'c>(fx: &mut Fx<'c, '_>, norm: Norm, width: u32, r: I<'c>
     fx.lane_range(zero, h, |fx, j| {
         let (e, xhat, d) = terms(fx, j);
         let g = fx.sub(fx.sub(d, mean_d), fx.mul(xhat, mean_dx));
-        let v = fx.add(fx.load("dx", e), fx.mul(rstd, g));
+        let v = fx.add(fx.load("base", e), fx.mul(rstd, g));
         fx.store("dx", e, v);
     });
 }

@@ -316,7 +316,7 @@ mod tests {
                         norm: Norm::LayerNorm,
                         width: 67,
                     },
-                    &[f, f, f, f],
+                    &[f, f, f, f, f],
                 ),
                 rows,
             ),

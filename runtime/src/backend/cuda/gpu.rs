@@ -1223,7 +1223,7 @@ impl Device for Gpu<'_> {
         x: DevPtr,
         stats: DevPtr,
         dy: DevPtr,
-        dx: Option<DevPtr>,
+        dx: Option<(DevPtr, DevPtr)>,
         grads: DevPtr,
     ) -> Result<(), DeviceError> {
         let width = h as u32;
@@ -1235,13 +1235,13 @@ impl Device for Gpu<'_> {
         args.extend(np.b.as_ref().map(|r| T(grads.at(r))));
         args.push(Arg::L(t as i64));
         self.run(op, h, &args)?;
-        if let Some(dx) = dx {
+        if let Some((dx, base)) = dx {
             let op = Op::NormBackwardInput {
                 norm: np.kind,
                 width,
             };
             let w = params.at(&np.w);
-            self.run(op, t, &[T(x), T(w), T(stats), T(dy), T(dx)])?;
+            self.run(op, t, &[T(x), T(w), T(stats), T(dy), T(base), T(dx)])?;
         }
         Ok(())
     }
