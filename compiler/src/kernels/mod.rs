@@ -772,8 +772,8 @@ pub fn for_model(model: &Model) -> Vec<Kernel> {
                 // ln1 reads the layer input; ln2 the saved residual, where its output goes.
                 k.norm(t.norm, h, false);
                 k.norm(t.norm, h, true);
-                // ln2's input gradient from the layer's output gradient into fp32 workspace;
-                // ln1's from that into the layer's input gradient (or in place without one).
+                // ln2's input gradient added to the layer's output gradient into fp32
+                // workspace; ln1's added to that into the layer's input gradient.
                 let out = k.out.clone();
                 let pairs: Vec<(Dtype, Dtype)> = (out.iter().map(|&o| (o, f)))
                     .chain(out.iter().map(|&o| (f, o)))
