@@ -174,10 +174,6 @@ impl<D: Device> Rank<'_, D> {
             .view_saved(self.at(r), d, &math.saved_segments())
     }
 
-    /// A layer's gradient written (or added) into its parts; elements past the gradient (the
-    /// padding up to a multiple of the optimizer shards) are zero. A part inside the gradient is
-    /// written straight from it; one workspace vector of the largest padded part serves the
-    /// padded ones in turn.
     /// Whether the plan asks for layer gradients rounded before every store (tests only).
     fn rounds_grads_first(&self) -> bool {
         #[cfg(test)]
@@ -195,6 +191,10 @@ impl<D: Device> Rank<'_, D> {
             .all(|p| !p.accumulate && Precision::of(self.dtype(&p.region)) == prec)
     }
 
+    /// A layer's gradient written (or added) into its parts; elements past the gradient (the
+    /// padding up to a multiple of the optimizer shards) are zero. A part inside the gradient is
+    /// written straight from it; one workspace vector of the largest padded part serves the
+    /// padded ones in turn.
     fn write_grads(&self, parts: &[GradPart], grad: D::Ptr, len: usize) -> Result<(), DeviceError> {
         let padded = |p: &GradPart| p.first + self.elements(&p.region) > len;
         let most = parts
