@@ -356,14 +356,8 @@ impl Device for Host<'_> {
             if ld != out {
                 return Err(plan_error("a bias gradient of rows wider than the product"));
             }
-            self.linear_backward(l, dy, dw, None, dx)?;
-            let args = [dy.arg(), db.arg(), Arg::I64(t as i64)];
-            let op = Op::BiasGrad {
-                width: out as u32,
-                cast: false,
-                gelu: false,
-            };
-            return generated(op, &args, out).unwrap_or(Ok(()));
+            self.generated_bias_grad(&l, dy, db, None)?;
+            return self.linear_backward(l, dy, dw, None, dx);
         }
         wide(
             #[inline(always)]
@@ -397,13 +391,7 @@ impl Device for Host<'_> {
     ) -> Result<(), DeviceError> {
         #[cfg(feature = "llvm")]
         if let (true, Some(db)) = (jit::enabled(), dbias) {
-            let args = [dy.arg(), db.arg(), pre.arg(), Arg::I64(l.t as i64)];
-            let op = Op::BiasGrad {
-                width: l.out as u32,
-                cast: false,
-                gelu: true,
-            };
-            generated(op, &args, l.out).unwrap_or(Ok(()))?;
+            self.generated_bias_grad(&l, dy, db, Some(pre))?;
             return self.linear_backward(l, dy, dw, None, dx);
         }
         self.gelu_backward(pre, dy, l.t * l.out)?;
@@ -824,6 +812,26 @@ impl Host<'_> {
 
 #[cfg(feature = "llvm")]
 impl Host<'_> {
+    /// db += the column sums of dy's `l.out` columns over its `l.t` rows with the generated
+    /// kernel (`Op::BiasGrad`), dy first through GELU's backward in the same pass (in place)
+    /// when `gelu` gives GELU's input: the kernels the CUDA device runs.
+    fn generated_bias_grad(
+        &self,
+        l: &Linear<HostPtr>,
+        dy: HostPtr,
+        db: HostPtr,
+        gelu: Option<HostPtr>,
+    ) -> Result<(), DeviceError> {
+        let op = Op::BiasGrad {
+            width: l.out as u32,
+            cast: false,
+            gelu: gelu.is_some(),
+        };
+        let tensors = [dy, db].into_iter().chain(gelu).map(HostPtr::arg);
+        let args: Vec<Arg> = tensors.chain([Arg::I64(l.t as i64)]).collect();
+        generated(op, &args, l.out).unwrap_or(Ok(()))
+    }
+
     /// The optimizer step with the generated Adam or SGD kernel, Adam's in the launches the
     /// GPU makes ([`Update::adam_launches`]), reading the gradient scale from memory as the GPU
     /// does.
