@@ -14,7 +14,7 @@ fn simulate(c: &mut Criterion) {
     let mut g = c.benchmark_group("simulate 80 layers, 16 micro-steps, 1024 ranks");
     g.sample_size(10);
     for (name, j) in target_jobs() {
-        let (program, _) = compile(&j).unwrap();
+        let program = compile(&j).unwrap();
         g.bench_function(name, |b| b.iter(|| sim::simulate(&program, &j)));
     }
     g.finish();

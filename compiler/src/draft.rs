@@ -10,8 +10,8 @@
 //! - a unit's `earliest <= consumer <= last_consumer`, all indices of `slots`;
 //! - ops inside a unit, a `compute` list or an `after` list are already in their issue order.
 
-use crate::ir::{OpId, Program};
-use crate::job::{Overlap, Streams};
+use sched_ir::ir::{OpId, Program};
+use sched_ir::job::{Overlap, Streams};
 
 /// A group of ops issued together and moved as one by the prefetch pass.
 #[derive(Clone, Debug, Default)]

@@ -21,12 +21,6 @@
 
 pub mod draft;
 pub mod emit;
-pub mod files;
-pub mod hash;
-pub mod intervals;
-pub mod ir;
-pub mod job;
-pub mod kernels;
 pub mod load;
 pub mod lower;
 pub mod passes;
@@ -36,21 +30,8 @@ pub mod sema;
 pub mod sim;
 #[doc(hidden)]
 pub mod testing;
-pub mod verify;
 
-pub use job::Job;
 pub use pipeline::{compile, compile_timed, CompileError};
-
-/// The verification context of a job (its shard meshes and hpZ secondary size).
-pub fn verify_ctx(job: &Job) -> verify::Ctx {
-    let secondary = match job.schedule.reshard_after_forward {
-        job::ReshardAfterForward::Node { secondary } => Some(secondary),
-        _ => None,
-    };
-    verify::Ctx {
-        shard: job.schedule.shard,
-        secondary,
-    }
-}
+pub use sched_ir::Job;
 
 pub use sema::{analyze, Analysis, FsLoader, Loader, MemLoader};

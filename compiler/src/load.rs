@@ -1,25 +1,24 @@
 //! The one loader of "a plan file or a `.sched` file", shared by `schedc simulate` and `schedrun`.
 //!
 //! A file whose text starts with `{` is a plan file (JSON from `schedc compile`): it is read with
-//! [`crate::emit::plan::read_plan`] and every proof is run on it again, so a hand-edited plan cannot
+//! [`sched_verify::plan::read_verified`]: read and every proof run on it again, so a hand-edited plan cannot
 //! reach a simulator or a backend unchecked. Anything else is a `.sched` file: analysed, the
 //! schedule selected, and compiled (which verifies). Either way the result is a verified program
 //! with its job and [`PlanInfo`]. Errors say whose fault they are ([`LoadError::is_input`]):
 //! the user's input (exit 1) or the machine's or compiler's (exit 2).
 
-use crate::emit::plan::read_plan;
-use crate::ir::Program;
-use crate::job::Job;
 use crate::pipeline::CompileError;
 use crate::sema::{analyze, Analysis, FsLoader};
-use crate::verify::{self, PlanInfo, VerifyError};
+use sched_ir::job::Job;
+pub use sched_verify::plan::is_plan_text;
+use sched_verify::plan::{read_verified, PlanError};
+use sched_verify::{Rejected, Verified};
 use std::path::{Path, PathBuf};
 
 /// A verified program and the job it runs.
 pub struct Loaded {
-    pub program: Program,
+    pub program: Verified,
     pub job: Job,
-    pub info: PlanInfo,
     /// The analysis of a `.sched` file (its warnings are the caller's to show); none for a plan.
     pub analysis: Option<Analysis>,
 }
@@ -36,11 +35,7 @@ pub enum LoadError {
     /// Not a plan file, a schedule that does not exist or that the plan does not hold.
     Input { path: PathBuf, message: String },
     /// A plan file that fails verification.
-    Unverified {
-        path: PathBuf,
-        program: Box<Program>,
-        errors: Vec<VerifyError>,
-    },
+    Unverified { path: PathBuf, rejected: Rejected },
     /// The schedule did not compile (an unmeetable `max_live` is the user's; the rest are bugs).
     Compile {
         path: PathBuf,
@@ -67,22 +62,29 @@ impl LoadError {
         match self {
             LoadError::Unverified {
                 path,
-                program,
-                errors: errs,
+                rejected:
+                    Rejected {
+                        program,
+                        errors: errs,
+                    },
             } => format!(
                 "{} fails verification ({} errors):\n\n{}",
                 path.display(),
                 errs.len(),
-                verify::render_context(program, &errs[..errs.len().min(errors)], context)
+                sched_verify::render_context(program, &errs[..errs.len().min(errors)], context)
             ),
             LoadError::Compile {
-                error: CompileError::Verify(program, errs),
+                error:
+                    CompileError::Verify(Rejected {
+                        program,
+                        errors: errs,
+                    }),
                 schedule,
                 ..
             } => format!(
                 "the compiled program for `{schedule}` fails verification ({} errors):\n\n{}",
                 errs.len(),
-                verify::render_context(program, &errs[..errs.len().min(errors)], context)
+                sched_verify::render_context(program, &errs[..errs.len().min(errors)], context)
             ),
             other => other.to_string(),
         }
@@ -95,11 +97,11 @@ impl std::fmt::Display for LoadError {
             LoadError::Read { path, error } => write!(f, "cannot read {}: {error}", path.display()),
             LoadError::Diagnostics(a) => f.write_str(a.render().trim_end()),
             LoadError::Input { path, message } => write!(f, "{}: {message}", path.display()),
-            LoadError::Unverified { path, errors, .. } => write!(
+            LoadError::Unverified { path, rejected } => write!(
                 f,
                 "{} fails verification ({} errors)",
                 path.display(),
-                errors.len()
+                rejected.errors.len()
             ),
             LoadError::Compile {
                 schedule,
@@ -123,11 +125,6 @@ impl std::error::Error for LoadError {}
 
 /// Loads `path` as a plan file or a `.sched` file, picking `schedule` when given (a plan file
 /// must hold that schedule; a `.sched` file defining several needs one).
-/// Whether a file's text is a plan file (JSON) rather than a `.sched` source.
-pub fn is_plan_text(text: &str) -> bool {
-    text.trim_start().starts_with('{')
-}
-
 pub fn load(path: &Path, schedule: Option<&str>) -> Result<Loaded, LoadError> {
     let text = std::fs::read_to_string(path).map_err(|error| LoadError::Read {
         path: path.to_path_buf(),
@@ -138,29 +135,17 @@ pub fn load(path: &Path, schedule: Option<&str>) -> Result<Loaded, LoadError> {
         message,
     };
     if is_plan_text(&text) {
-        let plan = read_plan(&text).map_err(input)?;
-        if let Some(want) = schedule.filter(|&w| w != plan.job.schedule.name) {
-            return Err(input(format!(
-                "holds schedule `{}`, not `{want}`",
-                plan.job.schedule.name
-            )));
-        }
-        let ctx = verify::Ctx {
-            shard: plan.shard,
-            secondary: plan.secondary,
-        };
-        return match verify::verify(&plan.program, ctx) {
-            Ok(info) => Ok(Loaded {
-                program: plan.program,
-                job: plan.job,
-                info,
+        return match read_verified(&text, schedule) {
+            Ok((program, job)) => Ok(Loaded {
+                program,
+                job,
                 analysis: None,
             }),
-            Err(errors) => Err(LoadError::Unverified {
+            Err(PlanError::Unverified(rejected)) => Err(LoadError::Unverified {
                 path: path.to_path_buf(),
-                program: Box::new(plan.program),
-                errors,
+                rejected,
             }),
+            Err(e) => Err(input(e.to_string())),
         };
     }
     let analysis = analyze(path, &FsLoader).map_err(|e| LoadError::Read {
@@ -172,10 +157,9 @@ pub fn load(path: &Path, schedule: Option<&str>) -> Result<Loaded, LoadError> {
     }
     let job = analysis.select(schedule).map_err(input)?.clone();
     match crate::compile(&job) {
-        Ok((program, info)) => Ok(Loaded {
+        Ok(program) => Ok(Loaded {
             program,
             job,
-            info,
             analysis: Some(analysis),
         }),
         Err(error) => Err(LoadError::Compile {

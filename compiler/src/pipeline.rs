@@ -28,11 +28,11 @@
 //! nothing this module returns as compiled is unverified.
 
 use crate::draft::Draft;
-use crate::ir::Program;
-use crate::job::Job;
 use crate::passes;
 use crate::passes::prefetch::MaxLiveError;
-use crate::verify::{self, PlanInfo, Stage, ValuesProof, VerifyError};
+use sched_ir::ir::Program;
+use sched_ir::job::Job;
+use sched_verify::{self as verify, Rejected, Stage, ValuesProof, Verified, VerifyError};
 
 /// Why a job did not compile.
 #[derive(Debug)]
@@ -40,7 +40,7 @@ pub enum CompileError {
     /// The schedule cannot be lowered as written (an unmeetable `max_live`).
     Lower(MaxLiveError),
     /// The lowered program failed verification: a compiler bug, reported with the program.
-    Verify(Box<Program>, Vec<VerifyError>),
+    Verify(Rejected),
     /// A pass left the program structurally broken (found by the check after each pass): a
     /// compiler bug, reported with the pass and the program as it left it.
     Pass {
@@ -54,10 +54,10 @@ impl std::fmt::Display for CompileError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             CompileError::Lower(e) => write!(f, "{e}"),
-            CompileError::Verify(_, errs) => write!(
+            CompileError::Verify(r) => write!(
                 f,
                 "the compiled program fails verification ({} errors)",
-                errs.len()
+                r.errors.len()
             ),
             CompileError::Pass { pass, errors, .. } => write!(
                 f,
@@ -114,15 +114,12 @@ impl Default for Options {
 }
 
 /// Lowers, plans and verifies one job.
-pub fn compile(job: &Job) -> Result<(Program, PlanInfo), CompileError> {
+pub fn compile(job: &Job) -> Result<Verified, CompileError> {
     compile_timed(job, &mut PassTimes::default())
 }
 
 /// [`compile`], recording each pass's time (verification included) in `times`.
-pub fn compile_timed(
-    job: &Job,
-    times: &mut PassTimes,
-) -> Result<(Program, PlanInfo), CompileError> {
+pub fn compile_timed(job: &Job, times: &mut PassTimes) -> Result<Verified, CompileError> {
     compile_with(job, Options::default(), times)
 }
 
@@ -131,18 +128,16 @@ pub fn compile_with(
     job: &Job,
     options: Options,
     times: &mut PassTimes,
-) -> Result<(Program, PlanInfo), CompileError> {
+) -> Result<Verified, CompileError> {
     let (program, values) = Pipeline {
         job,
         options,
         times,
     }
     .placed(true)?;
-    let ctx = crate::verify_ctx(job);
-    match times.time("verify", || verify::verify_with(&program, ctx, values)) {
-        Ok(info) => Ok((program, info)),
-        Err(errs) => Err(CompileError::Verify(Box::new(program), errs)),
-    }
+    times
+        .time("verify", || verify::verify_with(program, values))
+        .map_err(CompileError::Verify)
 }
 
 /// Lowers and runs every pass: the complete, placed program, not yet through the final proofs.
@@ -175,7 +170,7 @@ pub fn lower_unplanned(job: &Job) -> Result<Program, CompileError> {
 const BESIDE_WORK: usize = 4_000_000;
 
 fn worth_a_thread(p: &Program) -> bool {
-    p.ops.len().saturating_mul(p.ranks as usize) >= BESIDE_WORK
+    p.ops.len().saturating_mul(p.ranks() as usize) >= BESIDE_WORK
         && std::thread::available_parallelism().is_ok_and(|n| n.get() > 1)
 }
 
@@ -196,7 +191,6 @@ impl Pipeline<'_> {
         prove_values: bool,
     ) -> Result<(Program, Option<ValuesProof>), CompileError> {
         let mut program = self.unplanned_program()?;
-        let ctx = crate::verify_ctx(self.job);
         let beside = prove_values && worth_a_thread(&program);
         let mut values_time = None;
         let (placement, values) = self.times.time("memory", || {
@@ -206,7 +200,7 @@ impl Pipeline<'_> {
             std::thread::scope(|s| {
                 let values = s.spawn(|| {
                     let start = std::time::Instant::now();
-                    (verify::prove_values(&program, ctx), start.elapsed())
+                    (verify::prove_values(&program), start.elapsed())
                 });
                 let placement = passes::memory::plan(&program);
                 let (values, spent) = values.join().expect("the value proof does not panic");
@@ -263,10 +257,9 @@ impl Pipeline<'_> {
         if !self.options.verify_each_pass {
             return Ok(());
         }
-        let ctx = crate::verify_ctx(self.job);
         self.times
             .accumulate("verify structure", || {
-                verify::verify_structure(program, ctx, stage)
+                verify::verify_structure(program, stage)
             })
             .map_err(|errors| CompileError::Pass {
                 pass,

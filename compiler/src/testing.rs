@@ -34,7 +34,8 @@ pub enum PlanOutcome {
 /// The plan fuzz target (`fuzz/fuzz_targets/plan.rs`) and the workspace's replaying test
 /// (`tests/tests/plan_fuzz.rs`) both run this; whatever the bytes, it must return.
 pub fn exercise_plan(data: &[u8]) -> PlanOutcome {
-    use crate::emit::plan::{emit_plan, read_plan};
+    use sched_ir::plan_file::{emit_plan, read_plan};
+    use sched_verify::Rejected;
     let Ok(text) = std::str::from_utf8(data) else {
         return PlanOutcome::NotText;
     };
@@ -45,22 +46,17 @@ pub fn exercise_plan(data: &[u8]) -> PlanOutcome {
             return PlanOutcome::Refused(e);
         }
     };
-    let ctx = crate::verify::Ctx {
-        shard: plan.shard,
-        secondary: plan.secondary,
-    };
-    let p = &plan.program;
-    match crate::verify::verify(p, ctx) {
-        Err(errors) => {
+    match sched_verify::verify(plan.program) {
+        Err(Rejected { program, errors }) => {
             assert!(!errors.is_empty(), "a failed verification names an error");
-            let _ = crate::verify::render_context(p, &errors[..errors.len().min(20)], 3);
+            let _ = sched_verify::render_context(&program, &errors[..errors.len().min(20)], 3);
             PlanOutcome::Rejected(errors.len())
         }
-        Ok(info) => {
-            let _ = crate::emit::listing::emit_listing(p);
-            let _ = crate::emit::summary::emit_summary(p);
-            let _ = crate::emit::stats::emit_stats(&plan.job, p, &info);
-            let again = serde_json::to_string(&emit_plan(p, &plan.job)).expect("plans serialise");
+        Ok(p) => {
+            let _ = sched_ir::listing::emit_listing(&p);
+            let _ = crate::emit::summary::emit_summary(&p);
+            let _ = crate::emit::stats::emit_stats(&plan.job, &p);
+            let again = serde_json::to_string(&emit_plan(&p, &plan.job)).expect("plans serialise");
             let back = read_plan(&again)
                 .unwrap_or_else(|e| panic!("a verified plan, written again, is refused: {e}"));
             assert!(

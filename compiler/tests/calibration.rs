@@ -15,7 +15,7 @@
 //! not in `shared/seeds`. The Amazon article's RoBERTa-10B/50B figures (123 and 154 TFLOPS per
 //! A100) are not used either: it gives no model shape, sequence length or batch size to simulate.
 
-use schedc::job::Collective;
+use sched_ir::job::Collective;
 use schedc::sim::{self, CostModel, SimReport};
 use schedc::{analyze, FsLoader, Job};
 use std::path::{Path, PathBuf};
@@ -37,9 +37,7 @@ fn job(file: &str, name: &str) -> Job {
 
 fn simulate(file: &str, name: &str) -> SimReport {
     let job = job(file, name);
-    let program = schedc::compile(&job)
-        .unwrap_or_else(|e| panic!("{name}: {e}"))
-        .0;
+    let program = schedc::compile(&job).unwrap_or_else(|e| panic!("{name}: {e}"));
     let r = sim::simulate(&program, &job);
     assert!(r.fits, "{name} does not fit");
     r
@@ -291,7 +289,7 @@ fn calibration_points_median_error() {
 fn overlap_pair(micro_steps: u32, contention: f64) -> (f64, f64) {
     let run = |name: String| {
         let job = job("calibration_overlap.sched", &name);
-        let program = schedc::compile(&job).unwrap().0;
+        let program = schedc::compile(&job).unwrap();
         let classes = sim::classes::rank_classes(&program);
         let cost = CostModel::new(&job).with_contention(contention);
         sim::engine::run(&program, &job, &classes, &cost).step_time_s

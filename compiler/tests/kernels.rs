@@ -7,9 +7,9 @@
 //! lists `ptxas`, as CI's does, which makes a missing assembler a failure.
 #![cfg(feature = "llvm")]
 
-use schedc::job::Dtype;
-use schedc::kernels::codegen::{ptx, SMS};
-use schedc::kernels::{for_job, Kernel, Op};
+use sched_ir::job::Dtype;
+use sched_kernels::codegen::{ptx, SMS};
+use sched_kernels::{for_job, Kernel, Op};
 use schedc::{analyze, FsLoader};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

@@ -33,10 +33,9 @@
 //!   include every tiny plan.
 
 use cranelift_entity::{EntityRef, PrimaryMap};
-use schedc::emit::plan::{emit_plan, read_plan};
-use schedc::ir::*;
-use schedc::verify::{verify, Ctx};
-use schedc::{analyze, compile, verify_ctx, FsLoader};
+use sched_ir::ir::*;
+use sched_ir::plan_file::{emit_plan, read_plan};
+use schedc::{analyze, compile, FsLoader};
 use std::path::Path;
 use std::sync::OnceLock;
 
@@ -46,7 +45,6 @@ const LIMIT: usize = 150;
 struct Example {
     name: String,
     program: Program,
-    ctx: Ctx,
     job: schedc::Job,
 }
 
@@ -66,12 +64,12 @@ fn examples() -> &'static [Example] {
             let a = analyze(&f, &FsLoader).unwrap();
             assert!(!a.has_errors(), "{}", a.render());
             for job in &a.jobs {
-                let (program, _) =
-                    compile(job).unwrap_or_else(|e| panic!("{}: {e}", job.schedule.name));
+                let program = compile(job)
+                    .unwrap_or_else(|e| panic!("{}: {e}", job.schedule.name))
+                    .into_program();
                 out.push(Example {
                     name: job.schedule.name.clone(),
                     program,
-                    ctx: verify_ctx(job),
                     job: job.clone(),
                 });
             }
@@ -81,8 +79,8 @@ fn examples() -> &'static [Example] {
     })
 }
 
-fn accepted(p: &Program, ctx: Ctx) -> bool {
-    verify(p, ctx).is_ok()
+fn accepted(p: &Program) -> bool {
+    sched_verify::errors(p).is_empty()
 }
 
 /// All of `sites` when there are at most [`LIMIT`], else an evenly spaced sample of [`LIMIT`].
@@ -113,7 +111,7 @@ fn refused_everywhere<T: Clone + std::fmt::Debug>(
             let mut m = ex.program.clone();
             mutate(&mut m, &site);
             tried += 1;
-            if accepted(&m, ex.ctx) {
+            if accepted(&m) {
                 missed.push(format!("{}: {class} {site:?}", ex.name));
             }
         }
@@ -149,7 +147,7 @@ fn unmodified_plans_are_accepted_through_the_plan_file() {
             "{}: plan file round trip",
             ex.name
         );
-        assert!(accepted(&back.program, ex.ctx), "{}", ex.name);
+        assert!(accepted(&back.program), "{}", ex.name);
     }
 }
 
@@ -408,17 +406,15 @@ fn breaking_the_gradient_norm_is_caught() {
             }
         }
         for (what, m) in cases {
-            assert!(!accepted(&m, ex.ctx), "{}: {what} is not caught", ex.name);
+            assert!(!accepted(&m), "{}: {what} is not caught", ex.name);
         }
     }
     assert!(plans >= 4, "only {plans} plans clip");
 }
 
 /// The messages of every error `verify` reports (none when it accepts).
-fn messages(p: &Program, ctx: Ctx) -> Vec<String> {
-    verify(p, ctx)
-        .err()
-        .unwrap_or_default()
+fn messages(p: &Program) -> Vec<String> {
+    sched_verify::errors(p)
         .into_iter()
         .map(|e| e.message)
         .collect()
@@ -449,7 +445,7 @@ fn caught_by(
                 continue;
             }
             tried += 1;
-            let found = messages(&m, ex.ctx);
+            let found = messages(&m);
             if !found.iter().any(|msg| msg.contains(says)) {
                 missed.push(format!("{}: site {site}: {found:?}", ex.name));
             }

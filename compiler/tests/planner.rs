@@ -75,7 +75,7 @@ fn floors_never_exceed_what_the_compiler_and_simulator_report() {
         let cost = schedc::sim::cost::CostModel::new(&base);
         let mut checked = 0;
         for job in sample(&base, 2) {
-            let Ok(program) = schedc::pipeline::lower(&job) else {
+            let Ok(program) = schedc::compile(&job) else {
                 continue;
             };
             let label = format!("{name}: {:?}", space::structure_of(&job.schedule));
@@ -87,7 +87,7 @@ fn floors_never_exceed_what_the_compiler_and_simulator_report() {
                 report.step_time_s
             );
             let unplanned = schedc::pipeline::lower_unplanned(&job).unwrap();
-            let screened = schedc::sim::simulate(&unplanned, &job).step_time_s;
+            let screened = schedc::sim::step_time(&unplanned, &job);
             assert!(floor.seconds() <= screened * (1.0 + 1e-9), "{label}");
             // Memory: the floors are below the placed arena; the shards are exact.
             assert!(bounds::memory_floor(&job) <= program.arena_bytes, "{label}");
@@ -127,13 +127,13 @@ fn branch_and_bound_finds_the_exhaustive_top_k() {
         .filter_map(|job| {
             let program = schedc::pipeline::lower_unplanned(&job).ok()?;
             (bounds::arena_floor(&program) <= base.cluster.gpu_memory)
-                .then(|| (schedc::sim::simulate(&program, &job).step_time_s, job))
+                .then(|| (schedc::sim::step_time(&program, &job), job))
         })
         .collect();
     screened.sort_by(|a, b| a.0.total_cmp(&b.0));
     let mut expected = vec![];
     for (_, job) in &screened {
-        let program = schedc::pipeline::lower(job).unwrap();
+        let program = schedc::compile(job).unwrap();
         let r = schedc::sim::simulate(&program, job);
         if r.fits {
             expected.push(r.step_time_s);

@@ -6,8 +6,8 @@
 //! `schedc simulate` on the command line.
 
 use cranelift_entity::EntityRef;
-use schedc::ir::*;
-use schedc::job::{Collective, Dtype};
+use sched_ir::ir::*;
+use sched_ir::job::{Collective, Dtype};
 use schedc::sim::cost::{COLLECTIVE_START_S, LINK_EFFICIENCY};
 use schedc::sim::{self, CostModel};
 use schedc::{analyze, FsLoader, Job, MemLoader};
@@ -44,10 +44,8 @@ const LLAMA_SMALL: &str = "model m {\n dtype = bf16\n seq_len = 1024\n \
     layer block[4] = transformer(hidden = 2048, heads = 16, ffn = 5504, norm = rmsnorm, act = swiglu, bias = false)\n \
     layer head = lm_head(hidden = 2048, vocab = 32000, norm = rmsnorm)\n}\n";
 
-fn compile(job: &Job) -> Program {
-    schedc::compile(job)
-        .unwrap_or_else(|e| panic!("{}: {e}", job.schedule.name))
-        .0
+fn compile(job: &Job) -> sched_verify::Verified {
+    schedc::compile(job).unwrap_or_else(|e| panic!("{}: {e}", job.schedule.name))
 }
 
 /// Most test clusters' links within a node...
@@ -57,7 +55,7 @@ const INTER: &str = "bandwidth = 400 Gbps  latency = 10 us";
 
 /// Each job of `LLAMA_SMALL` on `cluster` (a `cluster c` block) under `schedules` (blocks naming
 /// `model = m` and `cluster = c`), with its compiled program, ready to simulate.
-fn llama_small_programs(cluster: &str, schedules: &str) -> Vec<(Job, Program)> {
+fn llama_small_programs(cluster: &str, schedules: &str) -> Vec<(Job, sched_verify::Verified)> {
     jobs(&format!("{cluster}{LLAMA_SMALL}{schedules}"))
         .into_iter()
         .map(|job| {
@@ -97,9 +95,11 @@ fn mesh_groups(a: u32, b: u32, g: u32, nodes: u32) -> Vec<Vec<u32>> {
 fn collectives_program(g: u32, nodes: u32, calls: &[(usize, (u32, u32), u64)]) -> Program {
     let mut p = Program {
         schedule: "hand".into(),
-        ranks: g * nodes,
-        nodes,
-        gpus_per_node: g,
+        layout: sched_ir::Layout {
+            gpus_per_node: g,
+            nodes,
+            ..Default::default()
+        },
         micro_steps: 1,
         ..Program::default()
     };
@@ -175,31 +175,19 @@ fn a_single_collective_takes_its_alpha_beta_time() {
     // Intra-node 8 x 1: (p-1)(α + M/(p·w)), AMSP §IV-A.
     let p = collectives_program(8, 4, &[(0, (8, 1), m)]);
     let want = COLLECTIVE_START_S + 7.0 * (3e-6 + m as f64 / (8.0 * intra));
-    let r = sim::simulate(&p, &job);
-    assert!(
-        close(r.step_time_s, want, 1e-9),
-        "{} vs {want}",
-        r.step_time_s
-    );
+    let r = sim::step_time(&p, &job);
+    assert!(close(r, want, 1e-9), "{} vs {want}", r);
     // Across 4 nodes, 1 GPU per node from each of the 8 groups: the node's network carries 8 rings.
     let p = collectives_program(8, 4, &[(0, (1, 4), m)]);
     let want = COLLECTIVE_START_S + 3.0 * (10e-6 + 8.0 * m as f64 / (4.0 * inter));
-    let r = sim::simulate(&p, &job);
-    assert!(
-        close(r.step_time_s, want, 1e-9),
-        "{} vs {want}",
-        r.step_time_s
-    );
+    let r = sim::step_time(&p, &job);
+    assert!(close(r, want, 1e-9), "{} vs {want}", r);
     // Mixed 8 x 4: one ring leaves each node; a step waits for the slower link.
     let p = collectives_program(8, 4, &[(0, (8, 4), m)]);
     let chunk = m as f64 / 32.0;
     let want = COLLECTIVE_START_S + 31.0 * (10e-6 + (chunk / intra).max(chunk / inter));
-    let r = sim::simulate(&p, &job);
-    assert!(
-        close(r.step_time_s, want, 1e-9),
-        "{} vs {want}",
-        r.step_time_s
-    );
+    let r = sim::step_time(&p, &job);
+    assert!(close(r, want, 1e-9), "{} vs {want}", r);
     // And the planner's entry point agrees.
     let cm = CostModel::new(&job);
     assert!(close(
@@ -216,24 +204,16 @@ fn collectives_that_overlap_share_the_node_network() {
     let alone = CostModel::new(&job).collective_seconds(Collective::AllGather, 8, 4, m);
     let latency = COLLECTIVE_START_S + 31.0 * 10e-6;
     let p = collectives_program(8, 4, &[(0, (8, 4), m), (1, (8, 4), m)]);
-    let r = sim::simulate(&p, &job);
+    let r = sim::step_time(&p, &job);
     // Both move at half speed: the pair takes the latency plus twice the transfer.
     let want = latency + 2.0 * (alone - latency);
-    assert!(
-        close(r.step_time_s, want, 1e-6),
-        "{} vs {want}",
-        r.step_time_s
-    );
+    assert!(close(r, want, 1e-6), "{} vs {want}", r);
     // An intra-node call beside an inter-node-bound one takes only the intra link's spare share.
     let p = collectives_program(8, 4, &[(0, (8, 4), m), (1, (8, 1), m)]);
-    let r = sim::simulate(&p, &job);
+    let r = sim::step_time(&p, &job);
     let a = CostModel::new(&job).collective_seconds(Collective::AllGather, 8, 1, m);
-    assert!(r.step_time_s >= alone.max(a) - 1e-12);
-    assert!(
-        r.step_time_s < alone + a,
-        "no overlap at all: {}",
-        r.step_time_s
-    );
+    assert!(r >= alone.max(a) - 1e-12);
+    assert!(r < alone + a, "no overlap at all: {}", r);
 }
 
 #[test]
@@ -374,7 +354,9 @@ fn two_hop_sync_meets_the_mics_bound() {
         &cluster(1, 8, links, links, ""),
         &(sched("two_hop", "two_hop") + &sched("flat", "flat")),
     );
-    let cost = |(j, p): &(Job, Program)| collective_seconds(p, j, &[OpRole::Reduce, OpRole::Sync]);
+    let cost = |(j, p): &(Job, sched_verify::Verified)| {
+        collective_seconds(p, j, &[OpRole::Reduce, OpRole::Sync])
+    };
     let (two_hop, flat) = (cost(&js[0]), cost(&js[1]));
     let ratio = flat / two_hop;
     let (s, n, p) = (4.0, 8.0, 2.0);
@@ -408,7 +390,7 @@ fn hierarchical_all_gather_gains_the_traffic_ratio() {
         &(sched("flat", "flat") + &sched("hier", "hierarchical")),
     );
     // Less the fixed kernel start each call pays: the hierarchical algorithm makes more calls.
-    let cost = |(j, p): &(Job, Program)| {
+    let cost = |(j, p): &(Job, sched_verify::Verified)| {
         let calls = p
             .ops
             .values()
@@ -584,9 +566,9 @@ fn one_representative_gives_the_same_step_as_every_rank() {
     for (job, p) in programs {
         let one = sim::run(&p, &job);
         let mut each = sim::classes::rank_classes(&p);
-        each.class_of = (0..p.ranks).collect();
-        each.representatives = (0..p.ranks).collect();
-        each.sizes = vec![1; p.ranks as usize];
+        each.class_of = (0..p.ranks()).collect();
+        each.representatives = (0..p.ranks()).collect();
+        each.sizes = vec![1; p.ranks() as usize];
         let all = sim::engine::run(&p, &job, &each, &CostModel::new(&job));
         assert_eq!(all.ranks.len(), 32);
         assert!(

@@ -17,7 +17,7 @@
 //! access also raises a high-water mark, the measured peak reported next to the plan's figure.
 
 use crate::math::{bf16_bits_to_f32, f32_to_bf16_bits};
-use schedc::job::Dtype;
+use sched_ir::job::Dtype;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering::Relaxed};
 
 /// A rank's arena.

@@ -12,7 +12,7 @@
 use crate::train::{LayerState, State};
 use safetensors::tensor::{Dtype as StDtype, TensorView};
 use safetensors::SafeTensors;
-use schedc::job::Model;
+use sched_ir::job::Model;
 use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::path::{Path, PathBuf};
@@ -178,7 +178,7 @@ pub fn save(
     }
     let bytes = safetensors::serialize(views, &Some(meta))
         .map_err(|e| format(format!("cannot serialise: {e}")))?;
-    schedc::files::write_atomically(path, &bytes).map_err(|e| CheckpointError::Io {
+    sched_ir::files::write_atomically(path, &bytes).map_err(|e| CheckpointError::Io {
         path: path.to_path_buf(),
         writing: true,
         error: e.to_string(),
@@ -248,7 +248,7 @@ pub fn load(path: &Path, model: &Model, contents: Contents) -> Result<State, Che
             }),
         }
     };
-    let moments = model.optimizer != schedc::job::Optimizer::Sgd;
+    let moments = model.optimizer != sched_ir::job::Optimizer::Sgd;
     for layer in &model.layers {
         let mut st = LayerState::default();
         for t in &layer.tensors {

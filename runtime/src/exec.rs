@@ -28,8 +28,8 @@
 
 use crate::math::LayerMath;
 use cranelift_entity::EntityRef;
-use schedc::ir::{BufferKind, CollectiveOp, ComputeKind, Offset, OpKind, Program, Region};
-use schedc::job::{LayerKind, Model};
+use sched_ir::ir::{BufferKind, CollectiveOp, ComputeKind, Offset, OpKind, Program, Region};
+use sched_ir::job::{LayerKind, Model};
 
 /// A compute op's parameter-gradient write: `region` holds gradient elements from `first` on.
 #[derive(Clone, Debug)]
@@ -160,7 +160,7 @@ fn decode_op(
     p: &Program,
     model: &Model,
     maths: &[LayerMath],
-    op: &schedc::ir::Op,
+    op: &sched_ir::ir::Op,
 ) -> Result<Action, String> {
     let kind = match &op.kind {
         OpKind::Collective(c) => return Ok(Action::Collectives(vec![*c])),

@@ -1,16 +1,16 @@
 //! A plan ready to run: the verified program, the job it was compiled from, each op's decoded
 //! [`Action`], the layer math, and the rank arithmetic to place rank-dependent regions.
 //!
-//! [`Plan::load`] takes a `.sched` file (compiled on the spot) or a plan file written by
-//! `schedc compile`; either way the program is verified again before anything runs, so a
-//! hand-edited plan cannot reach a backend unchecked. [`Plan::unverified`] exists only so tests
-//! can run a deliberately broken plan and watch the stress mode catch it.
+//! A [`Plan`] is made only from a [`Verified`] program ([`Plan::new`]), so nothing unproved
+//! reaches a backend. [`Plan::load`] takes a plan file written by `schedc compile`, read back
+//! and verified again, or, with the `compile` feature (on by default), a `.sched` file compiled
+//! on the spot through schedc's shared loader.
 
 use crate::exec::{decode, Action};
 use crate::math::{decay_ranges, LayerMath};
-use schedc::ir::layout::Layout;
-use schedc::ir::{BufferId, BufferKind, LayerId, OpId, Program, Region, ShardIndex, StreamId};
-use schedc::job::Job;
+use sched_ir::ir::{BufferId, BufferKind, LayerId, OpId, Region, ShardIndex, StreamId};
+use sched_ir::job::Job;
+use sched_verify::Verified;
 use std::path::Path;
 
 /// Why a plan cannot run. `Input` errors are the user's (exit 1), `Fault` the machine's (exit 2).
@@ -28,15 +28,16 @@ impl std::fmt::Display for LoadError {
     }
 }
 
+impl std::error::Error for LoadError {}
+
 /// A loaded, verified, decoded plan.
 pub struct Plan {
-    pub program: Program,
+    pub program: Verified,
     pub job: Job,
     pub actions: Vec<Action>,
     pub maths: Vec<LayerMath>,
     /// Per layer, the flat-vector ranges weight decay applies to.
     pub decay: Vec<Vec<std::ops::Range<usize>>>,
-    pub layout: Layout,
     /// Each stream's ops, in issue order.
     pub stream_ops: Vec<Vec<OpId>>,
     /// For every op, each of its collectives' call number on its communicator within a step (the
@@ -53,46 +54,25 @@ pub struct Plan {
 }
 
 impl Plan {
-    /// Loads `path`: a plan file (JSON, starts with `{`) or a `.sched` file, picking `schedule`
-    /// when the file defines several, through schedc's shared loader ([`schedc::load`]), which
-    /// verifies either kind before anything runs.
+    /// Loads `path`: a plan file (JSON, starts with `{`), verified again before anything runs,
+    /// or a `.sched` file compiled here (the `compile` feature), picking `schedule` when the file
+    /// defines several.
     pub fn load(path: &Path, schedule: Option<&str>) -> Result<Plan, LoadError> {
-        use schedc::load::LoadError as L;
-        match schedc::load::load(path, schedule) {
-            Ok(loaded) => Plan::unverified(loaded.program, loaded.job).map_err(LoadError::Input),
-            Err(e @ L::Read { .. }) => Err(LoadError::Fault(e.to_string())),
-            Err(L::Unverified {
-                path,
-                program,
-                errors,
-            }) => Err(LoadError::Input(format!(
-                "{}: the plan fails verification; refusing to run it:\n{}",
-                path.display(),
-                schedc::verify::render_context(&program, &errors[..errors.len().min(10)], 2)
-            ))),
-            Err(L::Compile {
-                path,
-                schedule,
-                error,
-            }) => Err(LoadError::Input(format!(
-                "{}: {schedule}: {error}",
-                path.display()
-            ))),
-            Err(e) => Err(LoadError::Input(e.to_string())),
-        }
+        let (program, job) = load_verified(path, schedule)?;
+        Plan::new(program, job)
     }
 
-    /// Prepares `program` for running without verifying it (tests of the stress mode only).
-    pub fn unverified(program: Program, job: Job) -> Result<Plan, String> {
+    /// Prepares a verified program compiled from `job` for running: decodes every op and binds
+    /// the layer math (a program whose layers this runtime cannot compute is refused here).
+    pub fn new(program: Verified, job: Job) -> Result<Plan, LoadError> {
         let maths = job
             .model
             .layers
             .iter()
-            .map(|l| LayerMath::new(l, &job.model).map_err(|e| e.to_string()))
+            .map(|l| LayerMath::new(l, &job.model).map_err(|e| LoadError::Input(e.to_string())))
             .collect::<Result<Vec<_>, _>>()?;
-        let actions = decode(&program, &job.model, &maths)?;
-        let ctx = schedc::verify_ctx(&job);
-        let layout = ctx.layout(&program);
+        let actions = decode(&program, &job.model, &maths).map_err(LoadError::Input)?;
+        let layout = program.layout;
         let mut stream_ops = vec![vec![]; program.streams.len()];
         for (id, op) in program.ops.iter() {
             stream_ops[op.stream.index()].push(id);
@@ -112,11 +92,11 @@ impl Plan {
                     .collect()
             })
             .collect();
-        let indices = (0..program.ranks)
+        let indices = (0..program.ranks())
             .map(|r| ShardIndex::ALL.map(|i| layout.index(i, r)))
             .collect();
         let decay = job.model.layers.iter().map(decay_ranges).collect();
-        let mut members = vec![vec![(0, 0); program.ranks as usize]; program.comms.len()];
+        let mut members = vec![vec![(0, 0); program.ranks() as usize]; program.comms.len()];
         for (c, comm) in program.comms.iter() {
             for (g, group) in comm.groups.iter().enumerate() {
                 for (pos, &r) in group.iter().enumerate() {
@@ -132,7 +112,6 @@ impl Plan {
             actions,
             maths,
             decay,
-            layout,
             stream_ops,
             call_numbers,
             indices,
@@ -150,15 +129,15 @@ impl Plan {
     }
 
     pub fn ranks(&self) -> u32 {
-        self.program.ranks
+        self.program.ranks()
     }
 
     /// The arena byte offset of `r` on `rank`.
     pub fn at(&self, rank: u32, r: &Region) -> u64 {
         let base = self.program.buffers[r.buffer].offset;
         base + match r.offset {
-            schedc::ir::Offset::Fixed(o) => o,
-            schedc::ir::Offset::Shard {
+            sched_ir::ir::Offset::Fixed(o) => o,
+            sched_ir::ir::Offset::Shard {
                 index,
                 base,
                 stride,
@@ -186,7 +165,7 @@ impl Plan {
 
     /// Tokens in one step's global batch.
     pub fn tokens_per_step(&self) -> u64 {
-        u64::from(self.program.ranks)
+        u64::from(self.program.ranks())
             * u64::from(self.program.micro_steps)
             * self.job.model.micro_batch
             * self.job.model.seq_len
@@ -210,3 +189,53 @@ impl Plan {
 }
 
 use cranelift_entity::EntityRef;
+
+/// The verified program and job of `path`, through schedc's shared loader (plan file or `.sched`).
+#[cfg(feature = "compile")]
+fn load_verified(path: &Path, schedule: Option<&str>) -> Result<(Verified, Job), LoadError> {
+    use schedc::load::LoadError as L;
+    match schedc::load::load(path, schedule) {
+        Ok(loaded) => Ok((loaded.program, loaded.job)),
+        Err(e @ L::Read { .. }) => Err(LoadError::Fault(e.to_string())),
+        Err(L::Unverified { path, rejected }) => Err(unverified(&path, &rejected)),
+        Err(L::Compile {
+            path,
+            schedule,
+            error,
+        }) => Err(LoadError::Input(format!(
+            "{}: {schedule}: {error}",
+            path.display()
+        ))),
+        Err(e) => Err(LoadError::Input(e.to_string())),
+    }
+}
+
+/// The verified program and job of the plan file `path` (this schedrun was built without the
+/// compiler: a `.sched` file is refused with what to do instead).
+#[cfg(not(feature = "compile"))]
+fn load_verified(path: &Path, schedule: Option<&str>) -> Result<(Verified, Job), LoadError> {
+    use sched_verify::plan::{is_plan_text, read_verified, PlanError};
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| LoadError::Fault(format!("cannot read {}: {e}", path.display())))?;
+    if !is_plan_text(&text) {
+        return Err(LoadError::Input(format!(
+            "{}: not a plan file, and this schedrun was built without the `compile` feature: \
+             compile it with `schedc compile` and run the plan file",
+            path.display()
+        )));
+    }
+    read_verified(&text, schedule).map_err(|e| match e {
+        PlanError::Unverified(rejected) => unverified(path, &rejected),
+        e => LoadError::Input(format!("{}: {e}", path.display())),
+    })
+}
+
+/// A plan file the verifier refuses: the first errors in context.
+fn unverified(path: &Path, rejected: &sched_verify::Rejected) -> LoadError {
+    let errors = &rejected.errors;
+    LoadError::Input(format!(
+        "{}: the plan fails verification; refusing to run it:\n{}",
+        path.display(),
+        sched_verify::render_context(&rejected.program, &errors[..errors.len().min(10)], 2)
+    ))
+}

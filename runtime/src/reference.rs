@@ -12,7 +12,7 @@ use crate::math::{
     cross_entropy, decay_ranges, grad_scale, init_layer, optimizer_step, tensor_range, Input,
     LayerMath, MathError, OptimizerConfig, Precision,
 };
-use schedc::job::{Layer, LayerKind, Model, Train};
+use sched_ir::job::{Layer, LayerKind, Model, Train};
 use std::ops::Range;
 
 pub struct Reference {

@@ -5,8 +5,8 @@
 use crate::backend::OpSpan;
 use crate::plan::Plan;
 use cranelift_entity::EntityRef;
-use schedc::sim::engine::{RankTimeline, Timeline};
-use schedc::sim::trace::{emit_trace, Trace};
+use sched_ir::timeline::{emit_trace, Trace};
+use sched_ir::timeline::{RankTimeline, Timeline};
 use std::time::Duration;
 
 /// The trace of one step that took `time`, from the spans of every op of each rank in `spans`

@@ -10,8 +10,8 @@ use crate::backend::{Backend, Batch, RunError, StepInput, StepOutcome};
 use crate::data::Corpus;
 use crate::math::{init_layer, Precision};
 use crate::plan::Plan;
-use schedc::ir::{BufferKind, ShardIndex};
-use schedc::job::{Dtype, Optimizer};
+use sched_ir::ir::{BufferKind, ShardIndex};
+use sched_ir::job::{Dtype, Optimizer};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -96,7 +96,8 @@ impl<B: Backend> Trainer<B> {
         let sh = p.job.schedule.shard;
         let dtype = model.dtype;
         for (l, (layer, st)) in model.layers.iter().zip(&state.layers).enumerate() {
-            let padded = p.program.layers[schedc::ir::LayerId::from_u32(l as u32)].padded as usize;
+            let padded =
+                p.program.layers[sched_ir::ir::LayerId::from_u32(l as u32)].padded as usize;
             let pad = |v: &[f32]| {
                 let mut x = v.to_vec();
                 x.resize(padded, 0.0);
@@ -161,7 +162,8 @@ impl<B: Backend> Trainer<B> {
                 layers.push(LayerState::default());
                 continue;
             };
-            let padded = p.program.layers[schedc::ir::LayerId::from_u32(l as u32)].padded as usize;
+            let padded =
+                p.program.layers[sched_ir::ir::LayerId::from_u32(l as u32)].padded as usize;
             let os = padded / sh.optimizer.size() as usize;
             let mut params = vec![0.0; padded];
             let parts = if model.optimizer == Optimizer::Sgd {

@@ -171,9 +171,9 @@ fn the_gpu_tests_schedules_compile_to_one_rank() {
 #[test]
 #[ignore = "writes files: runtime/gpu/build.sh runs it"]
 fn write_the_gpu_tests_ptx() {
-    use schedc::kernels::codegen::{ptx as emit_ptx, SMS};
+    use sched_kernels::codegen::{ptx as emit_ptx, SMS};
     for job in all_jobs() {
-        let kernels = schedc::kernels::for_job(&job);
+        let kernels = sched_kernels::for_job(&job);
         let files = ptx(&job);
         for sm in SMS {
             let path = files.path(sm);
@@ -338,7 +338,7 @@ fn a_timed_gpu_step_spans_every_op_in_issue_order() {
     }
 }
 
-/// The fused attention kernels (tensor cores, `schedc::kernels::flash`: forward and backward)
+/// The fused attention kernels (tensor cores, `sched_kernels::flash`: forward and backward)
 /// on the GPU against the chunked path (cuBLAS products and the softmax kernels, which the
 /// parity tests hold to the CPU backend) on random bf16 inputs of two sequences: the bf16 GPT's
 /// heads of 16 (seq 64), the wide LLaMA-style model's grouped heads of 128 (seq 64; the key side

@@ -3,8 +3,8 @@
 //! version or for another rank count is refused; and a plan with a wait removed (bypassing the
 //! verifier) is caught by the stress mode instead of passing by luck.
 
-use schedc::emit::plan::emit_plan;
-use schedc::ir::{ComputeKind, OpId, OpKind};
+use sched_ir::ir::{ComputeKind, OpId, OpKind};
+use sched_ir::plan_file::emit_plan;
 use schedc::{analyze, FsLoader, Job};
 use schedrun::backend::cpu::CpuBackend;
 use schedrun::backend::{Fault, RunError, RunOptions};
@@ -39,8 +39,8 @@ fn trainer(plan: Plan, options: RunOptions) -> Trainer<CpuBackend> {
 }
 
 fn compiled(job: &Job) -> Plan {
-    let (program, _) = schedc::compile(job).unwrap();
-    Plan::unverified(program, job.clone()).unwrap()
+    let program = schedc::compile(job).unwrap();
+    Plan::new(program, job.clone()).unwrap()
 }
 
 /// The first all-gather of a mid layer in the plan.
@@ -131,7 +131,7 @@ fn refusal(path: &Path) -> String {
 #[test]
 fn bad_plan_files_are_refused_with_the_reason() {
     let job = job("tiny_zero3");
-    let (program, _) = schedc::compile(&job).unwrap();
+    let program = schedc::compile(&job).unwrap();
     let plan = serde_json::to_value(emit_plan(&program, &job)).unwrap();
     let text = plan.to_string();
 
@@ -170,7 +170,7 @@ fn bad_plan_files_are_refused_with_the_reason() {
 #[test]
 fn the_stress_mode_catches_a_plan_with_a_wait_removed() {
     let job = job("tiny_zero3");
-    let (mut program, _) = schedc::compile(&job).unwrap();
+    let mut program = schedc::compile(&job).unwrap().into_program();
     // Every forward stops waiting for the all-gather of its parameters.
     let mut removed = 0;
     for op in program.ops.values_mut() {
@@ -181,10 +181,12 @@ fn the_stress_mode_catches_a_plan_with_a_wait_removed() {
     }
     assert!(removed >= 2);
     assert!(
-        schedc::verify::verify(&program, schedc::verify_ctx(&job)).is_err(),
+        !sched_verify::errors(&program).is_empty(),
         "the verifier must refuse the broken plan"
     );
-    let plan = Plan::unverified(program, job.clone()).unwrap();
+    // Run it all the same (`Verified::assume`, a tests-only feature): the stress mode must catch
+    // what the verifier refused.
+    let plan = Plan::new(sched_verify::Verified::assume(program), job.clone()).unwrap();
     let options = RunOptions {
         jitter: Some(Duration::from_millis(2)),
         jitter_seed: 1,

@@ -8,7 +8,7 @@
 
 mod common;
 
-use schedc::job::{LayerKind, Model};
+use sched_ir::job::{LayerKind, Model};
 use schedrun::math::{cross_entropy, Input, LayerMath, Rng};
 
 const EPS: f32 = 1e-2;

@@ -3,8 +3,8 @@
 
 mod common;
 
-use schedc::job::{Dtype, Model, Optimizer};
-use schedc::lower::activations::{output_bytes, saved_bytes};
+use sched_ir::abi::{output_bytes, saved_bytes};
+use sched_ir::job::{Dtype, Model, Optimizer};
 use schedrun::data::{Corpus, DataError};
 use schedrun::math::{
     bf16_bits_to_f32, decay_ranges, f32_to_bf16_bits, grad_scale, init_layer, optimizer_step,

@@ -2,7 +2,7 @@
 
 mod common;
 
-use schedc::job::Train;
+use sched_ir::job::Train;
 use schedrun::data::Corpus;
 use schedrun::math::{Input, LayerMath};
 use schedrun::reference::Reference;

@@ -49,16 +49,19 @@ fn jobs(schedules: &str) -> Vec<Job> {
 }
 
 /// Lowers, plans and verifies a job; on failure, the verifier's first errors in context.
-fn try_compile(job: &Job) -> Result<(schedc::ir::Program, schedc::verify::PlanInfo), String> {
+fn try_compile(job: &Job) -> Result<sched_verify::Verified, String> {
     match schedc::compile(job) {
         Ok(x) => Ok(x),
-        Err(schedc::CompileError::Verify(p, errs)) => {
+        Err(schedc::CompileError::Verify(sched_verify::Rejected {
+            program: p,
+            errors: errs,
+        })) => {
             let shown: Vec<_> = errs.iter().take(3).cloned().collect();
             Err(format!(
                 "schedule `{}` fails verification ({} errors):\n{}",
                 job.schedule.name,
                 errs.len(),
-                schedc::verify::render_context(&p, &shown, 2)
+                sched_verify::render_context(&p, &shown, 2)
             ))
         }
         Err(e) => Err(format!(
@@ -133,7 +136,7 @@ fn check_all(
     for job in &js {
         match try_compile(job) {
             Err(e) => failures.push(e.lines().take(6).collect::<Vec<_>>().join("\n")),
-            Ok((program, info)) => failures.extend(check(&emit_stats(job, &program, &info))),
+            Ok(program) => failures.extend(check(&emit_stats(job, &program))),
         }
     }
     (js.len(), failures)
@@ -247,13 +250,13 @@ fn examples() -> &'static [ExampleFile] {
                     .iter()
                     .map(|job| Compiled {
                         name: job.schedule.name.clone(),
-                        result: try_compile(job).map(|(program, info)| {
-                            let s = emit_stats(job, &program, &info);
+                        result: try_compile(job).map(|program| {
+                            let s = emit_stats(job, &program);
                             Output {
                                 peak: s.memory_per_rank.peak,
                                 tightness: s.plan_tightness,
                                 stats: serde_json::to_value(&s).unwrap(),
-                                listing: schedc::emit::listing::emit_listing(&program),
+                                listing: sched_ir::listing::emit_listing(&program),
                                 summary: schedc::emit::summary::emit_summary(&program),
                             }
                         }),
@@ -932,7 +935,7 @@ fn check_hierarchical(uneven: bool) {
                  shard {{ params = {mesh}  grads = {mesh}  optimizer = {mesh} }}\n  all_gather = {algo} }}\n"
             ));
             match try_compile(&js[0]) {
-                Ok((program, info)) => compiled.push(emit_stats(&js[0], &program, &info)),
+                Ok(program) => compiled.push(emit_stats(&js[0], &program)),
                 Err(e) => failures.push(format!(
                     "{what}: {}",
                     e.lines().take(6).collect::<Vec<_>>().join("\n")
@@ -1099,7 +1102,7 @@ fn check_hierarchical(uneven: bool) {
 /// layer's first forward of the step.
 #[test]
 fn the_refresh_runs_where_its_overlap_switch_puts_it() {
-    use schedc::ir::{ComputeKind, OpKind, OpRole, StreamRole};
+    use sched_ir::ir::{ComputeKind, OpKind, OpRole, StreamRole};
     for m in [1, 2] {
         for refresh in ["true", "false", "next_forward"] {
             let src = format!(
@@ -1107,10 +1110,10 @@ fn the_refresh_runs_where_its_overlap_switch_puts_it() {
                  micro_steps = {m}  overlap {{ refresh = {refresh} }} }}"
             );
             let job = &jobs(&src)[0];
-            let (p, _) = try_compile(job).unwrap_or_else(|e| panic!("{e}"));
+            let p = try_compile(job).unwrap_or_else(|e| panic!("{e}"));
             let what = format!("refresh = {refresh}, {m} micro-steps");
-            let on_compute = |o: &schedc::ir::Op| p.streams[o.stream].role == StreamRole::Compute;
-            let ops: Vec<&schedc::ir::Op> = p.ops.values().collect();
+            let on_compute = |o: &sched_ir::ir::Op| p.streams[o.stream].role == StreamRole::Compute;
+            let ops: Vec<&sched_ir::ir::Op> = p.ops.values().collect();
             let refreshes: Vec<usize> = (0..ops.len())
                 .filter(|&i| ops[i].role == OpRole::Refresh)
                 .collect();

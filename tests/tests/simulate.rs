@@ -42,7 +42,7 @@ fn simulations_of_every_example_are_pinned() {
             .jobs
             .iter()
             .map(|job| {
-                let (program, _) =
+                let program =
                     schedc::compile(job).unwrap_or_else(|e| panic!("{}: {e}", job.schedule.name));
                 round(serde_json::to_value(schedc::sim::simulate(&program, job)).unwrap())
             })

@@ -244,7 +244,7 @@ fn compile(
             eprintln!("{name:>16}  {:>10.3} ms", t.as_secs_f64() * 1e3);
         }
     }
-    let (program, info) = match compiled {
+    let program = match compiled {
         Ok(x) => x,
         Err(schedc::CompileError::Lower(e)) => {
             eprintln!(
@@ -264,7 +264,7 @@ fn compile(
             );
             return report_broken(&what, &program, &errors, Status::Fault);
         }
-        Err(schedc::CompileError::Verify(program, errors)) => {
+        Err(schedc::CompileError::Verify(sched_verify::Rejected { program, errors })) => {
             let what = format!(
                 "the compiled program for `{}` fails verification",
                 job.schedule.name
@@ -274,13 +274,13 @@ fn compile(
     };
     let text = match emit {
         Emit::Plan | Emit::Ptx => {
-            let plan = schedc::emit::plan::emit_plan(&program, job);
+            let plan = sched_ir::plan_file::emit_plan(&program, job);
             serde_json::to_string(&plan).expect("plans serialise") + "\n"
         }
-        Emit::Listing => schedc::emit::listing::emit_listing(&program),
+        Emit::Listing => sched_ir::listing::emit_listing(&program),
         Emit::Summary => schedc::emit::summary::emit_summary(&program),
         Emit::Stats => {
-            serde_json::to_string_pretty(&schedc::emit::stats::emit_stats(job, &program, &info))
+            serde_json::to_string_pretty(&schedc::emit::stats::emit_stats(job, &program))
                 .expect("stats serialise")
                 + "\n"
         }
@@ -318,29 +318,29 @@ fn compile(
 /// context; returns `status` (a fault when the compiler made it, bad input when a file did).
 fn report_broken(
     what: &str,
-    program: &schedc::ir::Program,
-    errors: &[schedc::verify::VerifyError],
+    program: &sched_ir::ir::Program,
+    errors: &[sched_verify::VerifyError],
     status: Status,
 ) -> Status {
     eprintln!("error: {what} ({} errors):\n", errors.len());
     eprint!(
         "{}",
-        schedc::verify::render_context(program, &errors[..errors.len().min(20)], 3)
+        sched_verify::render_context(program, &errors[..errors.len().min(20)], 3)
     );
     status
 }
 
 /// The job's kernels as PTX, one module per architecture, named after the plan file
-/// (`schedc::kernels::ptx_path`: `x.plan.json` gives `x.sm_80.ptx`); all generated before
+/// (`sched_kernels::ptx_path`: `x.plan.json` gives `x.sm_80.ptx`); all generated before
 /// anything is written.
 #[cfg(feature = "llvm")]
 fn ptx_modules(job: &schedc::Job, plan: &Path) -> Result<Vec<(PathBuf, String)>, String> {
-    use schedc::kernels::codegen::{ptx, SMS};
-    let kernels = schedc::kernels::for_job(job);
+    use sched_kernels::codegen::{ptx, SMS};
+    let kernels = sched_kernels::for_job(job);
     SMS.iter()
         .map(|&sm| {
             let text = ptx(&kernels, sm).map_err(|e| e.to_string())?;
-            Ok((schedc::kernels::ptx_path(plan, sm), text))
+            Ok((sched_kernels::ptx_path(plan, sm), text))
         })
         .collect()
 }
@@ -358,20 +358,15 @@ fn verify(path: &Path) -> Status {
             return Status::Fault;
         }
     };
-    let plan = match schedc::emit::plan::read_plan(&text) {
+    let plan = match sched_ir::plan_file::read_plan(&text) {
         Ok(p) => p,
         Err(e) => {
             eprintln!("error: {}: {e}", path.display());
             return Status::BadInput;
         }
     };
-    let ctx = schedc::verify::Ctx {
-        shard: plan.shard,
-        secondary: plan.secondary,
-    };
-    match schedc::verify::verify(&plan.program, ctx) {
-        Ok(_) => {
-            let p = &plan.program;
+    match sched_verify::verify(plan.program) {
+        Ok(p) => {
             println!(
                 "{}: verified: {} ops on {} streams, {} buffers, {} events, arena {} B per rank",
                 path.display(),
@@ -383,9 +378,9 @@ fn verify(path: &Path) -> Status {
             );
             Status::Ok
         }
-        Err(errors) => {
+        Err(sched_verify::Rejected { program, errors }) => {
             let what = format!("{} fails verification", path.display());
-            report_broken(&what, &plan.program, &errors, Status::BadInput)
+            report_broken(&what, &program, &errors, Status::BadInput)
         }
     }
 }
@@ -395,7 +390,7 @@ fn verify(path: &Path) -> Status {
 fn load_program(
     file: &Path,
     schedule: Option<&str>,
-) -> Result<(schedc::ir::Program, schedc::Job), Status> {
+) -> Result<(sched_verify::Verified, schedc::Job), Status> {
     match schedc::load::load(file, schedule) {
         Ok(loaded) => {
             if let Some(a) = &loaded.analysis {
@@ -627,7 +622,7 @@ fn fmt(file: &Path, check_only: bool) -> Status {
     }
 }
 
-/// Writes without leaving a half-written file (see [`schedc::files`]).
+/// Writes without leaving a half-written file (see [`sched_ir::files`]).
 fn write_atomically(path: &Path, text: &str) -> std::io::Result<()> {
-    schedc::files::write_atomically(path, text.as_bytes())
+    sched_ir::files::write_atomically(path, text.as_bytes())
 }

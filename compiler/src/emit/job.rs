@@ -5,7 +5,8 @@
 //! integers, rates in base units (bytes/s, FLOP/s, seconds), so the listing shows precisely what
 //! later stages receive.
 
-use crate::job::*;
+use sched_ir::job::*;
+pub use sched_ir::listing::{plural, thousands};
 use std::fmt::Write;
 
 /// Renders one job.
@@ -16,24 +17,6 @@ pub fn emit_job(job: &Job) -> String {
     cluster(&mut out, &job.cluster);
     out.push('\n');
     model(&mut out, &job.model);
-    out
-}
-
-/// `1 node`, `4 nodes`.
-pub fn plural(n: u64, word: &str) -> String {
-    format!("{n} {word}{}", if n == 1 { "" } else { "s" })
-}
-
-/// `1234567` → `1,234,567`.
-pub fn thousands(n: u64) -> String {
-    let digits = n.to_string();
-    let mut out = String::with_capacity(digits.len() + digits.len() / 3);
-    for (i, c) in digits.chars().enumerate() {
-        if i > 0 && (digits.len() - i).checked_rem(3) == Some(0) {
-            out.push(',');
-        }
-        out.push(c);
-    }
     out
 }
 

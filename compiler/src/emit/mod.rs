@@ -2,7 +2,5 @@
 //! stable across runs so it can be snapshot-tested.
 
 pub mod job;
-pub mod listing;
-pub mod plan;
 pub mod stats;
 pub mod summary;

@@ -14,10 +14,10 @@
 //!   edge leaves the node. Totals over all groups are divided by the number of GPUs (intra) and of
 //!   nodes (inter).
 
-use crate::ir::*;
-use crate::job::{Collective, Job};
-use crate::verify::PlanInfo;
 use cranelift_entity::EntityRef;
+use sched_ir::ir::*;
+use sched_ir::job::{Collective, Job};
+use sched_verify::Verified;
 use serde::Serialize;
 use std::collections::BTreeMap;
 
@@ -68,7 +68,8 @@ pub struct Traffic {
     pub inter_node_bytes_per_node: u64,
 }
 
-pub fn emit_stats(job: &Job, p: &Program, info: &PlanInfo) -> Stats {
+pub fn emit_stats(job: &Job, p: &Verified) -> Stats {
+    let info = p.info();
     let persistent = |k: BufferKind| {
         p.buffers
             .values()
@@ -128,9 +129,9 @@ pub fn emit_stats(job: &Job, p: &Program, info: &PlanInfo) -> Stats {
         schedule: s.name.clone(),
         model: job.model.name.clone(),
         cluster: job.cluster.name.clone(),
-        ranks: p.ranks,
-        nodes: p.nodes,
-        gpus_per_node: p.gpus_per_node,
+        ranks: p.ranks(),
+        nodes: p.layout.nodes,
+        gpus_per_node: p.layout.gpus_per_node,
         micro_steps: p.micro_steps,
         parameters: job.model.parameters(),
         memory_per_rank: Memory {
@@ -144,8 +145,8 @@ pub fn emit_stats(job: &Job, p: &Program, info: &PlanInfo) -> Stats {
         },
         collectives_per_step: entries.into_values().collect(),
         traffic_per_step: Traffic {
-            intra_node_bytes_per_gpu: (intra / u128::from(p.ranks)) as u64,
-            inter_node_bytes_per_node: (inter / u128::from(p.nodes)) as u64,
+            intra_node_bytes_per_gpu: (intra / u128::from(p.ranks())) as u64,
+            inter_node_bytes_per_node: (inter / u128::from(p.layout.nodes)) as u64,
         },
         plan_tightness: {
             let bound = info.live_bound.max(crate::passes::memory::lower_bound(p));
@@ -169,7 +170,7 @@ fn steps(kind: Collective, group: u32) -> u64 {
 
 /// Intra-node and inter-node edges of all of a communicator's rings, laid out node by node.
 fn ring_edges(p: &Program, comm: &Communicator) -> (u128, u128) {
-    let node = |r: u32| r / p.gpus_per_node;
+    let node = |r: u32| r / p.layout.gpus_per_node;
     let (mut intra, mut inter) = (0, 0);
     for g in &comm.groups {
         if g.len() < 2 {

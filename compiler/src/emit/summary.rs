@@ -22,9 +22,9 @@
 //! stable across runs, platforms and Rust versions.
 
 use crate::emit::job::{plural, thousands};
-use crate::emit::listing::{index_name, op_line};
-use crate::ir::*;
 use cranelift_entity::EntityRef;
+use sched_ir::ir::*;
+use sched_ir::listing::{index_name, op_line};
 use std::collections::BTreeMap;
 use std::fmt::Write;
 
@@ -62,7 +62,7 @@ impl Fnv {
 /// Renders the summary of the whole program.
 pub fn emit_summary(p: &Program) -> String {
     let mut out = String::new();
-    super::listing::header(&mut out, p);
+    sched_ir::listing::header(&mut out, p);
     let _ = writeln!(
         out,
         "{}, {}, {}, {}, {}",
@@ -94,11 +94,11 @@ pub fn emit_summary(p: &Program) -> String {
             kinds_and_events(&ops)
         );
         if let Some(ws) = s.workspace {
-            let _ = writeln!(out, "           {}", super::listing::workspace(p, ws));
+            let _ = writeln!(out, "           {}", sched_ir::listing::workspace(p, ws));
         }
     }
 
-    super::listing::communicators(&mut out, p);
+    sched_ir::listing::communicators(&mut out, p);
 
     let _ = writeln!(out, "\nbuffers:");
     let mut by_kind: BTreeMap<(String, &str), (u64, u64)> = BTreeMap::new();
@@ -329,7 +329,12 @@ fn relative_op(p: &Program, layer: Option<LayerId>, id: OpId) -> String {
 fn program_hash(p: &Program) -> String {
     let mut h = Fnv::new();
     h.str(&p.schedule);
-    for n in [p.ranks, p.nodes, p.gpus_per_node, p.micro_steps] {
+    for n in [
+        p.ranks(),
+        p.layout.nodes,
+        p.layout.gpus_per_node,
+        p.micro_steps,
+    ] {
         h.u64(n.into());
     }
     for l in p.layers.values() {

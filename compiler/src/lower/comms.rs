@@ -6,7 +6,7 @@
 //! already has its groups.
 
 use super::Builder;
-use crate::ir::*;
+use sched_ir::ir::*;
 
 /// Which group structure a communicator has.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

@@ -4,10 +4,11 @@
 //! A compute op's regions follow one order the runtime decodes (`runtime/src/exec.rs`): layer
 //! parameters, tied embedding, input, then outputs.
 
-use super::{activations, Builder};
-use crate::hash::FxHashMap;
-use crate::ir::*;
-use crate::job::*;
+use super::Builder;
+use sched_ir::abi as activations;
+use sched_ir::hash::FxHashMap;
+use sched_ir::ir::*;
+use sched_ir::job::*;
 
 impl Builder<'_> {
     pub(super) fn hidden_buf(&mut self, grad: bool, m: u32, l: usize) -> BufferId {

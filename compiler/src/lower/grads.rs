@@ -8,9 +8,9 @@
 
 use super::comms::CommKind;
 use super::Builder;
-use crate::hash::FxHashMap;
-use crate::ir::*;
-use crate::job::*;
+use sched_ir::hash::FxHashMap;
+use sched_ir::ir::*;
+use sched_ir::job::*;
 
 impl Builder<'_> {
     /// Where backward writes layer `l`'s parameter gradient in micro-step `m`.

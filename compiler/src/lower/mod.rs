@@ -28,7 +28,6 @@
 //! buffers are created once per (layer, micro-step, purpose) and never resized; persistent shards
 //! are sized to the layer padded to a multiple of s_os (and of hpZ's secondary size).
 
-pub mod activations;
 pub mod buckets;
 mod comms;
 mod compute;
@@ -38,33 +37,22 @@ mod step;
 pub mod workspace;
 
 use crate::draft::Draft;
-use crate::hash::FxHashMap;
-use crate::ir::layout::Layout;
-use crate::ir::*;
-use crate::job::*;
 use comms::CommKind;
+use sched_ir::hash::FxHashMap;
+use sched_ir::ir::layout::Layout;
+use sched_ir::ir::*;
+use sched_ir::job::*;
 
 /// Lowers `job` to its draft: every op of one step, in slots, before any pass has run.
 pub fn draft(job: &Job) -> Draft {
     let s = &job.schedule;
-    let secondary = match s.reshard_after_forward {
-        ReshardAfterForward::Node { secondary } => Some(secondary),
-        _ => None,
-    };
-    let layout = Layout {
-        gpus_per_node: s.gpus_per_node,
-        nodes: s.nodes,
-        shard: s.shard,
-        secondary,
-    };
+    let layout = Layout::of(job);
     let mut b = Builder {
         job,
         layout,
         p: Program {
             schedule: s.name.clone(),
-            ranks: layout.ranks(),
-            nodes: s.nodes,
-            gpus_per_node: s.gpus_per_node,
+            layout,
             micro_steps: s.micro_steps,
             ..Program::default()
         },

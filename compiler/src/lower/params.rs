@@ -9,9 +9,9 @@
 use super::comms::CommKind;
 use super::{Builder, LayerState};
 use crate::draft::Unit;
-use crate::hash::FxHashMap;
-use crate::ir::*;
-use crate::job::*;
+use sched_ir::hash::FxHashMap;
+use sched_ir::ir::*;
+use sched_ir::job::*;
 
 impl Builder<'_> {
     /// Layers and their persistent state (lowering spec §2).

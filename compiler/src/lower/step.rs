@@ -6,9 +6,9 @@
 use super::buckets::partition;
 use super::Builder;
 use crate::draft::Slot;
-use crate::hash::FxHashMap;
-use crate::ir::*;
-use crate::job::*;
+use sched_ir::hash::FxHashMap;
+use sched_ir::ir::*;
+use sched_ir::job::*;
 
 /// The bucket partitions of one step, as layer indices (lowering spec §5, "Buckets").
 struct Buckets {

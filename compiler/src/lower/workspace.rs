@@ -40,15 +40,10 @@
 //! shared: a stream runs one product at a time), `Cluster::gemm_workspace` bytes rounded up to
 //! [`GEMM_ALIGN`]; see `crate::passes::workspace` for how the two parts make one buffer.
 
-use super::activations::saved_elements;
-use crate::ir::*;
-use crate::job::{Attention, Dtype, Job, LayerKind, Model};
-use crate::kernels::SUMSQ_CHUNK;
 use cranelift_entity::{EntityRef, SecondaryMap};
-
-/// Alignment of the GEMM part's end (where the fp32 scratch starts): what cuBLAS wants of a
-/// workspace pointer, and the memory plan's buffer alignment.
-pub const GEMM_ALIGN: u64 = 256;
+use sched_ir::abi::*;
+use sched_ir::ir::*;
+use sched_ir::job::{Attention, Dtype, Job, LayerKind, Model};
 
 /// Floats of fp32 alignment slack per layer op: 64 floats for each of up to 64 allocations.
 const SLACK: u64 = 64 * 64;
@@ -66,37 +61,6 @@ fn tokens(model: &Model) -> u64 {
     model.micro_batch * model.seq_len
 }
 
-/// Elements a row of the logits starts after in any storage: 16 bytes of bf16.
-pub const LOGITS_ROW_ALIGN: u64 = 8;
-
-/// Elements between two rows of an lm_head's logits (and of their gradient): the vocabulary
-/// rounded up to [`LOGITS_ROW_ALIGN`], so that every row starts 16 bytes aligned. The GPU's
-/// tensor-core products read and write a matrix in place only at such a row stride; GPT-2's
-/// 50,257 words would otherwise send the head's three products through workspace a column
-/// block at a time. The columns past the vocabulary are never read or written.
-pub fn logits_stride(vocab: u64) -> u64 {
-    vocab.next_multiple_of(LOGITS_ROW_ALIGN)
-}
-
-/// Elements of the hidden state layer `kind` outputs (the logits for an lm_head, rows
-/// [`logits_stride`] apart).
-pub fn output_elements(kind: &LayerKind, model: &Model) -> u64 {
-    let t = tokens(model);
-    match *kind {
-        LayerKind::LmHead { vocab, .. } => t * logits_stride(vocab),
-        _ => kind.hidden().map_or(0, |h| t * h),
-    }
-}
-
-/// Elements of layer `kind`'s input: token ids for the embedding, a hidden state otherwise.
-pub fn input_elements(kind: &LayerKind, model: &Model) -> u64 {
-    let t = tokens(model);
-    match *kind {
-        LayerKind::Embedding { .. } => t,
-        _ => kind.hidden().map_or(0, |h| t * h),
-    }
-}
-
 /// Elements of the embedding a tied lm_head projects with (vocab × hidden), else 0.
 fn tied_elements(kind: &LayerKind) -> u64 {
     match *kind {
@@ -108,43 +72,6 @@ fn tied_elements(kind: &LayerKind) -> u64 {
         } => vocab * hidden,
         _ => 0,
     }
-}
-
-/// Score floats of one attention chunk at most (64 MiB of fp32): the fused path's workspace
-/// is a few chunks, whatever the sequence length.
-pub const ATTENTION_CHUNK_FLOATS: u64 = 1 << 24;
-
-/// Query rows per chunk of the fused attention on a GPU with `heads` query heads and sequences
-/// of `seq_len`: the whole sequence when its `heads × seq_len × seq_len` scores fit
-/// [`ATTENTION_CHUNK_FLOATS`], else the most multiples of 64 rows that do (at least 64). A chunk
-/// of rows `q0..q1` holds the scores of keys `0..q1` of every head.
-pub fn attention_chunk(heads: u64, seq_len: u64) -> u64 {
-    let rows = ATTENTION_CHUNK_FLOATS / (heads * seq_len).max(1);
-    if rows >= seq_len {
-        seq_len
-    } else {
-        (rows / 64 * 64).max(64).min(seq_len)
-    }
-}
-
-/// The size of an unaligned product's workspace block, in padded rows (see [`padded_rows`]).
-pub const PADDED_ROWS: usize = 1024;
-
-/// Floats for a product whose output width among `widths` is not a multiple of 8 (an MLP's
-/// odd width; never a head's, whose logits lie in aligned rows, [`logits_stride`]): no
-/// tensor-core product reads or writes its rows in place (`aligned_ld`
-/// in the CUDA device), so its output (forward) or output gradient (backward) goes through
-/// workspace a block of columns at a time, as many elements as [`PADDED_ROWS`] rows of w₈ (the
-/// width rounded up to 8) hold and at most min(T, rows)·w₈, in fp32 at most and, for a 16-bit
-/// model's fp32 gradient, cast to the product dtype; the last block's weight rows, padded with
-/// zero rows, take at most w₈·inputs: 1.5·min(T, rows)·w₈ + w₈·inputs, for the widest such
-/// product.
-pub fn padded_rows(tokens: u64, widths: &[u64], inputs: u64) -> u64 {
-    let widest = widths.iter().filter(|&&w| w % 8 != 0).max();
-    widest.map_or(0, |&w| {
-        let w8 = w.next_multiple_of(8);
-        3 * tokens.min(PADDED_ROWS as u64) * w8 / 2 + w8 * inputs
-    })
 }
 
 /// Floats of workspace layer `l`'s forward or backward math needs (see the module doc).
@@ -217,18 +144,18 @@ impl<'a> Ranks<'a> {
         if a.buffer != b.buffer {
             return false;
         }
-        let layout = crate::verify_ctx(self.job).layout(self.program);
+        let layout = self.program.layout;
         let fixed = |r: &Region| matches!(r.offset, Offset::Fixed(_));
         let ranks: &[u32] = if fixed(a) && fixed(b) {
             &[0]
         } else {
             self.reps
-                .get_or_insert_with(|| crate::verify::representative_ranks(&layout))
+                .get_or_insert_with(|| sched_ir::ir::layout::representative_ranks(&layout))
         };
         ranks.iter().any(|&rank| {
             let (x, y) = (
-                crate::verify::range(a, &layout, rank),
-                crate::verify::range(b, &layout, rank),
+                sched_ir::ir::layout::range(a, &layout, rank),
+                sched_ir::ir::layout::range(b, &layout, rank),
             );
             x.0 < y.1 && y.0 < x.1 && a.bytes > 0 && b.bytes > 0
         })
@@ -463,7 +390,7 @@ mod tests {
             layer mlp = mlp(hidden = 32, ffn = 129)
             layer head = lm_head(hidden = 32, vocab = 256, tied = true) }";
         let j = job(model, "preset = zero3  train { clip = 1.0 }");
-        let (p, _) = compile(&j).unwrap();
+        let p = compile(&j).unwrap();
         let (needs, per_op) = needs(&j, &p);
         let mut with_workspace = 0;
         for (s, st) in p.streams.iter() {
@@ -514,7 +441,7 @@ mod tests {
             layer mlp = mlp(hidden = 32, ffn = 64)
             layer head = lm_head(hidden = 32, vocab = 256) }";
         let j = job(model, "");
-        let (mut p, _) = compile(&j).unwrap();
+        let mut p = compile(&j).unwrap().into_program();
         let (id, _) = p
             .ops
             .iter()

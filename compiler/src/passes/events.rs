@@ -12,8 +12,8 @@
 //! could deadlock against another rank running them in the other; chaining makes every rank run
 //! them in the one issue order (lowering spec §7.4). Communication still overlaps computation.
 
-use crate::ir::*;
 use cranelift_entity::{EntityRef, SecondaryMap};
+use sched_ir::ir::*;
 
 /// Inserts waits for data dependencies, the collective chain and `fences`; replaces any waits and
 /// events from an earlier run.

@@ -6,8 +6,8 @@
 //! the memory planner can ask "has every access of this buffer finished before that op starts"
 //! in O(streams).
 
-use crate::ir::*;
 use cranelift_entity::{EntityRef, SecondaryMap};
+use sched_ir::ir::*;
 
 pub struct Clocks {
     streams: usize,

@@ -16,8 +16,8 @@
 //!   own slot needs that still cannot fit makes the schedule infeasible: an error naming the slot.
 
 use crate::draft::{Draft, Slot, Unit};
-use crate::ir::*;
 use cranelift_entity::{EntityRef, PrimaryMap};
+use sched_ir::ir::*;
 use std::collections::VecDeque;
 
 /// A `prefetch.max_live` cap the schedule cannot meet: the slot and the bytes that do not fit.

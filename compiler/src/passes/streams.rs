@@ -8,9 +8,9 @@
 //! all-gather's rearrangement, gradient accumulation, the optimizer update after the boundary)
 //! follow the stream of the role's previous op.
 
-use crate::hash::FxHashMap;
-use crate::ir::*;
-use crate::job::{Overlap, Refresh, Streams};
+use sched_ir::hash::FxHashMap;
+use sched_ir::ir::*;
+use sched_ir::job::{Overlap, Refresh, Streams};
 
 pub fn run(p: &mut Program, policy: Streams, overlap: Overlap) {
     let mut streams: FxHashMap<StreamRole, StreamId> = FxHashMap::default();

@@ -27,9 +27,9 @@
 //! (thousands on the 1,024-rank benchmark programs) to every pass and proof, where this adds one
 //! per stream (0.7 ms for the workspace pass on the 1,024-rank LLaMA-70B example).
 
-use crate::ir::*;
-use crate::job::{Dtype, Job};
 use crate::lower::workspace::{gemm_bytes, needs, runs_layer_math};
+use sched_ir::ir::*;
+use sched_ir::job::{Dtype, Job};
 
 /// Creates the workspaces of `p`'s streams (after stream assignment, before events).
 pub fn run(p: &mut Program, job: &Job) {

@@ -26,12 +26,14 @@
 //!   contention only adds (to compute, and between collectives). A collective the cluster gives
 //!   `measured` bandwidths for is floored at zero (a measurement may beat the link model).
 
-use crate::ir::{ComputeKind, Program};
-use crate::job::{Collective, GradSync, Job, Layer, Mesh, Recompute, Refresh, ReshardAfterForward};
-use crate::lower::activations::saved_bytes;
 use crate::lower::workspace;
 use crate::sim::cost::{COLLECTIVE_START_S, LINK_EFFICIENCY};
 use cranelift_entity::EntityRef;
+use sched_ir::abi::saved_bytes;
+use sched_ir::ir::{ComputeKind, Program};
+use sched_ir::job::{
+    Collective, GradSync, Job, Layer, Mesh, Recompute, Refresh, ReshardAfterForward,
+};
 
 /// Elements every layer's flat parameter vector is padded to a multiple of (lowering §1).
 fn padding(job: &Job) -> u64 {
@@ -248,7 +250,7 @@ pub fn step_time_floor(job: &Job, compute: impl Fn(&Layer, ComputeKind) -> f64) 
     let sh = s.shard;
     let pad = padding(job);
     let (d, gd) = (m.dtype.bytes(), m.grad_dtype.bytes());
-    let hierarchical = s.all_gather == crate::job::AllGatherAlgo::Hierarchical;
+    let hierarchical = s.all_gather == sched_ir::job::AllGatherAlgo::Hierarchical;
     // Latency counts only for collectives no bucket can coalesce.
     let (gather_alone, reduce_alone) = (s.buckets.gather == 0, s.buckets.reduce == 0);
     let gather = |group, payload| {
@@ -339,7 +341,7 @@ pub fn step_time_floor(job: &Job, compute: impl Fn(&Layer, ComputeKind) -> f64) 
         })
         .collect();
     let loss = match m.layers.last() {
-        Some(l) if matches!(l.kind, crate::job::LayerKind::LmHead { .. }) => {
+        Some(l) if matches!(l.kind, sched_ir::job::LayerKind::LmHead { .. }) => {
             compute(l, ComputeKind::Loss)
         }
         _ => 0.0,

@@ -6,7 +6,7 @@
 //! with a secondary shard smaller than a node can only be written through its preset; the block
 //! then states all three meshes explicitly, overriding the preset's.
 
-use crate::job::{Job, Overlap, Recompute, Refresh, ReshardAfterForward, Streams};
+use sched_ir::job::{Job, Overlap, Recompute, Refresh, ReshardAfterForward, Streams};
 use std::fmt::Write;
 
 /// A byte count in the largest binary unit that divides it exactly.

@@ -25,7 +25,7 @@
 //!    structure, with its best knobs. (Knobs are tuned only for the
 //!    structures that rank with the base knobs: a structure just outside the top K might overtake
 //!    one inside after tuning; the search does not chase that second-order effect.)
-//! 5. **Verify** the final K's programs with every proof of lowering §7 ([`crate::verify`]), one
+//! 5. **Verify** the final K's programs with every proof of lowering §7 ([`sched_verify`]), one
 //!    per worker thread.
 //!
 //! Every parallel step collects its results in input order, so the outcome does not depend on the
@@ -40,10 +40,10 @@ pub mod output;
 pub mod space;
 mod tune;
 
-use crate::ir::Program;
-use crate::job::Job;
 use crate::sim::{self, cost::CostModel, SimReport};
 use crate::{pipeline, CompileError};
+use sched_ir::ir::Program;
+use sched_ir::job::Job;
 use space::{Knobs, Structure};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
@@ -263,7 +263,7 @@ pub fn plan(
     };
     ranked.sort_by(|a, b| a.report.step_time_s.total_cmp(&b.report.step_time_s));
     let proofs = parallel_map(&ranked, threads, |r| {
-        crate::verify::verify(&r.program, crate::verify_ctx(&r.job)).err()
+        Some(sched_verify::errors(&r.program)).filter(|e| !e.is_empty())
     });
     if let Some((r, errors)) = ranked
         .iter()
@@ -272,7 +272,10 @@ pub fn plan(
     {
         return Err(PlanError::Verify(
             r.job.schedule.name.clone(),
-            CompileError::Verify(Box::new(r.program.clone()), errors),
+            CompileError::Verify(sched_verify::Rejected {
+                program: Box::new(r.program.clone()),
+                errors,
+            }),
         ));
     }
     Ok(PlanResult { ranked, stats })
@@ -314,7 +317,7 @@ fn finalize(job: &Job) -> Finalized {
     let Ok(program) = pipeline::lower(job) else {
         return Finalized::NotLowerable;
     };
-    let report = sim::simulate(&program, job);
+    let report = sim::simulate_candidate(&program, job);
     if !report.fits {
         return Finalized::OverGpu;
     }

@@ -2,7 +2,7 @@
 //! a `.sched` fragment each.
 
 use super::{fragment, PlanResult, Ranked};
-use crate::job::{Job, ReshardAfterForward};
+use sched_ir::job::{Job, ReshardAfterForward};
 use serde::Serialize;
 use std::fmt::Write;
 

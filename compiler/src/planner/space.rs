@@ -15,7 +15,7 @@
 //! synchronisation only where gradients are not sharded over every rank (there a reduce-scatter
 //! delivers the same shard for half the bytes of the all-reduce).
 
-use crate::job::{
+use sched_ir::job::{
     AllGatherAlgo, Buckets, GradSync, Job, Mesh, Prefetch, ReshardAfterForward, Schedule, Shard,
 };
 

@@ -14,8 +14,8 @@
 
 use super::space::{self, Knobs, Structure};
 use super::{finalize, parallel_map, screen, tally, tally_final, Ranked, SearchStats};
-use crate::hash::FxHashMap;
-use crate::job::Job;
+use sched_ir::hash::FxHashMap;
+use sched_ir::job::Job;
 
 /// One structure's descent.
 struct Descent {

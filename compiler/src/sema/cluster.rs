@@ -7,9 +7,9 @@
 use super::values::*;
 use super::Ctx;
 use crate::emit::job::plural;
-use crate::job::{Cluster, Collective, Link, MeasuredTable, Mesh};
 use sched_grammar::ast::{BlockItem, Measured, Nested, ValueKind};
 use sched_grammar::diag::Diagnostic;
+use sched_ir::job::{Cluster, Collective, Link, MeasuredTable, Mesh};
 
 const KEYS: &[(&str, Shape)] = &[
     ("nodes", Shape::Value),

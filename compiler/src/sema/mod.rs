@@ -22,9 +22,9 @@ mod model;
 mod schedule;
 mod values;
 
-use crate::job::{Cluster, Job, Model};
 use sched_grammar::ast::{self, Item};
 use sched_grammar::diag::{did_you_mean, Diagnostic, FileId, SourceMap, Span};
+use sched_ir::job::{Cluster, Job, Model};
 use std::collections::HashMap;
 use std::path::{Component, Path, PathBuf};
 use std::sync::Arc;

@@ -12,9 +12,9 @@
 
 use super::values::*;
 use super::Ctx;
-use crate::job::*;
 use sched_grammar::ast::{BlockItem, LayerDecl};
 use sched_grammar::diag::Diagnostic;
+use sched_ir::job::*;
 
 const KEYS: &[(&str, Shape)] = &[
     ("dtype", Shape::Value),

@@ -14,9 +14,9 @@
 
 use super::values::*;
 use super::Ctx;
-use crate::job::*;
 use sched_grammar::ast::{BlockItem, Value, ValueKind};
 use sched_grammar::diag::{did_you_mean, Diagnostic, SourceMap, Span};
+use sched_ir::job::*;
 use std::sync::Arc;
 
 const KEYS: &[(&str, Shape)] = &[

@@ -16,9 +16,9 @@
 //! kept in flat buffers and hashed with [`FxHashMap`]: the simulator runs this once per screened
 //! candidate of `schedc plan`, so it allocates per communicator, never per rank or group.
 
-use crate::hash::FxHashMap;
-use crate::ir::{CommId, Program};
 use cranelift_entity::SecondaryMap;
+use sched_ir::hash::FxHashMap;
+use sched_ir::ir::{CommId, Program};
 
 /// The partition of ranks into classes with identical timelines.
 pub struct RankClasses {
@@ -33,8 +33,8 @@ pub struct RankClasses {
 }
 
 pub fn rank_classes(p: &Program) -> RankClasses {
-    let ranks = p.ranks as usize;
-    let gpus_per_node = p.gpus_per_node.max(1);
+    let ranks = p.ranks() as usize;
+    let gpus_per_node = p.layout.gpus_per_node.max(1);
     let node = |r: u32| r / gpus_per_node;
     let in_range = |m: &&u32| (**m as usize) < ranks;
     let mut group_of: SecondaryMap<CommId, Vec<u32>> = SecondaryMap::new();
@@ -123,7 +123,7 @@ pub fn rank_classes(p: &Program) -> RankClasses {
 /// (size, members on its node, nodes), or zeros where it is in none; computed group by group so
 /// that the work is proportional to the ranks.
 fn initial_shapes(p: &Program, node: impl Fn(u32) -> u32) -> Rows<u64> {
-    let ranks = p.ranks as usize;
+    let ranks = p.ranks() as usize;
     let in_range = |m: &&u32| (**m as usize) < ranks;
     // A rank's row has three entries per group it is in, and three zeros per communicator it is
     // in no group of: count them first, so every row's place in one buffer is known.

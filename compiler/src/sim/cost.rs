@@ -51,8 +51,8 @@
 //! calls. Every call (a coalesced group once) also pays [`COLLECTIVE_START_S`], the fixed cost of
 //! launching NCCL's kernel, on top of the per-step latencies; a `measured` time already holds it.
 
-use crate::ir::ComputeKind;
-use crate::job::{
+use sched_ir::ir::ComputeKind;
+use sched_ir::job::{
     Activation, Attention, Collective, Job, Layer, LayerKind, Link, MeasuredTable, Mesh,
 };
 

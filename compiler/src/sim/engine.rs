@@ -23,28 +23,10 @@
 
 use super::classes::RankClasses;
 use super::cost::{CostModel, GroupShape, Transfer};
-use crate::ir::*;
-use crate::job::{Job, Layer, LayerKind};
 use cranelift_entity::EntityRef;
-
-/// When each op ran on one representative rank.
-#[derive(Clone, Debug)]
-pub struct RankTimeline {
-    /// The representative rank.
-    pub rank: u32,
-    /// Ranks whose timeline this one stands for.
-    pub ranks: u32,
-    /// Start and end of every op, in seconds from the start of the step, indexed by op.
-    pub start: Vec<f64>,
-    pub end: Vec<f64>,
-}
-
-/// What the engine produced.
-#[derive(Clone, Debug)]
-pub struct Timeline {
-    pub ranks: Vec<RankTimeline>,
-    pub step_time_s: f64,
-}
+use sched_ir::ir::*;
+use sched_ir::job::{Job, Layer, LayerKind};
+pub use sched_ir::timeline::{RankTimeline, Timeline};
 
 #[derive(Clone, Copy, Debug)]
 enum Cost {
@@ -122,7 +104,7 @@ fn job_layer<'a>(program: &Program, job: &'a Job, id: LayerId) -> Option<&'a Lay
 
 /// The shape of `rank`'s group in `comm`, and how many ring edges of the call leave its node.
 pub fn group_shape(p: &Program, classes: &RankClasses, comm: CommId, rank: u32) -> GroupShape {
-    let gpn = p.gpus_per_node.max(1);
+    let gpn = p.layout.gpus_per_node.max(1);
     let node = |r: u32| r / gpn;
     let c = &p.comms[comm];
     let Some(group) = c.groups.get(classes.group_of[comm][rank as usize] as usize) else {

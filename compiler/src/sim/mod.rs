@@ -5,7 +5,7 @@
 //! [`cost`] prices every op alone: compute from exact per-layer FLOPs and memory traffic at the
 //! cluster's sustained rates, collectives by the α–β model of ring (and tree) algorithms over the
 //! two link classes of the cluster, or by `measured` tables where given. [`engine`] then executes
-//! the [`ir::Program`](crate::ir::Program) as the hardware would: streams in issue order, event
+//! the [`ir::Program`](sched_ir::ir::Program) as the hardware would: streams in issue order, event
 //! waits, collectives that start only when their whole group has arrived, and overlapping
 //! collectives sharing the GPU's intra-node link and the node's network. Nothing else orders or
 //! overlaps ops, so the simulated overlap is exactly what the compiler's streams and events allow.
@@ -13,37 +13,43 @@
 //! The program is SPMD: [`classes`] partitions the ranks into classes whose timelines are provably
 //! identical, and the engine runs one representative per class (one, for every compiled schedule),
 //! so the cost is that of one rank's ops however many ranks there are. [`report`] turns the
-//! timeline into cli.md's figures and [`trace`] into a Chrome trace.
+//! timeline into cli.md's figures and [`sched_ir::timeline`] into a Chrome trace.
 //!
 //! The model's least certain constant is how much collectives slow the compute beside them
 //! ([`cost::CONTENTION`]); [`simulate`] runs the step at both ends of its published range too and
 //! reports every figure's range ([`SimRanges`]), so a reader (and `schedc plan`) can tell a real
 //! difference from one inside the model's uncertainty.
 //!
-//! The program must be verified (it is, coming from [`crate::compile`] or `schedc verify`): the
-//! engine assumes it cannot deadlock.
+//! [`simulate`] takes only a [`Verified`] program (from [`crate::compile`] or a plan file read
+//! back): the engine assumes it cannot deadlock.
 
 pub mod classes;
 pub mod cost;
 pub mod engine;
 pub mod report;
-pub mod trace;
 
 pub use cost::{model_flops_per_step, CostModel};
 pub use report::{SimRanges, SimReport, StreamBusy};
-pub use trace::Trace;
+pub use sched_ir::timeline::Trace;
 
-use crate::ir::Program;
-use crate::job::Job;
+use sched_ir::ir::Program;
+use sched_ir::job::Job;
+use sched_verify::Verified;
 
 /// Simulates one step of `program` (compiled from `job`), with the figures' trust ranges: the step
 /// is simulated again at both ends of [`cost::CONTENTION_RANGE`].
-pub fn simulate(program: &Program, job: &Job) -> SimReport {
+pub fn simulate(program: &Verified, job: &Job) -> SimReport {
+    simulate_traced_inner(program, job, false).0
+}
+
+/// [`simulate`] on a placed program the planner has not verified yet: it verifies every schedule
+/// it ranks before showing any, so no report of an unproved program leaves this crate.
+pub(crate) fn simulate_candidate(program: &Program, job: &Job) -> SimReport {
     simulate_traced_inner(program, job, false).0
 }
 
 /// [`simulate`], with the Chrome trace of the step (at the default contention).
-pub fn simulate_traced(program: &Program, job: &Job) -> (SimReport, Trace) {
+pub fn simulate_traced(program: &Verified, job: &Job) -> (SimReport, Trace) {
     let (report, trace) = simulate_traced_inner(program, job, true);
     (report, trace.expect("asked for"))
 }
@@ -64,11 +70,14 @@ fn simulate_traced_inner(program: &Program, job: &Job, traced: bool) -> (SimRepo
         cost.contention(),
         (low, high),
     ));
-    let trace = traced.then(|| trace::emit_trace(program, &timeline));
+    let trace = traced.then(|| sched_ir::timeline::emit_trace(program, &timeline));
     (report, trace)
 }
 
-/// Only the step time at the default contention: what `schedc plan` screens candidates by.
+/// Only the step time at the default contention: what `schedc plan` screens candidates by. It
+/// takes a program not yet verified (the planner screens programs before memory planning, and
+/// the cost model's tests build programs by hand), so it is an estimate, never a report: only a
+/// [`Verified`] program gets one ([`simulate`]).
 pub fn step_time(program: &Program, job: &Job) -> f64 {
     run(program, job).step_time_s
 }

@@ -21,9 +21,9 @@
 
 use super::cost::model_flops_per_step;
 use super::engine::Timeline;
-use crate::ir::{OpKind, Program};
-use crate::job::Job;
 use cranelift_entity::EntityRef;
+use sched_ir::ir::{OpKind, Program};
+use sched_ir::job::Job;
 use serde::{Deserialize, Serialize};
 
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
@@ -120,7 +120,7 @@ pub fn report(program: &Program, job: &Job, timeline: &Timeline) -> SimReport {
             reach = e;
         }
     }
-    let ranks = f64::from(program.ranks.max(1));
+    let ranks = f64::from(program.ranks().max(1));
     let flops = model_flops_per_step(job);
     let per_gpu = if step > 0.0 {
         flops / (step * ranks)
@@ -148,7 +148,7 @@ pub fn report(program: &Program, job: &Job, timeline: &Timeline) -> SimReport {
             })
             .collect(),
         gpu_memory_bytes: job.cluster.gpu_memory,
-        ranks: program.ranks,
+        ranks: program.ranks(),
         simulated_ranks: timeline.ranks.len() as u32,
         ranges: None,
     }

@@ -14,8 +14,8 @@
 pub mod cpu;
 pub mod cuda;
 
-use schedc::ir::OpId;
-use schedc::job::Dtype;
+use sched_ir::ir::OpId;
+use sched_ir::job::Dtype;
 use std::time::Duration;
 
 /// One rank's micro-batch: input bytes and the targets (the inputs shifted by one).
@@ -121,7 +121,7 @@ pub struct RunOptions {
     /// Make one rank fail or stop answering at one op (tests of fault handling).
     pub fault: Option<Fault>,
     /// The CUDA backend: whether a bf16 model's flash attention runs as the tensor-core kernels
-    /// (`schedc::kernels::flash`; the default) or chunk by chunk on cuBLAS products, the path
+    /// (`sched_kernels::flash`; the default) or chunk by chunk on cuBLAS products, the path
     /// they replace (kept for same-run comparisons, as the GPT-2 benchmark makes).
     pub attention_kernels: bool,
     /// Time every op of every step into [`StepOutcome::spans`] (`schedrun --trace`): the CPU

@@ -309,7 +309,7 @@ fn run_steps<B: Backend>(
     if let (Some(f), Some((time, spans))) = (&cli.trace, &last) {
         let trace = schedrun::trace::measured(&plan, *time, spans).map_err(Failure::Fault)?;
         let text = serde_json::to_string(&trace).expect("traces serialise") + "\n";
-        schedc::files::write_atomically(f, text.as_bytes())
+        sched_ir::files::write_atomically(f, text.as_bytes())
             .map_err(|e| Failure::Fault(format!("cannot write {}: {e}", f.display())))?;
         eprintln!("wrote {}", f.display());
     }

@@ -10,8 +10,8 @@ use crate::backend::StepInput;
 use crate::exec::{Action, GradPart};
 use crate::math::{LayerMath, OptimizerConfig, Precision, Stored};
 use crate::plan::Plan;
-use schedc::ir::{Region, ShardIndex};
-use schedc::job::{Dtype, LayerKind};
+use sched_ir::ir::{Region, ShardIndex};
+use sched_ir::job::{Dtype, LayerKind};
 
 /// What an op of one rank runs against: the plan, the rank, and the device of its stream.
 pub struct Rank<'a, D> {
@@ -386,7 +386,7 @@ impl<D: Device> Rank<'_, D> {
                 param,
                 sumsq,
             } => {
-                let contributions = f64::from(p.program.ranks) * f64::from(p.program.micro_steps);
+                let contributions = f64::from(p.program.ranks()) * f64::from(p.program.micro_steps);
                 let n = self.elements(grad);
                 let g = self.read(grad, n)?;
                 let st = self.read(state, self.elements(state))?;
@@ -565,8 +565,8 @@ mod tests {
         let a = schedc::analyze(std::path::Path::new("/mem/s.sched"), &loader).expect("readable");
         assert!(!a.has_errors(), "{}", a.render());
         for job in &a.jobs {
-            let (program, _) = schedc::compile(job).unwrap();
-            let plan = || Plan::unverified(program.clone(), job.clone()).unwrap();
+            let program = schedc::compile(job).unwrap();
+            let plan = || Plan::new(program.clone(), job.clone()).unwrap();
             let stored = run(plan());
             let mut first = plan();
             first.round_grads_first = true;

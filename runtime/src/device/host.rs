@@ -16,14 +16,14 @@ use crate::math::gemm::{linear, linear_backward};
 use crate::math::ops::{gelu, gelu_grad, norm_backward, norm_forward, prefetched, sigmoid, wide};
 use crate::math::saved::Piece;
 use crate::math::{cross_entropy, optimizer_step, BlockP, NormP, Precision};
-use schedc::job::Dtype;
+use sched_ir::job::Dtype;
 use std::cell::{Cell, RefCell};
 
 #[cfg(feature = "llvm")]
 use {
     super::jit::{self, Arg},
-    schedc::job::Optimizer,
-    schedc::kernels::Op,
+    sched_ir::job::Optimizer,
+    sched_kernels::Op,
 };
 
 /// With the `llvm` feature (and unless a test turned them off), runs the generated kernel of

@@ -1,5 +1,5 @@
 //! The generated kernels on the host device (`llvm` cargo feature): the same LLVM IR bodies the
-//! GPU runs as PTX (`schedc::kernels`), JIT-compiled for this processor and called by
+//! GPU runs as PTX (`sched_kernels`), JIT-compiled for this processor and called by
 //! [`super::host::Host`] for the element-wise, norm, rotary, loss and optimizer primitives, so
 //! the CPU parity suites test the GPU kernels' logic. Their results are the bits of the Rust math
 //! they replace (`math::generated_parity` checks each kernel against it).
@@ -13,9 +13,9 @@
 //! sequential sum) and the conversions to and from the arena.
 
 use super::DeviceError;
-use schedc::job::Dtype;
-use schedc::kernels::codegen::{slot_f32, slot_i64, slot_ptr, HostKernels};
-use schedc::kernels::{Kernel, Op};
+use sched_ir::job::Dtype;
+use sched_kernels::codegen::{slot_f32, slot_i64, slot_ptr, HostKernels};
+use sched_kernels::{Kernel, Op};
 use std::cell::Cell;
 use std::collections::HashMap;
 use std::sync::{Arc, OnceLock, RwLock};
@@ -154,7 +154,7 @@ mod tests {
     use crate::device::host::{Host, HostPtr};
     use crate::device::{ArenaSpan, Device, Update};
     use crate::math::{Input, LayerMath, OptimizerConfig, Rng};
-    use schedc::job::{Dtype, Optimizer};
+    use sched_ir::job::{Dtype, Optimizer};
 
     const MODELS: &str = r#"
 model gpt {

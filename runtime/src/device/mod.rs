@@ -36,8 +36,8 @@ pub(crate) mod layers;
 use crate::math::attention::Keep;
 use crate::math::saved::Piece;
 use crate::math::{BlockP, NormP, OptimizerConfig, Precision, Segment};
-use schedc::job::Dtype;
-use schedc::kernels::ADAM_DECAY_RANGES;
+use sched_ir::job::Dtype;
+use sched_kernels::ADAM_DECAY_RANGES;
 use std::ops::Range;
 
 /// A run of values on a device, by its first element: f32 on the host; on a GPU a typed

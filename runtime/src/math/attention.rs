@@ -71,8 +71,8 @@ impl Shape {
     }
 
     /// The generated kernel that rotates this shape's q and k heads (`inverse` for gradients).
-    pub(crate) fn rotary_op(&self, inverse: bool) -> schedc::kernels::Op {
-        schedc::kernels::Op::Rotary {
+    pub(crate) fn rotary_op(&self, inverse: bool) -> sched_kernels::Op {
+        sched_kernels::Op::Rotary {
             heads: self.heads as u32,
             kv_heads: self.kv_heads as u32,
             head_dim: self.d as u32,

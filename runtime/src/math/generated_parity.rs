@@ -1,4 +1,4 @@
-//! The generated kernels (`schedc::kernels`, JIT-compiled for this processor) against this
+//! The generated kernels (`sched_kernels`, JIT-compiled for this processor) against this
 //! module's Rust math: the same bits for every element-wise, optimizer, norm, loss, rotary,
 //! conversion, fill, embedding and naive-attention kernel, in every storage dtype the plans use,
 //! on random values with the edge cases mixed in (zeros of both signs, infinities, NaN, huge and
@@ -17,9 +17,9 @@ use crate::device::host::{Host, HostPtr, HostTokens};
 use crate::device::jit::without;
 use crate::device::{Device, Update};
 use crate::math::{bf16_bits_to_f32, f32_to_bf16_bits};
-use schedc::job::{Dtype, Norm, Optimizer};
-use schedc::kernels::codegen::{slot_f32, slot_f64, slot_i64, slot_ptr, HostKernels};
-use schedc::kernels::{Kernel, Op, SUMSQ_CHUNK};
+use sched_ir::job::{Dtype, Norm, Optimizer};
+use sched_kernels::codegen::{slot_f32, slot_f64, slot_i64, slot_ptr, HostKernels};
+use sched_kernels::{Kernel, Op, SUMSQ_CHUNK};
 use std::ops::Range;
 
 /// A tensor in one storage dtype: its words and their f32 values.
@@ -168,7 +168,7 @@ fn conversions_match_the_arena() {
     }
 }
 
-/// The GPU's loop of the unrolled kernels (`schedc::kernels::UNROLL` indices an iteration, loads
+/// The GPU's loop of the unrolled kernels (`sched_kernels::UNROLL` indices an iteration, loads
 /// before stores, then one at a time; `HostKernels::jit_gpu_loops`) writes every index of
 /// `begin..end` as the Rust math does, and
 /// nothing outside it: ranges of every length up to three iterations, from aligned and unaligned
@@ -202,7 +202,7 @@ fn unrolled_kernels_cover_every_range() {
 /// boundaries, from aligned and unaligned starts.
 #[test]
 fn prefetched_kernels_cover_every_range() {
-    use schedc::kernels::PREFETCH_BLOCK;
+    use sched_kernels::PREFETCH_BLOCK;
     let block = PREFETCH_BLOCK as usize;
     let n = 3 * block + 40;
     let pre = round(Dtype::Bf16, &finite(29, n, 2.0));

@@ -6,7 +6,7 @@
 //! crate's version. The generator is written out here (splitmix64 seeding xoshiro256**, Box–Muller
 //! normals) so the numbers never change underneath the weights files.
 
-use schedc::job::{Layer, LayerKind, Model};
+use sched_ir::job::{Layer, LayerKind, Model};
 
 /// xoshiro256** seeded through splitmix64.
 #[derive(Clone, Debug)]

@@ -8,7 +8,7 @@
 //! - `forward` overwrites `output` and all of `saved`; `backward` overwrites `grad_input`,
 //!   `grad_params` and `grad_tied`, never accumulating: the caller sums micro-batches.
 //! - The saved buffer is [`LayerMath::saved_segments`] back to back, segment for segment the
-//!   tensors that `schedc::lower::activations` sizes the memory plan with, so a segment stored in
+//!   tensors that `sched_ir::abi` sizes the memory plan with, so a segment stored in
 //!   the model dtype ([`Stored::Model`]) or in fp32 ([`Stored::F32`]) totals exactly
 //!   `saved_bytes`. Backward reads only the saved buffer, the layer's input and its parameters.
 //! - With a 16-bit model dtype every stored activation and the output are rounded to it where they
@@ -38,8 +38,8 @@ pub use precision::{bf16_bits_to_f32, f32_to_bf16_bits, round_bf16, round_f16};
 use crate::device::host::{Host, HostPtr, HostTokens};
 use crate::device::layers::{self, In};
 pub(crate) use precision::Precision;
-use schedc::job::{Activation, Attention, Layer, LayerKind, Model, Norm, Positions};
-use schedc::lower::workspace::logits_stride;
+use sched_ir::abi::logits_stride;
+use sched_ir::job::{Activation, Attention, Layer, LayerKind, Model, Norm, Positions};
 use std::fmt;
 use std::ops::Range;
 
@@ -491,7 +491,7 @@ impl LayerMath {
     }
 
     /// Elements between two rows of the output: its width, except that an lm_head's logits
-    /// start every `schedc::lower::workspace::logits_stride` elements (aligned rows; the
+    /// start every `sched_ir::abi::logits_stride` elements (aligned rows; the
     /// columns past the vocabulary are never read or written).
     pub fn output_stride(&self) -> usize {
         match &self.kind {

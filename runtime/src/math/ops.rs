@@ -1,6 +1,6 @@
 //! Row-wise operations: layer and RMS norm, tanh GELU, SiLU, rotary positions.
 
-use schedc::job::Norm;
+use sched_ir::job::Norm;
 
 pub(crate) const NORM_EPS: f32 = 1e-5;
 
@@ -267,8 +267,8 @@ pub(crate) fn wide<R>(f: impl FnOnce() -> R) -> R {
 }
 
 /// Indices per block of [`prefetched`]: 8 KiB of f32 per stream. The generated kernels' host
-/// loop walks the same blocks (`schedc::kernels::Op::prefetched`), so the constant is theirs.
-const BLOCK: usize = schedc::kernels::PREFETCH_BLOCK as usize;
+/// loop walks the same blocks (`sched_kernels::Op::prefetched`), so the constant is theirs.
+const BLOCK: usize = sched_kernels::PREFETCH_BLOCK as usize;
 
 /// Calls `body(lo, hi)` over `0..n` in blocks of [`BLOCK`] indices, after asking the cache for
 /// the next block of every stream in `streams` (f32 arrays indexed like `0..n`).

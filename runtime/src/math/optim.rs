@@ -1,7 +1,7 @@
 //! Optimizer steps on any slice of a layer's flat vector, so sharded and whole-tensor updates
 //! compute the same numbers element for element.
 
-use schedc::job::Optimizer;
+use sched_ir::job::Optimizer;
 use std::ops::Range;
 
 /// Adam/AdamW/SGD settings (`runtime.md`): β1 0.9, β2 0.95, eps 1e-8, weight decay 0.1 for AdamW.

@@ -4,7 +4,7 @@
 //! nearest, ties to even) at the point where it would be written, and later steps use the rounded
 //! values, so a run that really stores 16-bit words computes exactly the same numbers.
 
-use schedc::job::Dtype;
+use sched_ir::job::Dtype;
 
 /// bf16 bits of `x`, rounded to nearest even. NaN stays NaN (quiet, sign kept); overflow gives ±inf.
 pub fn f32_to_bf16_bits(x: f32) -> u16 {

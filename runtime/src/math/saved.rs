@@ -5,7 +5,7 @@
 
 use super::attention::Keep;
 use super::{BlockP, MlpP};
-use schedc::job::{Activation, Attention};
+use sched_ir::job::{Activation, Attention};
 
 /// The start of a run of f32s that pieces can be cut off the front of.
 pub(crate) trait Piece: Sized + Default {

@@ -3,7 +3,7 @@
 //! backend) that parity tests compare.
 #![allow(dead_code)]
 
-use schedc::job::{Job, Model};
+use sched_ir::job::{Job, Model};
 use schedc::{analyze, FsLoader, MemLoader};
 use schedrun::backend::cpu::CpuBackend;
 use schedrun::backend::{Backend, RunOptions};
@@ -75,9 +75,8 @@ pub fn reference(job: &Job, steps: u64) -> (Vec<f64>, Vec<f32>) {
 
 /// The job compiled and made a plan (not verified again: `compile` already proved it).
 pub fn plan_of(job: &Job) -> Arc<Plan> {
-    let (program, _) =
-        schedc::compile(job).unwrap_or_else(|e| panic!("{}: {e}", job.schedule.name));
-    Arc::new(Plan::unverified(program, job.clone()).unwrap())
+    let program = schedc::compile(job).unwrap_or_else(|e| panic!("{}: {e}", job.schedule.name));
+    Arc::new(Plan::new(program, job.clone()).unwrap())
 }
 
 /// `plan` on `backend` from the job's seeded initial state: per-step losses over `steps` steps at
@@ -114,7 +113,7 @@ pub fn assert_parity(
     what: &str,
 ) {
     let name = &job.schedule.name;
-    let tolerance = if job.model.dtype == schedc::job::Dtype::Fp32 {
+    let tolerance = if job.model.dtype == sched_ir::job::Dtype::Fp32 {
         1e-5
     } else {
         1e-2

@@ -11,9 +11,9 @@
 //! after everything that happens before it, and the cut of a maximum-weight antichain below.
 
 use super::{access_ends, spans, transient_by_first_access, Lifetimes};
-use crate::ir::*;
 use crate::passes::hb::Clocks;
 use cranelift_entity::EntityRef;
+use sched_ir::ir::*;
 
 /// A lower bound on the transient bytes any placement of this program needs: the most bytes
 /// simultaneously alive (module doc) this finds a witness for. The heavier of:

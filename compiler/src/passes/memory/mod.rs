@@ -21,8 +21,8 @@ mod search;
 pub use bound::lower_bound;
 
 use super::hb::Clocks;
-use crate::ir::*;
 use cranelift_entity::{EntityRef, SecondaryMap};
+use sched_ir::ir::*;
 
 /// Alignment of every buffer's offset (what CUDA allocations and vector loads want).
 pub const ALIGN: u64 = 256;
@@ -150,7 +150,7 @@ pub fn apply(p: &mut Program, placement: Placement) -> Vec<(OpId, OpId)> {
     // Each buffer after the ones whose bytes it takes over, in order of first access.
     let (firsts, lasts) = access_ends(p);
     let mut reuse: Vec<(OpId, OpId)> = vec![];
-    let mut occupants = crate::intervals::Occupants::default();
+    let mut occupants = sched_ir::intervals::Occupants::default();
     for b in placement.transient {
         let at = p.buffers[b].offset;
         for a in occupants.replace(at, at + p.buffers[b].bytes, b) {

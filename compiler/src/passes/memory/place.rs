@@ -10,8 +10,8 @@
 //! use at once, which first fit by size alone does.
 
 use super::{Lifetimes, ALIGN};
-use crate::ir::*;
 use cranelift_entity::EntityRef;
+use sched_ir::ir::*;
 
 /// Which gap a unit takes among those clear of the buffers it may be in use with.
 #[derive(Clone, Copy, Debug)]

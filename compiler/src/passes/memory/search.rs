@@ -30,9 +30,9 @@
 
 use super::place::{place, place_below, slots, Fit, Units};
 use super::{Lifetimes, ALIGN};
-use crate::ir::*;
 use crate::passes::hb::Clocks;
 use cranelift_entity::EntityRef;
+use sched_ir::ir::*;
 use std::cmp::Reverse;
 
 /// Buffer-placements the improvement steps may spend, divided by the number of transient buffers.

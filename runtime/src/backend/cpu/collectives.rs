@@ -9,8 +9,8 @@
 use super::sync::Stop;
 use super::{RankCtx, StepShared, Stopped};
 use crate::backend::RunError;
-use schedc::ir::{CollectiveOp, OpId};
-use schedc::job::Collective;
+use sched_ir::ir::{CollectiveOp, OpId};
+use sched_ir::job::Collective;
 
 /// Runs the collectives of op `op` on `ctx`'s rank, one after another (a coalesced group's
 /// members are issued together and every member runs them in the same order).

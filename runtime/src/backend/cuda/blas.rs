@@ -12,7 +12,7 @@ use cudarc::cublas::result as cb;
 use cudarc::cublas::sys::{cublasHandle_t, cublasOperation_t};
 use cudarc::cublaslt::{result as lt, sys as lts};
 use cudarc::driver::CudaStream;
-use schedc::job::Dtype;
+use sched_ir::job::Dtype;
 use std::cell::RefCell;
 use std::collections::hash_map::{Entry, HashMap};
 use std::sync::Arc;

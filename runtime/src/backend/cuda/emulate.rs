@@ -1,14 +1,14 @@
 //! Tests of the device code on the host, where no GPU is: the generated kernels the GPU runs
-//! (`schedc::kernels`), each launch calling the host JIT build of exactly the typed variant it
+//! (`sched_kernels`), each launch calling the host JIT build of exactly the typed variant it
 //! names (`device::jit::run_slots`) over the launch's index range (a GPU-only kernel, the fused
 //! attention's, as a warp of 32 host threads running its PTX kernel's code with the warp's
-//! instructions as calls: `schedc::kernels::codegen::HostKernels::jit_warp`), the column-major products
+//! instructions as calls: `sched_kernels::codegen::HostKernels::jit_warp`), the column-major products
 //! computed by their BLAS definition, and "device addresses" that are host addresses. What this
 //! checks: the kernels' logic on the GPU's launches (the IR is the PTX's; only `ln` and the
 //! thread loop differ), the launch arguments, the row-major to column-major mapping, the
 //! workspace carving, the layer math's orchestration and the actions' reads, writes and
 //! roundings — against the CPU backend — and that every kernel a training step launches is one
-//! `schedc::kernels::for_job` lists (the module the CUDA backend loads): an emulated backend
+//! `sched_kernels::for_job` lists (the module the CUDA backend loads): an emulated backend
 //! knows only those. What it cannot check: cudarc, the driver, the PTX's `ln` and thread
 //! indexing, cuBLAS itself, NCCL, and real concurrency between streams (ops run in issue order).
 //!
@@ -31,8 +31,8 @@ use crate::exec::Action;
 use crate::math::{Input, LayerMath, Precision, Rng};
 use crate::plan::Plan;
 use crate::train::Trainer;
-use schedc::job::{Collective, Dtype};
-use schedc::kernels::{for_job, for_model, Kernel, Op};
+use sched_ir::job::{Collective, Dtype};
+use sched_kernels::{for_job, for_model, Kernel, Op};
 use std::cell::{Cell, RefCell};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
@@ -88,7 +88,7 @@ impl HostExec {
     }
 
     /// A stream that runs every variant of the kernels of `model`'s layers.
-    fn for_model(model: &schedc::job::Model) -> Self {
+    fn for_model(model: &sched_ir::job::Model) -> Self {
         HostExec::new(every_variant(&for_model(model)), "every variant")
     }
 
@@ -383,7 +383,7 @@ model gpt_fp16 {
 }
 "#;
 
-fn models() -> Vec<schedc::job::Model> {
+fn models() -> Vec<sched_ir::job::Model> {
     let loader = schedc::MemLoader::default()
         .in_dir("/mem")
         .with("/mem/m.sched", MODELS);
@@ -622,7 +622,7 @@ fn chunked_attention_matches_attention_rs() {
 /// A bf16 model's fused attention is the tensor-core kernels (forward [`Op::FlashForward`],
 /// backward [`Op::FlashDot`], [`Op::FlashBackwardQuery`], [`Op::FlashBackwardKeys`]; the GPU-only
 /// ones run here as a warp of host threads on their generated code, which gives
-/// `schedc::kernels::flash`'s models' bits): on qkv and dO in fp32 workspace (cast to bf16
+/// `sched_kernels::flash`'s models' bits): on qkv and dO in fp32 workspace (cast to bf16
 /// first), the output, log-sum-exps and dqkv match `attention.rs`'s on the same bf16 values.
 /// Only the bf16 rounding of P (and of dS) before their products differs, as in
 /// FlashAttention: outputs within 5e-3 of 1 + |value| (observed 2.1e-3), log-sum-exps within
@@ -745,11 +745,8 @@ fn flash_and_naive_attention_train_alike() {
         .jobs
         .iter()
         .map(|job| {
-            let (program, _) = schedc::compile(job).unwrap();
-            go_emulated(
-                Arc::new(Plan::unverified(program, job.clone()).unwrap()),
-                10,
-            )
+            let program = schedc::compile(job).unwrap();
+            go_emulated(Arc::new(Plan::new(program, job.clone()).unwrap()), 10)
         })
         .collect();
     assert!(runs[0].1.iter().any(|k| k.starts_with("flash_forward")));
@@ -904,7 +901,7 @@ fn products_of_a_16_bit_model_round_their_operands() {
 /// row (2,348 tokens), blocks of 4 in row batches of 3,072 and 928 (4,000 tokens).
 #[test]
 fn padded_products_cover_every_row() {
-    use schedc::lower::workspace::PADDED_ROWS;
+    use sched_ir::abi::PADDED_ROWS;
     for t in [100, 2 * PADDED_ROWS + 300, 4000] {
         padded_products(t, 5, 11, 11);
     }
@@ -1256,7 +1253,7 @@ impl EmulatedBackend {
     /// One plan collective across every group of its communicator, with NCCL's semantics: chunk
     /// `j` is member `j`'s, sums in f32 in member order rounded once, broadcasts from member 0;
     /// every member's input is read before any output is written.
-    fn collective(&self, c: &schedc::ir::CollectiveOp) {
+    fn collective(&self, c: &sched_ir::ir::CollectiveOp) {
         let p = &self.plan;
         for group in &p.program.comms[c.comm].groups {
             let members = group.len() as u64;
@@ -1535,8 +1532,8 @@ fn training_on_the_emulated_device_matches_the_cpu_backend() {
     let a = schedc::analyze(std::path::Path::new("/mem/s.sched"), &loader).expect("readable");
     assert!(!a.has_errors(), "{}", a.render());
     for job in a.jobs.iter() {
-        let (program, _) = schedc::compile(job).unwrap();
-        let plan = Arc::new(Plan::unverified(program, job.clone()).unwrap());
+        let program = schedc::compile(job).unwrap();
+        let plan = Arc::new(Plan::new(program, job.clone()).unwrap());
         // The contract's 20 steps on one rank; 5 on four ranks keep the test quick.
         let steps = if plan.ranks() == 1 { 20 } else { 5 };
         let cpu = go(
@@ -1654,8 +1651,8 @@ fn launch_census(blocks: usize) -> String {
     let a = schedc::analyze(std::path::Path::new("/mem/s.sched"), &loader).expect("readable");
     assert!(!a.has_errors(), "{}", a.render());
     let job = &a.jobs[0];
-    let (program, _) = schedc::compile(job).unwrap();
-    let plan = Arc::new(Plan::unverified(program, job.clone()).unwrap());
+    let program = schedc::compile(job).unwrap();
+    let plan = Arc::new(Plan::new(program, job.clone()).unwrap());
     let mut t = Trainer::new(
         plan.clone(),
         EmulatedBackend::new(plan),
@@ -1712,8 +1709,8 @@ fn layer_ops_of_a_16_bit_model_stage_only_gradient_parts() {
     let a = schedc::analyze(std::path::Path::new("/mem/s.sched"), &loader).expect("readable");
     assert!(!a.has_errors(), "{}", a.render());
     for job in a.jobs.iter() {
-        let (program, _) = schedc::compile(job).unwrap();
-        let plan = Arc::new(Plan::unverified(program, job.clone()).unwrap());
+        let program = schedc::compile(job).unwrap();
+        let plan = Arc::new(Plan::new(program, job.clone()).unwrap());
         let steps = 5;
         let cpu = go(
             plan.clone(),
@@ -1784,8 +1781,8 @@ fn plans(schedules: &str) -> Vec<Arc<Plan>> {
     a.jobs
         .iter()
         .map(|job| {
-            let (program, _) = schedc::compile(job).unwrap();
-            Arc::new(Plan::unverified(program, job.clone()).unwrap())
+            let program = schedc::compile(job).unwrap();
+            Arc::new(Plan::new(program, job.clone()).unwrap())
         })
         .collect()
 }
@@ -1828,7 +1825,7 @@ fn device_memory_is_the_planned_arena() {
             assert!(b.offset + b.bytes <= p.arena_bytes, "{name} {s}");
         }
         // The compute stream runs layer math: it has the GEMM library's workspace.
-        let compute = StreamMemory::of(&plan, schedc::ir::StreamId::new(0)).unwrap();
+        let compute = StreamMemory::of(&plan, sched_ir::ir::StreamId::new(0)).unwrap();
         assert_eq!(
             compute.gemm.1 as u64, plan.job.cluster.gemm_workspace,
             "{name}"
@@ -1869,7 +1866,7 @@ fn device_memory_is_the_planned_arena() {
         .expect("a transformer forward");
     let beside = vec![
         0f32;
-        StreamMemory::of(&plan, plan.program.ops[schedc::ir::OpId::new(op)].stream)
+        StreamMemory::of(&plan, plan.program.ops[sched_ir::ir::OpId::new(op)].stream)
             .unwrap()
             .scratch
             .1
@@ -1905,11 +1902,11 @@ fn device_memory_is_the_planned_arena() {
 fn an_op_past_its_planned_workspace_fails() {
     let plan = plans("schedule a { model = gpt_naive  cluster = one  preset = ddp  train { lr = 1e-3  seed = 1 } }").remove(0);
     let mut program = plan.program.clone();
-    let ws = program.streams[schedc::ir::StreamId::new(0)]
+    let ws = program.streams[sched_ir::ir::StreamId::new(0)]
         .workspace
         .unwrap();
     program.buffers[ws.buffer].bytes = ws.gemm_bytes + 64 * 4;
-    let plan = Arc::new(Plan::unverified(program, plan.job.clone()).unwrap());
+    let plan = Arc::new(Plan::new(program, plan.job.clone()).unwrap());
     let backend = EmulatedBackend::new(plan.clone());
     let train = plan.job.schedule.train.clone();
     let mut t = Trainer::new(plan.clone(), backend, crate::data::Corpus::builtin());

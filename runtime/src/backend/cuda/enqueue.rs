@@ -7,8 +7,8 @@
 #![cfg_attr(not(feature = "cuda"), allow(dead_code))]
 
 use super::typed::DevPtr;
-use schedc::job::{Collective, Dtype};
-use schedc::kernels::{Op, Space, COLUMN_LANES, UNROLL, WARP};
+use sched_ir::job::{Collective, Dtype};
+use sched_kernels::{Op, Space, COLUMN_LANES, UNROLL, WARP};
 
 /// An address in GPU memory (in the host emulation, a host address): typed so that device
 /// addresses, byte offsets in the arena and element counts cannot be mixed up.
@@ -306,9 +306,9 @@ pub trait Exec {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use schedc::kernels::flash;
+    use sched_kernels::flash;
 
-    /// What the generated kernels' thread mapping (`schedc::kernels::codegen`) assumes of a
+    /// What the generated kernels' thread mapping (`sched_kernels::codegen`) assumes of a
     /// launch: a warp per row and whole warps per block; for columns, whole groups of
     /// 32·`COLUMN_LANES` threads (so that every thread of a warp walks the same columns); enough
     /// threads for one pass over the indices below the 65,536-block cap (an unrolled op's pass

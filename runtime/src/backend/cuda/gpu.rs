@@ -1,5 +1,5 @@
 //! The device layer's primitives on a GPU stream: launches of the generated kernels
-//! (`schedc::kernels`, loaded from the PTX `schedc compile --emit ptx` writes) and cuBLAS
+//! (`sched_kernels`, loaded from the PTX `schedc compile --emit ptx` writes) and cuBLAS
 //! products over typed device pointers ([`crate::device::Device`] for [`Gpu`], [`DevPtr`]).
 //! Every region of the arena is computed on in place in its own dtype ([`Device::view`],
 //! [`Device::view_saved`]): each launch runs the kernel variant typed for the storages of the
@@ -15,7 +15,7 @@
 //! A launch ([`Gpu::run`]) names the op and passes one [`Arg`] per parameter in
 //! [`Kernel::params`] order; the kernel's dtypes are read off the typed pointers, its arguments
 //! checked against the parameters' kinds, and `begin`/`end` (the op's whole index space,
-//! [`Op::space`]) appended. `schedc::kernels::for_job` lists every variant this file may
+//! [`Op::space`]) appended. `sched_kernels::for_job` lists every variant this file may
 //! request for a job: the emulation's tests check each launch against it, and the CUDA backend
 //! checks that the loaded module holds them all before training.
 //!
@@ -28,9 +28,9 @@ use super::typed::{DevPtr, Storage};
 use crate::device::{plan_error, ArenaSpan, Device, DeviceError, Linear, Ptr, Update};
 use crate::math::attention::{Keep, Shape};
 use crate::math::{BlockP, NormP, Precision, Segment};
-use schedc::job::{Dtype, Optimizer};
-use schedc::kernels::{flash, Kernel, Op, Param, SUMSQ_CHUNK};
-use schedc::lower::workspace::{attention_chunk, PADDED_ROWS};
+use sched_ir::abi::{attention_chunk, PADDED_ROWS};
+use sched_ir::job::{Dtype, Optimizer};
+use sched_kernels::{flash, Kernel, Op, Param, SUMSQ_CHUNK};
 use std::cell::Cell;
 
 /// Device addresses of a rank's constants: the batch tokens, the loss and sum-of-squares
@@ -787,7 +787,7 @@ impl Gpu<'_> {
     }
 
     /// The chunks of the fused attention, sequence by sequence, `per` query rows each (the plan's
-    /// `schedc::lower::workspace::attention_chunk`), with workspace for their scores (fp32),
+    /// `sched_ir::abi::attention_chunk`), with workspace for their scores (fp32),
     /// probabilities (the product dtype) and log-sum-exps.
     fn chunks<'s>(
         &self,

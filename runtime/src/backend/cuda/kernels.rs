@@ -31,7 +31,7 @@ impl Kernels {
             .compute_capability()
             .map_err(drv("reading the compute capability"))?;
         let sm = sm_for(major, minor)?;
-        let wanted = schedc::kernels::for_job(&plan.job);
+        let wanted = sched_kernels::for_job(&plan.job);
         let (path, text) = read_module(files, sm, &plan.job.schedule.name, &wanted)?;
         let module = ctx.load_module(Ptx::from_src(text)).map_err(|e| {
             CudaError::new(Library::Driver, format!("loading {}", path.display()), e)
@@ -61,7 +61,7 @@ impl Kernels {
     ) -> Result<(), CudaError> {
         let f = self.f.get(name).ok_or_else(|| {
             CudaError::backend(format!(
-                "kernel {name} is not among those loaded from {} (schedc::kernels::for_job does \
+                "kernel {name} is not among those loaded from {} (sched_kernels::for_job does \
                  not list it: a bug)",
                 self.path.display()
             ))

@@ -23,7 +23,7 @@
 use super::enqueue::DevAddr;
 use super::gpu::Consts;
 use crate::plan::Plan;
-use schedc::ir::StreamId;
+use sched_ir::ir::StreamId;
 
 /// Where one stream's workspace lies in the rank's arena (byte offsets from the arena's start).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

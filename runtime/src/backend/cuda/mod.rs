@@ -22,7 +22,7 @@
 //!   products as strided-batched sgemm) and on tensor cores through cuBLASLt for bf16 and fp16
 //!   models (operands in the model dtype used in place, fp32 ones rounded to it first; fp32
 //!   accumulation; C and D fp32 or the model dtype with the bias in the epilogue; `blas.rs`),
-//!   every other kernel a generated one (`schedc::kernels`, typed for the storages of the
+//!   every other kernel a generated one (`sched_kernels`, typed for the storages of the
 //!   pointers each launch passes) from the plan's PTX module for the GPU's architecture, which
 //!   `schedc compile --emit ptx` wrote beside the plan ([`ptx`]: found and checked before
 //!   anything runs; `kernels.rs`: loaded by the driver, no NVRTC). The layer math and each op's
@@ -116,7 +116,7 @@ pub fn rank_keys(plan: &Plan, rank: u32) -> Vec<CommKey> {
 
 /// A hash of the whole plan (its plan-file JSON), compared across ranks before anything runs.
 pub fn plan_hash(plan: &Plan) -> u64 {
-    let file = schedc::emit::plan::emit_plan(&plan.program, &plan.job);
+    let file = sched_ir::plan_file::emit_plan(&plan.program, &plan.job);
     let text = serde_json::to_string(&file).unwrap_or_default();
     rendezvous::fnv1a(text.as_bytes())
 }
@@ -142,7 +142,7 @@ mod stand_in {
     use super::PtxFiles;
     use crate::backend::{Backend, RankMemory, RunError, RunOptions, StepInput, StepOutcome};
     use crate::plan::Plan;
-    use schedc::job::Dtype;
+    use sched_ir::job::Dtype;
     use std::sync::Arc;
 
     pub const MESSAGE: &str =

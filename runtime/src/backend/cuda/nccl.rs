@@ -8,7 +8,7 @@ use super::enqueue::{CudaError, Library, NcclCall};
 use super::rendezvous::{CommKey, ID_BYTES};
 use cudarc::nccl::result as nr;
 use cudarc::nccl::sys::{ncclComm_t, ncclDataType_t, ncclRedOp_t, ncclUniqueId};
-use schedc::job::{Collective, Dtype};
+use sched_ir::job::{Collective, Dtype};
 use std::collections::BTreeMap;
 
 /// The key of the world communicator that sums each step's loss across processes.

@@ -1,11 +1,11 @@
 //! Where the CUDA backend's kernels come from: the PTX modules `schedc compile --emit ptx`
 //! writes beside a plan file, one per GPU architecture (`x.plan.json` gives `x.sm_80.ptx` and
-//! `x.sm_90.ptx`, `schedc::kernels::ptx_path`), one module named on the command line
+//! `x.sm_90.ptx`, `sched_kernels::ptx_path`), one module named on the command line
 //! (`schedrun --ptx`), or, for a `.sched` file run by a schedrun built with the `llvm` feature,
 //! the module generated in the process for the GPU at hand. The backend picks the architecture from its device's compute capability
 //! ([`sm_for`]), then reads and checks the module ([`read_module`]) before loading anything:
 //! written for that architecture, and holding every kernel the job needs
-//! (`schedc::kernels::for_job`, the variants the device code may launch). A missing, unreadable
+//! (`sched_kernels::for_job`, the variants the device code may launch). A missing, unreadable
 //! or mismatched module is one error naming the file and the command that writes it. No NVRTC:
 //! the driver loads the PTX text as it is (`kernels.rs`).
 //!
@@ -13,7 +13,7 @@
 #![cfg_attr(not(feature = "cuda"), allow(dead_code))]
 
 use super::enqueue::CudaError;
-use schedc::kernels::{ptx_path, Kernel};
+use sched_kernels::{ptx_path, Kernel};
 use std::path::PathBuf;
 
 /// Where the CUDA backend finds its PTX.
@@ -44,7 +44,7 @@ impl PtxFiles {
         }
         let text = std::fs::read_to_string(file)
             .map_err(|e| format!("cannot read {}: {e}", file.display()))?;
-        if schedc::load::is_plan_text(&text) {
+        if sched_verify::plan::is_plan_text(&text) {
             return Ok(PtxFiles::BesidePlan(file.to_path_buf()));
         }
         if cfg!(feature = "llvm") {
@@ -111,10 +111,10 @@ fn target(text: &str) -> Option<u32> {
     arch.strip_prefix("sm_")?.parse().ok()
 }
 
-/// The PTX of `kernels` for `sm_{sm}`, generated here (`schedc::kernels::codegen`).
+/// The PTX of `kernels` for `sm_{sm}`, generated here (`sched_kernels::codegen`).
 #[cfg(feature = "llvm")]
 fn generate(kernels: &[Kernel], sm: u32) -> Result<String, String> {
-    schedc::kernels::codegen::ptx(kernels, sm).map_err(|e| format!("generating it: {e}"))
+    sched_kernels::codegen::ptx(kernels, sm).map_err(|e| format!("generating it: {e}"))
 }
 
 #[cfg(not(feature = "llvm"))]
@@ -183,8 +183,8 @@ pub fn read_module(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use schedc::job::Dtype;
-    use schedc::kernels::Op;
+    use sched_ir::job::Dtype;
+    use sched_kernels::Op;
 
     #[test]
     fn the_architecture_follows_the_compute_capability() {
@@ -234,7 +234,7 @@ mod tests {
     #[cfg(feature = "llvm")]
     #[test]
     fn a_generated_module_is_accepted() {
-        use schedc::kernels::codegen::{ptx, SMS};
+        use sched_kernels::codegen::{ptx, SMS};
         let dir = std::env::temp_dir().join(format!("schedrun-ptx-gen-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let plan = dir.join("g.plan.json");
@@ -246,7 +246,7 @@ mod tests {
         ];
         for sm in SMS {
             std::fs::write(
-                schedc::kernels::ptx_path(&plan, sm),
+                sched_kernels::ptx_path(&plan, sm),
                 ptx(&kernels, sm).unwrap(),
             )
             .unwrap();

@@ -20,7 +20,7 @@ use crate::exec::Action;
 use crate::plan::Plan;
 use cranelift_entity::EntityRef;
 use cudarc::driver::CudaEvent;
-use schedc::job::Dtype;
+use sched_ir::job::Dtype;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -80,7 +80,7 @@ impl Timers {
             .map(|(i, (start, end))| {
                 Ok(OpSpan {
                     rank,
-                    op: schedc::ir::OpId::new(i),
+                    op: sched_ir::ir::OpId::new(i),
                     start: at(start)?,
                     end: at(end)?,
                 })
@@ -168,7 +168,7 @@ impl CudaBackend {
                     return Some((*k, *id, env.world, rank));
                 }
                 let (g, pos) = p.members[k.comm as usize][rank as usize];
-                let comm = &p.program.comms[schedc::ir::CommId::new(k.comm as usize)];
+                let comm = &p.program.comms[sched_ir::ir::CommId::new(k.comm as usize)];
                 (g == k.group as usize).then(|| (*k, *id, comm.groups[g].len() as u32, pos as u32))
             })
             .collect();
@@ -313,7 +313,7 @@ impl Backend for CudaBackend {
                 .enumerate()
                 .map(|(s, _)| StreamWait {
                     rank,
-                    stream: self.plan.stream_name(schedc::ir::StreamId::new(s)),
+                    stream: self.plan.stream_name(sched_ir::ir::StreamId::new(s)),
                     waiting: Duration::ZERO,
                     busy,
                 })
@@ -413,8 +413,8 @@ impl CudaBackend {
 
     fn collectives(
         &self,
-        op: schedc::ir::OpId,
-        cs: &[schedc::ir::CollectiveOp],
+        op: sched_ir::ir::OpId,
+        cs: &[sched_ir::ir::CollectiveOp],
         stream: &cudarc::driver::CudaStream,
     ) -> Result<(), CudaError> {
         let p = &*self.plan;
@@ -443,7 +443,7 @@ impl CudaBackend {
     fn watch(&self) -> Result<(), RunError> {
         let p = &*self.plan;
         // Per stream: its collective ops in order.
-        let mut pending: Vec<std::collections::VecDeque<schedc::ir::OpId>> =
+        let mut pending: Vec<std::collections::VecDeque<sched_ir::ir::OpId>> =
             vec![Default::default(); p.stream_ops.len()];
         for (op, o) in p.program.ops.iter() {
             if self.markers[op.index()].is_some() {
@@ -580,7 +580,7 @@ pub struct FlashCheck {
 }
 
 /// Runs the fused attention kernels of `plan` (forward and backward,
-/// [`schedc::kernels::Op::FlashForward`] and the rest, from the plan's PTX in `ptx`) on GPU 0
+/// [`sched_kernels::Op::FlashForward`] and the rest, from the plan's PTX in `ptx`) on GPU 0
 /// against the chunked path (cuBLAS products and the softmax kernels, which the parity tests
 /// check against the CPU backend) on the same random bf16 inputs and output gradient,
 /// `sequences` sequences of the model's length, once per shape.
@@ -591,7 +591,7 @@ pub fn check_flash_attention(
 ) -> Result<Vec<FlashCheck>, CudaError> {
     use super::typed::{DevPtr, Storage};
     use crate::math::attention::Shape;
-    use schedc::kernels::{flash, for_job, Op};
+    use sched_kernels::{flash, for_job, Op};
     const GEMM_BYTES: usize = 32 << 20;
     let mut checks = vec![];
     let mut shapes: Vec<flash::Shape> = for_job(&plan.job)

@@ -9,7 +9,7 @@ use super::enqueue::DevAddr;
 use crate::device::Ptr;
 use crate::math::saved::Piece;
 use crate::math::{Precision, Segment, Stored};
-use schedc::job::Dtype;
+use sched_ir::job::Dtype;
 
 /// How the elements behind a pointer are stored.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]

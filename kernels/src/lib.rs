@@ -40,13 +40,13 @@
 //! but for the dot, written after [`flash`]'s lane-by-lane models, whose code the host emulation
 //! runs as a warp of threads); everything else of attention (other dtypes and head widths, the
 //! naive path) the GPU computes chunk by chunk of queries with cuBLAS products and
-//! [`Op::CausalSoftmax`] / [`Op::SoftmaxBackward`] (`schedc::lower::workspace::attention_chunk`).
+//! [`Op::CausalSoftmax`] / [`Op::SoftmaxBackward`] (`sched_ir::abi::attention_chunk`).
 
 #[cfg(feature = "llvm")]
 pub mod codegen;
 pub mod flash;
 
-use crate::job::{
+use sched_ir::job::{
     Activation, Attention, Dtype, Job, LayerKind, MlpSpec, Model, Norm, Optimizer, Positions,
     TransformerSpec,
 };
@@ -69,8 +69,7 @@ pub const PREFETCH_BLOCK: u64 = 2048;
 /// Lanes of a column op's index on the GPU ([`Op::cooperative`]): each adds up every 64th row.
 pub const COLUMN_LANES: u64 = 64;
 
-/// Elements per partial sum of [`Op::SumSquares`].
-pub const SUMSQ_CHUNK: usize = 4096;
+pub use sched_ir::abi::SUMSQ_CHUNK;
 
 /// Decayed ranges one [`Op::Adam`] launch takes: a transformer block's flat vector has four
 /// (GPT-2's weight matrices between its biases and norm gains; LLaMA's merge into two), so a
@@ -174,7 +173,7 @@ pub enum Op {
     /// A norm's parameter gradients, accumulated into `dw` (and `db`), per column over the rows.
     NormBackwardParams { width: u32, bias: bool },
     /// Softmax cross-entropy of each row of `vocab` logits, rows `stride` elements apart
-    /// (`crate::lower::workspace::logits_stride`): `grad = (softmax − onehot)·inv` in the same
+    /// (`sched_ir::abi::logits_stride`): `grad = (softmax − onehot)·inv` in the same
     /// layout, `loss[r]` the row's loss.
     CrossEntropy { vocab: u32, stride: u32 },
     /// Rotary positions on the q and k heads of each token row of a fused qkv tensor
@@ -823,7 +822,7 @@ pub fn for_model(model: &Model) -> Vec<Kernel> {
                 // Added in place to the zeroed input gradient.
                 let pairs: Vec<(Dtype, Dtype)> = k.out.iter().map(|&dx| (dx, dx)).collect();
                 k.norm_input_grad(norm, hidden as u32, &pairs);
-                let stride = crate::lower::workspace::logits_stride(vocab) as u32;
+                let stride = sched_ir::abi::logits_stride(vocab) as u32;
                 let vocab = vocab as u32;
                 for o in k.out.clone() {
                     // The input gradient starts as zeros, then the norm's backward adds to it.

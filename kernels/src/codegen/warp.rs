@@ -1,14 +1,14 @@
 //! A GPU warp on the host ([`super::Target::Warp`]): 32 OS threads, one per lane, each running a
 //! kernel's code for every index, meeting at each warp-wide instruction, which the code calls
 //! here: a butterfly shuffle ([`SHFL`]) or an `mma.m16n8k16` ([`MMA`], computed by
-//! `crate::kernels::flash::mma`, the model the fused attention is written after). Lane code
+//! `crate::flash::mma`, the model the fused attention is written after). Lane code
 //! whose control flow diverged before such a call would wait forever, as a GPU warp would be
 //! wrong; the kernels only meet at calls every lane makes.
 //!
 //! The JIT maps the three symbols to these functions ([`map`]); [`lanes`] runs a closure on 32
 //! threads, each knowing its lane and the warp it meets in.
 
-use crate::kernels::flash;
+use crate::flash;
 use inkwell::execution_engine::ExecutionEngine;
 use inkwell::module::Module;
 use std::cell::Cell;
@@ -140,10 +140,10 @@ pub fn lanes<R: Send>(f: impl Fn() -> R + Sync) -> R {
 #[cfg(test)]
 mod tests {
     use super::super::{slot_f32, slot_i64, slot_ptr, HostKernels};
-    use crate::job::{Dtype, Norm};
-    use crate::kernels::flash::tests::values;
-    use crate::kernels::flash::{self, Grads, Shape};
-    use crate::kernels::{Kernel, Op, Param};
+    use crate::flash::tests::values;
+    use crate::flash::{self, Grads, Shape};
+    use crate::{Kernel, Op, Param};
+    use sched_ir::job::{Dtype, Norm};
 
     /// The fused attention's generated code (the PTX kernels' IR, built for the host with the
     /// warp's instructions as calls), run as a warp of 32 threads, computes exactly what its

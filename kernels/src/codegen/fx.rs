@@ -7,8 +7,7 @@
 //! type), never on a kernel's sizes, so they are unwrapped with one message.
 
 use super::Target;
-use crate::job::Dtype;
-use crate::kernels::{Kernel, Param, WARP};
+use crate::{Kernel, Param, WARP};
 use inkwell::basic_block::BasicBlock;
 use inkwell::builder::Builder;
 use inkwell::context::Context;
@@ -20,6 +19,7 @@ use inkwell::values::{
     PhiValue, PointerValue,
 };
 use inkwell::{FloatPredicate, IntPredicate};
+use sched_ir::job::Dtype;
 use std::cell::RefCell;
 
 const BUILD: &str = "the kernel builder is used as LLVM expects";
@@ -950,11 +950,11 @@ impl<'c, 'm> Fx<'c, 'm> {
         self.b.position_at_end(exit);
     }
 
-    /// `for i in (start..end).step_by(stride) { body(i) }`, [`UNROLL`](crate::kernels::UNROLL)
+    /// `for i in (start..end).step_by(stride) { body(i) }`, [`UNROLL`](crate::UNROLL)
     /// indices per iteration while that many remain: the iteration emits the loads of all of
     /// them (those at their index or a constant one) first, then their bodies' arithmetic in
     /// order, then every [`Fx::store`], held back to the end. Only for bodies whose indices touch
-    /// disjoint elements ([`crate::kernels::Op::unrolled`]): the values stored are then the same
+    /// disjoint elements ([`crate::Op::unrolled`]): the values stored are then the same
     /// as `strided_loop`'s. Counted like `strided_loop`.
     pub fn unrolled_loop(
         &mut self,
@@ -963,7 +963,7 @@ impl<'c, 'm> Fx<'c, 'm> {
         stride: I<'c>,
         mut body: impl FnMut(&mut Self, I<'c>),
     ) {
-        let copies = crate::kernels::UNROLL;
+        let copies = crate::UNROLL;
         let (head, i, iv) = self.loop_head(start, "unrolled.");
         let step = self.ctx.append_basic_block(self.func, "unrolled.body");
         let rest = self.ctx.append_basic_block(self.func, "unrolled.rest");
@@ -1054,7 +1054,7 @@ impl<'c, 'm> Fx<'c, 'm> {
 
     // ----- lanes: a warp shares a cooperative index on the GPU, the host runs one lane -----
 
-    /// Lanes sharing a cooperative index ([`crate::kernels::Op::cooperative`]): the op's on the
+    /// Lanes sharing a cooperative index ([`crate::Op::cooperative`]): the op's on the
     /// GPU (a warp for a row), one on the host.
     pub fn lanes(&self) -> u64 {
         self.lanes
@@ -1208,7 +1208,7 @@ impl<'c, 'm> Fx<'c, 'm> {
     }
 
     /// `mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32` over the warp: D = A·B + C, each
-    /// lane passing its fragment registers (layouts: `crate::kernels::flash`).
+    /// lane passing its fragment registers (layouts: `crate::flash`).
     pub fn mma_bf16(&self, a: [I<'c>; 4], b: [I<'c>; 2], c: [F<'c>; 4]) -> [F<'c>; 4] {
         self.gpu_only("mma.sync");
         let (i, f) = (self.ctx.i32_type(), self.ctx.f32_type());

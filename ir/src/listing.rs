@@ -6,7 +6,6 @@
 //! match the plan file (`op12`, `buf3`, `ev7`, `comm2`). Optional notes can be written beside ops
 //! (the verifier uses this to show its errors in place).
 
-use crate::emit::job::{plural, thousands};
 use crate::ir::*;
 use std::collections::HashMap;
 use std::fmt::Write;
@@ -55,7 +54,7 @@ pub fn emit_listing_with_notes(p: &Program, notes: &HashMap<OpId, Vec<String>>) 
 }
 
 /// A stream's workspace: `workspace buf9: GEMM 33,554,432 B + scratch 16,640 B`.
-pub(crate) fn workspace(p: &Program, ws: StreamWorkspace) -> String {
+pub fn workspace(p: &Program, ws: StreamWorkspace) -> String {
     let bytes = p.buffers.get(ws.buffer).map_or(0, |b| b.bytes);
     format!(
         "workspace {}: GEMM {} B + scratch {} B",
@@ -161,14 +160,14 @@ pub fn index_name(i: ShardIndex) -> &'static str {
 
 /// The first line: schedule, ranks, nodes × GPUs, micro-steps, arena (shared by the listing and
 /// the summary).
-pub(crate) fn header(out: &mut String, p: &Program) {
+pub fn header(out: &mut String, p: &Program) {
     let _ = writeln!(
         out,
         "schedule {}: {} ranks ({} x {}), {}, arena {} B per rank",
         p.schedule,
-        p.ranks,
-        plural(p.nodes.into(), "node"),
-        plural(p.gpus_per_node.into(), "GPU"),
+        p.ranks(),
+        plural(p.layout.nodes.into(), "node"),
+        plural(p.layout.gpus_per_node.into(), "GPU"),
         plural(p.micro_steps.into(), "micro-step"),
         thousands(p.arena_bytes)
     );
@@ -176,7 +175,7 @@ pub(crate) fn header(out: &mut String, p: &Program) {
 
 /// The communicators, one line each: name, scope, groups and the first group's ranks (shared by
 /// the listing and the summary).
-pub(crate) fn communicators(out: &mut String, p: &Program) {
+pub fn communicators(out: &mut String, p: &Program) {
     let _ = writeln!(out, "\ncommunicators:");
     for (id, c) in p.comms.iter() {
         let first: Vec<String> = c.groups[0].iter().take(16).map(|r| r.to_string()).collect();
@@ -191,4 +190,22 @@ pub(crate) fn communicators(out: &mut String, p: &Program) {
             first.join(" ")
         );
     }
+}
+
+/// `1 node`, `4 nodes`.
+pub fn plural(n: u64, word: &str) -> String {
+    format!("{n} {word}{}", if n == 1 { "" } else { "s" })
+}
+
+/// `1234567` → `1,234,567`.
+pub fn thousands(n: u64) -> String {
+    let digits = n.to_string();
+    let mut out = String::with_capacity(digits.len() + digits.len() / 3);
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i).checked_rem(3) == Some(0) {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
 }

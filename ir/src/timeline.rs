@@ -1,5 +1,6 @@
-//! `--trace`: the simulated step as Chrome trace-event JSON (opens in Perfetto and
-//! chrome://tracing).
+//! A step's timeline ([`Timeline`]) and its Chrome trace-event JSON (`schedc simulate --trace`,
+//! `schedrun --trace`; opens in Perfetto and chrome://tracing): one format for a simulated step and
+//! a measured one, so the two open side by side.
 //!
 //! One process per simulated rank (named `rank R`, with how many ranks it stands for when more
 //! than one; `schedrun --trace` writes a measured step this way too, every rank), one thread
@@ -10,11 +11,30 @@
 //! one that follows it on the stream) to the op that waits (`ph: "f"`, `bp: "e"`, at its start).
 //! Times are microseconds.
 
-use super::engine::Timeline;
 use crate::ir::{OpKind, Program};
 use cranelift_entity::EntityRef;
 use serde::Serialize;
 use serde_json::{json, Value};
+
+/// When each op ran on one representative rank.
+#[derive(Clone, Debug)]
+pub struct RankTimeline {
+    /// The representative rank.
+    pub rank: u32,
+    /// Ranks whose timeline this one stands for.
+    pub ranks: u32,
+    /// Start and end of every op, in seconds from the start of the step, indexed by op.
+    pub start: Vec<f64>,
+    pub end: Vec<f64>,
+}
+
+/// A step's timeline: every op's start and end on each rank it covers (the simulator's
+/// prediction, or a backend's measurement).
+#[derive(Clone, Debug)]
+pub struct Timeline {
+    pub ranks: Vec<RankTimeline>,
+    pub step_time_s: f64,
+}
 
 /// A Chrome trace: serialise it to get the file.
 #[derive(Serialize, Clone, Debug)]

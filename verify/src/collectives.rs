@@ -1,12 +1,12 @@
 //! Proofs 2–4: collective shapes, chunk placement, and the deadlock argument.
 
-use super::{range, Clocks, Ctx, VerifyError};
-use crate::ir::layout::Layout;
-use crate::ir::*;
-use crate::job::Collective;
+use super::{range, Clocks, VerifyError};
+use sched_ir::ir::layout::Layout;
+use sched_ir::ir::*;
+use sched_ir::job::Collective;
 
-pub fn check(p: &Program, ctx: Ctx, clocks: &Clocks) -> Vec<VerifyError> {
-    let layout = ctx.layout(p);
+pub fn check(p: &Program, clocks: &Clocks) -> Vec<VerifyError> {
+    let layout = p.layout;
     let mut errs = vec![];
     let mut last_collective: Option<OpId> = None;
     // Placement depends only on these; layers and micro-steps repeat them.

@@ -21,12 +21,12 @@
 //! whose op sequences are alike (the same shapes, communicators and regions) are checked once.
 //! Workspaces hold scratch, never a value, and are no layer's: no check reads them.
 
-use super::{range, Ctx, VerifyError};
-use crate::hash::FxHashMap;
-use crate::ir::layout::Layout;
-use crate::ir::*;
-use crate::job::Collective;
+use super::{range, VerifyError};
 use cranelift_entity::{EntityRef, SecondaryMap};
+use sched_ir::hash::FxHashMap;
+use sched_ir::ir::layout::Layout;
+use sched_ir::ir::*;
+use sched_ir::job::Collective;
 use std::collections::HashMap;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -149,8 +149,8 @@ impl Contribs {
     }
 }
 
-pub fn check(p: &Program, ctx: Ctx) -> Vec<VerifyError> {
-    let layout = ctx.layout(p);
+pub fn check(p: &Program) -> Vec<VerifyError> {
+    let layout = p.layout;
     let mut ops_of: Vec<Vec<OpId>> = vec![vec![]; p.layers.len()];
     for (id, op) in p.ops.iter() {
         let mut touched: Vec<usize> = op
@@ -184,7 +184,7 @@ pub fn check(p: &Program, ctx: Ctx) -> Vec<VerifyError> {
             layout: &layout,
             layer,
             contribs: Contribs::default(),
-            state: State::new(p.ranks),
+            state: State::new(p.ranks()),
             scratch: vec![],
             errs: vec![],
         };
@@ -192,7 +192,7 @@ pub fn check(p: &Program, ctx: Ctx) -> Vec<VerifyError> {
         run.errs
     };
     // The runs share nothing: large programs spread them over threads; errors keep layer order.
-    let work: usize = runs.iter().map(|(_, ops)| ops.len()).sum::<usize>() * p.ranks as usize;
+    let work: usize = runs.iter().map(|(_, ops)| ops.len()).sum::<usize>() * p.ranks() as usize;
     let threads = std::thread::available_parallelism()
         .map_or(1, |n| n.get())
         .min(runs.len());
@@ -453,7 +453,7 @@ impl Run<'_> {
             let per = buf.bytes / d;
             let sh = self.layout.shard;
             let os = self.p.layers[self.layer].padded / sh.optimizer.size();
-            for r in 0..self.p.ranks {
+            for r in 0..self.p.ranks() {
                 let base = self.layout.index(ShardIndex::Param, r) * per;
                 let mut segs = vec![Seg {
                     start: 0,
@@ -493,7 +493,7 @@ impl Run<'_> {
                     .iter()
                     .filter(|r| self.mine(r.buffer) && is_param(self.p.buffers[r.buffer].kind))
                 {
-                    for rank in 0..self.p.ranks {
+                    for rank in 0..self.p.ranks() {
                         let (a, z) = range(r, self.layout, rank);
                         let d = self.elem_bytes(r.buffer);
                         let mut segs = self.view(r.buffer, rank, a, z);
@@ -519,9 +519,9 @@ impl Run<'_> {
                         .collect();
                     for w in &targets {
                         let acc = reads.contains(w);
-                        for rank in 0..self.p.ranks {
+                        for rank in 0..self.p.ranks() {
                             let (a, z) = range(w, self.layout, rank);
-                            let c = self.contribs.single(term, m, rank, self.p.ranks);
+                            let c = self.contribs.single(term, m, rank, self.p.ranks());
                             let elem = a / self.elem_bytes(w.buffer);
                             let new = vec![Seg {
                                 start: 0,
@@ -555,7 +555,7 @@ impl Run<'_> {
                 if !srcs.iter().chain(&dsts).any(|r| self.mine(r.buffer)) {
                     return;
                 }
-                for rank in 0..self.p.ranks {
+                for rank in 0..self.p.ranks() {
                     // One source split evenly over several destinations, or pairwise.
                     let pieces: Vec<(Region, u64, u64)> = if srcs.len() == 1 && dsts.len() > 1 {
                         let (a, _) = range(&srcs[0], self.layout, rank);
@@ -636,7 +636,7 @@ impl Run<'_> {
         }
         let sh = self.layout.shard;
         let os = self.p.layers[self.layer].padded / sh.optimizer.size();
-        for rank in 0..self.p.ranks {
+        for rank in 0..self.p.ranks() {
             let want_elem = self.layout.index(ShardIndex::Optimizer, rank) * os;
             let (wa, wz) = range(&w, self.layout, rank);
             let held = self.read(w.buffer, rank, wa, wz);
@@ -672,7 +672,7 @@ impl Run<'_> {
         let os = self.p.layers[self.layer].padded / sh.optimizer.size();
         let m_all = self.p.micro_steps;
         let name = self.p.layers[self.layer].name.clone();
-        for rank in 0..self.p.ranks {
+        for rank in 0..self.p.ranks() {
             let want_elem = self.layout.index(ShardIndex::Optimizer, rank) * os;
             let (a, z) = range(g, self.layout, rank);
             let segs = self.read(g.buffer, rank, a, z);
@@ -725,11 +725,11 @@ impl Run<'_> {
                     ));
                 };
                 let have: u32 = bits.iter().map(|w| w.count_ones()).sum();
-                if have != self.p.ranks {
-                    let missing = (0..self.p.ranks)
+                if have != self.p.ranks() {
+                    let missing = (0..self.p.ranks())
                         .find(|r| bits[*r as usize / 64] & (1 << (r % 64)) == 0)
                         .unwrap_or(0);
-                    return Some(format!("{have} of {} ranks' contributions of micro-step {m} arrive (rank {missing}'s is missing)", self.p.ranks));
+                    return Some(format!("{have} of {} ranks' contributions of micro-step {m} arrive (rank {missing}'s is missing)", self.p.ranks()));
                 }
             }
         }
@@ -1131,8 +1131,8 @@ pub(crate) fn norm_buffers(p: &Program) -> Vec<BufferId> {
 /// per-layer run checks) and writing one fp32 element; only it and in-place all-reduces write that
 /// element, each summing disjoint sets of optimizer shards; and, when there is a norm, every update
 /// reads it whole (its third read) holding the sum over all s_os optimizer shards of its group.
-pub fn check_norm(p: &Program, ctx: Ctx) -> Vec<VerifyError> {
-    let layout = ctx.layout(p);
+pub fn check_norm(p: &Program) -> Vec<VerifyError> {
+    let layout = p.layout;
     let mut errs = vec![];
     let mut err = |op: OpId, message: String| {
         if errs.len() < 8 {
@@ -1159,7 +1159,7 @@ pub fn check_norm(p: &Program, ctx: Ctx) -> Vec<VerifyError> {
         );
         return errs;
     }
-    let s_os = ctx.shard.optimizer.size();
+    let s_os = p.layout.shard.optimizer.size();
     let words = (s_os as usize).div_ceil(64);
     // Per rank, the optimizer shards whose squares the norm holds (absent: never written).
     let mut held: HashMap<(BufferId, u32), Vec<u64>> = HashMap::new();
@@ -1174,7 +1174,7 @@ pub fn check_norm(p: &Program, ctx: Ctx) -> Vec<VerifyError> {
                     continue;
                 };
                 let b = &p.buffers[w.buffer];
-                if b.dtype != crate::job::Dtype::Fp32
+                if b.dtype != sched_ir::job::Dtype::Fp32
                     || b.bytes != 4
                     || w.offset != Offset::Fixed(0)
                     || w.bytes != 4
@@ -1206,7 +1206,7 @@ pub fn check_norm(p: &Program, ctx: Ctx) -> Vec<VerifyError> {
                         );
                     }
                 }
-                for rank in 0..p.ranks {
+                for rank in 0..p.ranks() {
                     let mut bits = vec![0u64; words];
                     let k = layout.index(ShardIndex::Optimizer, rank) as usize;
                     bits[k / 64] |= 1 << (k % 64);
@@ -1249,7 +1249,7 @@ pub fn check_norm(p: &Program, ctx: Ctx) -> Vec<VerifyError> {
                     err(id, "update does not read the gradient norm whole as its third read, though the step clips gradients".into());
                     continue;
                 };
-                for rank in 0..p.ranks {
+                for rank in 0..p.ranks() {
                     let have = held
                         .get(&(r.buffer, rank))
                         .map_or(0, |bits| bits.iter().map(|w| w.count_ones()).sum::<u32>());

@@ -6,12 +6,12 @@
 //! shard ⊂ param shard); every communicator's member order is derived from the same indices, so
 //! chunk `j` of a collective always belongs to the member whose shard is chunk `j`.
 
-use super::{Scope, ShardIndex};
+use super::{Offset, Region, Scope, ShardIndex};
 use crate::hash::FxHashMap;
-use crate::job::{Mesh, Shard};
+use crate::job::{Job, Mesh, ReshardAfterForward, Shard};
 
 /// The ranks of a schedule and its sharding factors.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Layout {
     pub gpus_per_node: u32,
     pub nodes: u32,
@@ -20,7 +20,38 @@ pub struct Layout {
     pub secondary: Option<u32>,
 }
 
+impl Default for Layout {
+    /// One rank, nothing sharded.
+    fn default() -> Self {
+        let one = Mesh { intra: 1, inter: 1 };
+        Layout {
+            gpus_per_node: 1,
+            nodes: 1,
+            shard: Shard {
+                params: one,
+                grads: one,
+                optimizer: one,
+            },
+            secondary: None,
+        }
+    }
+}
+
 impl Layout {
+    /// The layout `job`'s schedule lowers to: its ranks, shard meshes and hpZ secondary size.
+    pub fn of(job: &Job) -> Layout {
+        let s = &job.schedule;
+        Layout {
+            gpus_per_node: s.gpus_per_node,
+            nodes: s.nodes,
+            shard: s.shard,
+            secondary: match s.reshard_after_forward {
+                ReshardAfterForward::Node { secondary } => Some(secondary),
+                _ => None,
+            },
+        }
+    }
+
     pub fn ranks(&self) -> u32 {
         self.gpus_per_node * self.nodes
     }
@@ -174,6 +205,27 @@ impl Layout {
             Scope::Mixed
         }
     }
+}
+
+/// A region's byte range in its buffer for a rank with shard indices `idx`.
+pub fn range(r: &Region, layout: &Layout, rank: u32) -> (u64, u64) {
+    let start = match r.offset {
+        Offset::Fixed(o) => o,
+        Offset::Shard {
+            index,
+            base,
+            stride,
+        } => base + layout.index(index, rank) * stride,
+    };
+    (start, start + r.bytes)
+}
+
+/// The ranks whose shard indices differ: evaluating a region for these covers every rank.
+pub fn representative_ranks(layout: &Layout) -> Vec<u32> {
+    let mut seen = std::collections::HashSet::new();
+    (0..layout.ranks())
+        .filter(|&r| seen.insert(ShardIndex::ALL.map(|i| layout.index(i, r))))
+        .collect()
 }
 
 #[cfg(test)]

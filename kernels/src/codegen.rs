@@ -343,7 +343,7 @@ fn kernel<'c>(
             // arithmetic takes two instructions, a 32-bit index's address one), else in 64.
             // Only the unrolled ops: ptxas gave the others (Adam, the embedding) more registers
             // for the two loops than the narrower indices saved.
-            let reach = fx.iadd(end, fx.imul(stride, fx.i64c(crate::kernels::UNROLL)));
+            let reach = fx.iadd(end, fx.imul(stride, fx.i64c(crate::UNROLL)));
             let fits = fx.icmp(IntPredicate::ULE, reach, fx.i64c(u64::from(u32::MAX)));
             fx.if_else(
                 fits,
@@ -356,7 +356,7 @@ fn kernel<'c>(
         }
         Walk::Prefetched => {
             // Blocks of PREFETCH_BLOCK indices, each after hinting the next block of every tensor.
-            let block = fx.i64c(crate::kernels::PREFETCH_BLOCK);
+            let block = fx.i64c(crate::PREFETCH_BLOCK);
             let tensors: Vec<&str> = k
                 .params()
                 .iter()
@@ -394,7 +394,7 @@ fn kernel<'c>(
 }
 
 /// How GPU thread `thread` of `threads` walks `op`'s indices: its first index, the stride, and
-/// its lane ([`crate::kernels::Op::lanes_on_gpu`]). One thread per index for element and chunk
+/// its lane ([`crate::Op::lanes_on_gpu`]). One thread per index for element and chunk
 /// ops; a warp per row, lane = the thread's place in its warp; for columns, groups of
 /// 32·[`COLUMN_LANES`] threads take 32 neighbouring columns, a warp being the 32 columns at one
 /// lane (its loads of a row coalesce). The launch's thread count is a multiple of a group

@@ -13,14 +13,14 @@
 //! their buffers, proof 1); the others are evaluated once per shape, since the outcome depends only
 //! on the communicator, the kind, the count, the regions and the distance between the buffers.
 
-use super::{range, Ctx, VerifyError};
-use crate::ir::layout::Layout;
-use crate::ir::*;
-use crate::job::Collective;
+use super::{range, VerifyError};
+use sched_ir::ir::layout::Layout;
+use sched_ir::ir::*;
+use sched_ir::job::Collective;
 use std::collections::HashMap;
 
-pub fn check(p: &Program, ctx: Ctx) -> Vec<VerifyError> {
-    let layout = ctx.layout(p);
+pub fn check(p: &Program) -> Vec<VerifyError> {
+    let layout = p.layout;
     let mut errs = vec![];
     type Key = (
         CommId,

@@ -37,8 +37,8 @@ pub const KEY_COLUMNS: usize = 64;
 /// Whether a model of `dtype` with heads `head_dim` wide runs its fused attention forward as
 /// this kernel: bf16 operands, whole 16-column k-slices of the head, and at most 128 columns
 /// (the output accumulators, `head_dim / 2` registers a lane, stay in registers).
-pub fn supports(dtype: crate::job::Dtype, head_dim: usize) -> bool {
-    dtype == crate::job::Dtype::Bf16
+pub fn supports(dtype: sched_ir::job::Dtype, head_dim: usize) -> bool {
+    dtype == sched_ir::job::Dtype::Bf16
         && head_dim.is_multiple_of(16)
         && (16..=128).contains(&head_dim)
 }
@@ -46,7 +46,7 @@ pub fn supports(dtype: crate::job::Dtype, head_dim: usize) -> bool {
 /// Whether its backward runs as this module's kernels too: heads at most [`KEY_COLUMNS`] wide,
 /// or whole multiples of it (128), which the key side splits into parts so that its dK and dV
 /// accumulators stay in registers (one 128-wide warp spilled: 255 registers, up to 224 words).
-pub fn supports_backward(dtype: crate::job::Dtype, head_dim: usize) -> bool {
+pub fn supports_backward(dtype: sched_ir::job::Dtype, head_dim: usize) -> bool {
     supports(dtype, head_dim) && (head_dim <= KEY_COLUMNS || head_dim.is_multiple_of(KEY_COLUMNS))
 }
 

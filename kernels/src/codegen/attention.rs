@@ -6,7 +6,7 @@
 use super::bodies::log_sum_exp;
 use super::fx::{Fx, I};
 
-/// Score row `r` of [`crate::kernels::Op::CausalSoftmax`]: log-sum-exp over keys `0..=i`,
+/// Score row `r` of [`crate::Op::CausalSoftmax`]: log-sum-exp over keys `0..=i`,
 /// `probs = exp(score − lse)` there and 0 up to `keys`, rounded to `probs`' dtype, `lse[r]`.
 pub fn causal_softmax<'c>(fx: &mut Fx<'c, '_>, r: I<'c>) {
     let keys = fx.int_param("keys");

@@ -68,6 +68,7 @@ pub mod layout;
 
 use crate::job::{Collective as CollectiveKind, Dtype};
 use cranelift_entity::{entity_impl, PrimaryMap};
+pub use layout::Layout;
 
 /// An op, in issue order.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -98,9 +99,9 @@ entity_impl!(LayerId, "layer");
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Program {
     pub schedule: String,
-    pub ranks: u32,
-    pub nodes: u32,
-    pub gpus_per_node: u32,
+    /// The ranks and how parameters, gradients and optimizer states are sharded over them: what
+    /// every rank-dependent offset and communicator group of the program is evaluated with.
+    pub layout: Layout,
     pub micro_steps: u32,
     pub layers: PrimaryMap<LayerId, LayerInfo>,
     pub streams: PrimaryMap<StreamId, Stream>,
@@ -114,6 +115,11 @@ pub struct Program {
 }
 
 impl Program {
+    /// Ranks the program runs on (nodes × GPUs per node).
+    pub fn ranks(&self) -> u32 {
+        self.layout.ranks()
+    }
+
     /// Whether `r` lies in a workspace: scratch an op takes, not data it reads or writes (cost
     /// models count the bytes an op moves without it).
     pub fn is_workspace(&self, r: &Region) -> bool {

@@ -200,15 +200,16 @@ fn kind_name(k: BufferKind) -> &'static str {
 /// Writes the program compiled from `job` as a plan file.
 pub fn emit_plan(p: &Program, job: &Job) -> PlanFile {
     let mesh = |m: Mesh| [m.intra, m.inter];
-    let ctx = crate::verify_ctx(job);
-    let (shard, secondary) = (ctx.shard, ctx.secondary);
+    let Layout {
+        shard, secondary, ..
+    } = p.layout;
     PlanFile {
         format: FORMAT.to_string(),
         version: VERSION,
         schedule: p.schedule.clone(),
-        ranks: p.ranks,
-        nodes: p.nodes,
-        gpus_per_node: p.gpus_per_node,
+        ranks: p.ranks(),
+        nodes: p.layout.nodes,
+        gpus_per_node: p.layout.gpus_per_node,
         micro_steps: p.micro_steps,
         arena_bytes: p.arena_bytes,
         shard: ShardFile {
@@ -289,7 +290,7 @@ fn region_file(r: &Region) -> RegionFile {
             buffer: r.buffer.as_u32(),
             offset: base,
             bytes: r.bytes,
-            index: Some(crate::emit::listing::index_name(index).into()),
+            index: Some(crate::listing::index_name(index).into()),
             stride: Some(stride),
         },
     }
@@ -323,11 +324,9 @@ fn op_file(p: &Program, id: OpId, o: &Op) -> OpFile {
     }
 }
 
-/// A plan as read back: the program and the facts needed to evaluate it.
+/// A plan as read back: the program (its layout included) and the job it was compiled from.
 pub struct ReadPlan {
     pub program: Program,
-    pub shard: Shard,
-    pub secondary: Option<u32>,
     pub job: Job,
 }
 
@@ -417,9 +416,12 @@ fn from_file(f: PlanFile) -> Result<ReadPlan, String> {
     }
     let mut p = Program {
         schedule: f.schedule,
-        ranks: f.ranks,
-        nodes: f.nodes,
-        gpus_per_node: f.gpus_per_node,
+        layout: Layout {
+            gpus_per_node: f.gpus_per_node,
+            nodes: f.nodes,
+            shard,
+            secondary: f.secondary,
+        },
         micro_steps: f.micro_steps,
         arena_bytes: f.arena_bytes,
         ..Program::default()
@@ -568,21 +570,19 @@ fn from_file(f: PlanFile) -> Result<ReadPlan, String> {
     }
     Ok(ReadPlan {
         program: p,
-        shard,
-        secondary: f.secondary,
         job: f.job,
     })
 }
 
 /// The job a plan carries must be the one its program was compiled for.
 fn check_job(f: &PlanFile, shard: Shard) -> Result<(), String> {
-    let (job, ctx) = (&f.job, crate::verify_ctx(&f.job));
+    let (job, layout) = (&f.job, Layout::of(&f.job));
     let layers: Vec<&str> = job.model.layers.iter().map(|l| l.name.as_str()).collect();
     let mismatch = if job.ranks() != u64::from(f.ranks) {
         Some(format!("{} ranks", job.ranks()))
     } else if job.schedule.micro_steps != f.micro_steps {
         Some(format!("{} micro-steps", job.schedule.micro_steps))
-    } else if ctx.shard != shard || ctx.secondary != f.secondary {
+    } else if layout.shard != shard || layout.secondary != f.secondary {
         Some("other shard meshes".to_string())
     } else if layers != f.layers.iter().map(|l| l.name.as_str()).collect::<Vec<_>>() {
         Some("other layers".to_string())
@@ -630,7 +630,7 @@ fn region_from(p: &Program, r: RegionFile, what: &str) -> Result<Region, String>
     let reach = r
         .stride
         .unwrap_or(0)
-        .checked_mul(u64::from(p.ranks.saturating_sub(1)));
+        .checked_mul(u64::from(p.ranks().saturating_sub(1)));
     if end.zip(reach).and_then(|(e, x)| e.checked_add(x)).is_none() {
         return Err(format!(
             "{what}: a region of buf{} (offset {}, {} B, stride {}) reaches past 2^64 bytes",
@@ -651,7 +651,7 @@ fn region_from(p: &Program, r: RegionFile, what: &str) -> Result<Region, String>
         (Some(i), Some(stride)) => {
             let index = *ShardIndex::ALL
                 .iter()
-                .find(|x| crate::emit::listing::index_name(**x) == i)
+                .find(|x| crate::listing::index_name(**x) == i)
                 .ok_or(format!("{what}: unknown shard index `{i}`"))?;
             Offset::Shard {
                 index,
@@ -772,62 +772,4 @@ fn op_from(p: &Program, stream: StreamId, o: OpFile) -> Result<Op, String> {
         wait: o.wait.into_iter().map(ev).collect::<Result<_, _>>()?,
         record: o.record.map(ev).transpose()?,
     })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::{analyze, compile, MemLoader};
-    use std::path::Path;
-
-    /// A compiled plan file of a small job, as JSON.
-    fn plan_json() -> serde_json::Value {
-        let text = "cluster c { nodes = 1  gpus_per_node = 2  gpu_memory = 4 GiB  peak_flops = 1 TFLOPS
-                intra_node { bandwidth = 10 GB/s  latency = 1 us }  inter_node { bandwidth = 1 Gbps  latency = 50 us } }
-            model m { dtype = fp32  seq_len = 8
-                layer embed = embedding(vocab = 256, hidden = 16)
-                layer head = lm_head(hidden = 16, vocab = 256, tied = true) }
-            schedule s { model = m  cluster = c  preset = zero3 }";
-        let loader = MemLoader::default().in_dir("/p").with("/p/s.sched", text);
-        let a = analyze(Path::new("/p/s.sched"), &loader).unwrap();
-        let job = &a.jobs[0];
-        let (p, _) = compile(job).unwrap();
-        serde_json::to_value(emit_plan(&p, job)).unwrap()
-    }
-
-    /// A stream's workspace must name an existing `workspace` buffer that can hold its GEMM part.
-    #[test]
-    fn stream_workspaces_are_read_strictly() {
-        let plan = plan_json();
-        assert!(read_plan(&plan.to_string()).is_ok());
-        let ws = plan["streams"][0]["workspace"].clone();
-        let buffer = ws["buffer"].as_u64().unwrap() as usize;
-        let bytes = plan["buffers"][buffer]["bytes"].as_u64().unwrap();
-        let refused = |edit: &dyn Fn(&mut serde_json::Value), says: &str| {
-            let mut p = plan.clone();
-            edit(&mut p);
-            let e = read_plan(&p.to_string()).err().unwrap_or_default();
-            assert!(e.contains(says), "{says}: {e}");
-        };
-        refused(
-            &|p| p["streams"][0]["workspace"]["buffer"] = 99_999.into(),
-            "workspace buffer 99999 does not exist",
-        );
-        refused(
-            &|p| p["streams"][0]["workspace"]["buffer"] = 0.into(),
-            "is a `param_shard` buffer, not a `workspace` one",
-        );
-        refused(
-            &|p| p["streams"][0]["workspace"]["gemm_bytes"] = (bytes + 1).into(),
-            "does not fit its",
-        );
-        refused(
-            &|p| p["streams"][0]["workspace"]["extra"] = 1.into(),
-            "unknown field `extra`",
-        );
-        refused(
-            &|p| p["buffers"][buffer]["kind"] = "scratch".into(),
-            "unknown kind `scratch`",
-        );
-    }
 }

@@ -6,55 +6,58 @@
 //! checked at the largest value its shard index takes on any rank (its end grows with the index),
 //! and only a region that fails is walked rank by rank to name one.
 
-use super::{range, representative_ranks, Ctx, Stage, VerifyError};
-use crate::ir::layout::Layout;
-use crate::ir::*;
-use crate::lower::workspace::GEMM_ALIGN;
+use super::{range, representative_ranks, Stage, VerifyError};
 use cranelift_entity::EntityRef;
+use sched_ir::abi::GEMM_ALIGN;
+use sched_ir::ir::layout::Layout;
+use sched_ir::ir::*;
 
-pub fn check(p: &Program, ctx: Ctx, stage: Stage) -> Vec<VerifyError> {
+pub fn check(p: &Program, stage: Stage) -> Vec<VerifyError> {
     let mut errs = vec![];
     let mut err = |op: Option<OpId>, m: String| errs.push(VerifyError { op, message: m });
-    let sh = ctx.shard;
-    if p.ranks == 0 || p.ranks != p.nodes * p.gpus_per_node {
+    let sh = p.layout.shard;
+    if p.layout.nodes == 0 || p.layout.gpus_per_node == 0 {
         err(
             None,
             format!(
-                "{} ranks is not {} nodes x {} GPUs",
-                p.ranks, p.nodes, p.gpus_per_node
+                "{} nodes x {} GPUs: a program runs on at least one rank",
+                p.layout.nodes, p.layout.gpus_per_node
             ),
         );
         return errs;
     }
     for m in [sh.params, sh.grads, sh.optimizer] {
-        if !p.gpus_per_node.is_multiple_of(m.intra) || !p.nodes.is_multiple_of(m.inter) {
+        if !p.layout.gpus_per_node.is_multiple_of(m.intra)
+            || !p.layout.nodes.is_multiple_of(m.inter)
+        {
             err(
                 None,
                 format!(
                     "shard mesh {m} does not divide {} nodes x {} GPUs",
-                    p.nodes, p.gpus_per_node
+                    p.layout.nodes, p.layout.gpus_per_node
                 ),
             );
             return errs;
         }
     }
-    if let Some(k) = ctx
+    if let Some(k) = p
+        .layout
         .secondary
-        .filter(|&k| k == 0 || !p.gpus_per_node.is_multiple_of(k))
+        .filter(|&k| k == 0 || !p.layout.gpus_per_node.is_multiple_of(k))
     {
         err(
             None,
             format!(
                 "secondary shard size {k} does not divide {} GPUs per node",
-                p.gpus_per_node
+                p.layout.gpus_per_node
             ),
         );
         return errs;
     }
-    let layout = ctx.layout(p);
+    let layout = p.layout;
     let reps = representative_ranks(&layout);
     for (id, c) in p.comms.iter() {
-        let mut seen = vec![false; p.ranks as usize];
+        let mut seen = vec![false; p.ranks() as usize];
         let size = c.group_size();
         for g in &c.groups {
             if g.len() as u32 != size {

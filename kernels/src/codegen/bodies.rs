@@ -12,9 +12,9 @@
 
 use super::fx::{Fx, F, I};
 use super::{attention, flash};
-use crate::job::Norm;
-use crate::kernels::{Kernel, Op, ADAM_DECAY_BOUNDS, SUMSQ_CHUNK};
+use crate::{Kernel, Op, ADAM_DECAY_BOUNDS, SUMSQ_CHUNK};
 use inkwell::IntPredicate;
+use sched_ir::job::Norm;
 
 const NORM_EPS: f32 = 1e-5;
 

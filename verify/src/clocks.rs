@@ -2,8 +2,8 @@
 //!
 //! Deliberately separate from the passes' own clocks: a bug there must not hide here.
 
-use crate::ir::*;
 use cranelift_entity::EntityRef;
+use sched_ir::ir::*;
 
 pub struct Clocks {
     streams: usize,

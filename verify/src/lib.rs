@@ -37,19 +37,23 @@
 //! their own.
 //!
 //! Errors are collected, each naming its op or buffer; [`render`] prints the listing with every
-//! error written under the op it concerns. Success returns [`PlanInfo`].
+//! error written under the op it concerns.
+//!
+//! Success returns the program as [`Verified`], which nothing outside this crate can construct:
+//! simulators, emitters and backends take a `Verified`, so an unproved program cannot reach them.
+//! The proofs read only the program (its [`Layout`] included), never the job it came from.
 
 mod clocks;
 mod collectives;
 mod issue;
 mod memory;
 mod nccl;
+pub mod plan;
 mod structure;
 mod values;
 
-use crate::ir::layout::Layout;
-use crate::ir::*;
-use crate::job::Shard;
+use sched_ir::ir::layout::{range, representative_ranks};
+use sched_ir::ir::*;
 use std::collections::HashMap;
 
 pub use clocks::Clocks;
@@ -61,30 +65,88 @@ pub struct VerifyError {
     pub message: String,
 }
 
+impl std::fmt::Display for VerifyError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.op {
+            Some(op) => write!(f, "{op}: {}", self.message),
+            None => f.write_str(&self.message),
+        }
+    }
+}
+
 /// What a verified program is known to satisfy, for emitters and the runtime.
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PlanInfo {
     /// The most transient bytes whose issue-order lifetimes contain one op (a lower bound on any
     /// plan's transient bytes).
     pub live_bound: u64,
 }
 
-/// The facts needed to evaluate rank-dependent offsets and group positions.
-#[derive(Clone, Copy)]
-pub struct Ctx {
-    pub shard: Shard,
-    pub secondary: Option<u32>,
+/// A program every proof holds for, with what the proofs found ([`PlanInfo`]). Only [`verify`]
+/// and [`verify_with`] make one, and it gives no mutable access to its program: whatever holds
+/// a `Verified` runs exactly what was proved.
+#[derive(Clone, Debug)]
+pub struct Verified {
+    program: Program,
+    info: PlanInfo,
 }
 
-impl Ctx {
-    pub fn layout(&self, p: &Program) -> Layout {
-        Layout {
-            gpus_per_node: p.gpus_per_node,
-            nodes: p.nodes,
-            shard: self.shard,
-            secondary: self.secondary,
+impl Verified {
+    pub fn program(&self) -> &Program {
+        &self.program
+    }
+
+    pub fn info(&self) -> &PlanInfo {
+        &self.info
+    }
+
+    /// The program, no longer vouched for (to change it and verify it again).
+    pub fn into_program(self) -> Program {
+        self.program
+    }
+
+    /// Tests only (the `assume` feature, which only dev-dependencies enable): `program` as if it
+    /// were proved, to watch a backend's stress mode catch what the verifier would refuse.
+    #[cfg(feature = "assume")]
+    pub fn assume(program: Program) -> Verified {
+        Verified {
+            program,
+            info: PlanInfo { live_bound: 0 },
         }
     }
 }
+
+impl std::ops::Deref for Verified {
+    type Target = Program;
+
+    fn deref(&self) -> &Program {
+        &self.program
+    }
+}
+
+/// A program some proof fails for: every error found, and the program back, to render them in
+/// its listing ([`render`], [`render_context`]).
+#[derive(Debug)]
+pub struct Rejected {
+    pub program: Box<Program>,
+    pub errors: Vec<VerifyError>,
+}
+
+impl std::fmt::Display for Rejected {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "the program fails verification ({} errors",
+            self.errors.len()
+        )?;
+        match self.errors.first() {
+            Some(e) => write!(f, "; first: {e})"),
+            None => f.write_str(")"),
+        }
+    }
+}
+
+impl std::error::Error for Rejected {}
 
 /// How far through the pipeline a program is: which structural facts it can already meet.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -103,8 +165,8 @@ pub enum Stage {
 
 /// The structural checks a program at `stage` must pass (proof 1 and, from
 /// [`Stage::Synchronised`], the issue-order proof): cheap, run by the pipeline after each pass.
-pub fn verify_structure(p: &Program, ctx: Ctx, stage: Stage) -> Result<(), Vec<VerifyError>> {
-    let mut errors = structure::check(p, ctx, stage);
+pub fn verify_structure(p: &Program, stage: Stage) -> Result<(), Vec<VerifyError>> {
+    let mut errors = structure::check(p, stage);
     if stage >= Stage::Synchronised {
         errors.extend(issue::check(p));
     }
@@ -126,9 +188,9 @@ pub struct ValuesProof {
 }
 
 /// Runs proof 7 (with clipping's norm) on `p` now; see [`ValuesProof`].
-pub fn prove_values(p: &Program, ctx: Ctx) -> ValuesProof {
-    let mut errors = values::check(p, ctx);
-    errors.extend(values::check_norm(p, ctx));
+pub fn prove_values(p: &Program) -> ValuesProof {
+    let mut errors = values::check(p);
+    errors.extend(values::check_norm(p));
     ValuesProof {
         fingerprint: values_fingerprint(p),
         errors,
@@ -138,8 +200,8 @@ pub fn prove_values(p: &Program, ctx: Ctx) -> ValuesProof {
 /// A hash of every field of `p` the value proof reads.
 fn values_fingerprint(p: &Program) -> u64 {
     use std::hash::{Hash, Hasher};
-    let mut h = crate::hash::FxHasher::default();
-    (p.ranks, p.nodes, p.gpus_per_node, p.micro_steps).hash(&mut h);
+    let mut h = sched_ir::hash::FxHasher::default();
+    (p.layout, p.micro_steps).hash(&mut h);
     for op in p.ops.values() {
         (
             &op.kind,
@@ -163,32 +225,44 @@ fn values_fingerprint(p: &Program) -> u64 {
     h.finish()
 }
 
-/// Runs every proof; all errors found, or the analysis.
-pub fn verify(p: &Program, ctx: Ctx) -> Result<PlanInfo, Vec<VerifyError>> {
-    verify_with(p, ctx, None)
+/// Runs every proof on `p`: the verified program, or every error found.
+pub fn verify(p: Program) -> Result<Verified, Rejected> {
+    verify_with(p, None)
 }
 
 /// [`verify`], taking proof 7's outcome from `values` when it was run on a program equal to `p`
 /// in everything that proof reads.
-pub fn verify_with(
-    p: &Program,
-    ctx: Ctx,
-    values: Option<ValuesProof>,
-) -> Result<PlanInfo, Vec<VerifyError>> {
-    let mut errors = structure::check(p, ctx, Stage::Placed);
+pub fn verify_with(p: Program, values: Option<ValuesProof>) -> Result<Verified, Rejected> {
+    match check(&p, values) {
+        Ok(info) => Ok(Verified { program: p, info }),
+        Err(errors) => Err(Rejected {
+            program: Box::new(p),
+            errors,
+        }),
+    }
+}
+
+/// Every error of `p`, without taking it: for callers that only want the verdict (the planner's
+/// candidates, mutation tests). Empty when every proof holds.
+pub fn errors(p: &Program) -> Vec<VerifyError> {
+    check(p, None).err().unwrap_or_default()
+}
+
+fn check(p: &Program, values: Option<ValuesProof>) -> Result<PlanInfo, Vec<VerifyError>> {
+    let mut errors = structure::check(p, Stage::Placed);
     errors.extend(issue::check(p));
     if !errors.is_empty() {
         return Err(errors);
     }
     let clocks = Clocks::new(p);
-    errors.extend(collectives::check(p, ctx, &clocks));
-    let (mem_errors, live_bound) = memory::check(p, ctx, &clocks);
+    errors.extend(collectives::check(p, &clocks));
+    let (mem_errors, live_bound) = memory::check(p, &clocks);
     errors.extend(mem_errors);
-    errors.extend(nccl::check(p, ctx));
+    errors.extend(nccl::check(p));
     if errors.is_empty() {
         match values.filter(|v| v.fingerprint == values_fingerprint(p)) {
             Some(v) => errors.extend(v.errors),
-            None => errors.extend(prove_values(p, ctx).errors),
+            None => errors.extend(prove_values(p).errors),
         }
     }
     if errors.is_empty() {
@@ -213,7 +287,7 @@ pub fn render_context(p: &Program, errors: &[VerifyError], context: usize) -> St
             let mark = if id == op { "-->" } else { "   " };
             out.push_str(&format!(
                 "  {mark} {}\n",
-                crate::emit::listing::op_line(p, id, o)
+                sched_ir::listing::op_line(p, id, o)
             ));
         }
         out.push('\n');
@@ -233,30 +307,9 @@ pub fn render(p: &Program, errors: &[VerifyError]) -> String {
             _ => loose.push(e.message.clone()),
         }
     }
-    let mut out = crate::emit::listing::emit_listing_with_notes(p, &notes);
+    let mut out = sched_ir::listing::emit_listing_with_notes(p, &notes);
     for m in loose {
         out.push_str(&format!("error: {m}\n"));
     }
     out
-}
-
-/// A region's byte range in its buffer for a rank with shard indices `idx`.
-pub(crate) fn range(r: &Region, layout: &Layout, rank: u32) -> (u64, u64) {
-    let start = match r.offset {
-        Offset::Fixed(o) => o,
-        Offset::Shard {
-            index,
-            base,
-            stride,
-        } => base + layout.index(index, rank) * stride,
-    };
-    (start, start + r.bytes)
-}
-
-/// The ranks whose shard indices differ: evaluating a region for these covers every rank.
-pub(crate) fn representative_ranks(layout: &Layout) -> Vec<u32> {
-    let mut seen = std::collections::HashSet::new();
-    (0..layout.ranks())
-        .filter(|&r| seen.insert(ShardIndex::ALL.map(|i| layout.index(i, r))))
-        .collect()
 }

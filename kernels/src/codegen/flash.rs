@@ -1,8 +1,8 @@
 //! The fused causal attention kernels on tensor cores: the forward
-//! ([`crate::kernels::Op::FlashForward`]) and the backward's two sides
-//! ([`crate::kernels::Op::FlashBackwardQuery`], [`crate::kernels::Op::FlashBackwardKeys`]), each
-//! `crate::kernels::flash`'s model (`warp`, `warp_dq`, `warp_dkv`) step for step, every lane its
-//! own slot of the model's arrays; and the backward's row sums `D` ([`crate::kernels::Op::FlashDot`],
+//! ([`crate::Op::FlashForward`]) and the backward's two sides
+//! ([`crate::Op::FlashBackwardQuery`], [`crate::Op::FlashBackwardKeys`]), each
+//! `crate::flash`'s model (`warp`, `warp_dq`, `warp_dkv`) step for step, every lane its
+//! own slot of the model's arrays; and the backward's row sums `D` ([`crate::Op::FlashDot`],
 //! an ordinary warp-per-row kernel that the host runs too). Loops over a head's columns and over
 //! the 16×8 tiles are unrolled here (the head width is a constant of the kernel); the walks over
 //! key or query blocks (and, for the key side, over its group's query heads) are the only loops
@@ -10,7 +10,7 @@
 //! host ([`super::Target::Warp`]), the kernels give their models' bits exactly (`warp.rs`'s test).
 
 use super::fx::{Fx, Var, F, I};
-use crate::kernels::flash::{Shape, KEYS, KEY_COLUMNS, QROWS};
+use crate::flash::{Shape, KEYS, KEY_COLUMNS, QROWS};
 use inkwell::IntPredicate;
 
 /// A 16-bit tensor read by (token row of the sequence, column): rows `width` apart.
@@ -310,7 +310,7 @@ pub fn forward<'c>(fx: &mut Fx<'c, '_>, sh: &Shape, w: I<'c>) {
     }
 }
 
-/// Row `r` of [`crate::kernels::Op::FlashDot`]: `D = Σ_c dO·O` over head `r mod heads` of token
+/// Row `r` of [`crate::Op::FlashDot`]: `D = Σ_c dO·O` over head `r mod heads` of token
 /// `r / heads`, its lanes striding the columns.
 pub fn dot<'c>(fx: &mut Fx<'c, '_>, sh: &Shape, r: I<'c>) {
     let heads = fx.i64c(sh.heads as u64);

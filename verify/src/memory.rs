@@ -1,8 +1,8 @@
 //! Proofs 5–6: race freedom and memory-plan soundness; and the live-bytes lower bound.
 
-use super::{range, representative_ranks, Clocks, Ctx, VerifyError};
-use crate::ir::*;
+use super::{range, representative_ranks, Clocks, VerifyError};
 use cranelift_entity::{EntityRef, SecondaryMap};
+use sched_ir::ir::*;
 
 #[derive(Clone)]
 struct Access {
@@ -11,8 +11,8 @@ struct Access {
     write: bool,
 }
 
-pub fn check(p: &Program, ctx: Ctx, clocks: &Clocks) -> (Vec<VerifyError>, u64) {
-    let layout = ctx.layout(p);
+pub fn check(p: &Program, clocks: &Clocks) -> (Vec<VerifyError>, u64) {
+    let layout = p.layout;
     let reps = representative_ranks(&layout);
     let mut by_buffer: SecondaryMap<BufferId, Vec<Access>> = SecondaryMap::new();
     for (id, op) in p.ops.iter() {
@@ -78,7 +78,7 @@ pub fn check(p: &Program, ctx: Ctx, clocks: &Clocks) -> (Vec<VerifyError>, u64) 
     for &b in &placed {
         ends[b] = Ends::new(p, &by_buffer[b]);
     }
-    let mut occupants = crate::intervals::Occupants::default();
+    let mut occupants = sched_ir::intervals::Occupants::default();
     for &b in &placed {
         let buf = &p.buffers[b];
         for a in occupants.replace(buf.offset, buf.offset + buf.bytes, b) {

@@ -13,8 +13,8 @@
 //! With these, the events the verifier's clocks follow are exactly the ones a backend signals.
 
 use super::VerifyError;
-use crate::ir::*;
 use cranelift_entity::EntityRef;
+use sched_ir::ir::*;
 
 pub fn check(p: &Program) -> Vec<VerifyError> {
     let mut errs = vec![];

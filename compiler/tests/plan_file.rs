@@ -1,0 +1,56 @@
+//! The plan file's reader refuses what a hand edit can break, each refusal naming what and where.
+
+use sched_ir::plan_file::{emit_plan, read_plan};
+use schedc::{analyze, compile, MemLoader};
+use std::path::Path;
+
+/// A compiled plan file of a small job, as JSON.
+fn plan_json() -> serde_json::Value {
+    let text = "cluster c { nodes = 1  gpus_per_node = 2  gpu_memory = 4 GiB  peak_flops = 1 TFLOPS
+            intra_node { bandwidth = 10 GB/s  latency = 1 us }  inter_node { bandwidth = 1 Gbps  latency = 50 us } }
+        model m { dtype = fp32  seq_len = 8
+            layer embed = embedding(vocab = 256, hidden = 16)
+            layer head = lm_head(hidden = 16, vocab = 256, tied = true) }
+        schedule s { model = m  cluster = c  preset = zero3 }";
+    let loader = MemLoader::default().in_dir("/p").with("/p/s.sched", text);
+    let a = analyze(Path::new("/p/s.sched"), &loader).unwrap();
+    let job = &a.jobs[0];
+    let p = compile(job).unwrap();
+    serde_json::to_value(emit_plan(&p, job)).unwrap()
+}
+
+/// A stream's workspace must name an existing `workspace` buffer that can hold its GEMM part.
+#[test]
+fn stream_workspaces_are_read_strictly() {
+    let plan = plan_json();
+    assert!(read_plan(&plan.to_string()).is_ok());
+    let ws = plan["streams"][0]["workspace"].clone();
+    let buffer = ws["buffer"].as_u64().unwrap() as usize;
+    let bytes = plan["buffers"][buffer]["bytes"].as_u64().unwrap();
+    let refused = |edit: &dyn Fn(&mut serde_json::Value), says: &str| {
+        let mut p = plan.clone();
+        edit(&mut p);
+        let e = read_plan(&p.to_string()).err().unwrap_or_default();
+        assert!(e.contains(says), "{says}: {e}");
+    };
+    refused(
+        &|p| p["streams"][0]["workspace"]["buffer"] = 99_999.into(),
+        "workspace buffer 99999 does not exist",
+    );
+    refused(
+        &|p| p["streams"][0]["workspace"]["buffer"] = 0.into(),
+        "is a `param_shard` buffer, not a `workspace` one",
+    );
+    refused(
+        &|p| p["streams"][0]["workspace"]["gemm_bytes"] = (bytes + 1).into(),
+        "does not fit its",
+    );
+    refused(
+        &|p| p["streams"][0]["workspace"]["extra"] = 1.into(),
+        "unknown field `extra`",
+    );
+    refused(
+        &|p| p["buffers"][buffer]["kind"] = "scratch".into(),
+        "unknown kind `scratch`",
+    );
+}

@@ -1,0 +1,176 @@
+//! The ABI: every constant and size the compiler and the runtime must agree on.
+//!
+//! The compiler sizes buffers and workspaces with these figures; the runtime lays its tensors out
+//! by the same ones and never recomputes what the plan decided. A change here changes both
+//! sides at once, so a plan written by one `schedc` runs on the `schedrun` built beside it.
+//!
+//! - alignment: [`GEMM_ALIGN`] (a stream workspace's GEMM part), [`LOGITS_ROW_ALIGN`] and
+//!   [`logits_stride`] (the rows of an lm_head's logits), [`PADDED_ROWS`] (the column blocks of
+//!   a product over an unaligned width);
+//! - chunking: [`attention_chunk`] (the fused attention's query rows per chunk), [`SUMSQ_CHUNK`]
+//!   (the gradient norm's partial sums);
+//! - tensor sizes: [`output_elements`], [`input_elements`] and the activations a layer saves for
+//!   its backward ([`saved_elements`], [`saved_bytes`]).
+//!
+//! Activation sizes: with T = micro_batch × seq_len tokens, h hidden, f ffn, n heads, kv the
+//! key/value width and d the model dtype's bytes, a transformer keeps: ln1's output (T·h·d) and
+//! its per-token statistics (2·T fp32), the q/k/v projection (T·(h+2kv)·d), the attention output
+//! before its projection (T·h·d) plus either each row's log-sum-exp (flash: n·T fp32) or the
+//! probabilities (naive: n·T·s·d), the residual stream after attention (T·h·d), ln2's output and
+//! statistics, and the MLP's pre- and post-activation tensors (gelu: 2·T·f·d; swiglu: gate, up
+//! and their product, 3·T·f·d). The layer's input and output are hidden-state buffers of their
+//! own, not counted here. These are the runtime's real saved tensors for zoo layers, so the
+//! memory plan is exact for them; `dense` layers declare theirs per token.
+
+use crate::job::{Activation, Attention, LayerKind, Model};
+
+/// Elements per partial sum of the gradient norm's sum of squares (the kernel catalogue's
+/// `Op::SumSquares`; the compiler sizes its workspace with it).
+pub const SUMSQ_CHUNK: usize = 4096;
+
+/// Tokens of one micro-batch.
+fn tokens(model: &Model) -> u64 {
+    model.micro_batch * model.seq_len
+}
+
+/// Alignment of the GEMM part's end (where the fp32 scratch starts): what cuBLAS wants of a
+/// workspace pointer, and the memory plan's buffer alignment.
+pub const GEMM_ALIGN: u64 = 256;
+
+/// Elements a row of the logits starts after in any storage: 16 bytes of bf16.
+pub const LOGITS_ROW_ALIGN: u64 = 8;
+
+/// Elements between two rows of an lm_head's logits (and of their gradient): the vocabulary
+/// rounded up to [`LOGITS_ROW_ALIGN`], so that every row starts 16 bytes aligned. The GPU's
+/// tensor-core products read and write a matrix in place only at such a row stride; GPT-2's
+/// 50,257 words would otherwise send the head's three products through workspace a column
+/// block at a time. The columns past the vocabulary are never read or written.
+pub fn logits_stride(vocab: u64) -> u64 {
+    vocab.next_multiple_of(LOGITS_ROW_ALIGN)
+}
+
+/// Elements of the hidden state layer `kind` outputs (the logits for an lm_head, rows
+/// [`logits_stride`] apart).
+pub fn output_elements(kind: &LayerKind, model: &Model) -> u64 {
+    let t = tokens(model);
+    match *kind {
+        LayerKind::LmHead { vocab, .. } => t * logits_stride(vocab),
+        _ => kind.hidden().map_or(0, |h| t * h),
+    }
+}
+
+/// Elements of layer `kind`'s input: token ids for the embedding, a hidden state otherwise.
+pub fn input_elements(kind: &LayerKind, model: &Model) -> u64 {
+    let t = tokens(model);
+    match *kind {
+        LayerKind::Embedding { .. } => t,
+        _ => kind.hidden().map_or(0, |h| t * h),
+    }
+}
+
+/// Score floats of one attention chunk at most (64 MiB of fp32): the fused path's workspace
+/// is a few chunks, whatever the sequence length.
+pub const ATTENTION_CHUNK_FLOATS: u64 = 1 << 24;
+
+/// Query rows per chunk of the fused attention on a GPU with `heads` query heads and sequences
+/// of `seq_len`: the whole sequence when its `heads × seq_len × seq_len` scores fit
+/// [`ATTENTION_CHUNK_FLOATS`], else the most multiples of 64 rows that do (at least 64). A chunk
+/// of rows `q0..q1` holds the scores of keys `0..q1` of every head.
+pub fn attention_chunk(heads: u64, seq_len: u64) -> u64 {
+    let rows = ATTENTION_CHUNK_FLOATS / (heads * seq_len).max(1);
+    if rows >= seq_len {
+        seq_len
+    } else {
+        (rows / 64 * 64).max(64).min(seq_len)
+    }
+}
+
+/// The size of an unaligned product's workspace block, in padded rows (see [`padded_rows`]).
+pub const PADDED_ROWS: usize = 1024;
+
+/// Floats for a product whose output width among `widths` is not a multiple of 8 (an MLP's
+/// odd width; never a head's, whose logits lie in aligned rows, [`logits_stride`]): no
+/// tensor-core product reads or writes its rows in place (`aligned_ld`
+/// in the CUDA device), so its output (forward) or output gradient (backward) goes through
+/// workspace a block of columns at a time, as many elements as [`PADDED_ROWS`] rows of w₈ (the
+/// width rounded up to 8) hold and at most min(T, rows)·w₈, in fp32 at most and, for a 16-bit
+/// model's fp32 gradient, cast to the product dtype; the last block's weight rows, padded with
+/// zero rows, take at most w₈·inputs: 1.5·min(T, rows)·w₈ + w₈·inputs, for the widest such
+/// product.
+pub fn padded_rows(tokens: u64, widths: &[u64], inputs: u64) -> u64 {
+    let widest = widths.iter().filter(|&&w| w % 8 != 0).max();
+    widest.map_or(0, |&w| {
+        let w8 = w.next_multiple_of(8);
+        3 * tokens.min(PADDED_ROWS as u64) * w8 / 2 + w8 * inputs
+    })
+}
+
+/// Bytes layer `kind` keeps for backward in one micro-step.
+pub fn saved_bytes(kind: &LayerKind, model: &Model) -> u64 {
+    match *kind {
+        LayerKind::Dense {
+            activation_bytes_per_token,
+            ..
+        } => activation_bytes_per_token * model.micro_batch * model.seq_len,
+        _ => {
+            let e = saved_elements(kind, model);
+            e.model * model.dtype.bytes() + e.fp32 * 4
+        }
+    }
+}
+
+/// Elements a zoo layer keeps for backward in one micro-step: those stored in the model dtype
+/// and the fp32 statistics (norms' per-token pairs, flash attention's log-sum-exps). Zero for
+/// `dense` layers, which declare bytes only.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SavedElements {
+    pub model: u64,
+    pub fp32: u64,
+}
+
+impl SavedElements {
+    pub fn total(self) -> u64 {
+        self.model + self.fp32
+    }
+}
+
+/// The saved elements of layer `kind` (see the module doc for the list).
+pub fn saved_elements(kind: &LayerKind, model: &Model) -> SavedElements {
+    let t = model.micro_batch * model.seq_len;
+    let norm = |h: u64| SavedElements {
+        model: t * h,
+        fp32: 2 * t,
+    };
+    let mlp = |f: u64, act: Activation| match act {
+        Activation::Gelu => 2 * t * f,
+        Activation::SwiGlu => 3 * t * f,
+    };
+    let with = |e: SavedElements, model: u64, fp32: u64| SavedElements {
+        model: e.model + model,
+        fp32: e.fp32 + fp32,
+    };
+    match *kind {
+        LayerKind::Embedding { .. } | LayerKind::Dense { .. } => SavedElements::default(),
+        LayerKind::Transformer(tr) => {
+            let (probs, lse) = match tr.attention {
+                Attention::Flash => (0, tr.heads * t),
+                Attention::Naive => (tr.heads * t * model.seq_len, 0),
+            };
+            let ln1 = norm(tr.hidden);
+            let ln2 = norm(tr.hidden);
+            let qkv_out_resid = t * (tr.hidden + 2 * tr.kv_dim()) + 2 * t * tr.hidden;
+            with(
+                with(ln1, ln2.model, ln2.fp32),
+                qkv_out_resid + probs + mlp(tr.ffn, tr.act),
+                lse,
+            )
+        }
+        LayerKind::Mlp(m) => with(norm(m.hidden), mlp(m.ffn, m.act), 0),
+        LayerKind::LmHead { hidden, .. } => norm(hidden),
+    }
+}
+
+/// Bytes of the hidden state a layer outputs in one micro-step (logits for an lm_head).
+pub fn output_bytes(kind: &LayerKind, model: &Model) -> u64 {
+    output_elements(kind, model) * model.dtype.bytes()
+}
