@@ -46,9 +46,9 @@ fn seeds() -> Vec<(String, String)> {
         let a = analyze(&repo().join("schedules").join(file), &FsLoader).unwrap();
         assert!(!a.has_errors(), "{file}:\n{}", a.render());
         for job in &a.jobs {
-            let (program, _) = schedc::compile(job)
+            let program = schedc::compile(job)
                 .unwrap_or_else(|e| panic!("{file} `{}`: {e}", job.schedule.name));
-            let plan = schedc::emit::plan::emit_plan(&program, job);
+            let plan = sched_ir::plan_file::emit_plan(&program, job);
             out.push((
                 format!("{file}:{}", job.schedule.name),
                 serde_json::to_string(&plan).unwrap(),
