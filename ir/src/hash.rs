@@ -69,16 +69,5 @@ impl Hasher for FxHasher {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::FxHashMap;
-
-    #[test]
-    fn a_map_finds_what_it_holds() {
-        let mut m: FxHashMap<Vec<u64>, u32> = FxHashMap::default();
-        for i in 0..1000u64 {
-            m.insert(vec![i, i * 7, 3], i as u32);
-        }
-        assert_eq!(m.len(), 1000);
-        assert!((0..1000u64).all(|i| m[&vec![i, i * 7, 3]] == i as u32));
-    }
-}
+#[path = "../tests/unit/hash.rs"]
+mod tests;

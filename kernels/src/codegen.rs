@@ -28,6 +28,7 @@ mod attention;
 mod bodies;
 mod flash;
 mod fx;
+mod rows;
 mod warp;
 
 use super::{Kernel, Param, Space, COLUMN_LANES, WARP};

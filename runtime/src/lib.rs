@@ -27,5 +27,6 @@ pub mod math;
 mod pages;
 pub mod plan;
 pub mod reference;
+pub mod step;
 pub mod trace;
 pub mod train;

@@ -255,11 +255,5 @@ fn describe(kind: &LayerKind) -> String {
 }
 
 #[cfg(test)]
-mod tests {
-    #[test]
-    fn thousands_separators() {
-        assert_eq!(super::thousands(6_738_415_616), "6,738,415,616");
-        assert_eq!(super::thousands(999), "999");
-        assert_eq!(super::thousands(1000), "1,000");
-    }
-}
+#[path = "../../tests/unit/emit_job.rs"]
+mod tests;

@@ -23,14 +23,5 @@ pub fn partition(sizes: &[u64], bucket: u64) -> Vec<Vec<usize>> {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::partition;
-
-    #[test]
-    fn runs_respect_the_bucket() {
-        assert_eq!(partition(&[4, 4, 4], 0), vec![vec![0], vec![1], vec![2]]);
-        assert_eq!(partition(&[4, 4, 4], 8), vec![vec![0, 1], vec![2]]);
-        assert_eq!(partition(&[10, 4, 0, 4], 8), vec![vec![0], vec![1, 2, 3]]);
-        assert_eq!(partition(&[], 8), Vec::<Vec<usize>>::new());
-    }
-}
+#[path = "../../tests/unit/lower_buckets.rs"]
+mod tests;

@@ -444,13 +444,5 @@ impl Op {
 }
 
 #[cfg(test)]
-mod shard_index_tests {
-    use super::ShardIndex;
-
-    #[test]
-    fn slot_is_the_position_in_all() {
-        for (i, idx) in ShardIndex::ALL.into_iter().enumerate() {
-            assert_eq!(idx.slot(), i, "{idx:?}");
-        }
-    }
-}
+#[path = "../../tests/unit/ir_shard_index_tests.rs"]
+mod shard_index_tests;

@@ -3,8 +3,8 @@
 //! sequence's heads, the fused path chunk by chunk of queries), and the bodies follow
 //! `attention.rs`'s row code operation for operation, one warp per row on a GPU.
 
-use super::bodies::log_sum_exp;
 use super::fx::{Fx, I};
+use super::rows::log_sum_exp;
 
 /// Score row `r` of [`crate::Op::CausalSoftmax`]: log-sum-exp over keys `0..=i`,
 /// `probs = exp(score − lse)` there and 0 up to `keys`, rounded to `probs`' dtype, `lse[r]`.

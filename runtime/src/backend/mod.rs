@@ -18,23 +18,7 @@ use sched_ir::ir::OpId;
 use sched_ir::job::Dtype;
 use std::time::Duration;
 
-/// One rank's micro-batch: input bytes and the targets (the inputs shifted by one).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Batch {
-    pub inputs: Vec<u32>,
-    pub targets: Vec<u32>,
-}
-
-/// What one optimizer step needs besides the plan.
-pub struct StepInput {
-    /// 1-based optimizer step (Adam's bias correction).
-    pub step: u64,
-    pub lr: f64,
-    /// Global gradient-norm limit, if clipping.
-    pub clip: Option<f64>,
-    /// `batches[rank][micro_step]`, for the ranks this backend drives.
-    pub batches: Vec<Vec<Batch>>,
-}
+pub use crate::step::{Batch, StepInput};
 
 /// Time one stream of one rank spent blocked (event waits and collective rendezvous).
 #[derive(Clone, Debug)]

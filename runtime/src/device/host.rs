@@ -10,12 +10,12 @@
 
 use super::{plan_error, ArenaSpan, Device, DeviceError, Linear, Ptr, Update};
 use crate::arena::Arena;
-use crate::backend::Batch;
 use crate::math::attention::{self, Keep};
 use crate::math::gemm::{linear, linear_backward};
 use crate::math::ops::{gelu, gelu_grad, norm_backward, norm_forward, prefetched, sigmoid, wide};
 use crate::math::saved::Piece;
 use crate::math::{cross_entropy, optimizer_step, BlockP, NormP, Precision};
+use crate::step::Batch;
 use sched_ir::job::Dtype;
 use std::cell::{Cell, RefCell};
 

@@ -32,6 +32,7 @@ pub mod host;
 #[cfg(feature = "llvm")]
 pub mod jit;
 pub(crate) mod layers;
+mod slices;
 
 use crate::math::attention::Keep;
 use crate::math::saved::Piece;
@@ -75,62 +76,57 @@ impl<P: Ptr> Linear<P> {
 }
 
 /// Why a primitive or an op failed on a device.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, thiserror::Error)]
 pub enum DeviceError {
     /// An arena access outside the arena or misaligned for its dtype.
+    #[error("{0}")]
     Access(String),
     /// An op reads or writes more values than its region holds.
+    #[error("{verb} {values} values {prep} a region of {region}", verb = if *write { "writes" } else { "reads" }, prep = if *write { "into" } else { "from" })]
     RegionSize {
         values: usize,
         region: usize,
         write: bool,
     },
     /// The stream's workspace cannot hold what an op needs.
+    #[error(
+        "the op needs {needed} floats of its stream's workspace, but the plan gives the stream \
+         {available} (the compiler sizes workspaces, `schedc::lower::workspace`: this op needs \
+         more than it planned)"
+    )]
     Workspace { needed: usize, available: usize },
     /// A token id (input or target) outside the vocabulary.
+    #[error("token {token} not below vocab {vocab}")]
     Token { token: u32, vocab: usize },
     /// The plan asks for something the model or the step cannot give (a layer input of the
     /// wrong kind, a missing micro-batch, a tied head without its embedding, …).
+    #[error("{0}")]
     Plan(String),
     /// A generated kernel could not be compiled or run (the host's, with the `llvm` feature), or
     /// a launch's arguments do not fit its parameters.
+    #[error("generated kernel: {0}")]
     Kernel(String),
-    /// The GPU's driver or libraries refused a launch, product or copy.
-    Gpu(crate::backend::cuda::CudaError),
+    /// The backend's driver or libraries refused a launch, product or copy: the backend's own
+    /// error, opaque to the device layer.
+    #[error("{backend}: {source}")]
+    Backend {
+        backend: &'static str,
+        source: std::sync::Arc<dyn std::error::Error + Send + Sync>,
+    },
 }
 
-impl std::fmt::Display for DeviceError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            DeviceError::Access(m) | DeviceError::Plan(m) => f.write_str(m),
-            DeviceError::RegionSize {
-                values,
-                region,
-                write,
-            } => {
-                let (verb, prep) = if *write {
-                    ("writes", "into")
-                } else {
-                    ("reads", "from")
-                };
-                write!(f, "{verb} {values} values {prep} a region of {region}")
-            }
-            DeviceError::Workspace { needed, available } => write!(
-                f,
-                "the op needs {needed} floats of its stream's workspace, but the plan gives the \
-                 stream {available} (the compiler sizes workspaces, `schedc::lower::workspace`: \
-                 this op needs more than it planned)"
-            ),
-            DeviceError::Token { token, vocab } => {
-                write!(f, "token {token} not below vocab {vocab}")
-            }
-            DeviceError::Kernel(m) => write!(f, "generated kernel: {m}"),
-            DeviceError::Gpu(e) => write!(f, "GPU: {e}"),
+impl DeviceError {
+    /// `source`, an error of the backend named `backend` (for messages: `GPU`).
+    pub fn backend(
+        backend: &'static str,
+        source: impl std::error::Error + Send + Sync + 'static,
+    ) -> Self {
+        DeviceError::Backend {
+            backend,
+            source: std::sync::Arc::new(source),
         }
     }
 }
-
-impl std::error::Error for DeviceError {}
 
 impl From<crate::arena::AccessError> for DeviceError {
     fn from(e: crate::arena::AccessError) -> Self {

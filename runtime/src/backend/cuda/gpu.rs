@@ -223,7 +223,7 @@ impl Gpu<'_> {
         let flat = flatten(&k, args, n)?;
         self.x
             .launch(&k.name(), grid(op, n), &flat)
-            .map_err(DeviceError::Gpu)
+            .map_err(gpu_error)
     }
 
     /// The arena's bytes at `at` as elements of `dtype`, in place.
@@ -336,7 +336,7 @@ impl Gpu<'_> {
             ..call
         });
         self.used.set(mark);
-        r.map_err(DeviceError::Gpu)?;
+        r.map_err(gpu_error)?;
         match bias {
             Some(bias) if epilogue.is_none() => {
                 let c = DevPtr::new(call.c, sc);
@@ -415,7 +415,7 @@ impl Gpu<'_> {
         if bytes == 0 {
             return Ok(());
         }
-        self.x.copy_bytes(dst, src, bytes).map_err(DeviceError::Gpu)
+        self.x.copy_bytes(dst, src, bytes).map_err(gpu_error)
     }
 
     /// `rows` rows of `cols` elements from `src` to `dst` (each a pointer and the elements
@@ -440,7 +440,7 @@ impl Gpu<'_> {
         }
         self.x
             .copy_rows(row(dst, dst_ld), row(src, src_ld), cols * b, rows)
-            .map_err(DeviceError::Gpu)
+            .map_err(gpu_error)
     }
 
     /// Workspace for `n` elements of `storage`.
@@ -1515,4 +1515,9 @@ impl Device for Gpu<'_> {
         let dst = self.arena(out.at, out.dtype)?;
         self.run(Op::StoreDouble, 1, &[Arg::P(acc), T(dst)])
     }
+}
+
+/// A CUDA error as the device layer carries it (opaque, named `GPU`).
+fn gpu_error(e: super::enqueue::CudaError) -> DeviceError {
+    DeviceError::backend("GPU", e)
 }

@@ -63,6 +63,7 @@ mod blas;
 #[cfg(feature = "cuda")]
 mod device;
 #[cfg(all(test, feature = "llvm"))]
+#[path = "../../../tests/unit/backend_cuda_emulate.rs"]
 mod emulate;
 #[cfg(feature = "cuda")]
 mod kernels;
