@@ -8,7 +8,7 @@
 //! the user's input (exit 1) or the machine's or compiler's (exit 2).
 
 use crate::pipeline::CompileError;
-use crate::sema::{analyze, Analysis, FsLoader};
+use crate::sema::{analyze, Analysis, FsLoader, SelectError};
 use sched_ir::job::Job;
 pub use sched_verify::plan::is_plan_text;
 use sched_verify::plan::{read_verified, PlanError};
@@ -23,25 +23,56 @@ pub struct Loaded {
     pub analysis: Option<Analysis>,
 }
 
-/// Why a file did not load.
+/// Why a file did not load. Each message is complete on its own (it names the file and
+/// includes its cause's words); the cause is also the error's `source`.
+#[derive(thiserror::Error)]
 pub enum LoadError {
     /// The file cannot be read.
+    #[error("cannot read {}: {error}", path.display())]
     Read {
         path: PathBuf,
+        #[source]
         error: std::io::Error,
     },
     /// A `.sched` file with errors; render its diagnostics.
+    #[error("{}", .0.render().trim_end())]
     Diagnostics(Box<Analysis>),
-    /// Not a plan file, a schedule that does not exist or that the plan does not hold.
-    Input { path: PathBuf, message: String },
+    /// A `.sched` file without the schedule asked for (or without a single one).
+    #[error("{}: {error}", path.display())]
+    Select {
+        path: PathBuf,
+        #[source]
+        error: SelectError,
+    },
+    /// Not a plan file this version reads, or not the schedule asked for.
+    #[error("{}: {error}", path.display())]
+    Plan {
+        path: PathBuf,
+        #[source]
+        error: PlanError,
+    },
     /// A plan file that fails verification.
-    Unverified { path: PathBuf, rejected: Rejected },
+    #[error("{} fails verification ({} errors)", path.display(), rejected.errors.len())]
+    Unverified {
+        path: PathBuf,
+        #[source]
+        rejected: Rejected,
+    },
     /// The schedule did not compile (an unmeetable `max_live` is the user's; the rest are bugs).
+    #[error("{}", compile_message(schedule, error))]
     Compile {
         path: PathBuf,
         schedule: String,
+        #[source]
         error: CompileError,
     },
+}
+
+fn compile_message(schedule: &str, error: &CompileError) -> String {
+    match error {
+        CompileError::Lower(e) => format!("schedule `{schedule}` cannot be lowered: {e}"),
+        e => format!("schedule `{schedule}`: {e}"),
+    }
 }
 
 impl LoadError {
@@ -49,9 +80,10 @@ impl LoadError {
     pub fn is_input(&self) -> bool {
         match self {
             LoadError::Read { .. } => false,
-            LoadError::Diagnostics(_) | LoadError::Input { .. } | LoadError::Unverified { .. } => {
-                true
-            }
+            LoadError::Diagnostics(_)
+            | LoadError::Select { .. }
+            | LoadError::Plan { .. }
+            | LoadError::Unverified { .. } => true,
             LoadError::Compile { error, .. } => matches!(error, CompileError::Lower(_)),
         }
     }
@@ -91,37 +123,11 @@ impl LoadError {
     }
 }
 
-impl std::fmt::Display for LoadError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            LoadError::Read { path, error } => write!(f, "cannot read {}: {error}", path.display()),
-            LoadError::Diagnostics(a) => f.write_str(a.render().trim_end()),
-            LoadError::Input { path, message } => write!(f, "{}: {message}", path.display()),
-            LoadError::Unverified { path, rejected } => write!(
-                f,
-                "{} fails verification ({} errors)",
-                path.display(),
-                rejected.errors.len()
-            ),
-            LoadError::Compile {
-                schedule,
-                error: CompileError::Lower(e),
-                ..
-            } => write!(f, "schedule `{schedule}` cannot be lowered: {e}"),
-            LoadError::Compile {
-                schedule, error, ..
-            } => write!(f, "schedule `{schedule}`: {error}"),
-        }
-    }
-}
-
 impl std::fmt::Debug for LoadError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         std::fmt::Display::fmt(self, f)
     }
 }
-
-impl std::error::Error for LoadError {}
 
 /// Loads `path` as a plan file or a `.sched` file, picking `schedule` when given (a plan file
 /// must hold that schedule; a `.sched` file defining several needs one).
@@ -130,10 +136,6 @@ pub fn load(path: &Path, schedule: Option<&str>) -> Result<Loaded, LoadError> {
         path: path.to_path_buf(),
         error,
     })?;
-    let input = |message: String| LoadError::Input {
-        path: path.to_path_buf(),
-        message,
-    };
     if is_plan_text(&text) {
         return match read_verified(&text, schedule) {
             Ok((program, job)) => Ok(Loaded {
@@ -145,7 +147,10 @@ pub fn load(path: &Path, schedule: Option<&str>) -> Result<Loaded, LoadError> {
                 path: path.to_path_buf(),
                 rejected,
             }),
-            Err(e) => Err(input(e.to_string())),
+            Err(error) => Err(LoadError::Plan {
+                path: path.to_path_buf(),
+                error,
+            }),
         };
     }
     let analysis = analyze(path, &FsLoader).map_err(|e| LoadError::Read {
@@ -155,7 +160,13 @@ pub fn load(path: &Path, schedule: Option<&str>) -> Result<Loaded, LoadError> {
     if analysis.has_errors() {
         return Err(LoadError::Diagnostics(Box::new(analysis)));
     }
-    let job = analysis.select(schedule).map_err(input)?.clone();
+    let job = analysis
+        .select(schedule)
+        .map_err(|error| LoadError::Select {
+            path: path.to_path_buf(),
+            error,
+        })?
+        .clone();
     match crate::compile(&job) {
         Ok(program) => Ok(Loaded {
             program,

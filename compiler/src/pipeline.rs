@@ -35,41 +35,27 @@ use sched_ir::job::Job;
 use sched_verify::{self as verify, Rejected, Stage, ValuesProof, Verified, VerifyError};
 
 /// Why a job did not compile.
-#[derive(Debug)]
+#[derive(Debug, thiserror::Error)]
 pub enum CompileError {
     /// The schedule cannot be lowered as written (an unmeetable `max_live`).
-    Lower(MaxLiveError),
+    #[error(transparent)]
+    Lower(#[from] MaxLiveError),
     /// The lowered program failed verification: a compiler bug, reported with the program.
-    Verify(Rejected),
+    #[error("the compiled program fails verification ({} errors)", .0.errors.len())]
+    Verify(#[source] Rejected),
     /// A pass left the program structurally broken (found by the check after each pass): a
     /// compiler bug, reported with the pass and the program as it left it.
+    #[error(
+        "the program is malformed after the {pass} pass ({} errors; first: {})",
+        errors.len(),
+        errors.first().map_or("", |e| e.message.as_str())
+    )]
     Pass {
         pass: &'static str,
         program: Box<Program>,
         errors: Vec<VerifyError>,
     },
 }
-
-impl std::fmt::Display for CompileError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            CompileError::Lower(e) => write!(f, "{e}"),
-            CompileError::Verify(r) => write!(
-                f,
-                "the compiled program fails verification ({} errors)",
-                r.errors.len()
-            ),
-            CompileError::Pass { pass, errors, .. } => write!(
-                f,
-                "the program is malformed after the {pass} pass ({} errors; first: {})",
-                errors.len(),
-                errors.first().map_or("", |e| e.message.as_str())
-            ),
-        }
-    }
-}
-
-impl std::error::Error for CompileError {}
 
 /// How long each pass took, by name, in the order they ran (`schedc compile --time-passes`).
 #[derive(Default, Debug)]

@@ -42,8 +42,9 @@ pub fn exercise_plan(data: &[u8]) -> PlanOutcome {
     let plan = match read_plan(text) {
         Ok(plan) => plan,
         Err(e) => {
-            assert!(!e.trim().is_empty(), "a refusal says why");
-            return PlanOutcome::Refused(e);
+            let why = e.to_string();
+            assert!(!why.trim().is_empty(), "a refusal says why");
+            return PlanOutcome::Refused(why);
         }
     };
     match sched_verify::verify(plan.program) {

@@ -3,7 +3,7 @@
 //! Every point is a figure a paper or article printed, with where it is printed, the schedule that
 //! reproduces its setup (`tests/inputs/sim/calibration_*.sched`, whose comments give every
 //! assumption), and a tolerance. The model's constants come from their own sources (see
-//! `schedc::sim::cost` and the README's simulation notes), not from these points, with two
+//! `schedc::sim::cost` and docs/simulation.md), not from these points, with two
 //! exceptions fitted here, each a single constant for several runs: the AMSP test-bed's
 //! `efficiency` (a cluster figure), set by its compute-bound 7B ZeRO-1 run, and the share of a
 //! link's bandwidth NCCL sustains (`LINK_EFFICIENCY`), set by MiCS's two measured all-gather
@@ -52,7 +52,7 @@ enum Check {
     /// the median.
     Fit(f64),
     /// A figure the model does not reach, for the reason given: the check asserts the miss is
-    /// still there (relative error above 1), so that the README's account of it stays true.
+    /// still there (relative error above 1), so that docs/simulation.md's account of it stays true.
     KnownMiss(&'static str),
 }
 
@@ -180,7 +180,7 @@ fn check(p: &Point) -> f64 {
         ),
         Check::KnownMiss(why) => assert!(
             err > 1.0,
-            "{}: the model now reaches {predicted:.4} against {} ({why}): update the README",
+            "{}: the model now reaches {predicted:.4} against {} ({why}): update docs/simulation.md",
             p.name,
             p.published
         ),

@@ -30,7 +30,10 @@ fn stream_workspaces_are_read_strictly() {
     let refused = |edit: &dyn Fn(&mut serde_json::Value), says: &str| {
         let mut p = plan.clone();
         edit(&mut p);
-        let e = read_plan(&p.to_string()).err().unwrap_or_default();
+        let e = read_plan(&p.to_string())
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
         assert!(e.contains(says), "{says}: {e}");
     };
     refused(

@@ -330,30 +330,54 @@ pub struct ReadPlan {
     pub job: Job,
 }
 
+/// Why a text is not a plan file this version reads; every refusal says what and where.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ReadError {
+    /// Not JSON, or JSON that is not a sched plan (its `format` or `version` is missing).
+    #[error("not a plan file: {0}")]
+    NotAPlan(String),
+    /// A plan of another format version.
+    #[error("plan format version {found} is not supported (this schedc reads version {VERSION})")]
+    Version { found: u64 },
+    /// JSON without the plan file's shape: a missing or unknown field, a value of the wrong type
+    /// (the JSON reader's words, with the line and column).
+    #[error("malformed plan: {0}")]
+    Malformed(String),
+    /// A value the plan file refuses: the entity or field, and what is wrong with it.
+    #[error("{0}")]
+    Invalid(String),
+}
+
+/// [`ReadError::Invalid`] with a `format!` message.
+macro_rules! invalid {
+    ($($arg:tt)*) => {
+        ReadError::Invalid(format!($($arg)*))
+    };
+}
+
 /// Parses plan JSON; every refusal says what and where.
-pub fn read_plan(text: &str) -> Result<ReadPlan, String> {
+pub fn read_plan(text: &str) -> Result<ReadPlan, ReadError> {
     let head: serde_json::Value =
-        serde_json::from_str(text).map_err(|e| format!("not a plan file: {e}"))?;
+        serde_json::from_str(text).map_err(|e| ReadError::NotAPlan(e.to_string()))?;
     if head.get("format").and_then(|f| f.as_str()) != Some(FORMAT) {
-        return Err(format!("not a plan file: `format` must be \"{FORMAT}\""));
+        return Err(ReadError::NotAPlan(format!(
+            "`format` must be \"{FORMAT}\""
+        )));
     }
     match head.get("version").and_then(|v| v.as_u64()) {
         Some(v) if v == u64::from(VERSION) => {}
-        Some(v) => {
-            return Err(format!(
-                "plan format version {v} is not supported (this schedc reads version {VERSION})"
-            ))
-        }
-        None => return Err("not a plan file: `version` is missing".into()),
+        Some(found) => return Err(ReadError::Version { found }),
+        None => return Err(ReadError::NotAPlan("`version` is missing".into())),
     }
-    let f: PlanFile = serde_json::from_value(head).map_err(|e| format!("malformed plan: {e}"))?;
+    let f: PlanFile =
+        serde_json::from_value(head).map_err(|e| ReadError::Malformed(e.to_string()))?;
     from_file(f)
 }
 
-fn from_file(f: PlanFile) -> Result<ReadPlan, String> {
+fn from_file(f: PlanFile) -> Result<ReadPlan, ReadError> {
     let mesh = |m: [u32; 2], what: &str| {
         if m[0] == 0 || m[1] == 0 {
-            Err(format!("shard.{what} has a zero factor"))
+            Err(invalid!("shard.{what} has a zero factor"))
         } else {
             Ok(Mesh {
                 intra: m[0],
@@ -369,19 +393,21 @@ fn from_file(f: PlanFile) -> Result<ReadPlan, String> {
     check_job(&f, shard)?;
     // Sizes: the verifier's work grows with ranks and micro-steps.
     if f.ranks == 0 || f.nodes.checked_mul(f.gpus_per_node) != Some(f.ranks) {
-        return Err(format!(
+        return Err(invalid!(
             "{} ranks is not {} nodes x {} GPUs per node",
-            f.ranks, f.nodes, f.gpus_per_node
+            f.ranks,
+            f.nodes,
+            f.gpus_per_node
         ));
     }
     if f.ranks > MAX_RANKS {
-        return Err(format!(
+        return Err(invalid!(
             "{} ranks: plan files of more than {MAX_RANKS} ranks are refused",
             f.ranks
         ));
     }
     if f.micro_steps == 0 || f.micro_steps > MAX_MICRO_STEPS {
-        return Err(format!(
+        return Err(invalid!(
             "{} micro-steps: a plan has 1 to {MAX_MICRO_STEPS}",
             f.micro_steps
         ));
@@ -393,18 +419,19 @@ fn from_file(f: PlanFile) -> Result<ReadPlan, String> {
         .iter()
         .all(|m| f.gpus_per_node.is_multiple_of(m.intra) && f.nodes.is_multiple_of(m.inter));
     let pad = match f.secondary {
-        Some(0) => return Err("`secondary` must be at least 1".into()),
+        Some(0) => return Err(invalid!("`secondary` must be at least 1")),
         k => lcm(shard.optimizer.size(), u64::from(k.unwrap_or(1))),
     };
     for l in f.layers.iter().filter(|_| divides) {
         if l.params > MAX_LAYER_PARAMS {
-            return Err(format!(
+            return Err(invalid!(
                 "layer {}: {} parameters (at most {MAX_LAYER_PARAMS})",
-                l.name, l.params
+                l.name,
+                l.params
             ));
         }
         if l.params.div_ceil(pad).checked_mul(pad) != Some(l.padded) {
-            return Err(format!(
+            return Err(invalid!(
                 "layer {}: `padded` is {}, but {} parameters rounded up to a multiple of {pad} \
                  are {}",
                 l.name,
@@ -435,7 +462,7 @@ fn from_file(f: PlanFile) -> Result<ReadPlan, String> {
     }
     for (i, c) in f.communicators.into_iter().enumerate() {
         if c.id as usize != i {
-            return Err(format!(
+            return Err(invalid!(
                 "communicator {i} has id {}: ids must be 0, 1, 2, … in order",
                 c.id
             ));
@@ -443,9 +470,9 @@ fn from_file(f: PlanFile) -> Result<ReadPlan, String> {
         let scope = *SCOPES
             .iter()
             .find(|s| s.name() == c.scope)
-            .ok_or(format!("comm{i}: unknown scope `{}`", c.scope))?;
+            .ok_or_else(|| invalid!("comm{i}: unknown scope `{}`", c.scope))?;
         if c.groups.is_empty() || c.groups.iter().any(|g| g.is_empty()) {
-            return Err(format!("comm{i}: a communicator needs non-empty groups"));
+            return Err(invalid!("comm{i}: a communicator needs non-empty groups"));
         }
         p.comms.push(Communicator {
             name: c.name,
@@ -455,7 +482,7 @@ fn from_file(f: PlanFile) -> Result<ReadPlan, String> {
     }
     for (i, b) in f.buffers.into_iter().enumerate() {
         if b.id as usize != i {
-            return Err(format!(
+            return Err(invalid!(
                 "buffer {i} has id {}: ids must be 0, 1, 2, … in order",
                 b.id
             ));
@@ -463,11 +490,11 @@ fn from_file(f: PlanFile) -> Result<ReadPlan, String> {
         let kind = KINDS
             .iter()
             .find(|k| k.1 == b.kind)
-            .ok_or(format!("buf{i}: unknown kind `{}`", b.kind))?
+            .ok_or_else(|| invalid!("buf{i}: unknown kind `{}`", b.kind))?
             .0;
         let layer = match b.layer {
             Some(l) if l as usize >= p.layers.len() => {
-                return Err(format!("buf{i}: layer {l} does not exist"))
+                return Err(invalid!("buf{i}: layer {l} does not exist"))
             }
             l => l.map(LayerId::from_u32),
         };
@@ -484,7 +511,7 @@ fn from_file(f: PlanFile) -> Result<ReadPlan, String> {
     let total: usize = f.streams.iter().map(|s| s.ops.len()).sum();
     // Each event is recorded by one op: more events than ops cannot all be.
     if f.events as usize > total {
-        return Err(format!(
+        return Err(invalid!(
             "{} events but {total} ops: each event is recorded by one op",
             f.events
         ));
@@ -499,20 +526,21 @@ fn from_file(f: PlanFile) -> Result<ReadPlan, String> {
         let role = *STREAM_ROLES
             .iter()
             .find(|r| r.name() == s.name)
-            .ok_or(format!("stream {si}: unknown name `{}`", s.name))?;
+            .ok_or_else(|| invalid!("stream {si}: unknown name `{}`", s.name))?;
         let workspace = match s.workspace {
             None => None,
             Some(w) => {
                 // (Checked before making an id: making one of u32::MAX panics.)
                 if w.buffer as usize >= p.buffers.len() {
-                    return Err(format!(
+                    return Err(invalid!(
                         "stream {}: workspace buffer {} does not exist",
-                        s.name, w.buffer
+                        s.name,
+                        w.buffer
                     ));
                 }
                 let b = &p.buffers[BufferId::from_u32(w.buffer)];
                 if b.kind != BufferKind::Workspace {
-                    return Err(format!(
+                    return Err(invalid!(
                         "stream {}: its workspace buf{} is a `{}` buffer, not a `workspace` one",
                         s.name,
                         w.buffer,
@@ -520,9 +548,12 @@ fn from_file(f: PlanFile) -> Result<ReadPlan, String> {
                     ));
                 }
                 if w.gemm_bytes > b.bytes {
-                    return Err(format!(
+                    return Err(invalid!(
                         "stream {}: a GEMM part of {} B does not fit its {} B workspace buf{}",
-                        s.name, w.gemm_bytes, b.bytes, w.buffer
+                        s.name,
+                        w.gemm_bytes,
+                        b.bytes,
+                        w.buffer
                     ));
                 }
                 Some(StreamWorkspace {
@@ -533,7 +564,7 @@ fn from_file(f: PlanFile) -> Result<ReadPlan, String> {
         };
         let sid = p.streams.push(Stream { role, workspace });
         if let Some(w) = s.ops.windows(2).find(|w| w[0].id >= w[1].id) {
-            return Err(format!(
+            return Err(invalid!(
                 "stream {} lists op{} before op{}: a stream runs its ops in issue order (ascending ids)",
                 s.name, w[0].id, w[1].id
             ));
@@ -541,7 +572,7 @@ fn from_file(f: PlanFile) -> Result<ReadPlan, String> {
         for o in s.ops {
             let id = o.id as usize;
             if id >= total || slots[id].is_some() {
-                return Err(format!(
+                return Err(invalid!(
                     "op{id} on stream {}: op ids must be 0 … {} and each used once",
                     s.name,
                     total - 1
@@ -551,7 +582,7 @@ fn from_file(f: PlanFile) -> Result<ReadPlan, String> {
         }
     }
     for (i, o) in slots.into_iter().enumerate() {
-        let o = o.ok_or(format!("op{i} is missing"))?;
+        let o = o.ok_or_else(|| invalid!("op{i} is missing"))?;
         if let Some(e) = o.record {
             p.events[e].recorder = OpId::new(i);
         }
@@ -561,12 +592,12 @@ fn from_file(f: PlanFile) -> Result<ReadPlan, String> {
     for o in p.ops.values() {
         if let Some(e) = o.record {
             if std::mem::replace(&mut recorded[e.index()], true) {
-                return Err(format!("{e} is recorded by two ops"));
+                return Err(invalid!("{e} is recorded by two ops"));
             }
         }
     }
     if let Some(e) = recorded.iter().position(|r| !r) {
-        return Err(format!("ev{e} is never recorded"));
+        return Err(invalid!("ev{e} is never recorded"));
     }
     Ok(ReadPlan {
         program: p,
@@ -575,7 +606,7 @@ fn from_file(f: PlanFile) -> Result<ReadPlan, String> {
 }
 
 /// The job a plan carries must be the one its program was compiled for.
-fn check_job(f: &PlanFile, shard: Shard) -> Result<(), String> {
+fn check_job(f: &PlanFile, shard: Shard) -> Result<(), ReadError> {
     let (job, layout) = (&f.job, Layout::of(&f.job));
     let layers: Vec<&str> = job.model.layers.iter().map(|l| l.name.as_str()).collect();
     let mismatch = if job.ranks() != u64::from(f.ranks) {
@@ -592,7 +623,7 @@ fn check_job(f: &PlanFile, shard: Shard) -> Result<(), String> {
         None
     };
     match mismatch {
-        Some(m) => Err(format!(
+        Some(m) => Err(invalid!(
             "the plan's `job` does not match its program: it has {m}"
         )),
         None => Ok(()),
@@ -609,19 +640,19 @@ fn lcm(a: u64, b: u64) -> u64 {
     (a / x).saturating_mul(b)
 }
 
-fn dtype(name: &str, what: &str) -> Result<Dtype, String> {
+fn dtype(name: &str, what: &str) -> Result<Dtype, ReadError> {
     match name {
         "bf16" => Ok(Dtype::Bf16),
         "fp16" => Ok(Dtype::Fp16),
         "fp32" => Ok(Dtype::Fp32),
-        _ => Err(format!("{what}: unknown dtype `{name}`")),
+        _ => Err(invalid!("{what}: unknown dtype `{name}`")),
     }
 }
 
-fn region_from(p: &Program, r: RegionFile, what: &str) -> Result<Region, String> {
+fn region_from(p: &Program, r: RegionFile, what: &str) -> Result<Region, ReadError> {
     // (Checked before making an id: making one of u32::MAX panics.)
     if r.buffer as usize >= p.buffers.len() {
-        return Err(format!("{what}: buffer {} does not exist", r.buffer));
+        return Err(invalid!("{what}: buffer {} does not exist", r.buffer));
     }
     let buf = &p.buffers[BufferId::from_u32(r.buffer)];
     // Rank 0 has every shard index 0, so every region must fit its buffer at `offset`; and no
@@ -632,7 +663,7 @@ fn region_from(p: &Program, r: RegionFile, what: &str) -> Result<Region, String>
         .unwrap_or(0)
         .checked_mul(u64::from(p.ranks().saturating_sub(1)));
     if end.zip(reach).and_then(|(e, x)| e.checked_add(x)).is_none() {
-        return Err(format!(
+        return Err(invalid!(
             "{what}: a region of buf{} (offset {}, {} B, stride {}) reaches past 2^64 bytes",
             r.buffer,
             r.offset,
@@ -641,9 +672,12 @@ fn region_from(p: &Program, r: RegionFile, what: &str) -> Result<Region, String>
         ));
     }
     if end.is_some_and(|e| e > buf.bytes) {
-        return Err(format!(
+        return Err(invalid!(
             "{what}: the region of buf{} at {} + {} B lies outside its {} B",
-            r.buffer, r.offset, r.bytes, buf.bytes
+            r.buffer,
+            r.offset,
+            r.bytes,
+            buf.bytes
         ));
     }
     let offset = match (r.index, r.stride) {
@@ -652,7 +686,7 @@ fn region_from(p: &Program, r: RegionFile, what: &str) -> Result<Region, String>
             let index = *ShardIndex::ALL
                 .iter()
                 .find(|x| crate::listing::index_name(**x) == i)
-                .ok_or(format!("{what}: unknown shard index `{i}`"))?;
+                .ok_or_else(|| invalid!("{what}: unknown shard index `{i}`"))?;
             Offset::Shard {
                 index,
                 base: r.offset,
@@ -660,7 +694,7 @@ fn region_from(p: &Program, r: RegionFile, what: &str) -> Result<Region, String>
             }
         }
         _ => {
-            return Err(format!(
+            return Err(invalid!(
                 "{what}: a rank-dependent region needs both `index` and `stride`"
             ))
         }
@@ -672,12 +706,12 @@ fn region_from(p: &Program, r: RegionFile, what: &str) -> Result<Region, String>
     })
 }
 
-fn op_from(p: &Program, stream: StreamId, o: OpFile) -> Result<Op, String> {
+fn op_from(p: &Program, stream: StreamId, o: OpFile) -> Result<Op, ReadError> {
     let what = format!("op{}", o.id);
     let role = ROLES
         .iter()
         .find(|r| r.1 == o.role)
-        .ok_or(format!("{what}: unknown role `{}`", o.role))?
+        .ok_or_else(|| invalid!("{what}: unknown role `{}`", o.role))?
         .0;
     let layer = match &o.layer {
         None => None,
@@ -686,7 +720,7 @@ fn op_from(p: &Program, stream: StreamId, o: OpFile) -> Result<Op, String> {
                 .iter()
                 .find(|(_, l)| &l.name == name)
                 .map(|(id, _)| id)
-                .ok_or(format!("{what}: unknown layer `{name}`"))?,
+                .ok_or_else(|| invalid!("{what}: unknown layer `{name}`"))?,
         ),
     };
     let mut collectives = vec![];
@@ -702,18 +736,19 @@ fn op_from(p: &Program, stream: StreamId, o: OpFile) -> Result<Op, String> {
                     Collective::Broadcast,
                 ][i]
             })
-            .ok_or(format!("{what}: unknown collective `{}`", c.kind))?;
+            .ok_or_else(|| invalid!("{what}: unknown collective `{}`", c.kind))?;
         if c.count
             .checked_mul(dtype(&c.dtype, &what)?.bytes())
             .is_none()
         {
-            return Err(format!(
+            return Err(invalid!(
                 "{what}: {} elements of {} overflow a byte count",
-                c.count, c.dtype
+                c.count,
+                c.dtype
             ));
         }
         if c.communicator as usize >= p.comms.len() {
-            return Err(format!(
+            return Err(invalid!(
                 "{what}: communicator {} does not exist",
                 c.communicator
             ));
@@ -739,9 +774,9 @@ fn op_from(p: &Program, stream: StreamId, o: OpFile) -> Result<Op, String> {
             let c = COMPUTE
                 .iter()
                 .find(|c| Op::compute_name(**c) == k)
-                .ok_or(format!("{what}: unknown or malformed kind `{k}`"))?;
+                .ok_or_else(|| invalid!("{what}: unknown or malformed kind `{k}`"))?;
             if !collectives.is_empty() {
-                return Err(format!("{what}: a `{k}` op holds no collectives"));
+                return Err(invalid!("{what}: a `{k}` op holds no collectives"));
             }
             OpKind::Compute(*c)
         }
@@ -750,7 +785,7 @@ fn op_from(p: &Program, stream: StreamId, o: OpFile) -> Result<Op, String> {
         if (e as usize) < p.events.len() {
             Ok(EventId::from_u32(e))
         } else {
-            Err(format!("{what}: event {e} does not exist"))
+            Err(invalid!("{what}: event {e} does not exist"))
         }
     };
     Ok(Op {

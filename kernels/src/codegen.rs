@@ -83,20 +83,39 @@ impl Target {
     }
 }
 
-/// Why code could not be generated.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct CodegenError(pub String);
-
-impl fmt::Display for CodegenError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "kernel code generation: {}", self.0)
-    }
+/// Why code could not be generated or a generated kernel could not run.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum CodegenError {
+    /// LLVM refused a step (`doing`), in its own words.
+    #[error("kernel code generation: {doing}: {llvm}")]
+    Llvm { doing: &'static str, llvm: String },
+    /// LLVM has no target machine for the triple and processor.
+    #[error("kernel code generation: no target machine for {triple} {cpu}")]
+    NoMachine { triple: String, cpu: String },
+    /// The PTX LLVM wrote is not text.
+    #[error("kernel code generation: the PTX is not UTF-8")]
+    PtxNotText,
+    /// A kernel a host warp cannot run (it needs more lanes than a warp has).
+    #[error("kernel code generation: {kernel}: a warp on the host runs row and element ops")]
+    NotForAWarp { kernel: String },
+    /// A kernel the JIT build does not hold.
+    #[error("kernel code generation: {kernel} was not compiled")]
+    NotCompiled { kernel: String },
+    /// A launch whose arguments do not match the kernel's parameters.
+    #[error("kernel code generation: {kernel} takes {takes} arguments, {given} given")]
+    Arguments {
+        kernel: String,
+        takes: usize,
+        given: usize,
+    },
 }
 
-impl std::error::Error for CodegenError {}
-
-fn err(what: impl fmt::Display) -> CodegenError {
-    CodegenError(what.to_string())
+/// [`CodegenError::Llvm`] for LLVM's error `e` while `doing`.
+fn llvm(doing: &'static str) -> impl Fn(&dyn fmt::Display) -> CodegenError {
+    move |e| CodegenError::Llvm {
+        doing,
+        llvm: e.to_string(),
+    }
 }
 
 /// The PTX of `kernels` for `sm_{sm}`, optimised (O3).
@@ -108,8 +127,8 @@ pub fn ptx(kernels: &[Kernel], sm: u32) -> Result<String, CodegenError> {
     optimise(&module, &tm)?;
     let buf = tm
         .write_to_memory_buffer(&module, FileType::Assembly)
-        .map_err(err)?;
-    String::from_utf8(buf.as_slice().to_vec()).map_err(err)
+        .map_err(|e| llvm("writing PTX")(&e))?;
+    String::from_utf8(buf.as_slice().to_vec()).map_err(|_| CodegenError::PtxNotText)
 }
 
 /// The optimised LLVM IR text of `kernels` for `target` (for inspection and tests).
@@ -131,7 +150,8 @@ fn machine(target: Target) -> Result<TargetMachine, CodegenError> {
             )
         }
         Target::Host | Target::Warp => {
-            LlvmTarget::initialize_native(&InitializationConfig::default()).map_err(err)?;
+            LlvmTarget::initialize_native(&InitializationConfig::default())
+                .map_err(|e| llvm("initialising the host target")(&e))?;
             (
                 TargetMachine::get_default_triple(),
                 host_cpu().0,
@@ -139,7 +159,7 @@ fn machine(target: Target) -> Result<TargetMachine, CodegenError> {
             )
         }
     };
-    let t = LlvmTarget::from_triple(&triple).map_err(err)?;
+    let t = LlvmTarget::from_triple(&triple).map_err(|e| llvm("finding the target")(&e))?;
     t.create_target_machine(
         &triple,
         &cpu,
@@ -148,7 +168,10 @@ fn machine(target: Target) -> Result<TargetMachine, CodegenError> {
         RelocMode::Default,
         CodeModel::Default,
     )
-    .ok_or_else(|| err(format!("no target machine for {triple:?} {cpu}")))
+    .ok_or_else(|| CodegenError::NoMachine {
+        triple: format!("{triple:?}"),
+        cpu,
+    })
 }
 
 fn host_cpu() -> (String, String) {
@@ -177,10 +200,12 @@ fn for_this_cpu(ctx: &Context, f: FunctionValue<'_>) {
 }
 
 fn optimise(module: &Module<'_>, tm: &TargetMachine) -> Result<(), CodegenError> {
-    module.verify().map_err(|e| err(e.to_string()))?;
+    module
+        .verify()
+        .map_err(|e| llvm("verifying the module")(&e))?;
     module
         .run_passes("default<O3>", tm, PassBuilderOptions::create())
-        .map_err(|e| err(e.to_string()))
+        .map_err(|e| llvm("optimising")(&e))
 }
 
 /// How a kernel's entry walks its indices.
@@ -500,9 +525,9 @@ impl HostKernels {
             .find(too_wide)
             .filter(|_| target == Target::Warp)
         {
-            return Err(err(format!(
-                "{k}: a warp on the host runs row and element ops"
-            )));
+            return Err(CodegenError::NotForAWarp {
+                kernel: k.to_string(),
+            });
         }
         let ctx = Box::new(Context::create());
         // SAFETY: the context is boxed (its address is stable) and outlives the engine: both are
@@ -514,7 +539,7 @@ impl HostKernels {
         // symbols visible when it is created).
         let engine = module
             .create_jit_execution_engine(OptimizationLevel::Aggressive)
-            .map_err(|e| err(e.to_string()))?;
+            .map_err(|e| llvm("creating the JIT")(&e))?;
         if target == Target::Warp {
             warp::map(&module, &engine);
         }
@@ -523,7 +548,10 @@ impl HostKernels {
             let name = k.name();
             let a = engine
                 .get_function_address(&format!("{name}.packed"))
-                .map_err(|e| err(format!("{name}: {e}")))?;
+                .map_err(|e| CodegenError::Llvm {
+                    doing: "finding a compiled kernel",
+                    llvm: format!("{name}: {e}"),
+                })?;
             addresses.insert(name, a);
         }
         Ok(HostKernels {
@@ -558,13 +586,15 @@ impl HostKernels {
         let a = self
             .addresses
             .get(&name)
-            .ok_or_else(|| err(format!("{name} was not compiled")))?;
+            .ok_or_else(|| CodegenError::NotCompiled {
+                kernel: name.clone(),
+            })?;
         if args.len() != k.params().len() {
-            return Err(err(format!(
-                "{name} takes {} arguments, {} given",
-                k.params().len(),
-                args.len()
-            )));
+            return Err(CodegenError::Arguments {
+                kernel: name,
+                takes: k.params().len(),
+                given: args.len(),
+            });
         }
         // SAFETY: the address is the `.packed` entry built for exactly this signature.
         let f: extern "C" fn(*const u64, i64, i64) = unsafe { std::mem::transmute(*a) };

@@ -28,15 +28,11 @@ pub struct Arena {
     bulk: AtomicBool,
 }
 
-/// Why an access was refused: it lies outside the arena or is misaligned for its dtype.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// Why an access was refused: it lies outside the arena or is misaligned for its dtype (the
+/// access and the arena's size, in words).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
 pub struct AccessError(pub String);
-
-impl std::fmt::Display for AccessError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
-    }
-}
 
 impl Arena {
     /// An arena of `bytes` bytes, zeroed.

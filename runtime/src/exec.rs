@@ -87,14 +87,65 @@ pub enum Action {
     Collectives(Vec<CollectiveOp>),
 }
 
+/// Why a plan's ops do not decode against its model.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum DecodeError {
+    #[error("the plan has {plan} layers but its model has {model}")]
+    Layers { plan: usize, model: usize },
+    /// An op whose regions do not fit what its kind computes (`op17 (backward block[1])`).
+    #[error("{op}: {mismatch}")]
+    Op { op: String, mismatch: OpMismatch },
+}
+
+/// How one op's regions fail to fit what its kind computes.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum OpMismatch {
+    #[error("names no layer")]
+    NoLayer,
+    #[error("reads no {0}")]
+    MissingRead(&'static str),
+    #[error("writes no {0}")]
+    MissingWrite(&'static str),
+    #[error("{reads} reads and {writes} writes are left over that the op does not use")]
+    LeftOver { reads: usize, writes: usize },
+    #[error("writes {0} which is not a gradient")]
+    NotAGradient(String),
+    #[error("writes a rank-dependent part of {0}")]
+    RankDependentGradient(String),
+    #[error("writes {0}, another layer's gradient")]
+    OtherLayersGradient(String),
+    #[error("a tied head's embedding parameters are missing")]
+    TiedEmbeddingMissing,
+    #[error("the model does not end in an lm_head")]
+    NoHead,
+    #[error("copies {from} bytes into {to}")]
+    CopySizes { from: u64, to: u64 },
+    #[error("its {what} region holds {holds} elements, the layer needs {needs}")]
+    TooSmall {
+        what: &'static str,
+        holds: u64,
+        needs: usize,
+    },
+    /// A size this schedrun's layer math does not give: a plan another schedc laid out (or an
+    /// edited file).
+    #[error(
+        "its {what} region holds {holds} elements, the layer has {has} (a plan compiled by \
+         another schedc? compile it again)"
+    )]
+    OtherSize {
+        what: &'static str,
+        holds: u64,
+        has: usize,
+    },
+}
+
 /// Decodes every op of `p`, compiled for `model`, checking sizes against `maths` (one per layer).
-pub fn decode(p: &Program, model: &Model, maths: &[LayerMath]) -> Result<Vec<Action>, String> {
+pub fn decode(p: &Program, model: &Model, maths: &[LayerMath]) -> Result<Vec<Action>, DecodeError> {
     if p.layers.len() != model.layers.len() {
-        return Err(format!(
-            "the plan has {} layers but its model has {}",
-            p.layers.len(),
-            model.layers.len()
-        ));
+        return Err(DecodeError::Layers {
+            plan: p.layers.len(),
+            model: model.layers.len(),
+        });
     }
     p.ops
         .iter()
@@ -103,7 +154,8 @@ pub fn decode(p: &Program, model: &Model, maths: &[LayerMath]) -> Result<Vec<Act
                 Some(l) => format!("{id} ({} {})", op.kind_name(), p.layers[l].name),
                 None => format!("{id} ({})", op.kind_name()),
             };
-            decode_op(p, model, maths, op).map_err(|e| format!("{name}: {e}"))
+            decode_op(p, model, maths, op)
+                .map_err(|mismatch| DecodeError::Op { op: name, mismatch })
         })
         .collect()
 }
@@ -116,24 +168,24 @@ struct Lists<'a> {
 }
 
 impl Lists<'_> {
-    fn take_read(&mut self, want: bool, what: &str) -> Result<Option<Region>, String> {
+    fn take_read(&mut self, want: bool, what: &'static str) -> Result<Option<Region>, OpMismatch> {
         if !want {
             return Ok(None);
         }
         self.reads
             .pop_front()
             .map(Some)
-            .ok_or(format!("reads no {what}"))
+            .ok_or(OpMismatch::MissingRead(what))
     }
 
-    fn take_write(&mut self, want: bool, what: &str) -> Result<Option<Region>, String> {
+    fn take_write(&mut self, want: bool, what: &'static str) -> Result<Option<Region>, OpMismatch> {
         if !want {
             return Ok(None);
         }
         self.writes
             .pop_front()
             .map(Some)
-            .ok_or(format!("writes no {what}"))
+            .ok_or(OpMismatch::MissingWrite(what))
     }
 
     fn kind(&self, r: &Region) -> BufferKind {
@@ -144,13 +196,12 @@ impl Lists<'_> {
         matches!(self.kind(r), BufferKind::ParamShard | BufferKind::Gathered)
     }
 
-    fn finish(&self) -> Result<(), String> {
+    fn finish(&self) -> Result<(), OpMismatch> {
         if !self.reads.is_empty() || !self.writes.is_empty() {
-            return Err(format!(
-                "{} reads and {} writes are left over that the op does not use",
-                self.reads.len(),
-                self.writes.len()
-            ));
+            return Err(OpMismatch::LeftOver {
+                reads: self.reads.len(),
+                writes: self.writes.len(),
+            });
         }
         Ok(())
     }
@@ -161,7 +212,7 @@ fn decode_op(
     model: &Model,
     maths: &[LayerMath],
     op: &sched_ir::ir::Op,
-) -> Result<Action, String> {
+) -> Result<Action, OpMismatch> {
     let kind = match &op.kind {
         OpKind::Collective(c) => return Ok(Action::Collectives(vec![*c])),
         OpKind::Group(cs) => return Ok(Action::Collectives(cs.clone())),
@@ -177,7 +228,7 @@ fn decode_op(
         all_reads: data(&op.reads),
     };
     let layer = op.layer.map(|id| id.index());
-    let need_layer = || layer.ok_or("names no layer".to_string());
+    let need_layer = || layer.ok_or(OpMismatch::NoLayer);
     let tied_of = |layer: usize| -> Option<usize> {
         match model.layers[layer].kind {
             LayerKind::LmHead { tied: true, .. } => model
@@ -237,10 +288,10 @@ fn decode_op(
             while let Some(r) = l.writes.pop_front() {
                 let buf = &p.buffers[r.buffer];
                 if !matches!(buf.kind, BufferKind::GradShard | BufferKind::FullGrad) {
-                    return Err(format!("writes {} which is not a gradient", buf.name));
+                    return Err(OpMismatch::NotAGradient(buf.name.clone()));
                 }
                 let Offset::Fixed(off) = r.offset else {
-                    return Err(format!("writes a rank-dependent part of {}", buf.name));
+                    return Err(OpMismatch::RankDependentGradient(buf.name.clone()));
                 };
                 let part = GradPart {
                     region: r,
@@ -250,11 +301,11 @@ fn decode_op(
                 match buf.layer.map(|x| x.index()) {
                     Some(x) if x == layer => grads.push(part),
                     Some(x) if Some(x) == tied_layer => tied_grads.push(part),
-                    _ => return Err(format!("writes {}, another layer's gradient", buf.name)),
+                    _ => return Err(OpMismatch::OtherLayersGradient(buf.name.clone())),
                 }
             }
             if tied_layer.is_some() != tied.is_some() {
-                return Err("a tied head's embedding parameters are missing".into());
+                return Err(OpMismatch::TiedEmbeddingMissing);
             }
             Action::Backward {
                 layer,
@@ -307,7 +358,7 @@ fn decode_op(
                 to.iter().map(|r| r.bytes).sum::<u64>(),
             );
             if a != b {
-                return Err(format!("copies {a} bytes into {b}"));
+                return Err(OpMismatch::CopySizes { from: a, to: b });
             }
             Action::Copy { from, to }
         }
@@ -318,24 +369,25 @@ fn decode_op(
 }
 
 /// Sizes every region of a layer action against the layer math.
-fn check_sizes(p: &Program, maths: &[LayerMath], a: &Action) -> Result<(), String> {
+fn check_sizes(p: &Program, maths: &[LayerMath], a: &Action) -> Result<(), OpMismatch> {
     let elems = |r: &Region| r.bytes / p.buffers[r.buffer].dtype.bytes();
-    let at_least = |r: &Option<Region>, n: usize, what: &str| match r {
-        Some(r) if (elems(r) as usize) < n => Err(format!(
-            "its {what} region holds {} elements, the layer needs {n}",
-            elems(r)
-        )),
+    let at_least = |r: &Option<Region>, n: usize, what: &'static str| match r {
+        Some(r) if (elems(r) as usize) < n => Err(OpMismatch::TooSmall {
+            what,
+            holds: elems(r),
+            needs: n,
+        }),
         _ => Ok(()),
     };
     // A size this schedrun's layer math does not give comes from a plan that another schedc
     // laid out (or an edited file): say so (an lm_head's logits, say, are in rows of
     // `logits_stride` since the plan padded them).
-    let exactly = |r: &Option<Region>, n: usize, what: &str| match r {
-        Some(r) if elems(r) as usize != n => Err(format!(
-            "its {what} region holds {} elements, the layer has {n} (a plan compiled by another \
-             schedc? compile it again)",
-            elems(r)
-        )),
+    let exactly = |r: &Option<Region>, n: usize, what: &'static str| match r {
+        Some(r) if elems(r) as usize != n => Err(OpMismatch::OtherSize {
+            what,
+            holds: elems(r),
+            has: n,
+        }),
         _ => Ok(()),
     };
     match a {
@@ -366,7 +418,7 @@ fn check_sizes(p: &Program, maths: &[LayerMath], a: &Action) -> Result<(), Strin
             exactly(&Some(*grad_output), m.output_elements(), "output gradient")?;
         }
         Action::Loss { logits, grad } => {
-            let head = LayerMath::head(maths).ok_or("the model does not end in an lm_head")?;
+            let head = LayerMath::head(maths).ok_or(OpMismatch::NoHead)?;
             exactly(&Some(*logits), head.output_elements(), "logits")?;
             exactly(&Some(*grad), head.output_elements(), "logits gradient")?;
         }

@@ -1,4 +1,4 @@
-//! `schedrun`: executes compiled sched plans (`shared/spec/runtime.md`).
+//! `schedrun`: executes compiled sched plans (`docs/runtime.md`).
 //!
 //! It reads a plan written by `schedc compile` (or compiles a `.sched` file on the spot), verifies
 //! it again, and runs it without re-deciding anything the plan decided: every rank's ops on their

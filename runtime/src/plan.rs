@@ -13,22 +13,86 @@ use sched_ir::job::Job;
 use sched_verify::Verified;
 use std::path::Path;
 
-/// Why a plan cannot run. `Input` errors are the user's (exit 1), `Fault` the machine's (exit 2).
-#[derive(Debug)]
+/// Why a plan cannot run. Each message is complete on its own; the cause is also its `source`.
+#[derive(Debug, thiserror::Error)]
 pub enum LoadError {
-    Input(String),
-    Fault(String),
+    /// Through schedc's loader (a plan file or a `.sched` file).
+    #[cfg(feature = "compile")]
+    #[error(transparent)]
+    Load(#[from] schedc::load::LoadError),
+    /// The file cannot be read.
+    #[cfg(not(feature = "compile"))]
+    #[error("cannot read {}: {error}", path.display())]
+    Read {
+        path: std::path::PathBuf,
+        #[source]
+        error: std::io::Error,
+    },
+    /// A `.sched` file given to a schedrun built without the compiler.
+    #[cfg(not(feature = "compile"))]
+    #[error(
+        "{}: not a plan file, and this schedrun was built without the `compile` feature: \
+         compile it with `schedc compile` and run the plan file",
+        path.display()
+    )]
+    NotAPlan { path: std::path::PathBuf },
+    /// A plan file this version cannot read, that holds another schedule, or that fails
+    /// verification.
+    #[cfg(not(feature = "compile"))]
+    #[error("{}: {error}", path.display())]
+    Plan {
+        path: std::path::PathBuf,
+        #[source]
+        error: sched_verify::plan::PlanError,
+    },
+    /// A layer this runtime's math cannot compute.
+    #[error(transparent)]
+    Layer(#[from] crate::math::MathError),
+    /// An op whose regions do not fit the layer math.
+    #[error(transparent)]
+    Decode(#[from] crate::exec::DecodeError),
 }
 
-impl std::fmt::Display for LoadError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+impl LoadError {
+    /// The user's input is at fault (exit 1), rather than the machine or the compiler (exit 2).
+    pub fn is_input(&self) -> bool {
         match self {
-            LoadError::Input(m) | LoadError::Fault(m) => f.write_str(m),
+            #[cfg(feature = "compile")]
+            LoadError::Load(e) => e.is_input(),
+            #[cfg(not(feature = "compile"))]
+            LoadError::Read { .. } => false,
+            _ => true,
+        }
+    }
+
+    /// Whether [`LoadError::render`] is already a full report (a `.sched` file's diagnostics,
+    /// each with its own `error:` and source lines).
+    pub fn is_diagnostics(&self) -> bool {
+        #[cfg(feature = "compile")]
+        if let LoadError::Load(schedc::load::LoadError::Diagnostics(_)) = self {
+            return true;
+        }
+        false
+    }
+
+    /// The message, with a plan's verification errors shown in their listing's context (the
+    /// first ten, two ops either side).
+    pub fn render(&self) -> String {
+        match self {
+            #[cfg(feature = "compile")]
+            LoadError::Load(e) => e.render(10, 2),
+            #[cfg(not(feature = "compile"))]
+            LoadError::Plan {
+                error: sched_verify::plan::PlanError::Unverified(r),
+                ..
+            } => format!(
+                "{self}:\n\n{}",
+                sched_verify::render_context(&r.program, &r.errors[..r.errors.len().min(10)], 2)
+            ),
+            other => other.to_string(),
         }
     }
 }
-
-impl std::error::Error for LoadError {}
 
 /// A loaded, verified, decoded plan.
 pub struct Plan {
@@ -69,9 +133,9 @@ impl Plan {
             .model
             .layers
             .iter()
-            .map(|l| LayerMath::new(l, &job.model).map_err(|e| LoadError::Input(e.to_string())))
+            .map(|l| LayerMath::new(l, &job.model))
             .collect::<Result<Vec<_>, _>>()?;
-        let actions = decode(&program, &job.model, &maths).map_err(LoadError::Input)?;
+        let actions = decode(&program, &job.model, &maths)?;
         let layout = program.layout;
         let mut stream_ops = vec![vec![]; program.streams.len()];
         for (id, op) in program.ops.iter() {
@@ -193,49 +257,26 @@ use cranelift_entity::EntityRef;
 /// The verified program and job of `path`, through schedc's shared loader (plan file or `.sched`).
 #[cfg(feature = "compile")]
 fn load_verified(path: &Path, schedule: Option<&str>) -> Result<(Verified, Job), LoadError> {
-    use schedc::load::LoadError as L;
-    match schedc::load::load(path, schedule) {
-        Ok(loaded) => Ok((loaded.program, loaded.job)),
-        Err(e @ L::Read { .. }) => Err(LoadError::Fault(e.to_string())),
-        Err(L::Unverified { path, rejected }) => Err(unverified(&path, &rejected)),
-        Err(L::Compile {
-            path,
-            schedule,
-            error,
-        }) => Err(LoadError::Input(format!(
-            "{}: {schedule}: {error}",
-            path.display()
-        ))),
-        Err(e) => Err(LoadError::Input(e.to_string())),
-    }
+    let loaded = schedc::load::load(path, schedule)?;
+    Ok((loaded.program, loaded.job))
 }
 
 /// The verified program and job of the plan file `path` (this schedrun was built without the
 /// compiler: a `.sched` file is refused with what to do instead).
 #[cfg(not(feature = "compile"))]
 fn load_verified(path: &Path, schedule: Option<&str>) -> Result<(Verified, Job), LoadError> {
-    use sched_verify::plan::{is_plan_text, read_verified, PlanError};
-    let text = std::fs::read_to_string(path)
-        .map_err(|e| LoadError::Fault(format!("cannot read {}: {e}", path.display())))?;
+    use sched_verify::plan::{is_plan_text, read_verified};
+    let text = std::fs::read_to_string(path).map_err(|error| LoadError::Read {
+        path: path.to_path_buf(),
+        error,
+    })?;
     if !is_plan_text(&text) {
-        return Err(LoadError::Input(format!(
-            "{}: not a plan file, and this schedrun was built without the `compile` feature: \
-             compile it with `schedc compile` and run the plan file",
-            path.display()
-        )));
+        return Err(LoadError::NotAPlan {
+            path: path.to_path_buf(),
+        });
     }
-    read_verified(&text, schedule).map_err(|e| match e {
-        PlanError::Unverified(rejected) => unverified(path, &rejected),
-        e => LoadError::Input(format!("{}: {e}", path.display())),
+    read_verified(&text, schedule).map_err(|error| LoadError::Plan {
+        path: path.to_path_buf(),
+        error,
     })
-}
-
-/// A plan file the verifier refuses: the first errors in context.
-fn unverified(path: &Path, rejected: &sched_verify::Rejected) -> LoadError {
-    let errors = &rejected.errors;
-    LoadError::Input(format!(
-        "{}: the plan fails verification; refusing to run it:\n{}",
-        path.display(),
-        sched_verify::render_context(&rejected.program, &errors[..errors.len().min(10)], 2)
-    ))
 }

@@ -9,9 +9,14 @@ use sched_ir::timeline::{emit_trace, Trace};
 use sched_ir::timeline::{RankTimeline, Timeline};
 use std::time::Duration;
 
+/// A step whose spans lack an op of some rank (or name no rank): there is no trace to write.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("the backend did not time every op of the step")]
+pub struct Untimed;
+
 /// The trace of one step that took `time`, from the spans of every op of each rank in `spans`
 /// (the ranks this process drove); an error when a rank lacks an op.
-pub fn measured(plan: &Plan, time: Duration, spans: &[OpSpan]) -> Result<Trace, String> {
+pub fn measured(plan: &Plan, time: Duration, spans: &[OpSpan]) -> Result<Trace, Untimed> {
     let ops = plan.program.ops.len();
     let mut present: Vec<u32> = spans.iter().map(|s| s.rank).collect();
     present.sort_unstable();
@@ -31,7 +36,7 @@ pub fn measured(plan: &Plan, time: Duration, spans: &[OpSpan]) -> Result<Trace, 
         rt.end[s.op.index()] = s.end.as_secs_f64();
     }
     if ranks.is_empty() || ranks.iter().any(|r| r.start.iter().any(|t| t.is_nan())) {
-        return Err("the backend did not time every op of the step".into());
+        return Err(Untimed);
     }
     let timeline = Timeline {
         ranks,

@@ -220,11 +220,7 @@ impl<B: Backend> Trainer<B> {
                         model.micro_batch as usize,
                         model.seq_len as usize,
                     )
-                    .map_err(|e| RunError {
-                        rank: None,
-                        op: None,
-                        message: e.to_string(),
-                    })?;
+                    .map_err(RunError::of_run)?;
                 per_rank.push(Batch { inputs, targets });
             }
             out.push(per_rank);
@@ -235,13 +231,10 @@ impl<B: Backend> Trainer<B> {
     /// Runs the next optimizer step.
     pub fn step(&mut self, lr: f64, clip: Option<f64>) -> Result<StepReport, RunError> {
         if clip.is_some() && !self.plan.clips() {
-            return Err(RunError {
-                rank: None,
-                op: None,
-                message: "gradient clipping was asked for, but the plan was compiled without it \
-                          (set `clip` in the schedule's `train` block and compile again)"
-                    .into(),
-            });
+            return Err(RunError::of_run(
+                "gradient clipping was asked for, but the plan was compiled without it (set \
+                 `clip` in the schedule's `train` block and compile again)",
+            ));
         }
         let input = StepInput {
             step: self.step + 1,

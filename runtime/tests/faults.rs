@@ -9,7 +9,7 @@ use schedc::{analyze, FsLoader, Job};
 use schedrun::backend::cpu::CpuBackend;
 use schedrun::backend::{Fault, RunError, RunOptions};
 use schedrun::data::Corpus;
-use schedrun::plan::{LoadError, Plan};
+use schedrun::plan::Plan;
 use schedrun::reference::Reference;
 use schedrun::train::Trainer;
 use std::path::Path;
@@ -122,8 +122,8 @@ fn write_temp(name: &str, text: &str) -> std::path::PathBuf {
 
 fn refusal(path: &Path) -> String {
     match Plan::load(path, None) {
-        Err(LoadError::Input(m)) => m,
-        Err(LoadError::Fault(m)) => panic!("a fault, not a refusal: {m}"),
+        Err(e) if e.is_input() => e.render(),
+        Err(e) => panic!("a fault, not a refusal: {e}"),
         Ok(_) => panic!("{} was accepted", path.display()),
     }
 }

@@ -59,19 +59,11 @@ use std::collections::HashMap;
 pub use clocks::Clocks;
 
 /// One violated invariant.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{}{message}", op.map(|o| format!("{o}: ")).unwrap_or_default())]
 pub struct VerifyError {
     pub op: Option<OpId>,
     pub message: String,
-}
-
-impl std::fmt::Display for VerifyError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self.op {
-            Some(op) => write!(f, "{op}: {}", self.message),
-            None => f.write_str(&self.message),
-        }
-    }
 }
 
 /// What a verified program is known to satisfy, for emitters and the runtime.
@@ -126,27 +118,16 @@ impl std::ops::Deref for Verified {
 
 /// A program some proof fails for: every error found, and the program back, to render them in
 /// its listing ([`render`], [`render_context`]).
-#[derive(Debug)]
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "the program fails verification ({} errors{})",
+    errors.len(),
+    errors.first().map(|e| format!("; first: {e}")).unwrap_or_default()
+)]
 pub struct Rejected {
     pub program: Box<Program>,
     pub errors: Vec<VerifyError>,
 }
-
-impl std::fmt::Display for Rejected {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "the program fails verification ({} errors",
-            self.errors.len()
-        )?;
-        match self.errors.first() {
-            Some(e) => write!(f, "; first: {e})"),
-            None => f.write_str(")"),
-        }
-    }
-}
-
-impl std::error::Error for Rejected {}
 
 /// How far through the pipeline a program is: which structural facts it can already meet.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]

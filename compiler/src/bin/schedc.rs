@@ -1,4 +1,4 @@
-//! `schedc`: the command line of the schedule compiler (`shared/spec/cli.md`).
+//! `schedc`: the command line of the schedule compiler (`docs/cli.md`).
 //!
 //! Exit status: 0 success (warnings allowed), 1 errors in the input or a failed check, 2 any other
 //! failure (a file that cannot be read or written). Results go to stdout, diagnostics to stderr.

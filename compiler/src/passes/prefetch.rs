@@ -21,16 +21,22 @@ use sched_ir::ir::*;
 use std::collections::VecDeque;
 
 /// A `prefetch.max_live` cap the schedule cannot meet: the slot and the bytes that do not fit.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct MaxLiveError(pub String);
-
-impl std::fmt::Display for MaxLiveError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
-    }
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "max_live = {cap} bytes cannot be met: before {kind} {layer} (micro-step {micro_step}), \
+     {in_use} bytes of gathered parameters are still needed and {more} more must be gathered"
+)]
+pub struct MaxLiveError {
+    pub cap: u64,
+    /// The compute op of the slot that cannot start: its kind and layer.
+    pub kind: &'static str,
+    pub layer: String,
+    pub micro_step: u32,
+    /// Gathered bytes still needed when the slot's own parameters must be gathered.
+    pub in_use: u64,
+    /// The slot's own gathered bytes.
+    pub more: u64,
 }
-
-impl std::error::Error for MaxLiveError {}
 
 /// Fixes the issue order and returns the renumbered program with its fences.
 pub fn run(draft: Draft) -> Result<(Program, Vec<(OpId, OpId)>), MaxLiveError> {
@@ -81,14 +87,14 @@ pub fn run(draft: Draft) -> Result<(Program, Vec<(OpId, OpId)>), MaxLiveError> {
             let in_use: u64 = live.iter().map(|l| l.1).sum();
             if in_use.saturating_add(u.gathered_bytes) > cap {
                 if u.consumer == pos {
-                    return Err(MaxLiveError(format!(
-                        "max_live = {cap} bytes cannot be met: before {} {} (micro-step {}), {in_use} bytes of gathered \
-                         parameters are still needed and {} more must be gathered",
-                        program.ops[slot.compute[0]].kind_name(),
-                        slot_layer_name(&program, slot),
-                        program.ops[slot.compute[0]].micro_step.unwrap_or(0),
-                        u.gathered_bytes
-                    )));
+                    return Err(MaxLiveError {
+                        cap,
+                        kind: program.ops[slot.compute[0]].kind_name(),
+                        layer: slot_layer_name(&program, slot),
+                        micro_step: program.ops[slot.compute[0]].micro_step.unwrap_or(0),
+                        in_use,
+                        more: u.gathered_bytes,
+                    });
                 }
                 break;
             }

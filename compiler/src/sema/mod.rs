@@ -162,35 +162,51 @@ impl Analysis {
     }
 
     /// The job to act on: the one named, or the only one. Lists the choices otherwise.
-    pub fn select(&self, name: Option<&str>) -> Result<&Job, String> {
-        let names = || {
-            self.jobs
-                .iter()
-                .map(|j| j.schedule.name.as_str())
-                .collect::<Vec<_>>()
-                .join(", ")
-        };
+    pub fn select(&self, name: Option<&str>) -> Result<&Job, SelectError> {
+        let names = || self.jobs.iter().map(|j| j.schedule.name.clone()).collect();
         match name {
             Some(n) => self
                 .jobs
                 .iter()
                 .find(|j| j.schedule.name == n)
-                .ok_or_else(|| {
-                    let hint = did_you_mean(n, self.jobs.iter().map(|j| j.schedule.name.as_str()))
-                        .map(|s| format!("; did you mean `{s}`?"))
-                        .unwrap_or_default();
-                    format!("no schedule `{n}` in this file{hint} (it has: {})", names())
+                .ok_or_else(|| SelectError::NoSuch {
+                    name: n.to_string(),
+                    did_you_mean: did_you_mean(
+                        n,
+                        self.jobs.iter().map(|j| j.schedule.name.as_str()),
+                    )
+                    .map(str::to_string),
+                    has: names(),
                 }),
             None => match self.jobs.as_slice() {
                 [one] => Ok(one),
-                [] => Err("this file defines no schedule".to_string()),
-                _ => Err(format!(
-                    "this file defines several schedules; pick one with --schedule NAME: {}",
-                    names()
-                )),
+                [] => Err(SelectError::NoSchedule),
+                _ => Err(SelectError::Several(names())),
             },
         }
     }
+}
+
+/// Why [`Analysis::select`] found no job to act on.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum SelectError {
+    #[error(
+        "no schedule `{name}` in this file{} (it has: {})",
+        did_you_mean.as_ref().map(|s| format!("; did you mean `{s}`?")).unwrap_or_default(),
+        has.join(", ")
+    )]
+    NoSuch {
+        name: String,
+        did_you_mean: Option<String>,
+        has: Vec<String>,
+    },
+    #[error("this file defines no schedule")]
+    NoSchedule,
+    #[error(
+        "this file defines several schedules; pick one with --schedule NAME: {}",
+        .0.join(", ")
+    )]
+    Several(Vec<String>),
 }
 
 /// Analyses `root` and everything it imports.

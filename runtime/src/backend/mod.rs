@@ -63,32 +63,50 @@ pub struct RankMemory {
     pub touched: u64,
 }
 
-/// A failure while running, naming the rank and op when there is one.
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// A failure while running, naming the rank and op when there is one. Its cause is the typed
+/// error that stopped the step (a device error, an arena access, a library's refusal, a
+/// timeout's description), kept as the error's `source`.
+#[derive(Clone, Debug, thiserror::Error)]
+#[error("{}{cause}", place(*rank, op.as_deref()))]
 pub struct RunError {
     pub rank: Option<u32>,
     pub op: Option<String>,
-    pub message: String,
+    #[source]
+    pub cause: RunCause,
 }
 
-impl std::fmt::Display for RunError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match (&self.rank, &self.op) {
-            (Some(r), Some(op)) => write!(f, "rank {r}, {op}: {}", self.message),
-            (Some(r), None) => write!(f, "rank {r}: {}", self.message),
-            _ => f.write_str(&self.message),
-        }
+/// What stopped a step: any error, shared (a run error is reported by every stream that sees it).
+pub type RunCause = std::sync::Arc<dyn std::error::Error + Send + Sync>;
+
+/// `rank 2, op17 (…): ` before a cause.
+fn place(rank: Option<u32>, op: Option<&str>) -> String {
+    match (rank, op) {
+        (Some(r), Some(op)) => format!("rank {r}, {op}: "),
+        (Some(r), None) => format!("rank {r}: "),
+        _ => String::new(),
     }
 }
 
-impl std::error::Error for RunError {}
-
 impl RunError {
-    pub fn at(rank: u32, op: Option<String>, message: impl Into<String>) -> Self {
+    /// A failure of `rank` (at `op`, when known) caused by `cause`: an error, or words.
+    pub fn at(
+        rank: u32,
+        op: Option<String>,
+        cause: impl Into<Box<dyn std::error::Error + Send + Sync>>,
+    ) -> Self {
         RunError {
             rank: Some(rank),
             op,
-            message: message.into(),
+            cause: cause.into().into(),
+        }
+    }
+
+    /// A failure of the run as a whole (no rank of its own).
+    pub fn of_run(cause: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Self {
+        RunError {
+            rank: None,
+            op: None,
+            cause: cause.into().into(),
         }
     }
 }

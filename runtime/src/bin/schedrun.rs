@@ -1,4 +1,4 @@
-//! `schedrun`: runs a compiled schedule for real (`shared/spec/cli.md`, "schedrun").
+//! `schedrun`: runs a compiled schedule for real (`docs/cli.md`).
 //!
 //! Exit status: 0 success, 1 bad input (a schedule with errors, a plan that is malformed, of
 //! another version or fails verification, a weights file that does not fit the model), 2 any
@@ -97,44 +97,80 @@ enum BackendKind {
     Cuda,
 }
 
+/// Why a run failed: the input's fault (exit 1) or the machine's (exit 2), with the error that
+/// says what. [`main`] is the one place that turns it into an exit status and prints it, with
+/// every cause its message does not already give.
 enum Failure {
-    Input(String),
-    Fault(String),
+    Input(Cause),
+    Fault(Cause),
+    /// A report already written out in full (a `.sched` file's diagnostics): printed as it is.
+    Reported(String),
+}
+
+type Cause = Box<dyn std::error::Error + Send + Sync>;
+
+impl Failure {
+    fn input(e: impl Into<Cause>) -> Self {
+        Failure::Input(e.into())
+    }
+
+    fn fault(e: impl Into<Cause>) -> Self {
+        Failure::Fault(e.into())
+    }
+}
+
+impl From<LoadError> for Failure {
+    fn from(e: LoadError) -> Self {
+        let shown = e.render();
+        if e.is_diagnostics() {
+            Failure::Reported(shown)
+        } else if e.is_input() {
+            Failure::input(shown)
+        } else {
+            Failure::fault(shown)
+        }
+    }
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    match run(&cli) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(Failure::Input(m)) => {
-            eprintln!("error: {m}");
-            ExitCode::from(1)
+    let (status, e) = match run(&cli) {
+        Ok(()) => return ExitCode::SUCCESS,
+        Err(Failure::Input(e)) => (1, e),
+        Err(Failure::Fault(e)) => (2, e),
+        Err(Failure::Reported(report)) => {
+            eprintln!("{}", report.trim_end());
+            return ExitCode::from(1);
         }
-        Err(Failure::Fault(m)) => {
-            eprintln!("error: {m}");
-            ExitCode::from(2)
+    };
+    let message = e.to_string();
+    eprintln!("error: {message}");
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        let text = c.to_string();
+        if !message.contains(&text) {
+            eprintln!("  caused by: {text}");
         }
+        cause = c.source();
     }
+    ExitCode::from(status)
 }
 
 fn run(cli: &Cli) -> Result<(), Failure> {
     let dist = match cli.backend {
         BackendKind::Cpu => None,
-        BackendKind::Cuda => match DistEnv::from_env().map_err(Failure::Input)? {
+        BackendKind::Cuda => match DistEnv::from_env().map_err(Failure::input)? {
             Some(env) => Some(env),
             None => return launch(cli),
         },
     };
-    let plan = Plan::load(&cli.file, cli.schedule.as_deref()).map_err(|e| match e {
-        LoadError::Input(m) => Failure::Input(m),
-        LoadError::Fault(m) => Failure::Fault(m),
-    })?;
+    let plan = Plan::load(&cli.file, cli.schedule.as_deref())?;
     let plan = Arc::new(plan);
     let data = cli.data.clone().or(plan.job.schedule.train.data.clone());
-    let corpus = Corpus::load(data.as_deref()).map_err(|e| Failure::Input(e.to_string()))?;
+    let corpus = Corpus::load(data.as_deref()).map_err(Failure::input)?;
     corpus
         .check(plan.job.model.seq_len as usize)
-        .map_err(|e| Failure::Input(e.to_string()))?;
+        .map_err(Failure::input)?;
     let options = RunOptions {
         jitter: cli.jitter.map(Duration::from_micros),
         jitter_seed: cli.seed.unwrap_or(plan.job.schedule.train.seed),
@@ -154,7 +190,7 @@ fn run(cli: &Cli) -> Result<(), Failure> {
         }
         Some(env) => {
             if env.world != plan.ranks() {
-                return Err(Failure::Input(format!(
+                return Err(Failure::input(format!(
                     "the plan has {} ranks but WORLD_SIZE is {} (rank {})",
                     plan.ranks(),
                     env.world,
@@ -162,17 +198,16 @@ fn run(cli: &Cli) -> Result<(), Failure> {
                 )));
             }
             // Missing libraries (or a build without CUDA): one line, before any device work.
-            cuda::probe().map_err(|e| Failure::Fault(e.to_string()))?;
+            cuda::probe().map_err(Failure::fault)?;
             let ptx = ptx_files(cli)?;
             if env.world > 1 && cli.save.is_some() {
-                return Err(Failure::Input(
+                return Err(Failure::input(
                     "--save is not supported yet with several cuda processes (each holds only \
-                     its own shards)"
-                        .into(),
+                     its own shards)",
                 ));
             }
-            let backend = CudaBackend::new(plan.clone(), options, &env, &ptx)
-                .map_err(|e| Failure::Fault(e.to_string()))?;
+            let backend =
+                CudaBackend::new(plan.clone(), options, &env, &ptx).map_err(Failure::fault)?;
             run_steps(
                 cli,
                 &plan,
@@ -185,22 +220,19 @@ fn run(cli: &Cli) -> Result<(), Failure> {
 
 /// `--backend cuda` without RANK/WORLD_SIZE: this process starts one copy of itself per rank.
 fn launch(cli: &Cli) -> Result<(), Failure> {
-    let plan = Plan::load(&cli.file, cli.schedule.as_deref()).map_err(|e| match e {
-        LoadError::Input(m) => Failure::Input(m),
-        LoadError::Fault(m) => Failure::Fault(m),
-    })?;
+    let plan = Plan::load(&cli.file, cli.schedule.as_deref())?;
     let n = cli.nproc_per_node.unwrap_or(plan.ranks());
     if n != plan.ranks() {
-        return Err(Failure::Input(format!(
+        return Err(Failure::input(format!(
             "the plan has {} ranks; --nproc-per-node {n} on one machine cannot run it (use an \
              external launcher that sets RANK and WORLD_SIZE across machines)",
             plan.ranks()
         )));
     }
-    cuda::probe().map_err(|e| Failure::Fault(e.to_string()))?;
+    cuda::probe().map_err(Failure::fault)?;
     ptx_files(cli)?;
-    let exe = std::env::current_exe().map_err(|e| Failure::Fault(e.to_string()))?;
-    let port = launch::free_port().map_err(Failure::Fault)?;
+    let exe = std::env::current_exe().map_err(Failure::fault)?;
+    let port = launch::free_port().map_err(Failure::fault)?;
     let args: Vec<std::ffi::OsString> = std::env::args_os().skip(1).collect();
     let commands = launch::local_envs(n, port)
         .into_iter()
@@ -210,13 +242,13 @@ fn launch(cli: &Cli) -> Result<(), Failure> {
             c
         })
         .collect();
-    launch::run_ranks(commands).map_err(|e| Failure::Fault(e.message))
+    launch::run_ranks(commands).map_err(Failure::fault)
 }
 
 /// Where the CUDA backend finds the plan's kernels (`PtxFiles::for_input`).
 fn ptx_files(cli: &Cli) -> Result<PtxFiles, Failure> {
     PtxFiles::for_input(&cli.file, cli.ptx.as_deref(), cli.schedule.as_deref())
-        .map_err(Failure::Input)
+        .map_err(Failure::input)
 }
 
 /// Loads the initial state and runs the steps; only `print` ranks write results.
@@ -234,26 +266,21 @@ fn run_steps<B: Backend>(
     let clip = cli.clip.or(train.clip);
     let model = plan.job.model.clone();
     let state = match (&cli.init, &cli.resume) {
-        (Some(f), _) => checkpoint::load(f, &model, Contents::Weights)
-            .map_err(|e| Failure::Input(e.to_string()))?,
-        (_, Some(f)) => checkpoint::load(f, &model, Contents::Checkpoint)
-            .map_err(|e| Failure::Input(e.to_string()))?,
+        (Some(f), _) => checkpoint::load(f, &model, Contents::Weights).map_err(Failure::input)?,
+        (_, Some(f)) => {
+            checkpoint::load(f, &model, Contents::Checkpoint).map_err(Failure::input)?
+        }
         _ => trainer.initial_state(seed),
     };
-    trainer
-        .load(&state)
-        .map_err(|e| Failure::Fault(e.to_string()))?;
+    trainer.load(&state).map_err(Failure::fault)?;
     if !print {
         for _ in 0..steps {
-            trainer
-                .step(lr, clip)
-                .map_err(|e| Failure::Fault(e.to_string()))?;
+            trainer.step(lr, clip).map_err(Failure::fault)?;
         }
         return Ok(());
     }
     if let Some(f) = &cli.save_init {
-        checkpoint::save(f, &model, &state, Contents::Weights)
-            .map_err(|e| Failure::Fault(e.to_string()))?;
+        checkpoint::save(f, &model, &state, Contents::Weights).map_err(Failure::fault)?;
     }
     eprintln!(
         "schedrun: {} ({} on {}): {} ranks x {} micro-steps x {} sequences of {} bytes = {} tokens per step, {} backend",
@@ -271,9 +298,7 @@ fn run_steps<B: Backend>(
     let mut reports: Vec<StepReport> = vec![];
     let mut last = None;
     for _ in 0..steps {
-        let mut r = trainer
-            .step(lr, clip)
-            .map_err(|e| Failure::Fault(e.to_string()))?;
+        let mut r = trainer.step(lr, clip).map_err(Failure::fault)?;
         last = Some((r.time, std::mem::take(&mut r.outcome.spans)));
         let line = if cli.json {
             json!({"step": r.step, "loss": r.loss, "step_time_s": r.time.as_secs_f64(),
@@ -302,15 +327,14 @@ fn run_steps<B: Backend>(
         b.finish_and_clear();
     }
     if let Some(f) = &cli.save {
-        let state = trainer.state().map_err(|e| Failure::Fault(e.to_string()))?;
-        checkpoint::save(f, &model, &state, Contents::Checkpoint)
-            .map_err(|e| Failure::Fault(e.to_string()))?;
+        let state = trainer.state().map_err(Failure::fault)?;
+        checkpoint::save(f, &model, &state, Contents::Checkpoint).map_err(Failure::fault)?;
     }
     if let (Some(f), Some((time, spans))) = (&cli.trace, &last) {
-        let trace = schedrun::trace::measured(&plan, *time, spans).map_err(Failure::Fault)?;
+        let trace = schedrun::trace::measured(&plan, *time, spans).map_err(Failure::fault)?;
         let text = serde_json::to_string(&trace).expect("traces serialise") + "\n";
         sched_ir::files::write_atomically(f, text.as_bytes())
-            .map_err(|e| Failure::Fault(format!("cannot write {}: {e}", f.display())))?;
+            .map_err(|e| Failure::fault(format!("cannot write {}: {e}", f.display())))?;
         eprintln!("wrote {}", f.display());
     }
     summary(cli.json, &plan, &trainer, &reports);

@@ -518,6 +518,6 @@ fn alone(plan: &Plan, rank: u32, r: &Region, op: &[&Region]) -> bool {
     })
 }
 
-#[cfg(test)]
+#[cfg(all(test, feature = "compile"))]
 #[path = "../../tests/unit/device_action.rs"]
 mod tests;

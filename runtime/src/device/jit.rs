@@ -144,6 +144,6 @@ pub unsafe fn run_slots(
     ran.map_err(|e| DeviceError::Kernel(e.to_string()))
 }
 
-#[cfg(test)]
+#[cfg(all(test, feature = "compile"))]
 #[path = "../../tests/unit/device_jit.rs"]
 mod tests;

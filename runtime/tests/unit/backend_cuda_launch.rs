@@ -8,7 +8,7 @@ fn env(pairs: &[(&str, &str)]) -> Result<Option<DistEnv>, String> {
         .iter()
         .map(|(k, v)| (k.to_string(), v.to_string()))
         .collect();
-    DistEnv::from_vars(|k| m.get(k).cloned())
+    DistEnv::from_vars(|k| m.get(k).cloned()).map_err(|e| e.to_string())
 }
 
 #[test]

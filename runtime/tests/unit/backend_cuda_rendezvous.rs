@@ -22,7 +22,7 @@ fn keys() -> Vec<CommKey> {
     ]
 }
 
-fn fake_id(k: &CommKey) -> Result<[u8; ID_BYTES], String> {
+fn fake_id(k: &CommKey) -> Result<[u8; ID_BYTES], std::convert::Infallible> {
     let mut id = [0u8; ID_BYTES];
     id[0] = k.comm as u8;
     id[1] = k.group as u8;

@@ -42,13 +42,13 @@ pub fn run(
             Err((Stop::Aborted, _)) => return Err(Stopped::Aborted),
             Err((Stop::TimedOut, missing)) => {
                 let who: Vec<String> = missing.iter().map(|&m| group[m].to_string()).collect();
-                return Err(Stopped::Failed(format!(
+                return Err(Stopped::Failed(Box::from(format!(
                     "collective on {} waited {:?} for rank(s) {} of group {:?}, which never arrived",
                     c.comm,
                     sh.options.timeout,
                     who.join(", "),
                     group
-                )));
+                ))));
             }
         }
     }
@@ -73,12 +73,11 @@ fn move_bytes(
     group: &[u32],
     c: &CollectiveOp,
     staging: &mut Staging,
-) -> Result<(), String> {
+) -> Result<(), crate::arena::AccessError> {
     let p = sh.plan;
     let n = group.len() as u64;
     let d = c.dtype;
     let chunk = c.count / n;
-    let e = |e: crate::arena::AccessError| e.0;
     let input_at = |r: u32| p.at(r, &c.input);
     let output_at = |r: u32| p.at(r, &c.output);
     let arena = |r: u32| &sh.arenas[r as usize];
@@ -87,12 +86,10 @@ fn move_bytes(
             let whole = &mut staging.words;
             whole.clear();
             for &r in group {
-                arena(r)
-                    .append_bytes(input_at(r), chunk * d.bytes(), whole)
-                    .map_err(e)?;
+                arena(r).append_bytes(input_at(r), chunk * d.bytes(), whole)?;
             }
             for &r in group {
-                arena(r).write_bytes(output_at(r), whole).map_err(e)?;
+                arena(r).write_bytes(output_at(r), whole)?;
             }
         }
         Collective::ReduceScatter | Collective::AllReduce => {
@@ -102,7 +99,7 @@ fn move_bytes(
             sum.resize(count, 0.0);
             values.resize(count, 0.0);
             for &r in group {
-                arena(r).read_into(input_at(r), d, values).map_err(e)?;
+                arena(r).read_into(input_at(r), d, values)?;
                 sum.iter_mut().zip(values.iter()).for_each(|(s, x)| *s += x);
             }
             for (j, &r) in group.iter().enumerate() {
@@ -111,18 +108,16 @@ fn move_bytes(
                 } else {
                     &sum[j * chunk as usize..(j + 1) * chunk as usize]
                 };
-                arena(r).write(output_at(r), d, part).map_err(e)?;
+                arena(r).write(output_at(r), d, part)?;
             }
         }
         Collective::Broadcast => {
             let root = group[0];
             let payload = &mut staging.words;
             payload.clear();
-            arena(root)
-                .append_bytes(input_at(root), c.count * d.bytes(), payload)
-                .map_err(e)?;
+            arena(root).append_bytes(input_at(root), c.count * d.bytes(), payload)?;
             for &r in group {
-                arena(r).write_bytes(output_at(r), payload).map_err(e)?;
+                arena(r).write_bytes(output_at(r), payload)?;
             }
         }
     }

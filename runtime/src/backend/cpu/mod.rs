@@ -97,7 +97,7 @@ pub struct RankCtx<'a> {
 /// recorded), or this op failed.
 pub enum Stopped {
     Aborted,
-    Failed(String),
+    Failed(Box<dyn std::error::Error + Send + Sync>),
 }
 
 struct ThreadResult {
@@ -118,7 +118,7 @@ impl Backend for CpuBackend {
     fn upload(&self, rank: u32, offset: u64, dtype: Dtype, values: &[f32]) -> Result<(), RunError> {
         self.arenas[rank as usize]
             .write(offset, dtype, values)
-            .map_err(|e| RunError::at(rank, None, e.0))
+            .map_err(|e| RunError::at(rank, None, e))
     }
 
     fn download(
@@ -130,7 +130,7 @@ impl Backend for CpuBackend {
     ) -> Result<Vec<f32>, RunError> {
         self.arenas[rank as usize]
             .read(offset, n, dtype)
-            .map_err(|e| RunError::at(rank, None, e.0))
+            .map_err(|e| RunError::at(rank, None, e))
     }
 
     fn run_step(&mut self, input: &StepInput) -> Result<StepOutcome, RunError> {
@@ -178,11 +178,7 @@ impl Backend for CpuBackend {
             return Err(e);
         }
         if results.iter().any(|r| r.is_none()) {
-            return Err(RunError {
-                rank: None,
-                op: None,
-                message: "a stream thread panicked".into(),
-            });
+            return Err(RunError::of_run("a stream thread panicked"));
         }
         let results: Vec<ThreadResult> = results.into_iter().flatten().collect();
         let mut spans = vec![];
@@ -245,9 +241,9 @@ fn run_ops(sh: &StepShared<'_>, ctx: &RankCtx<'_>, stream: usize) -> Option<Thre
         }
         jitter.sleep();
         let o = &p.program.ops[op];
-        let fail = |message: String| {
+        let fail = |cause: Box<dyn std::error::Error + Send + Sync>| {
             sh.abort
-                .set(RunError::at(rank, Some(p.describe(op)), message));
+                .set(RunError::at(rank, Some(p.describe(op)), cause));
         };
         let t = Instant::now();
         for e in &o.wait {
@@ -258,10 +254,13 @@ fn run_ops(sh: &StepShared<'_>, ctx: &RankCtx<'_>, stream: usize) -> Option<Thre
                 Ok(()) => {}
                 Err(Stop::Aborted) => return None,
                 Err(Stop::TimedOut) => {
-                    fail(format!(
-                        "waited {limit:?} for {e}, which {} never recorded",
-                        p.describe(p.program.events[*e].recorder)
-                    ));
+                    fail(
+                        format!(
+                            "waited {limit:?} for {e}, which {} never recorded",
+                            p.describe(p.program.events[*e].recorder)
+                        )
+                        .into(),
+                    );
                     return None;
                 }
             }
@@ -297,7 +296,7 @@ fn run_ops(sh: &StepShared<'_>, ctx: &RankCtx<'_>, stream: usize) -> Option<Thre
                 };
                 let r = run_action(&r, a, o.micro_step, sh.input)
                     .map(|()| ctx.device.take_loss())
-                    .map_err(|e| Stopped::Failed(e.to_string()));
+                    .map_err(|e| Stopped::Failed(e.into()));
                 (r, start, Instant::now())
             }
         };

@@ -35,33 +35,39 @@ impl DistEnv {
     }
 
     /// Reads the environment of this process.
-    pub fn from_env() -> Result<Option<DistEnv>, String> {
+    pub fn from_env() -> Result<Option<DistEnv>, EnvError> {
         Self::from_vars(|k| std::env::var(k).ok())
     }
 
     /// Reads a launcher's variables through `var`: `None` when no rank is set (this process is
     /// then the launcher), an error naming the variable when one is malformed or half set.
-    pub fn from_vars(var: impl Fn(&str) -> Option<String>) -> Result<Option<DistEnv>, String> {
+    pub fn from_vars(var: impl Fn(&str) -> Option<String>) -> Result<Option<DistEnv>, EnvError> {
         let pick = |names: &[&str]| -> Option<(String, String)> {
             names
                 .iter()
                 .find_map(|n| var(n).filter(|v| !v.is_empty()).map(|v| (n.to_string(), v)))
         };
-        let number = |(name, v): (String, String)| -> Result<u32, String> {
-            v.trim()
+        let number = |(name, value): (String, String)| -> Result<u32, EnvError> {
+            value
+                .trim()
                 .parse::<u32>()
-                .map_err(|_| format!("{name}={v:?} is not a whole number"))
+                .map_err(|_| EnvError::NotANumber { name, value })
         };
         let rank = pick(&["RANK", "SLURM_PROCID"]);
         let world = pick(&["WORLD_SIZE", "SLURM_NTASKS"]);
         let (rank, world) = match (rank, world) {
             (None, None) => return Ok(None),
             (Some(r), Some(w)) => (number(r)?, number(w)?),
-            (Some((n, _)), None) => return Err(format!("{n} is set but WORLD_SIZE is not")),
-            (None, Some((n, _))) => return Err(format!("{n} is set but RANK is not")),
+            (Some((set, _)), None) => {
+                return Err(EnvError::HalfSet {
+                    set,
+                    unset: "WORLD_SIZE",
+                })
+            }
+            (None, Some((set, _))) => return Err(EnvError::HalfSet { set, unset: "RANK" }),
         };
         if world == 0 || rank >= world {
-            return Err(format!("RANK={rank} is not below WORLD_SIZE={world}"));
+            return Err(EnvError::RankPastWorld { rank, world });
         }
         let local_rank = match pick(&["LOCAL_RANK", "SLURM_LOCALID"]) {
             Some(v) => number(v)?,
@@ -70,13 +76,13 @@ impl DistEnv {
         let master_addr = match pick(&["MASTER_ADDR"]) {
             Some((_, v)) => v,
             None if world == 1 => "127.0.0.1".to_string(),
-            None => return Err(format!("MASTER_ADDR is not set (WORLD_SIZE={world})")),
+            None => return Err(EnvError::NoMasterAddr { world }),
         };
         let master_port = match pick(&["MASTER_PORT"]) {
             Some((n, v)) => v
                 .trim()
                 .parse::<u16>()
-                .map_err(|_| format!("{n}={v:?} is not a port number"))?,
+                .map_err(|_| EnvError::NotAPort { name: n, value: v })?,
             None => DEFAULT_MASTER_PORT,
         };
         Ok(Some(DistEnv {
@@ -100,12 +106,32 @@ impl DistEnv {
     }
 }
 
+/// What is wrong with a launcher's variables (the user's to fix: exit 1).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum EnvError {
+    #[error("{name}={value:?} is not a whole number")]
+    NotANumber { name: String, value: String },
+    #[error("{name}={value:?} is not a port number")]
+    NotAPort { name: String, value: String },
+    #[error("{set} is set but {unset} is not")]
+    HalfSet { set: String, unset: &'static str },
+    #[error("RANK={rank} is not below WORLD_SIZE={world}")]
+    RankPastWorld { rank: u32, world: u32 },
+    #[error("MASTER_ADDR is not set (WORLD_SIZE={world})")]
+    NoMasterAddr { world: u32 },
+}
+
+/// No free loopback port for a local run's rendezvous.
+#[derive(Debug, thiserror::Error)]
+#[error("cannot find a free port for the rendezvous: {0}")]
+pub struct NoFreePort(#[source] std::io::Error);
+
 /// A free loopback port for a local run's rendezvous (bound, read, released).
-pub fn free_port() -> Result<u16, String> {
+pub fn free_port() -> Result<u16, NoFreePort> {
     std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .map(|a| a.port())
-        .map_err(|e| format!("cannot find a free port for the rendezvous: {e}"))
+        .map_err(NoFreePort)
 }
 
 /// The environments of `nproc` ranks on this machine.
@@ -122,17 +148,12 @@ pub fn local_envs(nproc: u32, port: u16) -> Vec<DistEnv> {
 }
 
 /// Why a launched run failed.
-#[derive(Debug, PartialEq, Eq)]
+#[derive(Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{message}")]
 pub struct LaunchError {
     /// The first rank that failed, when one did.
     pub rank: Option<u32>,
     pub message: String,
-}
-
-impl std::fmt::Display for LaunchError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.message)
-    }
 }
 
 fn describe(s: ExitStatus) -> String {

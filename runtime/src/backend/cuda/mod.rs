@@ -1,6 +1,6 @@
 //! The CUDA backend: one process per GPU, each driving one rank of the plan.
 //!
-//! Design (issue 6; `shared/spec/runtime.md`, backends):
+//! Design (issue 6; `docs/runtime.md`, `docs/cuda.md`):
 //! - **Memory** (`memory.rs`). One device allocation per rank of exactly the plan's
 //!   `arena_bytes`; every tensor lives at its planned offset inside it, in the same byte layout
 //!   as the CPU backend's arena (fp32 as its bits, bf16/fp16 as 16-bit words). Kernels compute on
@@ -62,7 +62,7 @@ mod typed;
 mod blas;
 #[cfg(feature = "cuda")]
 mod device;
-#[cfg(all(test, feature = "llvm"))]
+#[cfg(all(test, feature = "llvm", feature = "compile"))]
 #[path = "../../../tests/unit/backend_cuda_emulate.rs"]
 mod emulate;
 #[cfg(feature = "cuda")]
@@ -153,11 +153,7 @@ mod stand_in {
     pub struct CudaBackend(());
 
     fn unavailable() -> RunError {
-        RunError {
-            rank: None,
-            op: None,
-            message: MESSAGE.into(),
-        }
+        RunError::of_run(MESSAGE)
     }
 
     impl CudaBackend {

@@ -29,6 +29,30 @@ pub enum PtxFiles {
     Generated(PathBuf),
 }
 
+/// Why `schedrun --backend cuda` has no PTX to run (the user's to fix: exit 1).
+#[derive(Debug, thiserror::Error)]
+pub enum PtxInputError {
+    #[error("cannot read {}: {error}", path.display())]
+    Read {
+        path: PathBuf,
+        #[source]
+        error: std::io::Error,
+    },
+    /// A `.sched` file, and no code generation in this schedrun.
+    #[error(
+        "--backend cuda runs the kernels `schedc compile --emit ptx` writes beside a plan, and \
+         {f} is a schedule, which only a schedrun built with `--features cuda,llvm` compiles to \
+         PTX itself: compile it first (`schedc compile {f}{s} --emit ptx -o NAME.plan.json`, \
+         schedc built with `--features llvm`) and run NAME.plan.json, or pass --ptx",
+        f = file.display(),
+        s = schedule.as_ref().map_or(String::new(), |s| format!(" --schedule {s}"))
+    )]
+    NeedsPtx {
+        file: PathBuf,
+        schedule: Option<String>,
+    },
+}
+
 impl PtxFiles {
     /// Where `schedrun FILE [--ptx F]` finds the kernels: `F`, else beside `file` when it is a
     /// plan file. A `.sched` file compiled on the spot has its PTX generated when this schedrun
@@ -38,27 +62,24 @@ impl PtxFiles {
         file: &std::path::Path,
         ptx: Option<&std::path::Path>,
         schedule: Option<&str>,
-    ) -> Result<PtxFiles, String> {
+    ) -> Result<PtxFiles, PtxInputError> {
         if let Some(f) = ptx {
             return Ok(PtxFiles::File(f.to_path_buf()));
         }
-        let text = std::fs::read_to_string(file)
-            .map_err(|e| format!("cannot read {}: {e}", file.display()))?;
+        let text = std::fs::read_to_string(file).map_err(|error| PtxInputError::Read {
+            path: file.to_path_buf(),
+            error,
+        })?;
         if sched_verify::plan::is_plan_text(&text) {
             return Ok(PtxFiles::BesidePlan(file.to_path_buf()));
         }
         if cfg!(feature = "llvm") {
             return Ok(PtxFiles::Generated(file.to_path_buf()));
         }
-        let schedule = schedule.map_or(String::new(), |s| format!(" --schedule {s}"));
-        Err(format!(
-            "--backend cuda runs the kernels `schedc compile --emit ptx` writes beside a plan, and \
-             {f} is a schedule, which only a schedrun built with `--features cuda,llvm` compiles \
-             to PTX itself: compile it first (`schedc compile {f}{schedule} --emit ptx -o \
-             NAME.plan.json`, schedc built with `--features llvm`) and run NAME.plan.json, or pass \
-             --ptx",
-            f = file.display()
-        ))
+        Err(PtxInputError::NeedsPtx {
+            file: file.to_path_buf(),
+            schedule: schedule.map(str::to_string),
+        })
     }
 
     /// The module for `sm_{sm}`.
@@ -113,13 +134,19 @@ fn target(text: &str) -> Option<u32> {
 
 /// The PTX of `kernels` for `sm_{sm}`, generated here (`sched_kernels::codegen`).
 #[cfg(feature = "llvm")]
-fn generate(kernels: &[Kernel], sm: u32) -> Result<String, String> {
-    sched_kernels::codegen::ptx(kernels, sm).map_err(|e| format!("generating it: {e}"))
+fn generate(kernels: &[Kernel], sm: u32) -> Result<String, sched_kernels::codegen::CodegenError> {
+    sched_kernels::codegen::ptx(kernels, sm)
 }
 
+/// A schedrun without code generation cannot make PTX.
 #[cfg(not(feature = "llvm"))]
-fn generate(_: &[Kernel], _: u32) -> Result<String, String> {
-    Err("this schedrun was built without the `llvm` feature, which generates PTX".into())
+#[derive(Debug, thiserror::Error)]
+#[error("this schedrun was built without the `llvm` feature, which generates PTX")]
+struct NoCodegen;
+
+#[cfg(not(feature = "llvm"))]
+fn generate(_: &[Kernel], _: u32) -> Result<String, NoCodegen> {
+    Err(NoCodegen)
 }
 
 /// The module of `files` for `sm_{sm}` (its path and text), checked: readable, written for
@@ -140,7 +167,9 @@ pub fn read_module(
         ))
     };
     let text = match files {
-        PtxFiles::Generated(_) => generate(kernels, sm).map_err(fail)?,
+        PtxFiles::Generated(_) => {
+            generate(kernels, sm).map_err(|e| fail(format!("generating it: {e}")))?
+        }
         _ => std::fs::read_to_string(&path).map_err(|e| fail(format!("cannot read it ({e})")))?,
     };
     match target(&text) {

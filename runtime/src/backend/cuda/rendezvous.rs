@@ -39,17 +39,11 @@ pub struct Hello {
     pub plan_hash: u64,
 }
 
-/// Why the rendezvous failed; the message is one line naming the ranks at fault.
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// Why the rendezvous failed; the message is one line naming the ranks at fault (the same line
+/// every rank that came hears).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
 pub struct RendezvousError(pub String);
-
-impl std::fmt::Display for RendezvousError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-impl std::error::Error for RendezvousError {}
 
 fn err(m: impl Into<String>) -> RendezvousError {
     RendezvousError(m.into())
@@ -70,12 +64,12 @@ pub fn fnv1a(bytes: &[u8]) -> u64 {
 
 /// The master's side: `me` is rank 0's hello; waits on `listener` for the other `world − 1`
 /// ranks, checks them, makes one id per key with `make_id`, and sends the table to everyone.
-pub fn serve(
+pub fn serve<E: std::fmt::Display>(
     listener: TcpListener,
     me: &Hello,
     keys: &[CommKey],
     timeout: Duration,
-    mut make_id: impl FnMut(&CommKey) -> Result<[u8; ID_BYTES], String>,
+    mut make_id: impl FnMut(&CommKey) -> Result<[u8; ID_BYTES], E>,
 ) -> Result<Ids, RendezvousError> {
     let start = Instant::now();
     listener
@@ -87,7 +81,7 @@ pub fn serve(
         match listener.accept() {
             Ok((s, _)) => match read_hello(s, timeout.saturating_sub(start.elapsed())) {
                 Ok(p) => peers.push(p),
-                Err(m) => bad.push(m),
+                Err(m) => bad.push(m.0),
             },
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                 std::thread::sleep(Duration::from_millis(5));
@@ -203,13 +197,19 @@ fn tell(peers: &mut [(Hello, TcpStream)], line: &str) {
     }
 }
 
-fn read_hello(s: TcpStream, timeout: Duration) -> Result<(Hello, TcpStream), String> {
+fn read_hello(s: TcpStream, timeout: Duration) -> Result<(Hello, TcpStream), RendezvousError> {
     let _ = s.set_nonblocking(false);
     let _ = s.set_read_timeout(Some(timeout.max(Duration::from_millis(100))));
     let mut line = String::new();
-    let mut r = BufReader::new(s.try_clone().map_err(|e| e.to_string())?);
-    r.read_line(&mut line)
-        .map_err(|e| format!("rendezvous: a rank connected but sent no hello: {e}"))?;
+    let mut r = BufReader::new(
+        s.try_clone()
+            .map_err(|e| err(format!("rendezvous: a peer's socket: {e}")))?,
+    );
+    r.read_line(&mut line).map_err(|e| {
+        err(format!(
+            "rendezvous: a rank connected but sent no hello: {e}"
+        ))
+    })?;
     let f: Vec<&str> = line.split_whitespace().collect();
     let parsed = match f.as_slice() {
         ["hello", rank, world, hash] => (|| {
@@ -221,7 +221,11 @@ fn read_hello(s: TcpStream, timeout: Duration) -> Result<(Hello, TcpStream), Str
         })(),
         _ => None,
     };
-    let h = parsed.ok_or_else(|| format!("rendezvous: a peer sent a malformed hello: {line:?}"))?;
+    let h = parsed.ok_or_else(|| {
+        err(format!(
+            "rendezvous: a peer sent a malformed hello: {line:?}"
+        ))
+    })?;
     Ok((h, s))
 }
 

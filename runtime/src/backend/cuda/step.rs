@@ -89,8 +89,8 @@ impl Timers {
     }
 }
 
-fn fault(rank: u32, m: impl std::fmt::Display) -> RunError {
-    RunError::at(rank, None, m.to_string())
+fn fault(rank: u32, cause: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> RunError {
+    RunError::at(rank, None, cause)
 }
 
 impl CudaBackend {
@@ -154,12 +154,10 @@ impl CudaBackend {
                         env.master()
                     ))
                 })?;
-            rendezvous::serve(listener, &hello, &keys, timeout, |_| {
-                nccl::new_id().map_err(|e| e.to_string())
-            })
-            .map_err(|e| f(e.0))?
+            rendezvous::serve(listener, &hello, &keys, timeout, |_| nccl::new_id())
+                .map_err(|e| fault(rank, e))?
         } else {
-            rendezvous::join(&env.master(), &hello, timeout).map_err(|e| f(e.0))?
+            rendezvous::join(&env.master(), &hello, timeout).map_err(|e| fault(rank, e))?
         };
         let mine: Vec<(CommKey, [u8; 128], u32, u32)> = ids
             .iter()
@@ -364,11 +362,13 @@ impl CudaBackend {
         for (op, o) in p.program.ops.iter() {
             let s = o.stream.index();
             let stream = &self.dev.streams[s];
-            let fail = |m: String| RunError::at(self.rank, Some(p.describe(op)), m);
+            let fail = |cause: Box<dyn std::error::Error + Send + Sync>| {
+                RunError::at(self.rank, Some(p.describe(op)), cause)
+            };
             for e in &o.wait {
                 stream
                     .wait(&self.dev.events[e.index()])
-                    .map_err(|e| fail(format!("cuStreamWaitEvent: {e:?}")))?;
+                    .map_err(|e| fail(format!("cuStreamWaitEvent: {e:?}").into()))?;
             }
             if let Some(t) = &self.timers {
                 timer(&t.ops[op.index()].0, stream)?;
@@ -384,10 +384,10 @@ impl CudaBackend {
             match &p.actions[op.index()] {
                 Action::Collectives(cs) => {
                     self.collectives(op, cs, stream)
-                        .map_err(|e| fail(e.to_string()))?;
+                        .map_err(|e| fail(e.into()))?;
                     if let Some(m) = &self.markers[op.index()] {
                         m.record(stream)
-                            .map_err(|e| fail(format!("marker record: {e:?}")))?;
+                            .map_err(|e| fail(format!("marker record: {e:?}").into()))?;
                     }
                 }
                 a => {
@@ -396,7 +396,7 @@ impl CudaBackend {
                         rank: self.rank,
                         device: &gpu,
                     };
-                    run_action(&r, a, o.micro_step, input).map_err(|e| fail(e.to_string()))?
+                    run_action(&r, a, o.micro_step, input).map_err(|e| fail(e.into()))?
                 }
             }
             if let Some(t) = &self.timers {
@@ -405,7 +405,7 @@ impl CudaBackend {
             if let Some(e) = o.record {
                 self.dev.events[e.index()]
                     .record(stream)
-                    .map_err(|e| fail(format!("cuEventRecord: {e:?}")))?;
+                    .map_err(|e| fail(format!("cuEventRecord: {e:?}").into()))?;
             }
         }
         Ok(())
