@@ -135,21 +135,22 @@ impl Corpus {
         Ok((x, y))
     }
 
-    /// Rank `rank`'s micro-batch in micro-step `micro_step` of step `step` (0-based), written into
-    /// `inputs` and `targets` (micro_batch·seq_len each, sequence after sequence).
-    #[allow(clippy::too_many_arguments)]
+    /// Rank `rank`'s micro-batch in micro-step `micro_step` of step `step` (0-based) of a global
+    /// batch cut as `shape` says, written into `inputs` and `targets` (micro_batch·seq_len each,
+    /// sequence after sequence).
     pub fn batch_into(
         &self,
-        step: u64,
-        micro_step: usize,
-        rank: usize,
-        ranks: usize,
-        micro_steps: usize,
-        micro_batch: usize,
-        seq_len: usize,
+        shape: &BatchShape,
+        (step, micro_step, rank): (u64, usize, usize),
         inputs: &mut [u32],
         targets: &mut [u32],
     ) -> Result<(), DataError> {
+        let BatchShape {
+            ranks,
+            micro_steps,
+            micro_batch,
+            seq_len,
+        } = *shape;
         assert!(
             rank < ranks && micro_step < micro_steps,
             "rank or micro-step out of range"
@@ -169,30 +170,14 @@ impl Corpus {
     }
 
     /// [`Corpus::batch_into`], allocating: (inputs, targets).
-    #[allow(clippy::too_many_arguments)]
     pub fn batch(
         &self,
-        step: u64,
-        micro_step: usize,
-        rank: usize,
-        ranks: usize,
-        micro_steps: usize,
-        micro_batch: usize,
-        seq_len: usize,
+        shape: &BatchShape,
+        at: (u64, usize, usize),
     ) -> Result<(Vec<u32>, Vec<u32>), DataError> {
-        let n = micro_batch * seq_len;
+        let n = shape.micro_batch * shape.seq_len;
         let (mut x, mut y) = (vec![0; n], vec![0; n]);
-        self.batch_into(
-            step,
-            micro_step,
-            rank,
-            ranks,
-            micro_steps,
-            micro_batch,
-            seq_len,
-            &mut x,
-            &mut y,
-        )?;
+        self.batch_into(shape, at, &mut x, &mut y)?;
         Ok((x, y))
     }
 
@@ -218,6 +203,17 @@ impl Corpus {
         }
         Ok(batch)
     }
+}
+
+/// How a step's global batch is cut (the batch rule): `ranks` × `micro_steps` micro-batches of
+/// `micro_batch` sequences of `seq_len` tokens; sequence k of step t is corpus sequence t·B + k,
+/// B the global batch, and micro-batch (m, r) takes sequences k = (m·ranks + r)·micro_batch + j.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BatchShape {
+    pub ranks: usize,
+    pub micro_steps: usize,
+    pub micro_batch: usize,
+    pub seq_len: usize,
 }
 
 const NAMES: &[&str] = &[

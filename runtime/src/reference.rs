@@ -10,7 +10,7 @@
 use crate::data::Batch;
 use crate::math::{
     cross_entropy, decay_ranges, grad_scale, init_layer, optimizer_step, tensor_range, Input,
-    LayerMath, MathError, OptimizerConfig, Precision,
+    LayerMath, MathError, OptimizerConfig, Precision, SliceGrads,
 };
 use sched_ir::job::{Layer, LayerKind, Model, Train};
 use std::ops::Range;
@@ -166,10 +166,12 @@ impl Reference {
                 tied.map(|(l, r)| &self.params[*l][r.clone()]),
                 &self.saved[i],
                 input,
-                &grad_out,
-                (i > 0).then_some(&mut grad_in[..]),
-                gp,
-                tied.map(|_| &mut self.grad_tied[..]),
+                SliceGrads {
+                    output: &grad_out,
+                    input: (i > 0).then_some(&mut grad_in[..]),
+                    params: gp,
+                    tied: tied.map(|_| &mut self.grad_tied[..]),
+                },
             );
             add(&mut self.grads[i], gp);
             if let Some((l, r)) = tied {

@@ -7,7 +7,7 @@
 //! and gathers shards back into whole tensors when asked.
 
 use crate::backend::{Backend, Batch, RunError, StepInput, StepOutcome};
-use crate::data::Corpus;
+use crate::data::{BatchShape, Corpus};
 use crate::math::{init_layer, Precision};
 use crate::plan::Plan;
 use sched_ir::ir::{BufferKind, ShardIndex};
@@ -205,21 +205,19 @@ impl<B: Backend> Trainer<B> {
         let p = &self.plan;
         let model = &p.job.model;
         let micro_steps = p.program.micro_steps as usize;
+        let shape = BatchShape {
+            ranks: p.ranks() as usize,
+            micro_steps,
+            micro_batch: model.micro_batch as usize,
+            seq_len: model.seq_len as usize,
+        };
         let mut out = vec![];
         for rank in self.backend.ranks() {
             let mut per_rank = vec![];
             for m in 0..micro_steps {
                 let (inputs, targets) = self
                     .corpus
-                    .batch(
-                        t,
-                        m,
-                        rank as usize,
-                        p.ranks() as usize,
-                        micro_steps,
-                        model.micro_batch as usize,
-                        model.seq_len as usize,
-                    )
+                    .batch(&shape, (t, m, rank as usize))
                     .map_err(RunError::of_run)?;
                 per_rank.push(Batch { inputs, targets });
             }

@@ -9,7 +9,7 @@
 mod common;
 
 use sched_ir::job::{LayerKind, Model};
-use schedrun::math::{cross_entropy, Input, LayerMath, Rng};
+use schedrun::math::{cross_entropy, Input, LayerMath, Rng, SliceGrads};
 
 const EPS: f32 = 1e-2;
 const RTOL: f64 = 2e-2;
@@ -193,10 +193,12 @@ fn check(model_name: &str, layer: &str) {
         c.tied.as_deref(),
         &saved,
         input,
-        &c.r,
-        (!m.takes_tokens()).then_some(&mut gi[..]),
-        &mut gp,
-        m.is_tied().then_some(&mut gt[..]),
+        SliceGrads {
+            output: &c.r,
+            input: (!m.takes_tokens()).then_some(&mut gi[..]),
+            params: &mut gp,
+            tied: m.is_tied().then_some(&mut gt[..]),
+        },
     );
     assert!(
         gp.iter().all(|g| g.is_finite()),

@@ -5,10 +5,10 @@ mod common;
 
 use sched_ir::abi::{output_bytes, saved_bytes};
 use sched_ir::job::{Dtype, Model, Optimizer};
-use schedrun::data::{Corpus, DataError};
+use schedrun::data::{BatchShape, Corpus, DataError};
 use schedrun::math::{
     bf16_bits_to_f32, decay_ranges, f32_to_bf16_bits, grad_scale, init_layer, optimizer_step,
-    round_bf16, round_f16, Input, LayerMath, OptimizerConfig, Rng, Stored,
+    round_bf16, round_f16, Input, LayerMath, OptimizerConfig, Rng, SliceGrads, Stored,
 };
 
 /// Pairs of models that differ only in `attention`, with 150-token sequences (three row blocks,
@@ -88,10 +88,12 @@ fn flash_equals_naive(naive: &str, flash: &str) {
             None,
             &saved,
             Input::Hidden(&x),
-            &g,
-            Some(&mut gi),
-            &mut gp,
-            None,
+            SliceGrads {
+                output: &g,
+                input: Some(&mut gi),
+                params: &mut gp,
+                tied: None,
+            },
         );
         (out, gi, gp)
     };
@@ -260,10 +262,12 @@ fn layer_math_is_shared_across_threads_with_identical_results() {
                 None,
                 &saved,
                 Input::Hidden(&x),
-                &g,
-                Some(&mut gi),
-                &mut gp,
-                None,
+                SliceGrads {
+                    output: &g,
+                    input: Some(&mut gi),
+                    params: &mut gp,
+                    tied: None,
+                },
             );
         }
         (out, saved, gi, gp)
@@ -537,9 +541,15 @@ fn sequences_follow_the_offset_rule() {
 #[test]
 fn a_rank_takes_its_micro_batch_of_the_global_batch() {
     let corpus = Corpus::from_bytes((0..100u8).collect());
+    let shape = BatchShape {
+        ranks: 2,
+        micro_steps: 3,
+        micro_batch: 2,
+        seq_len: 8,
+    };
     // B = 2 ranks × 3 micro-steps × 2 = 12; step 2, micro-step 1, rank 1: k = (1·2 + 1)·2 + j =
     // 6, 7, so g = 30, 31 at offsets 240 mod 91 = 58 and 248 mod 91 = 66.
-    let (x, y) = corpus.batch(2, 1, 1, 2, 3, 2, 8).unwrap();
+    let (x, y) = corpus.batch(&shape, (2, 1, 1)).unwrap();
     let want_x: Vec<u32> = (58..66).chain(66..74).collect();
     let want_y: Vec<u32> = (59..67).chain(67..75).collect();
     assert_eq!((x, y), (want_x, want_y));
@@ -549,7 +559,7 @@ fn a_rank_takes_its_micro_batch_of_the_global_batch() {
     let mut ys = vec![];
     for m in 0..3 {
         for r in 0..2 {
-            let (x, y) = corpus.batch(2, m, r, 2, 3, 2, 8).unwrap();
+            let (x, y) = corpus.batch(&shape, (2, m, r)).unwrap();
             xs.extend(x);
             ys.extend(y);
         }

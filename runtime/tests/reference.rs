@@ -4,7 +4,7 @@ mod common;
 
 use sched_ir::job::Train;
 use schedrun::data::Corpus;
-use schedrun::math::{Input, LayerMath};
+use schedrun::math::{Input, LayerMath, SliceGrads};
 use schedrun::reference::Reference;
 use std::time::Instant;
 
@@ -177,10 +177,12 @@ fn timing_tiny_gpt_forward_backward() {
                 None,
                 &saved,
                 Input::Hidden(&x),
-                &x,
-                Some(&mut gi),
-                &mut gp,
-                None,
+                SliceGrads {
+                    output: &x,
+                    input: Some(&mut gi),
+                    params: &mut gp,
+                    tied: None,
+                },
             );
         });
         println!(
@@ -222,10 +224,12 @@ fn timing_gpt2_block() {
             None,
             &saved,
             Input::Hidden(&x),
-            &x,
-            Some(&mut gi),
-            &mut gp,
-            None,
+            SliceGrads {
+                output: &x,
+                input: Some(&mut gi),
+                params: &mut gp,
+                tied: None,
+            },
         );
         best = (best.0.min(f), best.1.min(t.elapsed().as_secs_f64() - f));
     }

@@ -881,8 +881,7 @@ impl Run<'_> {
                                     }]
                                 })
                                 .collect::<Vec<_>>(),
-                            0,
-                            c.input.bytes,
+                            (0, c.input.bytes),
                             d,
                             c.input.buffer,
                             &mut memo,
@@ -897,8 +896,7 @@ impl Run<'_> {
                         match self.reduce_chunk(
                             o,
                             &inputs,
-                            j * chunk,
-                            (j + 1) * chunk,
+                            (j * chunk, (j + 1) * chunk),
                             d,
                             c.input.buffer,
                             &mut memo,
@@ -923,13 +921,11 @@ impl Run<'_> {
     /// The sum over members of bytes `[a, z)` of their inputs. When every member holds one gradient
     /// range there with the same elements, only the contribution sets are combined, and a fold
     /// seen before (the same sets in the same order) is reused.
-    #[allow(clippy::too_many_arguments)]
     fn reduce_chunk(
         &mut self,
         o: OpId,
         inputs: &[Contents],
-        a: u64,
-        z: u64,
+        (a, z): (u64, u64),
         d: u64,
         buf: BufferId,
         memo: &mut FxHashMap<Vec<u32>, u32>,

@@ -5,7 +5,7 @@
 //! gradient parts and optimizer state are found at the plan's offsets. Collectives are the backends' own (rendezvous or NCCL).
 
 use super::layers::{self, In};
-use super::{plan_error, ArenaSpan, Device, DeviceError, Ptr, Update};
+use super::{plan_error, ArenaSpan, Device, DeviceError, Logits, Ptr, Update};
 use crate::exec::{Action, GradPart};
 use crate::math::{LayerMath, OptimizerConfig, Precision, Stored};
 use crate::plan::Plan;
@@ -360,7 +360,17 @@ impl<D: Device> Rank<'_, D> {
                 let stored = self.stores_round(grads, prec)
                     && self.stores_round(tied_grads, prec)
                     && !self.rounds_grads_first();
-                layers::backward(d, math, pp, t, keep, x, dy, dx, (dp, dt), !stored)?;
+                let weights = layers::Weights {
+                    params: pp,
+                    tied: t,
+                };
+                let layer_grads = layers::Grads {
+                    dy,
+                    gi: dx,
+                    gp: dp,
+                    gt: dt,
+                };
+                layers::backward(d, math, weights, keep, x, layer_grads, !stored)?;
                 if let (Some(r), Some(dx)) = (grad_input, dx) {
                     self.write(r, dx, math.input_elements(), false)?;
                 }
@@ -376,7 +386,16 @@ impl<D: Device> Rank<'_, D> {
                 let m = m.ok_or_else(|| plan_error("a loss op without a micro-step"))?;
                 let z = self.read(logits, n * stride)?;
                 let dz = self.output(Some(grad), n * stride, &op_regions(a))?;
-                d.cross_entropy(z, d.tokens(m, true)?, vocab, stride, n, dz)?;
+                d.cross_entropy(
+                    &Logits {
+                        z,
+                        vocab,
+                        stride,
+                        rows: n,
+                    },
+                    d.tokens(m, true)?,
+                    dz,
+                )?;
                 self.write(grad, dz, n * stride, false)?;
             }
             Action::Update {

@@ -8,13 +8,17 @@
 //! vector off the free list and parks it on the used list until [`Device::reset`], so its
 //! address is stable while the op runs and steady-state steps allocate nothing.
 
-use super::{plan_error, ArenaSpan, Device, DeviceError, Linear, Ptr, Update};
+use super::{
+    plan_error, ArenaSpan, Device, DeviceError, Linear, Logits, Lookup, NormOperands, Ptr, Update,
+};
 use crate::arena::Arena;
 use crate::math::attention::{self, Keep};
-use crate::math::gemm::{linear, linear_backward};
-use crate::math::ops::{gelu, gelu_grad, norm_backward, norm_forward, prefetched, sigmoid, wide};
+use crate::math::gemm::{linear, linear_backward, Product};
+use crate::math::ops::{
+    gelu, gelu_grad, norm_backward, norm_forward, prefetched, sigmoid, wide, NormRows,
+};
 use crate::math::saved::Piece;
-use crate::math::{cross_entropy, optimizer_step, BlockP, NormP, Precision};
+use crate::math::{cross_entropy, optimizer_step, BlockP, Precision};
 use crate::step::Batch;
 use sched_ir::job::Dtype;
 use std::cell::{Cell, RefCell};
@@ -301,24 +305,13 @@ impl Device for Host<'_> {
         (y, ld): (HostPtr, usize),
         beta: f32,
     ) -> Result<(), DeviceError> {
-        let Linear { x, w, t, inp, out } = l;
+        let Linear { t, out, .. } = l;
         #[cfg(feature = "llvm")]
         if jit::enabled() {
             if bias.is_some() && ld != out {
                 return Err(plan_error("a bias added to rows wider than the product"));
             }
-            unsafe {
-                linear(
-                    x.r(t * inp),
-                    w.r(out * inp),
-                    None,
-                    (y.w(t * ld), ld),
-                    t,
-                    inp,
-                    out,
-                    beta,
-                )
-            };
+            unsafe { linear(product(&l), None, (y.w(t * ld), ld), beta) };
             let Some(b) = bias else { return Ok(()) };
             let op = Op::BiasAdd { width: out as u32 };
             return generated(op, &[y.arg(), b.arg()], t * out).unwrap_or(Ok(()));
@@ -327,16 +320,7 @@ impl Device for Host<'_> {
             #[inline(always)]
             || unsafe {
                 let b = bias.map(|b| b.r(out));
-                linear(
-                    x.r(t * inp),
-                    w.r(out * inp),
-                    b,
-                    (y.w(t * ld), ld),
-                    t,
-                    inp,
-                    out,
-                    beta,
-                )
+                linear(product(&l), b, (y.w(t * ld), ld), beta)
             },
         );
         Ok(())
@@ -350,7 +334,7 @@ impl Device for Host<'_> {
         dbias: Option<HostPtr>,
         dx: Option<(HostPtr, f32)>,
     ) -> Result<(), DeviceError> {
-        let Linear { x, w, t, inp, out } = l;
+        let Linear { t, inp, out, .. } = l;
         #[cfg(feature = "llvm")]
         if let (true, Some(db)) = (jit::enabled(), dbias) {
             if ld != out {
@@ -363,15 +347,11 @@ impl Device for Host<'_> {
             #[inline(always)]
             || unsafe {
                 linear_backward(
-                    x.r(t * inp),
-                    w.r(out * inp),
+                    product(&l),
                     (dy.r(t * ld), ld),
                     dw.w(out * inp),
                     dbias.map(|b| b.w(out)),
                     dx.map(|(p, beta)| (p.w(t * inp), beta)),
-                    t,
-                    inp,
-                    out,
                 )
             },
         );
@@ -398,16 +378,16 @@ impl Device for Host<'_> {
         self.linear_backward(l, dy, dw, dbias, dx)
     }
 
-    fn norm_forward(
-        &self,
-        np: &NormP,
-        params: HostPtr,
-        t: usize,
-        h: usize,
-        x: HostPtr,
-        out: HostPtr,
-        stats: HostPtr,
-    ) -> Result<(), DeviceError> {
+    fn norm_forward(&self, n: &NormOperands<'_, HostPtr>, out: HostPtr) -> Result<(), DeviceError> {
+        let NormOperands {
+            np,
+            params,
+            t,
+            h,
+            x,
+            stats,
+        } = *n;
+
         #[cfg(feature = "llvm")]
         {
             let op = Op::Norm {
@@ -435,16 +415,20 @@ impl Device for Host<'_> {
 
     fn norm_backward(
         &self,
-        np: &NormP,
-        params: HostPtr,
-        t: usize,
-        h: usize,
-        x: HostPtr,
-        stats: HostPtr,
+        n: &NormOperands<'_, HostPtr>,
         dy: HostPtr,
         dx: Option<(HostPtr, HostPtr)>,
         grads: HostPtr,
     ) -> Result<(), DeviceError> {
+        let NormOperands {
+            np,
+            params,
+            t,
+            h,
+            x,
+            stats,
+        } = *n;
+
         #[cfg(feature = "llvm")]
         if jit::enabled() {
             let width = h as u32;
@@ -479,12 +463,15 @@ impl Device for Host<'_> {
             || unsafe {
                 let w = params.at(&np.w).r(h);
                 let db = np.b.as_ref().map(|r| grads.at(r).w(h));
-                norm_backward(
-                    np.kind,
+                let rows = NormRows {
+                    kind: np.kind,
                     h,
-                    x.r(t * h),
+                    x: x.r(t * h),
                     w,
-                    stats.r(2 * t),
+                    stats: stats.r(2 * t),
+                };
+                norm_backward(
+                    rows,
                     dy.r(t * h),
                     // The base read as its own slice only where it is not `out` (in place).
                     dx.map(|(out, base)| (out.w(t * h), (base != out).then(|| base.r(t * h)))),
@@ -672,15 +659,19 @@ impl Device for Host<'_> {
 
     fn embedding(
         &self,
-        tokens: HostTokens,
-        vocab: usize,
-        h: usize,
-        s: usize,
+        at: &Lookup<HostTokens>,
         wte: HostPtr,
         wpe: Option<HostPtr>,
         out: HostPtr,
-        t: usize,
     ) -> Result<(), DeviceError> {
+        let Lookup {
+            tokens,
+            vocab,
+            h,
+            s,
+            t,
+        } = *at;
+
         let (tokens, out) = unsafe { (tokens.get(t), out.w(t * h)) };
         for (i, (&tok, row)) in tokens.iter().zip(out.chunks_exact_mut(h)).enumerate() {
             let tok = check_token(tok, vocab)?;
@@ -695,15 +686,19 @@ impl Device for Host<'_> {
 
     fn embedding_backward(
         &self,
-        tokens: HostTokens,
-        vocab: usize,
-        h: usize,
-        s: usize,
+        at: &Lookup<HostTokens>,
         dy: HostPtr,
         dwte: HostPtr,
         dwpe: Option<HostPtr>,
-        t: usize,
     ) -> Result<(), DeviceError> {
+        let Lookup {
+            tokens,
+            vocab,
+            h,
+            s,
+            t,
+        } = *at;
+
         let (tokens, dy) = unsafe { (tokens.get(t), dy.r(t * h)) };
         for (i, (&tok, row)) in tokens.iter().zip(dy.chunks_exact(h)).enumerate() {
             let tok = check_token(tok, vocab)?;
@@ -719,13 +714,17 @@ impl Device for Host<'_> {
 
     fn cross_entropy(
         &self,
-        logits: HostPtr,
+        logits: &Logits<HostPtr>,
         targets: HostTokens,
-        vocab: usize,
-        stride: usize,
-        n: usize,
         grad: HostPtr,
     ) -> Result<(), DeviceError> {
+        let Logits {
+            z: logits,
+            vocab,
+            stride,
+            rows: n,
+        } = *logits;
+
         let targets = unsafe { targets.get(n) };
         if let Some(&bad) = targets.iter().find(|&&t| t as usize >= vocab) {
             return Err(DeviceError::Token { token: bad, vocab });
@@ -864,5 +863,20 @@ impl Host<'_> {
             generated(op, &args, launch.elements.len()).unwrap_or(Ok(()))?;
         }
         Ok(())
+    }
+}
+
+/// The product `l` over host slices (its operands read through their pointers).
+///
+/// # Safety
+/// `l`'s pointers must hold `t·inp` and `out·inp` floats, not written while the slices live.
+unsafe fn product(l: &Linear<HostPtr>) -> Product<'static> {
+    let Linear { x, w, t, inp, out } = *l;
+    Product {
+        x: x.r(t * inp),
+        w: w.r(out * inp),
+        t,
+        inp,
+        out,
     }
 }

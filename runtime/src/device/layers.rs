@@ -6,7 +6,7 @@
 //! `saved`; `backward` overwrites the input gradient (when asked for), the parameter gradient and
 //! a tied head's embedding gradient, never accumulating across calls.
 
-use super::{plan_error, Device, DeviceError, Linear, Ptr};
+use super::{plan_error, Device, DeviceError, Linear, Lookup, NormOperands, Ptr};
 use crate::math::saved::{BlockSaved, MlpSaved, NormedSaved};
 use crate::math::{BlockP, Kind, LayerMath, MlpP};
 
@@ -114,9 +114,35 @@ fn mlp_forward<D: Device>(
     d.linear(from_ffn(mp, t, mid, p.at(&mp.proj)), proj_b, out, 1.0)
 }
 
-/// The MLP's backward: parameter gradients accumulate into `gp`; `da` (the gradient of the
+/// A layer's weights: its flat parameter vector and, for a tied lm_head, the embedding's.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Weights<P> {
+    pub params: P,
+    pub tied: Option<P>,
+}
+
+/// A layer backward's gradients: `dy`, its output's (read); `gi`, its input's (overwritten, when
+/// wanted); `gp`, its flat parameter gradient, and `gt`, a tied head's embedding gradient (both
+/// overwritten).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Grads<P> {
+    pub dy: P,
+    pub gi: Option<P>,
+    pub gp: P,
+    pub gt: Option<P>,
+}
+
+/// The gradient through a sublayer: `dy`, its output's (read); `dx`, its input's (overwritten);
+/// `gp`, the layer's flat parameter gradient (accumulated).
+#[derive(Clone, Copy, Debug)]
+struct Through<P> {
+    dy: P,
+    dx: P,
+    gp: P,
+}
+
+/// The MLP's backward: parameter gradients accumulate into `g.gp`; `g.dx` (the gradient of the
 /// MLP's input) is overwritten.
-#[allow(clippy::too_many_arguments)]
 fn mlp_backward<D: Device>(
     d: &D,
     lm: &LayerMath,
@@ -124,10 +150,9 @@ fn mlp_backward<D: Device>(
     p: D::Ptr,
     a: D::Ptr,
     kept: MlpSaved<D::Ptr>,
-    dy: D::Ptr,
-    da: D::Ptr,
-    gp: D::Ptr,
+    g: Through<D::Ptr>,
 ) -> Result<(), DeviceError> {
+    let Through { dy, dx: da, gp } = g;
     let (t, f) = (lm.dims().t, mp.ffn);
     let (s1, s2) = (d.alloc(t * f)?, d.alloc(t * f)?);
     let wp = p.at(&mp.proj);
@@ -191,14 +216,35 @@ pub(crate) fn forward<D: Device>(
         } => {
             let toks = tokens(input, lm)?;
             let wpe = wpe.as_ref().map(|r| p.at(r));
-            d.embedding(toks, *vocab, *h, lm.dims().s, p.at(wte), wpe, out, t)?;
+            d.embedding(
+                &Lookup {
+                    tokens: toks,
+                    vocab: *vocab,
+                    h: *h,
+                    s: lm.dims().s,
+                    t,
+                },
+                p.at(wte),
+                wpe,
+                out,
+            )?;
             d.round(act, out, t * h)
         }
         Kind::Transformer(bp) => transformer_forward(d, lm, bp, p, hidden(input, lm)?, out, saved),
         Kind::Mlp { hidden: h, ln, mlp } => {
             let x = hidden(input, lm)?;
             let NormedSaved { a, st, mut rest } = NormedSaved::carve(t, *h, saved);
-            d.norm_forward(ln, p, t, *h, x, a, st)?;
+            d.norm_forward(
+                &NormOperands {
+                    np: ln,
+                    params: p,
+                    t,
+                    h: *h,
+                    x,
+                    stats: st,
+                },
+                a,
+            )?;
             d.round(act, a, t * h)?;
             d.copy(out, x, t * h)?;
             mlp_forward(d, lm, mlp, p, a, MlpSaved::carve(t, mlp, &mut rest), out)?;
@@ -212,7 +258,17 @@ pub(crate) fn forward<D: Device>(
         } => {
             let x = hidden(input, lm)?;
             let NormedSaved { a, st, .. } = NormedSaved::carve(t, *h, saved);
-            d.norm_forward(norm, p, t, *h, x, a, st)?;
+            d.norm_forward(
+                &NormOperands {
+                    np: norm,
+                    params: p,
+                    t,
+                    h: *h,
+                    x,
+                    stats: st,
+                },
+                a,
+            )?;
             d.round(act, a, t * h)?;
             let w = match weight {
                 Some(r) => p.at(r),
@@ -251,7 +307,17 @@ fn transformer_forward<D: Device>(
     } = BlockSaved::carve(bp, t, s, saved);
     let bias = |r: &Option<std::ops::Range<usize>>| r.as_ref().map(|r| p.at(r));
 
-    d.norm_forward(&bp.ln1, p, t, h, x, a1, st1)?;
+    d.norm_forward(
+        &NormOperands {
+            np: &bp.ln1,
+            params: p,
+            t,
+            h,
+            x,
+            stats: st1,
+        },
+        a1,
+    )?;
     d.round(act, a1, t * h)?;
     // With rotary positions the product goes to f32 workspace and the rotation writes qkv, so
     // that qkv in 16-bit storage is rounded once, after the rotation, as the CPU rounds it.
@@ -271,7 +337,17 @@ fn transformer_forward<D: Device>(
     let proj = proj_product(bp, t, att, p.at(&bp.proj));
     d.linear(proj, bias(&bp.proj_b), resid, 1.0)?;
     d.round(act, resid, t * h)?;
-    d.norm_forward(&bp.ln2, p, t, h, resid, a2, st2)?;
+    d.norm_forward(
+        &NormOperands {
+            np: &bp.ln2,
+            params: p,
+            t,
+            h,
+            x: resid,
+            stats: st2,
+        },
+        a2,
+    )?;
     d.round(act, a2, t * h)?;
     d.copy(out, resid, t * h)?;
     let kept = MlpSaved::carve(t, &bp.mlp, &mut mlp);
@@ -282,19 +358,17 @@ fn transformer_forward<D: Device>(
 /// Backward of one layer: overwrites `gi` (when given), `gp` and `gt` (a tied head's embedding
 /// gradient), each rounded to the gradient precision; `gp` and `gt` only with `round_grads`
 /// (the caller's stores round them the same way: `action::Rank::stores_round`).
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn backward<D: Device>(
     d: &D,
     lm: &LayerMath,
-    p: D::Ptr,
-    tied: Option<D::Ptr>,
+    w: Weights<D::Ptr>,
     saved: D::Ptr,
     input: In<D>,
-    dy: D::Ptr,
-    gi: Option<D::Ptr>,
-    (gp, gt): (D::Ptr, Option<D::Ptr>),
+    g: Grads<D::Ptr>,
     round_grads: bool,
 ) -> Result<(), DeviceError> {
+    let Weights { params: p, tied } = w;
+    let Grads { dy, gi, gp, gt } = g;
     let t = lm.dims().t;
     let grad = lm.precisions().1;
     d.fill(gp, lm.params(), 0.0)?;
@@ -307,19 +381,43 @@ pub(crate) fn backward<D: Device>(
         } => {
             let toks = tokens(input, lm)?;
             let dwpe = wpe.as_ref().map(|r| gp.at(r));
-            d.embedding_backward(toks, *vocab, *h, lm.dims().s, dy, gp.at(wte), dwpe, t)?;
+            d.embedding_backward(
+                &Lookup {
+                    tokens: toks,
+                    vocab: *vocab,
+                    h: *h,
+                    s: lm.dims().s,
+                    t,
+                },
+                dy,
+                gp.at(wte),
+                dwpe,
+            )?;
         }
         Kind::Transformer(bp) => {
-            transformer_backward(d, lm, bp, p, saved, hidden(input, lm)?, dy, gi, gp)?;
+            transformer_backward(d, lm, bp, p, saved, hidden(input, lm)?, g)?;
         }
         Kind::Mlp { hidden: h, ln, mlp } => {
             let x = hidden(input, lm)?;
             let NormedSaved { a, st, mut rest } = NormedSaved::carve(t, *h, saved);
             let da = d.alloc(t * h)?;
             let kept = MlpSaved::carve(t, mlp, &mut rest);
-            mlp_backward(d, lm, mlp, p, a, kept, dy, da, gp)?;
+            let through = Through { dy, dx: da, gp };
+            mlp_backward(d, lm, mlp, p, a, kept, through)?;
             // The input gradient is the output gradient (the residual) plus the norm's.
-            d.norm_backward(ln, p, t, *h, x, st, da, gi.map(|gi| (gi, dy)), gp)?;
+            d.norm_backward(
+                &NormOperands {
+                    np: ln,
+                    params: p,
+                    t,
+                    h: *h,
+                    x,
+                    stats: st,
+                },
+                da,
+                gi.map(|gi| (gi, dy)),
+                gp,
+            )?;
         }
         Kind::LmHead {
             hidden: h,
@@ -347,7 +445,19 @@ pub(crate) fn backward<D: Device>(
             if let Some(gi) = gi {
                 d.fill(gi, t * h, 0.0)?;
             }
-            d.norm_backward(norm, p, t, *h, x, st, da, gi.map(|gi| (gi, gi)), gp)?;
+            d.norm_backward(
+                &NormOperands {
+                    np: norm,
+                    params: p,
+                    t,
+                    h: *h,
+                    x,
+                    stats: st,
+                },
+                da,
+                gi.map(|gi| (gi, gi)),
+                gp,
+            )?;
         }
     }
     if let Some(gi) = gi {
@@ -362,7 +472,6 @@ pub(crate) fn backward<D: Device>(
     Ok(())
 }
 
-#[allow(clippy::too_many_arguments)]
 fn transformer_backward<D: Device>(
     d: &D,
     lm: &LayerMath,
@@ -370,10 +479,9 @@ fn transformer_backward<D: Device>(
     p: D::Ptr,
     saved: D::Ptr,
     x: D::Ptr,
-    dy: D::Ptr,
-    gi: Option<D::Ptr>,
-    gp: D::Ptr,
+    g: Grads<D::Ptr>,
 ) -> Result<(), DeviceError> {
+    let Grads { dy, gi, gp, .. } = g;
     let (t, s, h) = (lm.dims().t, lm.dims().s, bp.hidden);
     let w = bp.shape.width();
     let BlockSaved {
@@ -392,9 +500,22 @@ fn transformer_backward<D: Device>(
     let bias = |r: &Option<std::ops::Range<usize>>| r.as_ref().map(|r| gp.at(r));
 
     let mlp_kept = MlpSaved::carve(t, &bp.mlp, &mut mlp);
-    mlp_backward(d, lm, &bp.mlp, p, a2, mlp_kept, dy, da, gp)?;
+    let through = Through { dy, dx: da, gp };
+    mlp_backward(d, lm, &bp.mlp, p, a2, mlp_kept, through)?;
     // The residual stream's gradient, dr = dy + ln2's, in f32 workspace.
-    d.norm_backward(&bp.ln2, p, t, h, resid, st2, da, Some((dr, dy)), gp)?;
+    d.norm_backward(
+        &NormOperands {
+            np: &bp.ln2,
+            params: p,
+            t,
+            h,
+            x: resid,
+            stats: st2,
+        },
+        da,
+        Some((dr, dy)),
+        gp,
+    )?;
     let (wp, dwp) = (p.at(&bp.proj), gp.at(&bp.proj));
     let proj = proj_product(bp, t, att, wp);
     d.linear_backward(proj, dr, dwp, bias(&bp.proj_b), Some((datt, 0.0)))?;
@@ -407,5 +528,17 @@ fn transformer_backward<D: Device>(
     d.linear_backward(product, dqkv, dwq, bias(&bp.qkv_b), Some((da, 0.0)))?;
     // The input gradient is dr + ln1's, summed in f32 and stored (rounded once, as the CPU
     // rounds it) in the pass that computes ln1's.
-    d.norm_backward(&bp.ln1, p, t, h, x, st1, da, gi.map(|gi| (gi, dr)), gp)
+    d.norm_backward(
+        &NormOperands {
+            np: &bp.ln1,
+            params: p,
+            t,
+            h,
+            x,
+            stats: st1,
+        },
+        da,
+        gi.map(|gi| (gi, dr)),
+        gp,
+    )
 }

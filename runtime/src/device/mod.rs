@@ -75,6 +75,39 @@ impl<P: Ptr> Linear<P> {
     }
 }
 
+/// A norm's operands over `t` rows of width `h`: its parameters (`np`'s ranges of the layer's
+/// flat vector at `params`), the input rows `x` and the per-row statistics `stats` (two floats a
+/// row: written by the forward, read by the backward).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct NormOperands<'a, P> {
+    pub np: &'a NormP,
+    pub params: P,
+    pub t: usize,
+    pub h: usize,
+    pub x: P,
+    pub stats: P,
+}
+
+/// An embedding lookup: `t` token ids below `vocab`, rows of width `h`, and positions = token
+/// index mod `s` (the sequence length).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Lookup<T> {
+    pub tokens: T,
+    pub vocab: usize,
+    pub h: usize,
+    pub s: usize,
+    pub t: usize,
+}
+
+/// The logits of `rows` tokens: `vocab` values a row, rows `stride` elements apart from `z`.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Logits<P> {
+    pub z: P,
+    pub vocab: usize,
+    pub stride: usize,
+    pub rows: usize,
+}
+
 /// Why a primitive or an op failed on a device.
 #[derive(Clone, Debug, thiserror::Error)]
 pub enum DeviceError {
@@ -351,29 +384,17 @@ pub(crate) trait Device {
     }
 
     /// Layer or RMS norm of `t` rows of `h`: out and the statistics (2 per row).
-    #[allow(clippy::too_many_arguments)]
     fn norm_forward(
         &self,
-        np: &NormP,
-        params: Self::Ptr,
-        t: usize,
-        h: usize,
-        x: Self::Ptr,
+        n: &NormOperands<'_, Self::Ptr>,
         out: Self::Ptr,
-        stats: Self::Ptr,
     ) -> Result<(), DeviceError>;
     /// The norm's backward: parameter gradients accumulate into `grads` (the layer's flat
     /// gradient) and, when `dx` = (out, base) is given, out ← base + the input gradient, in the
     /// same pass (base is the residual stream's gradient, or `out` itself to accumulate).
-    #[allow(clippy::too_many_arguments)]
     fn norm_backward(
         &self,
-        np: &NormP,
-        params: Self::Ptr,
-        t: usize,
-        h: usize,
-        x: Self::Ptr,
-        stats: Self::Ptr,
+        n: &NormOperands<'_, Self::Ptr>,
         dy: Self::Ptr,
         dx: Option<(Self::Ptr, Self::Ptr)>,
         grads: Self::Ptr,
@@ -448,42 +469,28 @@ pub(crate) trait Device {
 
     /// out ← wte[token] (+ wpe[position]) for `t` tokens of width `h`, position = token index
     /// mod `s` (the sequence length).
-    #[allow(clippy::too_many_arguments)]
     fn embedding(
         &self,
-        tokens: Self::Tokens,
-        vocab: usize,
-        h: usize,
-        s: usize,
+        at: &Lookup<Self::Tokens>,
         wte: Self::Ptr,
         wpe: Option<Self::Ptr>,
         out: Self::Ptr,
-        t: usize,
     ) -> Result<(), DeviceError>;
     /// dwte[token] += dy row, dwpe[position] += dy row.
-    #[allow(clippy::too_many_arguments)]
     fn embedding_backward(
         &self,
-        tokens: Self::Tokens,
-        vocab: usize,
-        h: usize,
-        s: usize,
+        at: &Lookup<Self::Tokens>,
         dy: Self::Ptr,
         dwte: Self::Ptr,
         dwpe: Option<Self::Ptr>,
-        t: usize,
     ) -> Result<(), DeviceError>;
     /// Softmax cross-entropy of `n` rows of `vocab` logits, `stride` elements apart, against
     /// `targets`: `grad` (the same layout) ← (softmax − onehot)/n, and the rows' loss sum added
     /// to the device's loss accumulator.
-    #[allow(clippy::too_many_arguments)]
     fn cross_entropy(
         &self,
-        logits: Self::Ptr,
+        logits: &Logits<Self::Ptr>,
         targets: Self::Tokens,
-        vocab: usize,
-        stride: usize,
-        n: usize,
         grad: Self::Ptr,
     ) -> Result<(), DeviceError>;
     /// One optimizer step on `state` from the summed gradient `grad`; with `param`, the new

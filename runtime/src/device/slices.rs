@@ -8,7 +8,7 @@
 
 use super::host::{Host, HostPtr, HostTokens};
 use super::layers::{self, In};
-use crate::math::{Input, LayerMath};
+use crate::math::{Input, LayerMath, SliceGrads};
 
 impl LayerMath {
     /// Runs the layer forward: overwrites `output` and `saved`.
@@ -32,20 +32,23 @@ impl LayerMath {
         done.unwrap_or_else(|e| panic!("{}: {e}", self.name()));
     }
 
-    /// Runs the layer backward: overwrites `grad_input` (when given; never for an embedding),
-    /// `grad_params` and, for a tied lm_head, `grad_tied` (the gradient of the embedding's `wte`).
-    #[allow(clippy::too_many_arguments)]
+    /// Runs the layer backward from `grads.output`: overwrites `grads.input` (when given; never
+    /// for an embedding), `grads.params` and, for a tied lm_head, `grads.tied` (the gradient of
+    /// the embedding's `wte`).
     pub fn backward(
         &self,
         params: &[f32],
         tied_wte: Option<&[f32]>,
         saved: &[f32],
         input: Input<'_>,
-        grad_output: &[f32],
-        grad_input: Option<&mut [f32]>,
-        grad_params: &mut [f32],
-        grad_tied: Option<&mut [f32]>,
+        grads: SliceGrads<'_>,
     ) {
+        let SliceGrads {
+            output: grad_output,
+            input: grad_input,
+            params: grad_params,
+            tied: grad_tied,
+        } = grads;
         self.check(params, tied_wte, input, grad_output.len(), saved.len());
         assert_eq!(
             grad_params.len(),
@@ -77,13 +80,15 @@ impl LayerMath {
             layers::backward(
                 d,
                 self,
-                p,
-                tied,
+                layers::Weights { params: p, tied },
                 HostPtr::read_only(saved),
                 host_input(input),
-                HostPtr::read_only(grad_output),
-                grad_input.map(HostPtr::of),
-                (HostPtr::of(grad_params), grad_tied.map(HostPtr::of)),
+                layers::Grads {
+                    dy: HostPtr::read_only(grad_output),
+                    gi: grad_input.map(HostPtr::of),
+                    gp: HostPtr::of(grad_params),
+                    gt: grad_tied.map(HostPtr::of),
+                },
                 true,
             )
         });

@@ -130,19 +130,25 @@ pub(crate) fn gemm(alpha: f32, a: Mat<'_>, b: Mat<'_>, beta: f32, c: MatMut<'_>)
     }
 }
 
-#[allow(clippy::too_many_arguments)]
-/// y (+)= x·Wᵀ (+ bias): x is [t, in], w is [out, in] (a PyTorch `Linear`), y is [t, out] in
-/// rows `ld` apart.
+/// A linear layer's product over `t` token rows (PyTorch's `Linear`) on host slices: the input
+/// x [t, inp] and the weight w [out, inp], each in contiguous rows (the device layer's `Linear`).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Product<'a> {
+    pub x: &'a [f32],
+    pub w: &'a [f32],
+    pub t: usize,
+    pub inp: usize,
+    pub out: usize,
+}
+
+/// y (+)= x·Wᵀ (+ bias): y is [t, out] in rows `ld` apart.
 pub(crate) fn linear(
-    x: &[f32],
-    w: &[f32],
+    p: Product<'_>,
     bias: Option<&[f32]>,
     (y, ld): (&mut [f32], usize),
-    t: usize,
-    inp: usize,
-    out: usize,
     beta: f32,
 ) {
+    let Product { x, w, t, inp, out } = p;
     gemm(
         1.0,
         Mat::dense(x, t, inp),
@@ -161,18 +167,14 @@ pub(crate) fn linear(
 
 /// The backward of [`linear`]: dW += dyᵀ·x, dbias += Σ_rows dy, and dx (β)= dy·W when wanted,
 /// dy in rows `ld` apart.
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn linear_backward(
-    x: &[f32],
-    w: &[f32],
+    p: Product<'_>,
     (dy, ld): (&[f32], usize),
     dw: &mut [f32],
     dbias: Option<&mut [f32]>,
     dx: Option<(&mut [f32], f32)>,
-    t: usize,
-    inp: usize,
-    out: usize,
 ) {
+    let Product { x, w, t, inp, out } = p;
     let dy_rows = Mat::rows(dy, t, out, ld);
     gemm(
         1.0,

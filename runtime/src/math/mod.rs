@@ -64,6 +64,17 @@ pub enum Input<'a> {
     Hidden(&'a [f32]),
 }
 
+/// The gradients of a layer's backward on slices ([`LayerMath::backward`]): `output`, the
+/// gradient of the layer's output (read); `input`, of its input (overwritten when given; never
+/// for an embedding); `params`, of its flat parameter vector, and `tied`, of a tied lm_head's
+/// embedding `wte` (both overwritten).
+pub struct SliceGrads<'a> {
+    pub output: &'a [f32],
+    pub input: Option<&'a mut [f32]>,
+    pub params: &'a mut [f32],
+    pub tied: Option<&'a mut [f32]>,
+}
+
 /// Why a layer cannot be run.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum MathError {

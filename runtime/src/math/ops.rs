@@ -50,22 +50,35 @@ pub(crate) fn norm_forward(
     }
 }
 
+/// What a norm's backward reads besides the output gradient: the norm's kind and width `h`, the
+/// input rows `x`, the weight `w` and the statistics the forward saved (two a row).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct NormRows<'a> {
+    pub kind: Norm,
+    pub h: usize,
+    pub x: &'a [f32],
+    pub w: &'a [f32],
+    pub stats: &'a [f32],
+}
+
 /// The backward of [`norm_forward`] from the input `x` and the saved statistics. Accumulates into
 /// `dw` and `db`; the input gradient (when asked for) goes into `dx`, added to `base` (the
 /// residual stream's gradient, read in the same pass) or, without one, to `dx` itself.
-#[allow(clippy::too_many_arguments)]
 #[inline(always)]
 pub(crate) fn norm_backward(
-    kind: Norm,
-    h: usize,
-    x: &[f32],
-    w: &[f32],
-    stats: &[f32],
+    rows: NormRows<'_>,
     dy: &[f32],
     mut dx: Option<(&mut [f32], Option<&[f32]>)>,
     dw: &mut [f32],
     mut db: Option<&mut [f32]>,
 ) {
+    let NormRows {
+        kind,
+        h,
+        x,
+        w,
+        stats,
+    } = rows;
     let hf = h as f32;
     let mut dxhat = vec![0f32; h];
     for (i, ((xr, dyr), st)) in x

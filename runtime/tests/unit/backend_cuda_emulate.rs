@@ -28,7 +28,7 @@ use crate::device::jit;
 use crate::device::layers::{self, In};
 use crate::device::{Device, Linear};
 use crate::exec::Action;
-use crate::math::{Input, LayerMath, Precision, Rng};
+use crate::math::{Input, LayerMath, Precision, Rng, SliceGrads};
 use crate::plan::Plan;
 use crate::train::Trainer;
 use sched_ir::job::{Collective, Dtype};
@@ -445,10 +445,12 @@ impl LayerCase {
             tied.as_deref(),
             &saved,
             input,
-            &dy,
-            gi.as_deref_mut(),
-            &mut gp,
-            gt.as_deref_mut(),
+            SliceGrads {
+                output: &dy,
+                input: gi.as_deref_mut(),
+                params: &mut gp,
+                tied: gt.as_deref_mut(),
+            },
         );
         LayerCase {
             what,
@@ -537,13 +539,18 @@ fn layers_on_the_emulated_device_match_the_cpu_math() {
             layers::backward(
                 &gg,
                 &m,
-                f32p(&c.p),
-                d_tied,
+                layers::Weights {
+                    params: f32p(&c.p),
+                    tied: d_tied,
+                },
                 f32p(&c.saved),
                 dev_in,
-                f32p(&c.dy),
-                d_gi.as_deref_mut().map(f32p_mut),
-                (f32p_mut(&mut d_gp), d_gt.as_deref_mut().map(f32p_mut)),
+                layers::Grads {
+                    dy: f32p(&c.dy),
+                    gi: d_gi.as_deref_mut().map(f32p_mut),
+                    gp: f32p_mut(&mut d_gp),
+                    gt: d_gt.as_deref_mut().map(f32p_mut),
+                },
                 true,
             )
             .unwrap();
@@ -1086,13 +1093,18 @@ fn layers_on_16_bit_storage_in_place_match_the_cpu_math() {
             layers::backward(
                 &gg,
                 &m,
-                on(&d_p),
-                tied_ptr,
+                layers::Weights {
+                    params: on(&d_p),
+                    tied: tied_ptr,
+                },
                 saved_ptr,
                 dev_in,
-                on(&d_dy),
-                d_gi.as_deref_mut().map(on_mut),
-                (f32p_mut(&mut d_gp), d_gt.as_deref_mut().map(f32p_mut)),
+                layers::Grads {
+                    dy: on(&d_dy),
+                    gi: d_gi.as_deref_mut().map(on_mut),
+                    gp: f32p_mut(&mut d_gp),
+                    gt: d_gt.as_deref_mut().map(f32p_mut),
+                },
                 true,
             )
             .unwrap();

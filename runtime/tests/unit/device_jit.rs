@@ -7,7 +7,7 @@ use super::without;
 use crate::arena::Arena;
 use crate::device::host::{Host, HostPtr};
 use crate::device::{ArenaSpan, Device, Update};
-use crate::math::{Input, LayerMath, OptimizerConfig, Rng};
+use crate::math::{Input, LayerMath, OptimizerConfig, Rng, SliceGrads};
 use sched_ir::job::{Dtype, Optimizer};
 
 const MODELS: &str = r#"
@@ -57,10 +57,12 @@ fn run_layer(
         tied,
         &saved,
         input,
-        dy,
-        gi.as_deref_mut(),
-        &mut gp,
-        gt.as_deref_mut(),
+        SliceGrads {
+            output: dy,
+            input: gi.as_deref_mut(),
+            params: &mut gp,
+            tied: gt.as_deref_mut(),
+        },
     );
     let mut all = vec![bits(&out), bits(&saved), bits(&gp)];
     all.extend(gi.as_deref().map(bits));

@@ -10,12 +10,12 @@
 
 use super::attention::{self, Keep, Shape};
 use super::gemm::{gemm, Mat, MatMut};
-use super::ops::{gelu, gelu_grad, norm_backward, norm_forward, sigmoid, Rope};
+use super::ops::{gelu, gelu_grad, norm_backward, norm_forward, sigmoid, NormRows, Rope};
 use super::{cross_entropy, optimizer_step, OptimizerConfig, Precision, Rng};
 use crate::arena::Arena;
 use crate::device::host::{Host, HostPtr, HostTokens};
 use crate::device::jit::without;
-use crate::device::{Device, Update};
+use crate::device::{Device, Lookup, Update};
 use crate::math::{bf16_bits_to_f32, f32_to_bf16_bits};
 use sched_ir::job::{Dtype, Norm, Optimizer};
 use sched_kernels::codegen::{slot_f32, slot_f64, slot_i64, slot_ptr, HostKernels};
@@ -400,7 +400,7 @@ fn norms_match_ops() {
             let (mut wdx, mut wdw, mut wdb) = (dx0.clone(), dw0.clone(), db0.clone());
             let wdbr = bias.then_some(&mut wdb[..]);
             let dx = Some((&mut wdx[..], None));
-            norm_backward(norm, h, &x, &w, &ws, &dy, dx, &mut wdw, wdbr);
+            norm_backward(norm_rows(norm, h, &x, &w, &ws), &dy, dx, &mut wdw, wdbr);
             let f = Dtype::Fp32;
             let mut tdy = T::F32(dy.clone());
             let mut tdx = T::F32(dx0);
@@ -417,7 +417,13 @@ fn norms_match_ops() {
             let base = round(d, &finite(12, rows * h, 1.0));
             let mut from_base = vec![f32::NAN; rows * h];
             let dx = Some((&mut from_base[..], Some(&base[..])));
-            norm_backward(norm, h, &x, &w, &ws, &dy, dx, &mut dw0.clone(), None);
+            norm_backward(
+                norm_rows(norm, h, &x, &w, &ws),
+                &dy,
+                dx,
+                &mut dw0.clone(),
+                None,
+            );
             let (mut tbase, mut tout) = (T::new(d, &base), T::new(d, &vec![f32::NAN; rows * h]));
             let args = [
                 tx.ptr(),
@@ -1094,7 +1100,18 @@ fn embedding_matches_the_host_device() {
             without(|| {
                 let wpe = positions.then(|| HostPtr::of(&mut wpe));
                 let (tk, out) = (HostTokens::of(&tokens), HostPtr::of(&mut want));
-                host.embedding(tk, vocab, h, s, HostPtr::of(&mut wte), wpe, out, t)
+                host.embedding(
+                    &Lookup {
+                        tokens: tk,
+                        vocab,
+                        h,
+                        s,
+                        t,
+                    },
+                    HostPtr::of(&mut wte),
+                    wpe,
+                    out,
+                )
             })
             .unwrap();
             let (mut twte, mut twpe) = (T::new(d, &wte), T::new(d, &wpe));
@@ -1125,7 +1142,18 @@ fn embedding_matches_the_host_device() {
         without(|| {
             let dwpe = positions.then(|| HostPtr::of(&mut dwpe));
             let (tk, g) = (HostTokens::of(&tokens), HostPtr::read_only(&dy));
-            host.embedding_backward(tk, vocab, h, s, g, HostPtr::of(&mut dwte), dwpe, t)
+            host.embedding_backward(
+                &Lookup {
+                    tokens: tk,
+                    vocab,
+                    h,
+                    s,
+                    t,
+                },
+                g,
+                HostPtr::of(&mut dwte),
+                dwpe,
+            )
         })
         .unwrap();
         let mut bad = tokens.clone();
@@ -1260,5 +1288,22 @@ fn naive_attention_rows_match_attention_rs() {
         ];
         run(&k, &args, rows);
         same(&format!("softmax backward {d:?}"), &tdp.values(), &want_ds);
+    }
+}
+
+/// The rows a norm's backward reads.
+fn norm_rows<'a>(
+    kind: Norm,
+    h: usize,
+    x: &'a [f32],
+    w: &'a [f32],
+    stats: &'a [f32],
+) -> NormRows<'a> {
+    NormRows {
+        kind,
+        h,
+        x,
+        w,
+        stats,
     }
 }

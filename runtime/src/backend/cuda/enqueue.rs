@@ -134,28 +134,85 @@ pub struct ColMajor {
     pub batch: usize,
 }
 
-/// The row-major product C[rows × cols] ← α·op(A)[rows × k]·op(B)[k × cols] + β·C (C's rows
-/// `ldc` apart; `batch` of them, operands `stride_*` elements apart, 0 reusing one) as the
-/// column-major call that computes it: a row-major C is a column-major Cᵀ = op(B)ᵀ·op(A)ᵀ, so
-/// the operands swap and keep their transpose flags. The call says fp32 operands and output and
-/// no bias; the caller sets what the operands' and C's storage make them (see
+/// A row-major product C[rows × cols] ← α·op(A)[rows × k]·op(B)[k × cols] + β·C, C's rows `ldc`
+/// apart; `batch` of them, the batch's A, B and C `strides` elements apart (0 reuses one). What
+/// the device layer asks for; [`row_major`] turns it into the [`ColMajor`] call cuBLAS takes.
+#[derive(Clone, Copy, Debug)]
+pub struct RowMajor {
+    pub rows: usize,
+    pub cols: usize,
+    pub k: usize,
+    pub alpha: f32,
+    pub a: M,
+    pub b: M,
+    pub beta: f32,
+    pub c: DevPtr,
+    pub ldc: usize,
+    pub strides: (usize, usize, usize),
+    pub batch: usize,
+}
+
+impl RowMajor {
+    /// C ← op(A)·op(B) for `(rows, cols, k)`, C's rows `ldc` apart: α = 1, β = 0, one product.
+    pub fn new(
+        (rows, cols, k): (usize, usize, usize),
+        a: M,
+        b: M,
+        (c, ldc): (DevPtr, usize),
+    ) -> Self {
+        RowMajor {
+            rows,
+            cols,
+            k,
+            alpha: 1.0,
+            a,
+            b,
+            beta: 0.0,
+            c,
+            ldc,
+            strides: (0, 0, 0),
+            batch: 1,
+        }
+    }
+
+    /// The same product scaled by `alpha`.
+    pub fn alpha(self, alpha: f32) -> Self {
+        RowMajor { alpha, ..self }
+    }
+
+    /// The same product added to `beta`·C.
+    pub fn beta(self, beta: f32) -> Self {
+        RowMajor { beta, ..self }
+    }
+
+    /// `batch` such products, the next one's A, B and C `strides` elements on.
+    pub fn batched(self, strides: (usize, usize, usize), batch: usize) -> Self {
+        RowMajor {
+            strides,
+            batch,
+            ..self
+        }
+    }
+}
+
+/// The column-major call that computes `g`: a row-major C is a column-major Cᵀ = op(B)ᵀ·op(A)ᵀ,
+/// so the operands swap and keep their transpose flags. The call says fp32 operands and output
+/// and no bias; the caller sets what the operands' and C's storage make them (see
 /// [`ColMajor::operands`]).
-#[allow(clippy::too_many_arguments)]
-pub fn row_major(
-    rows: usize,
-    cols: usize,
-    k: usize,
-    alpha: f32,
-    a: M,
-    stride_a: usize,
-    b: M,
-    stride_b: usize,
-    beta: f32,
-    c: DevAddr,
-    ldc: usize,
-    stride_c: usize,
-    batch: usize,
-) -> ColMajor {
+pub fn row_major(g: &RowMajor) -> ColMajor {
+    let RowMajor {
+        rows,
+        cols,
+        k,
+        alpha,
+        a,
+        b,
+        beta,
+        c,
+        ldc,
+        strides: (stride_a, stride_b, stride_c),
+        batch,
+    } = *g;
     ColMajor {
         operands: Dtype::Fp32,
         output: Dtype::Fp32,
@@ -173,7 +230,7 @@ pub fn row_major(
         ldb: a.ld,
         stride_b: stride_a,
         beta,
-        c,
+        c: c.addr,
         ldc,
         stride_c,
         batch,

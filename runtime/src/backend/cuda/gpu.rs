@@ -23,11 +23,15 @@
 //! it; on a GPU it runs inside [`super::CudaBackend`].
 #![cfg_attr(not(feature = "cuda"), allow(dead_code))]
 
-use super::enqueue::{grid, m, mt, row_major, ColMajor, DevAddr, Exec, Pitched, Staged, A, M};
+use super::enqueue::{
+    grid, m, mt, row_major, ColMajor, DevAddr, Exec, Pitched, RowMajor, Staged, A,
+};
 use super::typed::{DevPtr, Storage};
-use crate::device::{plan_error, ArenaSpan, Device, DeviceError, Linear, Ptr, Update};
+use crate::device::{
+    plan_error, ArenaSpan, Device, DeviceError, Linear, Logits, Lookup, NormOperands, Ptr, Update,
+};
 use crate::math::attention::{Keep, Shape};
-use crate::math::{BlockP, NormP, Precision, Segment};
+use crate::math::{BlockP, Precision, Segment};
 use sched_ir::abi::{attention_chunk, PADDED_ROWS};
 use sched_ir::job::{Dtype, Optimizer};
 use sched_kernels::{flash, Kernel, Op, Param, SUMSQ_CHUNK};
@@ -234,46 +238,18 @@ impl Gpu<'_> {
         Ok(DevPtr::new(self.arena_base.add_bytes(at), storage))
     }
 
-    /// Row-major C[rows × cols] ← α·op(A)·op(B) + β·C (see [`row_major`]).
-    #[allow(clippy::too_many_arguments)]
-    fn gemm(
-        &self,
-        rows: usize,
-        cols: usize,
-        k: usize,
-        alpha: f32,
-        a: M,
-        b: M,
-        beta: f32,
-        c: DevPtr,
-        ldc: usize,
-    ) -> Result<(), DeviceError> {
-        self.batched(rows, cols, k, alpha, a, 0, b, 0, beta, c, ldc, 0, 1)
+    /// Runs the row-major product `g` (see [`RowMajor`]).
+    fn gemm(&self, g: RowMajor) -> Result<(), DeviceError> {
+        // Column-major A is the row-major B and the other way round.
+        self.product(
+            row_major(&g),
+            g.b.ptr.storage,
+            g.a.ptr.storage,
+            g.c.storage,
+            None,
+        )
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn batched(
-        &self,
-        rows: usize,
-        cols: usize,
-        k: usize,
-        alpha: f32,
-        a: M,
-        stride_a: usize,
-        b: M,
-        stride_b: usize,
-        beta: f32,
-        c: DevPtr,
-        ldc: usize,
-        stride_c: usize,
-        batch: usize,
-    ) -> Result<(), DeviceError> {
-        let call = row_major(
-            rows, cols, k, alpha, a, stride_a, b, stride_b, beta, c.addr, ldc, stride_c, batch,
-        );
-        // Column-major A is the row-major B and the other way round.
-        self.product(call, b.ptr.storage, a.ptr.storage, c.storage, None)
-    }
     /// Runs one column-major product whose A, B and C are stored in `sa`, `sb` and `sc`, then
     /// adds `bias` (a vector of `call.m`) to every column. An operand stored in the product
     /// dtype is used in place; any other is cast into workspace first (released once the
@@ -546,10 +522,12 @@ impl Gpu<'_> {
             for (c0, n) in aligned_parts(out, narrow) {
                 let (dy, w) = (dy.offset(c0), w.offset(c0 * inp));
                 let dw = dw.offset(c0 * inp);
-                self.gemm(n, inp, t, 1.0, mt(dy, ld), m(x, inp), 1.0, dw, inp)?;
+                self.gemm(RowMajor::new((n, inp, t), mt(dy, ld), m(x, inp), (dw, inp)).beta(1.0))?;
                 if let Some((dx, beta)) = dx {
                     let beta = if c0 == 0 { beta } else { 1.0 };
-                    self.gemm(t, inp, n, 1.0, m(dy, ld), m(w, inp), beta, dx, inp)?;
+                    self.gemm(
+                        RowMajor::new((t, inp, n), m(dy, ld), m(w, inp), (dx, inp)).beta(beta),
+                    )?;
                 }
             }
             return Ok(());
@@ -590,10 +568,14 @@ impl Gpu<'_> {
                 let mark = self.used.get();
                 let dyb = DevPtr::new(self.operand(block.addr, block.storage, n * cols)?, products);
                 let x = x.offset(r0 * inp);
-                self.gemm(width, inp, n, 1.0, mt(dyb, cols), m(x, inp), 1.0, dw, inp)?;
+                let dw_part = RowMajor::new((width, inp, n), mt(dyb, cols), m(x, inp), (dw, inp));
+                self.gemm(dw_part.beta(1.0))?;
                 if let Some((dx, beta, (wb, wide))) = dx_of {
                     let dx = dx.offset(r0 * inp);
-                    self.gemm(n, inp, wide, 1.0, m(dyb, cols), m(wb, inp), beta, dx, inp)?;
+                    self.gemm(
+                        RowMajor::new((n, inp, wide), m(dyb, cols), m(wb, inp), (dx, inp))
+                            .beta(beta),
+                    )?;
                 }
                 self.used.set(mark);
             }
@@ -610,21 +592,8 @@ impl Gpu<'_> {
         beta: f32,
     ) -> Result<(), DeviceError> {
         let Linear { x, w, t, inp, out } = l;
-        let call = row_major(
-            t,
-            out,
-            inp,
-            1.0,
-            m(x, inp),
-            0,
-            mt(w, inp),
-            0,
-            beta,
-            y.addr,
-            ld,
-            0,
-            1,
-        );
+        let call =
+            row_major(&RowMajor::new((t, out, inp), m(x, inp), mt(w, inp), (y, ld)).beta(beta));
         self.product(call, w.storage, x.storage, y.storage, bias)
     }
 
@@ -747,20 +716,11 @@ impl Gpu<'_> {
         out: Mat,
     ) -> Result<(), DeviceError> {
         let op = |x: Mat, t: bool| if t { mt(x.0, x.1) } else { m(x.0, x.1) };
-        self.batched(
-            rows,
-            cols,
-            k,
-            alpha,
-            op(a, ta),
-            a.2,
-            op(b, tb),
-            b.2,
-            beta,
-            out.0,
-            out.1,
-            out.2,
-            c.sh.kv_heads,
+        let g = RowMajor::new((rows, cols, k), op(a, ta), op(b, tb), (out.0, out.1));
+        self.gemm(
+            g.alpha(alpha)
+                .beta(beta)
+                .batched((a.2, b.2, out.2), c.sh.kv_heads),
         )
     }
 
@@ -1193,16 +1153,16 @@ impl Device for Gpu<'_> {
         self.linear_backward_after(Some(pre), l, (dy, l.out), dw, dbias, dx)
     }
 
-    fn norm_forward(
-        &self,
-        np: &NormP,
-        params: DevPtr,
-        t: usize,
-        h: usize,
-        x: DevPtr,
-        out: DevPtr,
-        stats: DevPtr,
-    ) -> Result<(), DeviceError> {
+    fn norm_forward(&self, n: &NormOperands<'_, DevPtr>, out: DevPtr) -> Result<(), DeviceError> {
+        let NormOperands {
+            np,
+            params,
+            t,
+            h,
+            x,
+            stats,
+        } = *n;
+
         let op = Op::Norm {
             norm: np.kind,
             width: h as u32,
@@ -1216,16 +1176,20 @@ impl Device for Gpu<'_> {
 
     fn norm_backward(
         &self,
-        np: &NormP,
-        params: DevPtr,
-        t: usize,
-        h: usize,
-        x: DevPtr,
-        stats: DevPtr,
+        n: &NormOperands<'_, DevPtr>,
         dy: DevPtr,
         dx: Option<(DevPtr, DevPtr)>,
         grads: DevPtr,
     ) -> Result<(), DeviceError> {
+        let NormOperands {
+            np,
+            params,
+            t,
+            h,
+            x,
+            stats,
+        } = *n;
+
         let width = h as u32;
         let op = Op::NormBackwardParams {
             width,
@@ -1381,15 +1345,19 @@ impl Device for Gpu<'_> {
 
     fn embedding(
         &self,
-        tokens: DevAddr,
-        vocab: usize,
-        h: usize,
-        s: usize,
+        at: &Lookup<DevAddr>,
         wte: DevPtr,
         wpe: Option<DevPtr>,
         out: DevPtr,
-        t: usize,
     ) -> Result<(), DeviceError> {
+        let Lookup {
+            tokens,
+            vocab,
+            h,
+            s,
+            t,
+        } = *at;
+
         let op = Op::Embedding {
             vocab: vocab as u32,
             width: h as u32,
@@ -1404,15 +1372,19 @@ impl Device for Gpu<'_> {
 
     fn embedding_backward(
         &self,
-        tokens: DevAddr,
-        vocab: usize,
-        h: usize,
-        s: usize,
+        at: &Lookup<DevAddr>,
         dy: DevPtr,
         dwte: DevPtr,
         dwpe: Option<DevPtr>,
-        t: usize,
     ) -> Result<(), DeviceError> {
+        let Lookup {
+            tokens,
+            vocab,
+            h,
+            s,
+            t,
+        } = *at;
+
         let op = Op::EmbeddingBackward {
             vocab: vocab as u32,
             width: h as u32,
@@ -1429,13 +1401,17 @@ impl Device for Gpu<'_> {
     /// loss accumulator, as the host device sums them.
     fn cross_entropy(
         &self,
-        logits: DevPtr,
+        logits: &Logits<DevPtr>,
         targets: DevAddr,
-        vocab: usize,
-        stride: usize,
-        n: usize,
         grad: DevPtr,
     ) -> Result<(), DeviceError> {
+        let Logits {
+            z: logits,
+            vocab,
+            stride,
+            rows: n,
+        } = *logits;
+
         let rows = self.alloc(n)?;
         let op = Op::CrossEntropy {
             vocab: vocab as u32,
