@@ -8,7 +8,8 @@
 
 use crate::exec::{decode, Action};
 use crate::math::{decay_ranges, LayerMath};
-use sched_ir::ir::{BufferId, BufferKind, LayerId, OpId, Region, ShardIndex, StreamId};
+use cranelift_entity::SecondaryMap;
+use sched_ir::ir::{BufferId, BufferKind, CommId, LayerId, OpId, Region, ShardIndex, StreamId};
 use sched_ir::job::Job;
 use sched_verify::Verified;
 use std::path::Path;
@@ -103,14 +104,14 @@ pub struct Plan {
     /// Per layer, the flat-vector ranges weight decay applies to.
     pub decay: Vec<Vec<std::ops::Range<usize>>>,
     /// Each stream's ops, in issue order.
-    pub stream_ops: Vec<Vec<OpId>>,
+    pub stream_ops: SecondaryMap<StreamId, Vec<OpId>>,
     /// For every op, each of its collectives' call number on its communicator within a step (the
     /// same on every rank: one program, one issue order).
-    pub call_numbers: Vec<Vec<u64>>,
+    pub call_numbers: SecondaryMap<OpId, Vec<u64>>,
     /// Per rank, its value of every shard index (in [`ShardIndex::ALL`] order).
     indices: Vec<[u64; 7]>,
     /// `members[communicator][rank]`: the rank's group and its position in it.
-    pub members: Vec<Vec<(usize, usize)>>,
+    pub members: SecondaryMap<CommId, Vec<(usize, usize)>>,
     /// Tests: round every layer gradient before it is stored even where the store rounds it
     /// the same way (`device::action`'s `stores_round`), to check that both give the same bits.
     #[cfg(test)]
@@ -137,34 +138,33 @@ impl Plan {
             .collect::<Result<Vec<_>, _>>()?;
         let actions = decode(&program, &job.model, &maths)?;
         let layout = program.layout;
-        let mut stream_ops = vec![vec![]; program.streams.len()];
+        let mut stream_ops: SecondaryMap<StreamId, Vec<OpId>> = SecondaryMap::new();
         for (id, op) in program.ops.iter() {
-            stream_ops[op.stream.index()].push(id);
+            stream_ops[op.stream].push(id);
         }
-        let mut calls = vec![0u64; program.comms.len()];
-        let call_numbers = program
-            .ops
-            .values()
-            .map(|op| {
-                op.collectives()
-                    .iter()
-                    .map(|c| {
-                        let n = calls[c.comm.index()];
-                        calls[c.comm.index()] += 1;
-                        n
-                    })
-                    .collect()
-            })
-            .collect();
+        let mut calls: SecondaryMap<CommId, u64> = SecondaryMap::new();
+        let mut call_numbers: SecondaryMap<OpId, Vec<u64>> = SecondaryMap::new();
+        for (id, op) in program.ops.iter() {
+            call_numbers[id] = op
+                .collectives()
+                .iter()
+                .map(|c| {
+                    let n = calls[c.comm];
+                    calls[c.comm] += 1;
+                    n
+                })
+                .collect();
+        }
         let indices = (0..program.ranks())
             .map(|r| ShardIndex::ALL.map(|i| layout.index(i, r)))
             .collect();
         let decay = job.model.layers.iter().map(decay_ranges).collect();
-        let mut members = vec![vec![(0, 0); program.ranks() as usize]; program.comms.len()];
+        let mut members: SecondaryMap<CommId, Vec<(usize, usize)>> = SecondaryMap::new();
         for (c, comm) in program.comms.iter() {
+            members[c] = vec![(0, 0); program.ranks() as usize];
             for (g, group) in comm.groups.iter().enumerate() {
                 for (pos, &r) in group.iter().enumerate() {
-                    if let Some(m) = members[c.index()].get_mut(r as usize) {
+                    if let Some(m) = members[c].get_mut(r as usize) {
                         *m = (g, pos);
                     }
                 }

@@ -193,9 +193,9 @@ fn a_measured_trace_has_every_op_of_every_rank_in_issue_order() {
         .collect();
     assert_eq!(names, ["rank 0", "rank 1", "rank 2", "rank 3"]);
     for rank in 0..4u64 {
-        for (stream, ops) in plan.stream_ops.iter().enumerate() {
+        for (stream, ops) in plan.stream_ops.iter() {
             let mut slices: Vec<&Value> = of("X")
-                .filter(|e| e["pid"] == rank && e["tid"] == stream as u64)
+                .filter(|e| e["pid"] == rank && e["tid"] == u64::from(stream.as_u32()))
                 .collect();
             slices.sort_by(|a, b| a["ts"].as_f64().partial_cmp(&b["ts"].as_f64()).unwrap());
             let order: Vec<String> = slices
@@ -219,7 +219,7 @@ fn a_measured_trace_has_every_op_of_every_rank_in_issue_order() {
     let waits: usize = plan.program.ops.values().map(|o| o.wait.len()).sum();
     assert_eq!(of("s").count(), 4 * waits);
     assert_eq!(of("f").count(), 4 * waits);
-    assert!(plan.program.ops.len() > 1 && plan.stream_ops.len() > 1);
+    assert!(plan.program.ops.len() > 1 && plan.program.streams.len() > 1);
     assert_eq!(of("X").count(), 4 * plan.program.ops.len());
 
     // A run that fails after its steps have run (its checkpoint cannot be written) writes no

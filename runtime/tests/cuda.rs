@@ -328,7 +328,7 @@ fn a_timed_gpu_step_spans_every_op_in_issue_order() {
                 r.time
             );
         }
-        for ops in &plan.stream_ops {
+        for ops in plan.stream_ops.values() {
             for w in ops.windows(2) {
                 let (a, b) = (&spans[w[0].index()], &spans[w[1].index()]);
                 assert!(a.end <= b.start, "{a:?} then {b:?} on one stream");

@@ -23,12 +23,12 @@ pub fn run(
     let p = sh.plan;
     for (i, c) in cs.iter().enumerate() {
         let comm = &p.program.comms[c.comm];
-        let (g, pos) = p.members[c.comm.as_u32() as usize][ctx.rank as usize];
+        let (g, pos) = p.members[c.comm][ctx.rank as usize];
         let group = &comm.groups[g];
-        let call = p.call_numbers[op.as_u32() as usize][i];
+        let call = p.call_numbers[op][i];
         let meeting = &sh.meetings[c.comm.as_u32() as usize][g];
         let stream = p.program.ops[op].stream.as_u32() as usize;
-        let staging = &sh.staging[ctx.rank as usize * p.stream_ops.len() + stream];
+        let staging = &sh.staging[ctx.rank as usize * p.program.streams.len() + stream];
         match meeting.meet(pos, call, &sh.abort, sh.options.timeout, || {
             let mut staging = staging.lock().expect("staging lock");
             move_bytes(sh, group, c, &mut staging)

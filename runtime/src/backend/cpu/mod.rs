@@ -52,10 +52,10 @@ impl CpuBackend {
         for a in &arenas {
             a.set_bulk(options.jitter.is_none());
         }
-        let pools = (0..plan.ranks() as usize * plan.stream_ops.len())
+        let pools = (0..plan.ranks() as usize * plan.program.streams.len())
             .map(|_| Mutex::new(vec![]))
             .collect();
-        let staging = (0..plan.ranks() as usize * plan.stream_ops.len())
+        let staging = (0..plan.ranks() as usize * plan.program.streams.len())
             .map(|_| Mutex::default())
             .collect();
         CpuBackend {
@@ -157,7 +157,7 @@ impl Backend for CpuBackend {
         };
         let results: Vec<Option<ThreadResult>> = std::thread::scope(|s| {
             let handles: Vec<_> = (0..p.ranks())
-                .flat_map(|rank| (0..p.stream_ops.len()).map(move |stream| (rank, stream)))
+                .flat_map(|rank| (0..p.program.streams.len()).map(move |stream| (rank, stream)))
                 .map(|(rank, stream)| {
                     let shared = &shared;
                     std::thread::Builder::new()
@@ -215,7 +215,7 @@ use cranelift_entity::EntityRef;
 /// Runs one stream of one rank through the step; `None` when the step was aborted.
 fn run_stream(sh: &StepShared<'_>, rank: u32, stream: usize) -> Option<ThreadResult> {
     let p = sh.plan;
-    let pool = &sh.pools[rank as usize * p.stream_ops.len() + stream];
+    let pool = &sh.pools[rank as usize * p.program.streams.len() + stream];
     let ctx = RankCtx {
         rank,
         device: Host::new(
@@ -235,7 +235,7 @@ fn run_ops(sh: &StepShared<'_>, ctx: &RankCtx<'_>, stream: usize) -> Option<Thre
     let (mut loss, mut waiting) = (0.0, Duration::ZERO);
     let mut spans = vec![];
     let started = Instant::now();
-    for &op in &p.stream_ops[stream] {
+    for &op in &p.stream_ops[StreamId::new(stream)] {
         if sh.abort.is_set() {
             return None;
         }

@@ -111,7 +111,10 @@ pub fn comm_keys(plan: &Plan) -> Vec<CommKey> {
 pub fn rank_keys(plan: &Plan, rank: u32) -> Vec<CommKey> {
     comm_keys(plan)
         .into_iter()
-        .filter(|k| plan.members[k.comm as usize][rank as usize].0 == k.group as usize)
+        .filter(|k| {
+            plan.members[sched_ir::ir::CommId::from_u32(k.comm)][rank as usize].0
+                == k.group as usize
+        })
         .collect()
 }
 

@@ -127,7 +127,7 @@ impl CudaBackend {
         let timeout = options.timeout;
         // The driver must be initialised before ncclGetUniqueId; open the device first.
         let p = &*plan;
-        let streams = p.stream_ops.len();
+        let streams = p.program.streams.len();
         let workspaces: Vec<Option<StreamMemory>> = p
             .program
             .streams
@@ -165,7 +165,7 @@ impl CudaBackend {
                 if *k == LOSS_KEY {
                     return Some((*k, *id, env.world, rank));
                 }
-                let (g, pos) = p.members[k.comm as usize][rank as usize];
+                let (g, pos) = p.members[sched_ir::ir::CommId::from_u32(k.comm)][rank as usize];
                 let comm = &p.program.comms[sched_ir::ir::CommId::new(k.comm as usize)];
                 (g == k.group as usize).then(|| (*k, *id, comm.groups[g].len() as u32, pos as u32))
             })
@@ -307,11 +307,10 @@ impl Backend for CudaBackend {
             waits: self
                 .plan
                 .stream_ops
-                .iter()
-                .enumerate()
-                .map(|(s, _)| StreamWait {
+                .keys()
+                .map(|s| StreamWait {
                     rank,
-                    stream: self.plan.stream_name(sched_ir::ir::StreamId::new(s)),
+                    stream: self.plan.stream_name(s),
                     waiting: Duration::ZERO,
                     busy,
                 })
@@ -421,7 +420,7 @@ impl CudaBackend {
         let s = p.program.ops[op].stream.index() as u32;
         nccl::group_start()?;
         for c in cs {
-            let (g, _) = p.members[c.comm.index()][self.rank as usize];
+            let (g, _) = p.members[c.comm][self.rank as usize];
             let key = CommKey {
                 comm: c.comm.index() as u32,
                 group: g as u32,
@@ -444,7 +443,7 @@ impl CudaBackend {
         let p = &*self.plan;
         // Per stream: its collective ops in order.
         let mut pending: Vec<std::collections::VecDeque<sched_ir::ir::OpId>> =
-            vec![Default::default(); p.stream_ops.len()];
+            vec![Default::default(); p.program.streams.len()];
         for (op, o) in p.program.ops.iter() {
             if self.markers[op.index()].is_some() {
                 pending[o.stream.index()].push_back(op);
