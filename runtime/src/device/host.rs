@@ -23,20 +23,9 @@ use crate::step::Batch;
 use sched_ir::job::Dtype;
 use std::cell::{Cell, RefCell};
 
-#[cfg(feature = "llvm")]
-use {
-    super::jit::{self, Arg},
-    sched_ir::job::Optimizer,
-    sched_kernels::Op,
-};
-
-/// With the `llvm` feature (and unless a test turned them off), runs the generated kernel of
-/// `op` over `0..n` instead of the Rust math.
-#[cfg(feature = "llvm")]
-fn generated(op: Op, args: &[Arg], n: usize) -> Option<Result<(), DeviceError>> {
-    // SAFETY: every caller passes the pointers of its primitive, sized for `n` indices of `op`.
-    jit::enabled().then(|| unsafe { jit::run(&jit::kernel(op), args, n) })
-}
+use super::kernels::{Arg, Kernels};
+use sched_ir::job::Optimizer;
+use sched_kernels::Op;
 
 /// f32 values in host memory, by address.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -71,7 +60,6 @@ impl HostPtr {
         HostPtr(v.as_ptr().cast_mut())
     }
 
-    #[cfg(feature = "llvm")]
     fn arg(self) -> Arg {
         Arg::Ptr(self.0)
     }
@@ -114,6 +102,8 @@ pub struct Host<'a> {
     free: RefCell<Vec<Vec<f32>>>,
     used: RefCell<Vec<Vec<f32>>>,
     loss: Cell<f64>,
+    /// The Rust math or the generated kernels, chosen when the device is made.
+    kernels: Kernels,
 }
 
 thread_local! {
@@ -129,6 +119,7 @@ impl<'a> Host<'a> {
             free: RefCell::new(pool),
             used: RefCell::new(vec![]),
             loss: Cell::new(0.0),
+            kernels: Kernels::chosen(),
         }
     }
 
@@ -142,6 +133,7 @@ impl<'a> Host<'a> {
             free: RefCell::new(pool),
             used: RefCell::new(vec![]),
             loss: Cell::new(0.0),
+            kernels: Kernels::chosen(),
         };
         let out = f(&host);
         host.reset();
@@ -306,15 +298,17 @@ impl Device for Host<'_> {
         beta: f32,
     ) -> Result<(), DeviceError> {
         let Linear { t, out, .. } = l;
-        #[cfg(feature = "llvm")]
-        if jit::enabled() {
+        if self.kernels.generated() {
             if bias.is_some() && ld != out {
                 return Err(plan_error("a bias added to rows wider than the product"));
             }
             unsafe { linear(product(&l), None, (y.w(t * ld), ld), beta) };
             let Some(b) = bias else { return Ok(()) };
             let op = Op::BiasAdd { width: out as u32 };
-            return generated(op, &[y.arg(), b.arg()], t * out).unwrap_or(Ok(()));
+            return self
+                .kernels
+                .run(op, &[y.arg(), b.arg()], t * out)
+                .unwrap_or(Ok(()));
         }
         wide(
             #[inline(always)]
@@ -335,8 +329,7 @@ impl Device for Host<'_> {
         dx: Option<(HostPtr, f32)>,
     ) -> Result<(), DeviceError> {
         let Linear { t, inp, out, .. } = l;
-        #[cfg(feature = "llvm")]
-        if let (true, Some(db)) = (jit::enabled(), dbias) {
+        if let (true, Some(db)) = (self.kernels.generated(), dbias) {
             if ld != out {
                 return Err(plan_error("a bias gradient of rows wider than the product"));
             }
@@ -369,8 +362,7 @@ impl Device for Host<'_> {
         dbias: Option<HostPtr>,
         dx: Option<(HostPtr, f32)>,
     ) -> Result<(), DeviceError> {
-        #[cfg(feature = "llvm")]
-        if let (true, Some(db)) = (jit::enabled(), dbias) {
+        if let (true, Some(db)) = (self.kernels.generated(), dbias) {
             self.generated_bias_grad(&l, dy, db, Some(pre))?;
             return self.linear_backward(l, dy, dw, None, dx);
         }
@@ -388,8 +380,7 @@ impl Device for Host<'_> {
             stats,
         } = *n;
 
-        #[cfg(feature = "llvm")]
-        {
+        if self.kernels.generated() {
             let op = Op::Norm {
                 norm: np.kind,
                 width: h as u32,
@@ -398,7 +389,7 @@ impl Device for Host<'_> {
             let mut args = vec![x.arg(), params.at(&np.w).arg()];
             args.extend(np.b.as_ref().map(|r| params.at(r).arg()));
             args.extend([out.arg(), stats.arg()]);
-            if let Some(r) = generated(op, &args, t) {
+            if let Some(r) = self.kernels.run(op, &args, t) {
                 return r;
             }
         }
@@ -429,8 +420,7 @@ impl Device for Host<'_> {
             stats,
         } = *n;
 
-        #[cfg(feature = "llvm")]
-        if jit::enabled() {
+        if self.kernels.generated() {
             let width = h as u32;
             let op = Op::NormBackwardParams {
                 width,
@@ -439,7 +429,7 @@ impl Device for Host<'_> {
             let mut args = vec![x.arg(), stats.arg(), dy.arg(), grads.at(&np.w).arg()];
             args.extend(np.b.as_ref().map(|r| grads.at(r).arg()));
             args.push(Arg::I64(t as i64));
-            generated(op, &args, h).unwrap_or(Ok(()))?;
+            self.kernels.run(op, &args, h).unwrap_or(Ok(()))?;
             if let Some((dx, base)) = dx {
                 let op = Op::NormBackwardInput {
                     norm: np.kind,
@@ -454,7 +444,7 @@ impl Device for Host<'_> {
                     base.arg(),
                     dx.arg(),
                 ];
-                generated(op, &args, t).unwrap_or(Ok(()))?;
+                self.kernels.run(op, &args, t).unwrap_or(Ok(()))?;
             }
             return Ok(());
         }
@@ -484,8 +474,7 @@ impl Device for Host<'_> {
     }
 
     fn gelu(&self, pre: HostPtr, post: HostPtr, n: usize) -> Result<(), DeviceError> {
-        #[cfg(feature = "llvm")]
-        if let Some(r) = generated(Op::Gelu, &[pre.arg(), post.arg()], n) {
+        if let Some(r) = self.kernels.run(Op::Gelu, &[pre.arg(), post.arg()], n) {
             return r;
         }
         wide(
@@ -500,8 +489,7 @@ impl Device for Host<'_> {
     }
 
     fn gelu_backward(&self, pre: HostPtr, d: HostPtr, n: usize) -> Result<(), DeviceError> {
-        #[cfg(feature = "llvm")]
-        if let Some(r) = generated(Op::GeluBackward, &[d.arg(), pre.arg()], n) {
+        if let Some(r) = self.kernels.run(Op::GeluBackward, &[d.arg(), pre.arg()], n) {
             return r;
         }
         wide(
@@ -531,8 +519,10 @@ impl Device for Host<'_> {
         prod: HostPtr,
         n: usize,
     ) -> Result<(), DeviceError> {
-        #[cfg(feature = "llvm")]
-        if let Some(r) = generated(Op::SwiGlu, &[gate.arg(), up.arg(), prod.arg()], n) {
+        if let Some(r) = self
+            .kernels
+            .run(Op::SwiGlu, &[gate.arg(), up.arg(), prod.arg()], n)
+        {
             return r;
         }
         wide(
@@ -554,10 +544,12 @@ impl Device for Host<'_> {
         dup: HostPtr,
         n: usize,
     ) -> Result<(), DeviceError> {
-        #[cfg(feature = "llvm")]
-        {
+        if self.kernels.generated() {
             let args = [dgate.arg(), dup.arg(), gate.arg(), up.arg()];
-            if let Some(r) = generated(Op::SwiGluBackward { cast: false }, &args, n) {
+            if let Some(r) = self
+                .kernels
+                .run(Op::SwiGluBackward { cast: false }, &args, n)
+            {
                 return r;
             }
         }
@@ -589,11 +581,10 @@ impl Device for Host<'_> {
         if src != qkv {
             self.copy(qkv, src, t * sh.width())?;
         }
-        #[cfg(feature = "llvm")]
-        {
+        if self.kernels.generated() {
             let op = sh.rotary_op(inverse);
             let (cos, sin) = (Arg::Ptr(rope.cos.as_ptr()), Arg::Ptr(rope.sin.as_ptr()));
-            if let Some(r) = generated(op, &[qkv.arg(), cos, sin], t) {
+            if let Some(r) = self.kernels.run(op, &[qkv.arg(), cos, sin], t) {
                 return r;
             }
         }
@@ -729,8 +720,7 @@ impl Device for Host<'_> {
         if let Some(&bad) = targets.iter().find(|&&t| t as usize >= vocab) {
             return Err(DeviceError::Token { token: bad, vocab });
         }
-        #[cfg(feature = "llvm")]
-        if jit::enabled() {
+        if self.kernels.generated() {
             let rows = self.alloc(n)?;
             let op = Op::CrossEntropy {
                 vocab: vocab as u32,
@@ -743,7 +733,7 @@ impl Device for Host<'_> {
                 rows.arg(),
                 Arg::F32(1.0 / n as f32),
             ];
-            generated(op, &args, n).unwrap_or(Ok(()))?;
+            self.kernels.run(op, &args, n).unwrap_or(Ok(()))?;
             let loss: f64 = unsafe { rows.r(n) }.iter().map(|&l| f64::from(l)).sum();
             self.loss.set(self.loss.get() + loss);
             return Ok(());
@@ -799,8 +789,7 @@ impl Host<'_> {
         state: HostPtr,
         grad: HostPtr,
     ) -> Result<(), DeviceError> {
-        #[cfg(feature = "llvm")]
-        if jit::enabled() {
+        if self.kernels.generated() {
             return self.generated_update(u, scale, state, grad);
         }
         let (st, g) = unsafe { (state.w(u.cfg.state_per_param() * u.n), grad.r(u.n)) };
@@ -809,7 +798,6 @@ impl Host<'_> {
     }
 }
 
-#[cfg(feature = "llvm")]
 impl Host<'_> {
     /// db += the column sums of dy's `l.out` columns over its `l.t` rows with the generated
     /// kernel (`Op::BiasGrad`), dy first through GELU's backward in the same pass (in place)
@@ -828,7 +816,7 @@ impl Host<'_> {
         };
         let tensors = [dy, db].into_iter().chain(gelu).map(HostPtr::arg);
         let args: Vec<Arg> = tensors.chain([Arg::I64(l.t as i64)]).collect();
-        generated(op, &args, l.out).unwrap_or(Ok(()))
+        self.kernels.run(op, &args, l.out).unwrap_or(Ok(()))
     }
 
     /// The optimizer step with the generated Adam or SGD kernel, Adam's in the launches the
@@ -846,7 +834,7 @@ impl Host<'_> {
         let scale = Arg::Ptr(cell.as_ptr());
         if cfg.kind == Optimizer::Sgd {
             let args = [state.arg(), grad.arg(), scale, Arg::F32(cfg.lr)];
-            return generated(Op::Sgd, &args, n).unwrap_or(Ok(()));
+            return self.kernels.run(Op::Sgd, &args, n).unwrap_or(Ok(()));
         }
         let (m, v) = (state.offset(n), state.offset(2 * n));
         let scalars = u.adam_scalars()?;
@@ -860,7 +848,9 @@ impl Host<'_> {
                 .chain(launch.bounds().map(Arg::I64))
                 .collect();
             let op = Op::Adam { param: false };
-            generated(op, &args, launch.elements.len()).unwrap_or(Ok(()))?;
+            self.kernels
+                .run(op, &args, launch.elements.len())
+                .unwrap_or(Ok(()))?;
         }
         Ok(())
     }

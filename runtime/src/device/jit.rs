@@ -20,14 +20,7 @@ use std::cell::Cell;
 use std::collections::HashMap;
 use std::sync::{Arc, OnceLock, RwLock};
 
-/// A kernel argument, as [`HostKernels::run`] takes it.
-#[derive(Clone, Copy, Debug)]
-pub enum Arg {
-    Ptr(*const f32),
-    Tokens(*const u32),
-    F32(f32),
-    I64(i64),
-}
+pub use super::kernels::Arg;
 
 impl Arg {
     fn slot(self) -> u64 {

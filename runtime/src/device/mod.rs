@@ -31,6 +31,7 @@ pub mod action;
 pub mod host;
 #[cfg(feature = "llvm")]
 pub mod jit;
+mod kernels;
 pub(crate) mod layers;
 mod slices;
 

@@ -1,7 +1,6 @@
-//! Unit tests of `device::jit` (a child module of it: they reach its private items).
-
-//! The host device with the generated kernels against the same device on the Rust math:
-//! every layer kind's forward and backward and every optimizer, bit for bit.
+//! Unit tests of `device::jit` (a child module of it: they reach its private items): the host
+//! device with the generated kernels against the same device on the Rust math, every layer
+//! kind's forward and backward and every optimizer, bit for bit.
 
 use super::without;
 use crate::arena::Arena;
@@ -142,4 +141,19 @@ fn optimizers_on_generated_kernels_are_the_rust_math_bit_for_bit() {
         assert!(generated == rust, "{kind:?} differs");
         assert_ne!(generated, bits(&state), "{kind:?} changed nothing");
     }
+}
+
+/// A host device made on a thread that has not turned them off runs the generated kernels (the
+/// comparisons above would otherwise compare the Rust math with itself); inside `without`, the
+/// Rust math.
+#[test]
+fn the_host_device_chooses_the_generated_kernels_unless_told_not_to() {
+    use crate::device::kernels::Kernels;
+    assert_eq!(Kernels::chosen(), Kernels::Generated);
+    assert_eq!(without(Kernels::chosen), Kernels::Rust);
+    assert_eq!(
+        Kernels::chosen(),
+        Kernels::Generated,
+        "the switch is restored"
+    );
 }
