@@ -331,9 +331,12 @@ pub struct ReadPlan {
 }
 
 /// Why a text is not a plan file this version reads; every refusal says what and where.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[derive(Clone, Debug, thiserror::Error)]
 pub enum ReadError {
-    /// Not JSON, or JSON that is not a sched plan (its `format` or `version` is missing).
+    /// Not JSON (the JSON reader's words, with the line and column).
+    #[error("not a plan file: {0}")]
+    NotJson(#[source] std::sync::Arc<serde_json::Error>),
+    /// JSON that is not a sched plan (its `format` or `version` is missing or wrong).
     #[error("not a plan file: {0}")]
     NotAPlan(String),
     /// A plan of another format version.
@@ -342,7 +345,7 @@ pub enum ReadError {
     /// JSON without the plan file's shape: a missing or unknown field, a value of the wrong type
     /// (the JSON reader's words, with the line and column).
     #[error("malformed plan: {0}")]
-    Malformed(String),
+    Malformed(#[source] std::sync::Arc<serde_json::Error>),
     /// A value the plan file refuses: the entity or field, and what is wrong with it.
     #[error("{0}")]
     Invalid(String),
@@ -358,7 +361,7 @@ macro_rules! invalid {
 /// Parses plan JSON; every refusal says what and where.
 pub fn read_plan(text: &str) -> Result<ReadPlan, ReadError> {
     let head: serde_json::Value =
-        serde_json::from_str(text).map_err(|e| ReadError::NotAPlan(e.to_string()))?;
+        serde_json::from_str(text).map_err(|e| ReadError::NotJson(e.into()))?;
     if head.get("format").and_then(|f| f.as_str()) != Some(FORMAT) {
         return Err(ReadError::NotAPlan(format!(
             "`format` must be \"{FORMAT}\""
@@ -369,8 +372,7 @@ pub fn read_plan(text: &str) -> Result<ReadPlan, ReadError> {
         Some(found) => return Err(ReadError::Version { found }),
         None => return Err(ReadError::NotAPlan("`version` is missing".into())),
     }
-    let f: PlanFile =
-        serde_json::from_value(head).map_err(|e| ReadError::Malformed(e.to_string()))?;
+    let f: PlanFile = serde_json::from_value(head).map_err(|e| ReadError::Malformed(e.into()))?;
     from_file(f)
 }
 

@@ -134,7 +134,7 @@ pub unsafe fn run_slots(
             host.run(k, slots, begin, end)
         }
     };
-    ran.map_err(|e| DeviceError::Kernel(e.to_string()))
+    ran.map_err(|e| DeviceError::backend("generated kernel", e))
 }
 
 #[cfg(all(test, feature = "compile"))]

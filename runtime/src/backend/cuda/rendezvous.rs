@@ -266,15 +266,15 @@ pub fn join(addr: &str, me: &Hello, timeout: Duration) -> Result<Ids, Rendezvous
     let _ = s.set_read_timeout(Some(timeout + Duration::from_secs(1)));
     let mut r = BufReader::new(s);
     let mut line = String::new();
-    let lost = |e: String| {
+    let lost = |e: &dyn std::fmt::Display| {
         err(format!(
             "rendezvous: rank {} got no answer from the master at {addr}: {e}",
             me.rank
         ))
     };
-    r.read_line(&mut line).map_err(|e| lost(e.to_string()))?;
+    r.read_line(&mut line).map_err(|e| lost(&e))?;
     if line.is_empty() {
-        return Err(lost("it closed the connection".into()));
+        return Err(lost(&"it closed the connection"));
     }
     if let Some(m) = line.strip_prefix("error ") {
         return Err(err(m.trim_end()));
@@ -282,11 +282,11 @@ pub fn join(addr: &str, me: &Hello, timeout: Duration) -> Result<Ids, Rendezvous
     let n: usize = line
         .strip_prefix("ok ")
         .and_then(|n| n.trim().parse().ok())
-        .ok_or_else(|| lost(format!("malformed answer {line:?}")))?;
+        .ok_or_else(|| lost(&format!("malformed answer {line:?}")))?;
     let mut ids = Vec::with_capacity(n);
     for _ in 0..n {
         let mut l = String::new();
-        r.read_line(&mut l).map_err(|e| lost(e.to_string()))?;
+        r.read_line(&mut l).map_err(|e| lost(&e))?;
         let f: Vec<&str> = l.split_whitespace().collect();
         let entry = match f.as_slice() {
             [c, g, st, id] => (|| {
@@ -301,7 +301,7 @@ pub fn join(addr: &str, me: &Hello, timeout: Duration) -> Result<Ids, Rendezvous
             })(),
             _ => None,
         };
-        ids.push(entry.ok_or_else(|| lost(format!("malformed id line {l:?}")))?);
+        ids.push(entry.ok_or_else(|| lost(&format!("malformed id line {l:?}")))?);
     }
     Ok(ids)
 }
