@@ -20,7 +20,7 @@ use std::cell::Cell;
 use std::collections::HashMap;
 use std::sync::{Arc, OnceLock, RwLock};
 
-pub use super::kernels::Arg;
+pub use super::args::Arg;
 
 impl Arg {
     fn slot(self) -> u64 {

@@ -5,19 +5,9 @@
 //! when it declines, so no primitive tests the cargo feature itself; both give the same bits
 //! (`math::generated_parity`).
 
+pub use super::args::Arg;
 use super::DeviceError;
 use sched_kernels::Op;
-
-/// A kernel argument, as a generated kernel takes it (built by every primitive, read only where
-/// the generated kernels exist).
-#[derive(Clone, Copy, Debug)]
-#[cfg_attr(not(feature = "llvm"), allow(dead_code))]
-pub enum Arg {
-    Ptr(*const f32),
-    Tokens(*const u32),
-    F32(f32),
-    I64(i64),
-}
 
 /// The host device's kernels.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -28,6 +28,7 @@
 //! until [`Device::reset`], which the caller runs after every op.
 
 pub mod action;
+mod args;
 pub mod host;
 #[cfg(feature = "llvm")]
 pub mod jit;
