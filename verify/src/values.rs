@@ -165,7 +165,7 @@ pub fn check(p: &Program) -> Vec<VerifyError> {
             ops_of[l].push(id);
         }
     }
-    let mut seen: HashMap<String, usize> = HashMap::new();
+    let mut seen: FxHashMap<Signature, usize> = FxHashMap::default();
     let mut runs: Vec<(LayerId, &[OpId])> = vec![];
     for (l, ops) in ops_of.iter().enumerate() {
         let layer = LayerId::new(l);
@@ -226,43 +226,58 @@ pub fn check(p: &Program) -> Vec<VerifyError> {
 /// 1,024-rank benchmark programs have about 300,000; the examples a few thousand).
 const PARALLEL_WORK: usize = 100_000;
 
-/// What a layer's op sequence looks like, with buffer ids renamed by first use.
-fn signature(p: &Program, layer: LayerId, ops: &[OpId]) -> String {
-    let mut names: HashMap<BufferId, usize> = HashMap::new();
-    let mut sig = format!("{}:", p.layers[layer].padded);
-    let mut region = |r: &Region, sig: &mut String| {
+/// What a layer's op sequence looks like, with buffer ids renamed by first use: layers with equal
+/// signatures evolve alike, so one run checks them all.
+#[derive(PartialEq, Eq, Hash)]
+struct Signature {
+    padded: u64,
+    steps: Vec<Step>,
+}
+
+/// One item of a [`Signature`], in op order.
+#[derive(PartialEq, Eq, Hash)]
+enum Step {
+    /// An op begins: its kind's name and micro-step.
+    Op(&'static str, Option<u32>),
+    /// One of its collectives begins: kind, communicator, element count (its input and output
+    /// regions follow).
+    Collective(&'static str, CommId, u64),
+    /// A region: its buffer (renamed by first use), whether that buffer is another layer's, its
+    /// offset and bytes.
+    Region(usize, bool, Offset, u64),
+}
+
+fn signature(p: &Program, layer: LayerId, ops: &[OpId]) -> Signature {
+    let mut names: FxHashMap<BufferId, usize> = FxHashMap::default();
+    let mut steps = vec![];
+    let mut region = |r: &Region, steps: &mut Vec<Step>| {
         let n = names.len();
         let id = *names.entry(r.buffer).or_insert(n);
-        let mine = p.buffers[r.buffer].layer == Some(layer);
-        sig.push_str(&format!(
-            "b{id}{}{:?}{} ",
-            if mine { "" } else { "x" },
-            r.offset,
-            r.bytes
-        ));
+        let theirs = p.buffers[r.buffer].layer != Some(layer);
+        steps.push(Step::Region(id, theirs, r.offset, r.bytes));
     };
     for &o in ops {
         let op = &p.ops[o];
-        sig.push_str(op.kind_name());
-        sig.push_str(&format!("{:?}", op.micro_step));
+        steps.push(Step::Op(op.kind_name(), op.micro_step));
         for c in op.collectives() {
-            sig.push_str(&format!("[{}{}{}", c.kind.name(), c.comm, c.count));
-            region(&c.input, &mut sig);
-            region(&c.output, &mut sig);
-            sig.push(']');
+            steps.push(Step::Collective(c.kind.name(), c.comm, c.count));
+            region(&c.input, &mut steps);
+            region(&c.output, &mut steps);
         }
         if op.collectives().is_empty() {
             // The norm reads every layer; only this layer's part of it tells layers apart.
             let norm = op.kind == OpKind::Compute(ComputeKind::GradNorm);
             for r in op.reads.iter().chain(&op.writes) {
                 if !norm || p.buffers[r.buffer].layer == Some(layer) {
-                    region(r, &mut sig);
+                    region(r, &mut steps);
                 }
             }
         }
-        sig.push(';');
     }
-    sig
+    Signature {
+        padded: p.layers[layer].padded,
+        steps,
+    }
 }
 
 struct Run<'a> {
