@@ -73,7 +73,8 @@ pub fn check(p: &Program, clocks: &Clocks) -> (Vec<VerifyError>, u64) {
         .keys()
         .filter(|&b| !by_buffer[b].is_empty() && p.buffers[b].bytes > 0)
         .collect();
-    placed.sort_by_key(|&b| (by_buffer[b].iter().map(|a| a.op).min(), b));
+    // Each buffer's accesses are listed in issue order, so its first is its first access.
+    placed.sort_unstable_by_key(|&b| (by_buffer[b][0].op, b));
     let mut ends: SecondaryMap<BufferId, Ends> = SecondaryMap::new();
     for &b in &placed {
         ends[b] = Ends::new(p, &by_buffer[b]);
