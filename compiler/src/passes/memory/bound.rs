@@ -10,7 +10,7 @@
 //! with its execution: the issue order run serially (`verify`'s live bound), each op run right
 //! after everything that happens before it, and the cut of a maximum-weight antichain below.
 
-use super::{access_ends, spans, transient_by_first_access, Lifetimes};
+use super::{spans, transient_by_first_access, Lifetimes};
 use crate::passes::hb::Clocks;
 use cranelift_entity::EntityRef;
 use sched_ir::ir::*;
@@ -33,7 +33,7 @@ pub fn lower_bound(p: &Program) -> u64 {
     let span = spans(p, &clocks, &life, &transient);
     let antichain = antichain(p, &life, &transient);
     let together = alive_together(p, &clocks, &life, antichain);
-    concurrency_bound(p, &clocks, &transient, &span)
+    concurrency_bound(p, &clocks, &life, &transient, &span)
         .max(together.iter().map(|&b| p.buffers[b].bytes).sum())
 }
 
@@ -72,11 +72,12 @@ const SUCCESSORS: usize = 64;
 fn concurrency_bound(
     p: &Program,
     clocks: &Clocks,
+    life: &Lifetimes,
     transient: &[BufferId],
     span: &[(usize, usize)],
 ) -> u64 {
     let mut best = 0u64;
-    for_each_live_set(p, clocks, transient, span, |live| {
+    for_each_live_set(p, clocks, life, transient, span, |live| {
         best = best.max(live.iter().map(|&b| p.buffers[b].bytes).sum());
     });
     best
@@ -86,29 +87,38 @@ fn concurrency_bound(
 /// after everything that happens before it and before anything else: those with an access
 /// happening before or at the op and an access not happening before it. `transient` is sorted by
 /// first access.
+///
+/// Both tests read only the op's clock and the buffer's first and last positions on each stream
+/// (an access on stream `s` happens before or at the op exactly when the op's clock has reached
+/// its position on `s`; strictly before, when the op's clock less the op itself has).
 pub(super) fn for_each_live_set(
     p: &Program,
     clocks: &Clocks,
+    life: &Lifetimes,
     transient: &[BufferId],
     span: &[(usize, usize)],
     mut f: impl FnMut(&[BufferId]),
 ) {
-    let (firsts, lasts) = access_ends(p);
     let (mut next, mut active, mut live) = (0, Vec::<BufferId>::new(), Vec::<BufferId>::new());
-    for (o, _) in p.ops.iter() {
+    // Per stream, how many of its ops happen strictly before the op.
+    let mut before = vec![0u32; clocks.streams()];
+    for (o, op) in p.ops.iter() {
         while next < transient.len() && span[transient[next].index()].0 <= o.index() {
             active.push(transient[next]);
             next += 1;
         }
         active.retain(|&b| span[b.index()].1 > o.index());
-        let started = |x: OpId| x == o || clocks.hb(p, x, o);
+        let now = clocks.clock(o);
+        before.copy_from_slice(now);
+        before[op.stream.index()] -= 1;
         live.clear();
         live.extend(active.iter().copied().filter(|&b| {
-            firsts[b.index()].iter().flatten().any(|&x| started(x))
-                && lasts[b.index()]
-                    .iter()
-                    .flatten()
-                    .any(|&y| y == o || !clocks.hb(p, y, o))
+            let started = life
+                .first_seq(b)
+                .iter()
+                .zip(now)
+                .any(|(&first, &c)| first != 0 && c >= first);
+            started && life.last(b).iter().zip(&before).any(|(&last, &c)| c < last)
         }));
         f(&live);
     }

@@ -34,6 +34,8 @@ pub struct Lifetimes {
     /// First op (issue order) touching each buffer.
     pub first: SecondaryMap<BufferId, Option<OpId>>,
     streams: usize,
+    /// Per buffer and stream, the position of the first op touching the buffer (0: none).
+    first_seq: Vec<u32>,
     /// Per buffer and stream, the position of the last op touching the buffer (0: none).
     last: Vec<u32>,
     /// Per buffer and stream, the least over the ops touching the buffer of how many ops of that
@@ -49,6 +51,7 @@ impl Lifetimes {
         let mut l = Lifetimes {
             first: SecondaryMap::new(),
             streams: s,
+            first_seq: vec![0; p.buffers.len() * s],
             last: vec![0; p.buffers.len() * s],
             min_clock: vec![u32::MAX; p.buffers.len() * s],
             last_index: vec![0; p.buffers.len()],
@@ -64,6 +67,10 @@ impl Lifetimes {
                 }
                 l.last_index[b.index()] = id.index();
                 let rows = b.index() * s..(b.index() + 1) * s;
+                let first = &mut l.first_seq[rows.clone()][op.stream.index()];
+                if *first == 0 {
+                    *first = clocks.seq(id);
+                }
                 let last = &mut l.last[rows.clone()][op.stream.index()];
                 *last = (*last).max(clocks.seq(id));
                 l.min_clock[rows]
@@ -73,6 +80,11 @@ impl Lifetimes {
             }
         }
         l
+    }
+
+    /// Per stream, the position of the first op touching `b` (0: none).
+    pub fn first_seq(&self, b: BufferId) -> &[u32] {
+        &self.first_seq[b.index() * self.streams..(b.index() + 1) * self.streams]
     }
 
     /// Per stream, the position of the last op touching `b` (0: none).

@@ -152,7 +152,7 @@ pub(super) fn plan(
         }
     }
     // Greedy by breadth, with single buffers and with slots for the families.
-    let heaviest_first = live_sets_by_weight(p, clocks, transient, span);
+    let heaviest_first = live_sets_by_weight(p, clocks, life, transient, span);
     for slotted in [
         &(|_: usize| false) as &dyn Fn(usize) -> bool,
         &|c: usize| family[c],
@@ -313,30 +313,50 @@ pub(super) fn plan(
     best.0
 }
 
-/// Every op's live set (see [`super::bound::for_each_live_set`]), the heaviest first (issue order
-/// among equals).
+/// Every op's live set (see [`super::bound::for_each_live_set`]) that is not empty, the heaviest
+/// first (issue order among equals).
 fn live_sets_by_weight(
     p: &Program,
     clocks: &Clocks,
+    life: &Lifetimes,
     transient: &[BufferId],
     span: &[(usize, usize)],
-) -> Vec<Vec<BufferId>> {
-    let mut sets: Vec<(u64, Vec<BufferId>)> = vec![];
-    super::bound::for_each_live_set(p, clocks, transient, span, |live| {
-        sets.push((
-            live.iter().map(|&b| p.buffers[b].bytes).sum(),
-            live.to_vec(),
-        ));
+) -> LiveSets {
+    let mut buffers: Vec<BufferId> = vec![];
+    let mut sets: Vec<(u64, std::ops::Range<usize>)> = vec![];
+    super::bound::for_each_live_set(p, clocks, life, transient, span, |live| {
+        if live.is_empty() {
+            return;
+        }
+        let weight = live.iter().map(|&b| p.buffers[b].bytes).sum();
+        sets.push((weight, buffers.len()..buffers.len() + live.len()));
+        buffers.extend_from_slice(live);
     });
-    sets.sort_by_key(|(weight, _)| Reverse(*weight)); // stable
-    sets.into_iter().map(|(_, live)| live).collect()
+    // Sets start in issue order, so (weight, start) orders them as a stable sort by weight would.
+    sets.sort_unstable_by_key(|(weight, r)| (Reverse(*weight), r.start));
+    LiveSets {
+        buffers,
+        sets: sets.into_iter().map(|(_, r)| r).collect(),
+    }
+}
+
+/// Live sets in one flat list: each set a range of `buffers`, in the order of `sets`.
+struct LiveSets {
+    buffers: Vec<BufferId>,
+    sets: Vec<std::ops::Range<usize>>,
+}
+
+impl LiveSets {
+    fn iter(&self) -> impl Iterator<Item = &[BufferId]> {
+        self.sets.iter().map(|r| &self.buffers[r.clone()])
+    }
 }
 
 /// Greedy by breadth: the units (`unit_of`, by buffer id) of the buffers in use at the heaviest
 /// op, largest first, then those of the next heaviest op not placed yet, and so on.
 fn breadth_order(
     p: &Program,
-    heaviest_first: &[Vec<BufferId>],
+    heaviest_first: &LiveSets,
     transient: &[BufferId],
     unit_of: &[usize],
     units: usize,
@@ -345,7 +365,7 @@ fn breadth_order(
     let mut order = vec![];
     let mut fresh: Vec<BufferId> = vec![];
     // Every buffer is in use at its first access, so `transient` only restates the set.
-    for live in heaviest_first.iter().map(Vec::as_slice).chain([transient]) {
+    for live in heaviest_first.iter().chain([transient]) {
         fresh.clear();
         fresh.extend(live.iter().filter(|b| !placed[unit_of[b.index()]]));
         fresh.sort_by_key(|&b| (Reverse(p.buffers[b].bytes), b));
