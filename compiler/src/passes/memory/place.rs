@@ -56,29 +56,85 @@ pub(super) fn slots(
 /// Most slots one size class may use (bounds [`slots`]'s work at `MAX_SLOTS` checks a buffer).
 const MAX_SLOTS: usize = 256;
 
+/// Which transient buffers may be in use together, so may never share bytes: the pairs whose spans
+/// overlap and neither of which is dead before the other. Found once, by one sweep over the spans,
+/// and read by every placement tried (each of which would otherwise test the same pairs again).
+pub(super) struct Conflicts {
+    /// Per buffer index, where its list starts in `with`; the entry after the last buffer's ends
+    /// it.
+    start: Vec<usize>,
+    /// Every buffer's conflicting buffers, list after list.
+    with: Vec<BufferId>,
+}
+
+impl Conflicts {
+    /// The conflicts among `transient` (sorted by first access, so by the start of their spans).
+    pub(super) fn new(
+        p: &Program,
+        life: &Lifetimes,
+        span: &[(usize, usize)],
+        transient: &[BufferId],
+    ) -> Self {
+        // Each pair is found once, when its later-starting buffer starts: every buffer still
+        // active then overlaps it, since spans are never empty.
+        let mut pairs: Vec<(BufferId, BufferId)> = vec![];
+        let mut active: Vec<BufferId> = vec![];
+        for &b in transient {
+            let b0 = span[b.index()].0;
+            active.retain(|&a| span[a.index()].1 > b0);
+            pairs.extend(
+                active
+                    .iter()
+                    .filter(|&&a| !life.dead_before(a, b) && !life.dead_before(b, a))
+                    .map(|&a| (a, b)),
+            );
+            active.push(b);
+        }
+        let mut start = vec![0; p.buffers.len() + 1];
+        for &(a, b) in &pairs {
+            start[a.index() + 1] += 1;
+            start[b.index() + 1] += 1;
+        }
+        for i in 1..start.len() {
+            start[i] += start[i - 1];
+        }
+        let mut fill = start.clone();
+        let mut with = vec![BufferId::new(0); pairs.len() * 2];
+        for &(a, b) in &pairs {
+            with[fill[a.index()]] = b;
+            fill[a.index()] += 1;
+            with[fill[b.index()]] = a;
+            fill[b.index()] += 1;
+        }
+        Conflicts { start, with }
+    }
+
+    /// The buffers `b` may be in use together with.
+    fn of(&self, b: BufferId) -> &[BufferId] {
+        &self.with[self.start[b.index()]..self.start[b.index() + 1]]
+    }
+}
+
 /// Places `order`'s units one by one in the gap `fit` chooses, clear of the placed buffers any of
 /// their members may be in use together with; returns every buffer's offset (indexed by id) and
 /// the arena top.
 pub(super) fn place(
     p: &Program,
-    life: &Lifetimes,
-    span: &[(usize, usize)],
+    conflicts: &Conflicts,
     units: &Units,
     order: &[usize],
     base: u64,
     fit: Fit,
 ) -> (Vec<u64>, u64) {
-    place_below(p, life, span, units, order, base, fit, u64::MAX)
+    place_below(p, conflicts, units, order, base, fit, u64::MAX)
         .expect("no placement reaches u64::MAX")
 }
 
 /// [`place`], given up (`None`) as soon as the arena top reaches `cap`: a candidate that cannot
 /// come out strictly lower than the best so far needs no finishing.
-#[allow(clippy::too_many_arguments)]
 pub(super) fn place_below(
     p: &Program,
-    life: &Lifetimes,
-    span: &[(usize, usize)],
+    conflicts: &Conflicts,
     units: &Units,
     order: &[usize],
     base: u64,
@@ -87,35 +143,22 @@ pub(super) fn place_below(
 ) -> Option<(Vec<u64>, u64)> {
     let align = |x: u64| x.div_ceil(ALIGN) * ALIGN;
     let mut offset = vec![0u64; p.buffers.len()];
-    // Placed buffers by the blocks of issue positions their spans cover.
-    let mut blocks: Vec<Vec<BufferId>> = vec![vec![]; (p.ops.len() + 1) / BLOCK + 2];
-    // The last member each placed buffer was checked against, and the last unit it was found busy for.
-    let (mut checked, mut counted) = (
-        vec![usize::MAX; p.buffers.len()],
-        vec![usize::MAX; p.buffers.len()],
-    );
+    // Whether each buffer is placed yet, and where it ends.
+    let mut placed = vec![false; p.buffers.len()];
+    let mut end = vec![0u64; p.buffers.len()];
+    // The last unit each placed buffer was found busy for.
+    let mut counted = vec![usize::MAX; p.buffers.len()];
     let mut top = base;
     let mut busy: Vec<(u64, u64)> = vec![];
-    let mut member = 0;
     for (step, &u) in order.iter().enumerate() {
         let unit = &units[u];
         let bytes = p.buffers[unit[0]].bytes;
         busy.clear();
         for &b in unit {
-            member += 1;
-            let (b0, b1) = span[b.index()];
-            for blk in cover(b0, b1) {
-                for &a in &blocks[blk] {
-                    if std::mem::replace(&mut checked[a.index()], member) == member
-                        || counted[a.index()] == step
-                    {
-                        continue;
-                    }
-                    let (a0, a1) = span[a.index()];
-                    if a0 < b1 && b0 < a1 && !life.dead_before(a, b) && !life.dead_before(b, a) {
-                        counted[a.index()] = step;
-                        busy.push((offset[a.index()], offset[a.index()] + p.buffers[a].bytes));
-                    }
+            for &a in conflicts.of(b) {
+                if placed[a.index()] && counted[a.index()] != step {
+                    counted[a.index()] = step;
+                    busy.push((offset[a.index()], end[a.index()]));
                 }
             }
         }
@@ -151,21 +194,11 @@ pub(super) fn place_below(
         }
         for &b in unit {
             offset[b.index()] = at;
-            let (b0, b1) = span[b.index()];
-            for blk in cover(b0, b1) {
-                blocks[blk].push(b);
-            }
+            end[b.index()] = at + bytes;
+            placed[b.index()] = true;
         }
     }
     Some((offset, top))
-}
-
-/// Issue positions per block of [`place`]'s index of placed buffers.
-const BLOCK: usize = 64;
-
-/// The blocks of issue positions a span `[b0, b1)` covers.
-fn cover(b0: usize, b1: usize) -> std::ops::RangeInclusive<usize> {
-    b0 / BLOCK..=(b1.max(b0 + 1) - 1) / BLOCK
 }
 
 /// The highest aligned offset below `target` where `bytes` fit between the `busy` ranges (sorted).

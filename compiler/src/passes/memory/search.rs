@@ -28,7 +28,7 @@
 //! that shrinks as the program grows (each costs about one greedy pass), a two-ended fit and a
 //! repair loop.
 
-use super::place::{place, place_below, slots, Fit, Units};
+use super::place::{place, place_below, slots, Conflicts, Fit, Units};
 use super::{Lifetimes, ALIGN};
 use crate::passes::hb::Clocks;
 use cranelift_entity::EntityRef;
@@ -168,7 +168,8 @@ pub(super) fn plan(
             orders.push(order);
         }
     }
-    let place = |order: &[usize], fit: Fit| place(p, life, span, &units, order, base, fit);
+    let conflicts = Conflicts::new(p, life, span, transient);
+    let place = |order: &[usize], fit: Fit| place(p, &conflicts, &units, order, base, fit);
     // The lowest top wins, ties to the lowest index in `orders`. The first order with slots (the
     // largest size as slots) goes first: it was the lowest, or tied lowest, on every benchmark
     // program, so its top lets the others be abandoned early; each of the others is abandoned as
@@ -201,7 +202,7 @@ pub(super) fn plan(
             Some((placed, rank, _, _)) if k < *rank => placed.1.saturating_add(1),
             Some((placed, _, _, _)) => placed.1,
         };
-        if let Some(placed) = place_below(p, life, span, &units, &orders[i], base, fit, limit) {
+        if let Some(placed) = place_below(p, &conflicts, &units, &orders[i], base, fit, limit) {
             best = Some((placed, k, i, fit));
         }
     }
@@ -277,7 +278,7 @@ pub(super) fn plan(
             // A placement reaching both the target and the best top moves `lo` and nothing
             // else, whatever its final top: it is abandoned there.
             let cap = best.0 .1.max(target + 1);
-            let Some(r) = place_below(p, life, span, &units, two_ended, base, fit, cap) else {
+            let Some(r) = place_below(p, &conflicts, &units, two_ended, base, fit, cap) else {
                 lo = target;
                 continue;
             };
