@@ -287,7 +287,7 @@ struct Run<'a> {
     contribs: Contribs,
     /// (buffer, rank) → contents; empty means nothing written yet.
     state: State,
-    /// A spare contents list, so writes allocate nothing once warm.
+    /// A spare contents list, so writes build their result without allocating once warm.
     scratch: Contents,
     errs: Vec<VerifyError>,
 }
@@ -296,7 +296,7 @@ struct Run<'a> {
 struct State {
     ranks: usize,
     /// Per buffer, per rank; an empty list until the buffer is first written.
-    of: SecondaryMap<BufferId, Vec<Contents>>,
+    of: SecondaryMap<BufferId, Vec<Held>>,
 }
 
 impl State {
@@ -311,15 +311,73 @@ impl State {
         self.of
             .get(b)
             .and_then(|per| per.get(rank as usize))
-            .map_or(&[], |c| c.as_slice())
+            .map_or(&[], Held::as_slice)
     }
 
-    fn get_mut(&mut self, b: BufferId, rank: u32) -> &mut Contents {
+    fn get_mut(&mut self, b: BufferId, rank: u32) -> &mut Held {
         let per = &mut self.of[b];
         if per.is_empty() {
-            per.resize(self.ranks, Vec::new());
+            per.resize(self.ranks, Held::NOTHING);
         }
         &mut per[rank as usize]
+    }
+}
+
+/// What one buffer holds on one rank, as [`State`] keeps it. Nearly always nothing, one segment
+/// (a whole gradient or parameter range) or two, so up to [`INLINE`] segments live inline: a run
+/// over a thousand ranks would otherwise allocate a list for every buffer on every rank.
+#[derive(Clone)]
+enum Held {
+    /// The first `len` of `segs`.
+    Inline {
+        len: u8,
+        segs: [Seg; INLINE],
+    },
+    Many(Contents),
+}
+
+/// Segments [`Held`] keeps without allocating.
+const INLINE: usize = 2;
+
+impl Held {
+    /// What an inline slot past `len` holds (never read).
+    const UNUSED: Seg = Seg {
+        start: 0,
+        end: 0,
+        val: Val::Param {
+            elem: 0,
+            version: 0,
+        },
+    };
+    const NOTHING: Held = Held::Inline {
+        len: 0,
+        segs: [Held::UNUSED; INLINE],
+    };
+
+    fn as_slice(&self) -> &[Seg] {
+        match self {
+            Held::Inline { len, segs } => &segs[..usize::from(*len)],
+            Held::Many(segs) => segs,
+        }
+    }
+
+    /// Makes `segs` the contents, reusing the list already here when there is one.
+    fn set(&mut self, segs: &[Seg]) {
+        match self {
+            Held::Many(held) if segs.len() > INLINE => {
+                held.clear();
+                held.extend_from_slice(segs);
+            }
+            _ if segs.len() > INLINE => *self = Held::Many(segs.to_vec()),
+            _ => {
+                let mut slots = [Held::UNUSED; INLINE];
+                slots[..segs.len()].copy_from_slice(segs);
+                *self = Held::Inline {
+                    len: segs.len() as u8,
+                    segs: slots,
+                };
+            }
+        }
     }
 }
 
@@ -357,11 +415,12 @@ impl Run<'_> {
         let mut out = std::mem::take(&mut self.scratch);
         out.clear();
         let cur = self.state.get_mut(b, rank);
+        let old = cur.as_slice();
         // What was there before `at`, the new segments, what was there after `at + len`: already
         // in order, since the old segments are sorted and disjoint and the new ones lie between.
         let mut after: Option<Seg> = None;
         let mut rest = 0;
-        for (k, s) in cur.iter().enumerate() {
+        for (k, s) in old.iter().enumerate() {
             if s.start >= at + len {
                 rest = k;
                 break;
@@ -394,11 +453,11 @@ impl Run<'_> {
         if let Some(s) = after {
             push_merged(&mut out, s, d);
         }
-        for s in &cur[rest..] {
+        for s in &old[rest..] {
             push_merged(&mut out, *s, d);
         }
-        // The old contents' allocation serves the next write.
-        std::mem::swap(cur, &mut out);
+        cur.set(&out);
+        // The list serves the next write.
         self.scratch = out;
     }
 
@@ -406,7 +465,7 @@ impl Run<'_> {
         let deferred = self.deferred_refresh(ops);
         let start = self.initial(deferred);
         for (&(b, r), segs) in &start {
-            *self.state.get_mut(b, r) = segs.clone();
+            self.state.get_mut(b, r).set(segs);
         }
         let current = u32::from(deferred);
         for &o in ops {
@@ -753,6 +812,23 @@ impl Run<'_> {
 
     /// Elementwise sum of two gradient contents over the same bytes and elements.
     fn add(&mut self, o: OpId, a: &[Seg], b: &[Seg], buf: BufferId) -> Option<Contents> {
+        // The usual case, one gradient range onto another of the same elements, needs no cuts.
+        // Anything else, a failed union included, takes the general path below (which fails
+        // the same way: a failed union leaves the interned sets as they were).
+        if let (Some((ea, ca, la)), Some((eb, cb, lb))) = (single_grad(a), single_grad(b)) {
+            if (ea, la) == (eb, lb) && la > 0 {
+                if let Ok(c) = self.contribs.union(ca, cb) {
+                    return Some(vec![Seg {
+                        start: 0,
+                        end: la,
+                        val: Val::Grad {
+                            elem: ea,
+                            contrib: c,
+                        },
+                    }]);
+                }
+            }
+        }
         let d = self.elem_bytes(buf);
         let len = |x: &[Seg]| x.last().map_or(0, |s| s.end);
         let covered = |x: &[Seg]| {
