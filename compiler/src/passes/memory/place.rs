@@ -142,23 +142,28 @@ pub(super) fn place_below(
     cap: u64,
 ) -> Option<(Vec<u64>, u64)> {
     let align = |x: u64| x.div_ceil(ALIGN) * ALIGN;
-    let mut offset = vec![0u64; p.buffers.len()];
-    // Whether each buffer is placed yet, and where it ends.
-    let mut placed = vec![false; p.buffers.len()];
-    let mut end = vec![0u64; p.buffers.len()];
-    // The last unit each placed buffer was found busy for.
-    let mut counted = vec![usize::MAX; p.buffers.len()];
+    // Each buffer's unit in `order` (`units.len()`, never placed, for a buffer in none).
+    let mut owner = vec![units.len(); p.buffers.len()];
+    for &u in order {
+        for &b in &units[u] {
+            owner[b.index()] = u;
+        }
+    }
+    // Per unit, its bytes once placed and the last step it was found busy at.
+    let mut state = vec![UnitState::UNPLACED; units.len() + 1];
     let mut top = base;
     let mut busy: Vec<(u64, u64)> = vec![];
     for (step, &u) in order.iter().enumerate() {
         let unit = &units[u];
         let bytes = p.buffers[unit[0]].bytes;
+        // Members of one unit share their bytes, so each busy unit is listed once.
         busy.clear();
         for &b in unit {
             for &a in conflicts.of(b) {
-                if placed[a.index()] && counted[a.index()] != step {
-                    counted[a.index()] = step;
-                    busy.push((offset[a.index()], end[a.index()]));
+                let other = &mut state[owner[a.index()]];
+                if other.start != UNPLACED && other.seen != step {
+                    other.seen = step;
+                    busy.push((other.start, other.end));
                 }
             }
         }
@@ -192,13 +197,39 @@ pub(super) fn place_below(
         if top >= cap {
             return None;
         }
-        for &b in unit {
-            offset[b.index()] = at;
-            end[b.index()] = at + bytes;
-            placed[b.index()] = true;
+        state[u] = UnitState {
+            start: at,
+            end: at + bytes,
+            seen: step,
+        };
+    }
+    let mut offset = vec![0u64; p.buffers.len()];
+    for &u in order {
+        for &b in &units[u] {
+            offset[b.index()] = state[u].start;
         }
     }
     Some((offset, top))
+}
+
+/// Where [`place_below`] has put a unit, and the last step it was found busy at.
+#[derive(Clone, Copy)]
+struct UnitState {
+    /// [`UNPLACED`] until placed.
+    start: u64,
+    end: u64,
+    seen: usize,
+}
+
+/// The start of a unit not placed yet (no placed unit starts there: its end would pass 2^64).
+const UNPLACED: u64 = u64::MAX;
+
+impl UnitState {
+    const UNPLACED: UnitState = UnitState {
+        start: UNPLACED,
+        end: 0,
+        seen: usize::MAX,
+    };
 }
 
 /// The highest aligned offset below `target` where `bytes` fit between the `busy` ranges (sorted).
