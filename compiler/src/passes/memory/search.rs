@@ -71,7 +71,7 @@ pub(super) fn plan(
     let mut classes: Vec<(u64, Vec<BufferId>)> = vec![];
     {
         let mut by_size: Vec<BufferId> = transient.to_vec();
-        by_size.sort_by_key(|&b| Reverse(bytes(b))); // stable: first access within a size
+        by_size.sort_by_cached_key(|&b| Reverse(bytes(b))); // stable: first access within a size
         for b in by_size {
             match classes.last_mut() {
                 Some((s, members)) if *s == bytes(b) => members.push(b),
@@ -115,17 +115,26 @@ pub(super) fn plan(
         }
         of
     };
+    // Each unit's place in a largest-first order: (bytes reversed, first access, first member),
+    // distinct for the units of one order (they partition the transient buffers).
+    let size_key: Vec<(Reverse<u64>, usize, BufferId)> = (0..units.len())
+        .map(|u| (Reverse(unit_bytes(u)), first_span(u), units[u][0]))
+        .collect();
     // An order of those units, largest first then by first access.
     let by_size = |slotted: &dyn Fn(usize) -> bool| -> Vec<usize> {
         let of = unit_of(slotted);
-        let mut order: Vec<usize> = transient.iter().map(|b| of[b.index()]).collect();
-        order.sort_by_key(|&u| (Reverse(unit_bytes(u)), first_span(u), units[u][0]));
-        order.dedup();
+        let mut listed = vec![false; units.len()];
+        let mut order: Vec<usize> = transient
+            .iter()
+            .map(|b| of[b.index()])
+            .filter(|&u| !std::mem::replace(&mut listed[u], true))
+            .collect();
+        order.sort_unstable_by_key(|&u| size_key[u]);
         order
     };
     let singles = by_size(&|_| false);
     let mut area: Vec<usize> = (0..transient.len()).collect();
-    area.sort_by_key(|&u| {
+    area.sort_by_cached_key(|&u| {
         let (s0, s1) = span[units[u][0].index()];
         (
             Reverse(u128::from(unit_bytes(u)) * (s1 - s0) as u128),
@@ -236,7 +245,7 @@ pub(super) fn plan(
     // (split, units): the stack splits with the best candidate's units, with slots for the
     // families placed low, and with single buffers; then the largest sizes.
     let mut best_order = best.1.clone();
-    best_order.sort_by_key(|&u| (Reverse(unit_bytes(u)), first_span(u), units[u][0]));
+    best_order.sort_unstable_by_key(|&u| size_key[u]);
     let mut tries: Vec<(u64, Vec<usize>)> = vec![];
     for (split, units) in by_life
         .iter()
@@ -369,7 +378,7 @@ fn breadth_order(
     for live in heaviest_first.iter().chain([transient]) {
         fresh.clear();
         fresh.extend(live.iter().filter(|b| !placed[unit_of[b.index()]]));
-        fresh.sort_by_key(|&b| (Reverse(p.buffers[b].bytes), b));
+        fresh.sort_unstable_by_key(|&b| (Reverse(p.buffers[b].bytes), b));
         for b in &fresh {
             let u = unit_of[b.index()];
             if !std::mem::replace(&mut placed[u], true) {
