@@ -168,14 +168,25 @@ pub struct ValuesProof {
     errors: Vec<VerifyError>,
 }
 
-/// Runs proof 7 (with clipping's norm) on `p` now; see [`ValuesProof`].
+/// Runs proof 7 (with clipping's norm) on `p` now; see [`ValuesProof`]. Meant to run beside other
+/// work, it leaves that work one core: its runs spread over the others, if any.
 pub fn prove_values(p: &Program) -> ValuesProof {
-    let mut errors = values::check(p);
+    prove_values_on(p, cores().saturating_sub(1).max(1))
+}
+
+/// Proof 7 with its runs spread over at most `threads` threads.
+fn prove_values_on(p: &Program, threads: usize) -> ValuesProof {
+    let mut errors = values::check(p, threads);
     errors.extend(values::check_norm(p));
     ValuesProof {
         fingerprint: values_fingerprint(p),
         errors,
     }
+}
+
+/// The cores this process may use.
+fn cores() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
 }
 
 /// A hash of every field of `p` the value proof reads.
@@ -243,7 +254,7 @@ fn check(p: &Program, values: Option<ValuesProof>) -> Result<PlanInfo, Vec<Verif
     if errors.is_empty() {
         match values.filter(|v| v.fingerprint == values_fingerprint(p)) {
             Some(v) => errors.extend(v.errors),
-            None => errors.extend(prove_values(p).errors),
+            None => errors.extend(prove_values_on(p, cores()).errors),
         }
     }
     if errors.is_empty() {

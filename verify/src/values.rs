@@ -149,7 +149,8 @@ impl Contribs {
     }
 }
 
-pub fn check(p: &Program) -> Vec<VerifyError> {
+/// Proof 7 for every layer with parameters, its runs spread over at most `threads` threads.
+pub fn check(p: &Program, threads: usize) -> Vec<VerifyError> {
     let layout = p.layout;
     let mut ops_of: Vec<Vec<OpId>> = vec![vec![]; p.layers.len()];
     for (id, op) in p.ops.iter() {
@@ -193,9 +194,7 @@ pub fn check(p: &Program) -> Vec<VerifyError> {
     };
     // The runs share nothing: large programs spread them over threads; errors keep layer order.
     let work: usize = runs.iter().map(|(_, ops)| ops.len()).sum::<usize>() * p.ranks() as usize;
-    let threads = std::thread::available_parallelism()
-        .map_or(1, |n| n.get())
-        .min(runs.len());
+    let threads = threads.min(runs.len());
     if threads <= 1 || work < PARALLEL_WORK {
         return runs.iter().flat_map(run).collect();
     }
