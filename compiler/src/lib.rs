@@ -31,7 +31,7 @@ pub mod sim;
 #[doc(hidden)]
 pub mod testing;
 
-pub use pipeline::{compile, compile_timed, CompileError};
+pub use pipeline::{compile, compile_emitting, compile_timed, CompileError};
 pub use sched_ir::Job;
 
 pub use sema::{analyze, Analysis, FsLoader, Loader, MemLoader};

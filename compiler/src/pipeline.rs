@@ -19,6 +19,9 @@
 //! - [`verify::verify`] runs every proof of lowering spec §7 on the result (on large programs the
 //!   value proof, which reads nothing memory planning or the final events pass change, runs on a
 //!   second thread beside memory planning; the final verification checks that and uses it).
+//!   [`compile_emitting`] also builds the caller's output (`schedc compile`'s plan file) on a
+//!   second thread beside the final verification, and hands it back only with the verified
+//!   program.
 //!
 //! Each pass is timed by name ([`PassTimes`], `schedc compile --time-passes`). With
 //! [`Options::verify_each_pass`] (on in debug and test builds, like cranelift's `verify_if`), the
@@ -124,6 +127,34 @@ pub fn compile_with(
     times
         .time("verify", || verify::verify_with(program, values))
         .map_err(CompileError::Verify)
+}
+
+/// [`compile_timed`], also making `emit(&program)` from the placed program on a second thread
+/// beside the final verification (timed as `emit`; see [`verify::verify_beside`]): what
+/// `schedc compile` writes is built while the proofs run, and comes back only with the
+/// [`Verified`] program.
+pub fn compile_emitting<T: Send>(
+    job: &Job,
+    times: &mut PassTimes,
+    emit: impl FnOnce(&Program) -> T + Send,
+) -> Result<(Verified, T), CompileError> {
+    let (program, values) = Pipeline {
+        job,
+        options: Options::default(),
+        times,
+    }
+    .placed(true)?;
+    let timed_emit = |p: &Program| {
+        let start = std::time::Instant::now();
+        (emit(p), start.elapsed())
+    };
+    let (verified, (made, spent)) = times
+        .time("verify", || {
+            verify::verify_beside(program, values, timed_emit)
+        })
+        .map_err(CompileError::Verify)?;
+    times.0.push(("emit", spent));
+    Ok((verified, made))
 }
 
 /// Lowers and runs every pass: the complete, placed program, not yet through the final proofs.

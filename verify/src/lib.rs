@@ -234,6 +234,37 @@ pub fn verify_with(p: Program, values: Option<ValuesProof>) -> Result<Verified, 
     }
 }
 
+/// [`verify_with`], also running `beside(&p)` on a second thread while the proofs run (when
+/// there is a second core; otherwise after them, and only if they hold). What `beside` makes
+/// comes back only with the [`Verified`] program: nothing made from a program leaves before every
+/// proof holds for it.
+pub fn verify_beside<T: Send>(
+    p: Program,
+    values: Option<ValuesProof>,
+    beside: impl FnOnce(&Program) -> T + Send,
+) -> Result<(Verified, T), Rejected> {
+    if cores() <= 1 {
+        let verified = verify_with(p, values)?;
+        let made = beside(verified.program());
+        return Ok((verified, made));
+    }
+    let (checked, made) = std::thread::scope(|s| {
+        let made = s.spawn(|| beside(&p));
+        let checked = check(&p, values);
+        let made = made
+            .join()
+            .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+        (checked, made)
+    });
+    match checked {
+        Ok(info) => Ok((Verified { program: p, info }, made)),
+        Err(errors) => Err(Rejected {
+            program: Box::new(p),
+            errors,
+        }),
+    }
+}
+
 /// Every error of `p`, without taking it: for callers that only want the verdict (the planner's
 /// candidates, mutation tests). Empty when every proof holds.
 pub fn errors(p: &Program) -> Vec<VerifyError> {

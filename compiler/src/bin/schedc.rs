@@ -238,13 +238,21 @@ fn compile(
         }
     };
     let mut times = schedc::pipeline::PassTimes::default();
-    let compiled = schedc::compile_timed(job, &mut times);
+    // The plan file is written out beside the final verification, and kept only if it passes.
+    let plan_text = |p: &sched_ir::ir::Program| {
+        let plan = sched_ir::plan_file::emit_plan(p, job);
+        serde_json::to_string(&plan).expect("plans serialise") + "\n"
+    };
+    let compiled = match emit {
+        Emit::Plan | Emit::Ptx => schedc::compile_emitting(job, &mut times, |p| Some(plan_text(p))),
+        _ => schedc::compile_timed(job, &mut times).map(|program| (program, None)),
+    };
     if time_passes {
         for (name, t) in &times.0 {
             eprintln!("{name:>16}  {:>10.3} ms", t.as_secs_f64() * 1e3);
         }
     }
-    let program = match compiled {
+    let (program, plan) = match compiled {
         Ok(x) => x,
         Err(schedc::CompileError::Lower(e)) => {
             eprintln!(
@@ -273,10 +281,7 @@ fn compile(
         }
     };
     let text = match emit {
-        Emit::Plan | Emit::Ptx => {
-            let plan = sched_ir::plan_file::emit_plan(&program, job);
-            serde_json::to_string(&plan).expect("plans serialise") + "\n"
-        }
+        Emit::Plan | Emit::Ptx => plan.expect("written beside verification"),
         Emit::Listing => sched_ir::listing::emit_listing(&program),
         Emit::Summary => schedc::emit::summary::emit_summary(&program),
         Emit::Stats => {
