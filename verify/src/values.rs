@@ -408,6 +408,12 @@ impl Run<'_> {
         slice(self.state.get(b, rank), start, end, self.elem_bytes(b))
     }
 
+    /// [`Run::read`] into `out` (cleared first): no allocation once `out` has grown.
+    fn read_into(&self, b: BufferId, rank: u32, start: u64, end: u64, out: &mut Contents) {
+        out.clear();
+        out.extend(self.view(b, rank, start, end));
+    }
+
     /// Writes `segs` (rebased at 0) into `b` on `rank` at `at`, replacing what was there.
     fn write(&mut self, b: BufferId, rank: u32, at: u64, len: u64, segs: &[Seg]) {
         let d = self.elem_bytes(b);
@@ -590,25 +596,29 @@ impl Run<'_> {
                         .filter(|w| self.mine(w.buffer) && is_grad(self.p.buffers[w.buffer].kind))
                         .copied()
                         .collect();
+                    // Lists reused from rank to rank.
+                    let (mut held, mut sum) = (vec![], vec![]);
                     for w in &targets {
                         let acc = reads.contains(w);
                         for rank in 0..self.p.ranks() {
                             let (a, z) = range(w, self.layout, rank);
                             let c = self.contribs.single(term, m, rank, self.p.ranks());
                             let elem = a / self.elem_bytes(w.buffer);
-                            let new = vec![Seg {
+                            let new = [Seg {
                                 start: 0,
                                 end: z - a,
                                 val: Val::Grad { elem, contrib: c },
                             }];
-                            let segs = if acc {
-                                let held = self.read(w.buffer, rank, a, z);
-                                self.add(o, &held, &new, w.buffer)
+                            let segs: &[Seg] = if acc {
+                                self.read_into(w.buffer, rank, a, z, &mut held);
+                                if !self.add_into(o, &held, &new, w.buffer, &mut sum) {
+                                    return;
+                                }
+                                &sum
                             } else {
-                                Some(new)
+                                &new
                             };
-                            let Some(segs) = segs else { return };
-                            self.write(w.buffer, rank, a, z - a, &segs);
+                            self.write(w.buffer, rank, a, z - a, segs);
                         }
                     }
                 }
@@ -628,35 +638,37 @@ impl Run<'_> {
                 if !srcs.iter().chain(&dsts).any(|r| self.mine(r.buffer)) {
                     return;
                 }
+                // Lists reused from rank to rank.
+                let (mut pieces, mut data, mut held, mut sum) = (vec![], vec![], vec![], vec![]);
                 for rank in 0..self.p.ranks() {
                     // One source split evenly over several destinations, or pairwise.
-                    let pieces: Vec<(Region, u64, u64)> = if srcs.len() == 1 && dsts.len() > 1 {
+                    pieces.clear();
+                    if srcs.len() == 1 && dsts.len() > 1 {
                         let (a, _) = range(&srcs[0], self.layout, rank);
                         let each = srcs[0].bytes / dsts.len() as u64;
-                        (0..dsts.len() as u64)
-                            .map(|i| (srcs[0], a + i * each, a + (i + 1) * each))
-                            .collect()
+                        pieces.extend(
+                            (0..dsts.len() as u64)
+                                .map(|i| (srcs[0], a + i * each, a + (i + 1) * each)),
+                        );
                     } else {
-                        srcs.iter()
-                            .map(|s| {
-                                let (a, z) = range(s, self.layout, rank);
-                                (*s, a, z)
-                            })
-                            .collect()
-                    };
-                    for ((src, a, z), dst) in pieces.into_iter().zip(&dsts) {
-                        let data = self.read(src.buffer, rank, a, z);
+                        pieces.extend(srcs.iter().map(|s| {
+                            let (a, z) = range(s, self.layout, rank);
+                            (*s, a, z)
+                        }));
+                    }
+                    for (&(src, a, z), dst) in pieces.iter().zip(&dsts) {
+                        self.read_into(src.buffer, rank, a, z, &mut data);
                         let (da, dz) = range(dst, self.layout, rank);
-                        let segs = if kind == ComputeKind::Accumulate {
-                            let held = self.read(dst.buffer, rank, da, dz);
-                            match self.add(o, &held, &data, dst.buffer) {
-                                Some(s) => s,
-                                None => return,
+                        let segs: &[Seg] = if kind == ComputeKind::Accumulate {
+                            self.read_into(dst.buffer, rank, da, dz, &mut held);
+                            if !self.add_into(o, &held, &data, dst.buffer, &mut sum) {
+                                return;
                             }
+                            &sum
                         } else {
-                            data
+                            &data
                         };
-                        self.write(dst.buffer, rank, da, dz - da, &segs);
+                        self.write(dst.buffer, rank, da, dz - da, segs);
                     }
                 }
             }
@@ -811,23 +823,50 @@ impl Run<'_> {
 
     /// Elementwise sum of two gradient contents over the same bytes and elements.
     fn add(&mut self, o: OpId, a: &[Seg], b: &[Seg], buf: BufferId) -> Option<Contents> {
+        let mut sum = vec![];
+        self.add_into(o, a, b, buf, &mut sum).then_some(sum)
+    }
+
+    /// [`Run::add`] into `out` (replacing what it held); false, with the error recorded, when
+    /// the sum is refused.
+    fn add_into(
+        &mut self,
+        o: OpId,
+        a: &[Seg],
+        b: &[Seg],
+        buf: BufferId,
+        out: &mut Contents,
+    ) -> bool {
         // The usual case, one gradient range onto another of the same elements, needs no cuts.
         // Anything else, a failed union included, takes the general path below (which fails
         // the same way: a failed union leaves the interned sets as they were).
         if let (Some((ea, ca, la)), Some((eb, cb, lb))) = (single_grad(a), single_grad(b)) {
             if (ea, la) == (eb, lb) && la > 0 {
                 if let Ok(c) = self.contribs.union(ca, cb) {
-                    return Some(vec![Seg {
+                    out.clear();
+                    out.push(Seg {
                         start: 0,
                         end: la,
                         val: Val::Grad {
                             elem: ea,
                             contrib: c,
                         },
-                    }]);
+                    });
+                    return true;
                 }
             }
         }
+        match self.add_cut(o, a, b, buf) {
+            Some(sum) => {
+                *out = sum;
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// [`Run::add`] in general: both sides cut where either changes.
+    fn add_cut(&mut self, o: OpId, a: &[Seg], b: &[Seg], buf: BufferId) -> Option<Contents> {
         let d = self.elem_bytes(buf);
         let len = |x: &[Seg]| x.last().map_or(0, |s| s.end);
         let covered = |x: &[Seg]| {
