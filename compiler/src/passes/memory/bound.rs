@@ -112,16 +112,25 @@ pub(super) fn for_each_live_set(
         before.copy_from_slice(now);
         before[op.stream.index()] -= 1;
         live.clear();
-        live.extend(active.iter().copied().filter(|&b| {
-            let started = life
-                .first_seq(b)
-                .iter()
-                .zip(now)
-                .any(|(&first, &c)| first != 0 && c >= first);
-            started && life.last(b).iter().zip(&before).any(|(&last, &c)| c < last)
-        }));
+        for &b in &active {
+            if in_use(life, b, now, &before) {
+                live.push(b);
+            }
+        }
         f(&live);
     }
+}
+
+/// Whether `b` is in use at an op whose clock is `now` (`before`: the same less the op itself):
+/// some access of `b` happens before or at the op, and some access does not happen before it.
+#[inline]
+fn in_use(life: &Lifetimes, b: BufferId, now: &[u32], before: &[u32]) -> bool {
+    let started = life
+        .first_seq(b)
+        .iter()
+        .zip(now)
+        .any(|(&first, &c)| first != 0 && c >= first);
+    started && life.last(b).iter().zip(before).any(|(&last, &c)| c < last)
 }
 
 /// A maximum-weight antichain (see [`lower_bound`]), or none when the pruned network's cut is not
