@@ -16,7 +16,7 @@
 //!   own slot needs that still cannot fit makes the schedule infeasible: an error naming the slot.
 
 use crate::draft::{Draft, Slot, Unit};
-use cranelift_entity::{EntityRef, PrimaryMap};
+use cranelift_entity::EntityRef;
 use sched_ir::ir::*;
 use std::collections::VecDeque;
 
@@ -152,20 +152,28 @@ fn renumber(
         program.ops.len(),
         "every op is issued exactly once"
     );
-    // Move each op to its place in the issue order (no clones: every op is taken exactly once).
-    let mut new_id: Vec<OpId> = vec![OpId::new(0); order.len()];
-    let mut old: Vec<Option<Op>> = std::mem::take(&mut program.ops)
-        .into_iter()
-        .map(|(_, op)| Some(op))
-        .collect();
-    let mut ops = PrimaryMap::with_capacity(order.len());
-    for &o in &order {
-        new_id[o.index()] = ops.push(old[o.index()].take().expect("issued once"));
+    let mut new_id: Vec<Option<OpId>> = vec![None; order.len()];
+    for (k, &o) in order.iter().enumerate() {
+        let first = new_id[o.index()].replace(OpId::new(k)).is_none();
+        assert!(first, "{o} is issued once");
     }
-    program.ops = ops;
-    let fences = fences
-        .into_iter()
-        .map(|(a, b)| (new_id[a.index()], new_id[b.index()]))
-        .collect();
+    // Move each op to its place in the issue order, in place: along each cycle of the
+    // permutation, every swap settles one op (no clones, no second table).
+    let ops = program.ops.values_mut().into_slice();
+    let mut settled = vec![false; ops.len()];
+    for start in 0..ops.len() {
+        let mut at = start;
+        while !settled[at] {
+            settled[at] = true;
+            let from = order[at].index();
+            if from == start {
+                break;
+            }
+            ops.swap(at, from);
+            at = from;
+        }
+    }
+    let new = |o: OpId| new_id[o.index()].expect("every op is issued");
+    let fences = fences.into_iter().map(|(a, b)| (new(a), new(b))).collect();
     (program, fences)
 }
