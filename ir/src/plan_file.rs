@@ -17,7 +17,7 @@
 
 use crate::ir::*;
 use crate::job::{Collective, Dtype, Job, Mesh, Shard};
-use cranelift_entity::EntityRef;
+use cranelift_entity::{EntityRef, SecondaryMap};
 use serde::{Deserialize, Serialize};
 
 pub const FORMAT: &str = "sched-plan";
@@ -590,16 +590,16 @@ fn from_file(f: PlanFile) -> Result<ReadPlan, ReadError> {
         }
         p.ops.push(o);
     }
-    let mut recorded = vec![false; p.events.len()];
+    let mut recorded: SecondaryMap<EventId, bool> = SecondaryMap::new();
     for o in p.ops.values() {
         if let Some(e) = o.record {
-            if std::mem::replace(&mut recorded[e.index()], true) {
+            if std::mem::replace(&mut recorded[e], true) {
                 return Err(invalid!("{e} is recorded by two ops"));
             }
         }
     }
-    if let Some(e) = recorded.iter().position(|r| !r) {
-        return Err(invalid!("ev{e} is never recorded"));
+    if let Some(e) = p.events.keys().find(|&e| !recorded[e]) {
+        return Err(invalid!("{e} is never recorded"));
     }
     Ok(ReadPlan {
         program: p,

@@ -7,7 +7,7 @@
 //! and only a region that fails is walked rank by rank to name one.
 
 use super::{range, representative_ranks, Stage, VerifyError};
-use cranelift_entity::EntityRef;
+use cranelift_entity::{EntityRef, SecondaryMap};
 use sched_ir::abi::GEMM_ALIGN;
 use sched_ir::ir::layout::Layout;
 use sched_ir::ir::*;
@@ -158,7 +158,7 @@ pub fn check(p: &Program, stage: Stage) -> Vec<VerifyError> {
 /// reads a workspace (it carries nothing from one op to the next), and no other stream's op or
 /// collective touches one.
 fn workspaces(p: &Program, err: &mut impl FnMut(Option<OpId>, String)) {
-    let mut owner: Vec<Option<StreamId>> = vec![None; p.buffers.len()];
+    let mut owner: SecondaryMap<BufferId, Option<StreamId>> = SecondaryMap::new();
     for (s, st) in p.streams.iter() {
         let Some(ws) = st.workspace else { continue };
         let Some(b) = p.buffers.get(ws.buffer) else {
@@ -186,7 +186,7 @@ fn workspaces(p: &Program, err: &mut impl FnMut(Option<OpId>, String)) {
                 ),
             );
         }
-        if let Some(other) = owner[ws.buffer.index()].replace(s) {
+        if let Some(other) = owner[ws.buffer].replace(s) {
             err(
                 None,
                 format!("{other} and {s} share the workspace {}", ws.buffer),
@@ -194,14 +194,14 @@ fn workspaces(p: &Program, err: &mut impl FnMut(Option<OpId>, String)) {
         }
     }
     for (b, buf) in p.buffers.iter() {
-        if buf.kind == BufferKind::Workspace && owner[b.index()].is_none() {
+        if buf.kind == BufferKind::Workspace && owner[b].is_none() {
             err(
                 None,
                 format!("{b} ({}) is a workspace of no stream", buf.name),
             );
         }
     }
-    let is_ws = |r: &Region| owner.get(r.buffer.index()).copied().flatten();
+    let is_ws = |r: &Region| owner.get(r.buffer).copied().flatten();
     for (id, op) in p.ops.iter() {
         let Some(stream) = p.streams.get(op.stream) else {
             continue;

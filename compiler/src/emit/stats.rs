@@ -14,7 +14,7 @@
 //!   edge leaves the node. Totals over all groups are divided by the number of GPUs (intra) and of
 //!   nodes (inter).
 
-use cranelift_entity::EntityRef;
+use cranelift_entity::{EntityRef, SecondaryMap};
 use sched_ir::ir::*;
 use sched_ir::job::{Collective, Job};
 use sched_verify::Verified;
@@ -192,21 +192,20 @@ fn ring_edges(p: &Program, comm: &Communicator) -> (u128, u128) {
 
 /// The most bytes of buffers of the selected kinds whose issue-order lifetimes contain one op.
 fn max_live(p: &Program, kind: impl Fn(BufferKind) -> bool) -> u64 {
-    let mut first = vec![usize::MAX; p.buffers.len()];
-    let mut last = vec![0; p.buffers.len()];
+    let mut first: SecondaryMap<BufferId, usize> = SecondaryMap::with_default(usize::MAX);
+    let mut last: SecondaryMap<BufferId, usize> = SecondaryMap::new();
     for (id, op) in p.ops.iter() {
         for r in op.reads.iter().chain(&op.writes) {
-            let b = r.buffer.index();
+            let b = r.buffer;
             first[b] = first[b].min(id.index());
             last[b] = last[b].max(id.index());
         }
     }
     let mut delta = vec![0i128; p.ops.len() + 1];
     for (id, b) in p.buffers.iter() {
-        let i = id.index();
-        if kind(b.kind) && first[i] != usize::MAX {
-            delta[first[i]] += i128::from(b.bytes);
-            delta[last[i] + 1] -= i128::from(b.bytes);
+        if kind(b.kind) && first[id] != usize::MAX {
+            delta[first[id]] += i128::from(b.bytes);
+            delta[last[id] + 1] -= i128::from(b.bytes);
         }
     }
     let (mut live, mut best) = (0i128, 0i128);

@@ -35,7 +35,7 @@ pub fn run(p: &mut Program, fences: &[(OpId, OpId)]) {
     let mut seq: SecondaryMap<OpId, u32> = SecondaryMap::new();
     let mut last_on: Vec<Option<OpId>> = vec![None; streams];
     let mut count = vec![0u32; streams];
-    let mut event_of: Vec<Option<EventId>> = vec![None; p.ops.len()];
+    let mut event_of: SecondaryMap<OpId, Option<EventId>> = SecondaryMap::new();
     let mut last_collective: Option<OpId> = None;
     let mut clock: Vec<u32> = vec![0; streams];
     let mut deps: Vec<OpId> = vec![];
@@ -80,8 +80,7 @@ pub fn run(p: &mut Program, fences: &[(OpId, OpId)]) {
             if ds == s || clock[ds] >= seq[d] {
                 continue;
             }
-            let ev =
-                *event_of[d.index()].get_or_insert_with(|| p.events.push(Event { recorder: d }));
+            let ev = *event_of[d].get_or_insert_with(|| p.events.push(Event { recorder: d }));
             waits.push(ev);
             let from = &clocks[d.index() * streams..(d.index() + 1) * streams];
             clock
