@@ -92,31 +92,20 @@ impl LoadError {
     /// with `context` listing lines either side.
     pub fn render(&self, errors: usize, context: usize) -> String {
         match self {
-            LoadError::Unverified {
-                path,
-                rejected:
-                    Rejected {
-                        program,
-                        errors: errs,
-                    },
-            } => format!(
+            LoadError::Unverified { path, rejected } => format!(
                 "{} fails verification ({} errors):\n\n{}",
                 path.display(),
-                errs.len(),
-                sched_verify::render_context(program, &errs[..errs.len().min(errors)], context)
+                rejected.errors.len(),
+                rejected.render(errors, context)
             ),
             LoadError::Compile {
-                error:
-                    CompileError::Verify(Rejected {
-                        program,
-                        errors: errs,
-                    }),
+                error: CompileError::Verify(rejected),
                 schedule,
                 ..
             } => format!(
                 "the compiled program for `{schedule}` fails verification ({} errors):\n\n{}",
-                errs.len(),
-                sched_verify::render_context(program, &errs[..errs.len().min(errors)], context)
+                rejected.errors.len(),
+                rejected.render(errors, context)
             ),
             other => other.to_string(),
         }

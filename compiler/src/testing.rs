@@ -35,7 +35,6 @@ pub enum PlanOutcome {
 /// (`tests/tests/plan_fuzz.rs`) both run this; whatever the bytes, it must return.
 pub fn exercise_plan(data: &[u8]) -> PlanOutcome {
     use sched_ir::plan_file::{emit_plan, read_plan};
-    use sched_verify::Rejected;
     let Ok(text) = std::str::from_utf8(data) else {
         return PlanOutcome::NotText;
     };
@@ -48,10 +47,13 @@ pub fn exercise_plan(data: &[u8]) -> PlanOutcome {
         }
     };
     match sched_verify::verify(plan.program) {
-        Err(Rejected { program, errors }) => {
-            assert!(!errors.is_empty(), "a failed verification names an error");
-            let _ = sched_verify::render_context(&program, &errors[..errors.len().min(20)], 3);
-            PlanOutcome::Rejected(errors.len())
+        Err(rejected) => {
+            assert!(
+                !rejected.errors.is_empty(),
+                "a failed verification names an error"
+            );
+            let _ = rejected.render(20, 3);
+            PlanOutcome::Rejected(rejected.errors.len())
         }
         Ok(p) => {
             let _ = sched_ir::listing::emit_listing(&p);

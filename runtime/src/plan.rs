@@ -86,10 +86,7 @@ impl LoadError {
             LoadError::Plan {
                 error: sched_verify::plan::PlanError::Unverified(r),
                 ..
-            } => format!(
-                "{self}:\n\n{}",
-                sched_verify::render_context(&r.program, &r.errors[..r.errors.len().min(10)], 2)
-            ),
+            } => format!("{self}:\n\n{}", r.render(10, 2)),
             other => other.to_string(),
         }
     }

@@ -129,6 +129,17 @@ pub struct Rejected {
     pub errors: Vec<VerifyError>,
 }
 
+impl Rejected {
+    /// The first `most` errors, each with `context` listing lines either side of its op.
+    pub fn render(&self, most: usize, context: usize) -> String {
+        render_context(
+            &self.program,
+            &self.errors[..self.errors.len().min(most)],
+            context,
+        )
+    }
+}
+
 /// How far through the pipeline a program is: which structural facts it can already meet.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Stage {
@@ -225,7 +236,13 @@ pub fn verify(p: Program) -> Result<Verified, Rejected> {
 /// [`verify`], taking proof 7's outcome from `values` when it was run on a program equal to `p`
 /// in everything that proof reads.
 pub fn verify_with(p: Program, values: Option<ValuesProof>) -> Result<Verified, Rejected> {
-    match check(&p, values) {
+    let checked = check(&p, values);
+    verdict(p, checked)
+}
+
+/// `p` as proved, or rejected with its errors: the one place a [`Verified`] is made.
+fn verdict(p: Program, checked: Result<PlanInfo, Vec<VerifyError>>) -> Result<Verified, Rejected> {
+    match checked {
         Ok(info) => Ok(Verified { program: p, info }),
         Err(errors) => Err(Rejected {
             program: Box::new(p),
@@ -256,13 +273,7 @@ pub fn verify_beside<T: Send>(
             .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
         (checked, made)
     });
-    match checked {
-        Ok(info) => Ok((Verified { program: p, info }, made)),
-        Err(errors) => Err(Rejected {
-            program: Box::new(p),
-            errors,
-        }),
-    }
+    Ok((verdict(p, checked)?, made))
 }
 
 /// Every error of `p`, without taking it: for callers that only want the verdict (the planner's
