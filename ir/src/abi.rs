@@ -29,7 +29,7 @@ use crate::job::{Activation, Attention, LayerKind, Model};
 pub const SUMSQ_CHUNK: usize = 4096;
 
 /// Tokens of one micro-batch.
-fn tokens(model: &Model) -> u64 {
+pub fn tokens(model: &Model) -> u64 {
     model.micro_batch * model.seq_len
 }
 
@@ -111,7 +111,7 @@ pub fn saved_bytes(kind: &LayerKind, model: &Model) -> u64 {
         LayerKind::Dense {
             activation_bytes_per_token,
             ..
-        } => activation_bytes_per_token * model.micro_batch * model.seq_len,
+        } => activation_bytes_per_token * tokens(model),
         _ => {
             let e = saved_elements(kind, model);
             e.model * model.dtype.bytes() + e.fp32 * 4
@@ -136,7 +136,7 @@ impl SavedElements {
 
 /// The saved elements of layer `kind` (see the module doc for the list).
 pub fn saved_elements(kind: &LayerKind, model: &Model) -> SavedElements {
-    let t = model.micro_batch * model.seq_len;
+    let t = tokens(model);
     let norm = |h: u64| SavedElements {
         model: t * h,
         fp32: 2 * t,

@@ -56,11 +56,6 @@ pub fn gemm_bytes(job: &Job) -> u64 {
     job.cluster.gemm_workspace.div_ceil(GEMM_ALIGN) * GEMM_ALIGN
 }
 
-/// Tokens of one micro-batch.
-fn tokens(model: &Model) -> u64 {
-    model.micro_batch * model.seq_len
-}
-
 /// Elements of the embedding a tied lm_head projects with (vocab × hidden), else 0.
 fn tied_elements(kind: &LayerKind) -> u64 {
     match *kind {
