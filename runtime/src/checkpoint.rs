@@ -20,13 +20,13 @@ use std::path::{Path, PathBuf};
 const FORMAT: &str = "sched-checkpoint";
 
 /// Why a weights file or checkpoint could not be written or loaded.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug)]
 pub enum CheckpointError {
-    /// The file could not be read or written (the operating system's reason).
+    /// The file could not be read or written (the operating system's reason, also the source).
     Io {
         path: PathBuf,
         writing: bool,
-        error: String,
+        error: std::sync::Arc<std::io::Error>,
     },
     /// Not a safetensors file, or its `step` metadata is not a step count.
     Format { path: PathBuf, problem: String },
@@ -112,7 +112,14 @@ impl fmt::Display for CheckpointError {
     }
 }
 
-impl std::error::Error for CheckpointError {}
+impl std::error::Error for CheckpointError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            CheckpointError::Io { error, .. } => Some(error.as_ref()),
+            _ => None,
+        }
+    }
+}
 
 /// What to write: weights only (`--save-init`) or weights and optimizer state (`--save`).
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -181,7 +188,7 @@ pub fn save(
     sched_ir::files::write_atomically(path, &bytes).map_err(|e| CheckpointError::Io {
         path: path.to_path_buf(),
         writing: true,
-        error: e.to_string(),
+        error: e.into(),
     })
 }
 
@@ -196,7 +203,7 @@ pub fn load(path: &Path, model: &Model, contents: Contents) -> Result<State, Che
     let bytes = std::fs::read(path).map_err(|e| CheckpointError::Io {
         path: at(),
         writing: false,
-        error: e.to_string(),
+        error: e.into(),
     })?;
     let file = SafeTensors::deserialize(&bytes)
         .map_err(|e| format(format!("not a safetensors file: {e}")))?;

@@ -339,20 +339,32 @@ fn report_broken(
 /// (`sched_kernels::ptx_path`: `x.plan.json` gives `x.sm_80.ptx`); all generated before
 /// anything is written.
 #[cfg(feature = "llvm")]
-fn ptx_modules(job: &schedc::Job, plan: &Path) -> Result<Vec<(PathBuf, String)>, String> {
+fn ptx_modules(
+    job: &schedc::Job,
+    plan: &Path,
+) -> Result<Vec<(PathBuf, String)>, sched_kernels::codegen::CodegenError> {
     use sched_kernels::codegen::{ptx, SMS};
     let kernels = sched_kernels::for_job(job);
     SMS.iter()
-        .map(|&sm| {
-            let text = ptx(&kernels, sm).map_err(|e| e.to_string())?;
-            Ok((sched_kernels::ptx_path(plan, sm), text))
-        })
+        .map(|&sm| Ok((sched_kernels::ptx_path(plan, sm), ptx(&kernels, sm)?)))
         .collect()
 }
 
+/// `--emit ptx` from a schedc without code generation.
 #[cfg(not(feature = "llvm"))]
-fn ptx_modules(_: &schedc::Job, _: &Path) -> Result<Vec<(PathBuf, String)>, String> {
-    Err("--emit ptx needs schedc built with `--features llvm` (LLVM 19)".into())
+#[derive(Debug)]
+struct NoCodegen;
+
+#[cfg(not(feature = "llvm"))]
+impl std::fmt::Display for NoCodegen {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("--emit ptx needs schedc built with `--features llvm` (LLVM 19)")
+    }
+}
+
+#[cfg(not(feature = "llvm"))]
+fn ptx_modules(_: &schedc::Job, _: &Path) -> Result<Vec<(PathBuf, String)>, NoCodegen> {
+    Err(NoCodegen)
 }
 
 fn verify(path: &Path) -> Status {

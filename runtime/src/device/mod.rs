@@ -141,8 +141,9 @@ pub enum DeviceError {
     /// a launch's arguments do not fit its parameters.
     #[error("generated kernel: {0}")]
     Kernel(String),
-    /// The backend's driver or libraries refused a launch, product or copy: the backend's own
-    /// error, opaque to the device layer.
+    /// A library below the device layer refused a launch, product or copy (the GPU's driver,
+    /// cuBLAS, NCCL; the host's JIT-compiled kernels): its own error, opaque to the device layer,
+    /// named by `backend` in the message.
     #[error("{backend}: {source}")]
     Backend {
         backend: &'static str,
