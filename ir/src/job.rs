@@ -445,6 +445,158 @@ pub struct Schedule {
     pub streams: Streams,
     pub overlap: Overlap,
     pub train: Train,
+    /// Pipeline stages and their order of actions (one stage, no pipeline, by default).
+    #[serde(default)]
+    pub pipeline: Pipeline,
+}
+
+/// A built-in pipeline schedule, or the user's own order (parallel spec §1, "Schedules").
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub enum PipelineSchedule {
+    Gpipe,
+    #[default]
+    OneFOneB,
+    Interleaved1F1B,
+    ZbH1,
+    Zbv,
+    Custom,
+}
+
+impl PipelineSchedule {
+    pub const ALL: [PipelineSchedule; 6] = [
+        PipelineSchedule::Gpipe,
+        PipelineSchedule::OneFOneB,
+        PipelineSchedule::Interleaved1F1B,
+        PipelineSchedule::ZbH1,
+        PipelineSchedule::Zbv,
+        PipelineSchedule::Custom,
+    ];
+
+    /// The name as the language spells it (`"1f1b"` is written as a string).
+    pub fn name(self) -> &'static str {
+        match self {
+            PipelineSchedule::Gpipe => "gpipe",
+            PipelineSchedule::OneFOneB => "1f1b",
+            PipelineSchedule::Interleaved1F1B => "interleaved_1f1b",
+            PipelineSchedule::ZbH1 => "zb_h1",
+            PipelineSchedule::Zbv => "zbv",
+            PipelineSchedule::Custom => "custom",
+        }
+    }
+}
+
+/// What one action of a stage does to one (micro-batch, chunk).
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum ActionKind {
+    /// Forward.
+    F,
+    /// The whole backward (input and weight gradients).
+    B,
+    /// Backward for the input gradient only.
+    I,
+    /// Backward for the weight gradients only (after its `I`).
+    W,
+}
+
+impl ActionKind {
+    pub fn letter(self) -> char {
+        match self {
+            ActionKind::F => 'F',
+            ActionKind::B => 'B',
+            ActionKind::I => 'I',
+            ActionKind::W => 'W',
+        }
+    }
+}
+
+/// One action of a stage's order: `F3`, `B0.1` (micro-batch 0 of the stage's local chunk 1).
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Action {
+    pub kind: ActionKind,
+    /// The micro-batch, 0 … m−1.
+    pub micro: u32,
+    /// The stage's local chunk index, 0 … v−1 (see [`Pipeline::chunk`]).
+    pub chunk: u32,
+}
+
+impl std::fmt::Display for Action {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}{}", self.kind.letter(), self.micro)?;
+        if self.chunk > 0 {
+            write!(f, ".{}", self.chunk)?;
+        }
+        Ok(())
+    }
+}
+
+/// Pipeline parallelism, resolved: stages, chunks and every stage's order of actions.
+///
+/// Ranks are `stages × d` (tensor parallelism aside): rank `r = stage·d + dp_index`. The model's
+/// layers are split into `stages × virtual` contiguous chunks; chunk `c` runs on stage
+/// [`Pipeline::stage_of_chunk`], as its local chunk [`Pipeline::local_chunk`].
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+pub struct Pipeline {
+    /// p, the number of stages.
+    pub stages: u32,
+    /// v, model chunks per stage.
+    pub virtual_stages: u32,
+    pub schedule: PipelineSchedule,
+    /// Layers of each chunk in model order (p·v entries summing to the model's layer count).
+    pub chunks: Vec<u32>,
+    /// Each stage's actions in the order it runs them (generated for the built-in schedules).
+    pub order: Vec<Vec<Action>>,
+}
+
+impl Default for Pipeline {
+    /// One stage holding the whole model: no pipeline.
+    fn default() -> Self {
+        Pipeline {
+            stages: 1,
+            virtual_stages: 1,
+            schedule: PipelineSchedule::default(),
+            chunks: vec![],
+            order: vec![],
+        }
+    }
+}
+
+impl Pipeline {
+    /// Whether the schedule has more than one stage.
+    pub fn is_pipelined(&self) -> bool {
+        self.stages > 1
+    }
+
+    /// The stage that runs chunk `c`: `c mod p` (Megatron's interleaved placement), or for `zbv`
+    /// the V: chunk `c` on stage `c` for `c < p`, on stage `2p−1−c` after.
+    pub fn stage_of_chunk(&self, c: u32) -> u32 {
+        let p = self.stages;
+        if self.schedule == PipelineSchedule::Zbv && c >= p {
+            2 * p - 1 - c
+        } else {
+            c % p
+        }
+    }
+
+    /// Chunk `c`'s index among its stage's chunks (0 … v−1).
+    pub fn local_chunk(&self, c: u32) -> u32 {
+        c / self.stages
+    }
+
+    /// The chunk that stage `s` runs as its local chunk `local`.
+    pub fn chunk_of(&self, s: u32, local: u32) -> u32 {
+        let p = self.stages;
+        if self.schedule == PipelineSchedule::Zbv && local % 2 == 1 {
+            local * p + (p - 1 - s)
+        } else {
+            local * p + s
+        }
+    }
+
+    /// The model layers of chunk `c` (indices into the model's layers).
+    pub fn layers_of_chunk(&self, c: u32) -> std::ops::Range<usize> {
+        let start: u32 = self.chunks[..c as usize].iter().sum();
+        start as usize..(start + self.chunks[c as usize]) as usize
+    }
 }
 
 /// One training job: a schedule with the model and cluster it names.

@@ -23,6 +23,7 @@ pub mod intervals;
 pub mod ir;
 pub mod job;
 pub mod listing;
+pub mod orders;
 pub mod plan_file;
 pub mod timeline;
 
