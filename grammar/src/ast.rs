@@ -78,11 +78,25 @@ pub struct Assign {
     pub span: Span,
 }
 
-/// `key { a = 1  b = 2 }`: a nested block of plain assignments.
+/// `key { a = 1  b = 2 }`: a nested block of assignments, and of numbered rows and inner blocks
+/// (`pipeline { stages = 2  order { stage 0 = "F0 B0" } }`). The grammar allows one level of
+/// inner blocks, which hold no blocks of their own; each list is in source order.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Nested {
     pub key: Ident,
     pub entries: Vec<Assign>,
+    /// Inner blocks (empty in an inner block).
+    pub blocks: Vec<Nested>,
+    pub rows: Vec<Row>,
+    pub span: Span,
+}
+
+/// `key N = value`: a numbered row of a nested block, such as `stage 0 = "F0 B0"`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Row {
+    pub key: Ident,
+    pub index: IntLit,
+    pub value: Value,
     pub span: Span,
 }
 
@@ -126,6 +140,8 @@ pub enum ValueKind {
     String(StringLit),
     Ident(Ident),
     Call(Call),
+    /// `[a, b, …]`: scalars only.
+    List(Vec<Value>),
 }
 
 impl ValueKind {
@@ -138,6 +154,7 @@ impl ValueKind {
             ValueKind::String(_) => "a string",
             ValueKind::Ident(_) => "a name",
             ValueKind::Call(_) => "a call",
+            ValueKind::List(_) => "a list",
         }
     }
 }
@@ -221,4 +238,37 @@ pub struct MeshLit {
 pub struct StringLit {
     pub value: String,
     pub span: Span,
+}
+
+impl StringLit {
+    /// The whitespace-separated words of the string, each with its span in the file (inside the
+    /// quotes, escapes counted as written), as a pipeline order's actions are read.
+    pub fn words(&self) -> Vec<(&str, Span)> {
+        // Source offset of each byte of `value`: after the opening quote, each escaped `"` or
+        // `\` (the only escapes a well-formed string has) taking two bytes there.
+        let mut offsets = Vec::with_capacity(self.value.len() + 1);
+        let mut at = self.span.start as usize + 1;
+        for c in self.value.chars() {
+            offsets.extend((0..c.len_utf8()).map(|k| at + k));
+            at += match c {
+                '"' | '\\' => 2,
+                c => c.len_utf8(),
+            };
+        }
+        offsets.push(at);
+        let mut out = vec![];
+        let mut start = None;
+        for (i, c) in self.value.char_indices().chain([(self.value.len(), ' ')]) {
+            match (c.is_whitespace(), start) {
+                (true, Some(s)) => {
+                    let span = Span::new(self.span.file, offsets[s], offsets[i]);
+                    out.push((&self.value[s..i], span));
+                    start = None;
+                }
+                (false, None) => start = Some(i),
+                _ => {}
+            }
+        }
+        out
+    }
 }

@@ -19,10 +19,13 @@
 //!   line fits in 100 columns and the line parses back to the same entries (entries on one line
 //!   are only separated by spaces, so a value can run into the next key: `a = 8  x1 = 2` reads
 //!   `8  x1` as a mesh); otherwise it is laid out like a block. A `measured` table is the same
-//!   with `; ` between its points.
+//!   with `; ` between its points. A block that holds an inner block or numbered rows
+//!   (`pipeline { … order { stage 0 = "F0 B0" } }`) is always laid out like a block; a row is
+//!   printed `key N = value` and aligned with the assignments around it.
 //! - A call (`layer NAME[n] = KIND(args)`, `preset = mics(…)`) sits on one line if it fits in 100
 //!   columns. Otherwise its arguments are filled greedily onto lines that start just after the `(`.
-//!   A call with a comment between its arguments gets one argument per line.
+//!   A call with a comment between its arguments gets one argument per line. A list
+//!   (`layers = [11, 10, 10]`) is laid out the same way, after its `[`.
 //!
 //! # Comments
 //!
@@ -39,11 +42,13 @@
 //! - A comment after code stays after that code, two spaces before the `#`: after the line of the
 //!   entry it followed, or after the `{` line. When that line already has a comment (source lines
 //!   were joined) it goes on its own line instead.
-//! - In a call, a comment between two arguments stays after the argument it followed, and the call
-//!   gets one argument per line. Comments before the first argument move to their own lines above
+//! - In a call or a list, a comment between two arguments stays after the argument it followed,
+//!   and the call gets one argument per line. Comments before the first argument move to their own lines above
 //!   the entry, and comments after the last one move after the `)`.
 
-use crate::ast::{Arg, Assign, Call, Entry, File, Item, Point, Quantity, Value, ValueKind};
+use crate::ast::{
+    Arg, Assign, Call, Entry, File, Item, Nested, Point, Quantity, Row, Value, ValueKind,
+};
 use crate::diag::{FileId, Span};
 use std::iter::Peekable;
 
@@ -153,9 +158,13 @@ enum Val {
     Call(CallDoc),
 }
 
+/// A call, `callee(args)`, or a list, `[args]`.
 #[derive(Debug)]
 struct CallDoc {
-    callee: String,
+    /// `callee(` or `[`.
+    open: String,
+    /// `)` or `]`.
+    close: &'static str,
     args: Vec<ArgDoc>,
 }
 
@@ -241,7 +250,20 @@ impl CallDoc {
             comments: vec![],
         });
         CallDoc {
-            callee: call.callee.name.clone(),
+            open: format!("{}(", call.callee.name),
+            close: ")",
+            args: args.collect(),
+        }
+    }
+
+    fn list(items: &[Value]) -> CallDoc {
+        let args = items.iter().map(|item| ArgDoc {
+            text: scalar(item),
+            comments: vec![],
+        });
+        CallDoc {
+            open: "[".into(),
+            close: "]",
             args: args.collect(),
         }
     }
@@ -252,12 +274,17 @@ impl CallDoc {
 
     fn flat(&self) -> String {
         let args: Vec<&str> = self.args.iter().map(|arg| arg.text.as_str()).collect();
-        format!("{}({})", self.callee, args.join(", "))
+        format!("{}{}{}", self.open, args.join(", "), self.close)
     }
 
-    /// Argument `i` as it ends its line or is followed by the next: with `,` or the closing `)`.
+    /// Argument `i` as it ends its line or is followed by the next: with `,` or the closing
+    /// `)` or `]`.
     fn piece(&self, i: usize) -> String {
-        let close = if i + 1 == self.args.len() { ")" } else { "," };
+        let close = if i + 1 == self.args.len() {
+            self.close
+        } else {
+            ","
+        };
         format!("{}{close}", self.args[i].text)
     }
 }
@@ -395,6 +422,11 @@ impl<'s> Gather<'s> {
     fn pair(&mut self, key: String, aligned: bool, value: &Value) -> Gathered {
         match &value.kind {
             ValueKind::Call(call) => self.call_pair(key, aligned, call),
+            ValueKind::List(items) => {
+                let starts = items.iter().map(|item| item.span.start as usize);
+                let doc = CallDoc::list(items);
+                self.delimited_pair(key, aligned, doc, starts.collect(), value.span.end as usize)
+            }
             _ => Gathered::plain(Node::Pair {
                 key,
                 aligned,
@@ -404,15 +436,25 @@ impl<'s> Gather<'s> {
     }
 
     fn call_pair(&mut self, key: String, aligned: bool, call: &Call) -> Gathered {
-        let end = call.span.end as usize;
-        let first = call.args.first().map_or(end, |arg| arg.span.start as usize);
+        let starts = call.args.iter().map(|arg| arg.span.start as usize);
+        let doc = CallDoc::plain(call);
+        self.delimited_pair(key, aligned, doc, starts.collect(), call.span.end as usize)
+    }
+
+    /// `key = ` a call or a list whose arguments start at `starts` and which ends at `end`, with
+    /// the comments between its arguments.
+    fn delimited_pair(
+        &mut self,
+        key: String,
+        aligned: bool,
+        mut doc: CallDoc,
+        starts: Vec<usize>,
+        end: usize,
+    ) -> Gathered {
+        let first = starts.first().copied().unwrap_or(end);
         let before = self.take_before(first);
-        let mut doc = CallDoc::plain(call);
         for (i, arg) in doc.args.iter_mut().enumerate() {
-            let next = call
-                .args
-                .get(i + 1)
-                .map_or(end, |arg| arg.span.start as usize);
+            let next = starts.get(i + 1).copied().unwrap_or(end);
             arg.comments = self.take_before(next);
         }
         let after = doc
@@ -458,12 +500,7 @@ impl Child for Entry {
     fn gather(&self, g: &mut Gather) -> Gathered {
         match self {
             Entry::Assign(assign) => assign.gather(g),
-            Entry::Nested(nested) => g.braced(
-                nested.key.name.clone(),
-                &nested.entries,
-                nested.span,
-                OneLine::Spaced,
-            ),
+            Entry::Nested(nested) => nested.gather(g),
             Entry::Layer(layer) => {
                 let repeat = layer
                     .repeat
@@ -490,6 +527,51 @@ impl Child for Assign {
 
     fn gather(&self, g: &mut Gather) -> Gathered {
         g.pair(self.key.name.clone(), true, &self.value)
+    }
+}
+
+/// One entry of a nested block, which keeps its assignments, rows and inner blocks apart.
+enum NestedEntry<'a> {
+    Assign(&'a Assign),
+    Row(&'a Row),
+    Block(&'a Nested),
+}
+
+impl Child for NestedEntry<'_> {
+    fn span(&self) -> Span {
+        match self {
+            NestedEntry::Assign(a) => a.span,
+            NestedEntry::Row(r) => r.span,
+            NestedEntry::Block(b) => b.span,
+        }
+    }
+
+    fn gather(&self, g: &mut Gather) -> Gathered {
+        match self {
+            NestedEntry::Assign(a) => a.gather(g),
+            NestedEntry::Row(r) => {
+                g.pair(format!("{} {}", r.key.name, r.index.text), true, &r.value)
+            }
+            NestedEntry::Block(b) => b.gather(g),
+        }
+    }
+}
+
+impl Child for Nested {
+    fn span(&self) -> Span {
+        self.span
+    }
+
+    fn gather(&self, g: &mut Gather) -> Gathered {
+        let mut children: Vec<NestedEntry> = self.entries.iter().map(NestedEntry::Assign).collect();
+        children.extend(self.rows.iter().map(NestedEntry::Row));
+        children.extend(self.blocks.iter().map(NestedEntry::Block));
+        children.sort_by_key(|c| c.span().start);
+        let one_line = match self.rows.is_empty() && self.blocks.is_empty() {
+            true => OneLine::Spaced,
+            false => OneLine::Never,
+        };
+        g.braced(self.key.name.clone(), &children, self.span, one_line)
     }
 }
 
@@ -600,6 +682,7 @@ fn scalar(value: &Value) -> String {
         ValueKind::String(s) => quote(&s.value),
         ValueKind::Ident(i) => i.name.clone(),
         ValueKind::Call(call) => CallDoc::plain(call).flat(),
+        ValueKind::List(items) => CallDoc::list(items).flat(),
     }
 }
 
@@ -769,9 +852,9 @@ fn fits(depth: usize, line: &str) -> bool {
 
 /// The lines of `prefix` followed by a call.
 fn call_lines(prefix: String, call: &CallDoc) -> Vec<String> {
-    let head = format!("{prefix}{}(", call.callee);
+    let head = format!("{prefix}{}", call.open);
     match (call.args.is_empty(), call.has_comments()) {
-        (true, _) => vec![head + ")"],
+        (true, _) => vec![head + call.close],
         (false, false) => filled(head, call),
         (false, true) => one_per_line(head, call),
     }

@@ -161,7 +161,9 @@ fn phrase(rule: Rule) -> Option<&'static str> {
         Rule::string => "a quoted string",
         Rule::block | Rule::lbrace => "`{`",
         Rule::rbrace => "`}`",
-        Rule::assign | Rule::nested => "an entry such as `key = value`",
+        Rule::assign | Rule::nested | Rule::inner => "an entry such as `key = value`",
+        Rule::row => "an entry such as `key = value`",
+        Rule::list => "a list such as `[11, 10]`",
         Rule::layer | Rule::kw_layer => "a layer such as `layer NAME = KIND(…)`",
         Rule::measured | Rule::kw_measured => "a `measured` table",
         Rule::point => "a point such as `64 MiB = 95 GB/s`",
@@ -427,12 +429,7 @@ impl Builder {
         let span = self.span(&p);
         match p.as_rule() {
             Rule::assign => Entry::Assign(self.assign(p)),
-            Rule::nested => {
-                let mut inner = p.into_inner().filter(|p| !is_punct(p.as_rule()));
-                let key = self.ident(inner.next().expect("key"));
-                let entries = inner.map(|a| self.assign(a)).collect();
-                Entry::Nested(Nested { key, entries, span })
-            }
+            Rule::nested => Entry::Nested(self.nested(p)),
             Rule::layer => {
                 let mut name = None;
                 let mut repeat = None;
@@ -488,6 +485,41 @@ impl Builder {
         }
     }
 
+    /// A `nested` or `inner` block: its assignments, rows and inner blocks.
+    fn nested(&self, p: Pair<Rule>) -> Nested {
+        let span = self.span(&p);
+        let mut inner = p.into_inner().filter(|p| !is_punct(p.as_rule()));
+        let key = self.ident(inner.next().expect("key"));
+        let mut n = Nested {
+            key,
+            entries: vec![],
+            blocks: vec![],
+            rows: vec![],
+            span,
+        };
+        for e in inner {
+            match e.as_rule() {
+                Rule::assign => n.entries.push(self.assign(e)),
+                Rule::inner => n.blocks.push(self.nested(e)),
+                Rule::row => {
+                    let span = self.span(&e);
+                    let mut i = e.into_inner().filter(|p| p.as_rule() != Rule::eq);
+                    let key = self.ident(i.next().expect("row key"));
+                    let index = self.int(i.next().expect("row index"));
+                    let value = self.value(i.next().expect("row value"));
+                    n.rows.push(Row {
+                        key,
+                        index,
+                        value,
+                        span,
+                    });
+                }
+                r => unreachable!("nested entry rule {r:?}"),
+            }
+        }
+        n
+    }
+
     fn assign(&self, p: Pair<Rule>) -> Assign {
         let span = self.span(&p);
         let mut inner = p.into_inner().filter(|p| p.as_rule() != Rule::eq);
@@ -515,6 +547,12 @@ impl Builder {
             Rule::string | Rule::bad_string => ValueKind::String(self.string(p)),
             Rule::ident => ValueKind::Ident(self.ident(p)),
             Rule::call => ValueKind::Call(self.call(p)),
+            Rule::list => ValueKind::List(
+                p.into_inner()
+                    .filter(|p| p.as_rule() == Rule::scalar)
+                    .map(|v| self.value(v))
+                    .collect(),
+            ),
             r => unreachable!("value rule {r:?}"),
         };
         Value { kind, span }

@@ -3,7 +3,9 @@
 //! `schedules/` it is idempotent, parses back to the same syntax tree (spans aside), and keeps
 //! every comment exactly once.
 
-use sched_grammar::ast::{Assign, Call, Entry, File, Item, Point, Quantity, Value, ValueKind};
+use sched_grammar::ast::{
+    Assign, Call, Entry, File, Item, Nested, Point, Quantity, Value, ValueKind,
+};
 use sched_grammar::{fmt::format, parse, FileId};
 use serde_json::{json, Value as Json};
 use std::path::{Path, PathBuf};
@@ -155,10 +157,7 @@ fn strip_item(item: &Item) -> Json {
 fn strip_entry(entry: &Entry) -> Json {
     match entry {
         Entry::Assign(a) => json!({ "assign": strip_assign(a) }),
-        Entry::Nested(n) => json!({
-            "nested": n.key.name,
-            "entries": n.entries.iter().map(strip_assign).collect::<Json>(),
-        }),
+        Entry::Nested(n) => strip_nested(n),
         Entry::Layer(l) => json!({
             "layer": l.name.name,
             "repeat": l.repeat.as_ref().map(|r| &r.text),
@@ -172,6 +171,15 @@ fn strip_entry(entry: &Entry) -> Json {
     }
 }
 
+fn strip_nested(n: &Nested) -> Json {
+    json!({
+        "nested": n.key.name,
+        "entries": n.entries.iter().map(strip_assign).collect::<Json>(),
+        "rows": n.rows.iter().map(|r| json!([r.key.name, r.index.text, strip_value(&r.value)])).collect::<Json>(),
+        "blocks": n.blocks.iter().map(strip_nested).collect::<Json>(),
+    })
+}
+
 fn strip_value(value: &Value) -> Json {
     match &value.kind {
         ValueKind::Number(n) => json!({ "number": n.text }),
@@ -180,6 +188,9 @@ fn strip_value(value: &Value) -> Json {
         ValueKind::String(s) => json!({ "string": s.value }),
         ValueKind::Ident(i) => json!({ "ident": i.name }),
         ValueKind::Call(c) => strip_call(c),
+        ValueKind::List(items) => {
+            json!({ "list": items.iter().map(strip_value).collect::<Json>() })
+        }
     }
 }
 

@@ -154,7 +154,9 @@ impl<'a> BlockReader<'a> {
         r
     }
 
-    /// Sorts the entries of a nested block (`prefetch { … }`) against `keys`.
+    /// Sorts the entries of a nested block (`prefetch { … }`) against `keys`: its assignments
+    /// and inner blocks (`pipeline { order { … } }`). Numbered rows (`stage 0 = …`) belong only
+    /// in the blocks that read them on their own, so here each is an error.
     pub fn for_nested(
         ctx: &mut Ctx,
         what: &str,
@@ -164,6 +166,21 @@ impl<'a> BlockReader<'a> {
         let mut r = BlockReader::empty("key");
         for a in &block.entries {
             r.add_value(ctx, what, &a.key, &a.value, keys);
+        }
+        for b in &block.blocks {
+            if let Some(k) = r.check_key(ctx, what, &b.key, keys, Shape::Block) {
+                r.blocks.push((k, b));
+            }
+        }
+        for row in &block.rows {
+            ctx.error(
+                Diagnostic::error(format!(
+                    "a numbered row such as `{} {} = …` cannot appear in {what}",
+                    row.key.name, row.index.text
+                ))
+                .at(row.span, "row here")
+                .note("rows hold a pipeline's order: `order { stage 0 = \"F0 B0\" }` inside `pipeline { … }`"),
+            );
         }
         r
     }
@@ -364,6 +381,7 @@ pub(crate) fn written(v: &Value) -> String {
         ValueKind::String(s) => format!("\"{}\"", s.value),
         ValueKind::Ident(i) => i.name.clone(),
         ValueKind::Call(c) => format!("{}(…)", c.callee.name),
+        ValueKind::List(_) => "[…]".to_string(),
     }
 }
 

@@ -141,3 +141,31 @@ fn empty_input_stays_empty() {
     assert_eq!(fmt(""), "");
     assert_eq!(fmt("\n\n# only\n\n"), "# only\n");
 }
+
+#[test]
+fn pipeline_blocks_keep_rows_and_inner_blocks_on_their_own_lines() {
+    let out = fmt("schedule s { pipeline { stages = 2  layers = [1,2]  order { stage 0 = \"F0 B0\"  stage 10=\"F0 B0\" } } }");
+    let expected = [
+        "schedule s {",
+        "    pipeline {",
+        "        stages = 2",
+        "        layers = [1, 2]",
+        "        order {",
+        "            stage 0  = \"F0 B0\"",
+        "            stage 10 = \"F0 B0\"",
+        "        }",
+        "    }",
+        "}",
+    ];
+    assert_eq!(out, lines(&expected));
+    // Without rows or inner blocks a pipeline block is like any nested block.
+    let out = fmt("schedule s {\n pipeline {\n stages = 2\n layers = balanced\n }\n}");
+    assert_eq!(
+        out,
+        lines(&[
+            "schedule s {",
+            "    pipeline { stages = 2  layers = balanced }",
+            "}"
+        ])
+    );
+}

@@ -140,3 +140,72 @@ fn quantity_needs_the_end_of_the_entry() {
     };
     assert_eq!(m.body.entries.len(), 3);
 }
+
+#[test]
+fn pipeline_block_with_list_rows_and_inner_order() {
+    let src = "schedule s {\n    pipeline {\n        stages = 2;  virtual = 1\n        layers = [3,\n            1, ]\n        order {\n            stage 0 = \"F0 B0\"\n            stage 1 = \"F0  I0 W0\"  # split\n        }\n    }\n}\n";
+    let f = ok(src);
+    let Item::Block(s) = &f.items[0] else {
+        panic!()
+    };
+    let Entry::Nested(pl) = &s.body.entries[0] else {
+        panic!()
+    };
+    assert_eq!(pl.entries.len(), 3);
+    let ValueKind::List(items) = &pl.entries[2].value.kind else {
+        panic!("{:?}", pl.entries[2])
+    };
+    assert_eq!(items.len(), 2);
+    assert!(matches!(&items[1].kind, ValueKind::Number(n) if n.text == "1"));
+    let [order] = pl.blocks.as_slice() else {
+        panic!()
+    };
+    assert_eq!(order.key.name, "order");
+    assert_eq!(order.rows.len(), 2);
+    assert_eq!(order.rows[1].index.text, "1");
+    let ValueKind::String(text) = &order.rows[1].value.kind else {
+        panic!()
+    };
+    // Every action has its own span in the file.
+    let words: Vec<(&str, &str)> = text
+        .words()
+        .into_iter()
+        .map(|(w, span)| (w, &src[span.range()]))
+        .collect();
+    assert_eq!(words, [("F0", "F0"), ("I0", "I0"), ("W0", "W0")]);
+    // Spans stay exact after escapes.
+    let f = ok("s x { p { q { r 0 = \"\\\\ F1 \\\" B2\" } } }\n");
+    let Item::Block(b) = &f.items[0] else {
+        panic!()
+    };
+    let Entry::Nested(p) = &b.body.entries[0] else {
+        panic!()
+    };
+    let ValueKind::String(t) = &p.blocks[0].rows[0].value.kind else {
+        panic!()
+    };
+    let src = "s x { p { q { r 0 = \"\\\\ F1 \\\" B2\" } } }\n";
+    let spans: Vec<&str> = t.words().iter().map(|(_, s)| &src[s.range()]).collect();
+    assert_eq!(spans, ["\\\\", "F1", "\\\"", "B2"]);
+}
+
+#[test]
+fn a_value_before_a_row_on_one_line_stays_a_value() {
+    let f = ok("s x { order { a = 4 GiB stage 0 = \"F0\" } }\ns y { p { stages = 4  stage 1 = \"F0\" } }\n");
+    let Item::Block(b) = &f.items[0] else {
+        panic!()
+    };
+    let Entry::Nested(o) = &b.body.entries[0] else {
+        panic!()
+    };
+    assert!(matches!(o.entries[0].value.kind, ValueKind::Quantity(_)));
+    assert_eq!(o.rows.len(), 1);
+    let Item::Block(b) = &f.items[1] else {
+        panic!()
+    };
+    let Entry::Nested(p) = &b.body.entries[0] else {
+        panic!()
+    };
+    assert!(matches!(p.entries[0].value.kind, ValueKind::Number(_)));
+    assert_eq!(p.rows[0].key.name, "stage");
+}
