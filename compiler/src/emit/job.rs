@@ -105,6 +105,51 @@ fn schedule(out: &mut String, job: &Job) {
             t.steps, t.lr, t.seed
         ),
     );
+    if s.pipeline.is_pipelined() {
+        pipeline(out, job);
+    }
+}
+
+/// The pipeline: stages, chunks with their layers and stage, and every stage's order.
+fn pipeline(out: &mut String, job: &Job) {
+    let pl = &job.schedule.pipeline;
+    let (p, v) = (pl.stages, pl.virtual_stages);
+    let g = u64::from(job.schedule.gpus_per_node);
+    let d = job.ranks() / u64::from(p);
+    let dp = match d % g {
+        0 => format!("{g} x {}", d / g),
+        _ => format!("{d} x 1"),
+    };
+    let _ = writeln!(
+        out,
+        "  {:<22} {} x {} per stage, {}, data-parallel mesh {dp} per stage",
+        "pipeline",
+        plural(p.into(), "stage"),
+        plural(v.into(), "chunk"),
+        pl.schedule.name()
+    );
+    let layers = &job.model.layers;
+    for c in 0..p * v {
+        let range = pl.layers_of_chunk(c);
+        let (first, last) = (range.start, range.end - 1);
+        let names = match first == last {
+            true => layers[first].name.clone(),
+            false => format!("{} … {}", layers[first].name, layers[last].name),
+        };
+        let _ = writeln!(
+            out,
+            "    chunk {c:<3} stage {:<3} layers {first}-{last} ({}): {names}",
+            pl.stage_of_chunk(c),
+            range.len()
+        );
+    }
+    for (s, list) in pl.order.iter().enumerate() {
+        let _ = writeln!(
+            out,
+            "    stage {s:<3} {}",
+            sched_ir::orders::order_text(list, v)
+        );
+    }
 }
 
 fn cluster(out: &mut String, c: &Cluster) {

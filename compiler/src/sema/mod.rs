@@ -19,6 +19,7 @@
 
 mod cluster;
 mod model;
+mod pipeline;
 mod schedule;
 mod values;
 

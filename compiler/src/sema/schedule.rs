@@ -11,7 +11,13 @@
 //! checked once and named as the preset's. A few checks beyond the spec protect later stages:
 //! hpZ's secondary shard size divides G, and a `max_live` cap holds at least the largest
 //! gathered layer (which needs the model, so it comes last).
+//!
+//! A `pipeline { … }` block (module [`super::pipeline`]) is read with the other values; once the
+//! ranks are known its rule 2 gives each stage's data-parallel mesh, and the meshes (`full`,
+//! presets, rules 1 to 3, hpZ's secondary shard) are laid out over that mesh instead of G x N;
+//! once the job is built, its chunks and order are resolved.
 
+use super::pipeline;
 use super::values::*;
 use super::Ctx;
 use sched_grammar::ast::{BlockItem, Value, ValueKind};
@@ -36,6 +42,7 @@ const KEYS: &[(&str, Shape)] = &[
     ("streams", Shape::Value),
     ("overlap", Shape::Block),
     ("train", Shape::Block),
+    ("pipeline", Shape::Block),
 ];
 const SHARD_KEYS: &[(&str, Shape)] = &[
     ("params", Shape::Value),
@@ -165,6 +172,10 @@ pub(crate) fn resolve(ctx: &mut Ctx, env: &Env, item: &BlockItem) -> Option<Job>
         )
     });
     let opt_blocks = OptionalBlocks::read(ctx, &r);
+    // `None`: no pipeline block; `Some(None)`: one with errors, reported.
+    let pipeline = r
+        .block("pipeline")
+        .map(|b| pipeline::read(ctx, b, micro_steps.map(|m| m as u32)));
 
     // The ranks used: G GPUs per node x N nodes, each at most the cluster's.
     let cluster = cluster?;
@@ -179,10 +190,23 @@ pub(crate) fn resolve(ctx: &mut Ctx, env: &Env, item: &BlockItem) -> Option<Job>
     let ranks = Ranks {
         g: gpus?,
         n: nodes?,
+        stage: false,
     };
-    let gpus = ranks.g;
+    // Rule 2 of pipelines: the shard meshes are laid out over each stage's data-parallel mesh.
+    // A pipeline block with errors leaves the whole cluster, which reports no more than it would.
+    let mut rule2 = true;
+    let shard_ranks = match &pipeline {
+        Some(Some(spec)) => match spec.data_parallel(ctx, ranks.g, ranks.n) {
+            Some((g, n)) => Ranks { g, n, stage: true },
+            None => {
+                rule2 = false;
+                ranks
+            }
+        },
+        _ => ranks,
+    };
 
-    let factors = shard_factors(ctx, &ranks, &written, preset.as_ref(), item);
+    let factors = shard_factors(ctx, &shard_ranks, &written, preset.as_ref(), item);
     let grad_sync = match grad_sync {
         Some(g) => g,
         None => Some(preset_value(&preset, |p| p.grad_sync).unwrap_or(GradSync::TwoHop)),
@@ -191,20 +215,20 @@ pub(crate) fn resolve(ctx: &mut Ctx, env: &Env, item: &BlockItem) -> Option<Job>
         Some(a) => a,
         None => Some(preset_value(&preset, |p| p.all_gather).unwrap_or(AllGatherAlgo::Flat)),
     };
-    let reshard = reshard_after_forward(ctx, reshard, &preset, gpus);
+    let reshard = reshard_after_forward(ctx, reshard, &preset, shard_ranks.g);
     let [params, grads, optimizer] = factors?;
     let model = model?;
     let prefetch = opt_blocks.prefetch?;
     check_max_live(ctx, &prefetch, opt_blocks.max_live, &model, params);
 
-    Some(Job {
+    let mut job = Job {
         schedule: Schedule {
             name: item.name.name.clone(),
             preset: r
                 .value("preset")
                 .map(|v| env.sources.get(v.span.file).text[v.span.range()].to_string()),
             nodes: ranks.n as u32,
-            gpus_per_node: gpus as u32,
+            gpus_per_node: ranks.g as u32,
             micro_steps: micro_steps? as u32,
             shard: Shard {
                 params: params.mesh,
@@ -224,7 +248,11 @@ pub(crate) fn resolve(ctx: &mut Ctx, env: &Env, item: &BlockItem) -> Option<Job>
         },
         model,
         cluster,
-    })
+    };
+    if let Some(spec) = pipeline {
+        job.schedule.pipeline = spec?.resolve(ctx, &job)?;
+    }
+    rule2.then_some(job)
 }
 
 /// What a preset that resolved sets with `f`; `None` without a preset (or with a broken one).
@@ -553,13 +581,36 @@ fn mesh_spec(ctx: &mut Ctx, v: &Value) -> Option<MeshSpec> {
     }
 }
 
-/// The ranks a schedule uses: G GPUs per node × N nodes.
+/// The ranks a schedule uses: G GPUs per node × N nodes; with a pipeline, those of one stage's
+/// data-parallel mesh.
+#[derive(Clone, Copy)]
 struct Ranks {
     g: u64,
     n: u64,
+    /// A stage's data-parallel mesh rather than all the ranks used.
+    stage: bool,
 }
 
 impl Ranks {
+    /// "the 8 GPUs per node used", or of a stage's data-parallel mesh.
+    fn gpus(&self) -> String {
+        match self.stage {
+            true => format!(
+                "the {} GPUs per node of a stage's data-parallel mesh",
+                self.g
+            ),
+            false => format!("the {} GPUs per node used", self.g),
+        }
+    }
+
+    /// "the 4 nodes used", or of a stage's data-parallel mesh.
+    fn nodes(&self) -> String {
+        match self.stage {
+            true => format!("the {} nodes of a stage's data-parallel mesh", self.n),
+            false => format!("the {} nodes used", self.n),
+        }
+    }
+
     /// Lays a mesh out as `a x b` and checks rule 1 (a | G, b | N); `key` names the mesh in
     /// messages ("params mesh", "`mics` partition").
     fn layout(&self, ctx: &mut Ctx, spec: MeshSpec, span: Span, key: &str) -> Option<Mesh> {
@@ -572,8 +623,8 @@ impl Ranks {
             MeshSpec::Int(n) => {
                 ctx.error(
                     Diagnostic::error(format!(
-                        "the {key} {n} cannot be laid out: it is more than the {} GPUs per node used and not a multiple of it",
-                        self.g
+                        "the {key} {n} cannot be laid out: it is more than {} and not a multiple of it",
+                        self.gpus()
                     ))
                     .at(span, format!("{n} ranks"))
                     .note("write it as `a x b`: a GPUs per node times b nodes"),
@@ -587,8 +638,8 @@ impl Ranks {
         if self.g.checked_rem(a) != Some(0) {
             ctx.error(
                 Diagnostic::error(format!(
-                    "rule 1: the {key} {a} x {b} needs a to divide the {} GPUs per node used",
-                    self.g
+                    "rule 1: the {key} {a} x {b} needs a to divide {}",
+                    self.gpus()
                 ))
                 .at(span, format!("{a} does not divide {}", self.g)),
             );
@@ -597,8 +648,8 @@ impl Ranks {
         if self.n.checked_rem(b) != Some(0) {
             ctx.error(
                 Diagnostic::error(format!(
-                    "rule 1: the {key} {a} x {b} needs b to divide the {} nodes used",
-                    self.n
+                    "rule 1: the {key} {a} x {b} needs b to divide {}",
+                    self.nodes()
                 ))
                 .at(span, format!("{b} does not divide {}", self.n)),
             );
