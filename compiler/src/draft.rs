@@ -37,6 +37,9 @@ pub struct Slot {
     pub units: Vec<Unit>,
     pub compute: Vec<OpId>,
     pub after: Vec<OpId>,
+    /// The pipeline stage whose ops it holds (0 without a pipeline). A stage's slots are
+    /// consecutive, and a unit's `earliest`, `consumer` and `last_consumer` lie in its stage.
+    pub stage: u32,
 }
 
 /// The program before its issue order, streams, events and offsets are final.

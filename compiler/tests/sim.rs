@@ -128,6 +128,7 @@ fn collectives_program(g: u32, nodes: u32, calls: &[(usize, (u32, u32), u64)]) -
             bytes,
             layer: None,
             offset: 0,
+            stage: 0,
         });
         let region = Region::whole(buf, bytes);
         p.ops.push(Op {

@@ -69,11 +69,28 @@ pub enum Collective {
     ReduceScatter,
     AllReduce,
     Broadcast,
+    /// Point-to-point: member 0 of a two-member group sends its input to member 1
+    /// (`ncclSend`); only member 0 issues it.
+    Send,
+    /// Point-to-point: member 1 of a two-member group receives member 0's send into its output
+    /// (`ncclRecv`); only member 1 issues it.
+    Recv,
 }
 
 impl Collective {
-    pub const NAMES: [&'static str; 4] =
-        ["all_gather", "reduce_scatter", "all_reduce", "broadcast"];
+    pub const NAMES: [&'static str; 6] = [
+        "all_gather",
+        "reduce_scatter",
+        "all_reduce",
+        "broadcast",
+        "send",
+        "recv",
+    ];
+
+    /// A send or a receive rather than a collective of the whole group.
+    pub fn is_point_to_point(self) -> bool {
+        matches!(self, Collective::Send | Collective::Recv)
+    }
 
     pub fn name(self) -> &'static str {
         Self::NAMES[self as usize]
@@ -445,8 +462,9 @@ pub struct Schedule {
     pub streams: Streams,
     pub overlap: Overlap,
     pub train: Train,
-    /// Pipeline stages and their order of actions (one stage, no pipeline, by default).
-    #[serde(default)]
+    /// Pipeline stages and their order of actions (one stage, no pipeline, by default; left
+    /// out of a plan file's job then, so plans without a pipeline read as before).
+    #[serde(default, skip_serializing_if = "Pipeline::is_default")]
     pub pipeline: Pipeline,
 }
 
@@ -561,6 +579,11 @@ impl Default for Pipeline {
 }
 
 impl Pipeline {
+    /// One stage and nothing else set.
+    pub fn is_default(&self) -> bool {
+        *self == Pipeline::default()
+    }
+
     /// Whether the schedule has more than one stage.
     pub fn is_pipelined(&self) -> bool {
         self.stages > 1

@@ -45,6 +45,9 @@ pub struct PlanFile {
     pub arena_bytes: u64,
     pub shard: ShardFile,
     pub secondary: Option<u32>,
+    /// Pipeline stages (absent: one).
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub stages: u32,
     pub layers: Vec<LayerFile>,
     pub communicators: Vec<CommFile>,
     pub buffers: Vec<BufferFile>,
@@ -68,6 +71,9 @@ pub struct LayerFile {
     pub name: String,
     pub params: u64,
     pub padded: u64,
+    /// The pipeline chunk holding it (absent: 0).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub chunk: u32,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -90,6 +96,9 @@ pub struct BufferFile {
     pub offset: u64,
     pub persistent: bool,
     pub layer: Option<u32>,
+    /// The pipeline stage holding it (absent: 0).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub stage: u32,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -99,7 +108,22 @@ pub struct StreamFile {
     /// The stream's workspace, when it has one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub workspace: Option<WorkspaceFile>,
+    /// The pipeline stage running it (absent: 0).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub stage: u32,
     pub ops: Vec<OpFile>,
+}
+
+fn one() -> u32 {
+    1
+}
+
+fn is_one(n: &u32) -> bool {
+    *n == 1
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
 }
 
 /// A stream's workspace: its buffer (of kind `workspace`) and the bytes of its GEMM part.
@@ -161,20 +185,22 @@ const KINDS: [(BufferKind, &str); 10] = [
     (BufferKind::Hidden, "hidden"),
     (BufferKind::Workspace, "workspace"),
 ];
-const ROLES: [(OpRole, &str); 5] = [
+const ROLES: [(OpRole, &str); 6] = [
     (OpRole::Compute, "compute"),
     (OpRole::Gather, "gather"),
     (OpRole::Reduce, "reduce"),
     (OpRole::Sync, "sync"),
     (OpRole::Refresh, "refresh"),
+    (OpRole::P2p, "p2p"),
 ];
-const STREAM_ROLES: [StreamRole; 6] = [
+const STREAM_ROLES: [StreamRole; 7] = [
     StreamRole::Compute,
     StreamRole::Gather,
     StreamRole::Reduce,
     StreamRole::Sync,
     StreamRole::Intra,
     StreamRole::Inter,
+    StreamRole::P2p,
 ];
 const SCOPES: [Scope; 3] = [Scope::Intra, Scope::Inter, Scope::Mixed];
 const COMPUTE: [ComputeKind; 8] = [
@@ -218,6 +244,7 @@ pub fn emit_plan(p: &Program, job: &Job) -> PlanFile {
             optimizer: mesh(shard.optimizer),
         },
         secondary,
+        stages: p.layout.stages,
         layers: p
             .layers
             .values()
@@ -225,6 +252,7 @@ pub fn emit_plan(p: &Program, job: &Job) -> PlanFile {
                 name: l.name.clone(),
                 params: l.params,
                 padded: l.padded,
+                chunk: l.chunk,
             })
             .collect(),
         communicators: p
@@ -249,6 +277,7 @@ pub fn emit_plan(p: &Program, job: &Job) -> PlanFile {
                 offset: b.offset,
                 persistent: b.kind.is_persistent(),
                 layer: b.layer.map(|l| l.as_u32()),
+                stage: b.stage,
             })
             .collect(),
         events: p.events.len() as u32,
@@ -261,6 +290,7 @@ pub fn emit_plan(p: &Program, job: &Job) -> PlanFile {
                     buffer: w.buffer.as_u32(),
                     gemm_bytes: w.gemm_bytes,
                 }),
+                stage: s.stage,
                 ops: p
                     .ops
                     .iter()
@@ -408,6 +438,23 @@ fn from_file(f: PlanFile) -> Result<ReadPlan, ReadError> {
             f.ranks
         ));
     }
+    if f.stages == 0 || !f.ranks.is_multiple_of(f.stages) {
+        return Err(invalid!(
+            "{} stages do not divide {} ranks into equal stages",
+            f.stages,
+            f.ranks
+        ));
+    }
+    let stages = f.stages;
+    let stage = |s: u32, what: &str| {
+        if s < stages {
+            Ok(s)
+        } else {
+            Err(invalid!(
+                "{what}: stage {s}, but the plan has {stages} stages"
+            ))
+        }
+    };
     if f.micro_steps == 0 || f.micro_steps > MAX_MICRO_STEPS {
         return Err(invalid!(
             "{} micro-steps: a plan has 1 to {MAX_MICRO_STEPS}",
@@ -450,6 +497,7 @@ fn from_file(f: PlanFile) -> Result<ReadPlan, ReadError> {
             nodes: f.nodes,
             shard,
             secondary: f.secondary,
+            stages: f.stages,
         },
         micro_steps: f.micro_steps,
         arena_bytes: f.arena_bytes,
@@ -460,6 +508,7 @@ fn from_file(f: PlanFile) -> Result<ReadPlan, ReadError> {
             name: l.name,
             params: l.params,
             padded: l.padded,
+            chunk: l.chunk,
         });
     }
     for (i, c) in f.communicators.into_iter().enumerate() {
@@ -507,6 +556,7 @@ fn from_file(f: PlanFile) -> Result<ReadPlan, ReadError> {
             bytes: b.bytes,
             layer,
             offset: b.offset,
+            stage: stage(b.stage, &format!("buf{i}"))?,
         });
     }
     // Ops come grouped by stream; their ids give the issue order.
@@ -564,7 +614,12 @@ fn from_file(f: PlanFile) -> Result<ReadPlan, ReadError> {
                 })
             }
         };
-        let sid = p.streams.push(Stream { role, workspace });
+        let stage = stage(s.stage, &format!("stream {}", s.name))?;
+        let sid = p.streams.push(Stream {
+            role,
+            workspace,
+            stage,
+        });
         if let Some(w) = s.ops.windows(2).find(|w| w[0].id >= w[1].id) {
             return Err(invalid!(
                 "stream {} lists op{} before op{}: a stream runs its ops in issue order (ascending ids)",
@@ -736,6 +791,8 @@ fn op_from(p: &Program, stream: StreamId, o: OpFile) -> Result<Op, ReadError> {
                     Collective::ReduceScatter,
                     Collective::AllReduce,
                     Collective::Broadcast,
+                    Collective::Send,
+                    Collective::Recv,
                 ][i]
             })
             .ok_or_else(|| invalid!("{what}: unknown collective `{}`", c.kind))?;

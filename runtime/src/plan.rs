@@ -102,8 +102,9 @@ pub struct Plan {
     pub decay: Vec<Vec<std::ops::Range<usize>>>,
     /// Each stream's ops, in issue order.
     pub stream_ops: SecondaryMap<StreamId, Vec<OpId>>,
-    /// For every op, each of its collectives' call number on its communicator within a step (the
-    /// same on every rank: one program, one issue order).
+    /// For every op, each of its collectives' call number on its communicator within a step,
+    /// counted per pipeline stage (the same on every rank of a stage: one program, one issue
+    /// order; a send's and its receive's numbers agree, as the verifier's matching proves).
     pub call_numbers: SecondaryMap<OpId, Vec<u64>>,
     /// Per rank, its value of every shard index (in [`ShardIndex::ALL`] order).
     indices: Vec<[u64; 7]>,
@@ -139,16 +140,17 @@ impl Plan {
         for (id, op) in program.ops.iter() {
             stream_ops[op.stream].push(id);
         }
-        let mut calls: SecondaryMap<CommId, u64> = SecondaryMap::new();
+        let mut calls: sched_ir::hash::FxHashMap<(CommId, u32), u64> = Default::default();
         let mut call_numbers: SecondaryMap<OpId, Vec<u64>> = SecondaryMap::new();
         for (id, op) in program.ops.iter() {
+            let stage = program.streams[op.stream].stage;
             call_numbers[id] = op
                 .collectives()
                 .iter()
                 .map(|c| {
-                    let n = calls[c.comm];
-                    calls[c.comm] += 1;
-                    n
+                    let n = calls.entry((c.comm, stage)).or_insert(0);
+                    *n += 1;
+                    *n - 1
                 })
                 .collect();
         }
@@ -158,7 +160,8 @@ impl Plan {
         let decay = job.model.layers.iter().map(decay_ranges).collect();
         let mut members: SecondaryMap<CommId, Vec<(usize, usize)>> = SecondaryMap::new();
         for (c, comm) in program.comms.iter() {
-            members[c] = vec![(0, 0); program.ranks() as usize];
+            // (usize::MAX, usize::MAX): not a member (a pipeline transfer pairs two stages only).
+            members[c] = vec![(usize::MAX, usize::MAX); program.ranks() as usize];
             for (g, group) in comm.groups.iter().enumerate() {
                 for (pos, &r) in group.iter().enumerate() {
                     if let Some(m) = members[c].get_mut(r as usize) {
@@ -191,6 +194,17 @@ impl Plan {
 
     pub fn ranks(&self) -> u32 {
         self.program.ranks()
+    }
+
+    /// d, the data-parallel degree: the ranks of one pipeline stage (every rank without one).
+    pub fn dp_size(&self) -> u32 {
+        self.program.layout.dp_size()
+    }
+
+    /// The ranks holding `buffer`: those of its pipeline stage.
+    pub fn holders(&self, buffer: BufferId) -> std::ops::Range<u32> {
+        let (d, stage) = (self.dp_size(), self.program.buffers[buffer].stage);
+        stage * d..(stage + 1) * d
     }
 
     /// The arena byte offset of `r` on `rank`.
@@ -226,7 +240,7 @@ impl Plan {
 
     /// Tokens in one step's global batch.
     pub fn tokens_per_step(&self) -> u64 {
-        u64::from(self.program.ranks())
+        u64::from(self.dp_size())
             * u64::from(self.program.micro_steps)
             * self.job.model.micro_batch
             * self.job.model.seq_len

@@ -125,7 +125,14 @@ impl<B: Backend> Trainer<B> {
             let ps = padded / sh.params.size() as usize;
             let os = padded / sh.optimizer.size() as usize;
             let moments = model.optimizer != Optimizer::Sgd;
-            for rank in self.backend.ranks() {
+            // Only the ranks of the layer's pipeline stage hold it.
+            let holders = p.holders(pbuf);
+            for rank in self
+                .backend
+                .ranks()
+                .into_iter()
+                .filter(|r| holders.contains(r))
+            {
                 let i = p.index(rank, ShardIndex::Param) as usize;
                 let at = p.program.buffers[pbuf].offset;
                 self.backend
@@ -172,7 +179,13 @@ impl<B: Backend> Trainer<B> {
                 3
             };
             let mut opt = vec![vec![0.0; padded]; parts];
-            for rank in self.backend.ranks() {
+            let holders = p.holders(obuf);
+            for rank in self
+                .backend
+                .ranks()
+                .into_iter()
+                .filter(|r| holders.contains(r))
+            {
                 let j = p.index(rank, ShardIndex::Optimizer) as usize;
                 let at = p.program.buffers[obuf].offset;
                 let v = self.backend.download(rank, at, parts * os, Dtype::Fp32)?;
@@ -205,8 +218,9 @@ impl<B: Backend> Trainer<B> {
         let p = &self.plan;
         let model = &p.job.model;
         let micro_steps = p.program.micro_steps as usize;
+        // A pipeline's stages share the batches of their data-parallel index.
         let shape = BatchShape {
-            ranks: p.ranks() as usize,
+            ranks: p.dp_size() as usize,
             micro_steps,
             micro_batch: model.micro_batch as usize,
             seq_len: model.seq_len as usize,
@@ -215,9 +229,10 @@ impl<B: Backend> Trainer<B> {
         for rank in self.backend.ranks() {
             let mut per_rank = vec![];
             for m in 0..micro_steps {
+                let dp = p.program.layout.dp_index(rank) as usize;
                 let (inputs, targets) = self
                     .corpus
-                    .batch(&shape, (t, m, rank as usize))
+                    .batch(&shape, (t, m, dp))
                     .map_err(RunError::of_run)?;
                 per_rank.push(Batch { inputs, targets });
             }

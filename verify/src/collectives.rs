@@ -8,7 +8,8 @@ use sched_ir::job::Collective;
 pub fn check(p: &Program, clocks: &Clocks) -> Vec<VerifyError> {
     let layout = p.layout;
     let mut errs = vec![];
-    let mut last_collective: Option<OpId> = None;
+    // Per pipeline stage: a stage's ranks run only its ops.
+    let mut last_collective: Vec<Option<OpId>> = vec![None; p.layout.stages.max(1) as usize];
     // Placement depends only on these; layers and micro-steps repeat them.
     type Key = (
         CommId,
@@ -27,7 +28,11 @@ pub fn check(p: &Program, clocks: &Clocks) -> Vec<VerifyError> {
         if op.collectives().is_empty() {
             continue;
         }
-        if let Some(prev) = last_collective {
+        let stage = p.streams[op.stream].stage as usize;
+        let Some(last) = last_collective.get_mut(stage) else {
+            continue; // (a stream of no stage: reported by the pipeline checks)
+        };
+        if let Some(prev) = *last {
             if !clocks.before(p, prev, id) {
                 errs.push(VerifyError {
                     op: Some(id),
@@ -37,7 +42,7 @@ pub fn check(p: &Program, clocks: &Clocks) -> Vec<VerifyError> {
                 });
             }
         }
-        last_collective = Some(id);
+        *last = Some(id);
         for c in op.collectives() {
             let key = (
                 c.comm,
@@ -104,7 +109,9 @@ fn shape(p: &Program, c: &CollectiveOp) -> Vec<String> {
     let (full, part) = match c.kind {
         Collective::AllGather => (o, i * g),
         Collective::ReduceScatter => (i, o * g),
-        Collective::AllReduce | Collective::Broadcast => (i, o),
+        Collective::AllReduce | Collective::Broadcast | Collective::Send | Collective::Recv => {
+            (i, o)
+        }
     };
     if full != payload || part != payload {
         errs.push(format!(
@@ -133,6 +140,10 @@ fn placement(p: &Program, l: &Layout, c: &CollectiveOp, norm: bool) -> Vec<Strin
         }
     };
     let in_place = c.input.buffer == c.output.buffer;
+    if c.kind.is_point_to_point() {
+        // Which member sends and which receives is the pipeline proof's (`p2p`).
+        return errs;
+    }
     for g in &comm.groups {
         let gs = g.len() as u64;
         for (j, &r) in g.iter().enumerate() {
@@ -209,7 +220,7 @@ fn placement(p: &Program, l: &Layout, c: &CollectiveOp, norm: bool) -> Vec<Strin
                         require(same, format!("all_reduce over replicas: rank {r} holds a different shard than rank {}", g[0]));
                     }
                 }
-                Collective::Broadcast => {}
+                Collective::Broadcast | Collective::Send | Collective::Recv => {}
             }
         }
     }

@@ -32,6 +32,12 @@
 //!    only once complete, is summed over every optimizer shard once, and every update reads it.
 //! 8. **NCCL buffer rules** ([`nccl`]). On every rank, every collective's input and output are
 //!    disjoint in the arena or in place exactly as NCCL defines it.
+//! 9. **Pipeline stages** ([`stages`]). Every op keeps to its stage's buffers and events; each
+//!    send has exactly one receive on its peer, with the same count and dtype, matched in issue
+//!    order; and the stages run to the end with every send and receive blocking until its peer
+//!    reaches it (group calls posting their transfers together), or the cycle of waiting stages
+//!    is named. Proofs 4–6 hold per stage: a stage's ranks run only its ops, and buffers of
+//!    different stages may share arena bytes.
 //!
 //! Proofs 1, 1b and 8 are what the backends rely on to enqueue and call NCCL without checks of
 //! their own.
@@ -49,6 +55,7 @@ mod issue;
 mod memory;
 mod nccl;
 pub mod plan;
+mod stages;
 mod structure;
 mod values;
 
@@ -285,6 +292,10 @@ pub fn errors(p: &Program) -> Vec<VerifyError> {
 fn check(p: &Program, values: Option<ValuesProof>) -> Result<PlanInfo, Vec<VerifyError>> {
     let mut errors = structure::check(p, Stage::Placed);
     errors.extend(issue::check(p));
+    if !errors.is_empty() {
+        return Err(errors);
+    }
+    errors.extend(stages::check(p));
     if !errors.is_empty() {
         return Err(errors);
     }

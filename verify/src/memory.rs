@@ -68,6 +68,7 @@ pub fn check(p: &Program, clocks: &Clocks) -> (Vec<VerifyError>, u64) {
     // Memory-plan soundness: buffers sharing bytes have ordered lifetimes. Taken in order of first
     // access, each buffer is checked against the ones whose bytes it takes over; the others follow
     // by transitivity (and happens-before implies issue order, so this order is the only one).
+    // Buffers of different pipeline stages live on different ranks: each stage is its own arena.
     let mut placed: Vec<BufferId> = p
         .buffers
         .keys()
@@ -79,10 +80,14 @@ pub fn check(p: &Program, clocks: &Clocks) -> (Vec<VerifyError>, u64) {
     for &b in &placed {
         ends[b] = Ends::new(p, &by_buffer[b]);
     }
-    let mut occupants = sched_ir::intervals::Occupants::default();
+    let mut occupants: Vec<sched_ir::intervals::Occupants<BufferId>> = vec![];
     for &b in &placed {
         let buf = &p.buffers[b];
-        for a in occupants.replace(buf.offset, buf.offset + buf.bytes, b) {
+        let stage = buf.stage as usize;
+        if occupants.len() <= stage {
+            occupants.resize_with(stage + 1, Default::default);
+        }
+        for a in occupants[stage].replace(buf.offset, buf.offset + buf.bytes, b) {
             let other = &p.buffers[a];
             if buf.kind.is_persistent()
                 || other.kind.is_persistent()
@@ -133,22 +138,29 @@ impl Ends {
 
 /// The most transient bytes whose issue-order lifetimes contain one op. Two such buffers can never
 /// share bytes (happens-before follows issue order), so no plan's transient part is smaller.
+/// With pipeline stages, the most over the stages of each stage's own bound.
 fn live_bound(p: &Program, by_buffer: &SecondaryMap<BufferId, Vec<Access>>) -> u64 {
-    let mut delta = vec![0i128; p.ops.len() + 1];
+    let stages = p.layout.stages.max(1) as usize;
+    let mut delta = vec![vec![0i128; p.ops.len() + 1]; stages];
     for (b, acc) in by_buffer.iter() {
         if acc.is_empty() || p.buffers[b].kind.is_persistent() {
             continue;
         }
+        let Some(delta) = delta.get_mut(p.buffers[b].stage as usize) else {
+            continue;
+        };
         let first = acc.iter().map(|a| a.op.index()).min().expect("non-empty");
         let last = acc.iter().map(|a| a.op.index()).max().expect("non-empty");
         delta[first] += i128::from(p.buffers[b].bytes);
         delta[last + 1] -= i128::from(p.buffers[b].bytes);
     }
-    let mut live = 0i128;
     let mut best = 0i128;
-    for d in delta {
-        live += d;
-        best = best.max(live);
+    for delta in delta {
+        let mut live = 0i128;
+        for d in delta {
+            live += d;
+            best = best.max(live);
+        }
     }
     best as u64
 }

@@ -76,7 +76,9 @@ fn undefined(p: &Program, layout: &Layout, c: &CollectiveOp) -> Option<String> {
         let (send, recv) = match c.kind {
             Collective::AllGather => (chunk, all),
             Collective::ReduceScatter => (all, chunk),
-            Collective::AllReduce | Collective::Broadcast => (all, all),
+            Collective::AllReduce | Collective::Broadcast | Collective::Send | Collective::Recv => {
+                (all, all)
+            }
         };
         for (j, &r) in g.iter().enumerate() {
             let i = ib.offset + range(&c.input, layout, r).0;
@@ -86,7 +88,10 @@ fn undefined(p: &Program, layout: &Layout, c: &CollectiveOp) -> Option<String> {
             let in_place = match c.kind {
                 Collective::AllGather => i == o + mine,
                 Collective::ReduceScatter => o == i + mine,
-                Collective::AllReduce | Collective::Broadcast => i == o,
+                Collective::AllReduce
+                | Collective::Broadcast
+                | Collective::Send
+                | Collective::Recv => i == o,
             };
             if !disjoint && !in_place {
                 let rule = match c.kind {

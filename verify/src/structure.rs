@@ -26,16 +26,27 @@ pub fn check(p: &Program, stage: Stage) -> Vec<VerifyError> {
         );
         return errs;
     }
+    let (stages, d, g) = (p.layout.stages, p.layout.dp_size(), p.layout.gpus_per_node);
+    if stages == 0
+        || !p.ranks().is_multiple_of(stages)
+        || !(d.is_multiple_of(g) || g.is_multiple_of(d))
+    {
+        err(
+            None,
+            format!(
+                "{stages} pipeline stages of {} ranks on nodes of {g} GPUs: a stage is whole nodes or a part of one node",
+                p.ranks()
+            ),
+        );
+        return errs;
+    }
+    // The shard meshes are read over each stage's data-parallel mesh.
+    let (dp_g, dp_n) = (p.layout.dp_gpus_per_node(), d / p.layout.dp_gpus_per_node());
     for m in [sh.params, sh.grads, sh.optimizer] {
-        if !p.layout.gpus_per_node.is_multiple_of(m.intra)
-            || !p.layout.nodes.is_multiple_of(m.inter)
-        {
+        if !dp_g.is_multiple_of(m.intra) || !dp_n.is_multiple_of(m.inter) {
             err(
                 None,
-                format!(
-                    "shard mesh {m} does not divide {} nodes x {} GPUs",
-                    p.layout.nodes, p.layout.gpus_per_node
-                ),
+                format!("shard mesh {m} does not divide the data-parallel mesh {dp_g} x {dp_n}"),
             );
             return errs;
         }
@@ -43,19 +54,28 @@ pub fn check(p: &Program, stage: Stage) -> Vec<VerifyError> {
     if let Some(k) = p
         .layout
         .secondary
-        .filter(|&k| k == 0 || !p.layout.gpus_per_node.is_multiple_of(k))
+        .filter(|&k| k == 0 || !p.layout.dp_gpus_per_node().is_multiple_of(k))
     {
         err(
             None,
             format!(
-                "secondary shard size {k} does not divide {} GPUs per node",
-                p.layout.gpus_per_node
+                "secondary shard size {k} does not divide the {} GPUs per node of a stage's data-parallel mesh",
+                p.layout.dp_gpus_per_node()
             ),
         );
         return errs;
     }
     let layout = p.layout;
     let reps = representative_ranks(&layout);
+    // Pipeline transfers' communicators pair two stages' ranks only (checked in `stages`).
+    let mut point_to_point: SecondaryMap<CommId, bool> = SecondaryMap::new();
+    for op in p.ops.values() {
+        for c in op.collectives() {
+            if c.kind.is_point_to_point() && c.comm.index() < p.comms.len() {
+                point_to_point[c.comm] = true;
+            }
+        }
+    }
     for (id, c) in p.comms.iter() {
         let mut seen = vec![false; p.ranks() as usize];
         let size = c.group_size();
@@ -74,7 +94,7 @@ pub fn check(p: &Program, stage: Stage) -> Vec<VerifyError> {
                 }
             }
         }
-        if let Some(r) = seen.iter().position(|s| !s) {
+        if let Some(r) = seen.iter().position(|s| !s).filter(|_| !point_to_point[id]) {
             err(None, format!("{id}: rank {r} is in no group"));
         }
     }

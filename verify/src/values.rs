@@ -180,9 +180,14 @@ pub fn check(p: &Program, threads: usize) -> Vec<VerifyError> {
         runs.push((layer, ops));
     }
     let run = |&(layer, ops): &(LayerId, &[OpId])| {
+        let stage = ops.first().map_or(0, |&o| {
+            p.streams.get(p.ops[o].stream).map_or(0, |s| s.stage)
+        });
+        let d = layout.dp_size();
         let mut run = Run {
             p,
             layout: &layout,
+            ranks: stage * d..(stage + 1) * d,
             layer,
             contribs: Contribs::default(),
             state: State::new(p.ranks()),
@@ -230,6 +235,8 @@ const PARALLEL_WORK: usize = 100_000;
 #[derive(PartialEq, Eq, Hash)]
 struct Signature {
     padded: u64,
+    /// The pipeline stage running the layer (its ranks are the run's).
+    stage: u32,
     steps: Vec<Step>,
 }
 
@@ -275,6 +282,9 @@ fn signature(p: &Program, layer: LayerId, ops: &[OpId]) -> Signature {
     }
     Signature {
         padded: p.layers[layer].padded,
+        stage: ops.first().map_or(0, |&o| {
+            p.streams.get(p.ops[o].stream).map_or(0, |s| s.stage)
+        }),
         steps,
     }
 }
@@ -282,6 +292,9 @@ fn signature(p: &Program, layer: LayerId, ops: &[OpId]) -> Signature {
 struct Run<'a> {
     p: &'a Program,
     layout: &'a Layout,
+    /// The ranks of the layer's pipeline stage (every rank without a pipeline): only they run
+    /// its ops.
+    ranks: std::ops::Range<u32>,
     layer: LayerId,
     contribs: Contribs,
     /// (buffer, rank) → contents; empty means nothing written yet.
@@ -532,7 +545,7 @@ impl Run<'_> {
             let per = buf.bytes / d;
             let sh = self.layout.shard;
             let os = self.p.layers[self.layer].padded / sh.optimizer.size();
-            for r in 0..self.p.ranks() {
+            for r in self.ranks.clone() {
                 let base = self.layout.index(ShardIndex::Param, r) * per;
                 let mut segs = vec![Seg {
                     start: 0,
@@ -572,7 +585,7 @@ impl Run<'_> {
                     .iter()
                     .filter(|r| self.mine(r.buffer) && is_param(self.p.buffers[r.buffer].kind))
                 {
-                    for rank in 0..self.p.ranks() {
+                    for rank in self.ranks.clone() {
                         let (a, z) = range(r, self.layout, rank);
                         let d = self.elem_bytes(r.buffer);
                         let mut segs = self.view(r.buffer, rank, a, z);
@@ -600,7 +613,7 @@ impl Run<'_> {
                     let (mut held, mut sum) = (vec![], vec![]);
                     for w in &targets {
                         let acc = reads.contains(w);
-                        for rank in 0..self.p.ranks() {
+                        for rank in self.ranks.clone() {
                             let (a, z) = range(w, self.layout, rank);
                             let c = self.contribs.single(term, m, rank, self.p.ranks());
                             let elem = a / self.elem_bytes(w.buffer);
@@ -640,7 +653,7 @@ impl Run<'_> {
                 }
                 // Lists reused from rank to rank.
                 let (mut pieces, mut data, mut held, mut sum) = (vec![], vec![], vec![], vec![]);
-                for rank in 0..self.p.ranks() {
+                for rank in self.ranks.clone() {
                     // One source split evenly over several destinations, or pairwise.
                     pieces.clear();
                     if srcs.len() == 1 && dsts.len() > 1 {
@@ -721,7 +734,7 @@ impl Run<'_> {
         }
         let sh = self.layout.shard;
         let os = self.p.layers[self.layer].padded / sh.optimizer.size();
-        for rank in 0..self.p.ranks() {
+        for rank in self.ranks.clone() {
             let want_elem = self.layout.index(ShardIndex::Optimizer, rank) * os;
             let (wa, wz) = range(&w, self.layout, rank);
             let held = self.read(w.buffer, rank, wa, wz);
@@ -757,7 +770,7 @@ impl Run<'_> {
         let os = self.p.layers[self.layer].padded / sh.optimizer.size();
         let m_all = self.p.micro_steps;
         let name = self.p.layers[self.layer].name.clone();
-        for rank in 0..self.p.ranks() {
+        for rank in self.ranks.clone() {
             let want_elem = self.layout.index(ShardIndex::Optimizer, rank) * os;
             let (a, z) = range(g, self.layout, rank);
             let segs = self.read(g.buffer, rank, a, z);
@@ -810,11 +823,13 @@ impl Run<'_> {
                     ));
                 };
                 let have: u32 = bits.iter().map(|w| w.count_ones()).sum();
-                if have != self.p.ranks() {
-                    let missing = (0..self.p.ranks())
+                if have != self.ranks.len() as u32 {
+                    let missing = self
+                        .ranks
+                        .clone()
                         .find(|r| bits[*r as usize / 64] & (1 << (r % 64)) == 0)
                         .unwrap_or(0);
-                    return Some(format!("{have} of {} ranks' contributions of micro-step {m} arrive (rank {missing}'s is missing)", self.p.ranks()));
+                    return Some(format!("{have} of {} ranks' contributions of micro-step {m} arrive (rank {missing}'s is missing)", self.ranks.len()));
                 }
             }
         }
@@ -929,14 +944,19 @@ impl Run<'_> {
     }
 
     fn collective(&mut self, o: OpId, c: &CollectiveOp) {
-        if !self.mine(c.input.buffer) && !self.mine(c.output.buffer) {
+        // Point-to-point transfers move hidden states, never a layer's parameters or gradients
+        // (the pipeline proofs follow them).
+        if c.kind.is_point_to_point() || (!self.mine(c.input.buffer) && !self.mine(c.output.buffer))
+        {
             return;
         }
         let p = self.p;
         let comm = &p.comms[c.comm];
         let d_out = self.elem_bytes(c.output.buffer);
         let mut out: Contents = vec![];
-        for g in &comm.groups {
+        // Only the groups of the layer's stage run it.
+        let ranks = self.ranks.clone();
+        for g in comm.groups.iter().filter(|g| ranks.contains(&g[0])) {
             let gs = g.len() as u64;
             if c.kind == Collective::AllGather {
                 // Member j's input lands as chunk j of every member's output.
@@ -1040,7 +1060,7 @@ impl Run<'_> {
                         self.write(c.output.buffer, r, a, z - a, res);
                     }
                 }
-                Collective::Broadcast => {}
+                Collective::Broadcast | Collective::Send | Collective::Recv => {}
             }
         }
     }

@@ -31,6 +31,9 @@ pub(super) enum CommKind {
     HierInter,
     /// Hierarchical all-gather stage 3: the params group's ranks on one node.
     HierIntra,
+    /// Pipeline transfers from stage `from` to stage `to`: pairs of ranks with the same
+    /// data-parallel index, the sender first. Only the ranks of the two stages are members.
+    P2p { from: u32, to: u32 },
 }
 
 impl Builder<'_> {
@@ -77,7 +80,10 @@ impl Builder<'_> {
                 let optimizer = index(ShardIndex::Optimizer);
                 (
                     "replicas of an optimizer shard".to_string(),
-                    l.groups_by(|r| optimizer[r as usize], u64::from),
+                    l.groups_by(
+                        |r| optimizer[r as usize] | u64::from(l.stage(r)) << 40,
+                        u64::from,
+                    ),
                 )
             }
             CommKind::Refresh => {
@@ -101,7 +107,13 @@ impl Builder<'_> {
                     l.groups_by(|r| group[r as usize], |r| optimizer[r as usize]),
                 )
             }
-            CommKind::All => ("all ranks".to_string(), l.groups_by(|_| 0, u64::from)),
+            CommKind::All => match l.stages {
+                1 => ("all ranks".to_string(), l.groups_by(|_| 0, u64::from)),
+                _ => (
+                    "all ranks of a stage".to_string(),
+                    l.groups_by(|r| u64::from(l.stage(r)), u64::from),
+                ),
+            },
             CommKind::Secondary => {
                 let k = l.secondary.unwrap_or(1);
                 let secondary = index(ShardIndex::Secondary);
@@ -110,20 +122,29 @@ impl Builder<'_> {
                     l.groups_by(|r| u64::from(r / k), |r| secondary[r as usize]),
                 )
             }
+            CommKind::P2p { from, to } => (
+                format!("stage {from} to stage {to}"),
+                (0..l.dp_size())
+                    .map(|dp| vec![l.rank_of(from, dp), l.rank_of(to, dp)])
+                    .collect(),
+            ),
             CommKind::HierInter => {
                 let group = key(sh.params);
                 (
                     format!("params {} across nodes", sh.params),
                     l.groups_by(
-                        |r| group[r as usize] ^ u64::from(l.local(r)) << 48,
-                        |r| u64::from(l.node(r)),
+                        |r| group[r as usize] ^ u64::from(l.dp_local(r)) << 48,
+                        |r| u64::from(l.dp_node(r)),
                     ),
                 )
             }
             CommKind::HierIntra => (
                 format!("params {} within a node", sh.params),
                 l.groups_by(
-                    |r| u64::from(l.node(r)) << 32 | u64::from(l.local(r) / sh.params.intra),
+                    |r| {
+                        let node = l.stage(r) * l.dp_size() + l.dp_node(r);
+                        u64::from(node) << 32 | u64::from(l.dp_local(r) / sh.params.intra)
+                    },
                     |r| l.index(ShardIndex::ParamLocal, r),
                 ),
             ),

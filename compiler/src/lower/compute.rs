@@ -11,13 +11,17 @@ use sched_ir::ir::*;
 use sched_ir::job::*;
 
 impl Builder<'_> {
+    /// The hidden state entering layer `l` in micro-step `m` (its gradient with `grad`), as the
+    /// current stage holds it: a boundary between stages has one buffer on each side, which the
+    /// pipeline's sends and receives connect.
     pub(super) fn hidden_buf(&mut self, grad: bool, m: u32, l: usize) -> BufferId {
         let map = if grad {
             &self.grad_hidden
         } else {
             &self.hidden
         };
-        if let Some(&b) = map.get(&(m, l)) {
+        let stage = self.stage;
+        if let Some(&b) = map.get(&(m, l, stage)) {
             return b;
         }
         let layers = &self.job.model.layers;
@@ -31,7 +35,10 @@ impl Builder<'_> {
                     .map(|x| activations::output_bytes(&x.kind, &self.job.model))
             })
             .unwrap_or(0);
-        let name = format!("{}.{}.m{m}", if grad { "grad_hidden" } else { "hidden" }, l);
+        let mut name = format!("{}.{}.m{m}", if grad { "grad_hidden" } else { "hidden" }, l);
+        if self.job.schedule.pipeline.is_pipelined() {
+            name.push_str(&format!(".s{stage}"));
+        }
         let id = self.buffer(
             name,
             BufferKind::Hidden,
@@ -44,7 +51,7 @@ impl Builder<'_> {
         } else {
             &mut self.hidden
         };
-        map.insert((m, l), id);
+        map.insert((m, l, stage), id);
         id
     }
 

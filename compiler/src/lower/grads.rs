@@ -35,6 +35,7 @@ impl Builder<'_> {
                 bytes: padded * self.grad_dtype.bytes(),
                 layer: Some(id),
                 offset: 0,
+                stage: self.stage,
             })
         });
         Region::whole(buf, bytes)

@@ -33,6 +33,7 @@ mod comms;
 mod compute;
 mod grads;
 mod params;
+mod stages;
 mod step;
 pub mod workspace;
 
@@ -66,9 +67,20 @@ pub fn draft(job: &Job) -> Draft {
         secondaries: FxHashMap::default(),
         optimizer_shards: vec![],
         grads_written: Default::default(),
+        stage: 0,
+        stage_streams: vec![],
     };
+    // One placeholder stream per stage: an op's stream says which stage runs it until the
+    // streams pass assigns the real ones.
+    b.stage_streams = (0..layout.stages.max(1))
+        .map(|s| b.p.streams.push(Stream::on_stage(StreamRole::Compute, s)))
+        .collect();
     b.layers();
-    let slots = b.step();
+    let slots = if s.pipeline.is_pipelined() {
+        b.pipeline_step()
+    } else {
+        b.step()
+    };
     Draft {
         program: b.p,
         slots,
@@ -97,15 +109,20 @@ struct Builder<'a> {
     layers: Vec<LayerState>,
     dtype: Dtype,
     grad_dtype: Dtype,
-    /// Hidden-state buffer h[l] (input of layer l) and its gradient g[l], per micro-step.
-    hidden: FxHashMap<(u32, usize), BufferId>,
-    grad_hidden: FxHashMap<(u32, usize), BufferId>,
+    /// Hidden-state buffer h[l] (input of layer l) and its gradient g[l], per micro-step and
+    /// stage.
+    hidden: FxHashMap<(u32, usize, u32), BufferId>,
+    grad_hidden: FxHashMap<(u32, usize, u32), BufferId>,
     /// Saved activations per (layer, micro-step), hpZ secondary copies, optimizer shards per layer.
     acts: FxHashMap<(usize, u32), BufferId>,
     secondaries: FxHashMap<(usize, u32), BufferId>,
     optimizer_shards: Vec<BufferId>,
     /// Bytes of each gradient buffer already written in a micro-step (from its start).
     grads_written: FxHashMap<(BufferId, u32), u64>,
+    /// The pipeline stage whose buffers and ops are being made (0 without a pipeline).
+    stage: u32,
+    /// Each stage's placeholder stream (see [`draft`]).
+    stage_streams: Vec<StreamId>,
 }
 
 /// The ops every concern makes: buffers, ops, collectives and their coalescing.
@@ -145,22 +162,23 @@ impl Builder<'_> {
             bytes: elems * dtype.bytes(),
             layer,
             offset: 0,
+            stage: self.stage,
         })
     }
 
     fn op(&mut self, kind: OpKind, role: OpRole, layer: Option<LayerId>, m: Option<u32>) -> OpId {
         let (reads, writes) = match &kind {
             OpKind::Compute(_) => (vec![], vec![]),
-            OpKind::Collective(c) => (vec![c.input], vec![c.output]),
+            OpKind::Collective(c) => (c.reads().collect(), c.writes().collect()),
             OpKind::Group(cs) => (
-                cs.iter().map(|c| c.input).collect(),
-                cs.iter().map(|c| c.output).collect(),
+                cs.iter().flat_map(CollectiveOp::reads).collect(),
+                cs.iter().flat_map(CollectiveOp::writes).collect(),
             ),
         };
         self.p.ops.push(Op {
             kind,
             role,
-            stream: StreamId::from_u32(0),
+            stream: self.stage_streams[self.stage as usize],
             layer,
             micro_step: m,
             reads,
@@ -230,6 +248,19 @@ impl Builder<'_> {
             .copied()
             .filter(|&l| self.layers[l].has_params)
             .collect()
+    }
+
+    /// The pipeline chunk holding layer `l` (0 without a pipeline).
+    fn chunk_of_layer(&self, l: usize) -> u32 {
+        let pipeline = &self.job.schedule.pipeline;
+        let mut end = 0;
+        for (c, &n) in pipeline.chunks.iter().enumerate() {
+            end += n as usize;
+            if l < end {
+                return c as u32;
+            }
+        }
+        0
     }
 
     /// Index of the embedding a tied lm_head shares, if layer `l` is one.

@@ -22,12 +22,15 @@ impl Builder<'_> {
             u64::from(self.layout.secondary.unwrap_or(1)),
         );
         let opt_words = self.job.model.optimizer.state_bytes_per_param() / 4;
-        for layer in &self.job.model.layers {
+        for (l, layer) in self.job.model.layers.iter().enumerate() {
             let padded = layer.params.div_ceil(pad) * pad;
+            let chunk = self.chunk_of_layer(l);
+            self.stage = self.job.schedule.pipeline.stage_of_chunk(chunk);
             let id = self.p.layers.push(LayerInfo {
                 name: layer.name.clone(),
                 params: layer.params,
                 padded,
+                chunk,
             });
             let name = &layer.name;
             let param_shard = self.buffer(
@@ -60,6 +63,7 @@ impl Builder<'_> {
                 has_params: layer.params > 0,
             });
         }
+        self.stage = 0;
     }
 
     /// Gathered bytes of each layer's full parameters (0 when nothing is gathered).

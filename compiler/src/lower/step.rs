@@ -9,9 +9,11 @@ use crate::draft::Slot;
 use sched_ir::hash::FxHashMap;
 use sched_ir::ir::*;
 use sched_ir::job::*;
+use std::ops::Range;
 
-/// The bucket partitions of one step, as layer indices (lowering spec §5, "Buckets").
-struct Buckets {
+/// The bucket partitions of one step (or of one pipeline chunk), as layer indices (lowering
+/// spec §5, "Buckets").
+pub(super) struct Buckets {
     /// Forward gathers, in layer order.
     forward: Vec<Vec<usize>>,
     /// Backward gathers, in backward (reverse layer) order.
@@ -20,35 +22,37 @@ struct Buckets {
     reduce: Vec<Vec<usize>>,
 }
 
-/// Where one micro-step's slots are: each layer's forward and backward slot, and the loss's.
-struct MicroStepSlots {
-    first: usize,
-    forward: Vec<usize>,
-    loss: usize,
-    backward: Vec<usize>,
+/// Where one micro-step's slots are: each layer's forward and backward slot (by layer index;
+/// in a pipeline only those of one chunk are meaningful), and the loss's. `first` is the first
+/// slot of the micro-step's forward (of the chunk's forward action, in a pipeline).
+pub(super) struct MicroStepSlots {
+    pub(super) first: usize,
+    pub(super) forward: Vec<usize>,
+    pub(super) loss: usize,
+    pub(super) backward: Vec<usize>,
 }
 
 impl Builder<'_> {
     /// The whole step: every micro-step's slots, then boundary, update and refresh pinned after
     /// each layer's last backward of the last micro-step.
     pub(super) fn step(&mut self) -> Vec<Slot> {
-        let buckets = self.buckets();
+        let all = 0..self.layers.len();
+        let buckets = self.buckets(all.clone());
         let mut slots: Vec<Slot> = vec![];
         for m in 0..self.job.schedule.micro_steps {
             let at = self.micro_step(m, &buckets, &mut slots);
             if m + 1 == self.job.schedule.micro_steps {
-                self.after_last_backward(&buckets, &at, &mut slots);
+                self.after_last_backward(&buckets, &at, &mut slots, all.clone());
             }
         }
         slots
     }
 
-    /// Partitions the layers into gather and reduction buckets by payload.
-    fn buckets(&self) -> Buckets {
-        let n = self.layers.len();
+    /// Partitions `layers` into gather and reduction buckets by payload.
+    pub(super) fn buckets(&self, layers: Range<usize>) -> Buckets {
         let s = &self.job.schedule;
         let gather_sizes = self.gather_sizes();
-        let bwd_order: Vec<usize> = (0..n).rev().collect();
+        let bwd_order: Vec<usize> = layers.clone().rev().collect();
         let in_bwd_order = |sizes: &[u64], bucket: u64| -> Vec<Vec<usize>> {
             let sizes: Vec<u64> = bwd_order.iter().map(|&l| sizes[l]).collect();
             partition(&sizes, bucket)
@@ -67,8 +71,12 @@ impl Builder<'_> {
                 }
             })
             .collect();
+        let forward = partition(&gather_sizes[layers.clone()], s.buckets.gather)
+            .into_iter()
+            .map(|b| b.into_iter().map(|i| layers.start + i).collect())
+            .collect();
         Buckets {
-            forward: partition(&gather_sizes, s.buckets.gather),
+            forward,
             backward: in_bwd_order(&gather_sizes, s.buckets.gather),
             reduce: in_bwd_order(&red_sizes, s.buckets.reduce),
         }
@@ -92,30 +100,37 @@ impl Builder<'_> {
             backward,
         };
         slots.extend((0..2 * n + 1).map(|_| Slot::default()));
-        let fwd_full = self.forward_slots(m, buckets, &at, slots);
-        // Loss.
+        let fwd_full = self.forward_slots(m, buckets, &at, slots, 0..n);
+        let loss = self.loss(m);
+        slots[at.loss].compute.push(loss);
+        self.backward_slots(m, buckets, &at, &fwd_full, slots, 0..n);
+        at
+    }
+
+    /// The loss of micro-step `m`: softmax cross-entropy of the last layer's output.
+    pub(super) fn loss(&mut self, m: u32) -> OpId {
+        let n = self.layers.len();
         let last = self.hidden_buf(false, m, n);
         let dlast = self.hidden_buf(true, m, n);
         let (lb, db) = (self.p.buffers[last].bytes, self.p.buffers[dlast].bytes);
-        let loss = self.compute(
+        self.compute(
             ComputeKind::Loss,
             None,
             Some(m),
             vec![Region::whole(last, lb)],
             vec![Region::whole(dlast, db)],
-        );
-        slots[at.loss].compute.push(loss);
-        self.backward_slots(m, buckets, &at, &fwd_full, slots);
-        at
+        )
     }
 
-    /// The forward gather units and forward compute of micro-step `m`; the gathered buffers.
-    fn forward_slots(
+    /// The forward gather units and forward compute of `layers` in micro-step `m`; the gathered
+    /// buffers.
+    pub(super) fn forward_slots(
         &mut self,
         m: u32,
         buckets: &Buckets,
         at: &MicroStepSlots,
         slots: &mut [Slot],
+        layers: Range<usize>,
     ) -> FxHashMap<usize, BufferId> {
         let job = self.job;
         let s = &job.schedule;
@@ -137,21 +152,23 @@ impl Builder<'_> {
                 slots[unit.consumer].units.push(unit);
             }
         }
-        for l in 0..self.layers.len() {
+        for l in layers {
             let ops = self.forward(l, m, &fwd_full);
             slots[at.forward[l]].compute.extend(ops);
         }
         fwd_full
     }
 
-    /// The backward gather units, backward compute and per-micro-step reductions of `m`.
-    fn backward_slots(
+    /// The backward gather units, backward compute and per-micro-step reductions of `layers` in
+    /// micro-step `m`.
+    pub(super) fn backward_slots(
         &mut self,
         m: u32,
         buckets: &Buckets,
         at: &MicroStepSlots,
         fwd_full: &FxHashMap<usize, BufferId>,
         slots: &mut [Slot],
+        layers: Range<usize>,
     ) {
         let n = self.layers.len();
         let job = self.job;
@@ -180,8 +197,10 @@ impl Builder<'_> {
         // Forward buffers kept for backward (reshard = false, or a tied lm_head's embedding)
         // are released after their last backward reader.
         let tied = (0..n).find_map(|l| self.tied_embedding(l).map(|e| (l, e)));
-        for slot in &mut slots[at.first..at.first + n] {
-            for u in &mut slot.units {
+        let mut forward_slots: Vec<usize> = layers.clone().map(|l| at.forward[l]).collect();
+        forward_slots.dedup();
+        for &f in &forward_slots {
+            for u in &mut slots[f].units {
                 if keep {
                     let last_bwd = u
                         .layers
@@ -197,7 +216,7 @@ impl Builder<'_> {
             }
         }
         let mut full_grads: FxHashMap<usize, BufferId> = FxHashMap::default();
-        for l in (0..n).rev() {
+        for l in layers.rev() {
             let ops = self.backward(l, m, &bwd_full, fwd_full, &mut full_grads);
             slots[at.backward[l]].compute.extend(ops);
         }
@@ -217,7 +236,17 @@ impl Builder<'_> {
     /// after the last micro-step), as a framework without that overlap does after its optimizer
     /// step; placed after each update instead, it would also stall the compute stream on every
     /// layer's boundary synchronisation, which the `sync` switch ablates, not this one.
-    fn after_last_backward(&mut self, buckets: &Buckets, at: &MicroStepSlots, slots: &mut [Slot]) {
+    ///
+    /// `layers` are those the buckets cover (a pipeline chunk's, or all); their first layer's
+    /// backward is the last backward slot.
+    pub(super) fn after_last_backward(
+        &mut self,
+        buckets: &Buckets,
+        at: &MicroStepSlots,
+        slots: &mut [Slot],
+        layers: Range<usize>,
+    ) {
+        let last_backward = at.backward[layers.start];
         let clip = self.job.schedule.train.clip.is_some();
         let mut pending = vec![];
         for bucket in &buckets.reduce {
@@ -239,13 +268,12 @@ impl Builder<'_> {
             for (bucket, grads) in &pending {
                 ops.extend(self.update_then_refresh(bucket, grads, Some(norm)));
             }
-            // The last backward slot is layer 0's.
-            slots[at.backward[0]].after.extend(ops);
+            slots[last_backward].after.extend(ops);
         }
         if self.job.schedule.overlap.refresh == Refresh::Overlap(false) {
             for bucket in &buckets.reduce {
                 let ops = self.refresh(bucket);
-                slots[at.backward[0]].after.extend(ops);
+                slots[last_backward].after.extend(ops);
             }
         }
     }

@@ -11,6 +11,8 @@
 //! concurrent progress across communicators, so two collectives a rank could run in either order
 //! could deadlock against another rank running them in the other; chaining makes every rank run
 //! them in the one issue order (lowering spec §7.4). Communication still overlaps computation.
+//! With pipeline stages the chain is per stage (pipeline sends and receives included): a rank
+//! runs only its stage's ops.
 
 use cranelift_entity::{EntityRef, SecondaryMap};
 use sched_ir::ir::*;
@@ -36,7 +38,8 @@ pub fn run(p: &mut Program, fences: &[(OpId, OpId)]) {
     let mut last_on: Vec<Option<OpId>> = vec![None; streams];
     let mut count = vec![0u32; streams];
     let mut event_of: SecondaryMap<OpId, Option<EventId>> = SecondaryMap::new();
-    let mut last_collective: Option<OpId> = None;
+    // The chain is per pipeline stage: a stage's ranks run only its ops.
+    let mut last_collective: Vec<Option<OpId>> = vec![None; p.layout.stages.max(1) as usize];
     let mut clock: Vec<u32> = vec![0; streams];
     let mut deps: Vec<OpId> = vec![];
 
@@ -61,7 +64,8 @@ pub fn run(p: &mut Program, fences: &[(OpId, OpId)]) {
             readers[w.buffer].clear();
         }
         if !op.collectives().is_empty() {
-            deps.extend(last_collective.replace(id));
+            let stage = p.streams[op.stream].stage as usize;
+            deps.extend(last_collective[stage].replace(id));
         }
         deps.retain(|&d| d != id);
         deps.sort_unstable_by(|a, b| b.cmp(a));

@@ -14,6 +14,9 @@
 //!   released but not yet fenced never exceed the cap: a unit that would exceed it waits (in issue
 //!   order) until enough is released, and then fences on the compute that released it. A unit its
 //!   own slot needs that still cannot fit makes the schedule infeasible: an error naming the slot.
+//!
+//! With pipeline stages, each stage's slots are consecutive and the rules apply to each stage on
+//! its own: the live bytes, releases, reductions and fences never reach into another stage.
 
 use crate::draft::{Draft, Slot, Unit};
 use cranelift_entity::EntityRef;
@@ -69,6 +72,12 @@ pub fn run(draft: Draft) -> Result<(Program, Vec<(OpId, OpId)>), MaxLiveError> {
     let last_compute = |s: usize| slots[s].compute.last().copied();
 
     for (pos, slot) in slots.iter().enumerate() {
+        let same_stage_before = pos > 0 && slots[pos - 1].stage == slot.stage;
+        if !same_stage_before {
+            live.clear();
+            released.clear();
+            reductions.clear();
+        }
         // Release units whose last reader ran in an earlier slot.
         live.retain(|&(last, bytes)| {
             if last < pos {
@@ -107,7 +116,11 @@ pub fn run(draft: Draft) -> Result<(Program, Vec<(OpId, OpId)>), MaxLiveError> {
                 fences.push((first, op));
                 unfenced -= bytes;
             }
-            if let Some(prev) = pos.checked_sub(1).and_then(last_compute) {
+            if let Some(prev) = pos
+                .checked_sub(1)
+                .filter(|_| same_stage_before)
+                .and_then(last_compute)
+            {
                 fences.push((first, prev));
             }
             live.push((u.last_consumer, u.gathered_bytes));

@@ -44,12 +44,20 @@ pub fn run(p: &mut Program, job: &Job) {
             continue;
         }
         let buffer = p.buffers.push(Buffer {
-            name: format!("workspace.{}", p.streams[s].role.name()),
+            name: match p.layout.stages {
+                1 => format!("workspace.{}", p.streams[s].role.name()),
+                _ => format!(
+                    "workspace.{}.s{}",
+                    p.streams[s].role.name(),
+                    p.streams[s].stage
+                ),
+            },
             kind: BufferKind::Workspace,
             dtype: Dtype::Fp32,
             bytes,
             layer: None,
             offset: 0,
+            stage: p.streams[s].stage,
         });
         p.streams[s].workspace = Some(StreamWorkspace { buffer, gemm_bytes });
     }

@@ -190,6 +190,8 @@ fn collective_floor(
         }
         // A pipelined ring.
         Collective::Broadcast => time(m, steps),
+        // One message to one peer.
+        Collective::Send | Collective::Recv => time(m, 1.0),
     }
 }
 

@@ -474,6 +474,8 @@ impl CostModel {
         match kind {
             Collective::AllGather | Collective::ReduceScatter => (m * (p - 1.0) / p, p - 1.0),
             Collective::Broadcast => (m, p - 1.0),
+            // One message to one peer.
+            Collective::Send | Collective::Recv => (m, 1.0),
             Collective::AllReduce => {
                 let ring = (2.0 * m * (p - 1.0) / p, 2.0 * (p - 1.0));
                 let tree = (2.0 * m, 2.0 * p.log2().ceil());

@@ -1,8 +1,13 @@
-//! Rank arithmetic: groups of a mesh, positions, nested shard indices, communicator groups.
+//! Rank arithmetic: stages, groups of a mesh, positions, nested shard indices, communicator groups.
 //!
-//! Rank `r = node·G + local`. For a mesh `a x b`, a rank's group is the block of `b` consecutive
-//! nodes and `a` consecutive local indices it falls in, and its position is `(node mod b)·a +
-//! (local mod a)`. Shard indices are built from positions so that they nest (optimizer shard ⊂ grad
+//! Rank `r = node·G + local`. With `p` pipeline stages, stage `s` holds the `d = G·N/p`
+//! consecutive ranks `s·d … s·d + d − 1`, and rank `r`'s data-parallel index is `r mod d`. The
+//! shard meshes are read over a stage's **data-parallel mesh**: `G' × d/G'` with `G' = min(G, d)`
+//! (a stage of whole nodes, or a part of one node), whose "node" and "local index" are
+//! `dp_node = (r mod d) / G'` and `dp_local = (r mod d) mod G'`; with one stage they are the
+//! rank's node and local index. For a mesh `a x b`, a rank's group is the block of `b`
+//! consecutive dp-nodes and `a` consecutive dp-local indices of its stage it falls in, and its
+//! position is `(dp_node mod b)·a + (dp_local mod a)`. Shard indices are built from positions so that they nest (optimizer shard ⊂ grad
 //! shard ⊂ param shard); every communicator's member order is derived from the same indices, so
 //! chunk `j` of a collective always belongs to the member whose shard is chunk `j`.
 
@@ -18,6 +23,8 @@ pub struct Layout {
     pub shard: Shard,
     /// hpZ: GPUs of a node sharing one secondary copy of the parameters.
     pub secondary: Option<u32>,
+    /// Pipeline stages (1 without a pipeline); each holds `ranks / stages` consecutive ranks.
+    pub stages: u32,
 }
 
 impl Default for Layout {
@@ -33,6 +40,7 @@ impl Default for Layout {
                 optimizer: one,
             },
             secondary: None,
+            stages: 1,
         }
     }
 }
@@ -49,6 +57,7 @@ impl Layout {
                 ReshardAfterForward::Node { secondary } => Some(secondary),
                 _ => None,
             },
+            stages: s.pipeline.stages,
         }
     }
 
@@ -64,31 +73,68 @@ impl Layout {
         r % self.gpus_per_node
     }
 
-    fn rank(&self, node: u32, local: u32) -> u32 {
-        node * self.gpus_per_node + local
+    /// d, the ranks of one stage (its data-parallel degree).
+    pub fn dp_size(&self) -> u32 {
+        self.ranks() / self.stages.max(1)
+    }
+
+    /// The pipeline stage `r` belongs to.
+    pub fn stage(&self, r: u32) -> u32 {
+        r / self.dp_size()
+    }
+
+    /// `r`'s data-parallel index within its stage (0 … d−1).
+    pub fn dp_index(&self, r: u32) -> u32 {
+        r % self.dp_size()
+    }
+
+    /// The rank of stage `stage` with data-parallel index `dp`.
+    pub fn rank_of(&self, stage: u32, dp: u32) -> u32 {
+        stage * self.dp_size() + dp
+    }
+
+    /// G', the "GPUs per node" of a stage's data-parallel mesh: `min(G, d)`.
+    pub fn dp_gpus_per_node(&self) -> u32 {
+        self.gpus_per_node.min(self.dp_size())
+    }
+
+    /// The dp-node of `r`: which block of G' ranks of its stage it lies in.
+    pub fn dp_node(&self, r: u32) -> u32 {
+        self.dp_index(r) / self.dp_gpus_per_node()
+    }
+
+    /// The dp-local index of `r` in its dp-node (its local index with one stage).
+    pub fn dp_local(&self, r: u32) -> u32 {
+        self.dp_index(r) % self.dp_gpus_per_node()
+    }
+
+    /// The rank at (`stage`, `dp_node`, `dp_local`).
+    fn rank(&self, stage: u32, dp_node: u32, dp_local: u32) -> u32 {
+        self.rank_of(stage, dp_node * self.dp_gpus_per_node() + dp_local)
     }
 
     /// Position of `r` in its group of `m`.
     pub fn position(&self, m: Mesh, r: u32) -> u32 {
-        (self.node(r) % m.inter) * m.intra + self.local(r) % m.intra
+        (self.dp_node(r) % m.inter) * m.intra + self.dp_local(r) % m.intra
     }
 
     /// The ranks of `r`'s group of `m`, in position order.
     pub fn group(&self, m: Mesh, r: u32) -> Vec<u32> {
         let (n0, l0) = (
-            self.node(r) / m.inter * m.inter,
-            self.local(r) / m.intra * m.intra,
+            self.dp_node(r) / m.inter * m.inter,
+            self.dp_local(r) / m.intra * m.intra,
         );
+        let stage = self.stage(r);
         (0..m.inter)
             .flat_map(|dn| (0..m.intra).map(move |dl| (dn, dl)))
-            .map(|(dn, dl)| self.rank(n0 + dn, l0 + dl))
+            .map(|(dn, dl)| self.rank(stage, n0 + dn, l0 + dl))
             .collect()
     }
 
     /// Index of `r`'s `inner` subgroup within its `outer` group (inner divides outer), node by node.
     pub fn subgroup(&self, inner: Mesh, outer: Mesh, r: u32) -> u32 {
-        let dn = (self.node(r) % outer.inter) / inner.inter;
-        let dl = (self.local(r) % outer.intra) / inner.intra;
+        let dn = (self.dp_node(r) % outer.inter) / inner.inter;
+        let dl = (self.dp_local(r) % outer.intra) / inner.intra;
         dn * (outer.intra / inner.intra) + dl
     }
 
@@ -110,8 +156,8 @@ impl Layout {
             ShardIndex::Optimizer => grad() * (o.size() / g.size()) + sub_os(),
             ShardIndex::OptimizerInParam => sub_g() * (o.size() / g.size()) + sub_os(),
             ShardIndex::OptimizerInGrad => sub_os(),
-            ShardIndex::ParamLocal => u64::from(self.local(r) % p.intra),
-            ShardIndex::Secondary => u64::from(self.local(r) % self.secondary.unwrap_or(1)),
+            ShardIndex::ParamLocal => u64::from(self.dp_local(r) % p.intra),
+            ShardIndex::Secondary => u64::from(self.dp_local(r) % self.secondary.unwrap_or(1)),
         }
     }
 
@@ -121,23 +167,29 @@ impl Layout {
         self.tabulate(|r| self.index(idx, r))
     }
 
-    /// [`Layout::group_key`] of every rank for mesh `m`, by rank (its node's block in the high
-    /// half plus its local block in the low half: a node term plus a local term).
+    /// [`Layout::group_key`] of every rank for mesh `m`, by rank (its stage's and dp-node's block
+    /// in the high half plus its dp-local block in the low half: a sum of a stage, a dp-node and
+    /// a dp-local term).
     pub fn group_key_table(&self, m: Mesh) -> Vec<u64> {
         self.tabulate(|r| self.group_key(m, r))
     }
 
-    /// `f` of every rank, by rank, for an `f` that is the sum of a term of the rank's node and a
-    /// term of its local index, both zero at zero: one evaluation per node and per local index
-    /// instead of one per rank. Communicator construction reads these tables for every rank of
-    /// every communicator, where computing them rank by rank cost a dozen divisions by mesh
-    /// sizes each.
+    /// `f` of every rank, by rank, for an `f` that is the sum of a term of the rank's stage, one
+    /// of its dp-node and one of its dp-local index, each zero at zero: one evaluation per stage,
+    /// dp-node and dp-local index instead of one per rank. Communicator construction reads these
+    /// tables for every rank of every communicator, where computing them rank by rank cost a
+    /// dozen divisions by mesh sizes each.
     fn tabulate(&self, f: impl Fn(u32) -> u64) -> Vec<u64> {
-        let by_local: Vec<u64> = (0..self.gpus_per_node).map(&f).collect();
-        (0..self.nodes)
-            .flat_map(|node| {
-                let by_node = f(self.rank(node, 0));
-                by_local.iter().map(move |&l| by_node + l)
+        let gv = self.dp_gpus_per_node();
+        let by_local: Vec<u64> = (0..gv).map(&f).collect();
+        let by_node: Vec<u64> = (0..self.dp_size() / gv).map(|n| f(n * gv)).collect();
+        (0..self.stages.max(1))
+            .flat_map(|stage| {
+                let by_stage = f(self.rank_of(stage, 0));
+                let by_local = &by_local;
+                by_node
+                    .iter()
+                    .flat_map(move |&n| by_local.iter().map(move |&l| by_stage + n + l))
             })
             .collect()
     }
@@ -186,9 +238,11 @@ impl Layout {
         groups
     }
 
-    /// A key identifying `r`'s group of mesh `m`.
+    /// A key identifying `r`'s group of mesh `m` (groups never span stages).
     pub fn group_key(&self, m: Mesh, r: u32) -> u64 {
-        u64::from(self.node(r) / m.inter) << 32 | u64::from(self.local(r) / m.intra)
+        let blocks = self.dp_size() / self.dp_gpus_per_node() / m.inter.max(1);
+        let block = self.stage(r) * blocks + self.dp_node(r) / m.inter.max(1);
+        u64::from(block) << 32 | u64::from(self.dp_local(r) / m.intra.max(1))
     }
 
     /// Where the groups lie: all members on one node, every member on its own node, or mixed.

@@ -37,6 +37,19 @@
 //! - **Regions** ([`Region`]) are what ops read and write: a byte range of one buffer, whose offset
 //!   may depend on the rank through its shard index (see [`Offset`]).
 //!
+//! # Pipeline stages
+//!
+//! With pipeline parallelism ([`Layout::stages`] > 1) the ranks are split into stages of
+//! consecutive ranks, and every stream and buffer belongs to one stage ([`Stream::stage`],
+//! [`Buffer::stage`]). A rank runs the ops of its stage's streams, in issue order, and holds its
+//! stage's buffers; the program is SPMD within a stage. An op's regions, waits and records name
+//! only buffers and events of its own stage, so happens-before never crosses a stage except
+//! through communication. Activations and their gradients cross stages by point-to-point
+//! `send`/`recv` collectives on a two-member communicator (member 0 sends, member 1 receives;
+//! the k-th send of a rank to a peer is the peer's k-th receive from it), possibly grouped with
+//! others into one coalesced call. Buffers of different stages may share arena bytes: they are
+//! never on the same rank.
+//!
 //! # What makes an op ready
 //!
 //! An op starts on its stream when the op before it on that stream has completed and every event it
@@ -136,6 +149,9 @@ pub struct LayerInfo {
     pub params: u64,
     /// P_l rounded up to a multiple of s_os.
     pub padded: u64,
+    /// The pipeline chunk the layer belongs to (0 without a pipeline); its stage is that of the
+    /// streams its ops run on.
+    pub chunk: u32,
 }
 
 /// What a stream is for; decides which ops the lowering puts on it.
@@ -147,6 +163,8 @@ pub enum StreamRole {
     Sync,
     Intra,
     Inter,
+    /// Pipeline sends and receives.
+    P2p,
 }
 
 impl StreamRole {
@@ -158,6 +176,7 @@ impl StreamRole {
             StreamRole::Sync => "sync",
             StreamRole::Intra => "intra",
             StreamRole::Inter => "inter",
+            StreamRole::P2p => "p2p",
         }
     }
 }
@@ -167,14 +186,23 @@ pub struct Stream {
     pub role: StreamRole,
     /// The stream's workspace, when its compute ops need scratch (see "Workspaces" above).
     pub workspace: Option<StreamWorkspace>,
+    /// The pipeline stage whose ranks run it (see "Pipeline stages" above); 0 without a pipeline.
+    pub stage: u32,
 }
 
 impl Stream {
-    /// A stream of `role` without a workspace (the workspace pass adds one where needed).
+    /// A stream of `role` on stage 0 without a workspace (the workspace pass adds one where
+    /// needed).
     pub fn new(role: StreamRole) -> Self {
+        Self::on_stage(role, 0)
+    }
+
+    /// A stream of `role` run by the ranks of `stage`.
+    pub fn on_stage(role: StreamRole, stage: u32) -> Self {
         Stream {
             role,
             workspace: None,
+            stage,
         }
     }
 }
@@ -266,6 +294,9 @@ pub struct Buffer {
     pub layer: Option<LayerId>,
     /// Offset in the rank's arena, set by the memory plan.
     pub offset: u64,
+    /// The pipeline stage whose ranks hold it; 0 without a pipeline. Only that stage's ops
+    /// touch it, so buffers of different stages may share arena bytes.
+    pub stage: u32,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -348,10 +379,28 @@ pub struct CollectiveOp {
     pub comm: CommId,
     pub dtype: Dtype,
     /// Elements of the full payload: an all-gather's output, a reduce-scatter's input, an
-    /// all-reduce's or broadcast's buffer. Each member's chunk is `count / group size`.
+    /// all-reduce's or broadcast's buffer, what a send or receive moves. Each member's chunk of
+    /// an all-gather or reduce-scatter is `count / group size`. A send's or receive's input and
+    /// output are the same region: what is sent, or where it is received.
     pub count: u64,
     pub input: Region,
     pub output: Region,
+}
+
+impl CollectiveOp {
+    /// What the call reads on the rank issuing it: its input (nothing for a receive).
+    pub fn reads(&self) -> impl Iterator<Item = Region> {
+        (self.kind != CollectiveKind::Recv)
+            .then_some(self.input)
+            .into_iter()
+    }
+
+    /// What the call writes on the rank issuing it: its output (nothing for a send).
+    pub fn writes(&self) -> impl Iterator<Item = Region> {
+        (self.kind != CollectiveKind::Send)
+            .then_some(self.output)
+            .into_iter()
+    }
 }
 
 /// The compute ops of a layer.
@@ -395,6 +444,8 @@ pub enum OpRole {
     Sync,
     /// The post-update parameter refresh.
     Refresh,
+    /// Pipeline sends and receives of activations and their gradients.
+    P2p,
 }
 
 #[derive(Clone, Debug, PartialEq)]

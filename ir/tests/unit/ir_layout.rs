@@ -13,6 +13,7 @@ fn layout(g: u32, n: u32, p: (u32, u32), gr: (u32, u32), o: (u32, u32)) -> Layou
             optimizer: m(o),
         },
         secondary: None,
+        stages: 1,
     }
 }
 

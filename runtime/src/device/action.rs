@@ -405,7 +405,7 @@ impl<D: Device> Rank<'_, D> {
                 param,
                 sumsq,
             } => {
-                let contributions = f64::from(p.program.ranks()) * f64::from(p.program.micro_steps);
+                let contributions = f64::from(p.dp_size()) * f64::from(p.program.micro_steps);
                 let n = self.elements(grad);
                 let g = self.read(grad, n)?;
                 let st = self.read(state, self.elements(state))?;

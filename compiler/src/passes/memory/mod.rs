@@ -9,6 +9,10 @@
 //! buffer's span of issue positions, from its first access to where every stream has seen it
 //! finish. A buffer no op touches gets no space.
 //!
+//! With pipeline stages, each stage's buffers live on other ranks than every other stage's, so
+//! each stage is planned on its own (over the program cut down to its ops) from offset 0, and
+//! the arena is the largest stage's.
+//!
 //! - `place`: one greedy placement of units (single buffers, or slots of equal-size buffers
 //!   used in turn) in a given order and fit;
 //! - `search`: which placements are tried and which is kept (deterministic);
@@ -125,12 +129,90 @@ pub struct Placement {
 /// Decides every buffer's offset without changing the program (so other work may read it
 /// meanwhile); [`apply`] writes the offsets.
 pub fn plan(p: &Program) -> Placement {
+    if p.layout.stages <= 1 {
+        return plan_stage(p, 0);
+    }
+    let mut all = Placement {
+        offsets: vec![0; p.buffers.len()],
+        transient: vec![],
+        arena_bytes: 0,
+    };
+    for stage in 0..p.layout.stages {
+        let q = stage_program(p, stage);
+        let part = plan_stage(&q, stage);
+        for (id, b) in p.buffers.iter() {
+            if b.stage == stage {
+                all.offsets[id.index()] = part.offsets[id.index()];
+            }
+        }
+        all.transient.extend(part.transient);
+        all.arena_bytes = all.arena_bytes.max(part.arena_bytes);
+    }
+    // In order of first access over the whole program, as `apply` walks them.
+    let first = first_access(p);
+    all.transient.sort_by_key(|&b| (first[b.index()], b));
+    all
+}
+
+/// The first op touching each buffer, by buffer index (`usize::MAX`: none).
+fn first_access(p: &Program) -> Vec<usize> {
+    let mut first = vec![usize::MAX; p.buffers.len()];
+    for (id, op) in p.ops.iter() {
+        for r in op.reads.iter().chain(&op.writes) {
+            let f = &mut first[r.buffer.index()];
+            *f = (*f).min(id.index());
+        }
+    }
+    first
+}
+
+/// `p` cut down to the ops of `stage`'s streams (in issue order, their events renumbered),
+/// with every stream and buffer kept, so buffer ids stay.
+fn stage_program(p: &Program, stage: u32) -> Program {
+    let mut q = Program {
+        schedule: p.schedule.clone(),
+        layout: p.layout,
+        micro_steps: p.micro_steps,
+        layers: p.layers.clone(),
+        streams: p.streams.clone(),
+        comms: p.comms.clone(),
+        buffers: p.buffers.clone(),
+        events: Default::default(),
+        ops: Default::default(),
+        arena_bytes: p.arena_bytes,
+    };
+    let mut kept = 0;
+    let mut event: SecondaryMap<EventId, Option<EventId>> = SecondaryMap::new();
+    for op in p.ops.values() {
+        if p.streams[op.stream].stage != stage {
+            continue;
+        }
+        let mut op = op.clone();
+        let new = OpId::new(kept);
+        op.wait = op.wait.iter().filter_map(|&e| event[e]).collect();
+        if let Some(e) = op.record {
+            let mine = q.events.push(Event { recorder: new });
+            event[e] = Some(mine);
+            op.record = Some(mine);
+        }
+        q.ops.push(op);
+        kept += 1;
+    }
+    q
+}
+
+/// [`plan`] for one stage's buffers (every buffer without a pipeline).
+fn plan_stage(p: &Program, stage: u32) -> Placement {
     let clocks = Clocks::new(p);
     let life = Lifetimes::new(p, &clocks);
     let align = |x: u64| x.div_ceil(ALIGN) * ALIGN;
     let mut offsets = vec![0; p.buffers.len()];
     let mut top = 0;
-    for (id, b) in p.buffers.iter().filter(|(_, b)| b.kind.is_persistent()) {
+    for (id, b) in p
+        .buffers
+        .iter()
+        .filter(|(_, b)| b.kind.is_persistent() && b.stage == stage)
+    {
         offsets[id.index()] = top;
         top = align(top + b.bytes);
     }
@@ -162,10 +244,14 @@ pub fn apply(p: &mut Program, placement: Placement) -> Vec<(OpId, OpId)> {
     // Each buffer after the ones whose bytes it takes over, in order of first access.
     let (firsts, lasts) = access_ends(p);
     let mut reuse: Vec<(OpId, OpId)> = vec![];
-    let mut occupants = sched_ir::intervals::Occupants::default();
+    // One arena per stage: buffers of different stages never wait on each other.
+    let mut occupants: Vec<sched_ir::intervals::Occupants<BufferId>> = vec![];
     for b in placement.transient {
-        let at = p.buffers[b].offset;
-        for a in occupants.replace(at, at + p.buffers[b].bytes, b) {
+        let (at, stage) = (p.buffers[b].offset, p.buffers[b].stage as usize);
+        if occupants.len() <= stage {
+            occupants.resize_with(stage + 1, Default::default);
+        }
+        for a in occupants[stage].replace(at, at + p.buffers[b].bytes, b) {
             for &waiter in firsts[b.index()].iter().flatten() {
                 reuse.extend(
                     lasts[a.index()]

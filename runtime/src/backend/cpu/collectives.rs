@@ -26,6 +26,10 @@ pub fn run(
         let (g, pos) = p.members[c.comm][ctx.rank as usize];
         let group = &comm.groups[g];
         let call = p.call_numbers[op][i];
+        if c.kind.is_point_to_point() {
+            point_to_point(sh, ctx, op, c, (g, call))?;
+            continue;
+        }
         let meeting = &sh.meetings[c.comm.as_u32() as usize][g];
         let stream = p.program.ops[op].stream.as_u32() as usize;
         let staging = &sh.staging[ctx.rank as usize * p.program.streams.len() + stream];
@@ -53,6 +57,41 @@ pub fn run(
         }
     }
     Ok(())
+}
+
+/// A send leaves a copy of its bytes in the step's mailbox and goes on; a receive waits for the
+/// send with its call number and writes its bytes (see [`super::sync::Mailbox`]).
+fn point_to_point(
+    sh: &StepShared<'_>,
+    ctx: &RankCtx<'_>,
+    op: OpId,
+    c: &CollectiveOp,
+    (group, call): (usize, u64),
+) -> Result<(), Stopped> {
+    let p = sh.plan;
+    let arena = &sh.arenas[ctx.rank as usize];
+    let at = p.at(ctx.rank, &c.input);
+    let bytes = c.count * c.dtype.bytes();
+    let key = (c.comm.as_u32(), group, call);
+    let failed = |e: crate::arena::AccessError| {
+        sh.abort
+            .set(RunError::at(ctx.rank, Some(p.describe(op)), e));
+        Stopped::Aborted
+    };
+    if c.kind == Collective::Send {
+        let mut letter = Vec::with_capacity(bytes as usize / 2);
+        arena.append_bytes(at, bytes, &mut letter).map_err(failed)?;
+        sh.mailbox.post(key, letter);
+        return Ok(());
+    }
+    match sh.mailbox.take(key, &sh.abort, sh.options.timeout) {
+        Ok(letter) => arena.write_bytes(at, &letter).map_err(failed),
+        Err(Stop::Aborted) => Err(Stopped::Aborted),
+        Err(Stop::TimedOut) => Err(Stopped::Failed(Box::from(format!(
+            "receive on {} waited {:?} for its send, which never came",
+            c.comm, sh.options.timeout
+        )))),
+    }
 }
 
 /// What the thread moving a collective's bytes stages them in: every member's input is read
@@ -110,6 +149,9 @@ fn move_bytes(
                 };
                 arena(r).write(output_at(r), d, part)?;
             }
+        }
+        Collective::Send | Collective::Recv => {
+            unreachable!("point-to-point transfers go through the mailbox")
         }
         Collective::Broadcast => {
             let root = group[0];

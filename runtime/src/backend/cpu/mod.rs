@@ -26,7 +26,7 @@ use sched_ir::ir::StreamId;
 use sched_ir::job::Dtype;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use sync::{Abort, Cores, Events, Rendezvous, Stop};
+use sync::{Abort, Cores, Events, Mailbox, Rendezvous, Stop};
 
 /// All ranks of a plan in one process.
 pub struct CpuBackend {
@@ -76,6 +76,8 @@ struct StepShared<'a> {
     events: Vec<Events>,
     /// `[communicator][group]`.
     meetings: Vec<Vec<Rendezvous>>,
+    /// Pipeline sends waiting for their receives.
+    mailbox: Mailbox,
     abort: Abort,
     options: &'a RunOptions,
     input: &'a StepInput,
@@ -147,6 +149,7 @@ impl Backend for CpuBackend {
                 .values()
                 .map(|c| c.groups.iter().map(|g| Rendezvous::new(g.len())).collect())
                 .collect(),
+            mailbox: Mailbox::default(),
             abort: Abort::default(),
             options: &self.options,
             input,
@@ -156,8 +159,13 @@ impl Backend for CpuBackend {
             began: Instant::now(),
         };
         let results: Vec<Option<ThreadResult>> = std::thread::scope(|s| {
+            // A rank runs the streams of its pipeline stage.
+            let layout = p.program.layout;
             let handles: Vec<_> = (0..p.ranks())
                 .flat_map(|rank| (0..p.program.streams.len()).map(move |stream| (rank, stream)))
+                .filter(|&(rank, stream)| {
+                    p.program.streams[StreamId::new(stream)].stage == layout.stage(rank)
+                })
                 .map(|(rank, stream)| {
                     let shared = &shared;
                     std::thread::Builder::new()

@@ -206,3 +206,36 @@ impl Drop for Core<'_> {
         self.0.cv.notify_one();
     }
 }
+
+/// Point-to-point messages of one step: a send leaves its bytes under (communicator, group,
+/// call) and goes on (an eager send); the matching receive, the same call number on the
+/// receiving side, takes them, waiting until they are there. The verifier proves the plan free of
+/// deadlock even with blocking sends, so the eager ones can only finish sooner.
+#[derive(Default)]
+pub struct Mailbox {
+    letters: Mutex<sched_ir::hash::FxHashMap<(u32, usize, u64), Vec<u16>>>,
+    cv: Condvar,
+}
+
+impl Mailbox {
+    pub fn post(&self, key: (u32, usize, u64), bytes: Vec<u16>) {
+        self.letters
+            .lock()
+            .expect("mailbox lock")
+            .insert(key, bytes);
+        self.cv.notify_all();
+    }
+
+    /// The bytes sent under `key`, once they are there.
+    pub fn take(
+        &self,
+        key: (u32, usize, u64),
+        abort: &Abort,
+        timeout: Duration,
+    ) -> Result<Vec<u16>, Stop> {
+        let mut g = wait_until(&self.letters, &self.cv, abort, timeout, |l| {
+            l.contains_key(&key)
+        })?;
+        Ok(g.remove(&key).expect("ready means present"))
+    }
+}

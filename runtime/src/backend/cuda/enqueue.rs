@@ -260,7 +260,9 @@ pub fn nccl_call(
 ) -> NcclCall {
     let n = match kind {
         Collective::AllGather | Collective::ReduceScatter => count / members,
-        Collective::AllReduce | Collective::Broadcast => count,
+        Collective::AllReduce | Collective::Broadcast | Collective::Send | Collective::Recv => {
+            count
+        }
     } as usize;
     NcclCall {
         kind,

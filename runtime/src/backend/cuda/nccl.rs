@@ -115,6 +115,9 @@ pub unsafe fn collective(
         }
         Collective::AllReduce => nr::all_reduce(src, dst, n, t, ncclRedOp_t::ncclSum, comm, s),
         Collective::Broadcast => nr::broadcast(src, dst, n, t, 0, comm, s),
+        // A transfer's communicator is the pair (sender, receiver): the peer is the other one.
+        Collective::Send => nr::send(src, n, t, 1, comm, s),
+        Collective::Recv => nr::recv(dst, n, t, 0, comm, s),
     };
     r.map(|_| ())
         .map_err(|e| CudaError::new(Library::Nccl, format!("{:?}", call.kind), e))

@@ -188,7 +188,9 @@ impl CudaBackend {
             .ops
             .values()
             .map(|o| {
-                (!o.collectives().is_empty())
+                // Only the collectives this rank's pipeline stage issues are watched.
+                let mine = p.program.streams[o.stream].stage == p.program.layout.stage(rank);
+                (mine && !o.collectives().is_empty())
                     .then(|| dev.ctx.new_event(None))
                     .transpose()
             })
@@ -358,7 +360,14 @@ impl CudaBackend {
         if let Some(t) = &self.timers {
             timer(&t.step, &self.dev.streams[0])?;
         }
-        for (op, o) in p.program.ops.iter() {
+        let stage = p.program.layout.stage(self.rank);
+        // A rank issues its pipeline stage's ops only.
+        for (op, o) in p
+            .program
+            .ops
+            .iter()
+            .filter(|(_, o)| p.program.streams[o.stream].stage == stage)
+        {
             let s = o.stream.index();
             let stream = &self.dev.streams[s];
             let fail = |cause: Box<dyn std::error::Error + Send + Sync>| {
