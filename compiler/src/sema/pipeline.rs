@@ -30,6 +30,10 @@ const KEYS: &[(&str, Shape)] = &[
     ("order", Shape::Block),
 ];
 
+/// The most (micro-batch, chunk) pairs a pipeline's order may cover, p·v·m: each stage lists two
+/// or three actions for each of its own, and the listing prints them all.
+pub(crate) const MAX_ORDER_PAIRS: u64 = 1 << 20;
+
 /// The pipeline as written and checked so far: what [`read`] found.
 pub(crate) struct PipelineSpec {
     /// p, and where it is written (the block's key when defaulted).
@@ -69,6 +73,17 @@ pub(crate) fn read(ctx: &mut Ctx, block: &Nested, m: Option<u32>) -> Option<Pipe
     let name = schedule.name();
 
     let mut ok = rule5(ctx, &r, block, schedule, p, v, m);
+    let pairs = u64::from(p) * u64::from(v) * u64::from(m.unwrap_or(1));
+    if pairs > MAX_ORDER_PAIRS {
+        ctx.error(
+            Diagnostic::error(format!(
+                "the pipeline's order would cover {pairs} (micro-batch, chunk) pairs (p·v·m = {p} x {v} x {}); the limit is {MAX_ORDER_PAIRS}",
+                m.unwrap_or(1)
+            ))
+            .at(stages_span, format!("p = {p}")),
+        );
+        return None;
+    }
     let order = match (schedule, r.block("order")) {
         (PipelineSchedule::Custom, Some(b)) => {
             let order = custom_order(ctx, b, p);
