@@ -38,6 +38,9 @@
 //!    reaches it (group calls posting their transfers together), or the cycle of waiting stages
 //!    is named. Proofs 4–6 hold per stage: a stage's ranks run only its ops, and buffers of
 //!    different stages may share arena bytes.
+//! 10. **Activations flow right** ([`flow`]). Abstractly executed through every stage and
+//!    transfer, every forward reads its layer's input of its own micro-step, every backward the
+//!    matching gradient and saved activations, and the loss the logits of its micro-step.
 //!
 //! Proofs 1, 1b and 8 are what the backends rely on to enqueue and call NCCL without checks of
 //! their own.
@@ -51,6 +54,7 @@
 
 mod clocks;
 mod collectives;
+mod flow;
 mod issue;
 mod memory;
 mod nccl;
@@ -299,6 +303,7 @@ fn check(p: &Program, values: Option<ValuesProof>) -> Result<PlanInfo, Vec<Verif
     if !errors.is_empty() {
         return Err(errors);
     }
+    errors.extend(flow::check(p));
     let clocks = Clocks::new(p);
     errors.extend(collectives::check(p, &clocks));
     let (mem_errors, live_bound) = memory::check(p, &clocks);

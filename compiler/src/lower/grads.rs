@@ -156,7 +156,7 @@ impl Builder<'_> {
     pub(super) fn boundary(&mut self, bucket: &[usize]) -> (Vec<OpId>, Vec<(usize, Region)>) {
         let sh = self.shard();
         let gd = self.grad_dtype;
-        let ranks = u64::from(self.layout.ranks());
+        let ranks = u64::from(self.layout.dp_size());
         let layers = self.with_params(bucket);
         if layers.is_empty() {
             return (vec![], vec![]);
