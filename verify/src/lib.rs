@@ -39,8 +39,8 @@
 //!    is named. Proofs 4–6 hold per stage: a stage's ranks run only its ops, and buffers of
 //!    different stages may share arena bytes.
 //! 10. **Activations flow right** ([`flow`]). Abstractly executed through every stage and
-//!    transfer, every forward reads its layer's input of its own micro-step, every backward the
-//!    matching gradient and saved activations, and the loss the logits of its micro-step.
+//!     transfer, every forward reads its layer's input of its own micro-step, every backward
+//!     the matching gradient and saved activations, and the loss the logits of its micro-step.
 //!
 //! Proofs 1, 1b and 8 are what the backends rely on to enqueue and call NCCL without checks of
 //! their own.
