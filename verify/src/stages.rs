@@ -170,40 +170,48 @@ fn pair_shape(p: &Program, c: &CollectiveOp, stage: u32) -> Option<String> {
     None
 }
 
-/// A transfer op in words: `send of hidden.4.m2.s0 (stage 0, micro-batch 2, chunk 1) to stage 1`.
+/// A transfer in words, with the action it serves when the buffer's name says which (lowering
+/// names hidden states `hidden.L.mM…` and their gradients `grad_hidden.L.mM…`, entering layer L
+/// in micro-step M): `send of F2's output on chunk 0 (hidden.2.m2.s0) from stage 0 to stage 1`.
 fn describe(p: &Program, id: OpId, c: &CollectiveOp) -> String {
-    let op = &p.ops[id];
-    let stage = stage_of(p, op);
+    let stage = stage_of(p, &p.ops[id]);
     let comm = &p.comms[c.comm];
-    let (dir, peer) = match c.kind {
-        Collective::Send => ("to", p.layout.stage(comm.groups[0][1])),
-        Collective::Recv => ("from", p.layout.stage(comm.groups[0][0])),
-        _ => ("over", stage),
-    };
     let buf = &p.buffers[c.input.buffer];
-    let micro = op
-        .micro_step
-        .map(|m| format!(", micro-batch {m}"))
-        .unwrap_or_default();
-    let chunk = boundary_chunks(p, &buf.name)
-        .map(|(a, b)| format!(", between chunks {a} and {b}"))
-        .unwrap_or_default();
-    format!(
-        "{} of {} (stage {stage}{micro}{chunk}) {dir} stage {peer}",
-        c.kind.name(),
-        buf.name
-    )
+    let (from, to) = (
+        p.layout.stage(comm.groups[0][0]),
+        p.layout.stage(comm.groups[0][1]),
+    );
+    let route = match c.kind {
+        Collective::Send | Collective::Recv => format!("from stage {from} to stage {to}"),
+        _ => format!("on stage {stage}"),
+    };
+    let what = boundary(p, &buf.name).map(|(grad, micro, before, after)| {
+        let send = c.kind == Collective::Send;
+        match (grad, send) {
+            (false, true) => format!("F{micro}'s output on chunk {before}"),
+            (false, false) => format!("F{micro}'s input on chunk {after}"),
+            (true, true) => format!("B{micro}'s input gradient on chunk {after}"),
+            (true, false) => format!("B{micro}'s output gradient on chunk {before}"),
+        }
+    });
+    match what {
+        Some(what) => format!("{} of {what} ({}) {route}", c.kind.name(), buf.name),
+        None => format!("{} of {} {route}", c.kind.name(), buf.name),
+    }
 }
 
-/// The chunks on either side of the boundary a hidden state's buffer crosses (`hidden.L.…` enters
-/// layer L), when its name says which.
-fn boundary_chunks(p: &Program, name: &str) -> Option<(u32, u32)> {
-    let rest = name
-        .strip_prefix("grad_hidden.")
-        .or_else(|| name.strip_prefix("hidden."))?;
-    let l: usize = rest.split('.').next()?.parse().ok()?;
+/// What a hidden state's buffer name says: (gradient?, micro-step, the chunk before the
+/// boundary, the chunk after it).
+fn boundary(p: &Program, name: &str) -> Option<(bool, u32, u32, u32)> {
+    let (grad, rest) = match name.strip_prefix("grad_hidden.") {
+        Some(rest) => (true, rest),
+        None => (false, name.strip_prefix("hidden.")?),
+    };
+    let mut parts = rest.split('.');
+    let l: usize = parts.next()?.parse().ok()?;
+    let micro: u32 = parts.next()?.strip_prefix('m')?.parse().ok()?;
     let chunk = |l: usize| p.layers.get(LayerId::from_u32(l as u32)).map(|x| x.chunk);
-    Some((chunk(l.checked_sub(1)?)?, chunk(l)?))
+    Some((grad, micro, chunk(l.checked_sub(1)?)?, chunk(l)?))
 }
 
 /// A communicator's sends and receives, each with its op, in issue order.

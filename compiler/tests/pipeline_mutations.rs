@@ -1,0 +1,277 @@
+//! Mutation tests of the pipeline proofs (parallel spec §3): pipeline plans edited so that their
+//! transfers no longer match, deadlock or deliver the wrong micro-batch must be refused with a
+//! message naming the stage, the micro-batch and the action, and a custom order whose stages
+//! wait on each other is refused with the cycle. (The general mutation classes of
+//! `mutations.rs` — every wait, buffer move, collective drop and swap — run on the pipeline
+//! examples too.)
+
+use sched_ir::ir::*;
+use sched_ir::job::{Collective, Job};
+use schedc::{analyze, compile, FsLoader, MemLoader};
+use std::path::Path;
+
+fn jobs() -> Vec<Job> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../schedules");
+    let mut out = vec![];
+    for f in ["tiny_pipeline.sched", "tiny_pipeline_schedules.sched"] {
+        let a = analyze(&root.join(f), &FsLoader).unwrap();
+        assert!(!a.has_errors(), "{}", a.render());
+        out.extend(a.jobs.iter().cloned());
+    }
+    assert!(out.len() >= 6, "the pipeline examples went missing");
+    out
+}
+
+fn programs() -> Vec<(String, Program)> {
+    jobs()
+        .iter()
+        .map(|j| {
+            let p = compile(j)
+                .unwrap_or_else(|e| panic!("{}: {e}", j.schedule.name))
+                .into_program();
+            (j.schedule.name.clone(), p)
+        })
+        .collect()
+}
+
+fn messages(p: &Program) -> Vec<String> {
+    sched_verify::errors(p)
+        .iter()
+        .map(|e| e.to_string())
+        .collect()
+}
+
+/// Ops issuing at least one send or receive.
+fn transfer_ops(p: &Program) -> Vec<OpId> {
+    p.ops
+        .iter()
+        .filter(|(_, o)| o.collectives().iter().any(|c| c.kind.is_point_to_point()))
+        .map(|(id, _)| id)
+        .collect()
+}
+
+/// Rebuilds the event table from the ops' records (after ops moved).
+fn renumber_events(p: &mut Program) {
+    p.events.clear();
+    let mut recorded: Vec<(EventId, OpId)> = p
+        .ops
+        .iter()
+        .filter_map(|(o, op)| op.record.map(|e| (e, o)))
+        .collect();
+    recorded.sort();
+    for (_, o) in recorded {
+        p.events.push(Event { recorder: o });
+    }
+}
+
+/// Splits every transfer group into one op per transfer, in the group's order, on the same
+/// stream; the last carries the group's event, so what waited on the group still waits on all of
+/// it and only the blocking semantics change.
+fn ungroup_all(p: &mut Program) {
+    let old = std::mem::take(&mut p.ops);
+    for (_, op) in old.into_iter() {
+        match &op.kind {
+            OpKind::Group(cs) if cs.iter().all(|c| c.kind.is_point_to_point()) => {
+                let n = cs.len();
+                for (i, c) in cs.iter().enumerate() {
+                    p.ops.push(Op {
+                        kind: OpKind::Collective(*c),
+                        reads: c.reads().collect(),
+                        writes: c.writes().collect(),
+                        wait: if i == 0 { op.wait.clone() } else { vec![] },
+                        record: if i + 1 == n { op.record } else { None },
+                        ..op.clone()
+                    });
+                }
+            }
+            _ => {
+                p.ops.push(op);
+            }
+        }
+    }
+    renumber_events(p);
+}
+
+#[test]
+fn unmodified_pipelines_are_accepted() {
+    for (name, p) in programs() {
+        assert!(messages(&p).is_empty(), "{name}: {:?}", messages(&p));
+        assert!(p.layout.stages > 1, "{name} is not pipelined");
+        assert!(!transfer_ops(&p).is_empty(), "{name} has no transfers");
+    }
+}
+
+#[test]
+fn ungrouping_the_paired_transfers_deadlocks() {
+    let mut refused = 0;
+    for (name, mut p) in programs() {
+        let groups = p
+            .ops
+            .values()
+            .filter(|o| matches!(&o.kind, OpKind::Group(cs) if cs.iter().all(|c| c.kind.is_point_to_point())))
+            .count();
+        if groups == 0 {
+            continue;
+        }
+        ungroup_all(&mut p);
+        let m = messages(&p);
+        if name == "tiny_1f1b" {
+            // 1F1B needs the pairing: each stage would send before receiving what its
+            // neighbour sends first.
+            let deadlock = m
+                .iter()
+                .find(|x| x.contains("deadlock"))
+                .unwrap_or_else(|| panic!("{name}: no deadlock found: {m:?}"));
+            for want in [
+                "stage 0 waits",
+                "stage 1",
+                "closes the cycle",
+                "micro",
+                "chunk",
+            ] {
+                assert!(
+                    deadlock.contains(want) || deadlock.contains("F") && want == "micro",
+                    "{name}: `{want}` missing from: {deadlock}"
+                );
+            }
+        }
+        if m.iter().any(|x| x.contains("deadlock")) {
+            refused += 1;
+        }
+    }
+    assert!(
+        refused >= 2,
+        "only {refused} pipelines deadlock without their pairing"
+    );
+}
+
+#[test]
+fn dropping_a_send_is_refused_naming_stage_micro_batch_and_action() {
+    for (name, p) in programs() {
+        for id in transfer_ops(&p) {
+            let cs = p.ops[id].collectives().to_vec();
+            let Some(k) = cs.iter().position(|c| c.kind == Collective::Send) else {
+                continue;
+            };
+            if cs.len() < 2 {
+                continue; // (dropping a whole op is `mutations.rs`'s)
+            }
+            let mut m = p.clone();
+            let mut rest = cs.clone();
+            let dropped = rest.remove(k);
+            m.ops[id].kind = if rest.len() == 1 {
+                OpKind::Collective(rest[0])
+            } else {
+                OpKind::Group(rest.clone())
+            };
+            m.ops[id].reads = rest.iter().flat_map(|c| c.reads()).collect();
+            m.ops[id].writes = rest.iter().flat_map(|c| c.writes()).collect();
+            let msgs = messages(&m);
+            let buf = &p.buffers[dropped.input.buffer].name;
+            let hit = msgs.iter().find(|x| x.contains("never"));
+            let hit = hit
+                .unwrap_or_else(|| panic!("{name}: dropping the send of {buf} in {id}: {msgs:?}"));
+            assert!(
+                hit.contains("stage")
+                    && hit.contains("chunk")
+                    && (hit.contains("F") || hit.contains("B")),
+                "{name}: {hit}"
+            );
+        }
+    }
+}
+
+#[test]
+fn swapping_two_receives_delivers_the_wrong_micro_batch() {
+    let mut tried = 0;
+    for (name, p) in programs() {
+        // Two receives on one communicator trade the buffers they fill.
+        let recvs: Vec<(OpId, usize)> = transfer_ops(&p)
+            .into_iter()
+            .flat_map(|id| {
+                p.ops[id]
+                    .collectives()
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, c)| c.kind == Collective::Recv)
+                    .map(move |(i, _)| (id, i))
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        for w in recvs.windows(2) {
+            let ((a, i), (b, j)) = (w[0], w[1]);
+            let (ca, cb) = (p.ops[a].collectives()[i], p.ops[b].collectives()[j]);
+            if ca.comm != cb.comm || ca.count != cb.count {
+                continue;
+            }
+            let mut m = p.clone();
+            let set = |m: &mut Program, id: OpId, k: usize, to: Region| {
+                let mut cs = m.ops[id].collectives().to_vec();
+                cs[k].input = to;
+                cs[k].output = to;
+                m.ops[id].kind = if cs.len() == 1 {
+                    OpKind::Collective(cs[0])
+                } else {
+                    OpKind::Group(cs.clone())
+                };
+                m.ops[id].writes = cs.iter().flat_map(|c| c.writes()).collect();
+            };
+            set(&mut m, a, i, cb.output);
+            set(&mut m, b, j, ca.output);
+            tried += 1;
+            let msgs = messages(&m);
+            assert!(
+                msgs.iter().any(|x| x.contains("micro-step")),
+                "{name}: receives {a} and {b} swapped and accepted: {msgs:?}"
+            );
+        }
+    }
+    assert!(tried >= 10, "only {tried} swaps tried");
+}
+
+#[test]
+fn a_deadlocking_custom_order_is_refused_with_its_cycle() {
+    // Stage 0 waits for B0's gradient before it sends F1's output; stage 1 needs F1's input
+    // before it runs B0.
+    let text = r#"
+        import "models/tiny.sched"
+        import "clusters/cpu.sched"
+        schedule crossed {
+            model = tiny_llama;  cluster = cpu4;  micro_steps = 2;  preset = ddp
+            pipeline {
+                stages = 2;  schedule = custom;  layers = [2, 2]
+                order {
+                    stage 0 = "F0 B0 F1 B1"
+                    stage 1 = "F0 F1 B0 B1"
+                }
+            }
+        }
+    "#;
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../schedules");
+    let read = |f: &str| std::fs::read_to_string(root.join(f)).unwrap();
+    let loader = MemLoader::default()
+        .in_dir("/mem")
+        .with("/mem/crossed.sched", text)
+        .with("/mem/models/tiny.sched", &read("models/tiny.sched"))
+        .with("/mem/clusters/cpu.sched", &read("clusters/cpu.sched"));
+    let a = analyze(Path::new("/mem/crossed.sched"), &loader).unwrap();
+    assert!(!a.has_errors(), "{}", a.render());
+    let err = match compile(&a.jobs[0]) {
+        Err(schedc::pipeline::CompileError::Verify(r)) => r.errors,
+        other => panic!("compiled: {:?}", other.map(|_| ())),
+    };
+    let m = err
+        .iter()
+        .map(|e| e.to_string())
+        .find(|m| m.contains("deadlock"))
+        .unwrap_or_else(|| panic!("no deadlock: {err:?}"));
+    for want in [
+        "stage 0 waits",
+        "stage 1 waits",
+        "closes the cycle",
+        "B0",
+        "F1",
+    ] {
+        assert!(m.contains(want), "`{want}` missing from: {m}");
+    }
+}
