@@ -526,13 +526,44 @@ fn simulation_table(r: &schedc::sim::SimReport) -> String {
             out += &format!("    {k:<14}{v}\n");
         }
     }
-    out += "  streams busy:\n";
-    for s in &r.streams {
+    let share = |t: f64| 100.0 * t / r.step_time_s.max(f64::MIN_POSITIVE);
+    if let Some(bubble) = r.bubble {
         out += &format!(
-            "    {:<12}{:>12.3} ms  {:>5.1}%\n",
-            s.name,
+            "  pipeline bubble {:.1}% (mean over {} stages of 1 - compute busy / step)\n",
+            bubble * 100.0,
+            r.stages.len()
+        );
+        out += "  stages busy:\n";
+        for s in &r.stages {
+            out += &format!(
+                "    stage {:<6}{:>12.3} ms  {:>5.1}%   bubble {:>5.1}%\n",
+                s.stage,
+                s.busy_s * 1e3,
+                share(s.busy_s),
+                s.bubble * 100.0
+            );
+        }
+    }
+    out += "  streams busy:\n";
+    // A pipeline's streams stage by stage, each named with its stage.
+    let mut streams: Vec<(String, &schedc::sim::StreamBusy)> = r
+        .streams
+        .iter()
+        .map(|s| match s.stage {
+            Some(stage) => (format!("stage {stage} {}", s.name), s),
+            None => (s.name.clone(), s),
+        })
+        .collect();
+    streams.sort_by_key(|(_, s)| s.stage);
+    let width = streams
+        .iter()
+        .map(|(n, _)| n.len() + 2)
+        .fold(12, usize::max);
+    for (name, s) in streams {
+        out += &format!(
+            "    {name:<width$}{:>12.3} ms  {:>5.1}%\n",
             s.busy_s * 1e3,
-            100.0 * s.busy_s / r.step_time_s.max(f64::MIN_POSITIVE)
+            share(s.busy_s)
         );
     }
     out

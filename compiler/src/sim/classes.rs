@@ -12,6 +12,10 @@
 //! once the representatives of every class in its group have reached it, which is exactly when
 //! all its members have.
 //!
+//! With pipeline stages, a rank runs only its stage's streams, so the stage is part of the first
+//! colour: classes never mix stages, and a pipeline of p stages has at least p classes (one per
+//! stage for every compiled schedule).
+//!
 //! Colours are interned rows of integers (a rank's signature, a group's or node's sorted colours)
 //! kept in flat buffers and hashed with [`FxHashMap`]: the simulator runs this once per screened
 //! candidate of `schedc plan`, so it allocates per communicator, never per rank or group.
@@ -48,6 +52,16 @@ pub fn rank_classes(p: &Program) -> RankClasses {
         group_of[id] = g;
     }
     let mut colour = interned(&initial_shapes(p, node));
+    if p.layout.stages > 1 {
+        // Ranks of different stages run different ops: they never share a class, however alike
+        // their groups look (interleaved placements make every stage's groups look alike).
+        let mut rows = Rows::default();
+        for (r, c) in colour.iter().enumerate() {
+            rows.values.extend([*c, p.layout.stage(r as u32)]);
+            rows.ends.push(rows.values.len());
+        }
+        colour = interned(&rows);
+    }
     let mut count = distinct(&colour);
     let nodes = ranks.div_ceil(gpus_per_node as usize);
     let width = 2 + p.comms.len();

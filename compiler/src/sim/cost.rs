@@ -467,6 +467,35 @@ impl CostModel {
         }
     }
 
+    /// What one point-to-point call asks of the links: `parts` are its sends and receives (a
+    /// coalesced group may hold several, to different peers), each with the shape of its
+    /// two-member group. Each is one message of its bytes over the link between the two ranks
+    /// (the intra-node link when they share a node, else the node's network, shared by the
+    /// stage's ranks sending at once). Links are full duplex: the sends and the receives each
+    /// load a link class with their sum, and the call moves at the pace of the busier direction.
+    /// It pays one call start and the latency of the slowest link it crosses.
+    pub fn p2p_transfer(&self, parts: &[(Collective, u64, GroupShape)]) -> Transfer {
+        // [send, recv] × [intra, inter] bytes.
+        let mut load = [[0.0f64; 2]; 2];
+        let mut latency = 0.0f64;
+        for &(kind, bytes, shape) in parts {
+            let t = self.transfer(&[(kind, bytes)], shape);
+            let dir = usize::from(kind == Collective::Recv);
+            load[dir][0] += t.intra_bytes;
+            load[dir][1] += t.inter_bytes;
+            latency = latency.max(t.latency_s);
+        }
+        let intra_bytes = load[0][0].max(load[1][0]);
+        let inter_bytes = load[0][1].max(load[1][1]);
+        Transfer {
+            latency_s: latency,
+            intra_bytes,
+            inter_bytes,
+            transfer_s: (intra_bytes / self.intra.bandwidth)
+                .max(inter_bytes / self.inter.bandwidth),
+        }
+    }
+
     /// Bytes one member sends along its ring edge and latency steps for one collective: the ring,
     /// or for all-reduce the tree when that is faster alone.
     fn algorithm(&self, kind: Collective, shape: GroupShape, m: f64, alpha: f64) -> (f64, f64) {
@@ -580,8 +609,9 @@ pub fn model_flops_per_token(layer: &Layer, seq_len: u64) -> f64 {
     }
 }
 
-/// cli.md's MFU numerator: 3 × the forward model FLOPs of one step, over all ranks and
-/// micro-steps (recomputation adds nothing).
+/// cli.md's MFU numerator: 3 × the forward model FLOPs of one step, over all micro-steps and
+/// the data-parallel ranks (every rank without a pipeline; with p stages, the ranks of one stage,
+/// since a micro-batch passes through all p) (recomputation adds nothing).
 pub fn model_flops_per_step(job: &Job) -> f64 {
     let m = &job.model;
     let per_token: f64 = m
@@ -589,8 +619,9 @@ pub fn model_flops_per_step(job: &Job) -> f64 {
         .iter()
         .map(|l| model_flops_per_token(l, m.seq_len))
         .sum();
+    let data_parallel = job.ranks() / u64::from(job.schedule.pipeline.stages.max(1));
     let tokens = (m.micro_batch * m.seq_len) as f64
         * f64::from(job.schedule.micro_steps)
-        * job.ranks() as f64;
+        * data_parallel as f64;
     3.0 * per_token * tokens
 }

@@ -17,6 +17,16 @@
 //!   exactly its α–β time. Each representative's node is taken to be filled with ranks of its own
 //!   class (true of every compiled schedule), so the node-wide demands of [`Transfer`] already
 //!   hold what its neighbours send.
+//! - **Pipeline stages.** A representative runs only the streams of its stage (the others are
+//!   empty for it). A point-to-point `send`/`recv`, or a coalesced group holding some, has no
+//!   group-wide rendezvous: the k-th send of a stage on a two-member communicator matches the peer
+//!   stage's k-th receive on it (counted per communicator and stage in issue order, as the
+//!   verifier matches them), and the call starts once the peer of every send and receive it holds
+//!   has arrived at (or already started) the call holding the match. The peers' calls then start
+//!   on their own terms: a group waits for all its peers, so two neighbours' groups may start at
+//!   different times (NCCL progresses each pair of a group call as soon as both ends are posted;
+//!   the model charges a whole group from when its last peer arrives). A transfer costs one
+//!   message over the link between the two ranks ([`CostModel::p2p_transfer`]).
 //! - The step ends when every stream of every rank is empty (the host joins all streams).
 //!
 //! Work is proportional to ops × streams × classes, with a handful of calls in flight at a time.
@@ -24,8 +34,9 @@
 use super::classes::RankClasses;
 use super::cost::{CostModel, GroupShape, Transfer};
 use cranelift_entity::EntityRef;
+use sched_ir::hash::FxHashMap;
 use sched_ir::ir::*;
-use sched_ir::job::{Job, Layer, LayerKind};
+use sched_ir::job::{Collective, Job, Layer, LayerKind};
 pub use sched_ir::timeline::{RankTimeline, Timeline};
 
 #[derive(Clone, Copy, Debug)]
@@ -63,6 +74,9 @@ struct Agent {
     compute_speed: f64,
     start: Vec<f64>,
     end: Vec<f64>,
+    /// For each op holding sends or receives, the (agent, op) of each one's matching call on the
+    /// peer stage; empty for every other op.
+    p2p: Vec<Vec<(u32, OpId)>>,
 }
 
 /// Seconds of a compute op on one rank.
@@ -161,6 +175,7 @@ pub fn run(program: &Program, job: &Job, classes: &RankClasses, cost: &CostModel
         .values()
         .map(|op| compute_op_seconds(cost, program, job, op))
         .collect();
+    let calls = P2pCalls::new(program);
     let mut agents: Vec<Agent> = classes
         .representatives
         .iter()
@@ -176,6 +191,14 @@ pub fn run(program: &Program, job: &Job, classes: &RankClasses, cost: &CostModel
                 .enumerate()
                 .map(|(i, op)| match &op.kind {
                     OpKind::Compute(_) => Cost::Compute(compute[i]),
+                    _ if is_p2p(op) => {
+                        let parts: Vec<_> = op
+                            .collectives()
+                            .iter()
+                            .map(|c| (c.kind, c.count * c.dtype.bytes(), shapes[c.comm.index()]))
+                            .collect();
+                        Cost::Comm(cost.p2p_transfer(&parts))
+                    }
                     _ => {
                         let cs = op.collectives();
                         let parts: Vec<_> = cs
@@ -208,8 +231,23 @@ pub fn run(program: &Program, job: &Job, classes: &RankClasses, cost: &CostModel
                     cls
                 })
                 .collect();
+            // Streams of other stages are empty for this rank.
+            let stage = program.layout.stage(rank);
+            let streams = program
+                .streams
+                .iter()
+                .map(|(id, st)| StreamState {
+                    head: if st.stage == stage {
+                        0
+                    } else {
+                        stream_ops[id.index()].len()
+                    },
+                    ..StreamState::default()
+                })
+                .collect();
             Agent {
-                streams: vec![StreamState::default(); program.streams.len()],
+                p2p: calls.peers(program, classes, rank),
+                streams,
                 events: vec![f64::INFINITY; program.events.len()],
                 costs,
                 peers,
@@ -357,6 +395,26 @@ fn start_ready(program: &Program, stream_ops: &[Vec<OpId>], agents: &mut [Agent]
                     agents[k].streams[s].arrived = true;
                     changed = true;
                 }
+                if !agents[k].p2p[id.index()].is_empty() {
+                    // A point-to-point call: start it once every peer has reached its match.
+                    let all = agents[k].p2p[id.index()].iter().all(|&(l, peer_op)| {
+                        let a = &agents[l as usize];
+                        let ps = program.ops[peer_op].stream.index();
+                        let st = &a.streams[ps];
+                        let at = stream_ops[ps].get(st.head) == Some(&peer_op) && st.arrived;
+                        at || !a.start[peer_op.index()].is_nan()
+                    });
+                    if !all {
+                        continue;
+                    }
+                    let a = &mut agents[k];
+                    if let Cost::Comm(t) = a.costs[id.index()] {
+                        a.start[id.index()] = now;
+                        a.streams[s].running = Some((id, Phase::Until(now + t.latency_s)));
+                        changed = true;
+                    }
+                    continue;
+                }
                 // A collective that has arrived: start it once every class in its group has.
                 let mut peers: Vec<u32> = op
                     .collectives()
@@ -386,6 +444,69 @@ fn start_ready(program: &Program, stream_ops: &[Vec<OpId>], agents: &mut [Agent]
                 changed = true;
             }
         }
+    }
+}
+
+/// Whether `op` is a point-to-point call: a send or receive, or a group holding some.
+fn is_p2p(op: &Op) -> bool {
+    op.collectives()
+        .iter()
+        .any(|c| matches!(c.kind, Collective::Send | Collective::Recv))
+}
+
+/// Every send and receive of the program by (stage, communicator, call number): the k-th send
+/// or receive a stage issues on a communicator, counted in issue order.
+struct P2pCalls {
+    /// (stage, communicator, k) of each call, in issue order, with its op.
+    by_call: FxHashMap<(u32, CommId, u32), OpId>,
+    /// The (communicator, k) of each op's sends and receives, in the op's order.
+    of_op: Vec<Vec<(CommId, u32)>>,
+}
+
+impl P2pCalls {
+    fn new(program: &Program) -> Self {
+        let mut count: FxHashMap<(u32, CommId), u32> = FxHashMap::default();
+        let mut by_call = FxHashMap::default();
+        let mut of_op = vec![vec![]; program.ops.len()];
+        for (id, op) in program.ops.iter() {
+            let stage = program.streams[op.stream].stage;
+            for c in op.collectives() {
+                if !matches!(c.kind, Collective::Send | Collective::Recv) {
+                    continue;
+                }
+                let k = count.entry((stage, c.comm)).or_insert(0);
+                by_call.insert((stage, c.comm, *k), id);
+                of_op[id.index()].push((c.comm, *k));
+                *k += 1;
+            }
+        }
+        P2pCalls { by_call, of_op }
+    }
+
+    /// For each op of `rank`'s stage, the (agent, op) holding the match of each of its sends and
+    /// receives on the peer's stage (agents are numbered by class).
+    fn peers(&self, program: &Program, classes: &RankClasses, rank: u32) -> Vec<Vec<(u32, OpId)>> {
+        let stage = program.layout.stage(rank);
+        self.of_op
+            .iter()
+            .enumerate()
+            .map(|(i, calls)| {
+                let op = &program.ops[OpId::new(i)];
+                if calls.is_empty() || program.streams[op.stream].stage != stage {
+                    return vec![];
+                }
+                calls
+                    .iter()
+                    .filter_map(|&(comm, k)| {
+                        let g = classes.group_of[comm][rank as usize] as usize;
+                        let group = program.comms[comm].groups.get(g)?;
+                        let peer = *group.iter().find(|&&m| m != rank)?;
+                        let peer_op = self.by_call.get(&(program.layout.stage(peer), comm, k))?;
+                        Some((classes.class_of[peer as usize], *peer_op))
+                    })
+                    .collect()
+            })
+            .collect()
     }
 }
 

@@ -29,7 +29,7 @@ pub mod engine;
 pub mod report;
 
 pub use cost::{model_flops_per_step, CostModel};
-pub use report::{SimRanges, SimReport, StreamBusy};
+pub use report::{SimRanges, SimReport, StageBusy, StreamBusy};
 pub use sched_ir::timeline::Trace;
 
 use sched_ir::ir::Program;
@@ -54,14 +54,36 @@ pub fn simulate_traced(program: &Verified, job: &Job) -> (SimReport, Trace) {
     (report, trace.expect("asked for"))
 }
 
+/// [`simulate`], with the step's timeline (at the default contention): what `--emit diagram`
+/// draws.
+pub fn simulate_timeline(program: &Verified, job: &Job) -> (SimReport, engine::Timeline) {
+    let classes = classes::rank_classes(program);
+    let timeline = engine::run(program, job, &classes, &CostModel::new(job));
+    let report = report_with_ranges(program, job, &classes, &timeline);
+    (report, timeline)
+}
+
 fn simulate_traced_inner(program: &Program, job: &Job, traced: bool) -> (SimReport, Option<Trace>) {
     let classes = classes::rank_classes(program);
+    let timeline = engine::run(program, job, &classes, &CostModel::new(job));
+    let report = report_with_ranges(program, job, &classes, &timeline);
+    let trace = traced.then(|| sched_ir::timeline::emit_trace(program, &timeline));
+    (report, trace)
+}
+
+/// The report of `timeline`, with its figures' ranges from simulations at both ends of
+/// [`cost::CONTENTION_RANGE`].
+fn report_with_ranges(
+    program: &Program,
+    job: &Job,
+    classes: &classes::RankClasses,
+    timeline: &engine::Timeline,
+) -> SimReport {
     let cost = CostModel::new(job);
-    let timeline = engine::run(program, job, &classes, &cost);
-    let mut report = report::report(program, job, &timeline);
+    let mut report = report::report(program, job, timeline);
     let (low, high) = cost::CONTENTION_RANGE;
     let ends = [low, high].map(|c| {
-        let t = engine::run(program, job, &classes, &cost.clone().with_contention(c));
+        let t = engine::run(program, job, classes, &cost.clone().with_contention(c));
         report::report(program, job, &t)
     });
     report.ranges = Some(SimRanges::new(
@@ -70,8 +92,7 @@ fn simulate_traced_inner(program: &Program, job: &Job, traced: bool) -> (SimRepo
         cost.contention(),
         (low, high),
     ));
-    let trace = traced.then(|| sched_ir::timeline::emit_trace(program, &timeline));
-    (report, trace)
+    report
 }
 
 /// Only the step time at the default contention: what `schedc plan` screens candidates by. It

@@ -13,14 +13,31 @@
 //! - `peak_memory_bytes`: the memory plan's arena (`arena_bytes`), `fits` when it is at most
 //!   `gpu_memory`.
 //!
-//! Per-rank figures are those of rank 0's class; every compiled schedule has only one class.
+//! Per-rank figures are those of rank 0's class; every compiled schedule without a pipeline has
+//! only one class.
+//!
+//! **Pipelines** (beyond cli.md, only when the schedule has p > 1 stages). Each stage's figures
+//! are those of its first rank's class (one class per stage for compiled schedules):
+//! - `stages[].busy_s`: the stage's compute time, the union of its compute ops' intervals (as
+//!   `compute_s`: layer math, the loss, the update, whatever stream they run on; never its
+//!   sends, receives or collectives);
+//! - `stages[].bubble`: `1 − busy_s / step_time_s`, the idle share of the stage's compute over the
+//!   step; `bubble`, their mean over stages. For uniform stages and free links it is the papers'
+//!   (p−1)/(m+p−1) (`gpipe`, `1f1b`) or (p−1)/(v·m+p−1) (`interleaved_1f1b`), plus the share of
+//!   the step the update and the loss take from no stage's busy time, which is small;
+//! - `compute_s` is the mean of the stages' `busy_s` and `exposed_comm_s` the rest of the step,
+//!   so it holds the bubble as well as communication nothing hides;
+//! - `streams[]` lists every stage's streams, each with its `stage`, timed on that stage;
+//! - MFU counts the model's FLOPs over the data-parallel ranks (a micro-batch passes through
+//!   every stage once), and `tokens_per_gpu_per_s` is the step's tokens over all ranks: a
+//!   pipeline's m micro-batches over its p ranks.
 //!
 //! Beyond cli.md, `ranges` ([`SimRanges`]) gives what the model is unsure of: the contention
 //! factor's default and published range, and each figure's least and greatest value over the
 //! simulations at both ends of that range (the figure at the default lies between them).
 
 use super::cost::model_flops_per_step;
-use super::engine::Timeline;
+use super::engine::{RankTimeline, Timeline};
 use cranelift_entity::EntityRef;
 use sched_ir::ir::{OpKind, Program};
 use sched_ir::job::Job;
@@ -47,6 +64,22 @@ pub struct SimReport {
     /// from screening simulations and from reports read back without it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ranges: Option<SimRanges>,
+    /// Beyond cli.md, with pipeline stages only: the mean over stages of each stage's bubble.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bubble: Option<f64>,
+    /// Beyond cli.md, with pipeline stages only: each stage's compute time and bubble.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub stages: Vec<StageBusy>,
+}
+
+/// One pipeline stage's compute over the step (see the module doc).
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub struct StageBusy {
+    pub stage: u32,
+    /// Time during which the stage runs some compute op.
+    pub busy_s: f64,
+    /// `1 − busy_s / step_time_s`.
+    pub bubble: f64,
 }
 
 /// The figures of a step over the contention factor's range: each `[least, greatest]`.
@@ -97,17 +130,32 @@ impl SimRanges {
 pub struct StreamBusy {
     pub name: String,
     pub busy_s: f64,
+    /// The pipeline stage that runs the stream; absent without a pipeline.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stage: Option<u32>,
 }
 
-pub fn report(program: &Program, job: &Job, timeline: &Timeline) -> SimReport {
-    let rank = &timeline.ranks[0];
-    let step = timeline.step_time_s;
-    let mut busy = vec![0.0; program.streams.len()];
+/// The timeline of `stage`'s first rank (its class's representative): rank 0's without a pipeline.
+pub fn stage_timeline<'a>(
+    program: &Program,
+    timeline: &'a Timeline,
+    stage: u32,
+) -> &'a RankTimeline {
+    let first = program.layout.rank_of(stage, 0);
+    timeline
+        .ranks
+        .iter()
+        .find(|r| r.rank == first)
+        .unwrap_or(&timeline.ranks[0])
+}
+
+/// The union of the intervals of `rank`'s compute ops on `stage`'s streams, in seconds.
+fn compute_seconds(program: &Program, rank: &RankTimeline, stage: u32) -> f64 {
     let mut compute: Vec<(f64, f64)> = vec![];
     for (id, op) in program.ops.iter() {
         let (s, e) = (rank.start[id.index()], rank.end[id.index()]);
-        busy[op.stream.index()] += e - s;
-        if matches!(op.kind, OpKind::Compute(_)) && e > s {
+        let here = program.streams[op.stream].stage == stage;
+        if here && matches!(op.kind, OpKind::Compute(_)) && e > s {
             compute.push((s, e));
         }
     }
@@ -120,6 +168,35 @@ pub fn report(program: &Program, job: &Job, timeline: &Timeline) -> SimReport {
             reach = e;
         }
     }
+    compute_s
+}
+
+pub fn report(program: &Program, job: &Job, timeline: &Timeline) -> SimReport {
+    let step = timeline.step_time_s;
+    let stages = program.layout.stages.max(1);
+    let pipelined = stages > 1;
+    let mut busy = vec![0.0; program.streams.len()];
+    let mut per_stage = vec![];
+    for stage in 0..stages {
+        let rank = stage_timeline(program, timeline, stage);
+        for (id, op) in program.ops.iter() {
+            if program.streams[op.stream].stage == stage {
+                busy[op.stream.index()] += rank.end[id.index()] - rank.start[id.index()];
+            }
+        }
+        let busy_s = compute_seconds(program, rank, stage);
+        let bubble = if step > 0.0 { 1.0 - busy_s / step } else { 0.0 };
+        per_stage.push(StageBusy {
+            stage,
+            busy_s,
+            bubble,
+        });
+    }
+    let compute_s = if pipelined {
+        per_stage.iter().map(|s| s.busy_s).sum::<f64>() / f64::from(stages)
+    } else {
+        per_stage[0].busy_s
+    };
     let ranks = f64::from(program.ranks().max(1));
     let flops = model_flops_per_step(job);
     let per_gpu = if step > 0.0 {
@@ -128,7 +205,12 @@ pub fn report(program: &Program, job: &Job, timeline: &Timeline) -> SimReport {
         0.0
     };
     let m = &job.model;
-    let tokens = (m.micro_batch * m.seq_len) as f64 * f64::from(program.micro_steps);
+    let mut tokens = (m.micro_batch * m.seq_len) as f64 * f64::from(program.micro_steps);
+    if pipelined {
+        tokens /= f64::from(stages);
+    }
+    let bubble =
+        pipelined.then(|| per_stage.iter().map(|s| s.bubble).sum::<f64>() / f64::from(stages));
     SimReport {
         schedule: program.schedule.clone(),
         step_time_s: step,
@@ -145,11 +227,14 @@ pub fn report(program: &Program, job: &Job, timeline: &Timeline) -> SimReport {
             .map(|(id, s)| StreamBusy {
                 name: s.role.name().to_string(),
                 busy_s: busy[id.index()],
+                stage: pipelined.then_some(s.stage),
             })
             .collect(),
         gpu_memory_bytes: job.cluster.gpu_memory,
         ranks: program.ranks(),
         simulated_ranks: timeline.ranks.len() as u32,
         ranges: None,
+        bubble,
+        stages: if pipelined { per_stage } else { vec![] },
     }
 }
