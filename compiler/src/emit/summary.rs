@@ -83,12 +83,19 @@ pub fn emit_summary(p: &Program) -> String {
         memory_plan_hash(p)
     );
 
+    if p.layout.stages > 1 {
+        stages(&mut out, p);
+    }
     let _ = writeln!(out, "\nstreams:");
     for (sid, s) in p.streams.iter() {
         let ops: Vec<&Op> = p.ops.values().filter(|o| o.stream == sid).collect();
+        let stage = match p.layout.stages {
+            1 => String::new(),
+            _ => format!("(stage {}) ", s.stage),
+        };
         let _ = writeln!(
             out,
-            "  {sid} {:<8} {}: {}",
+            "  {sid} {:<8} {stage}{}: {}",
             s.role.name(),
             plural(ops.len() as u64, "op"),
             kinds_and_events(&ops)
@@ -158,6 +165,58 @@ pub fn emit_summary(p: &Program) -> String {
 }
 
 /// `forward 32, backward 32, group 16 · 40 waits, 20 records`.
+/// Each pipeline stage: its ranks, its chunks' layers, and what its own memory plan takes (the
+/// arena every rank allocates is the largest stage's); the saved activations' bytes show how
+/// many micro-batches are in flight at once.
+fn stages(out: &mut String, p: &Program) {
+    let _ = writeln!(out, "\nstages:");
+    let d = p.layout.dp_size();
+    for stage in 0..p.layout.stages {
+        let mut chunks: Vec<u32> = vec![];
+        let mut layers: Vec<&str> = vec![];
+        for (id, l) in p.layers.iter() {
+            let on = p
+                .ops
+                .values()
+                .find(|o| o.layer == Some(id))
+                .is_some_and(|o| p.streams[o.stream].stage == stage);
+            if on {
+                layers.push(&l.name);
+                if chunks.last() != Some(&l.chunk) {
+                    chunks.push(l.chunk);
+                }
+            }
+        }
+        let held = |kind: Option<BufferKind>| {
+            p.buffers
+                .values()
+                .filter(|b| b.stage == stage && kind.is_none_or(|k| b.kind == k))
+                .map(|b| b.offset + b.bytes)
+                .max()
+                .unwrap_or(0)
+        };
+        let activations = held(Some(BufferKind::Activation)).saturating_sub(
+            p.buffers
+                .values()
+                .filter(|b| b.stage == stage && b.kind == BufferKind::Activation)
+                .map(|b| b.offset)
+                .min()
+                .unwrap_or(0),
+        );
+        let chunks: Vec<String> = chunks.iter().map(u32::to_string).collect();
+        let _ = writeln!(
+            out,
+            "  stage {stage}: ranks {}-{}, chunks {}, layers {}; arena {} B, saved activations within {} B",
+            stage * d,
+            (stage + 1) * d - 1,
+            chunks.join(" "),
+            name_list(&layers),
+            thousands(held(None)),
+            thousands(activations)
+        );
+    }
+}
+
 fn kinds_and_events(ops: &[&Op]) -> String {
     let mut kinds: Vec<(&str, u64)> = vec![];
     for o in ops {
@@ -344,6 +403,9 @@ fn program_hash(p: &Program) -> String {
     }
     for s in p.streams.values() {
         h.str(s.role.name());
+        if p.layout.stages > 1 {
+            h.u64(s.stage.into());
+        }
         if let Some(ws) = s.workspace {
             h.u64(ws.buffer.index() as u64);
             h.u64(ws.gemm_bytes);

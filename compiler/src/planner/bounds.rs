@@ -91,7 +91,7 @@ pub fn memory_floor(job: &Job) -> u64 {
 }
 
 /// A lowered program's arena floor: persistent bytes plus the most transient bytes alive at one
-/// issue position.
+/// issue position; with pipeline stages, the largest stage's (each stage plans its own arena).
 pub fn arena_floor(p: &Program) -> u64 {
     let n = p.buffers.len();
     let (mut first, mut last) = (vec![usize::MAX; n], vec![0usize; n]);
@@ -102,22 +102,28 @@ pub fn arena_floor(p: &Program) -> u64 {
             last[b] = last[b].max(i);
         }
     }
-    let mut delta = vec![0i128; p.ops.len() + 1];
-    let mut persistent = 0u64;
+    let stages = p.layout.stages.max(1) as usize;
+    let mut delta = vec![vec![0i128; p.ops.len() + 1]; stages];
+    let mut persistent = vec![0u64; stages];
     for (id, b) in p.buffers.iter() {
+        let s = (b.stage as usize).min(stages - 1);
         if b.kind.is_persistent() {
-            persistent += b.bytes;
+            persistent[s] += b.bytes;
         } else if first[id.index()] != usize::MAX {
-            delta[first[id.index()]] += i128::from(b.bytes);
-            delta[last[id.index()] + 1] -= i128::from(b.bytes);
+            delta[s][first[id.index()]] += i128::from(b.bytes);
+            delta[s][last[id.index()] + 1] -= i128::from(b.bytes);
         }
     }
-    let (mut live, mut peak) = (0i128, 0i128);
-    for d in delta {
-        live += d;
-        peak = peak.max(live);
+    let mut floor = 0;
+    for (delta, persistent) in delta.into_iter().zip(persistent) {
+        let (mut live, mut peak) = (0i128, 0i128);
+        for d in delta {
+            live += d;
+            peak = peak.max(live);
+        }
+        floor = floor.max(persistent + peak as u64);
     }
-    persistent + peak as u64
+    floor
 }
 
 /// The mesh of the ranks inside an `outer` group that share an `inner` group position: the group
