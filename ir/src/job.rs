@@ -87,6 +87,11 @@ impl Collective {
         "recv",
     ];
 
+    /// The collectives a cluster's `measured` tables may give (a pipeline's sends and receives
+    /// are one message over a link, which the link's bandwidth and latency already model).
+    pub const MEASURED: [&'static str; 4] =
+        ["all_gather", "reduce_scatter", "all_reduce", "broadcast"];
+
     /// A send or a receive rather than a collective of the whole group.
     pub fn is_point_to_point(self) -> bool {
         matches!(self, Collective::Send | Collective::Recv)

@@ -210,7 +210,7 @@ fn link_block(ctx: &mut Ctx, block: &Nested) -> Option<Link> {
 }
 
 fn measured_table(ctx: &mut Ctx, m: &Measured) -> Option<MeasuredTable> {
-    let collective = choice(ctx, &m.collective, &Collective::NAMES, "collective");
+    let collective = choice(ctx, &m.collective, &Collective::MEASURED, "collective");
     let mesh = match &m.mesh.kind {
         ValueKind::Mesh(lit) => match (lit.a.value(), lit.b.value()) {
             (Some(a), Some(b)) if (1..=MAX_COUNT).contains(&a) && (1..=MAX_COUNT).contains(&b) => {

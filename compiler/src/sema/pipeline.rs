@@ -19,7 +19,7 @@ use crate::sim::cost::CostModel;
 use sched_grammar::ast::{Nested, Value, ValueKind};
 use sched_grammar::diag::{did_you_mean, Diagnostic, Span};
 use sched_ir::ir::ComputeKind;
-use sched_ir::job::{Action, Job, Pipeline, PipelineSchedule};
+use sched_ir::job::{Action, ActionKind, Job, LayerKind, Pipeline, PipelineSchedule};
 use sched_ir::orders;
 
 const KEYS: &[(&str, Shape)] = &[
@@ -117,6 +117,8 @@ pub(crate) fn read(ctx: &mut Ctx, block: &Nested, m: Option<u32>) -> Option<Pipe
         }
         (_, None) => None,
     };
+    // (Only for an order that is otherwise right: one error at a time about it.)
+    ok = ok && split_backward_lowered(ctx, &r, schedule, schedule_span, order.as_deref());
     ok.then_some(PipelineSpec {
         stages: p,
         stages_span,
@@ -125,6 +127,42 @@ pub(crate) fn read(ctx: &mut Ctx, block: &Nested, m: Option<u32>) -> Option<Pipe
         layers: layers?,
         order,
     })
+}
+
+/// The split backward (`I` then `W`) is in the language and its orders, but not lowered yet: a
+/// schedule that uses it is refused here, at its name or at the `order` holding the first `I`.
+fn split_backward_lowered(
+    ctx: &mut Ctx,
+    r: &BlockReader,
+    schedule: PipelineSchedule,
+    schedule_span: Span,
+    order: Option<&[Vec<Action>]>,
+) -> bool {
+    let split = |a: &Action| matches!(a.kind, ActionKind::I | ActionKind::W);
+    let (span, what) = match (schedule, order) {
+        (PipelineSchedule::ZbH1 | PipelineSchedule::Zbv, _) => (
+            schedule_span,
+            format!("`{}` splits every backward into I and W", schedule.name()),
+        ),
+        (PipelineSchedule::Custom, Some(lines)) if lines.iter().flatten().any(split) => {
+            let (s, a) = lines
+                .iter()
+                .enumerate()
+                .find_map(|(s, l)| l.iter().find(|a| split(a)).map(|a| (s, *a)))
+                .expect("found above");
+            let at = r.block("order").map_or(schedule_span, |b| b.key.span);
+            (at, format!("stage {s}'s order uses {a}"))
+        }
+        _ => return true,
+    };
+    ctx.error(
+        Diagnostic::error(format!(
+            "{what}, and the split backward (I for the input gradient, W for the weight gradients) is not lowered yet"
+        ))
+        .at(span, "needs I and W")
+        .note("use `gpipe`, `\"1f1b\"`, `interleaved_1f1b`, or a custom order of F and B"),
+    );
+    false
 }
 
 /// `schedule`: one of the names, as a string (`"1f1b"`) or, where it is an identifier, bare.
@@ -536,6 +574,16 @@ impl PipelineSpec {
             return Some(Pipeline::default());
         }
         let m = job.schedule.micro_steps;
+        let pipeline = Pipeline {
+            stages: p,
+            virtual_stages: v,
+            schedule: self.schedule,
+            chunks: chunks.clone(),
+            order: vec![],
+        };
+        if !supported(ctx, job, &pipeline, self.stages_span) {
+            return None;
+        }
         let order = match self.order {
             Some(order) => order,
             None => orders::generate(self.schedule, p, v, m),
@@ -547,6 +595,60 @@ impl PipelineSpec {
             chunks,
             order,
         })
+    }
+}
+
+/// What the lowering cannot do with pipeline stages yet, each refused at `stages`: a head tied
+/// to an embedding on another stage (Megatron's embedding group, which all-reduces the two
+/// copies' gradients) and gradient clipping (its norm would have to sum over stages).
+fn supported(ctx: &mut Ctx, job: &Job, pipeline: &Pipeline, stages_span: Span) -> bool {
+    {
+        let layers = &job.model.layers;
+        let stage_of = |l: usize| {
+            let mut end = 0;
+            let chunk = pipeline
+                .chunks
+                .iter()
+                .position(|&n| {
+                    end += n as usize;
+                    l < end
+                })
+                .unwrap_or(0);
+            pipeline.stage_of_chunk(chunk as u32)
+        };
+        let mut ok = true;
+        let embedding = layers
+            .iter()
+            .position(|l| matches!(l.kind, LayerKind::Embedding { .. }));
+        let head = layers
+            .iter()
+            .position(|l| matches!(l.kind, LayerKind::LmHead { tied: true, .. }));
+        if let (Some(e), Some(h)) = (embedding, head) {
+            if stage_of(e) != stage_of(h) {
+                ctx.error(
+                    Diagnostic::error(format!(
+                        "`{}` ties its head to its embedding, which fall on stages {} and {}: tied weights across stages are not supported yet",
+                        job.model.name,
+                        stage_of(e),
+                        stage_of(h)
+                    ))
+                    .at(stages_span, format!("p = {}", pipeline.stages))
+                    .note("untie the head (`tied = false`); the first chunk runs on stage 0 and the last on the last stage"),
+                );
+                ok = false;
+            }
+        }
+        if job.schedule.train.clip.is_some() {
+            ctx.error(
+                Diagnostic::error(
+                    "gradient clipping with pipeline stages is not supported yet: the norm would have to sum over the stages",
+                )
+                .at(stages_span, format!("p = {}", pipeline.stages))
+                .note("remove `clip` from `train`, or run without a pipeline"),
+            );
+            ok = false;
+        }
+        ok
     }
 }
 
