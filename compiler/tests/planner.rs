@@ -35,6 +35,16 @@ schedule base {
     train { steps = 3  lr = 1e-3  seed = 7  clip = 1.0 }
 }
 
+# Untied, without clipping: the planner may stage it (p = 2 or 4 over its 4 layers).
+model u {
+    dtype = bf16
+    seq_len = 256
+    micro_batch = 2
+    layer embed = embedding(vocab = 8192, hidden = 512)
+    layer block[2] = transformer(hidden = 512, heads = 8, ffn = 2048)
+    layer head = lm_head(hidden = 512, vocab = 8192)
+}
+
 schedule deferred {
     model = m
     cluster = c
@@ -44,6 +54,14 @@ schedule deferred {
     recompute = full
     overlap { refresh = next_forward }
     buckets { gather = 4 MiB  reduce = 4 MiB }
+}
+
+schedule staged {
+    model = u
+    cluster = c
+    nodes = 2
+    micro_steps = 2
+    preset = zero1
 }
 "#;
 
@@ -61,7 +79,7 @@ fn job_from(source: &str, name: &str) -> Job {
 /// Every `step`-th structure of `base`, with its knobs.
 fn sample(base: &Job, step: usize) -> Vec<Job> {
     let knobs = space::Knobs::of(&base.schedule);
-    space::structures(&base.schedule)
+    space::structures(base)
         .iter()
         .step_by(step)
         .map(|s| space::apply(base, s, &knobs))
@@ -70,7 +88,7 @@ fn sample(base: &Job, step: usize) -> Vec<Job> {
 
 #[test]
 fn floors_never_exceed_what_the_compiler_and_simulator_report() {
-    for name in ["base", "deferred"] {
+    for name in ["base", "deferred", "staged"] {
         let base = job(name);
         let cost = schedc::sim::cost::CostModel::new(&base);
         let mut checked = 0;
@@ -110,11 +128,17 @@ fn floors_never_exceed_what_the_compiler_and_simulator_report() {
 
 #[test]
 fn branch_and_bound_finds_the_exhaustive_top_k() {
-    // Without knob tuning the search ranks structures with the base knobs. Exhaustively: screen
-    // every structure (its program before memory planning, simulated, unless its arena floor is
-    // over the GPU), then compile in screened order until K fit. Branch and bound must pick the
-    // same K, with the same compiled times.
-    let base = job("base");
+    for name in ["base", "staged"] {
+        exhaustive_top_k(name);
+    }
+}
+
+/// Without knob tuning the search ranks structures with the base knobs. Exhaustively: screen
+/// every structure (its program before memory planning, simulated, unless its arena floor is
+/// over the GPU), then compile in screened order until K fit. Branch and bound must pick the
+/// same K, with the same compiled times.
+fn exhaustive_top_k(name: &str) {
+    let base = job(name);
     let k = 4;
     let options = Options {
         top: k,
@@ -174,7 +198,7 @@ fn tuning_knobs_never_makes_a_schedule_slower() {
 
 #[test]
 fn fragments_reproduce_the_planned_schedules() {
-    for name in ["base", "deferred"] {
+    for name in ["base", "deferred", "staged"] {
         let base = job(name);
         let mut jobs = sample(&base, 7);
         // Knob variations too.
@@ -191,6 +215,38 @@ fn fragments_reproduce_the_planned_schedules() {
             assert_eq!(got, want, "{text}");
         }
     }
+}
+
+#[test]
+fn the_search_stages_untied_models_and_keeps_the_global_batch() {
+    let base = job("staged");
+    let splits = space::splits(&base);
+    let global = 8 * 2; // ranks x micro-steps of the base
+    let staged: Vec<_> = splits.iter().filter(|s| s.stages > 1).collect();
+    assert!(
+        staged.iter().any(|s| s.stages == 2) && staged.iter().any(|s| s.stages == 4),
+        "{splits:?}"
+    );
+    assert!(staged
+        .iter()
+        .any(|s| s.schedule == sched_ir::job::PipelineSchedule::Interleaved1F1B));
+    for s in &splits {
+        assert_eq!(8 / s.stages * s.micro_steps, global, "{s:?}");
+    }
+    // A tied head or clipping keeps the search unstaged.
+    assert!(space::splits(&job("base")).iter().all(|s| s.stages == 1));
+    let planned = planner::plan(
+        &base,
+        &Options {
+            top: 3,
+            threads: 2,
+            tune_knobs: false,
+        },
+        &|_| {},
+    )
+    .unwrap();
+    assert_eq!(planned.ranked.len(), 3);
+    assert!(planned.stats.structures > space::structures(&job("base")).len());
 }
 
 #[test]

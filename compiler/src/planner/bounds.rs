@@ -25,6 +25,12 @@
 //!   for collectives a bucket may coalesce (a coalesced call pays them once for all its members);
 //!   contention only adds (to compute, and between collectives). A collective the cluster gives
 //!   `measured` bandwidths for is floored at zero (a measurement may beat the link model).
+//!
+//! With pipeline stages, each stage is floored as a job of its own ([`stage_jobs`]: its chunks'
+//! layers on its data-parallel mesh, the pipeline's micro-batches): its memory floor, and its
+//! compute and collective sums (a stage's compute stream runs its ops one after another, and its
+//! collectives are chained), the largest over the stages. The flow-shop path is left out there:
+//! it follows the unpipelined order of slots, not the stage's.
 
 use crate::lower::workspace;
 use crate::sim::cost::{COLLECTIVE_START_S, LINK_EFFICIENCY};
@@ -71,9 +77,38 @@ pub fn model_state_bytes(job: &Job) -> u64 {
         .sum()
 }
 
+/// Each pipeline stage of `job` as a job of its own: the layers of its chunks in model order,
+/// on its data-parallel mesh (G' = min(G, d) GPUs on d/G' nodes), without a pipeline.
+pub fn stage_jobs(job: &Job) -> Vec<Job> {
+    let pipeline = &job.schedule.pipeline;
+    let ranks = job.schedule.gpus_per_node * job.schedule.nodes;
+    let d = ranks / pipeline.stages;
+    let g = job.schedule.gpus_per_node.min(d);
+    let chunks = pipeline.chunks.len() as u32;
+    (0..pipeline.stages)
+        .map(|stage| {
+            let mut model = (*job.model).clone();
+            model.layers = (0..chunks)
+                .filter(|&c| pipeline.stage_of_chunk(c) == stage)
+                .flat_map(|c| job.model.layers[pipeline.layers_of_chunk(c)].to_vec())
+                .collect();
+            let mut sub = job.clone();
+            sub.model = std::sync::Arc::new(model);
+            sub.schedule.gpus_per_node = g;
+            sub.schedule.nodes = d / g;
+            sub.schedule.pipeline = Default::default();
+            sub
+        })
+        .collect()
+}
+
 /// Bytes every rank needs at least before lowering: its shards, the compute stream's workspace,
-/// and without recompute the activations one micro-step saves for backward.
+/// and without recompute the activations one micro-step saves for backward (with pipeline
+/// stages, the largest stage's).
 pub fn memory_floor(job: &Job) -> u64 {
+    if job.schedule.pipeline.is_pipelined() {
+        return stage_jobs(job).iter().map(memory_floor).max().unwrap_or(0);
+    }
     let activations = match job.schedule.recompute {
         Recompute::None => job
             .model
@@ -249,6 +284,24 @@ struct LayerFloor {
 /// another; the first layer's update follows the last of those, and its refresh follows the update.
 /// This is a flow-shop bound in the two machines "compute stream" and "collective chain".
 pub fn step_time_floor(job: &Job, compute: impl Fn(&Layer, ComputeKind) -> f64) -> TimeFloor {
+    floor(job, &compute)
+}
+
+/// [`step_time_floor`] with the compute time as a trait object (a pipeline floors its stages
+/// with the same one).
+fn floor(job: &Job, compute: &dyn Fn(&Layer, ComputeKind) -> f64) -> TimeFloor {
+    if job.schedule.pipeline.is_pipelined() {
+        let stages: Vec<TimeFloor> = stage_jobs(job)
+            .iter()
+            .map(|sub| floor(sub, compute))
+            .collect();
+        let most = |f: fn(&TimeFloor) -> f64| stages.iter().map(f).fold(0.0, f64::max);
+        return TimeFloor {
+            compute_s: most(|t| t.compute_s),
+            comm_s: most(|t| t.comm_s),
+            critical_s: 0.0,
+        };
+    }
     let s = &job.schedule;
     let m = &job.model;
     let ranks = Mesh {

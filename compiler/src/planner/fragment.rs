@@ -66,6 +66,17 @@ pub fn fragment(job: &Job, name: &str) -> String {
         bytes(s.buckets.gather),
         bytes(s.buckets.reduce)
     ));
+    let pp = &s.pipeline;
+    if pp.is_pipelined() {
+        let chunks: Vec<String> = pp.chunks.iter().map(u32::to_string).collect();
+        line(format!(
+            "pipeline {{ stages = {}  virtual = {}  schedule = {}  layers = [{}] }}",
+            pp.stages,
+            pp.virtual_stages,
+            string(pp.schedule.name()),
+            chunks.join(", ")
+        ));
+    }
     if s.recompute != Recompute::None {
         line(format!("recompute   = {}", s.recompute.name()));
     }

@@ -167,7 +167,7 @@ pub fn plan(
     let gpu = base.cluster.gpu_memory;
     let knobs = Knobs::of(&base.schedule);
     let cost = CostModel::new(base);
-    let structures = space::structures(&base.schedule);
+    let structures = space::structures(base);
     let mut stats = SearchStats {
         structures: structures.len(),
         ..SearchStats::default()

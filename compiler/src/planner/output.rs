@@ -15,6 +15,9 @@ pub struct PlannedJson {
     pub reshard_after_forward: String,
     pub grad_sync: &'static str,
     pub all_gather: &'static str,
+    /// Pipeline stages, when the schedule has more than one (absent otherwise).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pipeline: Option<PipelineJson>,
     pub prefetch: PrefetchJson,
     pub buckets: BucketsJson,
     pub step_time_s: f64,
@@ -39,6 +42,16 @@ pub struct ShardJson {
     pub params: String,
     pub grads: String,
     pub optimizer: String,
+}
+
+#[derive(Serialize)]
+pub struct PipelineJson {
+    pub stages: u32,
+    pub virtual_stages: u32,
+    pub schedule: &'static str,
+    pub micro_steps: u32,
+    /// Layers per chunk, in model order.
+    pub layers: Vec<u32>,
 }
 
 #[derive(Serialize)]
@@ -110,6 +123,13 @@ pub fn json(base: &Job, result: &PlanResult) -> Vec<PlannedJson> {
                 reshard_after_forward: reshard(s.reshard_after_forward),
                 grad_sync: s.grad_sync.name(),
                 all_gather: s.all_gather.name(),
+                pipeline: s.pipeline.is_pipelined().then(|| PipelineJson {
+                    stages: s.pipeline.stages,
+                    virtual_stages: s.pipeline.virtual_stages,
+                    schedule: s.pipeline.schedule.name(),
+                    micro_steps: s.micro_steps,
+                    layers: s.pipeline.chunks.clone(),
+                }),
                 prefetch: PrefetchJson {
                     forward: s.prefetch.forward,
                     backward: s.prefetch.backward,
@@ -185,7 +205,12 @@ pub fn table(base: &Job, result: &PlanResult) -> String {
         gib(base.cluster.gpu_memory),
         s.micro_steps
     );
-    let header = [
+    // A pipeline column only when some schedule has stages.
+    let pipelines = result
+        .ranked
+        .iter()
+        .any(|r| r.job.schedule.pipeline.is_pipelined());
+    let mut header = vec![
         "#",
         "params",
         "grads",
@@ -201,13 +226,16 @@ pub fn table(base: &Job, result: &PlanResult) -> String {
         "TFLOPS",
         "peak memory",
     ];
+    if pipelines {
+        header.insert(1, "pipeline");
+    }
     let rows: Vec<Vec<String>> = result
         .ranked
         .iter()
         .enumerate()
         .map(|(i, r)| {
             let j = &r.job.schedule;
-            vec![
+            let mut row = vec![
                 (i + 1).to_string(),
                 j.shard.params.to_string(),
                 j.shard.grads.to_string(),
@@ -225,7 +253,23 @@ pub fn table(base: &Job, result: &PlanResult) -> String {
                 format!("{:.1}%", 100.0 * r.report.mfu),
                 sig3(r.report.tflops_per_gpu),
                 gib(r.report.peak_memory_bytes),
-            ]
+            ];
+            if pipelines {
+                let pp = &j.pipeline;
+                row.insert(
+                    1,
+                    match pp.stages {
+                        1 => "-".to_string(),
+                        p => format!(
+                            "{p}x{} {} m={}",
+                            pp.virtual_stages,
+                            pp.schedule.name(),
+                            j.micro_steps
+                        ),
+                    },
+                );
+            }
+            row
         })
         .collect();
     let widths: Vec<usize> = (0..header.len())

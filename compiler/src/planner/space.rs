@@ -8,6 +8,14 @@
 //!   `all_gather`;
 //! - **knobs**, which only move work in time: prefetch depths and bucket sizes.
 //!
+//! - a **pipeline split**: the stages p (each stage whole nodes or a part of one), the chunks
+//!   per stage v and the schedule (`gpipe`, `1f1b`, `interleaved_1f1b`), with the layers
+//!   `balanced` by the cost model, and m micro-batches so that the global batch stays the base
+//!   schedule's (d·m·micro_batch sequences, d = ranks/p); the shard meshes are then those of a
+//!   stage's data-parallel mesh. Splits the lowering cannot run are left out: with a tied head
+//!   or gradient clipping only p = 1; `zb_h1` and `zbv` (the split backward is not lowered);
+//!   interleaving where m is not a multiple of p or p·v exceeds the layers.
+//!
 //! Choices that cannot change the program are not enumerated twice: resharding, prefetch and the
 //! gather algorithm only where parameters are sharded; hpZ's node-local secondary shard only where
 //! the parameter group spans nodes (inside one node it saves nothing); the hierarchical all-gather
@@ -16,16 +24,89 @@
 //! delivers the same shard for half the bytes of the all-reduce).
 
 use sched_ir::job::{
-    AllGatherAlgo, Buckets, GradSync, Job, Mesh, Prefetch, ReshardAfterForward, Schedule, Shard,
+    AllGatherAlgo, Buckets, GradSync, Job, LayerKind, Mesh, Pipeline, PipelineSchedule, Prefetch,
+    ReshardAfterForward, Schedule, Shard,
 };
 
-/// What is sharded where and how it moves: the choices that decide memory and traffic.
+/// What is sharded where, how it moves and how the layers are staged: the choices that decide
+/// memory and traffic.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Structure {
+    pub split: Split,
     pub shard: Shard,
     pub reshard_after_forward: ReshardAfterForward,
     pub grad_sync: GradSync,
     pub all_gather: AllGatherAlgo,
+}
+
+/// A pipeline split: p stages of v chunks each, run in `schedule`'s order over `micro_steps`
+/// micro-batches (p = 1: no pipeline, the base schedule's micro-steps).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Split {
+    pub stages: u32,
+    pub virtual_stages: u32,
+    pub schedule: PipelineSchedule,
+    pub micro_steps: u32,
+}
+
+/// The most pipeline stages the search tries.
+pub const MAX_STAGES: u32 = 64;
+
+/// Chunks per stage the search tries with `interleaved_1f1b`.
+pub const INTERLEAVE: [u32; 2] = [2, 4];
+
+/// Every pipeline split of `job` the lowering can run (see the module doc), p = 1 first.
+pub fn splits(job: &Job) -> Vec<Split> {
+    let s = &job.schedule;
+    let layers = job.model.layers.len() as u32;
+    let ranks = s.gpus_per_node * s.nodes;
+    let base_dp = ranks / s.pipeline.stages.max(1);
+    // Sequences of the global batch, in micro-batches: d·m for every split.
+    let global = u64::from(base_dp) * u64::from(s.micro_steps);
+    let mut out = vec![Split {
+        stages: 1,
+        virtual_stages: 1,
+        schedule: PipelineSchedule::default(),
+        micro_steps: (global / u64::from(ranks)) as u32,
+    }];
+    if global % u64::from(ranks) != 0 {
+        out.clear();
+    }
+    let tied = job
+        .model
+        .layers
+        .iter()
+        .any(|l| matches!(l.kind, LayerKind::LmHead { tied: true, .. }));
+    if tied || s.train.clip.is_some() {
+        return out;
+    }
+    let g = s.gpus_per_node;
+    for p in divisors(ranks)
+        .into_iter()
+        .filter(|&p| p > 1 && p <= MAX_STAGES.min(layers))
+    {
+        let d = ranks / p;
+        if !(d.is_multiple_of(g) || g.is_multiple_of(d)) || global % u64::from(d) != 0 {
+            continue;
+        }
+        let m = (global / u64::from(d)) as u32;
+        let split = |schedule, v| Split {
+            stages: p,
+            virtual_stages: v,
+            schedule,
+            micro_steps: m,
+        };
+        out.push(split(PipelineSchedule::Gpipe, 1));
+        if m >= p {
+            out.push(split(PipelineSchedule::OneFOneB, 1));
+            for v in INTERLEAVE {
+                if m.is_multiple_of(p) && p * v <= layers {
+                    out.push(split(PipelineSchedule::Interleaved1F1B, v));
+                }
+            }
+        }
+    }
+    out
 }
 
 /// The choices that only move work in time.
@@ -116,10 +197,20 @@ pub fn shard_meshes(gpus: u32, nodes: u32) -> Vec<Shard> {
     out
 }
 
-/// Every structure for a schedule's nodes and GPUs (see the module doc for what is left out).
-pub fn structures(base: &Schedule) -> Vec<Structure> {
-    let (gpus, nodes) = (base.gpus_per_node, base.nodes);
-    let ranks = u64::from(gpus) * u64::from(nodes);
+/// Every structure for a job's nodes and GPUs (see the module doc for what is left out).
+pub fn structures(base: &Job) -> Vec<Structure> {
+    splits(base)
+        .into_iter()
+        .flat_map(|split| split_structures(&base.schedule, split))
+        .collect()
+}
+
+/// The structures of one pipeline split: the shard choices over a stage's data-parallel mesh.
+fn split_structures(base: &Schedule, split: Split) -> Vec<Structure> {
+    let ranks = base.gpus_per_node * base.nodes / split.stages;
+    let gpus = base.gpus_per_node.min(ranks);
+    let nodes = ranks / gpus;
+    let ranks = u64::from(ranks);
     let mut out = vec![];
     for shard in shard_meshes(gpus, nodes) {
         let params_sharded = shard.params.size() > 1;
@@ -147,6 +238,7 @@ pub fn structures(base: &Schedule) -> Vec<Structure> {
             for &grad_sync in &syncs {
                 for &all_gather in &gathers {
                     out.push(Structure {
+                        split,
                         shard,
                         reshard_after_forward,
                         grad_sync,
@@ -160,9 +252,29 @@ pub fn structures(base: &Schedule) -> Vec<Structure> {
 }
 
 /// The base job with a structure and knobs chosen. The preset name is dropped: the schedule's
-/// factors are explicit now.
+/// factors are explicit now. A pipeline's layers are `balanced` as the language balances them.
 pub fn apply(base: &Job, structure: &Structure, knobs: &Knobs) -> Job {
     let mut job = base.clone();
+    let split = structure.split;
+    job.schedule.micro_steps = split.micro_steps;
+    job.schedule.pipeline = if split.stages == 1 {
+        Pipeline::default()
+    } else {
+        let chunks =
+            crate::sema::pipeline::balanced_chunks(&job, split.stages * split.virtual_stages);
+        Pipeline {
+            stages: split.stages,
+            virtual_stages: split.virtual_stages,
+            schedule: split.schedule,
+            chunks,
+            order: sched_ir::orders::generate(
+                split.schedule,
+                split.stages,
+                split.virtual_stages,
+                split.micro_steps,
+            ),
+        }
+    };
     let s = &mut job.schedule;
     s.preset = None;
     s.shard = structure.shard;
@@ -184,6 +296,12 @@ pub fn apply(base: &Job, structure: &Structure, knobs: &Knobs) -> Job {
 /// The structure a job has.
 pub fn structure_of(s: &Schedule) -> Structure {
     Structure {
+        split: Split {
+            stages: s.pipeline.stages.max(1),
+            virtual_stages: s.pipeline.virtual_stages.max(1),
+            schedule: s.pipeline.schedule,
+            micro_steps: s.micro_steps,
+        },
         shard: s.shard,
         reshard_after_forward: s.reshard_after_forward,
         grad_sync: s.grad_sync,

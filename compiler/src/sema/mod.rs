@@ -19,7 +19,7 @@
 
 mod cluster;
 mod model;
-mod pipeline;
+pub mod pipeline;
 mod schedule;
 mod values;
 

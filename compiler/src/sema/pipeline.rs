@@ -558,16 +558,7 @@ impl PipelineSpec {
                     );
                     return None;
                 }
-                let cost = CostModel::new(job);
-                let costs: Vec<f64> = model
-                    .layers
-                    .iter()
-                    .map(|l| {
-                        cost.compute_seconds(l, ComputeKind::Forward)
-                            + cost.compute_seconds(l, ComputeKind::Backward)
-                    })
-                    .collect();
-                balanced(&costs, count as usize)
+                balanced_chunks(job, count)
             }
         };
         if p == 1 {
@@ -650,6 +641,22 @@ fn supported(ctx: &mut Ctx, job: &Job, pipeline: &Pipeline, stages_span: Span) -
         }
         ok
     }
+}
+
+/// `layers = balanced` for `job`'s model in `k` chunks (k at most the layer count): each layer
+/// costs one forward and one backward of a micro-batch by the simulator's cost model.
+pub fn balanced_chunks(job: &Job, k: u32) -> Vec<u32> {
+    let cost = CostModel::new(job);
+    let costs: Vec<f64> = job
+        .model
+        .layers
+        .iter()
+        .map(|l| {
+            cost.compute_seconds(l, ComputeKind::Forward)
+                + cost.compute_seconds(l, ComputeKind::Backward)
+        })
+        .collect();
+    balanced(&costs, k as usize)
 }
 
 /// Splits layers of the given costs into `k` contiguous chunks (k ≤ the layer count), each of
