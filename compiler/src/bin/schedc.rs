@@ -38,7 +38,7 @@ enum Command {
         /// Which schedule, when the file defines several.
         #[arg(long)]
         schedule: Option<String>,
-        /// Output file (default: NAME.plan.json for plans, stdout for listings and stats).
+        /// Output file (default: NAME.plan.json for plans, stdout for listings, stats and diagrams).
         #[arg(short, long)]
         output: Option<PathBuf>,
         /// What to write.
@@ -103,6 +103,9 @@ enum Emit {
     /// the memory plan (what the snapshot tests pin for programs too large to list).
     Summary,
     Stats,
+    /// The simulated step as an SVG: a row per pipeline stage, time across, one box per action
+    /// coloured by micro-batch (F light, B dark and hatched).
+    Diagram,
     /// The plan file and, beside it, the step's generated kernels as PTX for each GPU
     /// architecture (`NAME.sm_80.ptx`, `NAME.sm_90.ptx`); needs a build with `--features llvm`.
     Ptx,
@@ -284,6 +287,7 @@ fn compile(
         Emit::Plan | Emit::Ptx => plan.expect("written beside verification"),
         Emit::Listing => sched_ir::listing::emit_listing(&program),
         Emit::Summary => schedc::emit::summary::emit_summary(&program),
+        Emit::Diagram => schedc::emit::diagram::emit_diagram(&program, job),
         Emit::Stats => {
             serde_json::to_string_pretty(&schedc::emit::stats::emit_stats(job, &program))
                 .expect("stats serialise")

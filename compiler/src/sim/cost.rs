@@ -50,6 +50,10 @@
 //! payloads; [`Transfer`] describes it so that the engine can share links between overlapping
 //! calls. Every call (a coalesced group once) also pays [`COLLECTIVE_START_S`], the fixed cost of
 //! launching NCCL's kernel, on top of the per-step latencies; a `measured` time already holds it.
+//!
+//! A pipeline's `send` or `recv` is one message over the link between its two ranks (one latency
+//! step); a group of them loads each direction of a full-duplex link with its own sum
+//! ([`CostModel::p2p_transfer`]).
 
 use sched_ir::ir::ComputeKind;
 use sched_ir::job::{
