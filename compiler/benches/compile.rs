@@ -1,12 +1,14 @@
 //! Compile + verify of an 80-layer LLaMA-70B-shaped model, 16 micro-steps, 1,024 ranks (lowering
 //! spec §7: "well under a second"), for ZeRO-3, MiCS over 8 x 2 with the hierarchical all-gather,
-//! and an AMSP mesh; then how the cost grows with layers, micro-steps and ranks (ZeRO-3).
+//! and an AMSP mesh; the same model as a pipeline (8 stages, interleaved 1F1B with 2 chunks, 64
+//! micro-batches, 512 ranks, ZeRO-1 in each stage: issue 26's target, under a second); then how
+//! the cost grows with layers, micro-steps and ranks (ZeRO-3).
 //!
 //! `cargo bench -p schedc --bench compile`
 
 mod common;
 
-use common::{job, target_jobs, ZERO3};
+use common::{job, target_jobs, INTERLEAVED, ZERO3};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use schedc::compile;
 
@@ -16,6 +18,14 @@ fn targets(c: &mut Criterion) {
     for (name, j) in target_jobs() {
         g.bench_function(name, |b| b.iter(|| compile(&j).unwrap()));
     }
+    g.finish();
+    let mut g =
+        c.benchmark_group("compile+verify 80 layers, pipeline 8 x 2, 64 micro-batches, 512 ranks");
+    g.sample_size(10);
+    let j = job(80, 64, 64, INTERLEAVED);
+    g.bench_function("interleaved 1f1b + zero1", |b| {
+        b.iter(|| compile(&j).unwrap())
+    });
     g.finish();
 }
 

@@ -21,7 +21,12 @@ fn main() {
     let analysis = analyze(&file, &FsLoader).expect("the benchmark's schedules are readable");
     assert!(!analysis.has_errors(), "{}", analysis.render());
     for threads in [Options::default().threads, 1] {
-        for name in ["llama7b_1024", "llama13b_1024", "llama30b_1024"] {
+        for name in [
+            "llama7b_1024",
+            "llama13b_1024",
+            "llama30b_1024",
+            "llama70b_1024",
+        ] {
             let base = analysis.select(Some(name)).expect("the schedule exists");
             let options = Options {
                 top: 5,
