@@ -8,9 +8,13 @@
 
 mod common;
 
-use common::{job, target_jobs, INTERLEAVED, ZERO3};
+use common::{job, target_jobs, ZERO3};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use schedc::compile;
+
+/// Megatron-style: interleaved 1F1B over 8 stages of 2 chunks, ZeRO-1 in each stage.
+pub const INTERLEAVED: &str =
+    "preset = zero1\n    pipeline { stages = 8  virtual = 2  schedule = interleaved_1f1b }";
 
 fn targets(c: &mut Criterion) {
     let mut g = c.benchmark_group("compile+verify 80 layers, 16 micro-steps, 1024 ranks");

@@ -7,9 +7,6 @@ use std::path::Path;
 pub const ZERO3: &str = "preset = zero3";
 pub const MICS: &str = "preset = mics(partition = 8 x 2)\n    all_gather = hierarchical";
 pub const AMSP: &str = "shard { params = 8 x 1  grads = 8 x 4  optimizer = 8 x 16 }";
-/// Megatron-style: interleaved 1F1B over 8 stages of 2 chunks, ZeRO-1 in each stage.
-pub const INTERLEAVED: &str =
-    "preset = zero1\n    pipeline { stages = 8  virtual = 2  schedule = interleaved_1f1b }";
 
 /// The headline targets, by name: 80 layers, 16 micro-steps, 128 nodes (1,024 ranks), under
 /// ZeRO-3, MiCS over 8 x 2 with the hierarchical all-gather, and an AMSP mesh.
