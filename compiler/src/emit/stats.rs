@@ -148,7 +148,9 @@ pub fn emit_stats(job: &Job, p: &Verified) -> Stats {
             intra_node_bytes_per_gpu: (intra / u128::from(p.ranks())) as u64,
             inter_node_bytes_per_node: (inter / u128::from(p.layout.nodes)) as u64,
         },
-        plan_tightness: {
+        plan_tightness: if p.layout.stages > 1 {
+            stage_tightness(p)
+        } else {
             let bound = info.live_bound.max(crate::passes::memory::lower_bound(p));
             if bound == 0 {
                 1.0
@@ -157,6 +159,26 @@ pub fn emit_stats(job: &Job, p: &Verified) -> Stats {
             }
         },
     }
+}
+
+/// With pipeline stages, the worst stage's tightness: each stage plans its own arena, so its
+/// transient bytes placed (above its persistent ones) over its own lower bound.
+fn stage_tightness(p: &Program) -> f64 {
+    (0..p.layout.stages)
+        .map(|stage| {
+            let mine = || p.buffers.values().filter(move |b| b.stage == stage);
+            let persistent: u64 = mine()
+                .filter(|b| b.kind.is_persistent())
+                .map(|b| b.bytes)
+                .sum();
+            let top = mine().map(|b| b.offset + b.bytes).max().unwrap_or(0);
+            let sub = crate::passes::memory::stage_program(p, stage);
+            match crate::passes::memory::lower_bound(&sub) {
+                0 => 1.0,
+                bound => top.saturating_sub(persistent) as f64 / bound as f64,
+            }
+        })
+        .fold(0.0, f64::max)
 }
 
 /// Ring steps a member sends a chunk in.

@@ -168,7 +168,7 @@ fn first_access(p: &Program) -> Vec<usize> {
 
 /// `p` cut down to the ops of `stage`'s streams (in issue order, their events renumbered),
 /// with every stream and buffer kept, so buffer ids stay.
-fn stage_program(p: &Program, stage: u32) -> Program {
+pub fn stage_program(p: &Program, stage: u32) -> Program {
     let mut q = Program {
         schedule: p.schedule.clone(),
         layout: p.layout,
