@@ -1205,7 +1205,9 @@ impl EmuRank {
 
 /// The CUDA backend's host side on the emulated device, every rank in this process: the actions
 /// of the device layer on [`Gpu`] and the collectives as [`nccl_call`] describes them to NCCL, op by op in the
-/// plan's issue order on every rank at once (a collective meets all members at the same op).
+/// plan's issue order on every rank of a pipeline stage at once (a collective meets all members
+/// at the same op). Stages run in turn, each until a receive whose send has not run yet: a send
+/// leaves its bytes, as its `nccl_call` reads them, for the receive with its call number.
 /// Every address a launch, product or copy is given must lie in one of the rank's allocations
 /// ([`Bounded`]).
 struct EmulatedBackend {
@@ -1262,12 +1264,44 @@ impl EmulatedBackend {
         addr(&self.ranks[rank as usize].arena)
     }
 
-    /// One plan collective across every group of its communicator, with NCCL's semantics: chunk
-    /// `j` is member `j`'s, sums in f32 in member order rounded once, broadcasts from member 0;
-    /// every member's input is read before any output is written.
-    fn collective(&self, c: &sched_ir::ir::CollectiveOp) {
+    /// One plan collective across every group of its communicator that `stage` runs, with NCCL's
+    /// semantics: chunk `j` is member `j`'s, sums in f32 in member order rounded once, broadcasts
+    /// from member 0; every member's input is read before any output is written. A send's
+    /// groups each leave the sender's bytes in `letters` under (communicator, group, call); a
+    /// receive writes them.
+    fn collective(
+        &self,
+        c: &sched_ir::ir::CollectiveOp,
+        stage: u32,
+        call: u64,
+        letters: &mut std::collections::HashMap<(u32, usize, u64), Vec<f32>>,
+    ) {
         let p = &self.plan;
-        for group in &p.program.comms[c.comm].groups {
+        let layout = p.program.layout;
+        for (g, group) in p.program.comms[c.comm].groups.iter().enumerate() {
+            let key = (c.comm.as_u32(), g, call);
+            match c.kind {
+                Collective::Send | Collective::Recv => {
+                    let member = usize::from(c.kind == Collective::Recv);
+                    let r = group[member];
+                    let call = nccl_call(
+                        c.kind,
+                        c.count,
+                        group.len() as u64,
+                        self.base(r).add_bytes(p.at(r, &c.input)),
+                        self.base(r).add_bytes(p.at(r, &c.output)),
+                    );
+                    if c.kind == Collective::Send {
+                        letters.insert(key, read(call.send, call.n, c.dtype));
+                    } else {
+                        let v = letters.remove(&key).expect("the send ran first");
+                        write(call.recv, c.dtype, &v);
+                    }
+                    continue;
+                }
+                _ if layout.stage(group[0]) != stage => continue,
+                _ => {}
+            }
             let members = group.len() as u64;
             let calls: Vec<NcclCall> = group
                 .iter()
@@ -1312,6 +1346,7 @@ impl EmulatedBackend {
                     let v = read(calls[0].send, n, d);
                     calls.iter().for_each(|k| write(k.recv, d, &v));
                 }
+                Collective::Send | Collective::Recv => unreachable!("transfers are handled above"),
             }
         }
     }
@@ -1376,11 +1411,106 @@ impl Backend for EmulatedBackend {
             .keys()
             .map(|s| StreamMemory::of(&p, s))
             .collect();
+        // Each stage's ops in issue order; stages take turns, each until a receive whose send has
+        // not run yet.
+        let layout = p.program.layout;
+        let mut by_stage: Vec<Vec<sched_ir::ir::OpId>> = vec![vec![]; layout.stages as usize];
         for (op, o) in p.program.ops.iter() {
+            by_stage[p.program.streams[o.stream].stage as usize].push(op);
+        }
+        let mut next = vec![0usize; by_stage.len()];
+        let mut letters = std::collections::HashMap::new();
+        let mut posted = std::collections::HashSet::new();
+        loop {
+            let mut progress = false;
+            for (stage, ops) in by_stage.iter().enumerate() {
+                while let Some(&op) = ops.get(next[stage]) {
+                    // A group call posts its sends at once, whether or not its receives can
+                    // complete yet.
+                    if let Action::Collectives(cs) = &p.actions[op.index()] {
+                        if posted.insert(op) {
+                            for (i, c) in cs.iter().enumerate() {
+                                if c.kind == Collective::Send {
+                                    let call = p.call_numbers[op][i];
+                                    self.collective(c, stage as u32, call, &mut letters);
+                                }
+                            }
+                        }
+                    }
+                    let ready = match &p.actions[op.index()] {
+                        Action::Collectives(cs) => cs.iter().enumerate().all(|(i, c)| {
+                            let g = p.members[c.comm][layout.rank_of(stage as u32, 0) as usize].0;
+                            c.kind != Collective::Recv
+                                || letters.contains_key(&(
+                                    c.comm.as_u32(),
+                                    g,
+                                    p.call_numbers[op][i],
+                                ))
+                        }),
+                        _ => true,
+                    };
+                    if !ready {
+                        break;
+                    }
+                    self.run_op(op, stage as u32, input, &consts, &workspaces, &mut letters)?;
+                    next[stage] += 1;
+                    progress = true;
+                }
+            }
+            if !progress {
+                break;
+            }
+        }
+        assert!(
+            next.iter().zip(&by_stage).all(|(&n, ops)| n == ops.len()),
+            "the emulated stages deadlocked"
+        );
+        let loss = |rank: &EmuRank| f64::from_bits(rank.consts[self.consts.loss as usize / 8]);
+        Ok(StepOutcome {
+            // The CUDA backend's loss all-reduce over the world.
+            loss_sum: self.ranks.iter().map(loss).sum(),
+            waits: vec![],
+            spans: vec![],
+            enqueue: None,
+        })
+    }
+
+    fn memory(&self) -> Vec<RankMemory> {
+        self.memory_of()
+    }
+}
+
+impl EmulatedBackend {
+    /// Runs op `op` of `stage` on every rank of the stage.
+    fn run_op(
+        &self,
+        op: sched_ir::ir::OpId,
+        stage: u32,
+        input: &StepInput,
+        consts: &[Consts],
+        workspaces: &[Option<StreamMemory>],
+        letters: &mut std::collections::HashMap<(u32, usize, u64), Vec<f32>>,
+    ) -> Result<(), RunError> {
+        let p = self.plan.clone();
+        let o = &p.program.ops[op];
+        let layout = p.program.layout;
+        {
             match &p.actions[op.index()] {
-                Action::Collectives(cs) => cs.iter().for_each(|c| self.collective(c)),
+                Action::Collectives(cs) => {
+                    // (Sends were posted when the op was reached.)
+                    for (i, c) in cs.iter().enumerate() {
+                        if c.kind != Collective::Send {
+                            self.collective(c, stage, p.call_numbers[op][i], letters);
+                        }
+                    }
+                }
                 a => {
-                    for (r, rank) in self.ranks.iter().enumerate() {
+                    for (r, rank) in self
+                        .ranks
+                        .iter()
+                        .enumerate()
+                        .filter(|&(r, _)| layout.stage(r as u32) == stage)
+                    {
                         let arena = addr(&rank.arena);
                         let x = Bounded {
                             x: &self.x,
@@ -1402,19 +1532,12 @@ impl Backend for EmulatedBackend {
                 }
             }
         }
-        let loss = |rank: &EmuRank| f64::from_bits(rank.consts[self.consts.loss as usize / 8]);
-        Ok(StepOutcome {
-            // The CUDA backend's loss all-reduce over the world.
-            loss_sum: self.ranks.iter().map(loss).sum(),
-            waits: vec![],
-            spans: vec![],
-            enqueue: None,
-        })
+        Ok(())
     }
 
     /// Each rank's device allocations: its arena (what the plan places) and nothing else but the
     /// constants, which the plan leaves out (`memory.rs`); `touched` is the arena too.
-    fn memory(&self) -> Vec<RankMemory> {
+    fn memory_of(&self) -> Vec<RankMemory> {
         self.ranks
             .iter()
             .enumerate()
@@ -1516,7 +1639,9 @@ cluster two_by_two { nodes = 2  gpus_per_node = 2  gpu_memory = 4 GiB  peak_flop
 /// relative and final weights within 1e-4 for fp32 models, both within 2e-2 for bf16 and fp16
 /// ones (16-bit products), 20
 /// steps of one-rank plans and 5 of sharded 4-rank ones (ZeRO-2/3, hierarchical MiCS, hpZ, an
-/// AMSP mesh), with clipping, micro-steps and recomputation, and a bf16 model over a 259-word
+/// AMSP mesh, and two 2-stage pipelines, 1F1B with ZeRO-1 and GPipe with ZeRO-3, whose
+/// transfers go through `nccl_call` as the CUDA backend issues them), with clipping,
+/// micro-steps and recomputation, and a bf16 model over a 259-word
 /// vocabulary (logits in rows of 264, the head's products in place, split at column 256) and a
 /// 44-wide SwiGLU (products through padded rows). Every kernel launched is one
 /// `for_job` lists (the emulated device knows no other); with `SCHED_SHOW_ERRORS` each job
@@ -1535,7 +1660,9 @@ fn training_on_the_emulated_device_matches_the_cpu_backend() {
          schedule g {{ model = gpt_bf16  cluster = one  preset = ddp  micro_steps = 2  train {{ lr = 1e-3  seed = 8  clip = 0.5 }} }}\n\
          schedule h {{ model = gpt_bf16  cluster = four  preset = zero3  train {{ lr = 1e-3  seed = 9 }} }}\n\
          schedule i {{ model = gpt_fp16  cluster = one  preset = zero2  train {{ lr = 1e-3  seed = 10 }} }}\n\
-         schedule j {{ model = odd_bf16  cluster = one  preset = ddp  train {{ lr = 1e-3  seed = 11 }} }}\n",
+         schedule j {{ model = odd_bf16  cluster = one  preset = ddp  train {{ lr = 1e-3  seed = 11 }} }}\n\
+         schedule k {{ model = llama_gqa  cluster = four  preset = zero1  micro_steps = 4  pipeline {{ stages = 2 }}  train {{ lr = 1e-3  seed = 12 }} }}\n\
+         schedule l {{ model = llama_gqa  cluster = four  preset = zero3  micro_steps = 2  pipeline {{ stages = 2  schedule = gpipe  layers = [1, 2] }}  train {{ lr = 1e-3  seed = 13 }} }}\n",
         CLUSTERS
     );
     let loader = schedc::MemLoader::default()
