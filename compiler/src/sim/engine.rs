@@ -15,8 +15,9 @@
 //!   the same fraction of its stand-alone speed until a resource is full, calls held back by that
 //!   resource keep their share, and the rest share what is left. A call alone therefore takes
 //!   exactly its α–β time. Each representative's node is taken to be filled with ranks of its own
-//!   class (true of every compiled schedule), so the node-wide demands of [`Transfer`] already
-//!   hold what its neighbours send.
+//!   class (true of every compiled schedule without a pipeline; with one, a node may hold several
+//!   stages, whose traffic on the node's network is not shared between them), so the node-wide
+//!   demands of [`Transfer`] already hold what its neighbours send.
 //! - **Pipeline stages.** A representative runs only the streams of its stage (the others are
 //!   empty for it). A point-to-point `send`/`recv`, or a coalesced group holding some, has no
 //!   group-wide rendezvous: the k-th send of a stage on a two-member communicator matches the peer

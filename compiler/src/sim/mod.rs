@@ -11,9 +11,16 @@
 //! overlaps ops, so the simulated overlap is exactly what the compiler's streams and events allow.
 //!
 //! The program is SPMD: [`classes`] partitions the ranks into classes whose timelines are provably
-//! identical, and the engine runs one representative per class (one, for every compiled schedule),
-//! so the cost is that of one rank's ops however many ranks there are. [`report`] turns the
-//! timeline into cli.md's figures and [`sched_ir::timeline`] into a Chrome trace.
+//! identical, and the engine runs one representative per class (one for every compiled schedule
+//! without a pipeline, one per stage with one), so the cost is that of one rank's ops per stage
+//! however many ranks there are. [`report`] turns the timeline into cli.md's figures (with a
+//! pipeline, each stage's busy time and the bubble) and [`sched_ir::timeline`] into a Chrome trace.
+//!
+//! **Pipelines.** A representative runs only its stage's streams; sends and receives rendezvous
+//! with their match on the peer stage, by (communicator, per-stage call number), and cost one
+//! message over the pair's link ([`engine`], [`CostModel::p2p_transfer`]). A stage's bubble is
+//! the idle share of its compute over the step ([`report`]); `--emit diagram` draws the timeline
+//! ([`crate::emit::diagram`]).
 //!
 //! The model's least certain constant is how much collectives slow the compute beside them
 //! ([`cost::CONTENTION`]); [`simulate`] runs the step at both ends of its published range too and
