@@ -178,7 +178,9 @@ impl Work {
 }
 
 /// One stretch of a stage's compute on one stream: consecutive compute ops of the stream (no
-/// other op between them) of the same [`Work`], micro-batch and local chunk.
+/// other op between them), each starting as the one before ends, of the same [`Work`],
+/// micro-batch and local chunk. An action the stream waits in the middle of (its recomputed
+/// forward ran before the gradient its backward needs arrived) is two spans with one label.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ActionSpan {
     pub work: Work,
@@ -210,6 +212,10 @@ impl ActionSpan {
     }
 }
 
+/// The longest pause between two ops of one span, in seconds: the engine starts an op at the
+/// instant the one before it ends, a measured timeline a launch or so later.
+const GAP_S: f64 = 1e-5;
+
 /// The compute of `stage` on `rank`'s timeline as [`ActionSpan`]s, stream by stream in stream
 /// order, each stream's spans in time order. Chunks per stage are read from the program's
 /// layers (chunk c is the stage's local chunk c / p with p stages, for every placement).
@@ -239,10 +245,13 @@ pub fn actions(program: &Program, rank: &RankTimeline, stage: u32) -> Vec<Action
                 .layer
                 .and_then(|l| program.layers.get(l))
                 .map(|l| l.chunk / stages);
+            // A gap means the stream waited (a recomputed forward runs before the gradient its
+            // backward needs has arrived): the span ends there, so spans are busy time only.
             let extends = |a: &ActionSpan| {
                 open && a.work == work
                     && a.micro == op.micro_step
                     && chunk.is_none_or(|c| c == a.chunk)
+                    && start <= a.end + GAP_S
             };
             let span = match out.last_mut() {
                 Some(a) if extends(a) => a,
