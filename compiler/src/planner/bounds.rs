@@ -299,7 +299,7 @@ fn floor(job: &Job, compute: &dyn Fn(&Layer, ComputeKind) -> f64) -> TimeFloor {
         return TimeFloor {
             compute_s: most(|t| t.compute_s),
             comm_s: most(|t| t.comm_s),
-            critical_s: 0.0,
+            critical_s: pipeline_chain(job, compute, &stages),
         };
     }
     let s = &job.schedule;
@@ -442,6 +442,43 @@ fn floor(job: &Job, compute: &dyn Fn(&Layer, ComputeKind) -> f64) -> TimeFloor {
         comm_s,
         critical_s,
     }
+}
+
+/// The pipeline's fill and drain: stage s's first action is a forward of its first chunk (chunk
+/// s), which needs micro-batch 0's forward through every chunk before it, and its last action is
+/// a backward of chunk s (every schedule the planner searches runs a stage's chunks' backward in
+/// reverse), after which the gradient still goes back through every chunk before it. Between,
+/// the stage's compute stream runs its whole compute sum. So the step takes at least
+/// Σ_{c<s} F_c + busy_s + Σ_{c<s} B_c for every stage: (m+p−1)(F+B) for uniform stages of one
+/// chunk, the table's GPipe and 1F1B time.
+fn pipeline_chain(
+    job: &Job,
+    compute: &dyn Fn(&Layer, ComputeKind) -> f64,
+    stages: &[TimeFloor],
+) -> f64 {
+    let pipeline = &job.schedule.pipeline;
+    let full = job.schedule.recompute == Recompute::Full;
+    let chunk = |c: u32| -> (f64, f64) {
+        job.model.layers[pipeline.layers_of_chunk(c)]
+            .iter()
+            .map(|l| {
+                let forward = compute(l, ComputeKind::Forward);
+                let mut backward = compute(l, ComputeKind::Backward);
+                if full {
+                    backward += compute(l, ComputeKind::Recompute);
+                }
+                (forward, backward)
+            })
+            .fold((0.0, 0.0), |(f, b), (x, y)| (f + x, b + y))
+    };
+    let mut before = (0.0, 0.0); // Σ F and Σ B of the chunks before chunk s
+    let mut most = 0.0f64;
+    for (s, floor) in stages.iter().enumerate() {
+        most = most.max(before.0 + floor.compute_s + before.1);
+        let (f, b) = chunk(s as u32);
+        before = (before.0 + f, before.1 + b);
+    }
+    most
 }
 
 /// One compute slot of the step, for the flow-shop floor.

@@ -12,7 +12,8 @@
 //!   per stage v and the schedule (`gpipe`, `1f1b`, `interleaved_1f1b`), with the layers
 //!   `balanced` by the cost model, and m micro-batches so that the global batch stays the base
 //!   schedule's (d·m·micro_batch sequences, d = ranks/p); the shard meshes are then those of a
-//!   stage's data-parallel mesh. Splits the lowering cannot run are left out: with a tied head
+//!   stage's data-parallel mesh, and only the ZeRO presets over it are searched with a split (ddp,
+//!   ZeRO-1, -2, -3: [`stage_presets`]). Splits the lowering cannot run are left out: with a tied head
 //!   or gradient clipping only p = 1; `zb_h1` and `zbv` (the split backward is not lowered);
 //!   interleaving where m is not a multiple of p or p·v exceeds the layers.
 //!
@@ -197,6 +198,42 @@ pub fn shard_meshes(gpus: u32, nodes: u32) -> Vec<Shard> {
     out
 }
 
+/// The shardings a pipeline split is searched with: the ZeRO presets over a stage's
+/// data-parallel mesh of `gpus` x `nodes` (ddp, ZeRO-1, ZeRO-2, ZeRO-3). Every mesh triple per
+/// split would multiply the search by the splits (some 30 of them on 1,024 GPUs) for meshes
+/// that pipelines, which already cut each rank's state by p, rarely need.
+fn stage_presets(gpus: u32, nodes: u32) -> Vec<Shard> {
+    let one = Mesh { intra: 1, inter: 1 };
+    let full = Mesh {
+        intra: gpus,
+        inter: nodes,
+    };
+    let mut out = vec![
+        Shard {
+            params: one,
+            grads: one,
+            optimizer: one,
+        },
+        Shard {
+            params: one,
+            grads: one,
+            optimizer: full,
+        },
+        Shard {
+            params: one,
+            grads: full,
+            optimizer: full,
+        },
+        Shard {
+            params: full,
+            grads: full,
+            optimizer: full,
+        },
+    ];
+    out.dedup();
+    out
+}
+
 /// Every structure for a job's nodes and GPUs (see the module doc for what is left out).
 pub fn structures(base: &Job) -> Vec<Structure> {
     splits(base)
@@ -212,7 +249,12 @@ fn split_structures(base: &Schedule, split: Split) -> Vec<Structure> {
     let nodes = ranks / gpus;
     let ranks = u64::from(ranks);
     let mut out = vec![];
-    for shard in shard_meshes(gpus, nodes) {
+    let shards = if split.stages == 1 {
+        shard_meshes(gpus, nodes)
+    } else {
+        stage_presets(gpus, nodes)
+    };
+    for shard in shards {
         let params_sharded = shard.params.size() > 1;
         let mut reshards = vec![ReshardAfterForward::True];
         if params_sharded {
