@@ -9,7 +9,8 @@ use sched_ir::timeline::{emit_trace, Trace};
 use sched_ir::timeline::{RankTimeline, Timeline};
 use std::time::Duration;
 
-/// A step whose spans lack an op of some rank (or name no rank): there is no trace to write.
+/// A step whose spans lack an op of some rank (an op of the rank's pipeline stage), or name no
+/// rank: there is no trace to write.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
 #[error("the backend did not time every op of the step")]
 pub struct Untimed;
@@ -35,7 +36,19 @@ pub fn measured(plan: &Plan, time: Duration, spans: &[OpSpan]) -> Result<Trace, 
         rt.start[s.op.index()] = s.start.as_secs_f64();
         rt.end[s.op.index()] = s.end.as_secs_f64();
     }
-    if ranks.is_empty() || ranks.iter().any(|r| r.start.iter().any(|t| t.is_nan())) {
+    // A rank runs its pipeline stage's ops only; the others stay untimed (NaN) in its timeline.
+    let p = &plan.program;
+    let mine = |rank: u32, op: usize| {
+        let o = &p.ops[sched_ir::ir::OpId::new(op)];
+        p.streams[o.stream].stage == p.layout.stage(rank)
+    };
+    let missing = |r: &RankTimeline| {
+        r.start
+            .iter()
+            .enumerate()
+            .any(|(op, t)| t.is_nan() && mine(r.rank, op))
+    };
+    if ranks.is_empty() || ranks.iter().any(missing) {
         return Err(Untimed);
     }
     let timeline = Timeline {

@@ -240,6 +240,57 @@ fn a_measured_trace_has_every_op_of_every_rank_in_issue_order() {
     assert!(!refused.exists());
 }
 
+/// A pipeline's measured trace: each rank's slices are the ops of its own stage's streams, in
+/// issue order; no rank shows another stage's op.
+#[test]
+fn a_measured_pipeline_trace_shows_each_rank_its_stage() {
+    let path = temp("pipeline.trace.json");
+    let out = schedrun(&[
+        "schedules/tiny_pipeline.sched",
+        "--steps",
+        "2",
+        "--trace",
+        path.to_str().unwrap(),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let plan =
+        schedrun::plan::Plan::load(&root().join("schedules/tiny_pipeline.sched"), None).unwrap();
+    let p = &plan.program;
+    let trace: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let slices: Vec<&Value> = trace["traceEvents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["ph"] == "X")
+        .collect();
+    let mut per_rank = vec![0usize; 4];
+    for (stream, ops) in plan.stream_ops.iter() {
+        let stage = p.streams[stream].stage;
+        for rank in 0..4u32 {
+            let on: Vec<&Value> = slices
+                .iter()
+                .copied()
+                .filter(|e| e["pid"] == u64::from(rank) && e["tid"] == u64::from(stream.as_u32()))
+                .collect();
+            let want = if p.layout.stage(rank) == stage {
+                ops.len()
+            } else {
+                0
+            };
+            assert_eq!(on.len(), want, "rank {rank}, {stream} of stage {stage}");
+            per_rank[rank as usize] += on.len();
+        }
+    }
+    assert!(
+        per_rank.iter().all(|&n| n > 0) && per_rank[0] != per_rank[2],
+        "{per_rank:?}"
+    );
+}
+
 /// Whether this machine can run the CUDA backend (then the tests of its absence do not apply).
 fn cuda_here() -> bool {
     schedrun::backend::cuda::probe().is_ok()
