@@ -4,8 +4,9 @@
 //! model, seed and data on d ranks with `micro_steps` = m: micro-batch i of data-parallel rank
 //! j is the twin's micro-step i on rank j), within 1e-5, also under the stress mode's delays.
 //!
-//! The jobs are built here from the tiny ZeRO-3 job with the pipeline set directly, so these
-//! tests pin the lowering, the proofs and the runtime independently of the language.
+//! Two sets: the examples users start from (`schedules/tiny_pipeline*.sched`, through the
+//! language), and jobs built here from the tiny ZeRO-3 job with the pipeline set directly, which
+//! pin the lowering, the proofs and the runtime independently of the language.
 
 mod common;
 
@@ -80,6 +81,32 @@ fn check(job: &Job, options: RunOptions, steps: u64, what: &str) {
     let plan = plan_of(job);
     let (losses, weights, _) = train(plan.clone(), CpuBackend::new(plan, options), steps);
     assert_parity(job, &(losses, weights), &want, what);
+}
+
+/// Every schedule of the pipeline examples (`schedules/tiny_pipeline*.sched`).
+fn examples() -> Vec<Job> {
+    let mut out = vec![];
+    for f in ["tiny_pipeline.sched", "tiny_pipeline_schedules.sched"] {
+        let path = common::schedules_dir().join(f);
+        let a = schedc::analyze(&path, &schedc::FsLoader).unwrap();
+        assert!(!a.has_errors(), "{}", a.render());
+        out.extend(a.jobs.iter().cloned());
+    }
+    assert!(out.len() >= 6, "the pipeline examples went missing");
+    out
+}
+
+#[test]
+fn the_pipeline_examples_match_the_reference() {
+    for job in examples() {
+        check(&job, RunOptions::default(), STEPS, "plain");
+        let options = RunOptions {
+            jitter: Some(Duration::from_micros(300)),
+            jitter_seed: 5,
+            ..RunOptions::default()
+        };
+        check(&job, options, 3, "jitter");
+    }
 }
 
 fn jobs() -> Vec<Job> {
