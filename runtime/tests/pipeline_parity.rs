@@ -109,6 +109,23 @@ fn the_pipeline_examples_match_the_reference() {
     }
 }
 
+#[path = "../../compiler/tests/sweep/mod.rs"]
+mod sweep;
+
+/// Every fourth schedule of the compiler's pipeline sweep (8-layer model, 8 and 2 x 4 ranks,
+/// every schedule, preset and switch), 6 steps each.
+#[test]
+fn a_sample_of_the_sweep_matches_the_reference() {
+    let loader = schedc::MemLoader::default().with("/sweep/s.sched", &sweep::text());
+    let a = schedc::analyze(std::path::Path::new("/sweep/s.sched"), &loader).unwrap();
+    assert!(!a.has_errors(), "{}", a.render());
+    let sample: Vec<&Job> = a.jobs.iter().step_by(4).collect();
+    assert!(sample.len() >= 12);
+    for job in sample {
+        check(job, RunOptions::default(), 6, "sweep");
+    }
+}
+
 fn jobs() -> Vec<Job> {
     use PipelineSchedule::*;
     vec![
