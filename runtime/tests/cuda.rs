@@ -227,6 +227,55 @@ schedule m { model = tiny_gpt  cluster = cpu2x2  preset = mics(partition = 2) }
     }
 }
 
+/// Runs everywhere: a pipeline's send and its receive are issued on different stages' streams,
+/// and must meet on one NCCL communicator: the key both ends compute for each transfer is the
+/// same, and each rank joins only the groups it is a member of.
+#[test]
+fn the_two_ends_of_a_transfer_share_their_communicator() {
+    let job = jobs(
+        r#"
+import "models/tiny.sched"
+import "clusters/cpu.sched"
+schedule m {
+    model = tiny_llama  cluster = cpu4  micro_steps = 4  preset = zero1
+    pipeline { stages = 2  layers = [2, 2] }
+}
+"#,
+    )
+    .remove(0);
+    let plan = plan_of(&job);
+    let p = &plan.program;
+    let mut ends: std::collections::BTreeMap<u32, [std::collections::BTreeSet<u32>; 2]> =
+        Default::default();
+    for op in p.ops.values() {
+        for c in op.collectives() {
+            let side = match c.kind {
+                sched_ir::job::Collective::Send => 0,
+                sched_ir::job::Collective::Recv => 1,
+                _ => continue,
+            };
+            ends.entry(c.comm.as_u32()).or_default()[side]
+                .insert(cuda::comm_stream(&plan, op.stream));
+        }
+    }
+    assert_eq!(ends.len(), 2, "one communicator each way");
+    for (comm, [sends, recvs]) in &ends {
+        assert_eq!(
+            sends, recvs,
+            "comm{comm}: both ends' streams name one communicator"
+        );
+    }
+    for r in 0..plan.ranks() {
+        for k in cuda::rank_keys(&plan, r) {
+            let groups = &p.comms.values().nth(k.comm as usize).unwrap().groups;
+            assert!(
+                groups[k.group as usize].contains(&r),
+                "rank {r} joins {k:?}"
+            );
+        }
+    }
+}
+
 /// Each one-rank job of `schedules` trained 20 steps on the GPU and on the CPU backend: losses
 /// within `loss_tol` relative, final weights within `weight_tol` (when given), and the device
 /// arena exactly the plan's.

@@ -99,12 +99,18 @@ pub fn comm_keys(plan: &Plan) -> Vec<CommKey> {
                 keys.insert(CommKey {
                     comm: c.comm.index() as u32,
                     group: g as u32,
-                    stream: op.stream.index() as u32,
+                    stream: comm_stream(plan, op.stream),
                 });
             }
         }
     }
     keys.into_iter().collect()
+}
+
+/// The stream part of the communicator key of a collective issued on `stream`: its role (see
+/// [`CommKey`]).
+pub fn comm_stream(plan: &Plan, stream: sched_ir::ir::StreamId) -> u32 {
+    plan.program.streams[stream].role as u32
 }
 
 /// The communicators `rank` is a member of (its group of each).

@@ -19,8 +19,11 @@ use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
 /// One NCCL communicator a rank needs: the plan's communicator `comm`, its group `group`, used on
-/// the plan's stream `stream`. cudarc binds a communicator to one stream, so a communicator
-/// group used on two streams needs two NCCL communicators, each with its own unique id.
+/// the streams of role `stream` ([`super::comm_stream`]). cudarc binds a communicator to one
+/// stream, so a communicator group used on two streams needs two NCCL communicators, each with
+/// its own unique id. The role, not the stream's id, names it: a pipeline's stages have streams
+/// of their own, and a transfer's two ends issue it on their stages' streams of one role, which
+/// must share the communicator (a rank has one stream of each role).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct CommKey {
     pub comm: u32,

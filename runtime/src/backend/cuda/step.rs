@@ -426,7 +426,7 @@ impl CudaBackend {
         stream: &cudarc::driver::CudaStream,
     ) -> Result<(), CudaError> {
         let p = &*self.plan;
-        let s = p.program.ops[op].stream.index() as u32;
+        let s = super::comm_stream(p, p.program.ops[op].stream);
         nccl::group_start()?;
         for c in cs {
             let (g, _) = p.members[c.comm][self.rank as usize];
