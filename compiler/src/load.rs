@@ -9,7 +9,7 @@
 
 use crate::pipeline::CompileError;
 use crate::sema::{analyze, Analysis, FsLoader, SelectError};
-use sched_ir::job::Job;
+use sched_ir::job::{Job, PipelineSchedule};
 pub use sched_verify::plan::is_plan_text;
 use sched_verify::plan::{read_verified, PlanError};
 use sched_verify::{Rejected, Verified};
@@ -58,14 +58,28 @@ pub enum LoadError {
         #[source]
         rejected: Rejected,
     },
-    /// The schedule did not compile (an unmeetable `max_live` is the user's; the rest are bugs).
+    /// The schedule did not compile (an unmeetable `max_live` is the user's, and so is a custom
+    /// pipeline order the verifier refuses; the rest are bugs).
     #[error("{}", compile_message(schedule, error))]
     Compile {
         path: PathBuf,
         schedule: String,
+        /// The schedule's pipeline runs the user's own order (`schedule = custom`), lowered as
+        /// written: a refused program is that order's fault.
+        custom_order: bool,
         #[source]
         error: CompileError,
     },
+}
+
+/// What a refused compiled program says: a custom pipeline order that cannot run is the user's;
+/// any other refused program is the compiler's fault.
+pub fn refused(schedule: &str, custom_order: bool) -> String {
+    if custom_order {
+        format!("the custom pipeline order of `{schedule}` cannot run: the program it lowers to is refused")
+    } else {
+        format!("the compiled program for `{schedule}` fails verification")
+    }
 }
 
 fn compile_message(schedule: &str, error: &CompileError) -> String {
@@ -84,7 +98,14 @@ impl LoadError {
             | LoadError::Select { .. }
             | LoadError::Plan { .. }
             | LoadError::Unverified { .. } => true,
-            LoadError::Compile { error, .. } => matches!(error, CompileError::Lower(_)),
+            LoadError::Compile {
+                error,
+                custom_order,
+                ..
+            } => {
+                matches!(error, CompileError::Lower(_))
+                    || (*custom_order && matches!(error, CompileError::Verify(_)))
+            }
         }
     }
 
@@ -101,9 +122,11 @@ impl LoadError {
             LoadError::Compile {
                 error: CompileError::Verify(rejected),
                 schedule,
+                custom_order,
                 ..
             } => format!(
-                "the compiled program for `{schedule}` fails verification ({} errors):\n\n{}",
+                "{} ({} errors):\n\n{}",
+                refused(schedule, *custom_order),
                 rejected.errors.len(),
                 rejected.render(errors, context)
             ),
@@ -165,6 +188,7 @@ pub fn load(path: &Path, schedule: Option<&str>) -> Result<Loaded, LoadError> {
         Err(error) => Err(LoadError::Compile {
             path: path.to_path_buf(),
             schedule: job.schedule.name.clone(),
+            custom_order: job.schedule.pipeline.schedule == PipelineSchedule::Custom,
             error,
         }),
     }

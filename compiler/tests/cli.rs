@@ -65,6 +65,30 @@ fn errors_go_to_stderr_with_location_and_exit_1() {
     assert!(err.contains("unknown model `m`"), "{err}");
 }
 
+/// A custom pipeline order whose stages wait on each other is the input's fault: exit 1, the
+/// cycle named, no plan written.
+#[test]
+fn a_deadlocking_custom_order_exits_1_with_its_cycle() {
+    let dir = scratch("crossed");
+    let model = "model u {\n    dtype = bf16\n    seq_len = 128\n    layer embed = embedding(vocab = 256, hidden = 64)\n    layer block[2] = transformer(hidden = 64, heads = 4, ffn = 256)\n    layer head = lm_head(hidden = 64, vocab = 256)\n}\n";
+    let src = format!(
+        "{CLUSTER}\n{model}\nschedule crossed {{\n    model = u;  cluster = c;  nodes = 1;  gpus_per_node = 2;  micro_steps = 2\n    pipeline {{\n        stages = 2;  schedule = custom;  layers = [2, 2]\n        order {{\n            stage 0 = \"F0 B0 F1 B1\"\n            stage 1 = \"F0 F1 B0 B1\"\n        }}\n    }}\n}}\n"
+    );
+    std::fs::write(dir.join("crossed.sched"), src).unwrap();
+    let out = schedc(
+        &["compile", "crossed.sched", "-o", "crossed.plan.json"],
+        &dir,
+    );
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out.stderr));
+    let stderr = text(&out.stderr);
+    assert!(
+        stderr.contains("the custom pipeline order of `crossed` cannot run")
+            && stderr.contains("closes the cycle"),
+        "{stderr}"
+    );
+    assert!(!dir.join("crossed.plan.json").exists());
+}
+
 #[test]
 fn warnings_alone_exit_0() {
     let dir = scratch("check_warn");

@@ -276,11 +276,15 @@ fn compile(
             return report_broken(&what, &program, &errors, Status::Fault);
         }
         Err(schedc::CompileError::Verify(sched_verify::Rejected { program, errors })) => {
-            let what = format!(
-                "the compiled program for `{}` fails verification",
-                job.schedule.name
-            );
-            return report_broken(&what, &program, &errors, Status::Fault);
+            // A custom pipeline order is lowered as written: its refusal is the input's fault.
+            let custom = job.schedule.pipeline.schedule == sched_ir::job::PipelineSchedule::Custom;
+            let what = schedc::load::refused(&job.schedule.name, custom);
+            let status = if custom {
+                Status::BadInput
+            } else {
+                Status::Fault
+            };
+            return report_broken(&what, &program, &errors, status);
         }
     };
     let text = match emit {
