@@ -170,6 +170,41 @@ pub fn saved_elements(kind: &LayerKind, model: &Model) -> SavedElements {
     }
 }
 
+/// fp32 elements a layer's input-gradient backward (`I`) stashes for its weight-gradient
+/// backward (`W`) in one micro-step: the gradients of the outputs of the products and norms
+/// whose parameter gradients `W` computes and `I` does not keep anywhere else, t = the
+/// micro-batch's tokens:
+/// - transformer: the gradient of ln1's output, of the qkv product's output (after the rotary
+///   backward), of the projection's output (the residual stream's), of ln2's output, and of
+///   the MLP's first product (its pre-activation; SwiGLU: the gate's and the up product's);
+/// - mlp: its norm's output gradient and its first product's, as above;
+/// - lm_head: its norm's output gradient (the head product's output gradient is the logits'
+///   gradient, which `W` reads where the loss wrote it);
+/// - embedding and dense: nothing (an embedding's `W` reads its output gradient).
+///
+/// The MLP's last product's output gradient is the layer's output gradient, which `W` reads
+/// where it is.
+pub fn stash_elements(kind: &LayerKind, model: &Model) -> u64 {
+    tokens(model) * stash_per_token(kind)
+}
+
+/// [`stash_elements`] per token of the micro-batch.
+pub fn stash_per_token(kind: &LayerKind) -> u64 {
+    let mlp = |f: u64, act: Activation| match act {
+        Activation::Gelu => f,
+        Activation::SwiGlu => 2 * f,
+    };
+    match *kind {
+        LayerKind::Embedding { .. } | LayerKind::Dense { .. } => 0,
+        LayerKind::Transformer(tr) => {
+            let width = tr.hidden + 2 * tr.kv_dim();
+            3 * tr.hidden + width + mlp(tr.ffn, tr.act)
+        }
+        LayerKind::Mlp(m) => m.hidden + mlp(m.ffn, m.act),
+        LayerKind::LmHead { hidden, .. } => hidden,
+    }
+}
+
 /// Bytes of the hidden state a layer outputs in one micro-step (logits for an lm_head).
 pub fn output_bytes(kind: &LayerKind, model: &Model) -> u64 {
     output_elements(kind, model) * model.dtype.bytes()

@@ -173,7 +173,7 @@ pub struct OpFile {
     pub ops: Vec<CollectiveFile>,
 }
 
-const KINDS: [(BufferKind, &str); 10] = [
+const KINDS: [(BufferKind, &str); 11] = [
     (BufferKind::ParamShard, "param_shard"),
     (BufferKind::GradShard, "grad_shard"),
     (BufferKind::OptimizerShard, "optimizer_shard"),
@@ -184,6 +184,7 @@ const KINDS: [(BufferKind, &str); 10] = [
     (BufferKind::Activation, "activation"),
     (BufferKind::Hidden, "hidden"),
     (BufferKind::Workspace, "workspace"),
+    (BufferKind::Stash, "stash"),
 ];
 const ROLES: [(OpRole, &str); 6] = [
     (OpRole::Compute, "compute"),
@@ -203,7 +204,7 @@ const STREAM_ROLES: [StreamRole; 7] = [
     StreamRole::P2p,
 ];
 const SCOPES: [Scope; 3] = [Scope::Intra, Scope::Inter, Scope::Mixed];
-const COMPUTE: [ComputeKind; 8] = [
+const COMPUTE: [ComputeKind; 10] = [
     ComputeKind::Forward,
     ComputeKind::Recompute,
     ComputeKind::Backward,
@@ -212,6 +213,8 @@ const COMPUTE: [ComputeKind; 8] = [
     ComputeKind::Accumulate,
     ComputeKind::Copy,
     ComputeKind::GradNorm,
+    ComputeKind::BackwardInput,
+    ComputeKind::BackwardWeight,
 ];
 
 /// A buffer kind's name in plan files.

@@ -171,6 +171,8 @@ impl Work {
         match kind {
             ComputeKind::Forward | ComputeKind::Loss => Work::Action(ActionKind::F),
             ComputeKind::Backward | ComputeKind::Recompute => Work::Action(ActionKind::B),
+            ComputeKind::BackwardInput => Work::Action(ActionKind::I),
+            ComputeKind::BackwardWeight => Work::Action(ActionKind::W),
             ComputeKind::Update | ComputeKind::GradNorm => Work::Optimizer,
             ComputeKind::Accumulate | ComputeKind::Copy => Work::Other,
         }

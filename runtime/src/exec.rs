@@ -15,6 +15,15 @@
 //!   gradient regions it adds onto and a tied head's embedding parameters; writes the gradient of
 //!   its input (not for the first layer), then its parameter-gradient regions — a region that is
 //!   also read is added onto, any other is overwritten — and a tied head's embedding gradient.
+//! - `backward_input` (a pipeline's `I`): reads parameters, saved activations, the gradient of
+//!   its output, its input (not for the first layer) and a tied head's embedding parameters;
+//!   writes the gradient of its input (not for the first layer) and its stash (when
+//!   `sched_ir::abi::stash_elements` is not zero): the fp32 gradients `backward_weight` needs.
+//! - `backward_weight` (a pipeline's `W`, after its `I`): reads parameters, saved activations,
+//!   the stash (when there is one), the gradient of its output, its input (not for the first
+//!   layer), then gradient regions it adds onto and a tied head's embedding parameters; writes
+//!   its parameter-gradient regions (as `backward` does) and a tied head's embedding gradient.
+//!   `backward_input` then `backward_weight` compute what `backward` computes.
 //! - `loss`: reads the logits, writes their gradient.
 //! - `update`: reads the optimizer-shard gradient, the optimizer state and, with clipping, the
 //!   all-reduced sum of squares; writes the state and the rank's part of the param shard.
@@ -102,6 +111,8 @@ pub enum DecodeError {
 pub enum OpMismatch {
     #[error("names no layer")]
     NoLayer,
+    #[error("is a split backward, which this schedrun does not run yet")]
+    SplitBackward,
     #[error("reads no {0}")]
     MissingRead(&'static str),
     #[error("writes no {0}")]
@@ -239,6 +250,9 @@ fn decode_op(
         }
     };
     let action = match kind {
+        ComputeKind::BackwardInput | ComputeKind::BackwardWeight => {
+            return Err(OpMismatch::SplitBackward)
+        }
         ComputeKind::Forward | ComputeKind::Recompute => {
             let layer = need_layer()?;
             let has_params = model.layers[layer].params > 0;

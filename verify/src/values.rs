@@ -580,7 +580,11 @@ impl Run<'_> {
         let term = op.layer.map_or(0, |l| l.as_u32());
         let padded = self.p.layers[self.layer].padded;
         match kind {
-            ComputeKind::Forward | ComputeKind::Recompute | ComputeKind::Backward => {
+            ComputeKind::Forward
+            | ComputeKind::Recompute
+            | ComputeKind::Backward
+            | ComputeKind::BackwardInput
+            | ComputeKind::BackwardWeight => {
                 for r in reads
                     .iter()
                     .filter(|r| self.mine(r.buffer) && is_param(self.p.buffers[r.buffer].kind))
@@ -603,7 +607,8 @@ impl Run<'_> {
                         }
                     }
                 }
-                if kind == ComputeKind::Backward {
+                // The whole backward, or its weight half, contributes the gradient.
+                if matches!(kind, ComputeKind::Backward | ComputeKind::BackwardWeight) {
                     let targets: Vec<Region> = writes
                         .iter()
                         .filter(|w| self.mine(w.buffer) && is_grad(self.p.buffers[w.buffer].kind))

@@ -259,11 +259,14 @@ impl CostModel {
     }
 
     /// Forward and backward seconds of one product of a layer (m = tokens): the product itself,
-    /// then the input's gradient (m×k, inner size n) and the weight's (k×n, inner size m).
-    fn product(&self, m: f64, n: f64, k: f64) -> (f64, f64) {
+    /// then the input's gradient (m×k, inner size n) and the weight's (k×n, inner size m); and
+    /// the weight's part alone (what a split backward's `W` runs).
+    fn product(&self, m: f64, n: f64, k: f64) -> (f64, f64, f64) {
+        let weight = self.gemm_seconds(k, n, m);
         (
             self.gemm_seconds(m, n, k),
-            self.gemm_seconds(m, k, n) + self.gemm_seconds(k, n, m),
+            self.gemm_seconds(m, k, n) + weight,
+            weight,
         )
     }
 
@@ -278,6 +281,23 @@ impl CostModel {
             }
             ComputeKind::Backward => {
                 w.backward_s + mem(2.0 * w.bytes + w.backward_bytes) + launch(2.0 * w.kernels)
+            }
+            // An embedding has no input gradient: its whole backward is the weight's.
+            ComputeKind::BackwardInput if matches!(layer.kind, LayerKind::Embedding { .. }) => 0.0,
+            ComputeKind::BackwardWeight if matches!(layer.kind, LayerKind::Embedding { .. }) => {
+                self.compute_seconds(layer, ComputeKind::Backward)
+            }
+            // The input's half: everything but the weight products, and the stash written.
+            ComputeKind::BackwardInput => {
+                let stash = self.tokens * sched_ir::abi::stash_per_token(&layer.kind) as f64 * 4.0;
+                (w.backward_s - w.weight_s)
+                    + mem(2.0 * w.bytes + w.backward_bytes + stash)
+                    + launch(2.0 * w.kernels)
+            }
+            // The weight products, from the saved inputs and the stash.
+            ComputeKind::BackwardWeight => {
+                let stash = self.tokens * sched_ir::abi::stash_per_token(&layer.kind) as f64 * 4.0;
+                w.weight_s + mem(w.bytes + stash) + launch(w.kernels)
             }
             ComputeKind::Loss => match layer.kind {
                 // Read the logits, a max/sum pass, write their gradient: two kernels.
@@ -350,6 +370,7 @@ impl CostModel {
                 Work {
                     forward_s: qkv.0 + out.0 + attn_fwd + mlp.forward_s,
                     backward_s: qkv.1 + out.1 + attn_bwd + mlp.backward_s,
+                    weight_s: qkv.2 + out.2 + mlp.weight_s,
                     // Attention norm (read, write), rotary on q and k, residual add.
                     bytes: t * d * (2.0 * h + 2.0 * (h + kv) + 3.0 * h) + probs_bytes + mlp.bytes,
                     backward_bytes: probs_bytes / 2.0,
@@ -359,10 +380,12 @@ impl CostModel {
             }
             LayerKind::Mlp(m) => self.mlp_work(t, m.hidden as f64, m.ffn as f64, m.act, d),
             LayerKind::LmHead { hidden, vocab, .. } => {
-                let (forward_s, backward_s) = self.product(t, vocab as f64, hidden as f64);
+                let (forward_s, backward_s, weight_s) =
+                    self.product(t, vocab as f64, hidden as f64);
                 Work {
                     forward_s,
                     backward_s,
+                    weight_s,
                     // Final norm, and the logits written.
                     bytes: t * d * (2.0 * hidden as f64 + vocab as f64),
                     kernels: 2.0,
@@ -377,6 +400,7 @@ impl CostModel {
                 // No shapes: at `efficiency`, as a large product.
                 forward_s: flops_per_token * t / self.matmul_flops,
                 backward_s: 2.0 * flops_per_token * t / self.matmul_flops,
+                weight_s: flops_per_token * t / self.matmul_flops,
                 bytes: activation_bytes_per_token as f64 * t,
                 kernels: 2.0,
                 ..Work::default()
@@ -395,6 +419,7 @@ impl CostModel {
         Work {
             forward_s: ins * up.0 + down.0,
             backward_s: ins * up.1 + down.1,
+            weight_s: ins * up.2 + down.2,
             // Norm (read, write), activation, residual add.
             bytes: t * d * (2.0 * h + act_bytes + 3.0 * h),
             backward_bytes: 0.0,
@@ -580,6 +605,8 @@ fn interpolate(points: &[(u64, f64)], size: u64) -> f64 {
 struct Work {
     forward_s: f64,
     backward_s: f64,
+    /// The weight products' part of `backward_s`.
+    weight_s: f64,
     bytes: f64,
     backward_bytes: f64,
     kernels: f64,

@@ -273,6 +273,10 @@ pub enum BufferKind {
     /// A stream's workspace: the GEMM library's, then its compute ops' fp32 scratch (transient,
     /// touched only by that stream's ops).
     Workspace,
+    /// What a layer's input-gradient backward (`I`) leaves for its weight-gradient backward
+    /// (`W`) in one micro-step: the gradients of its products' outputs, fp32
+    /// (`crate::abi::stash_elements`).
+    Stash,
 }
 
 impl BufferKind {
@@ -421,6 +425,12 @@ pub enum ComputeKind {
     /// Gradient clipping (`train.clip`): the sum of squares of every layer's optimizer-shard
     /// gradient on this rank, into a one-element fp32 buffer (see "Gradient clipping" above).
     GradNorm,
+    /// The backward for the input gradient only (a pipeline's `I`): the gradient of the layer's
+    /// input, and its stash for the weight gradients.
+    BackwardInput,
+    /// The backward for the parameter gradients only (a pipeline's `W`), after its
+    /// `BackwardInput`, from the saved activations and the stash.
+    BackwardWeight,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -482,6 +492,8 @@ impl Op {
             ComputeKind::Accumulate => "accumulate",
             ComputeKind::Copy => "copy",
             ComputeKind::GradNorm => "grad_norm",
+            ComputeKind::BackwardInput => "backward_input",
+            ComputeKind::BackwardWeight => "backward_weight",
         }
     }
 
