@@ -9,7 +9,9 @@
 //! - layer `l`'s forward (and recompute) of micro-step `m` reads exactly the input of layer `l`
 //!   of micro-step `m` (the first layer reads tokens);
 //! - its backward reads the gradient of its output and, past the first layer, its input, both of
-//!   micro-step `m`, and its saved activations of micro-step `m`;
+//!   micro-step `m`, and its saved activations of micro-step `m`; so do its input-gradient half
+//!   (`I`), which stashes for its weight half (`W`), and its weight half, which also reads that
+//!   stash of micro-step `m`;
 //! - the loss of micro-step `m` reads the logits of micro-step `m`;
 //! - what each op writes is what it computes: a forward the input of layer `l + 1`, a backward
 //!   the gradient of its input, the loss the gradient of the logits, a recompute or forward the
@@ -33,6 +35,8 @@ enum Value {
     Hidden { layer: u32, micro: u32, grad: bool },
     /// What layer `layer`'s forward saved in micro-step `micro`.
     Saved { layer: u32, micro: u32 },
+    /// What layer `layer`'s input-gradient backward stashed for its weight half.
+    Stash { layer: u32, micro: u32 },
 }
 
 impl Value {
@@ -55,12 +59,21 @@ impl Value {
                     .get(LayerId::from_u32(layer))
                     .map_or("a layer", |x| x.name.as_str())
             ),
+            Value::Stash { layer, micro } => format!(
+                "what {}'s input-gradient backward stashed in micro-step {micro}",
+                p.layers
+                    .get(LayerId::from_u32(layer))
+                    .map_or("a layer", |x| x.name.as_str())
+            ),
         }
     }
 }
 
 fn tracked(b: &Buffer) -> bool {
-    matches!(b.kind, BufferKind::Hidden | BufferKind::Activation)
+    matches!(
+        b.kind,
+        BufferKind::Hidden | BufferKind::Activation | BufferKind::Stash
+    )
 }
 
 pub fn check(p: &Program) -> Vec<VerifyError> {
@@ -225,6 +238,26 @@ impl Run<'_> {
                     (l > 0).then(|| hidden(l, true)).into_iter().collect(),
                 )
             }
+            (ComputeKind::BackwardInput, Some(l)) => {
+                let mut reads = vec![hidden(l + 1, true), Value::Saved { layer: l, micro: m }];
+                let mut writes = vec![Value::Stash { layer: l, micro: m }];
+                if l > 0 {
+                    reads.push(hidden(l, false));
+                    writes.push(hidden(l, true));
+                }
+                (reads, writes)
+            }
+            (ComputeKind::BackwardWeight, Some(l)) => {
+                let mut reads = vec![
+                    hidden(l + 1, true),
+                    Value::Saved { layer: l, micro: m },
+                    Value::Stash { layer: l, micro: m },
+                ];
+                if l > 0 {
+                    reads.push(hidden(l, false));
+                }
+                (reads, vec![])
+            }
             (ComputeKind::Loss, _) => (vec![hidden(n, false)], vec![hidden(n, true)]),
             _ => {
                 self.clobber(id);
@@ -275,6 +308,7 @@ impl Run<'_> {
                     (v, b.kind),
                     (Value::Hidden { .. }, BufferKind::Hidden)
                         | (Value::Saved { .. }, BufferKind::Activation)
+                        | (Value::Stash { .. }, BufferKind::Stash)
                 )
             });
             match value {

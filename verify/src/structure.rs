@@ -266,7 +266,11 @@ fn workspaces(p: &Program, err: &mut impl FnMut(Option<OpId>, String)) {
         };
         let layer_math = matches!(
             kind,
-            ComputeKind::Forward | ComputeKind::Recompute | ComputeKind::Backward
+            ComputeKind::Forward
+                | ComputeKind::Recompute
+                | ComputeKind::Backward
+                | ComputeKind::BackwardInput
+                | ComputeKind::BackwardWeight
         );
         let write = op.writes.iter().find(|r| r.buffer == ws.buffer);
         let right = write.is_some_and(|r| match r.offset {

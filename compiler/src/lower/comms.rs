@@ -31,9 +31,18 @@ pub(super) enum CommKind {
     HierInter,
     /// Hierarchical all-gather stage 3: the params group's ranks on one node.
     HierIntra,
-    /// Pipeline transfers from stage `from` to stage `to`: pairs of ranks with the same
-    /// data-parallel index, the sender first. Only the ranks of the two stages are members.
-    P2p { from: u32, to: u32 },
+    /// Pipeline transfers from stage `from` to stage `to` of the hidden state entering layer
+    /// `boundary` (its gradient with `grad`): pairs of ranks with the same data-parallel index,
+    /// the sender first; only the ranks of the two stages are members. One communicator per
+    /// boundary and direction, so that each carries one chunk's transfers in micro-batch order
+    /// on both ends (a V schedule sends activations and gradients between the same two stages,
+    /// in orders that differ between its ends).
+    P2p {
+        from: u32,
+        to: u32,
+        boundary: u32,
+        grad: bool,
+    },
 }
 
 impl Builder<'_> {
@@ -122,8 +131,20 @@ impl Builder<'_> {
                     l.groups_by(|r| u64::from(r / k), |r| secondary[r as usize]),
                 )
             }
-            CommKind::P2p { from, to } => (
-                format!("stage {from} to stage {to}"),
+            CommKind::P2p {
+                from,
+                to,
+                boundary,
+                grad,
+            } => (
+                format!(
+                    "stage {from} to stage {to}, {} layer {boundary}",
+                    if grad {
+                        "the gradient entering"
+                    } else {
+                        "the input of"
+                    }
+                ),
                 (0..l.dp_size())
                     .map(|dp| vec![l.rank_of(from, dp), l.rank_of(to, dp)])
                     .collect(),

@@ -136,20 +136,9 @@ impl Builder<'_> {
         full_grads: &mut FxHashMap<usize, BufferId>,
     ) -> Vec<OpId> {
         let id = self.layers[l].id;
-        let mut ops = vec![];
+        let mut ops = self.recompute(l, m, bwd_full);
         let params = self.params_region(l, bwd_full);
         let act = self.act_buf(l, m);
-        if self.job.schedule.recompute == Recompute::Full {
-            let mut reads: Vec<Region> = params.into_iter().collect();
-            if l > 0 {
-                let h = self.hidden_buf(false, m, l);
-                reads.push(Region::whole(h, self.p.buffers[h].bytes));
-            }
-            if let Some(a) = act {
-                let w = vec![Region::whole(a, self.p.buffers[a].bytes)];
-                ops.push(self.compute(ComputeKind::Recompute, Some(id), Some(m), reads, w));
-            }
-        }
         let mut reads: Vec<Region> = params.into_iter().collect();
         if let Some(a) = act {
             reads.push(Region::whole(a, self.p.buffers[a].bytes));
@@ -184,5 +173,136 @@ impl Builder<'_> {
         }
         ops.push(self.compute(ComputeKind::Backward, Some(id), Some(m), reads, writes));
         ops
+    }
+
+    /// With `recompute = full`, the forward of layer `l` in micro-step `m` again, from its saved
+    /// input, rewriting its saved activations before its backward.
+    fn recompute(&mut self, l: usize, m: u32, bwd_full: &FxHashMap<usize, BufferId>) -> Vec<OpId> {
+        let act = self.act_buf(l, m);
+        if self.job.schedule.recompute != Recompute::Full {
+            return vec![];
+        }
+        let Some(a) = act else { return vec![] };
+        let mut reads: Vec<Region> = self.params_region(l, bwd_full).into_iter().collect();
+        if l > 0 {
+            let h = self.hidden_buf(false, m, l);
+            reads.push(Region::whole(h, self.p.buffers[h].bytes));
+        }
+        let w = vec![Region::whole(a, self.p.buffers[a].bytes)];
+        let id = self.layers[l].id;
+        vec![self.compute(ComputeKind::Recompute, Some(id), Some(m), reads, w)]
+    }
+
+    /// Layer `l`'s stash in micro-step `m`: what its `I` leaves for its `W` (created on first
+    /// use; `None` when the layer stashes nothing).
+    fn stash_buf(&mut self, l: usize, m: u32) -> Option<BufferId> {
+        if let Some(&b) = self.stashes.get(&(l, m)) {
+            return Some(b);
+        }
+        let elems = activations::stash_elements(&self.job.model.layers[l].kind, &self.job.model);
+        (elems > 0).then(|| {
+            let id = self.layers[l].id;
+            let name = format!("{}.stash.m{m}", self.p.layers[id].name);
+            let b = self.buffer(name, BufferKind::Stash, Dtype::Fp32, elems, Some(id));
+            self.stashes.insert((l, m), b);
+            b
+        })
+    }
+
+    /// Whether layer `l` has an input-gradient half: an input gradient or a stash to make.
+    pub(super) fn has_input_half(&self, l: usize) -> bool {
+        l > 0 || activations::stash_elements(&self.job.model.layers[l].kind, &self.job.model) > 0
+    }
+
+    /// The input-gradient half of layer `l`'s backward in micro-step `m` (a pipeline's `I`),
+    /// with the recompute before it (`recompute = full`): reads what `backward` reads but the
+    /// gradients it adds onto; writes the input gradient and the stash (exec's conventions).
+    pub(super) fn backward_input(
+        &mut self,
+        l: usize,
+        m: u32,
+        bwd_full: &FxHashMap<usize, BufferId>,
+        fwd_full: &FxHashMap<usize, BufferId>,
+    ) -> Vec<OpId> {
+        let id = self.layers[l].id;
+        let mut ops = self.recompute(l, m, bwd_full);
+        let mut reads: Vec<Region> = self.params_region(l, bwd_full).into_iter().collect();
+        if let Some(a) = self.act_buf(l, m) {
+            reads.push(Region::whole(a, self.p.buffers[a].bytes));
+        }
+        let g_out = self.hidden_buf(true, m, l + 1);
+        reads.push(Region::whole(g_out, self.p.buffers[g_out].bytes));
+        let mut writes = vec![];
+        if l > 0 {
+            let h = self.hidden_buf(false, m, l);
+            reads.push(Region::whole(h, self.p.buffers[h].bytes));
+            let g_in = self.hidden_buf(true, m, l);
+            writes.push(Region::whole(g_in, self.p.buffers[g_in].bytes));
+        }
+        if let Some(e) = self.tied_embedding(l) {
+            reads.extend(self.params_region(e, fwd_full));
+        }
+        if let Some(s) = self.stash_buf(l, m) {
+            writes.push(Region::whole(s, self.p.buffers[s].bytes));
+        }
+        if !self.has_input_half(l) {
+            return ops;
+        }
+        ops.push(self.compute(ComputeKind::BackwardInput, Some(id), Some(m), reads, writes));
+        ops
+    }
+
+    /// The weight half of layer `l`'s backward in micro-step `m` (a pipeline's `W`, after its
+    /// `I`): reads the parameters, saved activations, the stash, the output gradient and the
+    /// input; writes the parameter gradients (as `backward` does) and a tied head's embedding
+    /// gradient.
+    pub(super) fn backward_weight(
+        &mut self,
+        l: usize,
+        m: u32,
+        bwd_full: &FxHashMap<usize, BufferId>,
+        fwd_full: &FxHashMap<usize, BufferId>,
+        full_grads: &mut FxHashMap<usize, BufferId>,
+    ) -> Vec<OpId> {
+        let id = self.layers[l].id;
+        let mut reads: Vec<Region> = self.params_region(l, bwd_full).into_iter().collect();
+        if let Some(a) = self.act_buf(l, m) {
+            reads.push(Region::whole(a, self.p.buffers[a].bytes));
+        }
+        if let Some(s) = self.stash_buf(l, m) {
+            reads.push(Region::whole(s, self.p.buffers[s].bytes));
+        }
+        let g_out = self.hidden_buf(true, m, l + 1);
+        reads.push(Region::whole(g_out, self.p.buffers[g_out].bytes));
+        if l > 0 {
+            let h = self.hidden_buf(false, m, l);
+            reads.push(Region::whole(h, self.p.buffers[h].bytes));
+        }
+        let mut writes = vec![];
+        if self.layers[l].has_params {
+            let g = self.grad_target(l, m, full_grads);
+            self.grad_write(m, g, &mut reads, &mut writes);
+        }
+        if let Some(e) = self.tied_embedding(l) {
+            if let Some(p) = self.params_region(e, fwd_full) {
+                reads.push(p);
+            }
+            let g = self.grad_target(e, m, full_grads);
+            let LayerKind::Embedding { vocab, hidden, .. } = self.job.model.layers[e].kind else {
+                unreachable!()
+            };
+            let wte = Region {
+                bytes: vocab * hidden * self.grad_dtype.bytes(),
+                ..g
+            };
+            self.grad_write(m, wte, &mut reads, &mut writes);
+        }
+        vec![self.compute(
+            ComputeKind::BackwardWeight,
+            Some(id),
+            Some(m),
+            reads,
+            writes,
+        )]
     }
 }

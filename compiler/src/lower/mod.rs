@@ -64,6 +64,7 @@ pub fn draft(job: &Job) -> Draft {
         hidden: FxHashMap::default(),
         grad_hidden: FxHashMap::default(),
         acts: FxHashMap::default(),
+        stashes: FxHashMap::default(),
         secondaries: FxHashMap::default(),
         optimizer_shards: vec![],
         grads_written: Default::default(),
@@ -115,6 +116,8 @@ struct Builder<'a> {
     grad_hidden: FxHashMap<(u32, usize, u32), BufferId>,
     /// Saved activations per (layer, micro-step), hpZ secondary copies, optimizer shards per layer.
     acts: FxHashMap<(usize, u32), BufferId>,
+    /// What each (layer, micro-step)'s `I` stashes for its `W`.
+    stashes: FxHashMap<(usize, u32), BufferId>,
     secondaries: FxHashMap<(usize, u32), BufferId>,
     optimizer_shards: Vec<BufferId>,
     /// Bytes of each gradient buffer already written in a micro-step (from its start).

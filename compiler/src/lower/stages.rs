@@ -25,7 +25,7 @@
 //! update waits for the last of them.
 
 use super::comms::CommKind;
-use super::step::{Buckets, MicroStepSlots};
+use super::step::{Buckets, Half, MicroStepSlots};
 use super::Builder;
 use crate::draft::Slot;
 use sched_ir::hash::FxHashMap;
@@ -37,11 +37,12 @@ impl Builder<'_> {
     /// Every stage's slots, stage after stage.
     pub(super) fn pipeline_step(&mut self) -> Vec<Slot> {
         let pipeline = self.job.schedule.pipeline.clone();
+        let plans = transfer_plans(&pipeline);
         let mut slots: Vec<Slot> = vec![];
         for stage in 0..pipeline.stages {
             self.stage = stage;
             let start = slots.len();
-            self.stage_slots(&pipeline, stage, &mut slots);
+            self.stage_slots(&pipeline, stage, &plans[stage as usize], &mut slots);
             for slot in &mut slots[start..] {
                 slot.stage = stage;
                 // Prefetch never hoists a gather out of its stage.
@@ -54,8 +55,15 @@ impl Builder<'_> {
         slots
     }
 
-    /// Stage `stage`'s slots, in the order of its actions.
-    fn stage_slots(&mut self, pipeline: &Pipeline, stage: u32, slots: &mut Vec<Slot>) {
+    /// Stage `stage`'s slots, in the order of its actions, with its transfers where `plan`
+    /// issues them.
+    fn stage_slots(
+        &mut self,
+        pipeline: &Pipeline,
+        stage: u32,
+        plan: &[TransferGroup],
+        slots: &mut Vec<Slot>,
+    ) {
         let n = self.layers.len();
         let order = &pipeline.order[stage as usize];
         let last_chunk = pipeline.chunks.len() as u32 - 1;
@@ -65,13 +73,14 @@ impl Builder<'_> {
             .collect();
         let mut last_backward: FxHashMap<u32, usize> = FxHashMap::default();
         for (k, a) in order.iter().enumerate() {
-            if a.kind == ActionKind::B {
+            if matches!(a.kind, ActionKind::B | ActionKind::W) {
                 last_backward.insert(a.chunk, k);
             }
         }
         let mut at: FxHashMap<(u32, u32), MicroStepSlots> = FxHashMap::default();
         let mut gathered: FxHashMap<(u32, u32), FxHashMap<usize, BufferId>> = FxHashMap::default();
-        let rounds = Self::rounds(pipeline, stage, order);
+        // Each action's first and last slot.
+        let (mut firsts, mut ends) = (vec![], vec![]);
         for (k, a) in order.iter().enumerate() {
             let chunk = pipeline.chunk_of(stage, a.chunk);
             let layers = pipeline.layers_of_chunk(chunk);
@@ -101,90 +110,72 @@ impl Builder<'_> {
                     at.insert((a.chunk, m), here);
                     gathered.insert((a.chunk, m), full);
                 }
-                ActionKind::B => {
-                    slots.extend(layers.clone().map(|_| Slot::default()));
-                    let mut here = at
-                        .remove(&(a.chunk, m))
-                        .expect("the order is well formed: every B follows its F");
-                    for (i, l) in layers.clone().rev().enumerate() {
+                ActionKind::B | ActionKind::I | ActionKind::W => {
+                    // I runs the layers that have an input half (not a first embedding); B and
+                    // W all of them, in reverse.
+                    let part: Range<usize> = match a.kind {
+                        ActionKind::I => {
+                            let start = (layers.start..layers.end)
+                                .find(|&l| self.has_input_half(l))
+                                .unwrap_or(layers.end);
+                            start..layers.end
+                        }
+                        _ => layers.clone(),
+                    };
+                    slots.extend(part.clone().map(|_| Slot::default()));
+                    let key = (a.chunk, m);
+                    let mut here = match a.kind {
+                        ActionKind::I => at.get(&key).map(MicroStepSlots::clone_slots),
+                        _ => at.remove(&key),
+                    }
+                    .expect("the order is well formed: every B or I follows its F, every W its I");
+                    for (i, l) in part.clone().rev().enumerate() {
                         here.backward[l] = first + i;
                     }
-                    let full = gathered.remove(&(a.chunk, m)).unwrap_or_default();
+                    let full = match a.kind {
+                        ActionKind::I => gathered.get(&key).cloned().unwrap_or_default(),
+                        _ => gathered.remove(&key).unwrap_or_default(),
+                    };
+                    let half = match a.kind {
+                        ActionKind::B => Half::Whole,
+                        ActionKind::I => Half::Input,
+                        _ => Half::Weight,
+                    };
                     let b = &buckets[a.chunk as usize];
-                    self.backward_slots(m, b, &here, &full, slots, layers.clone());
-                    if last_backward.get(&a.chunk) == Some(&k) {
+                    self.backward_slots(m, b, &here, &full, slots, (part, half));
+                    if half != Half::Input && last_backward.get(&a.chunk) == Some(&k) {
                         self.after_last_backward(b, &here, slots, layers);
                     }
-                }
-                ActionKind::I | ActionKind::W => {
-                    unreachable!("sema refuses split backward actions until they are lowered")
+                    if half == Half::Input {
+                        at.insert(key, here);
+                    }
                 }
             }
-            let round = rounds
+            ends.push(slots.len() - 1);
+            firsts.push(first);
+        }
+        // The transfers, each group before the action it precedes (after the one before it).
+        for group in plan {
+            let transfers: Vec<CollectiveOp> = group
+                .transfers
                 .iter()
-                .position(|r| r.contains(&k))
-                .expect("rounds cover the order");
-            if k == 0 {
-                let first_round = rounds[0].clone();
-                let recvs: Vec<CollectiveOp> = order[first_round]
-                    .iter()
-                    .filter_map(|b| self.transfer_in(pipeline, stage, b))
-                    .collect();
-                if let Some(op) = self.issue(recvs, OpRole::P2p, None, Some(m)) {
-                    slots[first].compute.insert(0, op);
-                }
-            }
-            if rounds[round].end != k + 1 {
-                continue;
-            }
-            // The round's sends, with the receives of the next round, in one group call.
-            let mut transfers: Vec<CollectiveOp> = order[rounds[round].clone()]
-                .iter()
-                .filter_map(|b| self.transfer_out(pipeline, stage, b))
+                .filter_map(|&(k, send)| {
+                    let a = &order[k];
+                    match send {
+                        true => self.transfer_out(pipeline, stage, a),
+                        false => self.transfer_in(pipeline, stage, a),
+                    }
+                })
                 .collect();
-            if let Some(next) = rounds.get(round + 1) {
-                for b in &order[next.clone()] {
-                    transfers.extend(self.transfer_in(pipeline, stage, b));
-                }
-            }
-            if let Some(op) = self.issue(transfers, OpRole::P2p, None, Some(m)) {
-                slots
-                    .last_mut()
-                    .expect("an action has slots")
-                    .after
-                    .push(op);
+            let micro = group.transfers.first().map(|&(k, _)| order[k].micro);
+            let Some(op) = self.issue(transfers, OpRole::P2p, None, micro) else {
+                continue;
+            };
+            match group.before {
+                0 => slots[firsts[0]].compute.insert(0, op),
+                k => slots[ends[k - 1]].after.push(op),
             }
         }
-    }
-
-    /// The stage's actions in rounds, each followed by one group call of its sends and the next
-    /// round's receives. Every action is a round of its own (Megatron's 1F1B pairing: each
-    /// action's send goes with the next action's receive), except in the steady state of
-    /// `interleaved_1f1b` (after its warm-up forwards), where a forward and the backward after
-    /// it are one round, as Megatron's interleaved schedule exchanges both directions of a
-    /// steady-state step in one batched call (paired action by action, neighbouring stages could
-    /// each be sending a gradient the other receives only later).
-    fn rounds(pipeline: &Pipeline, stage: u32, order: &[Action]) -> Vec<Range<usize>> {
-        let (p, v) = (pipeline.stages as usize, pipeline.virtual_stages as usize);
-        let forwards = order.iter().filter(|a| a.kind == ActionKind::F).count();
-        let warmup = if pipeline.schedule != PipelineSchedule::Interleaved1F1B {
-            usize::MAX
-        } else if forwards == p * v {
-            forwards // m = p: every forward warms up
-        } else {
-            ((p - stage as usize - 1) * 2 + (v - 1) * p).min(forwards)
-        };
-        let mut rounds = vec![];
-        let mut k = 0;
-        while k < order.len() {
-            let pair = k >= warmup
-                && order[k].kind == ActionKind::F
-                && order.get(k + 1).is_some_and(|b| b.kind == ActionKind::B);
-            let len = if pair { 2 } else { 1 };
-            rounds.push(k..k + len);
-            k += len;
-        }
-        rounds
     }
 
     /// The send of what action `a` of `stage` produces for another stage, if any: an `F`'s
@@ -195,36 +186,15 @@ impl Builder<'_> {
         stage: u32,
         a: &Action,
     ) -> Option<CollectiveOp> {
-        let chunk = pipeline.chunk_of(stage, a.chunk);
-        let layers = pipeline.layers_of_chunk(chunk);
-        let (peer_chunk, grad, boundary) = match a.kind {
-            ActionKind::F => (chunk + 1, false, layers.end),
-            ActionKind::B | ActionKind::I => (chunk.checked_sub(1)?, true, layers.start),
-            ActionKind::W => return None,
-        };
-        let to = self.peer_stage(pipeline, stage, peer_chunk)?;
+        let (to, grad, boundary) = send_of(pipeline, stage, a)?;
         Some(self.point_to_point(Collective::Send, stage, to, grad, a.micro, boundary))
     }
 
     /// The receive action `a` of `stage` needs from another stage before it runs, if any: an
     /// `F`'s input from the previous chunk's stage, a `B`'s output gradient from the next one's.
     fn transfer_in(&mut self, pipeline: &Pipeline, stage: u32, a: &Action) -> Option<CollectiveOp> {
-        let chunk = pipeline.chunk_of(stage, a.chunk);
-        let layers: Range<usize> = pipeline.layers_of_chunk(chunk);
-        let (peer_chunk, grad, boundary) = match a.kind {
-            ActionKind::F => (chunk.checked_sub(1)?, false, layers.start),
-            ActionKind::B | ActionKind::I => (chunk + 1, true, layers.end),
-            ActionKind::W => return None,
-        };
-        let from = self.peer_stage(pipeline, stage, peer_chunk)?;
+        let (from, grad, boundary) = recv_of(pipeline, stage, a)?;
         Some(self.point_to_point(Collective::Recv, from, stage, grad, a.micro, boundary))
-    }
-
-    /// The stage of chunk `peer`, when it exists and is not `stage` itself.
-    fn peer_stage(&self, pipeline: &Pipeline, stage: u32, peer: u32) -> Option<u32> {
-        let exists = (peer as usize) < pipeline.chunks.len();
-        let to = pipeline.stage_of_chunk(peer);
-        (exists && to != stage).then_some(to)
     }
 
     /// A send (issued by `from`) or receive (issued by `to`) of the hidden state entering layer
@@ -240,6 +210,227 @@ impl Builder<'_> {
     ) -> CollectiveOp {
         let h = self.hidden_buf(grad, m, boundary);
         let region = Region::whole(h, self.p.buffers[h].bytes);
-        self.collective(kind, CommKind::P2p { from, to }, self.dtype, region, region)
+        let comm = CommKind::P2p {
+            from,
+            to,
+            boundary: boundary as u32,
+            grad,
+        };
+        self.collective(kind, comm, self.dtype, region, region)
     }
+}
+
+/// The send action `a` of `stage` makes, if any: (to stage, gradient?, boundary layer). An
+/// `F`'s output goes to the next chunk's stage, a `B`'s or `I`'s input gradient to the previous
+/// chunk's.
+fn send_of(pipeline: &Pipeline, stage: u32, a: &Action) -> Option<(u32, bool, usize)> {
+    let chunk = pipeline.chunk_of(stage, a.chunk);
+    let layers = pipeline.layers_of_chunk(chunk);
+    let (peer, grad, boundary) = match a.kind {
+        ActionKind::F => (chunk + 1, false, layers.end),
+        ActionKind::B | ActionKind::I => (chunk.checked_sub(1)?, true, layers.start),
+        ActionKind::W => return None,
+    };
+    Some((peer_stage(pipeline, stage, peer)?, grad, boundary))
+}
+
+/// The receive action `a` of `stage` needs before it runs, if any: (from stage, gradient?,
+/// boundary layer).
+fn recv_of(pipeline: &Pipeline, stage: u32, a: &Action) -> Option<(u32, bool, usize)> {
+    let chunk = pipeline.chunk_of(stage, a.chunk);
+    let layers: Range<usize> = pipeline.layers_of_chunk(chunk);
+    let (peer, grad, boundary) = match a.kind {
+        ActionKind::F => (chunk.checked_sub(1)?, false, layers.start),
+        ActionKind::B | ActionKind::I => (chunk + 1, true, layers.end),
+        ActionKind::W => return None,
+    };
+    Some((peer_stage(pipeline, stage, peer)?, grad, boundary))
+}
+
+/// The stage of chunk `peer`, when it exists and is not `stage` itself.
+fn peer_stage(pipeline: &Pipeline, stage: u32, peer: u32) -> Option<u32> {
+    if peer as usize >= pipeline.chunks.len() {
+        return None;
+    }
+    let to = pipeline.stage_of_chunk(peer);
+    (to != stage).then_some(to)
+}
+
+/// One group call of a stage's transfers, issued before action `before` of its order (after
+/// the action before it): each (action index, whether it is that action's send, else the
+/// receive it needs).
+pub(super) struct TransferGroup {
+    before: usize,
+    transfers: Vec<(usize, bool)>,
+}
+
+/// Where every stage issues its transfers. Built-in schedules but `zbv` pair them in rounds
+/// ([`rounds`]); `zbv` and custom orders issue them in the time order of a unit-time run of the
+/// whole pipeline ([`timed_plans`]), or, when the orders cannot run even then (a custom order
+/// whose stages wait on each other), in rounds, for the verifier to name the cycle.
+fn transfer_plans(pipeline: &Pipeline) -> Vec<Vec<TransferGroup>> {
+    let timed = matches!(
+        pipeline.schedule,
+        PipelineSchedule::Zbv | PipelineSchedule::Custom
+    );
+    if timed {
+        if let Some(plans) = timed_plans(pipeline) {
+            return plans;
+        }
+    }
+    (0..pipeline.stages)
+        .map(|stage| round_plan(pipeline, stage))
+        .collect()
+}
+
+/// After each round, its sends and the next round's receives; the first round's receives
+/// before it.
+fn round_plan(pipeline: &Pipeline, stage: u32) -> Vec<TransferGroup> {
+    let order = &pipeline.order[stage as usize];
+    let rounds = rounds(pipeline, stage, order);
+    let mut out = vec![];
+    if let Some(first) = rounds.first() {
+        out.push(TransferGroup {
+            before: 0,
+            transfers: first.clone().map(|k| (k, false)).collect(),
+        });
+    }
+    for (r, round) in rounds.iter().enumerate() {
+        let mut transfers: Vec<(usize, bool)> = round.clone().map(|k| (k, true)).collect();
+        if let Some(next) = rounds.get(r + 1) {
+            transfers.extend(next.clone().map(|k| (k, false)));
+        }
+        out.push(TransferGroup {
+            before: round.end,
+            transfers,
+        });
+    }
+    out
+}
+
+/// The transfers of every stage in the time order of one run of the whole pipeline with unit
+/// times (F, I, W one tick, B two): a transfer happens when its producing action ends, on both
+/// ends at once, and each stage issues its transfers of one time as one group call, after the
+/// actions that started before that time. Both ends of every transfer then reach it at the same
+/// point of one global order, so no two stages can wait on each other (the verifier proves it
+/// of the program). `None` when the orders cannot all run (a dependency cycle).
+fn timed_plans(pipeline: &Pipeline) -> Option<Vec<Vec<TransferGroup>>> {
+    let p = pipeline.stages as usize;
+    let orders = &pipeline.order;
+    let last = pipeline.chunks.len() as u32 - 1;
+    // End time of each (kind class, chunk, micro-batch): F, or the backward (B or I).
+    let mut ends: FxHashMap<(bool, u32, u32), u32> = FxHashMap::default();
+    let mut start: Vec<Vec<u32>> = orders.iter().map(|o| vec![0; o.len()]).collect();
+    let mut end: Vec<Vec<u32>> = start.clone();
+    let (mut next, mut free) = (vec![0usize; p], vec![0u32; p]);
+    loop {
+        let mut progress = false;
+        for s in 0..p {
+            while let Some(a) = orders[s].get(next[s]) {
+                let chunk = pipeline.chunk_of(s as u32, a.chunk);
+                let dep = match a.kind {
+                    ActionKind::F if chunk > 0 => Some((false, chunk - 1)),
+                    ActionKind::B | ActionKind::I if chunk < last => Some((true, chunk + 1)),
+                    ActionKind::B | ActionKind::I => Some((false, chunk)),
+                    _ => None,
+                };
+                let ready = match dep {
+                    None => 0,
+                    Some((backward, c)) => match ends.get(&(backward, c, a.micro)) {
+                        Some(&t) => t,
+                        None => break,
+                    },
+                };
+                let k = next[s];
+                let t0 = free[s].max(ready);
+                let t1 = t0 + if a.kind == ActionKind::B { 2 } else { 1 };
+                (start[s][k], end[s][k]) = (t0, t1);
+                free[s] = t1;
+                match a.kind {
+                    ActionKind::F => {
+                        ends.insert((false, chunk, a.micro), t1);
+                    }
+                    ActionKind::B | ActionKind::I => {
+                        ends.insert((true, chunk, a.micro), t1);
+                    }
+                    ActionKind::W => {}
+                }
+                next[s] += 1;
+                progress = true;
+            }
+        }
+        if !progress {
+            break;
+        }
+    }
+    if (0..p).any(|s| next[s] < orders[s].len()) {
+        return None;
+    }
+    // Each stage's transfers by time: a send when its action ends, a receive when the action
+    // producing it (on the peer) ends.
+    let mut at: Vec<std::collections::BTreeMap<u32, Vec<(usize, bool)>>> =
+        vec![Default::default(); p];
+    for s in 0..p {
+        for (k, a) in orders[s].iter().enumerate() {
+            if send_of(pipeline, s as u32, a).is_some() {
+                at[s].entry(end[s][k]).or_default().push((k, true));
+            }
+            if recv_of(pipeline, s as u32, a).is_some() {
+                let chunk = pipeline.chunk_of(s as u32, a.chunk);
+                let producer = match a.kind {
+                    ActionKind::F => (false, chunk - 1),
+                    _ => (true, chunk + 1),
+                };
+                let t = *ends.get(&(producer.0, producer.1, a.micro))?;
+                at[s].entry(t).or_default().push((k, false));
+            }
+        }
+    }
+    Some(
+        (0..p)
+            .map(|s| {
+                at[s]
+                    .iter()
+                    .map(|(&t, transfers)| {
+                        let mut transfers = transfers.clone();
+                        transfers.sort_unstable();
+                        TransferGroup {
+                            before: start[s].iter().filter(|&&t0| t0 < t).count(),
+                            transfers,
+                        }
+                    })
+                    .collect()
+            })
+            .collect(),
+    )
+}
+
+/// The stage's actions in rounds, each followed by one group call of its sends and the next
+/// round's receives. Every action is a round of its own (Megatron's 1F1B pairing: each
+/// action's send goes with the next action's receive), except in the steady state of
+/// `interleaved_1f1b` (after its warm-up forwards), where a forward and the backward after
+/// it are one round, as Megatron's interleaved schedule exchanges both directions of a
+/// steady-state step in one batched call (paired action by action, neighbouring stages could
+/// each be sending a gradient the other receives only later).
+fn rounds(pipeline: &Pipeline, stage: u32, order: &[Action]) -> Vec<Range<usize>> {
+    let (p, v) = (pipeline.stages as usize, pipeline.virtual_stages as usize);
+    let forwards = order.iter().filter(|a| a.kind == ActionKind::F).count();
+    let warmup = if pipeline.schedule != PipelineSchedule::Interleaved1F1B {
+        usize::MAX
+    } else if forwards == p * v {
+        forwards // m = p: every forward warms up
+    } else {
+        ((p - stage as usize - 1) * 2 + (v - 1) * p).min(forwards)
+    };
+    let mut rounds = vec![];
+    let mut k = 0;
+    while k < order.len() {
+        let pair = k >= warmup
+            && order[k].kind == ActionKind::F
+            && order.get(k + 1).is_some_and(|b| b.kind == ActionKind::B);
+        let len = if pair { 2 } else { 1 };
+        rounds.push(k..k + len);
+        k += len;
+    }
+    rounds
 }

@@ -22,6 +22,15 @@ pub(super) struct Buckets {
     reduce: Vec<Vec<usize>>,
 }
 
+/// Which part of a layer's backward a backward slot runs: all of it (`B`), its input-gradient
+/// half (`I`) or its weight half (`W`, which the gradient reductions follow).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Half {
+    Whole,
+    Input,
+    Weight,
+}
+
 /// Where one micro-step's slots are: each layer's forward and backward slot (by layer index;
 /// in a pipeline only those of one chunk are meaningful), and the loss's. `first` is the first
 /// slot of the micro-step's forward (of the chunk's forward action, in a pipeline).
@@ -30,6 +39,17 @@ pub(super) struct MicroStepSlots {
     pub(super) forward: Vec<usize>,
     pub(super) loss: usize,
     pub(super) backward: Vec<usize>,
+}
+
+impl MicroStepSlots {
+    pub(super) fn clone_slots(&self) -> MicroStepSlots {
+        MicroStepSlots {
+            first: self.first,
+            forward: self.forward.clone(),
+            loss: self.loss,
+            backward: self.backward.clone(),
+        }
+    }
 }
 
 impl Builder<'_> {
@@ -103,7 +123,7 @@ impl Builder<'_> {
         let fwd_full = self.forward_slots(m, buckets, &at, slots, 0..n);
         let loss = self.loss(m);
         slots[at.loss].compute.push(loss);
-        self.backward_slots(m, buckets, &at, &fwd_full, slots, 0..n);
+        self.backward_slots(m, buckets, &at, &fwd_full, slots, (0..n, Half::Whole));
         at
     }
 
@@ -159,8 +179,8 @@ impl Builder<'_> {
         fwd_full
     }
 
-    /// The backward gather units, backward compute and per-micro-step reductions of `layers` in
-    /// micro-step `m`.
+    /// The backward gather units, backward compute (its `half`) and, after whole or weight
+    /// halves, the per-micro-step reductions of `layers` in micro-step `m`.
     pub(super) fn backward_slots(
         &mut self,
         m: u32,
@@ -168,7 +188,7 @@ impl Builder<'_> {
         at: &MicroStepSlots,
         fwd_full: &FxHashMap<usize, BufferId>,
         slots: &mut [Slot],
-        layers: Range<usize>,
+        (layers, half): (Range<usize>, Half),
     ) {
         let n = self.layers.len();
         let job = self.job;
@@ -178,6 +198,15 @@ impl Builder<'_> {
         let depth = s.prefetch.backward as usize;
         let mut bwd_full: FxHashMap<usize, BufferId> = FxHashMap::default();
         for bucket in &buckets.backward {
+            let bucket: Vec<usize> = bucket
+                .iter()
+                .copied()
+                .filter(|l| layers.contains(l))
+                .collect();
+            if bucket.is_empty() {
+                continue;
+            }
+            let bucket = &bucket;
             if keep {
                 for &l in bucket {
                     if let Some(&b) = fwd_full.get(&l) {
@@ -217,8 +246,15 @@ impl Builder<'_> {
         }
         let mut full_grads: FxHashMap<usize, BufferId> = FxHashMap::default();
         for l in layers.rev() {
-            let ops = self.backward(l, m, &bwd_full, fwd_full, &mut full_grads);
+            let ops = match half {
+                Half::Whole => self.backward(l, m, &bwd_full, fwd_full, &mut full_grads),
+                Half::Input => self.backward_input(l, m, &bwd_full, fwd_full),
+                Half::Weight => self.backward_weight(l, m, &bwd_full, fwd_full, &mut full_grads),
+            };
             slots[at.backward[l]].compute.extend(ops);
+        }
+        if half == Half::Input {
+            return;
         }
         // Gradient reductions, each bucket after its last backward.
         for bucket in &buckets.reduce {

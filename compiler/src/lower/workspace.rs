@@ -204,9 +204,14 @@ pub fn op_floats(ranks: &mut Ranks<'_>, op: &Op) -> u64 {
             }
             layer_floats(model, l) + aliased
         }
-        (ComputeKind::Backward, Some(l)) => {
+        // The halves of a split backward take at most what the whole one takes: the layer's
+        // scratch, and the weight half the padded gradient part as the whole one does.
+        (
+            ComputeKind::Backward | ComputeKind::BackwardInput | ComputeKind::BackwardWeight,
+            Some(l),
+        ) => {
             let lk = &model.layers[l].kind;
-            let grad_input = usize::from(l > 0);
+            let grad_input = usize::from(l > 0 && kind != ComputeKind::BackwardWeight);
             // A part that runs past the gradient it takes values from (the padding up to a
             // multiple of the optimizer shards) is assembled in one vector of the largest such
             // part; the others are written from the gradient directly.
@@ -222,11 +227,11 @@ pub fn op_floats(ranks: &mut Ranks<'_>, op: &Op) -> u64 {
             };
             let parts = data[grad_input.min(data.len())..]
                 .iter()
-                .filter(|r| padded(r))
+                .filter(|r| p.buffers[r.buffer].kind != BufferKind::Stash && padded(r))
                 .map(|r| elems(p, r))
                 .max()
                 .unwrap_or(0);
-            let aliased = if l > 0 && !data.is_empty() && ranks.aliased(op, 0) {
+            let aliased = if grad_input == 1 && !data.is_empty() && ranks.aliased(op, 0) {
                 input_elements(lk, model)
             } else {
                 0
@@ -262,7 +267,13 @@ pub fn op_floats(ranks: &mut Ranks<'_>, op: &Op) -> u64 {
 pub fn runs_layer_math(op: &Op) -> bool {
     matches!(
         op.kind,
-        OpKind::Compute(ComputeKind::Forward | ComputeKind::Recompute | ComputeKind::Backward)
+        OpKind::Compute(
+            ComputeKind::Forward
+                | ComputeKind::Recompute
+                | ComputeKind::Backward
+                | ComputeKind::BackwardInput
+                | ComputeKind::BackwardWeight
+        )
     )
 }
 

@@ -127,9 +127,11 @@ pub fn run(draft: Draft) -> Result<(Program, Vec<(OpId, OpId)>), MaxLiveError> {
             order.extend(&u.ops);
         }
         for &op in &slot.compute {
-            if program.ops[op].kind == OpKind::Compute(ComputeKind::Backward)
-                && reductions.len() >= 2
-            {
+            let produces_grads = matches!(
+                program.ops[op].kind,
+                OpKind::Compute(ComputeKind::Backward | ComputeKind::BackwardWeight)
+            );
+            if produces_grads && reductions.len() >= 2 {
                 fences.push((op, reductions[reductions.len() - 2]));
             }
             order.push(op);

@@ -19,7 +19,7 @@ use crate::sim::cost::CostModel;
 use sched_grammar::ast::{Nested, Value, ValueKind};
 use sched_grammar::diag::{did_you_mean, Diagnostic, Span};
 use sched_ir::ir::ComputeKind;
-use sched_ir::job::{Action, ActionKind, Job, LayerKind, Pipeline, PipelineSchedule};
+use sched_ir::job::{Action, Job, LayerKind, Pipeline, PipelineSchedule};
 use sched_ir::orders;
 
 const KEYS: &[(&str, Shape)] = &[
@@ -117,8 +117,6 @@ pub(crate) fn read(ctx: &mut Ctx, block: &Nested, m: Option<u32>) -> Option<Pipe
         }
         (_, None) => None,
     };
-    // (Only for an order that is otherwise right: one error at a time about it.)
-    ok = ok && split_backward_lowered(ctx, &r, schedule, schedule_span, order.as_deref());
     ok.then_some(PipelineSpec {
         stages: p,
         stages_span,
@@ -127,42 +125,6 @@ pub(crate) fn read(ctx: &mut Ctx, block: &Nested, m: Option<u32>) -> Option<Pipe
         layers: layers?,
         order,
     })
-}
-
-/// The split backward (`I` then `W`) is in the language and its orders, but not lowered yet: a
-/// schedule that uses it is refused here, at its name or at the `order` holding the first `I`.
-fn split_backward_lowered(
-    ctx: &mut Ctx,
-    r: &BlockReader,
-    schedule: PipelineSchedule,
-    schedule_span: Span,
-    order: Option<&[Vec<Action>]>,
-) -> bool {
-    let split = |a: &Action| matches!(a.kind, ActionKind::I | ActionKind::W);
-    let (span, what) = match (schedule, order) {
-        (PipelineSchedule::ZbH1 | PipelineSchedule::Zbv, _) => (
-            schedule_span,
-            format!("`{}` splits every backward into I and W", schedule.name()),
-        ),
-        (PipelineSchedule::Custom, Some(lines)) if lines.iter().flatten().any(split) => {
-            let (s, a) = lines
-                .iter()
-                .enumerate()
-                .find_map(|(s, l)| l.iter().find(|a| split(a)).map(|a| (s, *a)))
-                .expect("found above");
-            let at = r.block("order").map_or(schedule_span, |b| b.key.span);
-            (at, format!("stage {s}'s order uses {a}"))
-        }
-        _ => return true,
-    };
-    ctx.error(
-        Diagnostic::error(format!(
-            "{what}, and the split backward (I for the input gradient, W for the weight gradients) is not lowered yet"
-        ))
-        .at(span, "needs I and W")
-        .note("use `gpipe`, `\"1f1b\"`, `interleaved_1f1b`, or a custom order of F and B"),
-    );
-    false
 }
 
 /// `schedule`: one of the names, as a string (`"1f1b"`) or, where it is an identifier, bare.
