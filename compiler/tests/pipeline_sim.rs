@@ -117,6 +117,29 @@ fn interleaving_shortens_the_step_and_1f1b_matches_gpipe() {
     );
 }
 
+/// The zero-bubble schedules fill what their neighbours leave idle: ZB-H1's bubble is below
+/// 1F1B's (about a third of it, Qi et al.), ZB-V's below interleaved 1F1B's, on the same model.
+#[test]
+fn zero_bubble_schedules_shorten_the_bubble() {
+    let bubble = |name: &str| {
+        let (job, program) = uniform(name);
+        let r = sim::simulate(&program, &job);
+        (r.bubble.expect("a pipeline"), r.step_time_s)
+    };
+    let (one_f_one_b, zb_h1) = (bubble("pp_1f1b"), bubble("pp_zb_h1"));
+    let (interleaved, zbv) = (bubble("pp_interleaved"), bubble("pp_zbv"));
+    println!(
+        "bubbles: 1f1b {:.4}, zb_h1 {:.4}; interleaved {:.4}, zbv {:.4}",
+        one_f_one_b.0, zb_h1.0, interleaved.0, zbv.0
+    );
+    assert!(
+        zb_h1.0 < 0.6 * one_f_one_b.0,
+        "{zb_h1:?} against {one_f_one_b:?}"
+    );
+    assert!(zb_h1.1 < one_f_one_b.1, "the step shortens too");
+    assert!(zbv.0 < interleaved.0, "{zbv:?} against {interleaved:?}");
+}
+
 /// Each stage's spans of `work`, by (micro-batch, local chunk).
 fn spans_of(
     program: &Program,
