@@ -229,6 +229,49 @@ fn swapping_two_receives_delivers_the_wrong_micro_batch() {
     assert!(tried >= 10, "only {tried} swaps tried");
 }
 
+/// A weight half moved before its input half (the two ops trade what they do, each keeping its
+/// place, stream, waits and event) reads a stash nothing wrote yet: refused, naming the layer
+/// and the micro-step.
+#[test]
+fn moving_a_w_before_its_i_is_refused() {
+    let mut tried = 0;
+    for (name, p) in programs() {
+        let halves = |kind: ComputeKind| -> Vec<OpId> {
+            p.ops
+                .iter()
+                .filter(|(_, o)| o.kind == OpKind::Compute(kind))
+                .map(|(id, _)| id)
+                .collect()
+        };
+        for w in halves(ComputeKind::BackwardWeight) {
+            let (layer, micro) = (p.ops[w].layer, p.ops[w].micro_step);
+            let Some(i) = halves(ComputeKind::BackwardInput)
+                .into_iter()
+                .find(|&i| p.ops[i].layer == layer && p.ops[i].micro_step == micro)
+            else {
+                continue;
+            };
+            let mut m = p.clone();
+            let (a, b) = (m.ops[i].clone(), m.ops[w].clone());
+            for (at, from) in [(i, &b), (w, &a)] {
+                let op = &mut m.ops[at];
+                op.kind = from.kind.clone();
+                op.reads = from.reads.clone();
+                op.writes = from.writes.clone();
+            }
+            tried += 1;
+            let msgs = messages(&m);
+            let layer_name = &p.layers[layer.unwrap()].name;
+            assert!(
+                msgs.iter()
+                    .any(|x| x.contains("stash") && x.contains(layer_name.as_str())),
+                "{name}: W of {layer_name} m{micro:?} moved before its I and accepted: {msgs:?}"
+            );
+        }
+    }
+    assert!(tried >= 10, "only {tried} split backwards tried");
+}
+
 #[test]
 fn a_deadlocking_custom_order_is_refused_with_its_cycle() {
     // Stage 0 waits for B0's gradient before it sends F1's output; stage 1 needs F1's input

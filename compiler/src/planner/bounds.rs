@@ -471,10 +471,17 @@ fn pipeline_chain(
             })
             .fold((0.0, 0.0), |(f, b), (x, y)| (f + x, b + y))
     };
+    // A split backward's stage may end in deferred weight halves while the gradient is already
+    // on its way back: only the fill counts then.
+    let split = matches!(
+        pipeline.schedule,
+        sched_ir::job::PipelineSchedule::ZbH1 | sched_ir::job::PipelineSchedule::Zbv
+    );
     let mut before = (0.0, 0.0); // Σ F and Σ B of the chunks before chunk s
     let mut most = 0.0f64;
     for (s, floor) in stages.iter().enumerate() {
-        most = most.max(before.0 + floor.compute_s + before.1);
+        let drain = if split { 0.0 } else { before.1 };
+        most = most.max(before.0 + floor.compute_s + drain);
         let (f, b) = chunk(s as u32);
         before = (before.0 + f, before.1 + b);
     }

@@ -9,13 +9,13 @@
 //! - **knobs**, which only move work in time: prefetch depths and bucket sizes.
 //!
 //! - a **pipeline split**: the stages p (each stage whole nodes or a part of one), the chunks
-//!   per stage v and the schedule (`gpipe`, `1f1b`, `interleaved_1f1b`), with the layers
+//!   per stage v and the schedule (`gpipe`, `1f1b`, `interleaved_1f1b`, `zb_h1`, `zbv`), with the layers
 //!   `balanced` by the cost model, and m micro-batches so that the global batch stays the base
 //!   schedule's (d·m·micro_batch sequences, d = ranks/p); the shard meshes are then those of a
 //!   stage's data-parallel mesh, and only the ZeRO presets over it are searched with a split (ddp,
 //!   ZeRO-1, -2, -3: [`stage_presets`]). Splits the lowering cannot run are left out: with a tied head
-//!   or gradient clipping only p = 1; `zb_h1` and `zbv` (the split backward is not lowered);
-//!   interleaving where m is not a multiple of p or p·v exceeds the layers.
+//!   or gradient clipping only p = 1; interleaving where m is not a multiple of p or p·v
+//!   exceeds the layers.
 //!
 //! Choices that cannot change the program are not enumerated twice: resharding, prefetch and the
 //! gather algorithm only where parameters are sharded; hpZ's node-local secondary shard only where
@@ -100,6 +100,10 @@ pub fn splits(job: &Job) -> Vec<Split> {
         out.push(split(PipelineSchedule::Gpipe, 1));
         if m >= p {
             out.push(split(PipelineSchedule::OneFOneB, 1));
+            out.push(split(PipelineSchedule::ZbH1, 1));
+            if 2 * p <= layers {
+                out.push(split(PipelineSchedule::Zbv, 2));
+            }
             for v in INTERLEAVE {
                 if m.is_multiple_of(p) && p * v <= layers {
                     out.push(split(PipelineSchedule::Interleaved1F1B, v));
