@@ -70,6 +70,30 @@ pub enum Action {
         grads: Vec<GradPart>,
         tied_grads: Vec<GradPart>,
     },
+    /// A split backward's input half (`backward_input`): `grad_input` and `stash` written.
+    BackwardInput {
+        layer: usize,
+        params: Option<Region>,
+        tied: Option<Region>,
+        saved: Option<Region>,
+        input: Option<Region>,
+        grad_output: Region,
+        grad_input: Option<Region>,
+        stash: Option<Region>,
+    },
+    /// A split backward's weight half (`backward_weight`): the gradient parts written from
+    /// `stash` as [`Action::Backward`] writes them.
+    BackwardWeight {
+        layer: usize,
+        params: Option<Region>,
+        tied: Option<Region>,
+        saved: Option<Region>,
+        stash: Option<Region>,
+        input: Option<Region>,
+        grad_output: Region,
+        grads: Vec<GradPart>,
+        tied_grads: Vec<GradPart>,
+    },
     Loss {
         logits: Region,
         grad: Region,
@@ -111,8 +135,8 @@ pub enum DecodeError {
 pub enum OpMismatch {
     #[error("names no layer")]
     NoLayer,
-    #[error("is a split backward, which this schedrun does not run yet")]
-    SplitBackward,
+    #[error("its stash {0} is not fp32")]
+    StashNotF32(String),
     #[error("reads no {0}")]
     MissingRead(&'static str),
     #[error("writes no {0}")]
@@ -207,6 +231,48 @@ impl Lists<'_> {
         matches!(self.kind(r), BufferKind::ParamShard | BufferKind::Gathered)
     }
 
+    /// A backward's reads after its input: the gradient regions it adds onto, then a tied
+    /// head's embedding parameters (the last parameter region among them).
+    fn tied_after_grads(&mut self) -> Option<Region> {
+        let mut tied = None;
+        while let Some(r) = self.reads.pop_front() {
+            if self.is_params(&r) {
+                tied = Some(r);
+            }
+        }
+        tied
+    }
+
+    /// A backward's writes after its input gradient: parts of `layer`'s parameter gradient,
+    /// and of the embedding's (`tied_layer`) for a tied head; a part also read is added onto.
+    fn grad_parts(
+        &mut self,
+        layer: usize,
+        tied_layer: Option<usize>,
+    ) -> Result<(Vec<GradPart>, Vec<GradPart>), OpMismatch> {
+        let (mut grads, mut tied_grads) = (vec![], vec![]);
+        while let Some(r) = self.writes.pop_front() {
+            let buf = &self.p.buffers[r.buffer];
+            if !matches!(buf.kind, BufferKind::GradShard | BufferKind::FullGrad) {
+                return Err(OpMismatch::NotAGradient(buf.name.clone()));
+            }
+            let Offset::Fixed(off) = r.offset else {
+                return Err(OpMismatch::RankDependentGradient(buf.name.clone()));
+            };
+            let part = GradPart {
+                region: r,
+                first: (off / buf.dtype.bytes()) as usize,
+                accumulate: self.all_reads.contains(&r),
+            };
+            match buf.layer.map(|x| x.index()) {
+                Some(x) if x == layer => grads.push(part),
+                Some(x) if Some(x) == tied_layer => tied_grads.push(part),
+                _ => return Err(OpMismatch::OtherLayersGradient(buf.name.clone())),
+            }
+        }
+        Ok((grads, tied_grads))
+    }
+
     fn finish(&self) -> Result<(), OpMismatch> {
         if !self.reads.is_empty() || !self.writes.is_empty() {
             return Err(OpMismatch::LeftOver {
@@ -250,8 +316,54 @@ fn decode_op(
         }
     };
     let action = match kind {
-        ComputeKind::BackwardInput | ComputeKind::BackwardWeight => {
-            return Err(OpMismatch::SplitBackward)
+        ComputeKind::BackwardInput => {
+            let layer = need_layer()?;
+            let has_params = model.layers[layer].params > 0;
+            let params = l.take_read(has_params, "parameters")?;
+            let saved = l.take_read(maths[layer].saved_elements() > 0, "saved activations")?;
+            let grad_output = l.take_read(true, "output gradient")?.expect("wanted");
+            let input = l.take_read(layer > 0, "input hidden state")?;
+            let tied = l.tied_after_grads();
+            if tied_of(layer).is_some() != tied.is_some() {
+                return Err(OpMismatch::TiedEmbeddingMissing);
+            }
+            let grad_input = l.take_write(layer > 0, "input gradient")?;
+            let stash = l.take_write(maths[layer].stash_elements() > 0, "stash")?;
+            Action::BackwardInput {
+                layer,
+                params,
+                tied,
+                saved,
+                input,
+                grad_output,
+                grad_input,
+                stash,
+            }
+        }
+        ComputeKind::BackwardWeight => {
+            let layer = need_layer()?;
+            let has_params = model.layers[layer].params > 0;
+            let params = l.take_read(has_params, "parameters")?;
+            let saved = l.take_read(maths[layer].saved_elements() > 0, "saved activations")?;
+            let stash = l.take_read(maths[layer].stash_elements() > 0, "stash")?;
+            let grad_output = l.take_read(true, "output gradient")?.expect("wanted");
+            let input = l.take_read(layer > 0, "input hidden state")?;
+            let tied = l.tied_after_grads();
+            let (grads, tied_grads) = l.grad_parts(layer, tied_of(layer))?;
+            if tied_of(layer).is_some() != tied.is_some() {
+                return Err(OpMismatch::TiedEmbeddingMissing);
+            }
+            Action::BackwardWeight {
+                layer,
+                params,
+                tied,
+                saved,
+                stash,
+                input,
+                grad_output,
+                grads,
+                tied_grads,
+            }
         }
         ComputeKind::Forward | ComputeKind::Recompute => {
             let layer = need_layer()?;
@@ -290,34 +402,10 @@ fn decode_op(
             let saved = l.take_read(maths[layer].saved_elements() > 0, "saved activations")?;
             let grad_output = l.take_read(true, "output gradient")?.expect("wanted");
             let input = l.take_read(layer > 0, "input hidden state")?;
-            let mut tied = None;
-            while let Some(r) = l.reads.pop_front() {
-                if l.is_params(&r) {
-                    tied = Some(r);
-                }
-            }
+            let tied = l.tied_after_grads();
             let grad_input = l.take_write(layer > 0, "input gradient")?;
-            let (mut grads, mut tied_grads) = (vec![], vec![]);
             let tied_layer = tied_of(layer);
-            while let Some(r) = l.writes.pop_front() {
-                let buf = &p.buffers[r.buffer];
-                if !matches!(buf.kind, BufferKind::GradShard | BufferKind::FullGrad) {
-                    return Err(OpMismatch::NotAGradient(buf.name.clone()));
-                }
-                let Offset::Fixed(off) = r.offset else {
-                    return Err(OpMismatch::RankDependentGradient(buf.name.clone()));
-                };
-                let part = GradPart {
-                    region: r,
-                    first: (off / buf.dtype.bytes()) as usize,
-                    accumulate: l.all_reads.contains(&r),
-                };
-                match buf.layer.map(|x| x.index()) {
-                    Some(x) if x == layer => grads.push(part),
-                    Some(x) if Some(x) == tied_layer => tied_grads.push(part),
-                    _ => return Err(OpMismatch::OtherLayersGradient(buf.name.clone())),
-                }
-            }
+            let (grads, tied_grads) = l.grad_parts(layer, tied_layer)?;
             if tied_layer.is_some() != tied.is_some() {
                 return Err(OpMismatch::TiedEmbeddingMissing);
             }
@@ -431,12 +519,60 @@ fn check_sizes(p: &Program, maths: &[LayerMath], a: &Action) -> Result<(), OpMis
             exactly(grad_input, m.input_elements(), "input gradient")?;
             exactly(&Some(*grad_output), m.output_elements(), "output gradient")?;
         }
+        Action::BackwardInput {
+            layer,
+            params,
+            input,
+            grad_output,
+            grad_input,
+            stash,
+            ..
+        } => {
+            let m = &maths[*layer];
+            at_least(params, m.params(), "parameter")?;
+            exactly(input, m.input_elements(), "input")?;
+            exactly(grad_input, m.input_elements(), "input gradient")?;
+            exactly(&Some(*grad_output), m.output_elements(), "output gradient")?;
+            stash_of(p, m, stash)?;
+        }
+        Action::BackwardWeight {
+            layer,
+            params,
+            input,
+            grad_output,
+            stash,
+            ..
+        } => {
+            let m = &maths[*layer];
+            at_least(params, m.params(), "parameter")?;
+            exactly(input, m.input_elements(), "input")?;
+            exactly(&Some(*grad_output), m.output_elements(), "output gradient")?;
+            stash_of(p, m, stash)?;
+        }
         Action::Loss { logits, grad } => {
             let head = LayerMath::head(maths).ok_or(OpMismatch::NoHead)?;
             exactly(&Some(*logits), head.output_elements(), "logits")?;
             exactly(&Some(*grad), head.output_elements(), "logits gradient")?;
         }
         _ => {}
+    }
+    Ok(())
+}
+
+/// A split backward's stash: fp32, of exactly the layer's [`LayerMath::stash_elements`].
+fn stash_of(p: &Program, m: &LayerMath, stash: &Option<Region>) -> Result<(), OpMismatch> {
+    let Some(r) = stash else { return Ok(()) };
+    let buf = &p.buffers[r.buffer];
+    if buf.dtype != sched_ir::job::Dtype::Fp32 {
+        return Err(OpMismatch::StashNotF32(buf.name.clone()));
+    }
+    let holds = r.bytes / 4;
+    if holds as usize != m.stash_elements() {
+        return Err(OpMismatch::OtherSize {
+            what: "stash",
+            holds,
+            has: m.stash_elements(),
+        });
     }
     Ok(())
 }

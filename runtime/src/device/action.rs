@@ -297,6 +297,67 @@ impl<D: Device> Rank<'_, D> {
         }
     }
 
+    /// What a layer's backward (whole or either half) reads: its weights, saved activations,
+    /// input and output gradient.
+    fn backward_reads(&self, r: &Reads<'_>, m: Option<u32>) -> Result<Read<D>, DeviceError> {
+        let math = &self.plan.maths[r.layer];
+        let weights = layers::Weights {
+            params: self.read_opt(r.params, math.params())?,
+            tied: self.tied(r.layer, r.tied)?,
+        };
+        let keep = match r.saved {
+            Some(s) => self.read_saved(r.layer, s)?,
+            None => self.device.alloc(0)?,
+        };
+        let x = self.layer_input(r.layer, r.hidden, m)?;
+        let dy = self.read(r.grad_output, math.output_elements())?;
+        Ok(Read {
+            weights,
+            keep,
+            x,
+            dy,
+        })
+    }
+
+    /// Where a layer's backward computes its parameter gradient and a tied head's embedding
+    /// gradient, and whether their stores round them (then the layer math leaves them
+    /// unrounded until they are stored: the same bits, a pass over them less).
+    fn grads_outputs(
+        &self,
+        layer: usize,
+        grads: &[GradPart],
+        tied_grads: &[GradPart],
+        op: &[&Region],
+    ) -> Result<GradOutputs<D::Ptr>, DeviceError> {
+        let math = &self.plan.maths[layer];
+        let dp = self.grads_output(grads, math.params(), op)?;
+        let dt = math
+            .is_tied()
+            .then(|| self.device.alloc(math.tied_elements()))
+            .transpose()?;
+        let prec = math.precisions().1;
+        let stored = self.stores_round(grads, prec)
+            && self.stores_round(tied_grads, prec)
+            && !self.rounds_grads_first();
+        Ok(GradOutputs { dp, dt, stored })
+    }
+
+    /// A layer's parameter gradient and a tied head's embedding gradient written into their
+    /// parts.
+    fn write_layer_grads(
+        &self,
+        layer: usize,
+        (grads, dp): (&[GradPart], D::Ptr),
+        (tied_grads, dt): (&[GradPart], Option<D::Ptr>),
+    ) -> Result<(), DeviceError> {
+        let math = &self.plan.maths[layer];
+        self.write_grads(grads, dp, math.params())?;
+        if let Some(dt) = dt {
+            self.write_grads(tied_grads, dt, math.tied_elements())?;
+        }
+        Ok(())
+    }
+
     fn action(&self, a: &Action, m: Option<u32>, input: &StepInput) -> Result<(), DeviceError> {
         let (p, d) = (self.plan, self.device);
         match a {
@@ -340,30 +401,26 @@ impl<D: Device> Rank<'_, D> {
             } => {
                 let math = &p.maths[*layer];
                 let op = op_regions(a);
-                let pp = self.read_opt(params, math.params())?;
-                let t = self.tied(*layer, tied)?;
-                let keep = match saved {
-                    Some(s) => self.read_saved(*layer, s)?,
-                    None => d.alloc(0)?,
+                let reads = Reads {
+                    layer: *layer,
+                    params,
+                    tied,
+                    saved,
+                    hidden,
+                    grad_output,
                 };
-                let x = self.layer_input(*layer, hidden, m)?;
-                let dy = self.read(grad_output, math.output_elements())?;
+                let Read {
+                    weights,
+                    keep,
+                    x,
+                    dy,
+                } = self.backward_reads(&reads, m)?;
                 let dx = grad_input
                     .as_ref()
                     .map(|r| self.output(Some(r), math.input_elements(), &op))
                     .transpose()?;
-                let dp = self.grads_output(grads, math.params(), &op)?;
-                let dt = t.map(|_| d.alloc(math.tied_elements())).transpose()?;
-                // Stores that round as `Device::round` would leave the gradients unrounded
-                // until they are stored: the same bits, a pass over them less.
-                let prec = math.precisions().1;
-                let stored = self.stores_round(grads, prec)
-                    && self.stores_round(tied_grads, prec)
-                    && !self.rounds_grads_first();
-                let weights = layers::Weights {
-                    params: pp,
-                    tied: t,
-                };
+                let GradOutputs { dp, dt, stored } =
+                    self.grads_outputs(*layer, grads, tied_grads, &op)?;
                 let layer_grads = layers::Grads {
                     dy,
                     gi: dx,
@@ -374,10 +431,91 @@ impl<D: Device> Rank<'_, D> {
                 if let (Some(r), Some(dx)) = (grad_input, dx) {
                     self.write(r, dx, math.input_elements(), false)?;
                 }
-                self.write_grads(grads, dp, math.params())?;
-                if let Some(dt) = dt {
-                    self.write_grads(tied_grads, dt, math.tied_elements())?;
+                self.write_layer_grads(*layer, (grads, dp), (tied_grads, dt))?;
+            }
+            Action::BackwardInput {
+                layer,
+                params,
+                tied,
+                saved,
+                input: hidden,
+                grad_output,
+                grad_input,
+                stash,
+            } => {
+                let math = &p.maths[*layer];
+                let op = op_regions(a);
+                let reads = Reads {
+                    layer: *layer,
+                    params,
+                    tied,
+                    saved,
+                    hidden,
+                    grad_output,
+                };
+                let Read {
+                    weights,
+                    keep,
+                    x,
+                    dy,
+                } = self.backward_reads(&reads, m)?;
+                let dx = grad_input
+                    .as_ref()
+                    .map(|r| self.output(Some(r), math.input_elements(), &op))
+                    .transpose()?;
+                let n = math.stash_elements();
+                let st = self.output(stash.as_ref(), n, &op)?;
+                let layer_grads = layers::InputGrads {
+                    dy,
+                    gi: dx,
+                    stash: st,
+                };
+                layers::backward_input(d, math, weights, keep, x, layer_grads)?;
+                if let (Some(r), Some(dx)) = (grad_input, dx) {
+                    self.write(r, dx, math.input_elements(), false)?;
                 }
+                if let Some(s) = stash {
+                    self.write(s, st, n, false)?;
+                }
+            }
+            Action::BackwardWeight {
+                layer,
+                params,
+                tied,
+                saved,
+                stash,
+                input: hidden,
+                grad_output,
+                grads,
+                tied_grads,
+            } => {
+                let math = &p.maths[*layer];
+                let op = op_regions(a);
+                let reads = Reads {
+                    layer: *layer,
+                    params,
+                    tied,
+                    saved,
+                    hidden,
+                    grad_output,
+                };
+                let Read {
+                    weights,
+                    keep,
+                    x,
+                    dy,
+                } = self.backward_reads(&reads, m)?;
+                let st = self.read_opt(stash, math.stash_elements())?;
+                let GradOutputs { dp, dt, stored } =
+                    self.grads_outputs(*layer, grads, tied_grads, &op)?;
+                let layer_grads = layers::WeightGrads {
+                    dy,
+                    stash: st,
+                    gp: dp,
+                    gt: dt,
+                };
+                layers::backward_weight(d, math, weights, keep, x, layer_grads, !stored)?;
+                self.write_layer_grads(*layer, (grads, dp), (tied_grads, dt))?;
             }
             Action::Loss { logits, grad } => {
                 let head = LayerMath::head(&p.maths)
@@ -477,6 +615,31 @@ impl<D: Device> Rank<'_, D> {
     }
 }
 
+/// What a layer's backward read ([`Rank::backward_reads`]).
+struct Read<D: Device> {
+    weights: layers::Weights<D::Ptr>,
+    keep: D::Ptr,
+    x: In<D>,
+    dy: D::Ptr,
+}
+
+/// Where a layer's backward computes its gradients ([`Rank::grads_outputs`]).
+struct GradOutputs<P> {
+    dp: P,
+    dt: Option<P>,
+    stored: bool,
+}
+
+/// The regions a layer's backward reads before its gradients.
+struct Reads<'a> {
+    layer: usize,
+    params: &'a Option<Region>,
+    tied: &'a Option<Region>,
+    saved: &'a Option<Region>,
+    hidden: &'a Option<Region>,
+    grad_output: &'a Region,
+}
+
 fn stored_bytes(s: Stored, model: Dtype) -> u64 {
     match s {
         Stored::Model => model.bytes(),
@@ -503,6 +666,23 @@ fn op_regions(a: &Action) -> Vec<&Region> {
             grad_input,
             ..
         } => vec![params, tied, saved, input, grad_input],
+        Action::BackwardInput {
+            params,
+            tied,
+            saved,
+            input,
+            grad_input,
+            stash,
+            ..
+        } => vec![params, tied, saved, input, grad_input, stash],
+        Action::BackwardWeight {
+            params,
+            tied,
+            saved,
+            stash,
+            input,
+            ..
+        } => vec![params, tied, saved, stash, input],
         _ => vec![],
     };
     let more: Vec<&Region> = match a {
@@ -511,9 +691,16 @@ fn op_regions(a: &Action) -> Vec<&Region> {
             grads,
             tied_grads,
             ..
+        }
+        | Action::BackwardWeight {
+            grad_output,
+            grads,
+            tied_grads,
+            ..
         } => std::iter::once(grad_output)
             .chain(grads.iter().chain(tied_grads).map(|g| &g.region))
             .collect(),
+        Action::BackwardInput { grad_output, .. } => vec![grad_output],
         Action::Loss { logits, grad } => vec![logits, grad],
         Action::Update {
             grad, state, param, ..

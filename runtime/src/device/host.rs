@@ -13,7 +13,7 @@ use super::{
 };
 use crate::arena::Arena;
 use crate::math::attention::{self, Keep};
-use crate::math::gemm::{linear, linear_backward, Product};
+use crate::math::gemm::{linear, linear_backward, linear_backward_input, Product};
 use crate::math::ops::{
     gelu, gelu_grad, norm_backward, norm_forward, prefetched, sigmoid, wide, NormRows,
 };
@@ -351,6 +351,22 @@ impl Device for Host<'_> {
         Ok(())
     }
 
+    fn linear_backward_input_rows(
+        &self,
+        l: Linear<HostPtr>,
+        (dy, ld): (HostPtr, usize),
+        (dx, beta): (HostPtr, f32),
+    ) -> Result<(), DeviceError> {
+        let Linear { t, inp, .. } = l;
+        wide(
+            #[inline(always)]
+            || unsafe {
+                linear_backward_input(weight_only(&l), (dy.r(t * ld), ld), (dx.w(t * inp), beta))
+            },
+        );
+        Ok(())
+    }
+
     /// With the generated kernels, GELU's backward in the bias gradient's pass over dy, the
     /// kernel the CUDA device runs (`Op::BiasGrad` with `gelu`), then the products.
     fn gelu_linear_backward(
@@ -467,6 +483,64 @@ impl Device for Host<'_> {
                     dx.map(|(out, base)| (out.w(t * h), (base != out).then(|| base.r(t * h)))),
                     grads.at(&np.w).w(h),
                     db,
+                )
+            },
+        );
+        Ok(())
+    }
+
+    /// The generated kernels' input-gradient kernel (`Op::NormBackwardInput`, the second of
+    /// `norm_backward`'s); the Rust math's `norm_backward` with its parameter gradients summed
+    /// into scratch (its input gradient is computed from the same values in the same order).
+    fn norm_backward_input(
+        &self,
+        n: &NormOperands<'_, HostPtr>,
+        dy: HostPtr,
+        (dx, base): (HostPtr, HostPtr),
+    ) -> Result<(), DeviceError> {
+        let NormOperands {
+            np,
+            params,
+            t,
+            h,
+            x,
+            stats,
+        } = *n;
+
+        if self.kernels.generated() {
+            let op = Op::NormBackwardInput {
+                norm: np.kind,
+                width: h as u32,
+            };
+            let w = params.at(&np.w);
+            let args = [
+                x.arg(),
+                w.arg(),
+                stats.arg(),
+                dy.arg(),
+                base.arg(),
+                dx.arg(),
+            ];
+            return self.kernels.run(op, &args, t).unwrap_or(Ok(()));
+        }
+        let scratch = self.alloc(h)?;
+        wide(
+            #[inline(always)]
+            || unsafe {
+                let rows = NormRows {
+                    kind: np.kind,
+                    h,
+                    x: x.r(t * h),
+                    w: params.at(&np.w).r(h),
+                    stats: stats.r(2 * t),
+                };
+                let base = (base != dx).then(|| base.r(t * h));
+                norm_backward(
+                    rows,
+                    dy.r(t * h),
+                    Some((dx.w(t * h), base)),
+                    scratch.w(h),
+                    None,
                 )
             },
         );
@@ -853,6 +927,22 @@ impl Host<'_> {
                 .unwrap_or(Ok(()))?;
         }
         Ok(())
+    }
+}
+
+/// The product `l` over host slices without its input (`x` empty): for its input gradient
+/// alone.
+///
+/// # Safety
+/// `l.w` must hold `out·inp` floats, not written while the slice lives.
+unsafe fn weight_only(l: &Linear<HostPtr>) -> Product<'static> {
+    let Linear { w, t, inp, out, .. } = *l;
+    Product {
+        x: &[],
+        w: w.r(out * inp),
+        t,
+        inp,
+        out,
     }
 }
 

@@ -7,8 +7,9 @@
 //! a tied head's embedding gradient, never accumulating across calls.
 
 use super::{plan_error, Device, DeviceError, Linear, Lookup, NormOperands, Ptr};
-use crate::math::saved::{BlockSaved, MlpSaved, NormedSaved};
-use crate::math::{BlockP, Kind, LayerMath, MlpP};
+use crate::math::saved::{BlockSaved, BlockStash, MlpSaved, MlpStash, NormedSaved, NormedStash};
+use crate::math::{BlockP, Kind, LayerMath, MlpP, NormP};
+use std::ops::Range;
 
 /// A layer's input: token ids (the embedding) or hidden states.
 pub(crate) enum In<D: Device> {
@@ -542,3 +543,323 @@ fn transformer_backward<D: Device>(
         gp,
     )
 }
+
+/// A split backward's input half's gradients (a pipeline's `I`): `dy`, the output's (read);
+/// `gi`, the input's (overwritten, when wanted); `stash`, what the weight half reads
+/// (overwritten whole, fp32: [`BlockStash`], [`NormedStash`]; empty for an embedding).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct InputGrads<P> {
+    pub dy: P,
+    pub gi: Option<P>,
+    pub stash: P,
+}
+
+/// A split backward's weight half's gradients (a pipeline's `W`, after its `I`): `dy`, the
+/// output's, and `stash`, as the input half left it (both read); `gp` and `gt` as in
+/// [`Grads`] (overwritten).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct WeightGrads<P> {
+    pub dy: P,
+    pub stash: P,
+    pub gp: P,
+    pub gt: Option<P>,
+}
+
+/// The operands of the norm `np` (of the layer's parameters `params`) over `t` rows of `x`.
+fn norm_operands<P: Ptr>(np: &NormP, params: P, t: usize, x: P, stats: P) -> NormOperands<'_, P> {
+    NormOperands {
+        np,
+        params,
+        t,
+        h: np.w.len(),
+        x,
+        stats,
+    }
+}
+
+fn swiglu_up(mp: &MlpP) -> Result<&(Range<usize>, Option<Range<usize>>), DeviceError> {
+    mp.up
+        .as_ref()
+        .ok_or_else(|| plan_error("swiglu without an up projection"))
+}
+
+fn stash_mismatch() -> DeviceError {
+    plan_error("an MLP's stash of another activation")
+}
+
+/// The MLP's input half: `g` = (dy, dx), the gradient of its output (read) and of its input
+/// `a` (overwritten); its products' operands are `pa` = (the layer's parameters, `a`). The
+/// gradient of the first product's output goes into the stash `st`: [`mlp_backward`]'s values,
+/// but for the parameter gradients.
+fn mlp_backward_input<D: Device>(
+    d: &D,
+    lm: &LayerMath,
+    mp: &MlpP,
+    (p, a): (D::Ptr, D::Ptr),
+    kept: MlpSaved<D::Ptr>,
+    st: MlpStash<D::Ptr>,
+    (dy, da): (D::Ptr, D::Ptr),
+) -> Result<(), DeviceError> {
+    let (t, f) = (lm.dims().t, mp.ffn);
+    let wp = p.at(&mp.proj);
+    let into_ffn = |w| into_ffn(mp, t, a, w);
+    let from_ffn = |x| from_ffn(mp, t, x, wp);
+    match (kept, st) {
+        (MlpSaved::Gelu { pre, post }, MlpStash::Gelu { dpre }) => {
+            d.linear_backward_input(from_ffn(post), dy, (dpre, 0.0))?;
+            d.gelu_backward(pre, dpre, t * f)?;
+            d.linear_backward_input(into_ffn(p.at(&mp.w1)), dpre, (da, 0.0))
+        }
+        (MlpSaved::SwiGlu { gate, up, prod }, MlpStash::SwiGlu { dgate, dup }) => {
+            d.linear_backward_input(from_ffn(prod), dy, (dgate, 0.0))?;
+            d.swiglu_backward(gate, up, dgate, dup, t * f)?;
+            let (wu, _) = swiglu_up(mp)?;
+            d.linear_backward_input(into_ffn(p.at(&mp.w1)), dgate, (da, 0.0))?;
+            d.linear_backward_input(into_ffn(p.at(wu)), dup, (da, 1.0))
+        }
+        _ => Err(stash_mismatch()),
+    }
+}
+
+/// The MLP's weight half: its parameter gradients accumulate into `gp` from the output
+/// gradient `dy` and the stash `st` ([`mlp_backward_input`]'s), against its saved tensors and
+/// its input `a` (`pa` = (the layer's parameters, `a`)).
+fn mlp_backward_weight<D: Device>(
+    d: &D,
+    lm: &LayerMath,
+    mp: &MlpP,
+    (p, a): (D::Ptr, D::Ptr),
+    kept: MlpSaved<D::Ptr>,
+    st: MlpStash<D::Ptr>,
+    (dy, gp): (D::Ptr, D::Ptr),
+) -> Result<(), DeviceError> {
+    let t = lm.dims().t;
+    let wp = p.at(&mp.proj);
+    let (dwp, dbp) = (gp.at(&mp.proj), mp.proj_b.as_ref().map(|r| gp.at(r)));
+    let (dw1, db1) = (gp.at(&mp.w1), mp.b1.as_ref().map(|r| gp.at(r)));
+    let into_ffn = |w| into_ffn(mp, t, a, w);
+    let from_ffn = |x| from_ffn(mp, t, x, wp);
+    match (kept, st) {
+        (MlpSaved::Gelu { post, .. }, MlpStash::Gelu { dpre }) => {
+            d.linear_backward(from_ffn(post), dy, dwp, dbp, None)?;
+            d.linear_backward(into_ffn(p.at(&mp.w1)), dpre, dw1, db1, None)
+        }
+        (MlpSaved::SwiGlu { prod, .. }, MlpStash::SwiGlu { dgate, dup }) => {
+            d.linear_backward(from_ffn(prod), dy, dwp, dbp, None)?;
+            let (wu, bu) = swiglu_up(mp)?;
+            let dbu = bu.as_ref().map(|r| gp.at(r));
+            d.linear_backward(into_ffn(p.at(&mp.w1)), dgate, dw1, db1, None)?;
+            d.linear_backward(into_ffn(p.at(wu)), dup, gp.at(wu), dbu, None)
+        }
+        _ => Err(stash_mismatch()),
+    }
+}
+
+/// The input half of one layer's backward (a pipeline's `I`): overwrites `g.gi` (when given,
+/// rounded to the gradient precision, as [`backward`] rounds it) and the whole stash `g.stash`
+/// (fp32) with the gradients of the outputs of the products and norms whose parameter
+/// gradients [`backward_weight`] computes; computes no parameter gradient. An embedding's does
+/// nothing (it has no input gradient and stashes nothing).
+pub(crate) fn backward_input<D: Device>(
+    d: &D,
+    lm: &LayerMath,
+    w: Weights<D::Ptr>,
+    saved: D::Ptr,
+    input: In<D>,
+    g: InputGrads<D::Ptr>,
+) -> Result<(), DeviceError> {
+    let Weights { params: p, tied } = w;
+    let InputGrads { dy, gi, stash } = g;
+    let t = lm.dims().t;
+    let grad = lm.precisions().1;
+    match lm.kind() {
+        Kind::Embedding { .. } => {}
+        Kind::Transformer(bp) => {
+            let x = hidden(input, lm)?;
+            let (h, s) = (bp.hidden, lm.dims().s);
+            let BlockSaved {
+                a1,
+                st1,
+                qkv,
+                att,
+                keep,
+                resid,
+                a2,
+                st2,
+                mut mlp,
+            } = BlockSaved::carve(bp, t, s, saved);
+            let BlockStash {
+                d1,
+                dqkv,
+                dr,
+                d2,
+                mlp: mlp_stash,
+            } = BlockStash::carve(bp, t, stash);
+            let datt = d.alloc(t * h)?;
+            let mlp_kept = MlpSaved::carve(t, &bp.mlp, &mut mlp);
+            mlp_backward_input(d, lm, &bp.mlp, (p, a2), mlp_kept, mlp_stash, (dy, d2))?;
+            // The residual stream's gradient, dr = dy + ln2's.
+            d.norm_backward_input(&norm_operands(&bp.ln2, p, t, resid, st2), d2, (dr, dy))?;
+            let proj = proj_product(bp, t, att, p.at(&bp.proj));
+            d.linear_backward_input(proj, dr, (datt, 0.0))?;
+            d.attention_backward(bp, (qkv, att), keep, datt, dqkv)?;
+            if bp.rope.is_some() {
+                d.rope(bp, t, dqkv, dqkv, true)?;
+            }
+            let product = qkv_product(bp, t, a1, p.at(&bp.qkv));
+            d.linear_backward_input(product, dqkv, (d1, 0.0))?;
+            if let Some(gi) = gi {
+                d.norm_backward_input(&norm_operands(&bp.ln1, p, t, x, st1), d1, (gi, dr))?;
+            }
+        }
+        Kind::Mlp { hidden: h, ln, mlp } => {
+            let x = hidden(input, lm)?;
+            let NormedSaved { a, st, mut rest } = NormedSaved::carve(t, *h, saved);
+            let kept = MlpSaved::carve(t, mlp, &mut rest);
+            let NormedStash { dn, mut rest } = NormedStash::carve(t, *h, stash);
+            let mlp_stash = MlpStash::carve(t, mlp, &mut rest);
+            mlp_backward_input(d, lm, mlp, (p, a), kept, mlp_stash, (dy, dn))?;
+            if let Some(gi) = gi {
+                // The output gradient (the residual) plus the norm's.
+                d.norm_backward_input(&norm_operands(ln, p, t, x, st), dn, (gi, dy))?;
+            }
+        }
+        Kind::LmHead {
+            hidden: h,
+            vocab,
+            norm,
+            weight,
+        } => {
+            let x = hidden(input, lm)?;
+            let NormedSaved { a, st, .. } = NormedSaved::carve(t, *h, saved);
+            let NormedStash { dn, .. } = NormedStash::carve(t, *h, stash);
+            let w = match weight {
+                Some(r) => p.at(r),
+                None => tied.ok_or_else(|| plan_error("a tied lm_head needs the embedding"))?,
+            };
+            let head = head_product(t, (*h, *vocab), a, w);
+            d.linear_backward_input_rows(head, (dy, lm.output_stride()), (dn, 0.0))?;
+            if let Some(gi) = gi {
+                d.fill(gi, t * h, 0.0)?;
+                d.norm_backward_input(&norm_operands(norm, p, t, x, st), dn, (gi, gi))?;
+            }
+        }
+    }
+    if let Some(gi) = gi {
+        d.round(grad, gi, lm.input_elements())?;
+    }
+    Ok(())
+}
+
+/// The weight half of one layer's backward (a pipeline's `W`, after [`backward_input`] wrote
+/// `g.stash`): overwrites `g.gp` and `g.gt` as [`backward`] does (zeros first, every parameter
+/// gradient summed from the saved activations, the layer's input, the output gradient and the
+/// stash, rounded with `round_grads`); reads no input gradient. With the input half, the
+/// values of [`backward`].
+pub(crate) fn backward_weight<D: Device>(
+    d: &D,
+    lm: &LayerMath,
+    w: Weights<D::Ptr>,
+    saved: D::Ptr,
+    input: In<D>,
+    g: WeightGrads<D::Ptr>,
+    round_grads: bool,
+) -> Result<(), DeviceError> {
+    let Weights { params: p, tied } = w;
+    let WeightGrads { dy, stash, gp, gt } = g;
+    let t = lm.dims().t;
+    let grad = lm.precisions().1;
+    d.fill(gp, lm.params(), 0.0)?;
+    match lm.kind() {
+        Kind::Embedding {
+            vocab,
+            hidden: h,
+            wte,
+            wpe,
+        } => {
+            let dwpe = wpe.as_ref().map(|r| gp.at(r));
+            let at = Lookup {
+                tokens: tokens(input, lm)?,
+                vocab: *vocab,
+                h: *h,
+                s: lm.dims().s,
+                t,
+            };
+            d.embedding_backward(&at, dy, gp.at(wte), dwpe)?;
+        }
+        Kind::Transformer(bp) => {
+            let x = hidden(input, lm)?;
+            let s = lm.dims().s;
+            let BlockSaved {
+                a1,
+                st1,
+                att,
+                resid,
+                a2,
+                st2,
+                mut mlp,
+                ..
+            } = BlockSaved::carve(bp, t, s, saved);
+            let BlockStash {
+                d1,
+                dqkv,
+                dr,
+                d2,
+                mlp: mlp_stash,
+            } = BlockStash::carve(bp, t, stash);
+            let bias = |r: &Option<Range<usize>>| r.as_ref().map(|r| gp.at(r));
+            let mlp_kept = MlpSaved::carve(t, &bp.mlp, &mut mlp);
+            mlp_backward_weight(d, lm, &bp.mlp, (p, a2), mlp_kept, mlp_stash, (dy, gp))?;
+            d.norm_backward(&norm_operands(&bp.ln2, p, t, resid, st2), d2, None, gp)?;
+            let proj = proj_product(bp, t, att, p.at(&bp.proj));
+            d.linear_backward(proj, dr, gp.at(&bp.proj), bias(&bp.proj_b), None)?;
+            let product = qkv_product(bp, t, a1, p.at(&bp.qkv));
+            d.linear_backward(product, dqkv, gp.at(&bp.qkv), bias(&bp.qkv_b), None)?;
+            d.norm_backward(&norm_operands(&bp.ln1, p, t, x, st1), d1, None, gp)?;
+        }
+        Kind::Mlp { hidden: h, ln, mlp } => {
+            let x = hidden(input, lm)?;
+            let NormedSaved { a, st, mut rest } = NormedSaved::carve(t, *h, saved);
+            let kept = MlpSaved::carve(t, mlp, &mut rest);
+            let NormedStash { dn, mut rest } = NormedStash::carve(t, *h, stash);
+            let mlp_stash = MlpStash::carve(t, mlp, &mut rest);
+            mlp_backward_weight(d, lm, mlp, (p, a), kept, mlp_stash, (dy, gp))?;
+            d.norm_backward(&norm_operands(ln, p, t, x, st), dn, None, gp)?;
+        }
+        Kind::LmHead {
+            hidden: h,
+            vocab,
+            norm,
+            weight,
+        } => {
+            let x = hidden(input, lm)?;
+            let NormedSaved { a, st, .. } = NormedSaved::carve(t, *h, saved);
+            let NormedStash { dn, .. } = NormedStash::carve(t, *h, stash);
+            let (w, dw) = match weight {
+                Some(r) => (p.at(r), gp.at(r)),
+                None => {
+                    let dw = gt.ok_or_else(|| {
+                        plan_error("a tied lm_head needs the embedding's gradient")
+                    })?;
+                    d.fill(dw, vocab * h, 0.0)?;
+                    let w = tied.ok_or_else(|| plan_error("a tied lm_head needs the embedding"))?;
+                    (w, dw)
+                }
+            };
+            let head = head_product(t, (*h, *vocab), a, w);
+            d.linear_backward_rows(head, (dy, lm.output_stride()), dw, None, None)?;
+            d.norm_backward(&norm_operands(norm, p, t, x, st), dn, None, gp)?;
+        }
+    }
+    if round_grads {
+        d.round(grad, gp, lm.params())?;
+        if let Some(gt) = gt {
+            d.round(grad, gt, lm.tied_elements())?;
+        }
+    }
+    Ok(())
+}
+
+#[cfg(all(test, feature = "compile"))]
+#[path = "../../tests/unit/device_layers.rs"]
+mod tests;

@@ -370,6 +370,24 @@ pub(crate) trait Device {
     ) -> Result<(), DeviceError> {
         self.linear_backward_rows(l, (dy, l.out), dw, dbias, dx)
     }
+    /// The input gradient of `l` alone, dx (β)= dy·W, dy's rows `dy.1` ≥ out elements apart:
+    /// [`Device::linear_backward_rows`] without the weight gradient (a split backward's `I`,
+    /// whose `W` takes `linear_backward_rows` without `dx`); `l.x` is not read.
+    fn linear_backward_input_rows(
+        &self,
+        l: Linear<Self::Ptr>,
+        dy: (Self::Ptr, usize),
+        dx: (Self::Ptr, f32),
+    ) -> Result<(), DeviceError>;
+    /// [`Device::linear_backward_input_rows`] of contiguous rows.
+    fn linear_backward_input(
+        &self,
+        l: Linear<Self::Ptr>,
+        dy: Self::Ptr,
+        dx: (Self::Ptr, f32),
+    ) -> Result<(), DeviceError> {
+        self.linear_backward_input_rows(l, (dy, l.out), dx)
+    }
     /// [`Device::gelu_backward`] of `dy` (in place, `pre` GELU's input) then
     /// [`Device::linear_backward`] over it: the MLP's first product. A device may take GELU's
     /// backward in the pass that sums the bias gradient (the same values).
@@ -401,6 +419,15 @@ pub(crate) trait Device {
         dy: Self::Ptr,
         dx: Option<(Self::Ptr, Self::Ptr)>,
         grads: Self::Ptr,
+    ) -> Result<(), DeviceError>;
+    /// The norm's input gradient alone, `dx` = (out, base) as [`Device::norm_backward`] takes
+    /// it (the same values), without the parameter gradients: a split backward's `I`, whose `W`
+    /// takes `norm_backward` without `dx`.
+    fn norm_backward_input(
+        &self,
+        n: &NormOperands<'_, Self::Ptr>,
+        dy: Self::Ptr,
+        dx: (Self::Ptr, Self::Ptr),
     ) -> Result<(), DeviceError>;
 
     /// post ← gelu(pre).

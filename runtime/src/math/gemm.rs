@@ -174,7 +174,7 @@ pub(crate) fn linear_backward(
     dbias: Option<&mut [f32]>,
     dx: Option<(&mut [f32], f32)>,
 ) {
-    let Product { x, w, t, inp, out } = p;
+    let Product { x, t, inp, out, .. } = p;
     let dy_rows = Mat::rows(dy, t, out, ld);
     gemm(
         1.0,
@@ -186,15 +186,26 @@ pub(crate) fn linear_backward(
     if let Some(db) = dbias {
         col_sums(dy, (out, ld), db);
     }
-    if let Some((dx, beta)) = dx {
-        gemm(
-            1.0,
-            dy_rows,
-            Mat::dense(w, out, inp),
-            beta,
-            MatMut::dense(dx, t, inp),
-        );
+    if let Some(dx) = dx {
+        linear_backward_input(p, (dy, ld), dx);
     }
+}
+
+/// The input gradient of [`linear`] alone, dx (β)= dy·W (the last product of
+/// [`linear_backward`]), dy in rows `ld` apart; `p.x` is not read.
+pub(crate) fn linear_backward_input(
+    p: Product<'_>,
+    (dy, ld): (&[f32], usize),
+    (dx, beta): (&mut [f32], f32),
+) {
+    let Product { w, t, inp, out, .. } = p;
+    gemm(
+        1.0,
+        Mat::rows(dy, t, out, ld),
+        Mat::dense(w, out, inp),
+        beta,
+        MatMut::dense(dx, t, inp),
+    );
 }
 
 /// acc += the sum of the rows of `m` (rows of `width` columns, `ld` apart).

@@ -537,6 +537,19 @@ impl LayerMath {
         matches!(self.kind, Kind::LmHead { weight: None, .. })
     }
 
+    /// The fp32 elements a split backward's input half (`I`) stashes for its weight half (`W`)
+    /// (the layouts of [`saved::BlockStash`] and [`saved::NormedStash`]; what
+    /// `sched_ir::abi::stash_elements` sizes the plan's stash with): none for an embedding.
+    pub fn stash_elements(&self) -> usize {
+        let t = self.dims.t;
+        match &self.kind {
+            Kind::Embedding { .. } => 0,
+            Kind::Transformer(bp) => t * saved::block_stash_per_token(bp),
+            Kind::Mlp { hidden, mlp, .. } => t * (hidden + saved::mlp_stash_per_token(mlp)),
+            Kind::LmHead { hidden, .. } => t * hidden,
+        }
+    }
+
     /// Elements of the tied `wte` (vocab·hidden) for a tied lm_head, else 0.
     pub fn tied_elements(&self) -> usize {
         match self.kind {

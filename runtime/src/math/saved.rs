@@ -96,3 +96,86 @@ impl<S: Piece> BlockSaved<S> {
         }
     }
 }
+
+/// The MLP's part of a split backward's stash (fp32): the gradient of its first product's
+/// output (GELU's input; SwiGLU's gate and up products), which `W` turns into their weight and
+/// bias gradients.
+pub(crate) enum MlpStash<S> {
+    Gelu { dpre: S },
+    SwiGlu { dgate: S, dup: S },
+}
+
+impl<S: Piece> MlpStash<S> {
+    pub(crate) fn carve(t: usize, mp: &MlpP, c: &mut Carve<S>) -> Self {
+        let f = mp.ffn;
+        match mp.act {
+            Activation::Gelu => MlpStash::Gelu {
+                dpre: c.take(t * f),
+            },
+            Activation::SwiGlu => MlpStash::SwiGlu {
+                dgate: c.take(t * f),
+                dup: c.take(t * f),
+            },
+        }
+    }
+}
+
+/// [`MlpStash`]'s floats per token.
+pub(crate) fn mlp_stash_per_token(mp: &MlpP) -> usize {
+    match mp.act {
+        Activation::Gelu => mp.ffn,
+        Activation::SwiGlu => 2 * mp.ffn,
+    }
+}
+
+/// What a transformer block's input-gradient backward (`I`) stashes for its weight-gradient
+/// backward (`W`), fp32, in this order (`sched_ir::abi::stash_elements`): the gradients of
+/// ln1's output `d1` [t, hidden], of the qkv product's output `dqkv` [t, width] (after the
+/// rotary backward), of the projection's output `dr` [t, hidden] (the residual stream's), of
+/// ln2's output `d2` [t, hidden], then the MLP's ([`MlpStash`]). A norm's parameter gradient
+/// is its output gradient against its saved input and statistics; a product's, its output
+/// gradient against its saved input.
+pub(crate) struct BlockStash<S> {
+    pub(crate) d1: S,
+    pub(crate) dqkv: S,
+    pub(crate) dr: S,
+    pub(crate) d2: S,
+    pub(crate) mlp: MlpStash<S>,
+}
+
+impl<S: Piece> BlockStash<S> {
+    pub(crate) fn carve(bp: &BlockP, t: usize, stash: S) -> Self {
+        let h = bp.hidden;
+        let mut c = Carve(stash);
+        BlockStash {
+            d1: c.take(t * h),
+            dqkv: c.take(t * bp.shape.width()),
+            dr: c.take(t * h),
+            d2: c.take(t * h),
+            mlp: MlpStash::carve(t, &bp.mlp, &mut c),
+        }
+    }
+}
+
+/// [`BlockStash`]'s floats per token.
+pub(crate) fn block_stash_per_token(bp: &BlockP) -> usize {
+    3 * bp.hidden + bp.shape.width() + mlp_stash_per_token(&bp.mlp)
+}
+
+/// The stash of an mlp or lm_head layer: the gradient of its norm's output `dn` [t, hidden],
+/// then (mlp) the MLP's ([`MlpStash`]); the lm_head's product reads the logits' gradient where
+/// the loss wrote it.
+pub(crate) struct NormedStash<S> {
+    pub(crate) dn: S,
+    pub(crate) rest: Carve<S>,
+}
+
+impl<S: Piece> NormedStash<S> {
+    pub(crate) fn carve(t: usize, h: usize, stash: S) -> Self {
+        let mut c = Carve(stash);
+        NormedStash {
+            dn: c.take(t * h),
+            rest: c,
+        }
+    }
+}

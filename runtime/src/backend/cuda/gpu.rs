@@ -462,13 +462,14 @@ impl Gpu<'_> {
     }
 
     /// `Device::linear_backward_rows`, dy first through GELU's backward when `gelu` gives its
-    /// input (`Device::gelu_linear_backward`; contiguous rows).
+    /// input (`Device::gelu_linear_backward`; contiguous rows); without `dw`, the input
+    /// gradient alone (`Device::linear_backward_input_rows`).
     fn linear_backward_after(
         &self,
         gelu: Option<DevPtr>,
         l: Linear<DevPtr>,
         (dy, ld): (DevPtr, usize),
-        dw: DevPtr,
+        dw: Option<DevPtr>,
         dbias: Option<DevPtr>,
         dx: Option<(DevPtr, f32)>,
     ) -> Result<(), DeviceError> {
@@ -521,8 +522,11 @@ impl Gpu<'_> {
         if aligned {
             for (c0, n) in aligned_parts(out, narrow) {
                 let (dy, w) = (dy.offset(c0), w.offset(c0 * inp));
-                let dw = dw.offset(c0 * inp);
-                self.gemm(RowMajor::new((n, inp, t), mt(dy, ld), m(x, inp), (dw, inp)).beta(1.0))?;
+                if let Some(dw) = dw {
+                    let dw = dw.offset(c0 * inp);
+                    let dw_part = RowMajor::new((n, inp, t), mt(dy, ld), m(x, inp), (dw, inp));
+                    self.gemm(dw_part.beta(1.0))?;
+                }
                 if let Some((dx, beta)) = dx {
                     let beta = if c0 == 0 { beta } else { 1.0 };
                     self.gemm(
@@ -559,7 +563,7 @@ impl Gpu<'_> {
             if dx_of.is_some_and(|(_, _, (_, wide))| wide > width) {
                 self.fill(block, rows * cols, 0.0)?;
             }
-            let dw = dw.offset(c0 * inp);
+            let dw = dw.map(|dw| dw.offset(c0 * inp));
             for r0 in (0..t).step_by(rows) {
                 let n = rows.min(t - r0);
                 self.copy_rows((block, cols), (dy.offset(r0 * ld + c0), ld), width, n)?;
@@ -567,9 +571,12 @@ impl Gpu<'_> {
                 // model), not once per product; released after them.
                 let mark = self.used.get();
                 let dyb = DevPtr::new(self.operand(block.addr, block.storage, n * cols)?, products);
-                let x = x.offset(r0 * inp);
-                let dw_part = RowMajor::new((width, inp, n), mt(dyb, cols), m(x, inp), (dw, inp));
-                self.gemm(dw_part.beta(1.0))?;
+                if let Some(dw) = dw {
+                    let x = x.offset(r0 * inp);
+                    let dw_part =
+                        RowMajor::new((width, inp, n), mt(dyb, cols), m(x, inp), (dw, inp));
+                    self.gemm(dw_part.beta(1.0))?;
+                }
                 if let Some((dx, beta, (wb, wide))) = dx_of {
                     let dx = dx.offset(r0 * inp);
                     self.gemm(
@@ -1136,7 +1143,16 @@ impl Device for Gpu<'_> {
         dbias: Option<DevPtr>,
         dx: Option<(DevPtr, f32)>,
     ) -> Result<(), DeviceError> {
-        self.linear_backward_after(None, l, dy, dw, dbias, dx)
+        self.linear_backward_after(None, l, dy, Some(dw), dbias, dx)
+    }
+
+    fn linear_backward_input_rows(
+        &self,
+        l: Linear<DevPtr>,
+        dy: (DevPtr, usize),
+        dx: (DevPtr, f32),
+    ) -> Result<(), DeviceError> {
+        self.linear_backward_after(None, l, dy, None, None, Some(dx))
     }
 
     /// GELU's backward in the bias gradient's pass over dy where there is one (`Op::BiasGrad`
@@ -1150,7 +1166,7 @@ impl Device for Gpu<'_> {
         dbias: Option<DevPtr>,
         dx: Option<(DevPtr, f32)>,
     ) -> Result<(), DeviceError> {
-        self.linear_backward_after(Some(pre), l, (dy, l.out), dw, dbias, dx)
+        self.linear_backward_after(Some(pre), l, (dy, l.out), Some(dw), dbias, dx)
     }
 
     fn norm_forward(&self, n: &NormOperands<'_, DevPtr>, out: DevPtr) -> Result<(), DeviceError> {
@@ -1182,6 +1198,31 @@ impl Device for Gpu<'_> {
         grads: DevPtr,
     ) -> Result<(), DeviceError> {
         let NormOperands {
+            np, t, h, x, stats, ..
+        } = *n;
+
+        let op = Op::NormBackwardParams {
+            width: h as u32,
+            bias: np.b.is_some(),
+        };
+        let mut args = vec![T(x), T(stats), T(dy), T(grads.at(&np.w))];
+        args.extend(np.b.as_ref().map(|r| T(grads.at(r))));
+        args.push(Arg::L(t as i64));
+        self.run(op, h, &args)?;
+        match dx {
+            Some(dx) => self.norm_backward_input(n, dy, dx),
+            None => Ok(()),
+        }
+    }
+
+    /// `norm_backward`'s second kernel alone (`Op::NormBackwardInput`).
+    fn norm_backward_input(
+        &self,
+        n: &NormOperands<'_, DevPtr>,
+        dy: DevPtr,
+        (dx, base): (DevPtr, DevPtr),
+    ) -> Result<(), DeviceError> {
+        let NormOperands {
             np,
             params,
             t,
@@ -1189,25 +1230,12 @@ impl Device for Gpu<'_> {
             x,
             stats,
         } = *n;
-
-        let width = h as u32;
-        let op = Op::NormBackwardParams {
-            width,
-            bias: np.b.is_some(),
+        let op = Op::NormBackwardInput {
+            norm: np.kind,
+            width: h as u32,
         };
-        let mut args = vec![T(x), T(stats), T(dy), T(grads.at(&np.w))];
-        args.extend(np.b.as_ref().map(|r| T(grads.at(r))));
-        args.push(Arg::L(t as i64));
-        self.run(op, h, &args)?;
-        if let Some((dx, base)) = dx {
-            let op = Op::NormBackwardInput {
-                norm: np.kind,
-                width,
-            };
-            let w = params.at(&np.w);
-            self.run(op, t, &[T(x), T(w), T(stats), T(dy), T(base), T(dx)])?;
-        }
-        Ok(())
+        let w = params.at(&np.w);
+        self.run(op, t, &[T(x), T(w), T(stats), T(dy), T(base), T(dx)])
     }
 
     fn gelu(&self, pre: DevPtr, post: DevPtr, n: usize) -> Result<(), DeviceError> {
