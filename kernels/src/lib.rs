@@ -1020,6 +1020,16 @@ impl Catalogue {
             // The first product's bias gradient: of SwiGLU's fp32 gradients, or GELU's taken
             // in the same pass (the runtime's `Device::gelu_linear_backward`).
             self.bias_grad_through(m.ffn as u32, f, m.act == Activation::Gelu);
+            if m.act == Activation::Gelu {
+                // A split backward's weight half: of the gradient its input half stashed,
+                // through GELU's backward already (fp32, read by the products as it is).
+                let op = Op::BiasGrad {
+                    width: m.ffn as u32,
+                    cast: false,
+                    gelu: false,
+                };
+                self.add(Kernel::new(op, &[f, f]));
+            }
             // The output projection's, from fp32 or the arena's output gradient.
             self.bias_grad(m.hidden as u32, f);
             self.bias_grad(m.hidden as u32, a);

@@ -2056,3 +2056,223 @@ fn an_op_past_its_planned_workspace_fails() {
     let e = t.step(train.lr, train.clip).unwrap_err().to_string();
     assert!(e.contains("but the plan gives the stream 64"), "{e}");
 }
+
+/// A layer's gradients from the emulated device: the input's (when the layer has one), the
+/// parameters' and a tied head's embedding's, as f32.
+struct DeviceGrads {
+    gi: Option<Vec<f32>>,
+    gp: Vec<f32>,
+    gt: Option<Vec<f32>>,
+}
+
+/// `layers::backward_input` then `layers::backward_weight` on `gg` (workspace given back
+/// between them, as between two ops), the stash fp32 and NaN before the input half: `gi`
+/// written where `gi` points (in its storage), `gp` and `gt` into fp32 vectors.
+#[allow(clippy::too_many_arguments)]
+fn split_backward<'g>(
+    gg: &Gpu<'g>,
+    m: &LayerMath,
+    w: layers::Weights<DevPtr>,
+    saved: DevPtr,
+    input: In<Gpu<'g>>,
+    dy: DevPtr,
+    gi: Option<DevPtr>,
+) -> (Vec<f32>, Option<Vec<f32>>) {
+    let mut stash = vec![f32::NAN; m.stash_elements()];
+    gg.reset();
+    let g = layers::InputGrads {
+        dy,
+        gi,
+        stash: f32p_mut(&mut stash),
+    };
+    layers::backward_input(gg, m, w, saved, input, g).unwrap();
+    assert!(
+        stash.iter().all(|v| v.is_finite()),
+        "{}: the stash is not written whole",
+        m.name()
+    );
+    gg.reset();
+    let mut gp = vec![f32::NAN; m.params()];
+    let mut gt = m.is_tied().then(|| vec![f32::NAN; m.tied_elements()]);
+    let g = layers::WeightGrads {
+        dy,
+        stash: f32p(&stash),
+        gp: f32p_mut(&mut gp),
+        gt: gt.as_deref_mut().map(f32p_mut),
+    };
+    layers::backward_weight(gg, m, w, saved, input, g, true).unwrap();
+    (gp, gt)
+}
+
+/// The split backward against the whole on the emulated device (`tol`) and against the CPU
+/// math (the layer tolerances).
+fn check_split(c: &LayerCase, dtype: Dtype, whole: &DeviceGrads, split: &DeviceGrads, tol: f32) {
+    let what = format!("{} split against whole", c.what);
+    close(&format!("{what}: grad params"), &split.gp, &whole.gp, tol);
+    if let (Some(a), Some(b)) = (&split.gi, &whole.gi) {
+        close(&format!("{what}: grad input"), a, b, tol);
+    }
+    assert_eq!(split.gt.is_some(), whole.gt.is_some(), "{what}: grad tied");
+    if let (Some(a), Some(b)) = (&split.gt, &whole.gt) {
+        close(&format!("{what}: grad tied"), a, b, tol);
+    }
+    c.check_backward(dtype, &split.gp, split.gi.as_deref(), split.gt.as_deref());
+}
+
+/// How far a split backward on the emulated device may be from the whole one: an fp32
+/// model's only where a product sums in another order; a 16-bit model's where the whole
+/// backward's fused kernels round a gradient the split one keeps in fp32 (SwiGLU's straight
+/// into the products' storage, which the products' operand cast rounds alike). Observed: none,
+/// every gradient the whole backward's bits.
+fn split_tolerance(model: Dtype) -> f32 {
+    match model {
+        Dtype::Fp32 => 1e-6,
+        Dtype::Bf16 | Dtype::Fp16 => 1e-2,
+    }
+}
+
+/// Every layer kind's split backward (`backward_input` then `backward_weight`) on the emulated
+/// device, on fp32 workspace, gives the whole backward's gradients and the CPU math's: fp32,
+/// bf16 and fp16 models, tied heads, saved activations of the forward (not recomputed).
+#[test]
+fn split_backward_on_the_emulated_device_matches_backward() {
+    for model in models() {
+        let x = HostExec::for_model(&model);
+        let mut rng = Rng::new(13);
+        for layer in &model.layers {
+            let m = LayerMath::new(layer, &model).unwrap();
+            let what = format!("{} {}", model.name, layer.name);
+            let c = LayerCase::new(&m, what, &mut rng, |v| v);
+            let rope = rope_table(&m);
+            let mut ws = vec![0f32; 1 << 20];
+            let consts = table_consts(rope.as_deref().map(addr));
+            let gg = g(&x, &mut ws, &consts, model.dtype);
+            let w = layers::Weights {
+                params: f32p(&c.p),
+                tied: c.tied.as_deref().map(f32p),
+            };
+            let (saved, dy) = (f32p(&c.saved), f32p(&c.dy));
+            let dev_in = c.input(&m, f32p(&c.xin));
+            let mut whole = DeviceGrads {
+                gi: c.gi.as_ref().map(|v| vec![f32::NAN; v.len()]),
+                gp: vec![f32::NAN; m.params()],
+                gt: c.gt.as_ref().map(|v| vec![f32::NAN; v.len()]),
+            };
+            let grads = layers::Grads {
+                dy,
+                gi: whole.gi.as_deref_mut().map(f32p_mut),
+                gp: f32p_mut(&mut whole.gp),
+                gt: whole.gt.as_deref_mut().map(f32p_mut),
+            };
+            layers::backward(&gg, &m, w, saved, dev_in, grads, true).unwrap();
+            let mut gi = c.gi.as_ref().map(|v| vec![f32::NAN; v.len()]);
+            let gi_ptr = gi.as_deref_mut().map(f32p_mut);
+            let (gp, gt) = split_backward(&gg, &m, w, saved, dev_in, dy, gi_ptr);
+            let split = DeviceGrads { gi, gp, gt };
+            check_split(
+                &c,
+                model.dtype,
+                &whole,
+                &split,
+                split_tolerance(model.dtype),
+            );
+        }
+    }
+}
+
+/// The split backward of every layer of a 16-bit model on 16-bit storage in place, as
+/// `run_action` gives it on the GPU (the stash and the parameter gradient fp32), gives the
+/// whole backward's gradients and the CPU math's, and launches only kernels the module the
+/// CUDA backend loads holds (`sched_kernels::for_model`).
+#[test]
+fn split_backward_on_16_bit_storage_launches_listed_kernels() {
+    for model in models().into_iter().filter(|m| m.dtype != Dtype::Fp32) {
+        let x = HostExec::new(for_model(&model), "for_model");
+        let (d, prec) = (model.dtype, Precision::of(model.dtype));
+        let rounded = |mut v: Vec<f32>| {
+            prec.round(&mut v);
+            v
+        };
+        let mut rng = Rng::new(17);
+        for layer in &model.layers {
+            let m = LayerMath::new(layer, &model).unwrap();
+            let what = format!("{} {} in place", model.name, layer.name);
+            let c = LayerCase::new(&m, what, &mut rng, rounded);
+            let on = |v: &[u64]| DevPtr::new(addr(v), Storage::of(d));
+            let on_mut =
+                |v: &mut [u64]| DevPtr::new(DevAddr(v.as_mut_ptr() as u64), Storage::of(d));
+            let (d_p, d_tied, d_x, d_dy) = (
+                packed(&c.p, d),
+                c.tied.as_ref().map(|t| packed(t, d)),
+                packed(&c.xin, d),
+                packed(&c.dy, d),
+            );
+            // The saved region as the forward leaves it in the arena.
+            let mut d_saved = vec![];
+            for (seg, v) in m.saved_segments().iter().zip(saved_pieces(&m, &c.saved)) {
+                let dtype = match seg.stored {
+                    crate::math::Stored::Model => d,
+                    crate::math::Stored::F32 => Dtype::Fp32,
+                };
+                d_saved.push((dtype, v));
+            }
+            let bytes: usize = d_saved
+                .iter()
+                .map(|(t, v)| v.len() * t.bytes() as usize)
+                .sum();
+            let mut arena = vec![0u64; bytes.div_ceil(8)];
+            let mut at = DevAddr(arena.as_mut_ptr() as u64);
+            for (t, v) in &d_saved {
+                write(at, *t, v);
+                at = at.add_bytes(v.len() as u64 * t.bytes());
+            }
+            let segments = m.saved_segments();
+            let saved = DevPtr::saved(DevAddr(arena.as_mut_ptr() as u64), 0, d, &segments);
+            let saved = saved.unwrap();
+            let rope = rope_table(&m);
+            let mut ws = vec![0f32; 1 << 20];
+            let consts = table_consts(rope.as_deref().map(addr));
+            let gg = g(&x, &mut ws, &consts, d);
+            let w = layers::Weights {
+                params: on(&d_p),
+                tied: d_tied.as_deref().map(on),
+            };
+            let dev_in = c.input(&m, on(&d_x));
+            let mut whole_gi = c.gi.as_ref().map(|v| packed(&vec![f32::NAN; v.len()], d));
+            let mut whole = DeviceGrads {
+                gi: None,
+                gp: vec![f32::NAN; m.params()],
+                gt: c.gt.as_ref().map(|v| vec![f32::NAN; v.len()]),
+            };
+            let grads = layers::Grads {
+                dy: on(&d_dy),
+                gi: whole_gi.as_deref_mut().map(on_mut),
+                gp: f32p_mut(&mut whole.gp),
+                gt: whole.gt.as_deref_mut().map(f32p_mut),
+            };
+            layers::backward(&gg, &m, w, saved, dev_in, grads, true).unwrap();
+            let unpack = |v: &[u64], n: usize| read(addr(v), n, d);
+            let n = m.input_elements();
+            whole.gi = whole_gi.as_ref().map(|v| unpack(v, n));
+            let mut gi = c.gi.as_ref().map(|v| packed(&vec![f32::NAN; v.len()], d));
+            let gi_ptr = gi.as_deref_mut().map(on_mut);
+            let (gp, gt) = split_backward(&gg, &m, w, saved, dev_in, on(&d_dy), gi_ptr);
+            let gi = gi.as_ref().map(|v| unpack(v, n));
+            let split = DeviceGrads { gi, gp, gt };
+            check_split(&c, d, &whole, &split, split_tolerance(d));
+        }
+    }
+}
+
+/// The CPU math's saved buffer cut into its segments.
+fn saved_pieces(m: &LayerMath, saved: &[f32]) -> Vec<Vec<f32>> {
+    let mut rest = saved;
+    m.saved_segments()
+        .iter()
+        .map(|s| {
+            let (a, b) = rest.split_at(s.elements);
+            rest = b;
+            a.to_vec()
+        })
+        .collect()
+}
