@@ -1,7 +1,9 @@
 //! Unit tests of `device::layers` (a child module of it): the split backward's halves on the
 //! host device against the whole backward.
 
-use super::{backward, backward_input, backward_weight, Grads, In, InputGrads, WeightGrads, Weights};
+use super::{
+    backward, backward_input, backward_weight, Grads, In, InputGrads, WeightGrads, Weights,
+};
 use crate::device::host::{Host, HostPtr, HostTokens};
 use crate::math::{LayerMath, Precision, Rng};
 use sched_ir::job::Model;
@@ -97,7 +99,15 @@ impl Case {
         Host::with_slices(|d| {
             let tied = c.tied.as_deref().map(HostPtr::read_only);
             let (p, x) = (HostPtr::read_only(&c.p), c.input(m));
-            super::forward(d, m, p, tied, x, HostPtr::of(&mut out), HostPtr::of(&mut saved))
+            super::forward(
+                d,
+                m,
+                p,
+                tied,
+                x,
+                HostPtr::of(&mut out),
+                HostPtr::of(&mut saved),
+            )
         })
         .unwrap();
         c.saved = saved;
@@ -190,7 +200,11 @@ fn split(m: &LayerMath, c: &Case, round_grads: bool) -> Out {
 fn same_bits(what: &str, got: &[f32], want: &[f32]) {
     assert_eq!(got.len(), want.len(), "{what}: length");
     for (i, (a, b)) in got.iter().zip(want).enumerate() {
-        assert_eq!(a.to_bits(), b.to_bits(), "{what}[{i}]: split {a}, whole {b}");
+        assert_eq!(
+            a.to_bits(),
+            b.to_bits(),
+            "{what}[{i}]: split {a}, whole {b}"
+        );
     }
 }
 
@@ -235,7 +249,13 @@ fn stash_sizes_are_the_abis() {
         for layer in &model.layers {
             let m = LayerMath::new(layer, &model).unwrap();
             let abi = sched_ir::abi::stash_elements(&layer.kind, &model);
-            assert_eq!(m.stash_elements() as u64, abi, "{} {}", model.name, layer.name);
+            assert_eq!(
+                m.stash_elements() as u64,
+                abi,
+                "{} {}",
+                model.name,
+                layer.name
+            );
         }
     }
 }
