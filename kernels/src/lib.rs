@@ -47,8 +47,8 @@ pub mod codegen;
 pub mod flash;
 
 use sched_ir::job::{
-    Activation, Attention, Dtype, Job, LayerKind, MlpSpec, Model, Norm, Optimizer, Positions,
-    TransformerSpec,
+    ActionKind, Activation, Attention, Dtype, Job, LayerKind, MlpSpec, Model, Norm, Optimizer,
+    Positions, TransformerSpec,
 };
 use std::fmt;
 use std::path::{Path, PathBuf};
@@ -733,10 +733,25 @@ pub fn ptx_path(plan: &Path, sm: u32) -> PathBuf {
 /// its embedding, norm, activation, rotary, attention and bias kernels, then the loss, the
 /// optimizer, the gradient norm, the conversions and roundings, and the fills.
 pub fn for_job(job: &Job) -> Vec<Kernel> {
-    for_model(&job.model)
+    let split = (job.schedule.pipeline.order.iter().flatten()).any(|a| a.kind == ActionKind::W);
+    for_model_with(&job.model, split)
 }
 
-/// [`for_job`] of any job of `model` (the kernels depend on the model alone).
+/// [`for_job`] of any job of `model` whose pipeline order has no split backward (the kernels
+/// depend on the model alone, and on whether it runs a pipeline's `I` and `W`:
+/// [`for_split_model`]).
+pub fn for_model(model: &Model) -> Vec<Kernel> {
+    for_model_with(model, false)
+}
+
+/// [`for_job`] of any job of `model` whose pipeline order splits backwards into `I` and `W`:
+/// [`for_model`]'s and the weight halves' bias gradients of fp32 stashed gradients (a GELU
+/// product's, whose whole backward takes GELU's backward in that pass).
+pub fn for_split_model(model: &Model) -> Vec<Kernel> {
+    for_model_with(model, true)
+}
+
+/// [`for_job`] of `model`, with `split` the kernels of a pipeline's split backward.
 ///
 /// The dtypes follow where the device code keeps each tensor: parameters, layer inputs and
 /// outputs, saved activations and activation gradients in the arena in the model dtype `a`;
@@ -747,11 +762,12 @@ pub fn for_job(job: &Job) -> Vec<Kernel> {
 /// op (the memory plan decides), so their kernels come in both places. A 16-bit model's fp32
 /// statistics inside its saved region may lie at a 2-byte offset: its norm and fused attention
 /// kernels also come with halved statistics ([`Kernel::with_halved_stats`]).
-pub fn for_model(model: &Model) -> Vec<Kernel> {
+fn for_model_with(model: &Model, split: bool) -> Vec<Kernel> {
     let (a, g, f) = (model.dtype, model.grad_dtype, Dtype::Fp32);
     let mut k = Catalogue {
         a,
         f,
+        split,
         out: if a == f { vec![f] } else { vec![a, f] },
         list: vec![],
     };
@@ -903,10 +919,12 @@ pub fn for_model(model: &Model) -> Vec<Kernel> {
 }
 
 /// The list [`for_model`] builds, with the dtypes its helpers choose from: the model dtype `a`,
-/// fp32 `f`, and where outputs may live (`out`: the arena, `a`, and workspace, `f`).
+/// fp32 `f`, and where outputs may live (`out`: the arena, `a`, and workspace, `f`); `split`
+/// for a pipeline's split backward.
 struct Catalogue {
     a: Dtype,
     f: Dtype,
+    split: bool,
     out: Vec<Dtype>,
     list: Vec<Kernel>,
 }
@@ -1020,7 +1038,7 @@ impl Catalogue {
             // The first product's bias gradient: of SwiGLU's fp32 gradients, or GELU's taken
             // in the same pass (the runtime's `Device::gelu_linear_backward`).
             self.bias_grad_through(m.ffn as u32, f, m.act == Activation::Gelu);
-            if m.act == Activation::Gelu {
+            if self.split && m.act == Activation::Gelu {
                 // A split backward's weight half: of the gradient its input half stashed,
                 // through GELU's backward already (fp32, read by the products as it is).
                 let op = Op::BiasGrad {

@@ -20,7 +20,7 @@ pub enum LoadError {
     /// Through schedc's loader (a plan file or a `.sched` file).
     #[cfg(feature = "compile")]
     #[error(transparent)]
-    Load(#[from] schedc::load::LoadError),
+    Load(Box<schedc::load::LoadError>),
     /// The file cannot be read.
     #[cfg(not(feature = "compile"))]
     #[error("cannot read {}: {error}", path.display())]
@@ -54,6 +54,14 @@ pub enum LoadError {
     Decode(#[from] crate::exec::DecodeError),
 }
 
+/// Boxed: schedc's error is large, and a `Result` carries its error inline.
+#[cfg(feature = "compile")]
+impl From<schedc::load::LoadError> for LoadError {
+    fn from(e: schedc::load::LoadError) -> Self {
+        LoadError::Load(Box::new(e))
+    }
+}
+
 impl LoadError {
     /// The user's input is at fault (exit 1), rather than the machine or the compiler (exit 2).
     pub fn is_input(&self) -> bool {
@@ -70,8 +78,8 @@ impl LoadError {
     /// each with its own `error:` and source lines).
     pub fn is_diagnostics(&self) -> bool {
         #[cfg(feature = "compile")]
-        if let LoadError::Load(schedc::load::LoadError::Diagnostics(_)) = self {
-            return true;
+        if let LoadError::Load(e) = self {
+            return matches!(**e, schedc::load::LoadError::Diagnostics(_));
         }
         false
     }

@@ -32,7 +32,7 @@ use crate::math::{Input, LayerMath, Precision, Rng, SliceGrads};
 use crate::plan::Plan;
 use crate::train::Trainer;
 use sched_ir::job::{Collective, Dtype};
-use sched_kernels::{for_job, for_model, Kernel, Op};
+use sched_kernels::{for_job, for_split_model, Kernel, Op};
 use std::cell::{Cell, RefCell};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
@@ -87,9 +87,10 @@ impl HostExec {
         }
     }
 
-    /// A stream that runs every variant of the kernels of `model`'s layers.
+    /// A stream that runs every variant of the kernels of `model`'s layers (a split backward's
+    /// included).
     fn for_model(model: &sched_ir::job::Model) -> Self {
-        HostExec::new(every_variant(&for_model(model)), "every variant")
+        HostExec::new(every_variant(&for_split_model(model)), "every variant")
     }
 
     fn tally_copy(&self, bytes: usize) {
@@ -1639,8 +1640,9 @@ cluster two_by_two { nodes = 2  gpus_per_node = 2  gpu_memory = 4 GiB  peak_flop
 /// relative and final weights within 1e-4 for fp32 models, both within 2e-2 for bf16 and fp16
 /// ones (16-bit products), 20
 /// steps of one-rank plans and 5 of sharded 4-rank ones (ZeRO-2/3, hierarchical MiCS, hpZ, an
-/// AMSP mesh, and two 2-stage pipelines, 1F1B with ZeRO-1 and GPipe with ZeRO-3, whose
-/// transfers go through `nccl_call` as the CUDA backend issues them), with clipping,
+/// AMSP mesh, and four 2-stage pipelines, 1F1B with ZeRO-1, GPipe with ZeRO-3, and two `zbv`
+/// ones with split backwards (I and W; tied heads; fp32 and bf16), whose transfers go through
+/// `nccl_call` as the CUDA backend issues them), with clipping,
 /// micro-steps and recomputation, and a bf16 model over a 259-word
 /// vocabulary (logits in rows of 264, the head's products in place, split at column 256) and a
 /// 44-wide SwiGLU (products through padded rows). Every kernel launched is one
@@ -1662,7 +1664,9 @@ fn training_on_the_emulated_device_matches_the_cpu_backend() {
          schedule i {{ model = gpt_fp16  cluster = one  preset = zero2  train {{ lr = 1e-3  seed = 10 }} }}\n\
          schedule j {{ model = odd_bf16  cluster = one  preset = ddp  train {{ lr = 1e-3  seed = 11 }} }}\n\
          schedule k {{ model = llama_gqa  cluster = four  preset = zero1  micro_steps = 4  pipeline {{ stages = 2 }}  train {{ lr = 1e-3  seed = 12 }} }}\n\
-         schedule l {{ model = llama_gqa  cluster = four  preset = zero3  micro_steps = 2  pipeline {{ stages = 2  schedule = gpipe  layers = [1, 2] }}  train {{ lr = 1e-3  seed = 13 }} }}\n",
+         schedule l {{ model = llama_gqa  cluster = four  preset = zero3  micro_steps = 2  pipeline {{ stages = 2  schedule = gpipe  layers = [1, 2] }}  train {{ lr = 1e-3  seed = 13 }} }}\n\
+         schedule m {{ model = gpt_naive  cluster = four  preset = zero1  micro_steps = 4  pipeline {{ stages = 2  virtual = 2  schedule = zbv  layers = [1, 1, 1, 1] }}  train {{ lr = 1e-3  seed = 14 }} }}\n\
+         schedule n {{ model = llama_bf16  cluster = four  preset = ddp  micro_steps = 4  pipeline {{ stages = 2  virtual = 2  schedule = zbv  layers = [2, 1, 1, 1] }}  train {{ lr = 1e-3  seed = 15 }} }}\n",
         CLUSTERS
     );
     let loader = schedc::MemLoader::default()
@@ -2183,11 +2187,12 @@ fn split_backward_on_the_emulated_device_matches_backward() {
 /// The split backward of every layer of a 16-bit model on 16-bit storage in place, as
 /// `run_action` gives it on the GPU (the stash and the parameter gradient fp32), gives the
 /// whole backward's gradients and the CPU math's, and launches only kernels the module the
-/// CUDA backend loads holds (`sched_kernels::for_model`).
+/// CUDA backend loads for a job with a split backward holds
+/// (`sched_kernels::for_split_model`).
 #[test]
 fn split_backward_on_16_bit_storage_launches_listed_kernels() {
     for model in models().into_iter().filter(|m| m.dtype != Dtype::Fp32) {
-        let x = HostExec::new(for_model(&model), "for_model");
+        let x = HostExec::new(for_split_model(&model), "for_split_model");
         let (d, prec) = (model.dtype, Precision::of(model.dtype));
         let rounded = |mut v: Vec<f32>| {
             prec.round(&mut v);
