@@ -4,7 +4,10 @@
 //!
 //! Contracts (those of [`crate::math::LayerMath`]): `forward` overwrites `out` and all of
 //! `saved`; `backward` overwrites the input gradient (when asked for), the parameter gradient and
-//! a tied head's embedding gradient, never accumulating across calls.
+//! a tied head's embedding gradient, never accumulating across calls. A pipeline's split
+//! backward is `backward_input` (the input gradient and the fp32 stash, overwritten) then
+//! `backward_weight` (the parameter and tied gradients, overwritten, from the stash): the same
+//! operations in the same order as `backward`, so the same values.
 
 use super::{plan_error, Device, DeviceError, Linear, Lookup, NormOperands, Ptr};
 use crate::math::saved::{BlockSaved, BlockStash, MlpSaved, MlpStash, NormedSaved, NormedStash};

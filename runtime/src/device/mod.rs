@@ -15,7 +15,10 @@
 //! provided default that takes them one after the other: GELU's backward with the next
 //! product's bias gradient ([`Device::gelu_linear_backward`]), SwiGLU's backward straight into
 //! the products' storage ([`Device::swiglu_backward_cast`]), the parameter stored by the
-//! optimizer's pass ([`Device::update`]). Everything above the primitives is written once and
+//! optimizer's pass ([`Device::update`]). A pipeline's split backward takes each half of a
+//! product's or a norm's backward alone ([`Device::linear_backward_input_rows`],
+//! [`Device::norm_backward_input`]; the parameter halves are the backwards without `dx`).
+//! Everything above the primitives is written once and
 //! generic:
 //! [`layers`] is each layer kind's forward and backward (where rounding to the activation and
 //! gradient dtypes happens, which tensors are kept), [`action`] is `run_action`, one plan op on
