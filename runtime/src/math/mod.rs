@@ -538,7 +538,7 @@ impl LayerMath {
     }
 
     /// The fp32 elements a split backward's input half (`I`) stashes for its weight half (`W`)
-    /// (the layouts of [`saved::BlockStash`] and [`saved::NormedStash`]; what
+    /// (the layouts of `saved::BlockStash` and `saved::NormedStash`; what
     /// `sched_ir::abi::stash_elements` sizes the plan's stash with): none for an embedding.
     pub fn stash_elements(&self) -> usize {
         let t = self.dims.t;
