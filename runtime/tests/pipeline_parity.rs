@@ -10,12 +10,10 @@
 
 mod common;
 
-use common::{assert_parity, plan_of, train};
+use common::{assert_parity, plan_of, reference, train};
 use sched_ir::job::{Job, Mesh, Pipeline, PipelineSchedule, Shard};
 use schedrun::backend::cpu::CpuBackend;
 use schedrun::backend::RunOptions;
-use schedrun::data::Corpus;
-use schedrun::reference::Reference;
 use std::time::Duration;
 
 const STEPS: u64 = 20;
@@ -51,25 +49,6 @@ fn job(schedule: PipelineSchedule, stages: u32, chunks: &[u32], m: u32, shard: [
         order: sched_ir::orders::generate(schedule, stages, v, m),
     };
     job
-}
-
-/// The reference on the ddp twin's global batch: d × m × micro_batch sequences.
-fn reference(job: &Job, steps: u64) -> (Vec<f64>, Vec<f32>) {
-    let corpus = Corpus::builtin();
-    let model = &job.model;
-    let d = job.ranks() / u64::from(job.schedule.pipeline.stages);
-    let sequences = (d * u64::from(job.schedule.micro_steps) * model.micro_batch) as usize;
-    let mut r = Reference::new(model, &job.schedule.train).unwrap();
-    let losses = (0..steps)
-        .map(|t| {
-            let batch = corpus
-                .global_batch(t, sequences, model.seq_len as usize)
-                .unwrap();
-            r.step(t, &batch)
-        })
-        .collect();
-    let weights = r.weights().into_iter().flat_map(|(_, w)| w).collect();
-    (losses, weights)
 }
 
 fn check(job: &Job, options: RunOptions, steps: u64, what: &str) {

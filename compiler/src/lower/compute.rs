@@ -152,10 +152,25 @@ impl Builder<'_> {
             let g_in = self.hidden_buf(true, m, l);
             writes.push(Region::whole(g_in, self.p.buffers[g_in].bytes));
         }
-        // Parameter gradients: into the accumulator directly when it is the full size, else a full buffer.
+        self.parameter_gradients(l, m, fwd_full, full_grads, (&mut reads, &mut writes));
+        ops.push(self.compute(ComputeKind::Backward, Some(id), Some(m), reads, writes));
+        ops
+    }
+
+    /// The parameter-gradient regions of layer `l`'s backward (or weight half) in micro-step
+    /// `m`: into the accumulator directly when it is the full size, else a full buffer; a tied
+    /// head also reads the embedding's parameters and writes the embedding's `wte` gradient.
+    fn parameter_gradients(
+        &mut self,
+        l: usize,
+        m: u32,
+        fwd_full: &FxHashMap<usize, BufferId>,
+        full_grads: &mut FxHashMap<usize, BufferId>,
+        (reads, writes): (&mut Vec<Region>, &mut Vec<Region>),
+    ) {
         if self.layers[l].has_params {
             let g = self.grad_target(l, m, full_grads);
-            self.grad_write(m, g, &mut reads, &mut writes);
+            self.grad_write(m, g, reads, writes);
         }
         if let Some(e) = self.tied_embedding(l) {
             if let Some(p) = self.params_region(e, fwd_full) {
@@ -169,10 +184,8 @@ impl Builder<'_> {
                 bytes: vocab * hidden * self.grad_dtype.bytes(),
                 ..g
             };
-            self.grad_write(m, wte, &mut reads, &mut writes);
+            self.grad_write(m, wte, reads, writes);
         }
-        ops.push(self.compute(ComputeKind::Backward, Some(id), Some(m), reads, writes));
-        ops
     }
 
     /// With `recompute = full`, the forward of layer `l` in micro-step `m` again, from its saved
@@ -279,24 +292,7 @@ impl Builder<'_> {
             reads.push(Region::whole(h, self.p.buffers[h].bytes));
         }
         let mut writes = vec![];
-        if self.layers[l].has_params {
-            let g = self.grad_target(l, m, full_grads);
-            self.grad_write(m, g, &mut reads, &mut writes);
-        }
-        if let Some(e) = self.tied_embedding(l) {
-            if let Some(p) = self.params_region(e, fwd_full) {
-                reads.push(p);
-            }
-            let g = self.grad_target(e, m, full_grads);
-            let LayerKind::Embedding { vocab, hidden, .. } = self.job.model.layers[e].kind else {
-                unreachable!()
-            };
-            let wte = Region {
-                bytes: vocab * hidden * self.grad_dtype.bytes(),
-                ..g
-            };
-            self.grad_write(m, wte, &mut reads, &mut writes);
-        }
+        self.parameter_gradients(l, m, fwd_full, full_grads, (&mut reads, &mut writes));
         vec![self.compute(
             ComputeKind::BackwardWeight,
             Some(id),

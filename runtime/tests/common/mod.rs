@@ -54,12 +54,13 @@ pub fn tiny(name: &str) -> Model {
 }
 
 /// Per-step losses and final weights (`LAYER.TENSOR` order) of the single-process reference
-/// trainer on the job's global batch.
+/// trainer on the job's global batch (a pipeline's: its data-parallel ranks × micro-batches).
 pub fn reference(job: &Job, steps: u64) -> (Vec<f64>, Vec<f32>) {
     let corpus = Corpus::builtin();
     let model = &job.model;
-    let sequences =
-        job.ranks() as usize * job.schedule.micro_steps as usize * model.micro_batch as usize;
+    // A pipeline's global batch is its data-parallel ranks' (its `ddp` twin's).
+    let d = job.ranks() as usize / job.schedule.pipeline.stages.max(1) as usize;
+    let sequences = d * job.schedule.micro_steps as usize * model.micro_batch as usize;
     let mut r = Reference::new(model, &job.schedule.train).unwrap();
     let losses = (0..steps)
         .map(|t| {
