@@ -51,6 +51,11 @@ pub fn schedules() -> Vec<String> {
         (2, 4, "interleaved_1f1b", "balanced", 4),
         (4, 2, "interleaved_1f1b", "balanced", 4),
         (4, 2, "interleaved_1f1b", "balanced", 8),
+        (2, 1, "zb_h1", "[3, 5]", 4),
+        (4, 1, "zb_h1", "balanced", 6),
+        (2, 2, "zbv", "balanced", 2),
+        (2, 2, "zbv", "[2, 2, 1, 3]", 5),
+        (4, 2, "zbv", "balanced", 8),
     ];
     let shards = [
         "preset = ddp",
@@ -99,6 +104,12 @@ pub fn schedules() -> Vec<String> {
             2,
             "[2, 2, 2, 2]",
             2,
+        ),
+        (
+            ["F0 F1 F2 I0 I1 W0 I2 W1 W2", "F0 I0 F1 I1 W0 F2 I2 W1 W2"],
+            1,
+            "[4, 4]",
+            3,
         ),
     ] {
         for shard in ["preset = zero1", "preset = zero3"] {
