@@ -14,7 +14,13 @@ use schedrun::train::{State, Trainer};
 use std::path::{Path, PathBuf};
 
 fn jobs() -> Vec<Job> {
-    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/inputs/resume.sched");
+    jobs_of("resume.sched")
+}
+
+fn jobs_of(file: &str) -> Vec<Job> {
+    let p = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/inputs")
+        .join(file);
     let a = analyze(&p, &FsLoader).unwrap();
     assert!(!a.has_errors(), "{}", a.render());
     a.jobs.clone()
@@ -85,6 +91,39 @@ fn a_zero3_checkpoint_continues_the_same_trajectory_under_mics_and_ddp() {
             );
             assert!(close(&a.m, &b.m) <= 1e-5, "{}", other.schedule.name);
             assert!(close(&a.v, &b.v) <= 1e-6, "{}", other.schedule.name);
+        }
+    }
+}
+
+/// A pipeline's ranks hold only their stage's layers; its checkpoint is the whole model all the
+/// same: one written by 4 data-parallel ranks resumes on 2 stages of 2, and back, on the
+/// trajectory of an uninterrupted run.
+#[test]
+fn a_checkpoint_moves_between_a_pipeline_and_data_parallel_ranks() {
+    let jobs = jobs_of("resume_pipeline.sched");
+    for (from, to) in [(&jobs[0], &jobs[1]), (&jobs[1], &jobs[0])] {
+        let init = trainer(from, &State::default()).initial_state(0);
+        let mut straight = trainer(from, &init);
+        let want = run(&mut straight, 6);
+        let mut first = trainer(from, &init);
+        assert_eq!(run(&mut first, 3), want[..3]);
+        let path = temp(&format!("{}.safetensors", from.schedule.name));
+        checkpoint::save(
+            &path,
+            &from.model,
+            &first.state().unwrap(),
+            Contents::Checkpoint,
+        )
+        .unwrap();
+        let resumed = checkpoint::load(&path, &to.model, Contents::Checkpoint).unwrap();
+        let got = run(&mut trainer(to, &resumed), 3);
+        for (g, w) in got.iter().zip(&want[3..]) {
+            assert!(
+                ((g - w) / w).abs() <= 1e-5,
+                "{} -> {}: resumed loss {g}, uninterrupted {w}",
+                from.schedule.name,
+                to.schedule.name
+            );
         }
     }
 }

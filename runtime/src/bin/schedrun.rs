@@ -282,12 +282,20 @@ fn run_steps<B: Backend>(
     if let Some(f) = &cli.save_init {
         checkpoint::save(f, &model, &state, Contents::Weights).map_err(Failure::fault)?;
     }
+    // A pipeline's batch is its data-parallel ranks' (each stage's).
+    let ranks = match plan.program.layout.stages {
+        1 => format!("{} ranks", plan.ranks()),
+        p => format!(
+            "{} ranks in {p} stages: {} data-parallel",
+            plan.ranks(),
+            plan.dp_size()
+        ),
+    };
     eprintln!(
-        "schedrun: {} ({} on {}): {} ranks x {} micro-steps x {} sequences of {} bytes = {} tokens per step, {} backend",
+        "schedrun: {} ({} on {}): {ranks} x {} micro-steps x {} sequences of {} bytes = {} tokens per step, {} backend",
         plan.job.schedule.name,
         model.name,
         plan.job.cluster.name,
-        plan.ranks(),
         plan.program.micro_steps,
         model.micro_batch,
         model.seq_len,
