@@ -6,22 +6,22 @@
 //! - `F` of micro-batch `i` on chunk `c`: a forward slot per layer of the chunk, with the gather
 //!   units the layer needs, and on the last chunk the loss;
 //! - `B`: a backward slot per layer, in reverse, with the per-micro-batch gradient reductions;
-//!   after the chunk's last `B` in the order, the boundary synchronisation, the update and the
-//!   refresh of its layers (gradients accumulate over the stage's micro-batches as over
-//!   micro-steps without a pipeline).
+//!   `I` and `W` split it: `I` the input-gradient halves (and their stashes), `W` the weight
+//!   halves followed by the reductions. After the chunk's last `B` or `W` in the order come the
+//!   boundary synchronisation, the update and the refresh of its layers (gradients accumulate
+//!   over the stage's micro-batches as over micro-steps without a pipeline).
 //!
 //! Hidden states cross a chunk boundary between stages as point-to-point transfers: an `F` sends
-//! its output to the stage of the next chunk, a `B` sends its input gradient to the stage of the
-//! previous one, each from the sender's buffer into the receiver's own buffer of that boundary.
-//! After each action, its send and the receive the stage's next action needs are issued as one
-//! group call (Megatron's `send_forward_recv_backward` and its mirror; torch had to coalesce
-//! exactly this pair to stop 1F1B from hanging), so that neighbouring stages that each send
-//! before they receive do not wait on each other forever. The receive of a stage's first action
-//! is issued on its own, before it. Chunks that follow each other on one stage (the V of `zbv`)
-//! share the boundary's buffer and need no transfer. The verifier proves the result free of
-//! deadlock with every send and receive blocking.
+//! its output to the stage of the next chunk, a `B` or `I` its input gradient to the stage of the
+//! previous one, each from the sender's buffer into the receiver's own buffer of that boundary,
+//! on one communicator per boundary and direction. Chunks that follow each other on one stage
+//! (the V of `zbv`) share the boundary's buffer and need no transfer. [`transfer_plans`] decides
+//! where each stage issues its transfers and which go together in one group call: in rounds
+//! after each action (Megatron's pairing, which torch had to adopt to stop 1F1B from hanging),
+//! or in the time order of a unit-time run of the whole pipeline (`zbv`, custom orders). The
+//! verifier proves the result free of deadlock with every send and receive blocking.
 //!
-//! Gradient accumulation runs over a stage's micro-batches in its order's `B` order, so the
+//! Gradient accumulation runs over a stage's micro-batches in its order's backward order, so the
 //! update waits for the last of them.
 
 use super::comms::CommKind;
