@@ -189,6 +189,7 @@ pub fn check(p: &Program, threads: usize) -> Vec<VerifyError> {
             layout: &layout,
             ranks: stage * d..(stage + 1) * d,
             layer,
+            coverage: vec![],
             contribs: Contribs::default(),
             state: State::new(p.ranks()),
             scratch: vec![],
@@ -296,6 +297,9 @@ struct Run<'a> {
     /// its ops.
     ranks: std::ops::Range<u32>,
     layer: LayerId,
+    /// Other layers' backward terms in this layer's gradient, with their elements
+    /// ([`Run::other_terms`]).
+    coverage: Vec<(u32, u64, u64)>,
     contribs: Contribs,
     /// (buffer, rank) → contents; empty means nothing written yet.
     state: State,
@@ -480,6 +484,7 @@ impl Run<'_> {
     }
 
     fn execute(&mut self, ops: &[OpId]) {
+        self.coverage = self.other_terms(ops);
         let deferred = self.deferred_refresh(ops);
         let start = self.initial(deferred);
         for (&(b, r), segs) in &start {
@@ -802,8 +807,9 @@ impl Run<'_> {
                 self.error(o, format!("{what} on rank {rank} gets gradient elements from {elem}, but its optimizer shard starts at element {want_elem}"));
                 return false;
             }
-            for &(_, contrib, _) in &grads {
-                if let Some(msg) = self.incomplete(contrib, m_all) {
+            for (&(elem, contrib, _), s) in grads.iter().zip(&segs) {
+                let elems = (elem, elem + (s.end - s.start) / dg);
+                if let Some(msg) = self.incomplete(contrib, m_all, elems) {
                     self.error(o, format!("{what} of {name} on rank {rank}: {msg}"));
                     return false;
                 }
@@ -812,13 +818,53 @@ impl Run<'_> {
         true
     }
 
-    /// What is missing from a complete set (every term present has every rank in every micro-step).
-    fn incomplete(&self, c: u32, micro_steps: u32) -> Option<String> {
+    /// The other layers whose backward writes this layer's gradient (a tied head's, into its
+    /// embedding's): each with the elements it writes.
+    fn other_terms(&self, ops: &[OpId]) -> Vec<(u32, u64, u64)> {
+        let mut out = vec![];
+        for &o in ops {
+            let op = &self.p.ops[o];
+            let backward = matches!(
+                op.kind,
+                OpKind::Compute(ComputeKind::Backward | ComputeKind::BackwardWeight)
+            );
+            let Some(t) = op.layer.filter(|&t| backward && t != self.layer) else {
+                continue;
+            };
+            for w in &op.writes {
+                let b = &self.p.buffers[w.buffer];
+                if let (true, true, Offset::Fixed(at)) =
+                    (self.mine(w.buffer), is_grad(b.kind), w.offset)
+                {
+                    let d = b.dtype.bytes();
+                    let term = (t.as_u32(), at / d, (at + w.bytes) / d);
+                    if !out.contains(&term) {
+                        out.push(term);
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    /// What is missing from a complete set over elements `elems` (the layer's own term and every
+    /// other term that writes these elements present, each with every rank in every
+    /// micro-step).
+    fn incomplete(&self, c: u32, micro_steps: u32, elems: (u64, u64)) -> Option<String> {
         let set = &self.contribs.sets[c as usize];
         let mut terms: Vec<u32> = set.iter().map(|(t, _, _)| *t).collect();
         terms.dedup();
         if !terms.contains(&self.layer.as_u32()) {
             return Some("the layer's own gradient never arrives".into());
+        }
+        if let Some(&(t, lo, hi)) = self
+            .coverage
+            .iter()
+            .find(|&&(t, lo, hi)| !terms.contains(&t) && lo < elems.1 && elems.0 < hi)
+        {
+            return Some(format!(
+                "layer{t}'s gradient, which its backward writes into elements {lo}..{hi}, never arrives"
+            ));
         }
         for t in terms {
             for m in 0..micro_steps {

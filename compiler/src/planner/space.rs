@@ -13,8 +13,9 @@
 //!   `balanced` by the cost model, and m micro-batches so that the global batch stays the base
 //!   schedule's (d·m·micro_batch sequences, d = ranks/p); the shard meshes are then those of a
 //!   stage's data-parallel mesh, and only the ZeRO presets over it are searched with a split (ddp,
-//!   ZeRO-1, -2, -3: [`stage_presets`]). Splits the lowering cannot run are left out: with a tied head
-//!   or gradient clipping only p = 1; interleaving where m is not a multiple of p or p·v
+//!   ZeRO-1, -2, -3: [`stage_presets`]). Splits the lowering cannot run are left out: with a tied
+//!   head only `zbv` (its V keeps the first and last chunk on stage 0), with gradient clipping only
+//!   p = 1; interleaving where m is not a multiple of p or p·v
 //!   exceeds the layers.
 //!
 //! Choices that cannot change the program are not enumerated twice: resharding, prefetch and the
@@ -78,7 +79,7 @@ pub fn splits(job: &Job) -> Vec<Split> {
         .layers
         .iter()
         .any(|l| matches!(l.kind, LayerKind::LmHead { tied: true, .. }));
-    if tied || s.train.clip.is_some() {
+    if s.train.clip.is_some() {
         return out;
     }
     let g = s.gpus_per_node;
@@ -97,6 +98,14 @@ pub fn splits(job: &Job) -> Vec<Split> {
             schedule,
             micro_steps: m,
         };
+        // A tied head stays on its embedding's stage only in ZB-V's V (first and last chunk on
+        // stage 0).
+        if tied {
+            if m >= p && 2 * p <= layers {
+                out.push(split(PipelineSchedule::Zbv, 2));
+            }
+            continue;
+        }
         out.push(split(PipelineSchedule::Gpipe, 1));
         if m >= p {
             out.push(split(PipelineSchedule::OneFOneB, 1));
@@ -242,12 +251,18 @@ fn stage_presets(gpus: u32, nodes: u32) -> Vec<Shard> {
 pub fn structures(base: &Job) -> Vec<Structure> {
     splits(base)
         .into_iter()
-        .flat_map(|split| split_structures(&base.schedule, split))
+        .flat_map(|split| split_structures(base, split))
         .collect()
 }
 
 /// The structures of one pipeline split: the shard choices over a stage's data-parallel mesh.
-fn split_structures(base: &Schedule, split: Split) -> Vec<Structure> {
+fn split_structures(job: &Job, split: Split) -> Vec<Structure> {
+    let base = &job.schedule;
+    let base_tied = job
+        .model
+        .layers
+        .iter()
+        .any(|l| matches!(l.kind, LayerKind::LmHead { tied: true, .. }));
     let ranks = base.gpus_per_node * base.nodes / split.stages;
     let gpus = base.gpus_per_node.min(ranks);
     let nodes = ranks / gpus;
@@ -258,7 +273,11 @@ fn split_structures(base: &Schedule, split: Split) -> Vec<Structure> {
     } else {
         stage_presets(gpus, nodes)
     };
-    for shard in shards {
+    // A tied head in another chunk than its embedding (ZB-V) keeps parameters and gradients
+    // whole (the language refuses the rest).
+    let tied = split.stages > 1 && base_tied;
+    let whole = |s: &Shard| s.params.size() == 1 && s.grads.size() == 1;
+    for shard in shards.into_iter().filter(|s| !tied || whole(s)) {
         let params_sharded = shard.params.size() > 1;
         let mut reshards = vec![ReshardAfterForward::True];
         if params_sharded {

@@ -551,24 +551,30 @@ impl PipelineSpec {
     }
 }
 
+/// Whether parameters or gradients are sharded (beyond ZeRO-1).
+fn sharded_before_the_optimizer(job: &Job) -> bool {
+    let sh = job.schedule.shard;
+    sh.params.size() > 1 || sh.grads.size() > 1
+}
+
 /// What the lowering cannot do with pipeline stages yet, each refused at `stages`: a head tied
 /// to an embedding on another stage (Megatron's embedding group, which all-reduces the two
 /// copies' gradients) and gradient clipping (its norm would have to sum over stages).
 fn supported(ctx: &mut Ctx, job: &Job, pipeline: &Pipeline, stages_span: Span) -> bool {
     {
         let layers = &job.model.layers;
-        let stage_of = |l: usize| {
+        let chunk_of = |l: usize| {
             let mut end = 0;
-            let chunk = pipeline
+            pipeline
                 .chunks
                 .iter()
                 .position(|&n| {
                     end += n as usize;
                     l < end
                 })
-                .unwrap_or(0);
-            pipeline.stage_of_chunk(chunk as u32)
+                .unwrap_or(0) as u32
         };
+        let stage_of = |l: usize| pipeline.stage_of_chunk(chunk_of(l));
         let mut ok = true;
         let embedding = layers
             .iter()
@@ -586,7 +592,20 @@ fn supported(ctx: &mut Ctx, job: &Job, pipeline: &Pipeline, stages_span: Span) -
                         stage_of(h)
                     ))
                     .at(stages_span, format!("p = {}", pipeline.stages))
-                    .note("untie the head (`tied = false`); the first chunk runs on stage 0 and the last on the last stage"),
+                    .note("untie the head (`tied = false`), or run `zbv`, whose V keeps the first and the last chunk on stage 0"),
+                );
+                ok = false;
+            } else if chunk_of(e) != chunk_of(h) && sharded_before_the_optimizer(job) {
+                let sh = job.schedule.shard;
+                ctx.error(
+                    Diagnostic::error(format!(
+                        "`{}` ties its head to its embedding in another chunk; with sharded parameters or gradients (params {}, grads {}) the head's actions would need the embedding gathered and its gradient reduced with the embedding's, which is not lowered yet",
+                        job.model.name,
+                        sh.params,
+                        sh.grads
+                    ))
+                    .at(stages_span, format!("p = {}", pipeline.stages))
+                    .note("keep parameters and gradients whole in each stage (`ddp` or `zero1`), or untie the head"),
                 );
                 ok = false;
             }
