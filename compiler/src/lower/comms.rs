@@ -89,10 +89,7 @@ impl Builder<'_> {
                 let optimizer = index(ShardIndex::Optimizer);
                 (
                     "replicas of an optimizer shard".to_string(),
-                    l.groups_by(
-                        |r| optimizer[r as usize] | u64::from(l.stage(r)) << 40,
-                        u64::from,
-                    ),
+                    l.groups_by(|r| optimizer[r as usize], u64::from),
                 )
             }
             CommKind::Refresh => {
@@ -116,13 +113,13 @@ impl Builder<'_> {
                     l.groups_by(|r| group[r as usize], |r| optimizer[r as usize]),
                 )
             }
-            CommKind::All => match l.stages {
-                1 => ("all ranks".to_string(), l.groups_by(|_| 0, u64::from)),
-                _ => (
-                    "all ranks of a stage".to_string(),
-                    l.groups_by(|r| u64::from(l.stage(r)), u64::from),
-                ),
-            },
+            CommKind::All => (
+                match l.stages {
+                    1 => "all ranks".to_string(),
+                    _ => "all ranks of a stage".to_string(),
+                },
+                l.groups_by(|_| 0, u64::from),
+            ),
             CommKind::Secondary => {
                 let k = l.secondary.unwrap_or(1);
                 let secondary = index(ShardIndex::Secondary);
@@ -162,10 +159,7 @@ impl Builder<'_> {
             CommKind::HierIntra => (
                 format!("params {} within a node", sh.params),
                 l.groups_by(
-                    |r| {
-                        let node = l.stage(r) * l.dp_size() + l.dp_node(r);
-                        u64::from(node) << 32 | u64::from(l.dp_local(r) / sh.params.intra)
-                    },
+                    |r| u64::from(l.dp_node(r)) << 32 | u64::from(l.dp_local(r) / sh.params.intra),
                     |r| l.index(ShardIndex::ParamLocal, r),
                 ),
             ),

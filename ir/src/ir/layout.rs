@@ -167,9 +167,8 @@ impl Layout {
         self.tabulate(|r| self.index(idx, r))
     }
 
-    /// [`Layout::group_key`] of every rank for mesh `m`, by rank (its stage's and dp-node's block
-    /// in the high half plus its dp-local block in the low half: a sum of a stage, a dp-node and
-    /// a dp-local term).
+    /// [`Layout::group_key`] of every rank for mesh `m`, by rank (its dp-node's block in the high
+    /// half plus its dp-local block in the low half: a dp-node term plus a dp-local term).
     pub fn group_key_table(&self, m: Mesh) -> Vec<u64> {
         self.tabulate(|r| self.group_key(m, r))
     }
@@ -194,20 +193,21 @@ impl Layout {
             .collect()
     }
 
-    /// Partitions all ranks into groups by `key`, each group ordered by `order` (then rank), the
+    /// Partitions all ranks into groups by `key` within each pipeline stage (a group never spans
+    /// stages: a stage's ranks run only its ops), each group ordered by `order` (then rank), the
     /// groups by their first member. Ranks are numbered by group in one pass and laid out group
     /// by group in one buffer (a counting sort), and only each group is sorted: lowering builds
     /// every communicator this way, once per candidate `schedc plan` screens, so nothing is
     /// allocated per rank or per group beyond the group itself.
     pub fn groups_by(&self, key: impl Fn(u32) -> u64, order: impl Fn(u32) -> u64) -> Vec<Vec<u32>> {
         let ranks = self.ranks() as usize;
-        let mut group_of_key: FxHashMap<u64, usize> =
+        let mut group_of_key: FxHashMap<(u32, u64), usize> =
             FxHashMap::with_capacity_and_hasher(ranks, Default::default());
         let mut group_of_rank: Vec<usize> = Vec::with_capacity(ranks);
         let mut sizes: Vec<usize> = vec![];
         for r in 0..self.ranks() {
             let fresh = sizes.len();
-            let g = *group_of_key.entry(key(r)).or_insert(fresh);
+            let g = *group_of_key.entry((self.stage(r), key(r))).or_insert(fresh);
             if g == fresh {
                 sizes.push(0);
             }
@@ -238,11 +238,10 @@ impl Layout {
         groups
     }
 
-    /// A key identifying `r`'s group of mesh `m` (groups never span stages).
+    /// A key identifying `r`'s group of mesh `m` within its stage ([`Layout::groups_by`] keeps
+    /// stages apart).
     pub fn group_key(&self, m: Mesh, r: u32) -> u64 {
-        let blocks = self.dp_size() / self.dp_gpus_per_node() / m.inter.max(1);
-        let block = self.stage(r) * blocks + self.dp_node(r) / m.inter.max(1);
-        u64::from(block) << 32 | u64::from(self.dp_local(r) / m.intra.max(1))
+        u64::from(self.dp_node(r) / m.inter) << 32 | u64::from(self.dp_local(r) / m.intra)
     }
 
     /// Where the groups lie: all members on one node, every member on its own node, or mixed.
