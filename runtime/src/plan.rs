@@ -148,19 +148,9 @@ impl Plan {
         for (id, op) in program.ops.iter() {
             stream_ops[op.stream].push(id);
         }
-        let mut calls: sched_ir::hash::FxHashMap<(CommId, u32), u64> = Default::default();
         let mut call_numbers: SecondaryMap<OpId, Vec<u64>> = SecondaryMap::new();
-        for (id, op) in program.ops.iter() {
-            let stage = program.streams[op.stream].stage;
-            call_numbers[id] = op
-                .collectives()
-                .iter()
-                .map(|c| {
-                    let n = calls.entry((c.comm, stage)).or_insert(0);
-                    *n += 1;
-                    *n - 1
-                })
-                .collect();
+        for (id, calls) in program.call_numbers().iter() {
+            call_numbers[id] = calls.iter().map(|&n| u64::from(n)).collect();
         }
         let indices = (0..program.ranks())
             .map(|r| ShardIndex::ALL.map(|i| layout.index(i, r)))

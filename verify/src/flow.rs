@@ -90,7 +90,7 @@ pub fn check(p: &Program) -> Vec<VerifyError> {
         p,
         held: FxHashMap::default(),
         letters: FxHashMap::default(),
-        calls: FxHashMap::default(),
+        calls: p.call_numbers(),
         posted: Default::default(),
         errs: vec![],
     };
@@ -100,7 +100,7 @@ pub fn check(p: &Program) -> Vec<VerifyError> {
         let mut progress = false;
         for s in 0..stages {
             while let Some(&id) = ops[s].get(next[s]) {
-                if !run.op(id, s as u32) {
+                if !run.op(id) {
                     break;
                 }
                 next[s] += 1;
@@ -120,8 +120,8 @@ struct Run<'a> {
     held: FxHashMap<BufferId, Value>,
     /// Sent values not yet received, by (communicator, call number).
     letters: FxHashMap<(CommId, u32), Option<Value>>,
-    /// Calls so far of each (communicator, stage).
-    calls: FxHashMap<(CommId, u32), u32>,
+    /// Each op's collectives' call numbers ([`Program::call_numbers`]).
+    calls: cranelift_entity::SecondaryMap<OpId, Vec<u32>>,
     /// Ops whose sends are posted.
     posted:
         std::collections::HashSet<OpId, std::hash::BuildHasherDefault<sched_ir::hash::FxHasher>>,
@@ -136,8 +136,8 @@ impl Run<'_> {
         });
     }
 
-    /// Runs `id` on `stage`; false when it is a receive whose send has not run yet.
-    fn op(&mut self, id: OpId, stage: u32) -> bool {
+    /// Runs `id`; false when it is a receive whose send has not run yet.
+    fn op(&mut self, id: OpId) -> bool {
         let p = self.p;
         let op = &p.ops[id];
         match &op.kind {
@@ -145,23 +145,22 @@ impl Run<'_> {
                 self.compute(id, *kind);
                 true
             }
-            OpKind::Collective(_) | OpKind::Group(_) => self.transfers(id, stage),
+            OpKind::Collective(_) | OpKind::Group(_) => self.transfers(id),
         }
     }
 
     /// A group's or collective's sends and receives (other collectives move no tracked buffer).
     /// Its sends are posted at once (a group call posts all its transfers together); it
     /// completes once every receive's letter is there.
-    fn transfers(&mut self, id: OpId, stage: u32) -> bool {
+    fn transfers(&mut self, id: OpId) -> bool {
         let p = self.p;
         let cs = p.ops[id].collectives();
         // Each part's call number on its communicator.
-        let mut numbers: Vec<(CommId, u32)> = vec![];
-        for c in cs {
-            let earlier = numbers.iter().filter(|&&(comm, _)| comm == c.comm).count() as u32;
-            let n = self.calls.get(&(c.comm, stage)).copied().unwrap_or(0) + earlier;
-            numbers.push((c.comm, n));
-        }
+        let numbers: Vec<(CommId, u32)> = cs
+            .iter()
+            .zip(&self.calls[id])
+            .map(|(c, &n)| (c.comm, n))
+            .collect();
         if self.posted.insert(id) {
             for (c, &(comm, n)) in cs.iter().zip(&numbers) {
                 if c.kind == sched_ir::job::Collective::Send {
@@ -181,7 +180,6 @@ impl Run<'_> {
             return false;
         }
         for (c, &(comm, n)) in cs.iter().zip(&numbers) {
-            *self.calls.entry((comm, stage)).or_insert(0) += 1;
             match c.kind {
                 sched_ir::job::Collective::Send => {}
                 sched_ir::job::Collective::Recv => {

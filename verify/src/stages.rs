@@ -302,7 +302,7 @@ fn deadlock(p: &Program) -> Vec<VerifyError> {
     };
     // Each stage's communication ops in issue order, with their parts.
     let mut seq: Vec<Vec<(OpId, Vec<Part>)>> = vec![vec![]; stages];
-    let mut calls: FxHashMap<(CommId, u32), u32> = FxHashMap::default();
+    let calls = p.call_numbers();
     for (id, op) in p.ops.iter() {
         if op.collectives().is_empty() {
             continue;
@@ -311,13 +311,10 @@ fn deadlock(p: &Program) -> Vec<VerifyError> {
         let parts = op
             .collectives()
             .iter()
-            .map(|c| {
-                let k = calls.entry((c.comm, stage)).or_insert(0);
-                *k += 1;
-                Part {
-                    key: (c.comm, *k),
-                    stages: involved_of(c.comm, stage),
-                }
+            .zip(&calls[id])
+            .map(|(c, &k)| Part {
+                key: (c.comm, k),
+                stages: involved_of(c.comm, stage),
             })
             .collect();
         seq[stage as usize].push((id, parts));

@@ -466,19 +466,16 @@ struct P2pCalls {
 
 impl P2pCalls {
     fn new(program: &Program) -> Self {
-        let mut count: FxHashMap<(u32, CommId), u32> = FxHashMap::default();
+        let calls = program.call_numbers();
         let mut by_call = FxHashMap::default();
         let mut of_op = vec![vec![]; program.ops.len()];
         for (id, op) in program.ops.iter() {
             let stage = program.streams[op.stream].stage;
-            for c in op.collectives() {
-                if !matches!(c.kind, Collective::Send | Collective::Recv) {
-                    continue;
+            for (c, &k) in op.collectives().iter().zip(&calls[id]) {
+                if matches!(c.kind, Collective::Send | Collective::Recv) {
+                    by_call.insert((stage, c.comm, k), id);
+                    of_op[id.index()].push((c.comm, k));
                 }
-                let k = count.entry((stage, c.comm)).or_insert(0);
-                by_call.insert((stage, c.comm, *k), id);
-                of_op[id.index()].push((c.comm, *k));
-                *k += 1;
             }
         }
         P2pCalls { by_call, of_op }

@@ -79,8 +79,9 @@
 
 pub mod layout;
 
+use crate::hash::FxHashMap;
 use crate::job::{Collective as CollectiveKind, Dtype};
-use cranelift_entity::{entity_impl, PrimaryMap};
+use cranelift_entity::{entity_impl, PrimaryMap, SecondaryMap};
 pub use layout::Layout;
 
 /// An op, in issue order.
@@ -131,6 +132,28 @@ impl Program {
     /// Ranks the program runs on (nodes × GPUs per node).
     pub fn ranks(&self) -> u32 {
         self.layout.ranks()
+    }
+
+    /// Each collective's call number on its communicator, by op (one per collective of the op,
+    /// in its order): the k-th call (from 0) the op's pipeline stage makes on that communicator,
+    /// in issue order. Every member of a group makes its k-th call together, and a send and its
+    /// receive have one number (the verifier's matching proof).
+    pub fn call_numbers(&self) -> SecondaryMap<OpId, Vec<u32>> {
+        let mut calls: FxHashMap<(CommId, u32), u32> = FxHashMap::default();
+        let mut out: SecondaryMap<OpId, Vec<u32>> = SecondaryMap::new();
+        for (id, op) in self.ops.iter() {
+            let stage = self.streams.get(op.stream).map_or(0, |s| s.stage);
+            out[id] = op
+                .collectives()
+                .iter()
+                .map(|c| {
+                    let n = calls.entry((c.comm, stage)).or_insert(0);
+                    *n += 1;
+                    *n - 1
+                })
+                .collect();
+        }
+        out
     }
 
     /// Whether `r` lies in a workspace: scratch an op takes, not data it reads or writes (cost
