@@ -202,7 +202,37 @@ struct Lists<'a> {
     all_reads: Vec<Region>,
 }
 
+/// What every backward reads first, in the lowering's order ([`Lists::backward_reads`]).
+struct BackwardReads {
+    params: Option<Region>,
+    saved: Option<Region>,
+    /// A weight half's stash.
+    stash: Option<Region>,
+    grad_output: Region,
+    input: Option<Region>,
+}
+
 impl Lists<'_> {
+    /// A backward's (or a half's) first reads of `layer`: its parameters, saved activations, the
+    /// stash (a weight half's, with `stash`), the output gradient and its input.
+    fn backward_reads(
+        &mut self,
+        spec: &sched_ir::job::Layer,
+        lm: &LayerMath,
+        layer: usize,
+        stash: bool,
+    ) -> Result<BackwardReads, OpMismatch> {
+        Ok(BackwardReads {
+            params: self.take_read(spec.params > 0, "parameters")?,
+            saved: self.take_read(lm.saved_elements() > 0, "saved activations")?,
+            stash: self.take_read(stash && lm.stash_elements() > 0, "stash")?,
+            grad_output: self
+                .take_read(true, "output gradient")?
+                .ok_or(OpMismatch::MissingRead("output gradient"))?,
+            input: self.take_read(layer > 0, "input hidden state")?,
+        })
+    }
+
     fn take_read(&mut self, want: bool, what: &'static str) -> Result<Option<Region>, OpMismatch> {
         if !want {
             return Ok(None);
@@ -318,11 +348,14 @@ fn decode_op(
     let action = match kind {
         ComputeKind::BackwardInput => {
             let layer = need_layer()?;
-            let has_params = model.layers[layer].params > 0;
-            let params = l.take_read(has_params, "parameters")?;
-            let saved = l.take_read(maths[layer].saved_elements() > 0, "saved activations")?;
-            let grad_output = l.take_read(true, "output gradient")?.expect("wanted");
-            let input = l.take_read(layer > 0, "input hidden state")?;
+            let r = l.backward_reads(&model.layers[layer], &maths[layer], layer, false)?;
+            let BackwardReads {
+                params,
+                saved,
+                grad_output,
+                input,
+                ..
+            } = r;
             let tied = l.tied_after_grads();
             if tied_of(layer).is_some() != tied.is_some() {
                 return Err(OpMismatch::TiedEmbeddingMissing);
@@ -342,12 +375,14 @@ fn decode_op(
         }
         ComputeKind::BackwardWeight => {
             let layer = need_layer()?;
-            let has_params = model.layers[layer].params > 0;
-            let params = l.take_read(has_params, "parameters")?;
-            let saved = l.take_read(maths[layer].saved_elements() > 0, "saved activations")?;
-            let stash = l.take_read(maths[layer].stash_elements() > 0, "stash")?;
-            let grad_output = l.take_read(true, "output gradient")?.expect("wanted");
-            let input = l.take_read(layer > 0, "input hidden state")?;
+            let r = l.backward_reads(&model.layers[layer], &maths[layer], layer, true)?;
+            let BackwardReads {
+                params,
+                saved,
+                stash,
+                grad_output,
+                input,
+            } = r;
             let tied = l.tied_after_grads();
             let (grads, tied_grads) = l.grad_parts(layer, tied_of(layer))?;
             if tied_of(layer).is_some() != tied.is_some() {
@@ -397,11 +432,14 @@ fn decode_op(
         }
         ComputeKind::Backward => {
             let layer = need_layer()?;
-            let has_params = model.layers[layer].params > 0;
-            let params = l.take_read(has_params, "parameters")?;
-            let saved = l.take_read(maths[layer].saved_elements() > 0, "saved activations")?;
-            let grad_output = l.take_read(true, "output gradient")?.expect("wanted");
-            let input = l.take_read(layer > 0, "input hidden state")?;
+            let r = l.backward_reads(&model.layers[layer], &maths[layer], layer, false)?;
+            let BackwardReads {
+                params,
+                saved,
+                grad_output,
+                input,
+                ..
+            } = r;
             let tied = l.tied_after_grads();
             let grad_input = l.take_write(layer > 0, "input gradient")?;
             let tied_layer = tied_of(layer);

@@ -137,24 +137,42 @@ impl Builder<'_> {
     ) -> Vec<OpId> {
         let id = self.layers[l].id;
         let mut ops = self.recompute(l, m, bwd_full);
-        let params = self.params_region(l, bwd_full);
-        let act = self.act_buf(l, m);
-        let mut reads: Vec<Region> = params.into_iter().collect();
-        if let Some(a) = act {
-            reads.push(Region::whole(a, self.p.buffers[a].bytes));
-        }
-        let g_out = self.hidden_buf(true, m, l + 1);
-        reads.push(Region::whole(g_out, self.p.buffers[g_out].bytes));
-        let mut writes = vec![];
-        if l > 0 {
-            let h = self.hidden_buf(false, m, l);
-            reads.push(Region::whole(h, self.p.buffers[h].bytes));
-            let g_in = self.hidden_buf(true, m, l);
-            writes.push(Region::whole(g_in, self.p.buffers[g_in].bytes));
-        }
+        let (mut reads, mut writes) = self.backward_operands(l, m, bwd_full, None, true);
         self.parameter_gradients(l, m, fwd_full, full_grads, (&mut reads, &mut writes));
         ops.push(self.compute(ComputeKind::Backward, Some(id), Some(m), reads, writes));
         ops
+    }
+
+    /// What every backward of layer `l` in micro-step `m` reads, in exec's order: its
+    /// parameters, saved activations, `stash` (a weight half's), the gradient of its output and,
+    /// past the first layer, its input; and, with `input_gradient`, writes the gradient of its
+    /// input.
+    fn backward_operands(
+        &mut self,
+        l: usize,
+        m: u32,
+        bwd_full: &FxHashMap<usize, BufferId>,
+        stash: Option<BufferId>,
+        input_gradient: bool,
+    ) -> (Vec<Region>, Vec<Region>) {
+        let whole = |p: &Program, b: BufferId| Region::whole(b, p.buffers[b].bytes);
+        let mut reads: Vec<Region> = self.params_region(l, bwd_full).into_iter().collect();
+        if let Some(a) = self.act_buf(l, m) {
+            reads.push(whole(&self.p, a));
+        }
+        reads.extend(stash.map(|s| whole(&self.p, s)));
+        let g_out = self.hidden_buf(true, m, l + 1);
+        reads.push(whole(&self.p, g_out));
+        let mut writes = vec![];
+        if l > 0 {
+            let h = self.hidden_buf(false, m, l);
+            reads.push(whole(&self.p, h));
+            if input_gradient {
+                let g_in = self.hidden_buf(true, m, l);
+                writes.push(whole(&self.p, g_in));
+            }
+        }
+        (reads, writes)
     }
 
     /// The parameter-gradient regions of layer `l`'s backward (or weight half) in micro-step
@@ -237,29 +255,17 @@ impl Builder<'_> {
         bwd_full: &FxHashMap<usize, BufferId>,
         fwd_full: &FxHashMap<usize, BufferId>,
     ) -> Vec<OpId> {
+        if !self.has_input_half(l) {
+            return vec![];
+        }
         let id = self.layers[l].id;
         let mut ops = self.recompute(l, m, bwd_full);
-        let mut reads: Vec<Region> = self.params_region(l, bwd_full).into_iter().collect();
-        if let Some(a) = self.act_buf(l, m) {
-            reads.push(Region::whole(a, self.p.buffers[a].bytes));
-        }
-        let g_out = self.hidden_buf(true, m, l + 1);
-        reads.push(Region::whole(g_out, self.p.buffers[g_out].bytes));
-        let mut writes = vec![];
-        if l > 0 {
-            let h = self.hidden_buf(false, m, l);
-            reads.push(Region::whole(h, self.p.buffers[h].bytes));
-            let g_in = self.hidden_buf(true, m, l);
-            writes.push(Region::whole(g_in, self.p.buffers[g_in].bytes));
-        }
+        let (mut reads, mut writes) = self.backward_operands(l, m, bwd_full, None, true);
         if let Some(e) = self.tied_embedding(l) {
             reads.extend(self.params_region(e, fwd_full));
         }
         if let Some(s) = self.stash_buf(l, m) {
             writes.push(Region::whole(s, self.p.buffers[s].bytes));
-        }
-        if !self.has_input_half(l) {
-            return ops;
         }
         ops.push(self.compute(ComputeKind::BackwardInput, Some(id), Some(m), reads, writes));
         ops
@@ -278,20 +284,8 @@ impl Builder<'_> {
         full_grads: &mut FxHashMap<usize, BufferId>,
     ) -> Vec<OpId> {
         let id = self.layers[l].id;
-        let mut reads: Vec<Region> = self.params_region(l, bwd_full).into_iter().collect();
-        if let Some(a) = self.act_buf(l, m) {
-            reads.push(Region::whole(a, self.p.buffers[a].bytes));
-        }
-        if let Some(s) = self.stash_buf(l, m) {
-            reads.push(Region::whole(s, self.p.buffers[s].bytes));
-        }
-        let g_out = self.hidden_buf(true, m, l + 1);
-        reads.push(Region::whole(g_out, self.p.buffers[g_out].bytes));
-        if l > 0 {
-            let h = self.hidden_buf(false, m, l);
-            reads.push(Region::whole(h, self.p.buffers[h].bytes));
-        }
-        let mut writes = vec![];
+        let stash = self.stash_buf(l, m);
+        let (mut reads, mut writes) = self.backward_operands(l, m, bwd_full, stash, false);
         self.parameter_gradients(l, m, fwd_full, full_grads, (&mut reads, &mut writes));
         vec![self.compute(
             ComputeKind::BackwardWeight,
