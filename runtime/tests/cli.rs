@@ -166,11 +166,15 @@ fn refusals_have_exit_codes_and_one_clear_line() {
 /// rank is one slice on its stream's thread, the stream's slices in the plan's issue order and
 /// apart, within the step's time; every event wait is a flow arrow; a run that fails after its
 /// steps writes no trace.
-#[test]
-fn a_measured_trace_has_every_op_of_every_rank_in_issue_order() {
-    let path = temp("tiny.trace.json");
+/// Two steps of `schedule` (a path under the repository) with `--json --trace`: the run's
+/// output, its plan and the trace written.
+fn measured_trace(
+    schedule: &str,
+    name: &str,
+) -> (std::process::Output, schedrun::plan::Plan, Value) {
+    let path = temp(name);
     let out = schedrun(&[
-        "schedules/tiny_cpu.sched",
+        schedule,
         "--steps",
         "2",
         "--json",
@@ -182,9 +186,15 @@ fn a_measured_trace_has_every_op_of_every_rank_in_issue_order() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let step_us = json_lines(&out)[1]["step_time_s"].as_f64().unwrap() * 1e6;
-    let plan = schedrun::plan::Plan::load(&root().join("schedules/tiny_cpu.sched"), None).unwrap();
+    let plan = schedrun::plan::Plan::load(&root().join(schedule), None).unwrap();
     let trace: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    (out, plan, trace)
+}
+
+#[test]
+fn a_measured_trace_has_every_op_of_every_rank_in_issue_order() {
+    let (out, plan, trace) = measured_trace("schedules/tiny_cpu.sched", "tiny.trace.json");
+    let step_us = json_lines(&out)[1]["step_time_s"].as_f64().unwrap() * 1e6;
     let events = trace["traceEvents"].as_array().unwrap();
     let of = |ph: &'static str| events.iter().filter(move |e| e["ph"] == ph);
     let names: Vec<&str> = of("M")
@@ -244,23 +254,8 @@ fn a_measured_trace_has_every_op_of_every_rank_in_issue_order() {
 /// issue order; no rank shows another stage's op.
 #[test]
 fn a_measured_pipeline_trace_shows_each_rank_its_stage() {
-    let path = temp("pipeline.trace.json");
-    let out = schedrun(&[
-        "schedules/tiny_pipeline.sched",
-        "--steps",
-        "2",
-        "--trace",
-        path.to_str().unwrap(),
-    ]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let plan =
-        schedrun::plan::Plan::load(&root().join("schedules/tiny_pipeline.sched"), None).unwrap();
+    let (_, plan, trace) = measured_trace("schedules/tiny_pipeline.sched", "pipeline.trace.json");
     let p = &plan.program;
-    let trace: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
     let slices: Vec<&Value> = trace["traceEvents"]
         .as_array()
         .unwrap()

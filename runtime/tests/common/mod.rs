@@ -74,9 +74,19 @@ pub fn reference(job: &Job, steps: u64) -> (Vec<f64>, Vec<f32>) {
     (losses, weights)
 }
 
-/// The job compiled and made a plan (not verified again: `compile` already proved it).
+/// The job compiled and made a plan (not verified again: `compile` already proved it); a refused
+/// program panics with the verifier's errors.
 pub fn plan_of(job: &Job) -> Arc<Plan> {
-    let program = schedc::compile(job).unwrap_or_else(|e| panic!("{}: {e}", job.schedule.name));
+    let program = schedc::compile(job).unwrap_or_else(|e| {
+        let detail = match &e {
+            schedc::pipeline::CompileError::Verify(r) => {
+                let errors: Vec<String> = r.errors.iter().map(|e| e.to_string()).collect();
+                errors.join("\n")
+            }
+            _ => String::new(),
+        };
+        panic!("{}: {e}\n{detail}", job.schedule.name)
+    });
     Arc::new(Plan::new(program, job.clone()).unwrap())
 }
 
