@@ -32,7 +32,10 @@
 //! - Every site counted. Each test asserts how many sites it tried and that the exhaustive ones
 //!   include every tiny plan.
 
-use cranelift_entity::{EntityRef, PrimaryMap};
+mod edit;
+
+use cranelift_entity::EntityRef;
+use edit::drop_op;
 use sched_ir::ir::*;
 use sched_ir::plan_file::{emit_plan, read_plan};
 use schedc::{analyze, compile, FsLoader};
@@ -212,47 +215,6 @@ fn moving_a_buffer_onto_a_live_one_is_caught() {
         p.buffers[a].offset = p.buffers[b].offset;
     });
     assert!(tried > 2000, "only {tried} moves tried");
-}
-
-/// Removes op `id` and every wait on the event it records, renumbering ops and events so the
-/// program stays well formed: only its meaning is broken.
-fn drop_op(p: &mut Program, id: OpId) {
-    let dropped = p.ops[id].record;
-    let mut ops = PrimaryMap::with_capacity(p.ops.len() - 1);
-    let old_ops = std::mem::take(&mut p.ops);
-    for (o, mut op) in old_ops.into_iter() {
-        if o == id {
-            continue;
-        }
-        if let Some(ev) = dropped {
-            op.wait.retain(|&w| w != ev);
-            for w in &mut op.wait {
-                if w.index() > ev.index() {
-                    *w = EventId::new(w.index() - 1);
-                }
-            }
-            if let Some(r) = op.record.as_mut().filter(|r| r.index() > ev.index()) {
-                *r = EventId::new(r.index() - 1);
-            }
-        }
-        ops.push(op);
-    }
-    p.ops = ops;
-    p.events.clear();
-    let recorded: Vec<(EventId, OpId)> = p
-        .ops
-        .iter()
-        .filter_map(|(o, op)| op.record.map(|e| (e, o)))
-        .collect();
-    let mut events: Vec<Option<OpId>> = vec![None; recorded.len()];
-    for (e, o) in recorded {
-        events[e.index()] = Some(o);
-    }
-    for o in events {
-        p.events.push(Event {
-            recorder: o.expect("every event recorded once"),
-        });
-    }
 }
 
 fn collectives(p: &Program) -> Vec<OpId> {

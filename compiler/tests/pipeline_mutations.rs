@@ -5,6 +5,9 @@
 //! `mutations.rs` — every wait, buffer move, collective drop and swap — run on the pipeline
 //! examples too.)
 
+mod edit;
+
+use edit::{drop_op, renumber_events};
 use sched_ir::ir::*;
 use sched_ir::job::{Collective, Job};
 use schedc::{analyze, compile, FsLoader, MemLoader};
@@ -58,20 +61,6 @@ fn transfer_ops(p: &Program) -> Vec<OpId> {
         .filter(|(_, o)| o.collectives().iter().any(|c| c.kind.is_point_to_point()))
         .map(|(id, _)| id)
         .collect()
-}
-
-/// Rebuilds the event table from the ops' records (after ops moved).
-fn renumber_events(p: &mut Program) {
-    p.events.clear();
-    let mut recorded: Vec<(EventId, OpId)> = p
-        .ops
-        .iter()
-        .filter_map(|(o, op)| op.record.map(|e| (e, o)))
-        .collect();
-    recorded.sort();
-    for (_, o) in recorded {
-        p.events.push(Event { recorder: o });
-    }
 }
 
 /// Splits every transfer group into one op per transfer, in the group's order, on the same
@@ -323,4 +312,136 @@ fn a_deadlocking_custom_order_is_refused_with_its_cycle() {
     ] {
         assert!(m.contains(want), "`{want}` missing from: {m}");
     }
+}
+
+/// The example with a head tied across stages and clipping (`tiny_gpt_tied_clip`).
+fn tied_clip() -> Program {
+    let job = jobs()
+        .into_iter()
+        .find(|j| j.schedule.name == "tiny_gpt_tied_clip")
+        .expect("the tied, clipped example");
+    compile(&job).unwrap().into_program()
+}
+
+/// The ops holding an all-reduce over a communicator named `name`, by stage.
+fn all_reduces_over(p: &Program, name: &str) -> Vec<(u32, OpId)> {
+    p.ops
+        .iter()
+        .filter(|(_, op)| {
+            op.collectives()
+                .iter()
+                .any(|c| c.kind == Collective::AllReduce && p.comms[c.comm].name.contains(name))
+        })
+        .map(|(id, op)| (p.streams[op.stream].stage, id))
+        .collect()
+}
+
+/// A new communicator whose groups are the ranks one by one (a collective over it moves nothing).
+fn each_rank_alone(p: &mut Program) -> CommId {
+    let groups: Vec<Vec<u32>> = (0..p.ranks()).map(|r| vec![r]).collect();
+    p.comms.push(Communicator {
+        name: "each rank alone".into(),
+        scope: p.layout.scope(&groups),
+        groups,
+    })
+}
+
+/// The embedding group's all-reduce is what brings the tied head's gradient to the embedding
+/// and the embedding's to the replica: dropped on one stage, its partner waits for a call that
+/// never comes; dropped on both, each copy is updated without the other's gradient.
+#[test]
+fn dropping_the_embedding_group_is_refused() {
+    let p = tied_clip();
+    let group = all_reduces_over(&p, "embedding group");
+    assert_eq!(group.len(), 2, "one all-reduce per stage: {group:?}");
+    assert!(messages(&p).is_empty(), "{:?}", messages(&p));
+    let mut one = p.clone();
+    drop_op(&mut one, group[1].1);
+    let msgs = messages(&one);
+    assert!(
+        msgs.iter().any(|m| m.contains("embedding group")
+            && m.contains("reach ranks of other stages that never issue it")),
+        "{msgs:?}"
+    );
+    // Both over groups of one rank each: every copy keeps only its own stage's gradient.
+    let mut alone = p.clone();
+    let solo = each_rank_alone(&mut alone);
+    for &(_, o) in &group {
+        if let OpKind::Collective(c) = &mut alone.ops[o].kind {
+            c.comm = solo;
+        }
+    }
+    let msgs = messages(&alone);
+    // The embedding's update misses the head's term; the replica's misses the embedding's own.
+    assert!(
+        msgs.iter().any(|m| m.contains("update of embed on rank 0")
+            && m.contains("head's backward (layer 3)")
+            && m.contains("never arrives")),
+        "{msgs:?}"
+    );
+    assert!(
+        msgs.iter().any(|m| m.contains("update of embed on rank 2")
+            && m.contains("the layer's own gradient never arrives")),
+        "{msgs:?}"
+    );
+}
+
+/// Clipping's norm is summed over both stages: an all-reduce that stays inside each stage
+/// leaves every update with half the norm, and a norm that also counts the replica counts the
+/// embedding twice.
+#[test]
+fn a_norm_of_one_stage_or_counting_the_replica_twice_is_refused() {
+    let p = tied_clip();
+    let norm = all_reduces_over(&p, "of every stage");
+    assert_eq!(norm.len(), 2, "one norm all-reduce per stage: {norm:?}");
+    // Within each stage: the stage's own grad-shard communicator has the same group size.
+    let mut inside = p.clone();
+    let within = inside
+        .comms
+        .iter()
+        .find(|(_, c)| c.name.starts_with("optimizer") && !c.name.contains("every stage"))
+        .map(|(id, _)| id);
+    let within = within.unwrap_or_else(|| each_rank_alone(&mut inside));
+    for &(_, o) in &norm {
+        if let OpKind::Collective(c) = &mut inside.ops[o].kind {
+            c.comm = within;
+        }
+    }
+    let msgs = messages(&inside);
+    assert!(
+        msgs.iter().any(|m| m.contains("gradient norm summed over")),
+        "{msgs:?}"
+    );
+    // The replica's stage also reading the replica's gradient into its part of the norm.
+    let mut twice = p.clone();
+    let norm_op = |p: &Program, stage: u32| {
+        p.ops
+            .iter()
+            .find(|(_, op)| {
+                op.kind == OpKind::Compute(ComputeKind::GradNorm)
+                    && p.streams[op.stream].stage == stage
+            })
+            .map(|(id, _)| id)
+            .expect("a norm per stage")
+    };
+    let (replica_norm, embed_norm) = (norm_op(&twice, 1), norm_op(&twice, 0));
+    let embed_grad = *twice.ops[embed_norm]
+        .reads
+        .iter()
+        .find(|r| twice.buffers[r.buffer].name.starts_with("embed."))
+        .expect("the embedding's gradient");
+    let replica_grad = twice
+        .ops
+        .values()
+        .flat_map(|op| op.reads.iter())
+        .find(|r| {
+            twice.buffers[r.buffer].name.starts_with("embed.replica.")
+                && twice.buffers[r.buffer].kind == twice.buffers[embed_grad.buffer].kind
+                && r.bytes == embed_grad.bytes
+        })
+        .copied()
+        .expect("the replica's optimizer-shard gradient");
+    twice.ops[replica_norm].reads.push(replica_grad);
+    let msgs = messages(&twice);
+    assert!(msgs.iter().any(|m| m.contains("replica")), "{msgs:?}");
 }

@@ -35,7 +35,7 @@ schedule base {
     train { steps = 3  lr = 1e-3  seed = 7  clip = 1.0 }
 }
 
-# Untied, without clipping: the planner may stage it (p = 2 or 4 over its 4 layers).
+# Untied, without clipping (p = 2 or 4 over its 4 layers).
 model u {
     dtype = bf16
     seq_len = 256
@@ -233,8 +233,26 @@ fn the_search_stages_untied_models_and_keeps_the_global_batch() {
     for s in &splits {
         assert_eq!(8 / s.stages * s.micro_steps, global, "{s:?}");
     }
-    // A tied head or clipping keeps the search unstaged.
-    assert!(space::splits(&job("base")).iter().all(|s| s.stages == 1));
+    // A tied head (its stage keeps a replica of the embedding) and clipping (its norm summed
+    // over the stages) stage as well; only ZB-V, whose V puts the head in another chunk of the
+    // embedding's stage, keeps their parameters and gradients whole there.
+    let tied = job("base");
+    let splits = space::splits(&tied);
+    assert!(
+        splits
+            .iter()
+            .any(|s| s.stages == 2 && s.schedule == sched_ir::job::PipelineSchedule::OneFOneB),
+        "{splits:?}"
+    );
+    for s in space::structures(&tied) {
+        if s.split.schedule == sched_ir::job::PipelineSchedule::Zbv {
+            assert_eq!(
+                (s.shard.params.size(), s.shard.grads.size()),
+                (1, 1),
+                "{s:?}"
+            );
+        }
+    }
     let planned = planner::plan(
         &base,
         &Options {

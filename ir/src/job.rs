@@ -625,6 +625,23 @@ impl Pipeline {
         let start: u32 = self.chunks[..c as usize].iter().sum();
         start as usize..(start + self.chunks[c as usize]) as usize
     }
+
+    /// The chunk holding model layer `l` (0 without a pipeline, or past the chunks).
+    pub fn chunk_of_layer(&self, l: usize) -> u32 {
+        let mut end = 0;
+        for (c, &n) in self.chunks.iter().enumerate() {
+            end += n as usize;
+            if l < end {
+                return c as u32;
+            }
+        }
+        0
+    }
+
+    /// The stage running model layer `l`.
+    pub fn stage_of_layer(&self, l: usize) -> u32 {
+        self.stage_of_chunk(self.chunk_of_layer(l))
+    }
 }
 
 /// One training job: a schedule with the model and cluster it names.
@@ -639,5 +656,26 @@ impl Job {
     /// dp = G × N, the ranks used.
     pub fn ranks(&self) -> u64 {
         u64::from(self.schedule.gpus_per_node) * u64::from(self.schedule.nodes)
+    }
+
+    /// The tied lm_head and the embedding it shares, as (head, embedding) layer indices.
+    pub fn tied_head(&self) -> Option<(usize, usize)> {
+        let layers = &self.model.layers;
+        let h = layers
+            .iter()
+            .position(|l| matches!(l.kind, LayerKind::LmHead { tied: true, .. }))?;
+        let e = layers
+            .iter()
+            .position(|l| matches!(l.kind, LayerKind::Embedding { .. }))?;
+        Some((h, e))
+    }
+
+    /// The tied head and its embedding when they run on different pipeline stages: the head's
+    /// stage then keeps a replica of the embedding, whose gradient is all-reduced with the
+    /// embedding's before both update (Megatron's embedding group).
+    pub fn tied_across_stages(&self) -> Option<(usize, usize)> {
+        let pipeline = &self.schedule.pipeline;
+        self.tied_head()
+            .filter(|&(h, e)| pipeline.stage_of_layer(h) != pipeline.stage_of_layer(e))
     }
 }

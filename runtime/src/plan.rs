@@ -224,12 +224,16 @@ impl Plan {
     }
 
     /// The persistent buffer of `kind` holding layer `layer`'s state.
-    pub fn state_buffer(&self, layer: usize, kind: BufferKind) -> Option<BufferId> {
+    /// Layer `layer`'s persistent buffers of `kind`, one per pipeline stage holding the layer:
+    /// its own stage's first, then a replica's (the embedding of a head tied to it from another
+    /// stage).
+    pub fn state_buffers(&self, layer: usize, kind: BufferKind) -> Vec<BufferId> {
         self.program
             .buffers
             .iter()
-            .find(|(_, b)| b.kind == kind && b.layer == Some(LayerId::new(layer)))
+            .filter(|(_, b)| b.kind == kind && b.layer == Some(LayerId::new(layer)))
             .map(|(id, _)| id)
+            .collect()
     }
 
     pub fn stream_name(&self, s: StreamId) -> &'static str {

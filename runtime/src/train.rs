@@ -116,38 +116,39 @@ impl<B: Backend> Trainer<B> {
                 pad(&st.m)
             };
             let v = if st.v.is_empty() { zeros } else { pad(&st.v) };
-            let (Some(pbuf), Some(obuf)) = (
-                p.state_buffer(l, BufferKind::ParamShard),
-                p.state_buffer(l, BufferKind::OptimizerShard),
-            ) else {
-                continue;
-            };
             let ps = padded / sh.params.size() as usize;
             let os = padded / sh.optimizer.size() as usize;
             let moments = model.optimizer != Optimizer::Sgd;
-            // Only the ranks of the layer's pipeline stage hold it.
-            let holders = p.holders(pbuf);
-            for rank in self
-                .backend
-                .ranks()
+            // Only the ranks of the layer's pipeline stage hold it (and those of a tied head's
+            // stage, which keep a replica of the embedding).
+            let copies = p
+                .state_buffers(l, BufferKind::ParamShard)
                 .into_iter()
-                .filter(|r| holders.contains(r))
-            {
-                let i = p.index(rank, ShardIndex::Param) as usize;
-                let at = p.program.buffers[pbuf].offset;
-                self.backend
-                    .upload(rank, at, dtype, &params[i * ps..(i + 1) * ps])?;
-                let j = p.index(rank, ShardIndex::Optimizer) as usize;
-                let mut at = p.program.buffers[obuf].offset;
-                let parts: &[&Vec<f32>] = if moments {
-                    &[&master, &m, &v]
-                } else {
-                    &[&master]
-                };
-                for part in parts {
+                .zip(p.state_buffers(l, BufferKind::OptimizerShard));
+            for (pbuf, obuf) in copies {
+                let holders = p.holders(pbuf);
+                for rank in self
+                    .backend
+                    .ranks()
+                    .into_iter()
+                    .filter(|r| holders.contains(r))
+                {
+                    let i = p.index(rank, ShardIndex::Param) as usize;
+                    let at = p.program.buffers[pbuf].offset;
                     self.backend
-                        .upload(rank, at, Dtype::Fp32, &part[j * os..(j + 1) * os])?;
-                    at += 4 * os as u64;
+                        .upload(rank, at, dtype, &params[i * ps..(i + 1) * ps])?;
+                    let j = p.index(rank, ShardIndex::Optimizer) as usize;
+                    let mut at = p.program.buffers[obuf].offset;
+                    let parts: &[&Vec<f32>] = if moments {
+                        &[&master, &m, &v]
+                    } else {
+                        &[&master]
+                    };
+                    for part in parts {
+                        self.backend
+                            .upload(rank, at, Dtype::Fp32, &part[j * os..(j + 1) * os])?;
+                        at += 4 * os as u64;
+                    }
                 }
             }
             let _ = layer;
@@ -165,7 +166,8 @@ impl<B: Backend> Trainer<B> {
         let mut layers = vec![];
         for (l, layer) in model.layers.iter().enumerate() {
             let n = layer.params as usize;
-            let Some(obuf) = p.state_buffer(l, BufferKind::OptimizerShard) else {
+            // A replica's copy equals the layer's own: read from the layer's stage.
+            let Some(&obuf) = p.state_buffers(l, BufferKind::OptimizerShard).first() else {
                 layers.push(LayerState::default());
                 continue;
             };

@@ -133,6 +133,70 @@ fn a_tied_head_pipelines_as_zbv() {
     }
 }
 
+/// A head tied to an embedding on another stage keeps a replica of it, whose gradient the
+/// embedding group all-reduces with the embedding's (Megatron's), and gradient clipping sums its
+/// norm over every stage: tiny_gpt (tied) across 2 and 4 stages, with every ZeRO stage, with
+/// and without clipping (a limit low enough to clip every step, with SGD, whose steps scale with
+/// the clipped gradient: AdamW's barely do, so a wrong norm would hide in its epsilon), also
+/// under jitter.
+fn tied_and_clipped() -> Vec<Job> {
+    use PipelineSchedule::*;
+    let mut out = vec![];
+    let cases = [
+        (job(OneFOneB, 2, &[2, 2], 4, [1, 1, 1]), None),
+        (job(OneFOneB, 2, &[2, 2], 4, [1, 1, 2]), Some(0.05)),
+        (job(Gpipe, 2, &[3, 1], 2, [1, 2, 2]), None),
+        (job(ZbH1, 2, &[2, 2], 4, [2, 2, 2]), Some(0.05)),
+        (job(Interleaved1F1B, 2, &[1, 1, 1, 1], 4, [2, 2, 2]), None),
+        (job(OneFOneB, 4, &[1, 1, 1, 1], 4, [1, 1, 1]), Some(0.05)),
+        (job(Zbv, 2, &[1, 1, 1, 1], 4, [1, 1, 2]), Some(0.05)),
+    ];
+    for (mut j, clip) in cases {
+        let mut model = common::tiny("tiny_gpt");
+        if clip.is_some() {
+            model.optimizer = sched_ir::job::Optimizer::Sgd;
+            j.schedule.train.lr = 0.5;
+        }
+        j.model = std::sync::Arc::new(model);
+        j.schedule.train.clip = clip;
+        j.schedule.name = format!(
+            "tiny_gpt_{}{}",
+            j.schedule.name.trim_start_matches("tiny_"),
+            if clip.is_some() { "_clip" } else { "" }
+        );
+        out.push(j);
+    }
+    out
+}
+
+#[test]
+fn tied_heads_and_clipping_across_stages_match_the_reference() {
+    for job in tied_and_clipped() {
+        if job.schedule.train.clip.is_some() {
+            // The limit clips: the reference's losses move away from the unclipped run's.
+            let mut unclipped = job.clone();
+            unclipped.schedule.train.clip = None;
+            let (a, b) = (reference(&job, 4).0, reference(&unclipped, 4).0);
+            let apart = a
+                .iter()
+                .zip(&b)
+                .any(|(x, y)| (x - y).abs() > 1e-3 * y.abs());
+            assert!(
+                apart,
+                "{}: clipping changes nothing: {a:?} {b:?}",
+                job.schedule.name
+            );
+        }
+        check(&job, RunOptions::default(), STEPS, "plain");
+        let options = RunOptions {
+            jitter: Some(Duration::from_micros(300)),
+            jitter_seed: 7,
+            ..RunOptions::default()
+        };
+        check(&job, options, 3, "jitter");
+    }
+}
+
 #[test]
 fn pipelines_match_the_reference() {
     for job in jobs() {

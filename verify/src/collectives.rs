@@ -203,8 +203,11 @@ fn placement(p: &Program, l: &Layout, c: &CollectiveOp, norm: bool) -> Vec<Strin
                 },
                 Collective::AllReduce if norm => {
                     require(c.input == c.output, "all_reduce must be in place".to_string());
+                    // Across pipeline stages: the s_os members of each stage, stage after stage
+                    // (which stages it sums over is the norm proof's: `values::check_norm`).
+                    let s_os = l.shard.optimizer.size();
                     require(
-                        idx(ShardIndex::Optimizer) == j,
+                        idx(ShardIndex::Optimizer) == j % s_os,
                         format!("all_reduce of the gradient norm: member {j} (rank {r}) holds optimizer shard {}", idx(ShardIndex::Optimizer)),
                     );
                 }

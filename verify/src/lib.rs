@@ -56,6 +56,7 @@ mod clocks;
 mod collectives;
 mod flow;
 mod issue;
+mod joint;
 mod memory;
 mod nccl;
 pub mod plan;

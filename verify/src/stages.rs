@@ -81,6 +81,20 @@ fn structure(p: &Program) -> Vec<VerifyError> {
         return errs;
     }
     let layout = p.layout;
+    // The stages issuing collectives (not transfers) on each communicator.
+    let mut issuers: FxHashMap<CommId, Vec<u32>> = FxHashMap::default();
+    for op in p.ops.values() {
+        for c in op
+            .collectives()
+            .iter()
+            .filter(|c| !c.kind.is_point_to_point())
+        {
+            let by = issuers.entry(c.comm).or_default();
+            if !by.contains(&stage_of(p, op)) {
+                by.push(stage_of(p, op));
+            }
+        }
+    }
     for (id, op) in p.ops.iter() {
         let stage = stage_of(p, op);
         for r in op.reads.iter().chain(&op.writes) {
@@ -111,9 +125,14 @@ fn structure(p: &Program) -> Vec<VerifyError> {
                 errs.extend(pair_shape(p, c, stage).map(|m| err(Some(id), m)));
                 continue;
             }
+            // A group either lies inside the stage, or spans stages that all issue on it
+            // (an embedding group, clipping's norm across stages; `matching` pairs their calls).
+            let issuing = &issuers[&c.comm];
             let inside = comm.groups.iter().all(|g| {
                 let here = g.iter().filter(|&&r| layout.stage(r) == stage).count();
-                here == 0 || here == g.len()
+                here == 0
+                    || here == g.len()
+                    || g.iter().all(|&r| issuing.contains(&layout.stage(r)))
             });
             if !inside {
                 errs.push(err(
@@ -233,8 +252,82 @@ fn transfers(p: &Program) -> FxHashMap<CommId, Transfers> {
     by_comm
 }
 
-fn matching(p: &Program) -> Vec<VerifyError> {
+/// Collectives whose groups span stages (an embedding group, clipping's norm across stages):
+/// every stage a group reaches makes the same calls on the communicator, call k of each the
+/// same kind, element count and dtype, so that the members meet in each.
+fn joint_matching(p: &Program) -> Vec<VerifyError> {
+    let layout = p.layout;
     let mut errs = vec![];
+    let mut calls: FxHashMap<CommId, FxHashMap<u32, Vec<(OpId, CollectiveOp)>>> =
+        FxHashMap::default();
+    for (id, op) in p.ops.iter() {
+        for c in op
+            .collectives()
+            .iter()
+            .filter(|c| !c.kind.is_point_to_point())
+        {
+            let spans = p.comms[c.comm]
+                .groups
+                .iter()
+                .any(|g| g.iter().any(|&r| layout.stage(r) != layout.stage(g[0])));
+            if spans {
+                let by_stage = calls.entry(c.comm).or_default();
+                by_stage.entry(stage_of(p, op)).or_default().push((id, *c));
+            }
+        }
+    }
+    let mut comms: Vec<_> = calls.into_iter().collect();
+    comms.sort_unstable_by_key(|(c, _)| *c);
+    for (comm, by_stage) in comms {
+        let mut stages: Vec<u32> = by_stage.keys().copied().collect();
+        stages.sort_unstable();
+        let first = &by_stage[&stages[0]];
+        for s in &stages[1..] {
+            let theirs = &by_stage[s];
+            for k in 0..first.len().max(theirs.len()) {
+                match (first.get(k), theirs.get(k)) {
+                    (Some((_, a)), Some((o, b)))
+                        if (a.kind, a.count, a.dtype) != (b.kind, b.count, b.dtype) =>
+                    {
+                        errs.push(err(
+                            Some(*o),
+                            format!(
+                                "call {k} on {comm} ({}) is a {} of {} {} elements on stage {s} but a {} of {} {} on stage {}",
+                                p.comms[comm].name,
+                                b.kind.name(),
+                                b.count,
+                                b.dtype.name(),
+                                a.kind.name(),
+                                a.count,
+                                a.dtype.name(),
+                                stages[0]
+                            ),
+                        ))
+                    }
+                    (Some(_), Some(_)) => {}
+                    (Some((o, _)), None) | (None, Some((o, _))) => {
+                        let (have, lack) = match first.get(k) {
+                            Some(_) => (stages[0], *s),
+                            None => (*s, stages[0]),
+                        };
+                        errs.push(err(
+                            Some(*o),
+                            format!(
+                                "call {k} on {comm} ({}) is made on stage {have} but never on stage {lack}, whose ranks are members",
+                                p.comms[comm].name
+                            ),
+                        ));
+                    }
+                    (None, None) => unreachable!("k < the longer list"),
+                }
+            }
+        }
+    }
+    errs
+}
+
+fn matching(p: &Program) -> Vec<VerifyError> {
+    let mut errs = joint_matching(p);
     let mut comms: Vec<_> = transfers(p).into_iter().collect();
     comms.sort_unstable_by_key(|(c, _)| *c);
     for (_, (sends, recvs)) in comms {

@@ -68,14 +68,25 @@ pub fn check(p: &Program, stage: Stage) -> Vec<VerifyError> {
     let layout = p.layout;
     let reps = representative_ranks(&layout);
     // Pipeline transfers' communicators pair two stages' ranks only (checked in `stages`).
+    // Other communicators cover every rank of the stages issuing on them (every rank without a
+    // pipeline; an embedding group only its two stages'), or every rank if unused.
     let mut point_to_point: SecondaryMap<CommId, bool> = SecondaryMap::new();
+    let mut issuers: SecondaryMap<CommId, Vec<u32>> = SecondaryMap::new();
     for op in p.ops.values() {
+        let stage = p.streams.get(op.stream).map_or(0, |s| s.stage);
         for c in op.collectives() {
-            if c.kind.is_point_to_point() && c.comm.index() < p.comms.len() {
-                point_to_point[c.comm] = true;
+            if c.comm.index() < p.comms.len() {
+                point_to_point[c.comm] |= c.kind.is_point_to_point();
+                if !issuers[c.comm].contains(&stage) {
+                    issuers[c.comm].push(stage);
+                }
             }
         }
     }
+    let required = |id: CommId, r: u32| {
+        let by = &issuers[id];
+        !point_to_point[id] && (by.is_empty() || by.contains(&layout.stage(r)))
+    };
     for (id, c) in p.comms.iter() {
         let mut seen = vec![false; p.ranks() as usize];
         let size = c.group_size();
@@ -94,7 +105,7 @@ pub fn check(p: &Program, stage: Stage) -> Vec<VerifyError> {
                 }
             }
         }
-        if let Some(r) = seen.iter().position(|s| !s).filter(|_| !point_to_point[id]) {
+        if let Some(r) = (0..p.ranks()).find(|&r| !seen[r as usize] && required(id, r)) {
             err(None, format!("{id}: rank {r} is in no group"));
         }
     }

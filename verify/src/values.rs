@@ -21,6 +21,7 @@
 //! whose op sequences are alike (the same shapes, communicators and regions) are checked once.
 //! Workspaces hold scratch, never a value, and are no layer's: no check reads them.
 
+use super::joint::Item;
 use super::{range, VerifyError};
 use cranelift_entity::{EntityRef, SecondaryMap};
 use sched_ir::hash::FxHashMap;
@@ -166,6 +167,7 @@ pub fn check(p: &Program, threads: usize) -> Vec<VerifyError> {
             ops_of[l].push(id);
         }
     }
+    let meetings = super::joint::Meetings::of(p);
     let mut seen: FxHashMap<Signature, usize> = FxHashMap::default();
     let mut runs: Vec<(LayerId, &[OpId])> = vec![];
     for (l, ops) in ops_of.iter().enumerate() {
@@ -180,14 +182,10 @@ pub fn check(p: &Program, threads: usize) -> Vec<VerifyError> {
         runs.push((layer, ops));
     }
     let run = |&(layer, ops): &(LayerId, &[OpId])| {
-        let stage = ops.first().map_or(0, |&o| {
-            p.streams.get(p.ops[o].stream).map_or(0, |s| s.stage)
-        });
-        let d = layout.dp_size();
         let mut run = Run {
             p,
             layout: &layout,
-            ranks: stage * d..(stage + 1) * d,
+            meetings: &meetings,
             layer,
             coverage: vec![],
             contribs: Contribs::default(),
@@ -293,9 +291,8 @@ fn signature(p: &Program, layer: LayerId, ops: &[OpId]) -> Signature {
 struct Run<'a> {
     p: &'a Program,
     layout: &'a Layout,
-    /// The ranks of the layer's pipeline stage (every rank without a pipeline): only they run
-    /// its ops.
-    ranks: std::ops::Range<u32>,
+    /// The collectives spanning stages, which run as one across their stages' ops.
+    meetings: &'a super::joint::Meetings,
     layer: LayerId,
     /// Other layers' backward terms in this layer's gradient, with their elements
     /// ([`Run::other_terms`]).
@@ -402,6 +399,23 @@ impl Run<'_> {
         self.p.buffers[b].layer == Some(self.layer)
     }
 
+    /// The ranks of pipeline stage `stage` (every rank without a pipeline).
+    fn stage_ranks(&self, stage: u32) -> std::ops::Range<u32> {
+        let d = self.layout.dp_size();
+        stage * d..(stage + 1) * d
+    }
+
+    /// The ranks running op `o`: those of its stream's stage.
+    fn op_ranks(&self, o: OpId) -> std::ops::Range<u32> {
+        self.stage_ranks(self.p.streams[self.p.ops[o].stream].stage)
+    }
+
+    /// The name of the layer whose op `o` is (this run's layer for an op of none).
+    fn op_layer_name(&self, o: OpId) -> String {
+        let l = self.p.ops[o].layer.unwrap_or(self.layer);
+        self.p.layers[l].name.clone()
+    }
+
     fn elem_bytes(&self, b: BufferId) -> u64 {
         self.p.buffers[b].dtype.bytes()
     }
@@ -491,14 +505,39 @@ impl Run<'_> {
             self.state.get_mut(b, r).set(segs);
         }
         let current = u32::from(deferred);
-        for &o in ops {
+        let items = match self.meetings.order(self.p, ops) {
+            Ok(items) => items,
+            Err(o) => {
+                self.error(
+                    o,
+                    format!(
+                        "the stages running {} never all reach this collective together",
+                        self.p.layers[self.layer].name
+                    ),
+                );
+                return;
+            }
+        };
+        for item in items {
+            let o = match item {
+                Item::One(o) => o,
+                Item::Joint(members) => {
+                    let cs: Vec<(OpId, CollectiveOp)> = members
+                        .iter()
+                        .flat_map(|&o| self.p.ops[o].collectives().iter().map(move |c| (o, *c)))
+                        .filter(|(_, c)| !c.kind.is_point_to_point())
+                        .collect();
+                    self.collective(&cs);
+                    continue;
+                }
+            };
             let op = &self.p.ops[o];
             match &op.kind {
                 OpKind::Compute(k) => self.compute(o, *k, current),
-                OpKind::Collective(c) => self.collective(o, c),
+                OpKind::Collective(c) => self.collective(&[(o, *c)]),
                 OpKind::Group(cs) => {
                     for c in cs.clone() {
-                        self.collective(o, &c);
+                        self.collective(&[(o, c)]);
                     }
                 }
             }
@@ -550,7 +589,7 @@ impl Run<'_> {
             let per = buf.bytes / d;
             let sh = self.layout.shard;
             let os = self.p.layers[self.layer].padded / sh.optimizer.size();
-            for r in self.ranks.clone() {
+            for r in self.stage_ranks(buf.stage) {
                 let base = self.layout.index(ShardIndex::Param, r) * per;
                 let mut segs = vec![Seg {
                     start: 0,
@@ -594,7 +633,7 @@ impl Run<'_> {
                     .iter()
                     .filter(|r| self.mine(r.buffer) && is_param(self.p.buffers[r.buffer].kind))
                 {
-                    for rank in self.ranks.clone() {
+                    for rank in self.op_ranks(o) {
                         let (a, z) = range(r, self.layout, rank);
                         let d = self.elem_bytes(r.buffer);
                         let mut segs = self.view(r.buffer, rank, a, z);
@@ -623,7 +662,7 @@ impl Run<'_> {
                     let (mut held, mut sum) = (vec![], vec![]);
                     for w in &targets {
                         let acc = reads.contains(w);
-                        for rank in self.ranks.clone() {
+                        for rank in self.op_ranks(o) {
                             let (a, z) = range(w, self.layout, rank);
                             let c = self.contribs.single(term, m, rank, self.p.ranks());
                             let elem = a / self.elem_bytes(w.buffer);
@@ -663,7 +702,7 @@ impl Run<'_> {
                 }
                 // Lists reused from rank to rank.
                 let (mut pieces, mut data, mut held, mut sum) = (vec![], vec![], vec![], vec![]);
-                for rank in self.ranks.clone() {
+                for rank in self.op_ranks(o) {
                     // One source split evenly over several destinations, or pairwise.
                     pieces.clear();
                     if srcs.len() == 1 && dsts.len() > 1 {
@@ -744,7 +783,7 @@ impl Run<'_> {
         }
         let sh = self.layout.shard;
         let os = self.p.layers[self.layer].padded / sh.optimizer.size();
-        for rank in self.ranks.clone() {
+        for rank in self.op_ranks(o) {
             let want_elem = self.layout.index(ShardIndex::Optimizer, rank) * os;
             let (wa, wz) = range(&w, self.layout, rank);
             let held = self.read(w.buffer, rank, wa, wz);
@@ -779,8 +818,8 @@ impl Run<'_> {
         let sh = self.layout.shard;
         let os = self.p.layers[self.layer].padded / sh.optimizer.size();
         let m_all = self.p.micro_steps;
-        let name = self.p.layers[self.layer].name.clone();
-        for rank in self.ranks.clone() {
+        let name = self.op_layer_name(o);
+        for rank in self.op_ranks(o) {
             let want_elem = self.layout.index(ShardIndex::Optimizer, rank) * os;
             let (a, z) = range(g, self.layout, rank);
             let segs = self.read(g.buffer, rank, a, z);
@@ -862,8 +901,13 @@ impl Run<'_> {
             .iter()
             .find(|&&(t, lo, hi)| !terms.contains(&t) && lo < elems.1 && elems.0 < hi)
         {
+            let name = self
+                .p
+                .layers
+                .get(LayerId::from_u32(t))
+                .map_or_else(|| format!("layer{t}"), |l| l.name.clone());
             return Some(format!(
-                "layer{t}'s gradient, which its backward writes into elements {lo}..{hi}, never arrives"
+                "{name}'s backward (layer {t}) writes its gradient into elements {lo}..{hi}, but it never arrives"
             ));
         }
         for t in terms {
@@ -873,14 +917,22 @@ impl Run<'_> {
                         "no contribution of micro-step {m} (from layer{t}'s backward) arrives"
                     ));
                 };
+                // Each term's backward runs on the d ranks of its stage.
                 let have: u32 = bits.iter().map(|w| w.count_ones()).sum();
-                if have != self.ranks.len() as u32 {
-                    let missing = self
-                        .ranks
-                        .clone()
-                        .find(|r| bits[*r as usize / 64] & (1 << (r % 64)) == 0)
-                        .unwrap_or(0);
-                    return Some(format!("{have} of {} ranks' contributions of micro-step {m} arrive (rank {missing}'s is missing)", self.ranks.len()));
+                let d = self.layout.dp_size();
+                let first = (0..bits.len() as u32 * 64)
+                    .find(|r| bits[*r as usize / 64] & (1 << (r % 64)) != 0)
+                    .unwrap_or(0);
+                let ranks = self.stage_ranks(self.layout.stage(first));
+                let missing = ranks
+                    .clone()
+                    .find(|r| bits[*r as usize / 64] & (1 << (r % 64)) == 0);
+                if have != d || missing.is_some() {
+                    let missing =
+                        missing.map_or(String::new(), |r| format!(" (rank {r}'s is missing)"));
+                    return Some(format!(
+                        "{have} of {d} ranks' contributions of micro-step {m} arrive{missing}"
+                    ));
                 }
             }
         }
@@ -994,28 +1046,52 @@ impl Run<'_> {
         Some(merge(out, d))
     }
 
-    fn collective(&mut self, o: OpId, c: &CollectiveOp) {
+    /// One call of a collective, each member stage with its own op and regions (`members`: one
+    /// for a collective inside a stage, one per stage for one spanning stages).
+    fn collective(&mut self, members: &[(OpId, CollectiveOp)]) {
+        let Some(&(o, c)) = members.first() else {
+            return;
+        };
         // Point-to-point transfers move hidden states, never a layer's parameters or gradients
         // (the pipeline proofs follow them).
-        if c.kind.is_point_to_point() || (!self.mine(c.input.buffer) && !self.mine(c.output.buffer))
+        if c.kind.is_point_to_point()
+            || !members
+                .iter()
+                .any(|(_, c)| self.mine(c.input.buffer) || self.mine(c.output.buffer))
         {
             return;
         }
         let p = self.p;
+        let layout = self.layout;
         let comm = &p.comms[c.comm];
         let d_out = self.elem_bytes(c.output.buffer);
         let mut out: Contents = vec![];
-        // Only the groups of the layer's stage run it.
-        let ranks = self.ranks.clone();
-        for g in comm.groups.iter().filter(|g| ranks.contains(&g[0])) {
+        // Each member's regions are those of its stage's op.
+        let of = |r: u32| -> &CollectiveOp {
+            let s = layout.stage(r);
+            members
+                .iter()
+                .find(|(m, _)| p.streams[p.ops[*m].stream].stage == s)
+                .map_or(&members[0].1, |(_, c)| c)
+        };
+        // Only the groups of the members' stages run it.
+        let stages: Vec<u32> = members
+            .iter()
+            .map(|(m, _)| p.streams[p.ops[*m].stream].stage)
+            .collect();
+        for g in comm
+            .groups
+            .iter()
+            .filter(|g| stages.contains(&layout.stage(g[0])))
+        {
             let gs = g.len() as u64;
             if c.kind == Collective::AllGather {
                 // Member j's input lands as chunk j of every member's output.
                 let chunk = c.output.bytes / gs;
                 out.clear();
                 for (j, &r) in g.iter().enumerate() {
-                    let (a, z) = range(&c.input, self.layout, r);
-                    for s in self.view(c.input.buffer, r, a, z) {
+                    let (a, z) = range(&of(r).input, self.layout, r);
+                    for s in self.view(of(r).input.buffer, r, a, z) {
                         let s = Seg {
                             start: s.start + j as u64 * chunk,
                             end: s.end + j as u64 * chunk,
@@ -1025,16 +1101,16 @@ impl Run<'_> {
                     }
                 }
                 for &r in g {
-                    let (a, z) = range(&c.output, self.layout, r);
-                    self.write(c.output.buffer, r, a, z - a, &out);
+                    let (a, z) = range(&of(r).output, self.layout, r);
+                    self.write(of(r).output.buffer, r, a, z - a, &out);
                 }
                 continue;
             }
             let inputs: Vec<Contents> = g
                 .iter()
                 .map(|&r| {
-                    let (a, z) = range(&c.input, self.layout, r);
-                    self.read(c.input.buffer, r, a, z)
+                    let (a, z) = range(&of(r).input, self.layout, r);
+                    self.read(of(r).input.buffer, r, a, z)
                 })
                 .collect();
             match c.kind {
@@ -1107,8 +1183,8 @@ impl Run<'_> {
                     }
                     for (j, &r) in g.iter().enumerate() {
                         let res = &results[if parts == 1 { 0 } else { j }];
-                        let (a, z) = range(&c.output, self.layout, r);
-                        self.write(c.output.buffer, r, a, z - a, res);
+                        let (a, z) = range(&of(r).output, self.layout, r);
+                        self.write(of(r).output.buffer, r, a, z - a, res);
                     }
                 }
                 Collective::Broadcast | Collective::Send | Collective::Recv => {}
@@ -1322,11 +1398,14 @@ pub(crate) fn norm_buffers(p: &Program) -> Vec<BufferId> {
     out
 }
 
-/// Gradient clipping's norm, by abstract execution over every rank: at most one `grad_norm`, reading
-/// one optimizer-shard gradient region of every layer with parameters (whose completeness the
-/// per-layer run checks) and writing one fp32 element; only it and in-place all-reduces write that
-/// element, each summing disjoint sets of optimizer shards; and, when there is a norm, every update
-/// reads it whole (its third read) holding the sum over all s_os optimizer shards of its group.
+/// Gradient clipping's norm, by abstract execution over every rank: at most one `grad_norm` per
+/// pipeline stage, reading one optimizer-shard gradient region of every layer of its stage with
+/// parameters (whose completeness the per-layer run checks; a replica head's copy, whose
+/// gradient equals its embedding's, is not read) and writing one fp32 element; only it and
+/// in-place all-reduces write that element, each summing disjoint sets of (stage, optimizer
+/// shard); and, when there is a norm, every update reads it whole (its third read) holding the
+/// sum over all s_os optimizer shards of every stage. Stages meet in all-reduces spanning them
+/// as [`super::joint`] orders them.
 pub fn check_norm(p: &Program) -> Vec<VerifyError> {
     let layout = p.layout;
     let mut errs = vec![];
@@ -1339,28 +1418,68 @@ pub fn check_norm(p: &Program) -> Vec<VerifyError> {
         }
     };
     let norms = norm_buffers(p);
-    let norm_ops: Vec<OpId> = p
-        .ops
-        .iter()
-        .filter(|(_, op)| op.kind == OpKind::Compute(ComputeKind::GradNorm))
-        .map(|(id, _)| id)
-        .collect();
-    if norm_ops.is_empty() {
+    let stage_of = |o: OpId| p.streams[p.ops[o].stream].stage;
+    let stages = layout.stages.max(1);
+    let d = layout.dp_size();
+    let mut norm_of_stage: Vec<Option<OpId>> = vec![None; stages as usize];
+    for (id, op) in p.ops.iter() {
+        if op.kind != OpKind::Compute(ComputeKind::GradNorm) {
+            continue;
+        }
+        if norm_of_stage[stage_of(id) as usize].replace(id).is_some() {
+            err(
+                id,
+                match stages {
+                    1 => "a second grad_norm: the step computes its gradient norm once".into(),
+                    _ => format!("a second grad_norm on stage {}: each stage computes its part of the norm once", stage_of(id)),
+                },
+            );
+            return errs;
+        }
+    }
+    if norm_of_stage.iter().all(Option::is_none) {
         return errs;
     }
-    if let Some(&second) = norm_ops.get(1) {
-        err(
-            second,
-            "a second grad_norm: the step computes its gradient norm once".into(),
-        );
-        return errs;
+    // Each layer's stage: that of its forward (a replica on another stage is not counted).
+    let mut home: Vec<Option<u32>> = vec![None; p.layers.len()];
+    for (id, op) in p.ops.iter() {
+        if let (OpKind::Compute(ComputeKind::Forward), Some(l)) = (&op.kind, op.layer) {
+            home[l.index()] = Some(stage_of(id));
+        }
     }
     let s_os = p.layout.shard.optimizer.size();
-    let words = (s_os as usize).div_ceil(64);
-    // Per rank, the optimizer shards whose squares the norm holds (absent: never written).
+    let slots = s_os * u64::from(stages);
+    let words = (slots as usize).div_ceil(64);
+    let meetings = super::joint::Meetings::of(p);
+    let ops: Vec<OpId> = p.ops.keys().collect();
+    let items = match meetings.order(p, &ops) {
+        Ok(items) => items,
+        Err(o) => {
+            err(
+                o,
+                "the stages never all reach this collective together".into(),
+            );
+            return errs;
+        }
+    };
+    // Per rank, the (stage, optimizer shard)s whose squares the norm holds (absent: never
+    // written).
     let mut held: HashMap<(BufferId, u32), Vec<u64>> = HashMap::new();
-    for (id, op) in p.ops.iter() {
+    for item in items {
+        let (id, members): (OpId, Vec<(OpId, CollectiveOp)>) = match item {
+            super::joint::Item::One(id) => (id, vec![]),
+            super::joint::Item::Joint(ids) => (
+                ids[0],
+                ids.iter()
+                    .flat_map(|&o| p.ops[o].collectives().iter().map(move |c| (o, *c)))
+                    .filter(|(_, c)| !c.kind.is_point_to_point())
+                    .collect(),
+            ),
+        };
+        let op = &p.ops[id];
         let writes_norm = op.writes.iter().any(|w| norms.contains(&w.buffer));
+        let stage = stage_of(id);
+        let ranks = stage * d..(stage + 1) * d;
         match &op.kind {
             OpKind::Compute(ComputeKind::GradNorm) => {
                 // Its workspace is scratch, not a value (see the IR module doc).
@@ -1390,34 +1509,66 @@ pub fn check_norm(p: &Program) -> Vec<VerifyError> {
                     }
                 }
                 for (l, info) in p.layers.iter() {
-                    let want = u32::from(info.params > 0);
+                    let here = home[l.index()].unwrap_or(0) == stage;
+                    let want = u32::from(info.params > 0 && here);
                     if read[l.index()] != want {
+                        let why = match here {
+                            false => format!(
+                                ": stage {} runs it, and a replica's gradient equals the layer's",
+                                home[l.index()].unwrap_or(0)
+                            ),
+                            true => String::new(),
+                        };
                         err(
                             id,
                             format!(
-                                "grad_norm reads {} gradient regions of {}, not {want}",
+                                "grad_norm{} reads {} gradient regions of {}, not {want}{why}",
+                                match stages {
+                                    1 => String::new(),
+                                    _ => format!(" on stage {stage}"),
+                                },
                                 read[l.index()],
                                 info.name
                             ),
                         );
                     }
                 }
-                for rank in 0..p.ranks() {
+                for rank in ranks {
                     let mut bits = vec![0u64; words];
-                    let k = layout.index(ShardIndex::Optimizer, rank) as usize;
+                    let k = (u64::from(stage) * s_os + layout.index(ShardIndex::Optimizer, rank))
+                        as usize;
                     bits[k / 64] |= 1 << (k % 64);
                     held.insert((w.buffer, rank), bits);
                 }
             }
-            OpKind::Collective(c) if writes_norm => {
-                if c.kind != Collective::AllReduce || c.input != c.output {
+            OpKind::Collective(_) | OpKind::Group(_) if writes_norm => {
+                let members = match members.is_empty() {
+                    true => op.collectives().iter().map(|c| (id, *c)).collect(),
+                    false => members,
+                };
+                let c = members[0].1;
+                let of = |r: u32| -> CollectiveOp {
+                    members
+                        .iter()
+                        .find(|(m, _)| stage_of(*m) == layout.stage(r))
+                        .map_or(c, |(_, c)| *c)
+                };
+                if members
+                    .iter()
+                    .any(|(_, c)| c.kind != Collective::AllReduce || c.input != c.output)
+                {
                     err(id, format!("{} writes the gradient norm {}: only grad_norm and an in-place all_reduce may", c.kind.name(), c.output.buffer));
                     continue;
                 }
-                let b = c.output.buffer;
-                for g in &p.comms[c.comm].groups {
+                let in_members: Vec<u32> = members.iter().map(|(m, _)| stage_of(*m)).collect();
+                for g in p.comms[c.comm]
+                    .groups
+                    .iter()
+                    .filter(|g| in_members.contains(&layout.stage(g[0])))
+                {
                     let mut sum = vec![0u64; words];
                     for &r in g {
+                        let b = of(r).output.buffer;
                         let Some(bits) = held.get(&(b, r)) else {
                             err(id, format!("all_reduce of the gradient norm reads {b} on rank {r} before grad_norm writes it"));
                             return errs;
@@ -1429,7 +1580,7 @@ pub fn check_norm(p: &Program) -> Vec<VerifyError> {
                         sum.iter_mut().zip(bits).for_each(|(s, x)| *s |= x);
                     }
                     for &r in g {
-                        held.insert((b, r), sum.clone());
+                        held.insert((of(r).output.buffer, r), sum.clone());
                     }
                 }
             }
@@ -1445,12 +1596,16 @@ pub fn check_norm(p: &Program) -> Vec<VerifyError> {
                     err(id, "update does not read the gradient norm whole as its third read, though the step clips gradients".into());
                     continue;
                 };
-                for rank in 0..p.ranks() {
+                for rank in ranks {
                     let have = held
                         .get(&(r.buffer, rank))
                         .map_or(0, |bits| bits.iter().map(|w| w.count_ones()).sum::<u32>());
-                    if u64::from(have) != s_os {
-                        err(id, format!("update on rank {rank} reads a gradient norm summed over {have} of the {s_os} optimizer shards"));
+                    if u64::from(have) != slots {
+                        let over = match stages {
+                            1 => format!("the {s_os} optimizer shards"),
+                            _ => format!("the {slots} optimizer shards of {stages} stages"),
+                        };
+                        err(id, format!("update on rank {rank} reads a gradient norm summed over {have} of {over}"));
                         break;
                     }
                 }

@@ -43,6 +43,13 @@ pub(super) enum CommKind {
         boundary: u32,
         grad: bool,
     },
+    /// Megatron's embedding group: pairs of ranks with the same data-parallel index on the
+    /// stages of the embedding (`first`) and of the tied head keeping its replica (`last`),
+    /// which all-reduce the two copies' gradients.
+    EmbeddingGroup { first: u32, last: u32 },
+    /// Gradient clipping's norm across pipeline stages: the s_os groups of every stage at the
+    /// same data-parallel position, joined stage after stage.
+    NormAcrossStages,
 }
 
 impl Builder<'_> {
@@ -146,6 +153,28 @@ impl Builder<'_> {
                     .map(|dp| vec![l.rank_of(from, dp), l.rank_of(to, dp)])
                     .collect(),
             ),
+            CommKind::EmbeddingGroup { first, last } => (
+                format!("embedding group of stages {first} and {last}"),
+                (0..l.dp_size())
+                    .map(|dp| vec![l.rank_of(first, dp), l.rank_of(last, dp)])
+                    .collect(),
+            ),
+            CommKind::NormAcrossStages => {
+                let (group, optimizer) = (key(sh.optimizer), index(ShardIndex::Optimizer));
+                let in_stage = l.groups_by(|r| group[r as usize], |r| optimizer[r as usize]);
+                (
+                    format!("optimizer {} of every stage", sh.optimizer),
+                    in_stage
+                        .iter()
+                        .filter(|g| l.stage(g[0]) == 0)
+                        .map(|g| {
+                            (0..l.stages)
+                                .flat_map(|s| g.iter().map(move |&r| l.rank_of(s, l.dp_index(r))))
+                                .collect()
+                        })
+                        .collect(),
+                )
+            }
             CommKind::HierInter => {
                 let group = key(sh.params);
                 (

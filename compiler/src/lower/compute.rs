@@ -62,7 +62,7 @@ impl Builder<'_> {
         }
         let bytes = activations::saved_bytes(&self.job.model.layers[l].kind, &self.job.model);
         (bytes > 0).then(|| {
-            let id = self.layers[l].id;
+            let id = self.state(l).id;
             let name = format!("{}.act.m{m}", self.p.layers[id].name);
             let b = self.buffer(
                 name,
@@ -82,7 +82,7 @@ impl Builder<'_> {
         m: u32,
         full: &FxHashMap<usize, BufferId>,
     ) -> Vec<OpId> {
-        let id = self.layers[l].id;
+        let id = self.state(l).id;
         let recompute = self.job.schedule.recompute == Recompute::Full;
         let mut reads: Vec<Region> = self.params_region(l, full).into_iter().collect();
         if let Some(e) = self.tied_embedding(l) {
@@ -104,7 +104,7 @@ impl Builder<'_> {
         if let (ReshardAfterForward::Node { secondary }, Some(&g)) =
             (self.job.schedule.reshard_after_forward, full.get(&l))
         {
-            let padded = self.layers[l].padded;
+            let padded = self.state(l).padded;
             let chunk = padded / u64::from(secondary) * self.dtype.bytes();
             let sec = self.secondary_buf(l, m);
             let from = Region {
@@ -135,7 +135,7 @@ impl Builder<'_> {
         fwd_full: &FxHashMap<usize, BufferId>,
         full_grads: &mut FxHashMap<usize, BufferId>,
     ) -> Vec<OpId> {
-        let id = self.layers[l].id;
+        let id = self.state(l).id;
         let mut ops = self.recompute(l, m, bwd_full);
         let (mut reads, mut writes) = self.backward_operands(l, m, bwd_full, None, true);
         self.parameter_gradients(l, m, fwd_full, full_grads, (&mut reads, &mut writes));
@@ -186,7 +186,7 @@ impl Builder<'_> {
         full_grads: &mut FxHashMap<usize, BufferId>,
         (reads, writes): (&mut Vec<Region>, &mut Vec<Region>),
     ) {
-        if self.layers[l].has_params {
+        if self.state(l).has_params {
             let g = self.grad_target(l, m, full_grads);
             self.grad_write(m, g, reads, writes);
         }
@@ -198,9 +198,14 @@ impl Builder<'_> {
             let LayerKind::Embedding { vocab, hidden, .. } = self.job.model.layers[e].kind else {
                 unreachable!()
             };
-            let wte = Region {
-                bytes: vocab * hidden * self.grad_dtype.bytes(),
-                ..g
+            // Into the embedding's `wte` part; into a replica's whole gradient, which nothing
+            // else writes (the device writes zeros past `wte`).
+            let wte = match self.holds_replica(e) {
+                true => g,
+                false => Region {
+                    bytes: vocab * hidden * self.grad_dtype.bytes(),
+                    ..g
+                },
             };
             self.grad_write(m, wte, reads, writes);
         }
@@ -220,7 +225,7 @@ impl Builder<'_> {
             reads.push(Region::whole(h, self.p.buffers[h].bytes));
         }
         let w = vec![Region::whole(a, self.p.buffers[a].bytes)];
-        let id = self.layers[l].id;
+        let id = self.state(l).id;
         vec![self.compute(ComputeKind::Recompute, Some(id), Some(m), reads, w)]
     }
 
@@ -232,7 +237,7 @@ impl Builder<'_> {
         }
         let elems = activations::stash_elements(&self.job.model.layers[l].kind, &self.job.model);
         (elems > 0).then(|| {
-            let id = self.layers[l].id;
+            let id = self.state(l).id;
             let name = format!("{}.stash.m{m}", self.p.layers[id].name);
             let b = self.buffer(name, BufferKind::Stash, Dtype::Fp32, elems, Some(id));
             self.stashes.insert((l, m), b);
@@ -258,7 +263,7 @@ impl Builder<'_> {
         if !self.has_input_half(l) {
             return vec![];
         }
-        let id = self.layers[l].id;
+        let id = self.state(l).id;
         let mut ops = self.recompute(l, m, bwd_full);
         let (mut reads, mut writes) = self.backward_operands(l, m, bwd_full, None, true);
         if let Some(e) = self.tied_embedding(l) {
@@ -283,7 +288,7 @@ impl Builder<'_> {
         fwd_full: &FxHashMap<usize, BufferId>,
         full_grads: &mut FxHashMap<usize, BufferId>,
     ) -> Vec<OpId> {
-        let id = self.layers[l].id;
+        let id = self.state(l).id;
         let stash = self.stash_buf(l, m);
         let (mut reads, mut writes) = self.backward_operands(l, m, bwd_full, stash, false);
         self.parameter_gradients(l, m, fwd_full, full_grads, (&mut reads, &mut writes));

@@ -20,7 +20,7 @@ impl Builder<'_> {
         m: u32,
         full_grads: &mut FxHashMap<usize, BufferId>,
     ) -> Region {
-        let st = &self.layers[l];
+        let st = self.state(l);
         let bytes = st.padded * self.grad_dtype.bytes();
         if self.direct_accumulation() {
             return Region::whole(st.grad_shard, bytes);
@@ -92,11 +92,11 @@ impl Builder<'_> {
         if layers.is_empty() || self.direct_accumulation() {
             return vec![];
         }
-        let first = self.layers[layers[0]].id;
+        let first = self.state(layers[0]).id;
         let mut cs = vec![];
         let mut adds = vec![];
         for &l in &layers {
-            let st = &self.layers[l];
+            let st = self.state(l);
             let (id, padded, acc) = (st.id, st.padded, st.grad_shard);
             let full = Region::whole(full_grads[&l], padded * gd.bytes());
             let shard_bytes = padded / sh.grads.size() * gd.bytes();
@@ -161,13 +161,13 @@ impl Builder<'_> {
         if layers.is_empty() {
             return (vec![], vec![]);
         }
-        let first = self.layers[layers[0]].id;
+        let first = self.state(layers[0]).id;
         let two_hop = self.job.schedule.grad_sync == GradSync::TwoHop;
         let mut rs = vec![];
         let mut ar = vec![];
         let mut grads = vec![];
         for &l in &layers {
-            let st = &self.layers[l];
+            let st = self.state(l);
             let (id, padded, acc) = (st.id, st.padded, st.grad_shard);
             let g_bytes = padded / sh.grads.size() * gd.bytes();
             let os_bytes = padded / sh.optimizer.size() * gd.bytes();
@@ -228,17 +228,33 @@ impl Builder<'_> {
         let norm = self.compute(ComputeKind::GradNorm, None, None, reads, vec![whole]);
         self.p.ops[norm].role = OpRole::Sync;
         let mut ops = vec![norm];
-        if self.shard().optimizer.size() > 1 {
-            let c = self.collective(
-                Collective::AllReduce,
-                CommKind::Optimizer,
-                Dtype::Fp32,
-                whole,
-                whole,
-            );
+        // Summed over the optimizer shards of the stage, and over the stages of a pipeline.
+        let over = match self.layout.stages > 1 {
+            true => Some(CommKind::NormAcrossStages),
+            false => (self.shard().optimizer.size() > 1).then_some(CommKind::Optimizer),
+        };
+        if let Some(kind) = over {
+            let c = self.collective(Collective::AllReduce, kind, Dtype::Fp32, whole, whole);
             ops.extend(self.issue(vec![c], OpRole::Sync, None, None));
         }
         (ops, whole)
+    }
+
+    /// The embedding group's all-reduce of the embedding `l`'s optimizer-shard gradient `g` (on
+    /// its own stage or, as its replica, on the tied head's), so that both copies update alike.
+    pub(super) fn embedding_group(&mut self, l: usize, g: Region) -> Vec<OpId> {
+        let Some((h, e)) = self.replica else {
+            return vec![];
+        };
+        let kind = CommKind::EmbeddingGroup {
+            first: self.stage_of_layer(e),
+            last: self.stage_of_layer(h),
+        };
+        let c = self.collective(Collective::AllReduce, kind, self.grad_dtype, g, g);
+        let id = self.state(l).id;
+        self.issue(vec![c], OpRole::Sync, Some(id), None)
+            .into_iter()
+            .collect()
     }
 
     /// Optimizer update of each layer of `grads` (reading its optimizer-shard gradient, then with
@@ -246,9 +262,9 @@ impl Builder<'_> {
     pub(super) fn update(&mut self, grads: &[(usize, Region)], norm: Option<Region>) -> Vec<OpId> {
         let mut ops: Vec<OpId> = vec![];
         for &(l, g) in grads {
-            let st = &self.layers[l];
+            let st = self.state(l);
             let id = st.id;
-            let opt = self.optimizer_shards[l];
+            let opt = self.optimizer_shard(l);
             let opt_region = Region::whole(opt, self.p.buffers[opt].bytes);
             let mine = self.updated_slice(l);
             let mut reads = vec![g, opt_region];

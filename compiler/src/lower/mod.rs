@@ -68,6 +68,9 @@ pub fn draft(job: &Job) -> Draft {
         secondaries: FxHashMap::default(),
         optimizer_shards: vec![],
         grads_written: Default::default(),
+        replica: None,
+        replica_state: None,
+        deferred: vec![],
         stage: 0,
         stage_streams: vec![],
     };
@@ -92,6 +95,7 @@ pub fn draft(job: &Job) -> Draft {
 }
 
 /// Per-layer buffers and facts.
+#[derive(Clone, Copy)]
 struct LayerState {
     id: LayerId,
     padded: u64,
@@ -100,6 +104,10 @@ struct LayerState {
     /// True when the layer has parameters to move at all.
     has_params: bool,
 }
+
+/// A reduction bucket after its boundary synchronisation: its layers, and each one's
+/// optimizer-shard gradient region (what its update reads).
+type Boundary = (Vec<usize>, Vec<(usize, Region)>);
 
 /// Makes the ops and buffers of one step; its methods live in the files named in the module doc.
 struct Builder<'a> {
@@ -122,6 +130,13 @@ struct Builder<'a> {
     optimizer_shards: Vec<BufferId>,
     /// Bytes of each gradient buffer already written in a micro-step (from its start).
     grads_written: FxHashMap<(BufferId, u32), u64>,
+    /// A tied head on another stage than its embedding, whose stage keeps a replica of the
+    /// embedding's state: (head, embedding).
+    replica: Option<(usize, usize)>,
+    /// That replica's state and optimizer shard.
+    replica_state: Option<(LayerState, BufferId)>,
+    /// A pipeline stage's updates held back to its end (see `super::stages`).
+    deferred: Vec<Boundary>,
     /// The pipeline stage whose buffers and ops are being made (0 without a pipeline).
     stage: u32,
     /// Each stage's placeholder stream (see [`draft`]).
@@ -137,7 +152,7 @@ impl Builder<'_> {
     /// The slice of layer `l`'s param shard that this rank's optimizer shard updates and the
     /// refresh gathers from: one optimizer shard's bytes at the rank's `OptimizerInParam` index.
     fn updated_slice(&self, l: usize) -> Region {
-        let st = &self.layers[l];
+        let st = self.state(l);
         let bytes = st.padded / self.shard().optimizer.size() * self.dtype.bytes();
         Region {
             buffer: st.param_shard,
@@ -249,21 +264,42 @@ impl Builder<'_> {
         bucket
             .iter()
             .copied()
-            .filter(|&l| self.layers[l].has_params)
+            .filter(|&l| self.state(l).has_params)
             .collect()
     }
 
     /// The pipeline chunk holding layer `l` (0 without a pipeline).
     fn chunk_of_layer(&self, l: usize) -> u32 {
-        let pipeline = &self.job.schedule.pipeline;
-        let mut end = 0;
-        for (c, &n) in pipeline.chunks.iter().enumerate() {
-            end += n as usize;
-            if l < end {
-                return c as u32;
-            }
+        self.job.schedule.pipeline.chunk_of_layer(l)
+    }
+
+    /// The pipeline stage running layer `l`'s compute.
+    fn stage_of_layer(&self, l: usize) -> u32 {
+        self.job.schedule.pipeline.stage_of_layer(l)
+    }
+
+    /// Layer `l`'s persistent state as the current stage holds it: the embedding's replica on
+    /// the stage of a head tied to it from another stage, else the layer's own.
+    fn state(&self, l: usize) -> LayerState {
+        match self.replica_state {
+            Some((st, _)) if self.holds_replica(l) => st,
+            _ => self.layers[l],
         }
-        0
+    }
+
+    /// Layer `l`'s optimizer shard as the current stage holds it (see [`Builder::state`]).
+    fn optimizer_shard(&self, l: usize) -> BufferId {
+        match self.replica_state {
+            Some((_, opt)) if self.holds_replica(l) => opt,
+            _ => self.optimizer_shards[l],
+        }
+    }
+
+    /// Whether the current stage holds layer `l` as a replica: `l` is the embedding and this is
+    /// the stage of the head tied to it from another stage.
+    fn holds_replica(&self, l: usize) -> bool {
+        self.replica
+            .is_some_and(|(h, e)| l == e && self.stage_of_layer(h) == self.stage)
     }
 
     /// Index of the embedding a tied lm_head shares, if layer `l` is one.

@@ -21,7 +21,7 @@ impl Builder<'_> {
             sh.optimizer.size(),
             u64::from(self.layout.secondary.unwrap_or(1)),
         );
-        let opt_words = self.job.model.optimizer.state_bytes_per_param() / 4;
+        self.replica = self.job.tied_across_stages();
         for (l, layer) in self.job.model.layers.iter().enumerate() {
             let padded = layer.params.div_ceil(pad) * pad;
             let chunk = self.chunk_of_layer(l);
@@ -32,38 +32,62 @@ impl Builder<'_> {
                 padded,
                 chunk,
             });
-            let name = &layer.name;
-            let param_shard = self.buffer(
-                format!("{name}.params.shard"),
-                BufferKind::ParamShard,
-                self.dtype,
-                padded / sh.params.size(),
-                Some(id),
-            );
-            let grad_shard = self.buffer(
-                format!("{name}.grads.shard"),
-                BufferKind::GradShard,
-                self.grad_dtype,
-                padded / sh.grads.size(),
-                Some(id),
-            );
-            let opt = self.buffer(
-                format!("{name}.optimizer.shard"),
-                BufferKind::OptimizerShard,
-                Dtype::Fp32,
-                padded / sh.optimizer.size() * opt_words,
-                Some(id),
-            );
+            let (state, opt) = self.persistent_shards(l, id, padded, "");
             self.optimizer_shards.push(opt);
-            self.layers.push(LayerState {
-                id,
-                padded,
-                param_shard,
-                grad_shard,
-                has_params: layer.params > 0,
-            });
+            self.layers.push(state);
+        }
+        // The tied head's stage keeps a replica of the embedding's state.
+        if let Some((h, e)) = self.replica {
+            self.stage = self.stage_of_layer(h);
+            let (id, padded) = (self.layers[e].id, self.layers[e].padded);
+            self.replica_state = Some(self.persistent_shards(e, id, padded, ".replica"));
         }
         self.stage = 0;
+    }
+
+    /// Layer `l`'s persistent param, grad and optimizer shards on the current stage (`suffix`
+    /// names a replica's), and its optimizer shard.
+    fn persistent_shards(
+        &mut self,
+        l: usize,
+        id: LayerId,
+        padded: u64,
+        suffix: &str,
+    ) -> (LayerState, BufferId) {
+        let sh = self.shard();
+        let opt_words = self.job.model.optimizer.state_bytes_per_param() / 4;
+        let layer = &self.job.model.layers[l];
+        let name = format!("{}{suffix}", layer.name);
+        let has_params = layer.params > 0;
+        let param_shard = self.buffer(
+            format!("{name}.params.shard"),
+            BufferKind::ParamShard,
+            self.dtype,
+            padded / sh.params.size(),
+            Some(id),
+        );
+        let grad_shard = self.buffer(
+            format!("{name}.grads.shard"),
+            BufferKind::GradShard,
+            self.grad_dtype,
+            padded / sh.grads.size(),
+            Some(id),
+        );
+        let opt = self.buffer(
+            format!("{name}.optimizer.shard"),
+            BufferKind::OptimizerShard,
+            Dtype::Fp32,
+            padded / sh.optimizer.size() * opt_words,
+            Some(id),
+        );
+        let state = LayerState {
+            id,
+            padded,
+            param_shard,
+            grad_shard,
+            has_params,
+        };
+        (state, opt)
     }
 
     /// Gathered bytes of each layer's full parameters (0 when nothing is gathered).
@@ -95,20 +119,20 @@ impl Builder<'_> {
         let layers = self.with_params(bucket);
         let mut fulls = vec![];
         for &l in &layers {
-            let (id, padded) = (self.layers[l].id, self.layers[l].padded);
+            let (id, padded) = (self.state(l).id, self.state(l).padded);
             let name = format!("{}.params.full.m{m}.{phase}", self.p.layers[id].name);
             let full = self.buffer(name, BufferKind::Gathered, self.dtype, padded, Some(id));
             out.insert(l, full);
             fulls.push(full);
         }
-        let layer = layers.first().map(|&l| self.layers[l].id);
+        let layer = layers.first().map(|&l| self.state(l).id);
         let d = self.dtype.bytes();
         if !hier {
             let cs = layers
                 .iter()
                 .zip(&fulls)
                 .map(|(&l, &full)| {
-                    let st = &self.layers[l];
+                    let st = self.state(l);
                     let (shard, padded) = (st.param_shard, st.padded);
                     let shard_bytes = padded / sh.params.size() * d;
                     self.collective(
@@ -131,7 +155,7 @@ impl Builder<'_> {
         let mut copies = (vec![], vec![]);
         let mut stage3 = vec![];
         for (&l, &full) in layers.iter().zip(&fulls) {
-            let st = &self.layers[l];
+            let st = self.state(l);
             let (id, shard, padded) = (st.id, st.param_shard, st.padded);
             let chunk = padded / (a * b) * d;
             let name = format!("{}.params.staging.m{m}.{phase}", self.p.layers[id].name);
@@ -249,7 +273,7 @@ impl Builder<'_> {
         let mut cs = vec![];
         let mut layer = None;
         for l in self.with_params(bucket) {
-            let (id, padded) = (self.layers[l].id, self.layers[l].padded);
+            let (id, padded) = (self.state(l).id, self.state(l).padded);
             layer.get_or_insert(id);
             let secondary = self.secondary_buf(l, m);
             let name = format!("{}.params.full.m{m}.bwd", self.p.layers[id].name);
@@ -272,7 +296,7 @@ impl Builder<'_> {
         if let Some(&b) = self.secondaries.get(&(l, m)) {
             return b;
         }
-        let (id, padded) = (self.layers[l].id, self.layers[l].padded);
+        let (id, padded) = (self.state(l).id, self.state(l).padded);
         let k = u64::from(self.layout.secondary.unwrap_or(1));
         let name = format!("{}.params.secondary.m{m}", self.p.layers[id].name);
         let b = self.buffer(
@@ -292,7 +316,7 @@ impl Builder<'_> {
         l: usize,
         full: &FxHashMap<usize, BufferId>,
     ) -> Option<Region> {
-        let st = &self.layers[l];
+        let st = self.state(l);
         if !st.has_params {
             return None;
         }
@@ -313,7 +337,7 @@ impl Builder<'_> {
         let mut cs = vec![];
         let mut layer = None;
         for l in self.with_params(bucket) {
-            let st = &self.layers[l];
+            let st = self.state(l);
             let (id, padded, shard) = (st.id, st.padded, st.param_shard);
             layer.get_or_insert(id);
             let mine = self.updated_slice(l);

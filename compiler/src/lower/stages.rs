@@ -69,7 +69,10 @@ impl Builder<'_> {
         let last_chunk = pipeline.chunks.len() as u32 - 1;
         // Each local chunk's buckets, and the index of its last backward in the order.
         let buckets: Vec<Buckets> = (0..pipeline.virtual_stages)
-            .map(|local| self.buckets(pipeline.layers_of_chunk(pipeline.chunk_of(stage, local))))
+            .map(|local| {
+                let layers = pipeline.layers_of_chunk(pipeline.chunk_of(stage, local));
+                self.buckets(&self.with_replica(layers))
+            })
             .collect();
         let mut last_backward: FxHashMap<u32, usize> = FxHashMap::default();
         for (k, a) in order.iter().enumerate() {
@@ -95,12 +98,13 @@ impl Builder<'_> {
                     for (i, l) in layers.clone().enumerate() {
                         forward[l] = first + i;
                     }
-                    let here = MicroStepSlots {
+                    let mut here = MicroStepSlots {
                         first,
                         forward,
                         loss: first + layers.len(),
                         backward: vec![0; n],
                     };
+                    self.replica_slots(&layers, &mut here);
                     let b = &buckets[a.chunk as usize];
                     let full = self.forward_slots(m, b, &here, slots, layers);
                     if last {
@@ -132,6 +136,7 @@ impl Builder<'_> {
                     for (i, l) in part.clone().rev().enumerate() {
                         here.backward[l] = first + i;
                     }
+                    self.replica_slots(&part, &mut here);
                     let full = match a.kind {
                         ActionKind::I => gathered.get(&key).cloned().unwrap_or_default(),
                         _ => gathered.remove(&key).unwrap_or_default(),
@@ -175,6 +180,34 @@ impl Builder<'_> {
                 0 => slots[firsts[0]].compute.insert(0, op),
                 k => slots[ends[k - 1]].after.push(op),
             }
+        }
+        // After the stage's last transfer: what waits for other stages at the end of the step.
+        let ops = self.finish_stage();
+        if let Some(&end) = ends.last() {
+            slots[end].after.extend(ops);
+        }
+    }
+
+    /// A chunk's layers in order, with the embedding's replica right before the tied head when
+    /// the chunk holds the head on another stage than the embedding: the replica is gathered,
+    /// reduced and updated with the head.
+    fn with_replica(&self, layers: Range<usize>) -> Vec<usize> {
+        let mut out = vec![];
+        for l in layers {
+            if let Some((h, e)) = self.replica.filter(|&(h, _)| h == l) {
+                debug_assert_eq!(h, l);
+                out.push(e);
+            }
+            out.push(l);
+        }
+        out
+    }
+
+    /// The replica's slots are its tied head's (when `layers` hold the head on its own stage).
+    fn replica_slots(&self, layers: &Range<usize>, at: &mut MicroStepSlots) {
+        if let Some((h, e)) = self.replica.filter(|&(h, _)| layers.contains(&h)) {
+            at.forward[e] = at.forward[h];
+            at.backward[e] = at.backward[h];
         }
     }
 

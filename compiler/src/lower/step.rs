@@ -57,7 +57,7 @@ impl Builder<'_> {
     /// each layer's last backward of the last micro-step.
     pub(super) fn step(&mut self) -> Vec<Slot> {
         let all = 0..self.layers.len();
-        let buckets = self.buckets(all.clone());
+        let buckets = self.buckets(&all.clone().collect::<Vec<_>>());
         let mut slots: Vec<Slot> = vec![];
         for m in 0..self.job.schedule.micro_steps {
             let at = self.micro_step(m, &buckets, &mut slots);
@@ -68,18 +68,10 @@ impl Builder<'_> {
         slots
     }
 
-    /// Partitions `layers` into gather and reduction buckets by payload.
-    pub(super) fn buckets(&self, layers: Range<usize>) -> Buckets {
+    /// Partitions `layers` (in layer order) into gather and reduction buckets by payload.
+    pub(super) fn buckets(&self, layers: &[usize]) -> Buckets {
         let s = &self.job.schedule;
         let gather_sizes = self.gather_sizes();
-        let bwd_order: Vec<usize> = layers.clone().rev().collect();
-        let in_bwd_order = |sizes: &[u64], bucket: u64| -> Vec<Vec<usize>> {
-            let sizes: Vec<u64> = bwd_order.iter().map(|&l| sizes[l]).collect();
-            partition(&sizes, bucket)
-                .into_iter()
-                .map(|b| b.into_iter().map(|i| bwd_order[i]).collect())
-                .collect()
-        };
         let red_sizes: Vec<u64> = self
             .layers
             .iter()
@@ -91,14 +83,18 @@ impl Builder<'_> {
                 }
             })
             .collect();
-        let forward = partition(&gather_sizes[layers.clone()], s.buckets.gather)
-            .into_iter()
-            .map(|b| b.into_iter().map(|i| layers.start + i).collect())
-            .collect();
+        let in_order = |order: &[usize], sizes: &[u64], bucket: u64| -> Vec<Vec<usize>> {
+            let sizes: Vec<u64> = order.iter().map(|&l| sizes[l]).collect();
+            partition(&sizes, bucket)
+                .into_iter()
+                .map(|b| b.into_iter().map(|i| order[i]).collect())
+                .collect()
+        };
+        let bwd_order: Vec<usize> = layers.iter().rev().copied().collect();
         Buckets {
-            forward,
-            backward: in_bwd_order(&gather_sizes, s.buckets.gather),
-            reduce: in_bwd_order(&red_sizes, s.buckets.reduce),
+            forward: in_order(layers, &gather_sizes, s.buckets.gather),
+            backward: in_order(&bwd_order, &gather_sizes, s.buckets.gather),
+            reduce: in_order(&bwd_order, &red_sizes, s.buckets.reduce),
         }
     }
 
@@ -198,10 +194,16 @@ impl Builder<'_> {
         let depth = s.prefetch.backward as usize;
         let mut bwd_full: FxHashMap<usize, BufferId> = FxHashMap::default();
         for bucket in &buckets.backward {
+            // (An embedding's replica goes with its tied head.)
             let bucket: Vec<usize> = bucket
                 .iter()
                 .copied()
-                .filter(|l| layers.contains(l))
+                .filter(|&l| {
+                    layers.contains(&l)
+                        || self
+                            .replica
+                            .is_some_and(|(h, e)| l == e && layers.contains(&h))
+                })
                 .collect();
             if bucket.is_empty() {
                 continue;
@@ -284,16 +286,22 @@ impl Builder<'_> {
     ) {
         let last_backward = at.backward[layers.start];
         let clip = self.job.schedule.train.clip.is_some();
+        let defer = self.finishes_at_stage_end();
         let mut pending = vec![];
         for bucket in &buckets.reduce {
             let (mut ops, grads) = self.boundary(bucket);
             let last = at.backward[*bucket.last().expect("non-empty")];
-            if clip {
+            if defer {
+                self.deferred.push((bucket.clone(), grads));
+            } else if clip {
                 pending.push((bucket, grads));
             } else {
                 ops.extend(self.update_then_refresh(bucket, &grads, None));
             }
             slots[last].after.extend(ops);
+        }
+        if defer {
+            return;
         }
         let all: Vec<(usize, Region)> = pending
             .iter()
@@ -312,6 +320,61 @@ impl Builder<'_> {
                 slots[last_backward].after.extend(ops);
             }
         }
+    }
+
+    /// Whether the current pipeline stage holds its updates back to its end, after its last
+    /// transfer: they wait for collectives with other stages (clipping's norm, the embedding
+    /// group), which a stage may only enter once it owes its neighbours nothing.
+    fn finishes_at_stage_end(&self) -> bool {
+        let pipeline = &self.job.schedule.pipeline;
+        if !pipeline.is_pipelined() {
+            return false;
+        }
+        self.job.schedule.train.clip.is_some()
+            || self.replica.is_some_and(|(h, e)| {
+                self.stage_of_layer(h) == self.stage || self.stage_of_layer(e) == self.stage
+            })
+    }
+
+    /// The end of a pipeline stage that [`Builder::finishes_at_stage_end`]: the embedding
+    /// group's all-reduces, clipping's norm over every stage, then the held-back updates and
+    /// refreshes. Every stage computes the norm (over no layer if it has no parameters), since
+    /// every stage takes part in its all-reduce.
+    pub(super) fn finish_stage(&mut self) -> Vec<OpId> {
+        if !self.finishes_at_stage_end() {
+            return vec![];
+        }
+        let pending = std::mem::take(&mut self.deferred);
+        let mut ops = vec![];
+        for (_, grads) in &pending {
+            for &(l, g) in grads {
+                if self.replica.is_some_and(|(_, e)| l == e) {
+                    ops.extend(self.embedding_group(l, g));
+                }
+            }
+        }
+        let norm = if self.job.schedule.train.clip.is_some() {
+            // A replica's gradient equals its embedding's: counted once, on the embedding's stage.
+            let all: Vec<(usize, Region)> = pending
+                .iter()
+                .flat_map(|(_, g)| g.iter().copied())
+                .filter(|&(l, _)| !self.holds_replica(l))
+                .collect();
+            let (norm_ops, norm) = self.grad_norm(&all);
+            ops.extend(norm_ops);
+            Some(norm)
+        } else {
+            None
+        };
+        for (bucket, grads) in &pending {
+            ops.extend(self.update_then_refresh(bucket, grads, norm));
+        }
+        if self.job.schedule.overlap.refresh == Refresh::Overlap(false) {
+            for (bucket, _) in &pending {
+                ops.extend(self.refresh(bucket));
+            }
+        }
+        ops
     }
 
     /// The updates of `bucket`'s layers, followed by its refresh when that overlaps (on the sync

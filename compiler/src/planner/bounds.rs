@@ -38,7 +38,7 @@ use cranelift_entity::EntityRef;
 use sched_ir::abi::saved_bytes;
 use sched_ir::ir::{ComputeKind, Program};
 use sched_ir::job::{
-    Collective, GradSync, Job, Layer, Mesh, Recompute, Refresh, ReshardAfterForward,
+    Collective, GradSync, Job, Layer, LayerKind, Mesh, Recompute, Refresh, ReshardAfterForward,
 };
 
 /// Elements every layer's flat parameter vector is padded to a multiple of (lowering §1).
@@ -66,8 +66,11 @@ pub fn model_state_bytes(job: &Job) -> u64 {
     let m = &job.model;
     let pad = padding(job);
     let opt = m.optimizer.state_bytes_per_param();
+    // (A head tied across pipeline stages keeps a replica of the embedding.)
+    let replica = job.tied_across_stages().map(|(_, e)| &m.layers[e]);
     m.layers
         .iter()
+        .chain(replica)
         .map(|l| {
             let padded = l.params.div_ceil(pad) * pad;
             padded / s.shard.params.size() * m.dtype.bytes()
@@ -78,7 +81,9 @@ pub fn model_state_bytes(job: &Job) -> u64 {
 }
 
 /// Each pipeline stage of `job` as a job of its own: the layers of its chunks in model order,
-/// on its data-parallel mesh (G' = min(G, d) GPUs on d/G' nodes), without a pipeline.
+/// on its data-parallel mesh (G' = min(G, d) GPUs on d/G' nodes), without a pipeline. A head
+/// tied to an embedding on another stage becomes an untied head there holding the replica of
+/// the embedding its stage keeps (the embedding's parameters besides its own).
 pub fn stage_jobs(job: &Job) -> Vec<Job> {
     let pipeline = &job.schedule.pipeline;
     let ranks = job.schedule.gpus_per_node * job.schedule.nodes;
@@ -92,6 +97,20 @@ pub fn stage_jobs(job: &Job) -> Vec<Job> {
                 .filter(|&c| pipeline.stage_of_chunk(c) == stage)
                 .flat_map(|c| job.model.layers[pipeline.layers_of_chunk(c)].to_vec())
                 .collect();
+            if let Some((h, e)) = job.tied_across_stages() {
+                if pipeline.stage_of_layer(h) == stage {
+                    let at = model
+                        .layers
+                        .iter()
+                        .position(|l| l.name == job.model.layers[h].name);
+                    if let Some(head) = at.map(|i| &mut model.layers[i]) {
+                        if let LayerKind::LmHead { tied, .. } = &mut head.kind {
+                            *tied = false;
+                        }
+                        head.params += job.model.layers[e].params;
+                    }
+                }
+            }
             let mut sub = job.clone();
             sub.model = std::sync::Arc::new(model);
             sub.schedule.gpus_per_node = g;

@@ -13,10 +13,11 @@
 //!   `balanced` by the cost model, and m micro-batches so that the global batch stays the base
 //!   schedule's (d·m·micro_batch sequences, d = ranks/p); the shard meshes are then those of a
 //!   stage's data-parallel mesh, and only the ZeRO presets over it are searched with a split (ddp,
-//!   ZeRO-1, -2, -3: [`stage_presets`]). Splits the lowering cannot run are left out: with a tied
-//!   head only `zbv` (its V keeps the first and last chunk on stage 0), with gradient clipping only
-//!   p = 1; interleaving where m is not a multiple of p or p·v
-//!   exceeds the layers.
+//!   ZeRO-1, -2, -3: [`stage_presets`]). Splits the lowering cannot run are left out: `zbv`
+//!   with a tied head (its V keeps the head in another chunk of the embedding's stage) and sharded
+//!   parameters or gradients; interleaving where m is not a multiple of p or p·v exceeds the
+//!   layers. A head tied across stages keeps a replica of the embedding on its stage, and
+//!   clipping sums its norm over the stages, so neither limits the splits.
 //!
 //! Choices that cannot change the program are not enumerated twice: resharding, prefetch and the
 //! gather algorithm only where parameters are sharded; hpZ's node-local secondary shard only where
@@ -74,14 +75,6 @@ pub fn splits(job: &Job) -> Vec<Split> {
     if global % u64::from(ranks) != 0 {
         out.clear();
     }
-    let tied = job
-        .model
-        .layers
-        .iter()
-        .any(|l| matches!(l.kind, LayerKind::LmHead { tied: true, .. }));
-    if s.train.clip.is_some() {
-        return out;
-    }
     let g = s.gpus_per_node;
     for p in divisors(ranks)
         .into_iter()
@@ -98,14 +91,6 @@ pub fn splits(job: &Job) -> Vec<Split> {
             schedule,
             micro_steps: m,
         };
-        // A tied head stays on its embedding's stage only in ZB-V's V (first and last chunk on
-        // stage 0).
-        if tied {
-            if m >= p && 2 * p <= layers {
-                out.push(split(PipelineSchedule::Zbv, 2));
-            }
-            continue;
-        }
         out.push(split(PipelineSchedule::Gpipe, 1));
         if m >= p {
             out.push(split(PipelineSchedule::OneFOneB, 1));
@@ -273,9 +258,9 @@ fn split_structures(job: &Job, split: Split) -> Vec<Structure> {
     } else {
         stage_presets(gpus, nodes)
     };
-    // A tied head in another chunk than its embedding (ZB-V) keeps parameters and gradients
-    // whole (the language refuses the rest).
-    let tied = split.stages > 1 && base_tied;
+    // A tied head in another chunk of its embedding's stage (ZB-V's V) keeps parameters and
+    // gradients whole (the language refuses the rest); on another stage it keeps a replica.
+    let tied = split.schedule == PipelineSchedule::Zbv && split.stages > 1 && base_tied;
     let whole = |s: &Shard| s.params.size() == 1 && s.grads.size() == 1;
     for shard in shards.into_iter().filter(|s| !tied || whole(s)) {
         let params_sharded = shard.params.size() > 1;

@@ -557,71 +557,49 @@ fn sharded_before_the_optimizer(job: &Job) -> bool {
     sh.params.size() > 1 || sh.grads.size() > 1
 }
 
-/// What the lowering cannot do with pipeline stages yet, each refused at `stages`: a head tied
-/// to an embedding on another stage (Megatron's embedding group, which all-reduces the two
-/// copies' gradients) and gradient clipping (its norm would have to sum over stages).
+/// What the lowering cannot do with pipeline stages yet, refused at `stages`: a head tied to
+/// an embedding in another chunk of the same stage (the V of `zbv`) with sharded parameters or
+/// gradients. (A tied head on another stage keeps a replica of the embedding, Megatron's
+/// embedding group; see `lower::stages`.)
 fn supported(ctx: &mut Ctx, job: &Job, pipeline: &Pipeline, stages_span: Span) -> bool {
+    let layers = &job.model.layers;
+    let chunk_of = |l: usize| {
+        let mut end = 0;
+        pipeline
+            .chunks
+            .iter()
+            .position(|&n| {
+                end += n as usize;
+                l < end
+            })
+            .unwrap_or(0) as u32
+    };
+    let stage_of = |l: usize| pipeline.stage_of_chunk(chunk_of(l));
+    let embedding = layers
+        .iter()
+        .position(|l| matches!(l.kind, LayerKind::Embedding { .. }));
+    let head = layers
+        .iter()
+        .position(|l| matches!(l.kind, LayerKind::LmHead { tied: true, .. }));
+    let (Some(e), Some(h)) = (embedding, head) else {
+        return true;
+    };
+    if stage_of(e) == stage_of(h) && chunk_of(e) != chunk_of(h) && sharded_before_the_optimizer(job)
     {
-        let layers = &job.model.layers;
-        let chunk_of = |l: usize| {
-            let mut end = 0;
-            pipeline
-                .chunks
-                .iter()
-                .position(|&n| {
-                    end += n as usize;
-                    l < end
-                })
-                .unwrap_or(0) as u32
-        };
-        let stage_of = |l: usize| pipeline.stage_of_chunk(chunk_of(l));
-        let mut ok = true;
-        let embedding = layers
-            .iter()
-            .position(|l| matches!(l.kind, LayerKind::Embedding { .. }));
-        let head = layers
-            .iter()
-            .position(|l| matches!(l.kind, LayerKind::LmHead { tied: true, .. }));
-        if let (Some(e), Some(h)) = (embedding, head) {
-            if stage_of(e) != stage_of(h) {
-                ctx.error(
-                    Diagnostic::error(format!(
-                        "`{}` ties its head to its embedding, which fall on stages {} and {}: tied weights across stages are not supported yet",
-                        job.model.name,
-                        stage_of(e),
-                        stage_of(h)
-                    ))
-                    .at(stages_span, format!("p = {}", pipeline.stages))
-                    .note("untie the head (`tied = false`), or run `zbv`, whose V keeps the first and the last chunk on stage 0"),
-                );
-                ok = false;
-            } else if chunk_of(e) != chunk_of(h) && sharded_before_the_optimizer(job) {
-                let sh = job.schedule.shard;
-                ctx.error(
-                    Diagnostic::error(format!(
-                        "`{}` ties its head to its embedding in another chunk; with sharded parameters or gradients (params {}, grads {}) the head's actions would need the embedding gathered and its gradient reduced with the embedding's, which is not lowered yet",
-                        job.model.name,
-                        sh.params,
-                        sh.grads
-                    ))
-                    .at(stages_span, format!("p = {}", pipeline.stages))
-                    .note("keep parameters and gradients whole in each stage (`ddp` or `zero1`), or untie the head"),
-                );
-                ok = false;
-            }
-        }
-        if job.schedule.train.clip.is_some() {
-            ctx.error(
-                Diagnostic::error(
-                    "gradient clipping with pipeline stages is not supported yet: the norm would have to sum over the stages",
-                )
-                .at(stages_span, format!("p = {}", pipeline.stages))
-                .note("remove `clip` from `train`, or run without a pipeline"),
-            );
-            ok = false;
-        }
-        ok
+        let sh = job.schedule.shard;
+        ctx.error(
+            Diagnostic::error(format!(
+                "`{}` ties its head to its embedding in another chunk; with sharded parameters or gradients (params {}, grads {}) the head's actions would need the embedding gathered and its gradient reduced with the embedding's, which is not lowered yet",
+                job.model.name,
+                sh.params,
+                sh.grads
+            ))
+            .at(stages_span, format!("p = {}", pipeline.stages))
+            .note("keep parameters and gradients whole in each stage (`ddp` or `zero1`), or untie the head"),
+        );
+        return false;
     }
+    true
 }
 
 /// `layers = balanced` for `job`'s model in `k` chunks (k at most the layer count): each layer

@@ -455,8 +455,10 @@ fn is_p2p(op: &Op) -> bool {
         .any(|c| matches!(c.kind, Collective::Send | Collective::Recv))
 }
 
-/// Every send and receive of the program by (stage, communicator, call number): the k-th send
-/// or receive a stage issues on a communicator, counted in issue order.
+/// Every send and receive of the program, and every call of a collective spanning stages (an
+/// embedding group's, clipping's norm across stages), by (stage, communicator, call number): the
+/// k-th call a stage issues on a communicator, counted in issue order. Such a collective starts,
+/// as a transfer does, once every member has reached (or started) its matching call.
 struct P2pCalls {
     /// (stage, communicator, k) of each call, in issue order, with its op.
     by_call: FxHashMap<(u32, CommId, u32), OpId>,
@@ -467,12 +469,22 @@ struct P2pCalls {
 impl P2pCalls {
     fn new(program: &Program) -> Self {
         let calls = program.call_numbers();
+        let layout = program.layout;
+        let spans: Vec<bool> = program
+            .comms
+            .values()
+            .map(|c| {
+                c.groups
+                    .iter()
+                    .any(|g| g.iter().any(|&r| layout.stage(r) != layout.stage(g[0])))
+            })
+            .collect();
         let mut by_call = FxHashMap::default();
         let mut of_op = vec![vec![]; program.ops.len()];
         for (id, op) in program.ops.iter() {
             let stage = program.streams[op.stream].stage;
             for (c, &k) in op.collectives().iter().zip(&calls[id]) {
-                if matches!(c.kind, Collective::Send | Collective::Recv) {
+                if matches!(c.kind, Collective::Send | Collective::Recv) || spans[c.comm.index()] {
                     by_call.insert((stage, c.comm, k), id);
                     of_op[id.index()].push((c.comm, k));
                 }
@@ -493,16 +505,24 @@ impl P2pCalls {
                 if calls.is_empty() || program.streams[op.stream].stage != stage {
                     return vec![];
                 }
-                calls
+                let mut peers: Vec<(u32, OpId)> = calls
                     .iter()
-                    .filter_map(|&(comm, k)| {
+                    .flat_map(|&(comm, k)| {
                         let g = classes.group_of[comm][rank as usize] as usize;
-                        let group = program.comms[comm].groups.get(g)?;
-                        let peer = *group.iter().find(|&&m| m != rank)?;
-                        let peer_op = self.by_call.get(&(program.layout.stage(peer), comm, k))?;
-                        Some((classes.class_of[peer as usize], *peer_op))
+                        let group = program.comms[comm].groups.get(g).map_or(&[][..], |g| g);
+                        group
+                            .iter()
+                            .filter(move |&&m| m != rank)
+                            .filter_map(move |&peer| {
+                                let peer_op =
+                                    self.by_call.get(&(program.layout.stage(peer), comm, k))?;
+                                Some((classes.class_of[peer as usize], *peer_op))
+                            })
                     })
-                    .collect()
+                    .collect();
+                peers.sort_unstable();
+                peers.dedup();
+                peers
             })
             .collect()
     }

@@ -1265,20 +1265,27 @@ impl EmulatedBackend {
         addr(&self.ranks[rank as usize].arena)
     }
 
-    /// One plan collective across every group of its communicator that `stage` runs, with NCCL's
-    /// semantics: chunk `j` is member `j`'s, sums in f32 in member order rounded once, broadcasts
-    /// from member 0; every member's input is read before any output is written. A send's
-    /// groups each leave the sender's bytes in `letters` under (communicator, group, call); a
-    /// receive writes them.
+    /// One plan collective across every group of its communicator that its stages run, with
+    /// NCCL's semantics: chunk `j` is member `j`'s, sums in f32 in member order rounded once,
+    /// broadcasts from member 0; every member's input is read before any output is written. A
+    /// send's groups each leave the sender's bytes in `letters` under (communicator, group,
+    /// call); a receive writes them. `members`: the collective as each stage issues it (one
+    /// stage, or every stage of a collective spanning stages, each with its own regions).
     fn collective(
         &self,
-        c: &sched_ir::ir::CollectiveOp,
-        stage: u32,
+        members: &[(u32, sched_ir::ir::CollectiveOp)],
         call: u64,
         letters: &mut std::collections::HashMap<(u32, usize, u64), Vec<f32>>,
     ) {
         let p = &self.plan;
         let layout = p.program.layout;
+        let (_, c) = &members[0];
+        let of = |r: u32| {
+            members
+                .iter()
+                .find(|(s, _)| *s == layout.stage(r))
+                .map_or(c, |(_, c)| c)
+        };
         for (g, group) in p.program.comms[c.comm].groups.iter().enumerate() {
             let key = (c.comm.as_u32(), g, call);
             match c.kind {
@@ -1300,19 +1307,19 @@ impl EmulatedBackend {
                     }
                     continue;
                 }
-                _ if layout.stage(group[0]) != stage => continue,
+                _ if !members.iter().any(|(s, _)| *s == layout.stage(group[0])) => continue,
                 _ => {}
             }
-            let members = group.len() as u64;
+            let size = group.len() as u64;
             let calls: Vec<NcclCall> = group
                 .iter()
                 .map(|&r| {
                     nccl_call(
                         c.kind,
                         c.count,
-                        members,
-                        self.base(r).add_bytes(p.at(r, &c.input)),
-                        self.base(r).add_bytes(p.at(r, &c.output)),
+                        size,
+                        self.base(r).add_bytes(p.at(r, &of(r).input)),
+                        self.base(r).add_bytes(p.at(r, &of(r).output)),
                     )
                 })
                 .collect();
@@ -1422,10 +1429,56 @@ impl Backend for EmulatedBackend {
         let mut next = vec![0usize; by_stage.len()];
         let mut letters = std::collections::HashMap::new();
         let mut posted = std::collections::HashSet::new();
+        // Collectives spanning stages (an embedding group's, clipping's norm across stages): the
+        // stages of each communicator, and each call's arrivals; the last stage to arrive runs
+        // it for all.
+        let spans: std::collections::HashMap<sched_ir::ir::CommId, Vec<u32>> = p
+            .program
+            .comms
+            .iter()
+            .filter_map(|(id, comm)| {
+                let mut s: Vec<u32> = comm.groups[0].iter().map(|&r| layout.stage(r)).collect();
+                s.sort_unstable();
+                s.dedup();
+                (s.len() > 1).then_some((id, s))
+            })
+            .collect();
+        let mut arrivals: std::collections::HashMap<
+            (u32, u64),
+            Vec<(u32, sched_ir::ir::CollectiveOp)>,
+        > = Default::default();
+        let mut met = std::collections::HashSet::new();
         loop {
             let mut progress = false;
             for (stage, ops) in by_stage.iter().enumerate() {
                 while let Some(&op) = ops.get(next[stage]) {
+                    if let Action::Collectives(cs) = &p.actions[op.index()] {
+                        if let [c] = cs
+                            .iter()
+                            .filter(|c| !c.kind.is_point_to_point() && spans.contains_key(&c.comm))
+                            .collect::<Vec<_>>()[..]
+                        {
+                            let key = (c.comm.as_u32(), p.call_numbers[op][0]);
+                            if !met.contains(&key) {
+                                let here = arrivals.entry(key).or_default();
+                                if !here.iter().any(|(s, _)| *s == stage as u32) {
+                                    here.push((stage as u32, *c));
+                                }
+                                let all = spans[&c.comm]
+                                    .iter()
+                                    .all(|s| here.iter().any(|(t, _)| t == s));
+                                if !all {
+                                    break;
+                                }
+                                let members = here.clone();
+                                self.collective(&members, key.1, &mut letters);
+                                met.insert(key);
+                            }
+                            next[stage] += 1;
+                            progress = true;
+                            continue;
+                        }
+                    }
                     // A group call posts its sends at once, whether or not its receives can
                     // complete yet.
                     if let Action::Collectives(cs) = &p.actions[op.index()] {
@@ -1433,7 +1486,7 @@ impl Backend for EmulatedBackend {
                             for (i, c) in cs.iter().enumerate() {
                                 if c.kind == Collective::Send {
                                     let call = p.call_numbers[op][i];
-                                    self.collective(c, stage as u32, call, &mut letters);
+                                    self.collective(&[(stage as u32, *c)], call, &mut letters);
                                 }
                             }
                         }
@@ -1501,7 +1554,7 @@ impl EmulatedBackend {
                     // (Sends were posted when the op was reached.)
                     for (i, c) in cs.iter().enumerate() {
                         if c.kind != Collective::Send {
-                            self.collective(c, stage, p.call_numbers[op][i], letters);
+                            self.collective(&[(stage, *c)], p.call_numbers[op][i], letters);
                         }
                     }
                 }
@@ -1640,9 +1693,10 @@ cluster two_by_two { nodes = 2  gpus_per_node = 2  gpu_memory = 4 GiB  peak_flop
 /// relative and final weights within 1e-4 for fp32 models, both within 2e-2 for bf16 and fp16
 /// ones (16-bit products), 20
 /// steps of one-rank plans and 5 of sharded 4-rank ones (ZeRO-2/3, hierarchical MiCS, hpZ, an
-/// AMSP mesh, and four 2-stage pipelines, 1F1B with ZeRO-1, GPipe with ZeRO-3, and two `zbv`
+/// AMSP mesh, and five 2-stage pipelines, 1F1B with ZeRO-1, GPipe with ZeRO-3, two `zbv`
 /// ones with split backwards (I and W; tied heads; fp32 and bf16), whose transfers go through
-/// `nccl_call` as the CUDA backend issues them), with clipping,
+/// `nccl_call` as the CUDA backend issues them, and 1F1B with ZeRO-2, a head tied across the
+/// stages and clipping, whose embedding group and norm all-reduces span the stages), with clipping,
 /// micro-steps and recomputation, and a bf16 model over a 259-word
 /// vocabulary (logits in rows of 264, the head's products in place, split at column 256) and a
 /// 44-wide SwiGLU (products through padded rows). Every kernel launched is one
@@ -1666,7 +1720,8 @@ fn training_on_the_emulated_device_matches_the_cpu_backend() {
          schedule k {{ model = llama_gqa  cluster = four  preset = zero1  micro_steps = 4  pipeline {{ stages = 2 }}  train {{ lr = 1e-3  seed = 12 }} }}\n\
          schedule l {{ model = llama_gqa  cluster = four  preset = zero3  micro_steps = 2  pipeline {{ stages = 2  schedule = gpipe  layers = [1, 2] }}  train {{ lr = 1e-3  seed = 13 }} }}\n\
          schedule m {{ model = gpt_naive  cluster = four  preset = zero1  micro_steps = 4  pipeline {{ stages = 2  virtual = 2  schedule = zbv  layers = [1, 1, 1, 1] }}  train {{ lr = 1e-3  seed = 14 }} }}\n\
-         schedule n {{ model = llama_bf16  cluster = four  preset = ddp  micro_steps = 4  pipeline {{ stages = 2  virtual = 2  schedule = zbv  layers = [2, 1, 1, 1] }}  train {{ lr = 1e-3  seed = 15 }} }}\n",
+         schedule n {{ model = llama_bf16  cluster = four  preset = ddp  micro_steps = 4  pipeline {{ stages = 2  virtual = 2  schedule = zbv  layers = [2, 1, 1, 1] }}  train {{ lr = 1e-3  seed = 15 }} }}\n\
+         schedule o {{ model = gpt_naive  cluster = four  preset = zero2  micro_steps = 2  pipeline {{ stages = 2  layers = [2, 2] }}  train {{ lr = 1e-3  seed = 16  clip = 0.05 }} }}\n",
         CLUSTERS
     );
     let loader = schedc::MemLoader::default()

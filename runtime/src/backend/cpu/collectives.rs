@@ -33,11 +33,18 @@ pub fn run(
         let meeting = &sh.meetings[c.comm.as_u32() as usize][g];
         let stream = p.program.ops[op].stream.as_u32() as usize;
         let staging = &sh.staging[ctx.rank as usize * p.program.streams.len() + stream];
-        match meeting.meet(pos, call, &sh.abort, sh.options.timeout, || {
-            let mut staging = staging.lock().expect("staging lock");
-            move_bytes(sh, group, c, &mut staging)
-                .map_err(|m| RunError::at(ctx.rank, Some(p.describe(op)), m))
-        }) {
+        let place = (p.at(ctx.rank, &c.input), p.at(ctx.rank, &c.output));
+        match meeting.meet(
+            (pos, place),
+            call,
+            &sh.abort,
+            sh.options.timeout,
+            |places| {
+                let mut staging = staging.lock().expect("staging lock");
+                move_bytes(sh, (group, places), c, &mut staging)
+                    .map_err(|m| RunError::at(ctx.rank, Some(p.describe(op)), m))
+            },
+        ) {
             Ok(Ok(())) => {}
             Ok(Err(e)) => {
                 sh.abort.set(e);
@@ -106,29 +113,29 @@ pub struct Staging {
     values: Vec<f32>,
 }
 
-/// Moves every member's data for one collective (called by the last member to arrive).
+/// Moves every member's data for one collective (called by the last member to arrive), each
+/// member at its own (input, output) offsets (`places`, by member).
 fn move_bytes(
     sh: &StepShared<'_>,
-    group: &[u32],
+    (group, places): (&[u32], &[(u64, u64)]),
     c: &CollectiveOp,
     staging: &mut Staging,
 ) -> Result<(), crate::arena::AccessError> {
-    let p = sh.plan;
     let n = group.len() as u64;
     let d = c.dtype;
     let chunk = c.count / n;
-    let input_at = |r: u32| p.at(r, &c.input);
-    let output_at = |r: u32| p.at(r, &c.output);
+    let input_at = |j: usize| places[j].0;
+    let output_at = |j: usize| places[j].1;
     let arena = |r: u32| &sh.arenas[r as usize];
     match c.kind {
         Collective::AllGather => {
             let whole = &mut staging.words;
             whole.clear();
-            for &r in group {
-                arena(r).append_bytes(input_at(r), chunk * d.bytes(), whole)?;
+            for (j, &r) in group.iter().enumerate() {
+                arena(r).append_bytes(input_at(j), chunk * d.bytes(), whole)?;
             }
-            for &r in group {
-                arena(r).write_bytes(output_at(r), whole)?;
+            for (j, &r) in group.iter().enumerate() {
+                arena(r).write_bytes(output_at(j), whole)?;
             }
         }
         Collective::ReduceScatter | Collective::AllReduce => {
@@ -137,8 +144,8 @@ fn move_bytes(
             sum.clear();
             sum.resize(count, 0.0);
             values.resize(count, 0.0);
-            for &r in group {
-                arena(r).read_into(input_at(r), d, values)?;
+            for (j, &r) in group.iter().enumerate() {
+                arena(r).read_into(input_at(j), d, values)?;
                 sum.iter_mut().zip(values.iter()).for_each(|(s, x)| *s += x);
             }
             for (j, &r) in group.iter().enumerate() {
@@ -147,7 +154,7 @@ fn move_bytes(
                 } else {
                     &sum[j * chunk as usize..(j + 1) * chunk as usize]
                 };
-                arena(r).write(output_at(r), d, part)?;
+                arena(r).write(output_at(j), d, part)?;
             }
         }
         Collective::Send | Collective::Recv => {
@@ -157,9 +164,9 @@ fn move_bytes(
             let root = group[0];
             let payload = &mut staging.words;
             payload.clear();
-            arena(root).append_bytes(input_at(root), c.count * d.bytes(), payload)?;
-            for &r in group {
-                arena(r).write_bytes(output_at(r), payload)?;
+            arena(root).append_bytes(input_at(0), c.count * d.bytes(), payload)?;
+            for (j, &r) in group.iter().enumerate() {
+                arena(r).write_bytes(output_at(j), payload)?;
             }
         }
     }

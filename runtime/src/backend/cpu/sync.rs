@@ -103,6 +103,9 @@ struct Meeting {
     /// Calls of this group completed so far in the step.
     completed: u64,
     arrived: Vec<bool>,
+    /// Each arrived member's (input, output) arena offsets: members on different pipeline
+    /// stages meet with regions of their own buffers.
+    places: Vec<(u64, u64)>,
 }
 
 /// Where the members of one communicator group meet for each collective, in call order.
@@ -117,21 +120,23 @@ impl Rendezvous {
             state: Mutex::new(Meeting {
                 completed: 0,
                 arrived: vec![false; members],
+                places: vec![(0, 0); members],
             }),
             cv: Condvar::new(),
         }
     }
 
-    /// Member `pos` arrives at call `call`; the last to arrive runs `complete` (moving every
-    /// member's data) while the others wait, and all return once it is done. On a stop, the
-    /// positions that have not arrived are returned.
+    /// Member `pos` arrives at call `call` with its input and output offsets (`place`); the
+    /// last to arrive runs `complete` with every member's (moving every member's data) while the
+    /// others wait, and all return once it is done. On a stop, the positions that have not
+    /// arrived are returned.
     pub fn meet(
         &self,
-        pos: usize,
+        (pos, place): (usize, (u64, u64)),
         call: u64,
         abort: &Abort,
         timeout: Duration,
-        complete: impl FnOnce() -> Result<(), RunError>,
+        complete: impl FnOnce(&[(u64, u64)]) -> Result<(), RunError>,
     ) -> Result<Result<(), RunError>, (Stop, Vec<usize>)> {
         let missing = |m: &Meeting| -> Vec<usize> {
             (0..m.arrived.len()).filter(|&i| !m.arrived[i]).collect()
@@ -147,8 +152,9 @@ impl Rendezvous {
             }
         };
         g.arrived[pos] = true;
+        g.places[pos] = place;
         if g.arrived.iter().all(|a| *a) {
-            let r = complete();
+            let r = complete(&g.places);
             g.arrived.iter_mut().for_each(|a| *a = false);
             g.completed += 1;
             drop(g);
