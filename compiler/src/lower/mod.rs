@@ -304,14 +304,9 @@ impl Builder<'_> {
 
     /// Index of the embedding a tied lm_head shares, if layer `l` is one.
     fn tied_embedding(&self, l: usize) -> Option<usize> {
-        match self.job.model.layers[l].kind {
-            LayerKind::LmHead { tied: true, .. } => self
-                .job
-                .model
-                .layers
-                .iter()
-                .position(|x| matches!(x.kind, LayerKind::Embedding { .. })),
-            _ => None,
-        }
+        self.job
+            .tied_head()
+            .filter(|&(h, _)| h == l)
+            .map(|(_, e)| e)
     }
 }

@@ -19,7 +19,7 @@ use crate::sim::cost::CostModel;
 use sched_grammar::ast::{Nested, Value, ValueKind};
 use sched_grammar::diag::{did_you_mean, Diagnostic, Span};
 use sched_ir::ir::ComputeKind;
-use sched_ir::job::{Action, Job, LayerKind, Pipeline, PipelineSchedule};
+use sched_ir::job::{Action, Job, Pipeline, PipelineSchedule};
 use sched_ir::orders;
 
 const KEYS: &[(&str, Shape)] = &[
@@ -562,30 +562,12 @@ fn sharded_before_the_optimizer(job: &Job) -> bool {
 /// gradients. (A tied head on another stage keeps a replica of the embedding, Megatron's
 /// embedding group; see `lower::stages`.)
 fn supported(ctx: &mut Ctx, job: &Job, pipeline: &Pipeline, stages_span: Span) -> bool {
-    let layers = &job.model.layers;
-    let chunk_of = |l: usize| {
-        let mut end = 0;
-        pipeline
-            .chunks
-            .iter()
-            .position(|&n| {
-                end += n as usize;
-                l < end
-            })
-            .unwrap_or(0) as u32
-    };
-    let stage_of = |l: usize| pipeline.stage_of_chunk(chunk_of(l));
-    let embedding = layers
-        .iter()
-        .position(|l| matches!(l.kind, LayerKind::Embedding { .. }));
-    let head = layers
-        .iter()
-        .position(|l| matches!(l.kind, LayerKind::LmHead { tied: true, .. }));
-    let (Some(e), Some(h)) = (embedding, head) else {
+    let Some((h, e)) = job.tied_head() else {
         return true;
     };
-    if stage_of(e) == stage_of(h) && chunk_of(e) != chunk_of(h) && sharded_before_the_optimizer(job)
-    {
+    let same_stage = pipeline.stage_of_layer(h) == pipeline.stage_of_layer(e);
+    let other_chunk = pipeline.chunk_of_layer(h) != pipeline.chunk_of_layer(e);
+    if same_stage && other_chunk && sharded_before_the_optimizer(job) {
         let sh = job.schedule.shard;
         ctx.error(
             Diagnostic::error(format!(
