@@ -244,6 +244,7 @@ pub(crate) fn resolve(ctx: &mut Ctx, env: &Env, item: &BlockItem) -> Option<Job>
             streams: opt_blocks.streams?,
             overlap: opt_blocks.overlap?,
             train: opt_blocks.train(env.sources, item)?,
+            tensor: Tensor::default(),
             pipeline: Pipeline::default(),
         },
         model,
