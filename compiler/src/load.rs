@@ -3,7 +3,8 @@
 //! A file whose text starts with `{` is a plan file (JSON from `schedc compile`): it is read with
 //! [`sched_verify::plan::read_verified`]: read and every proof run on it again, so a hand-edited plan cannot
 //! reach a simulator or a backend unchecked. Anything else is a `.sched` file: analysed, the
-//! schedule selected, and compiled (which verifies). Either way the result is a verified program
+//! schedule selected, refused if it asks for what is not lowered yet
+//! ([`crate::Analysis::not_lowered`]), and compiled (which verifies). Either way the result is a verified program
 //! with its job and [`PlanInfo`]. Errors say whose fault they are ([`LoadError::is_input`]):
 //! the user's input (exit 1) or the machine's or compiler's (exit 2).
 
@@ -58,8 +59,9 @@ pub enum LoadError {
         #[source]
         rejected: Rejected,
     },
-    /// The schedule did not compile (an unmeetable `max_live` is the user's, and so is a custom
-    /// pipeline order the verifier refuses; the rest are bugs).
+    /// The schedule did not compile (an unmeetable `max_live` is the user's, and so are tensor
+    /// parallelism, not lowered yet, and a custom pipeline order the verifier refuses; the rest
+    /// are bugs).
     #[error("{}", compile_message(schedule, error))]
     Compile {
         path: PathBuf,
@@ -103,8 +105,10 @@ impl LoadError {
                 custom_order,
                 ..
             } => {
-                matches!(error, CompileError::Lower(_))
-                    || (*custom_order && matches!(error, CompileError::Verify(_)))
+                matches!(
+                    error,
+                    CompileError::Lower(_) | CompileError::TensorNotLowered(_)
+                ) || (*custom_order && matches!(error, CompileError::Verify(_)))
             }
         }
     }
@@ -165,7 +169,7 @@ pub fn load(path: &Path, schedule: Option<&str>) -> Result<Loaded, LoadError> {
             }),
         };
     }
-    let analysis = analyze(path, &FsLoader).map_err(|e| LoadError::Read {
+    let mut analysis = analyze(path, &FsLoader).map_err(|e| LoadError::Read {
         path: e.path,
         error: e.error,
     })?;
@@ -179,6 +183,11 @@ pub fn load(path: &Path, schedule: Option<&str>) -> Result<Loaded, LoadError> {
             error,
         })?
         .clone();
+    // A schedule that checks but asks for what is not lowered yet: its error, with the rest.
+    if let Some(d) = analysis.not_lowered(&job).cloned() {
+        analysis.diagnostics.push(d);
+        return Err(LoadError::Diagnostics(Box::new(analysis)));
+    }
     match crate::compile(&job) {
         Ok(program) => Ok(Loaded {
             program,

@@ -89,6 +89,59 @@ fn a_deadlocking_custom_order_exits_1_with_its_cycle() {
     assert!(!dir.join("crossed.plan.json").exists());
 }
 
+/// Tensor parallelism checks but is not lowered yet: `check` (and `check --resolved`) accept a
+/// schedule with `tensor { size = 2 }`, while `compile`, `simulate` and `plan` refuse it at
+/// `size` with exit 1 and write nothing; the compiler's own guard says the same to a caller
+/// holding only the job.
+#[test]
+fn tensor_parallelism_checks_but_is_not_compiled_yet() {
+    let dir = scratch("tensor");
+    let src = format!(
+        "{CLUSTER}\n{MODEL}\nschedule tp {{\n    model = m;  cluster = c\n    tensor {{ size = 2;  sequence = true }}\n}}\n"
+    );
+    std::fs::write(dir.join("tp.sched"), src).unwrap();
+    let out = schedc(&["check", "--resolved", "tp.sched"], &dir);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let stdout = text(&out.stdout);
+    assert!(
+        stdout.contains(
+            "tensor                 t = 2, sequence parallel, data-parallel mesh 2 x 2 (d = 4)"
+        ),
+        "{stdout}"
+    );
+    for args in [
+        &["compile", "tp.sched"][..],
+        &["compile", "tp.sched", "-o", "tp.plan.json"],
+        &["compile", "tp.sched", "--emit", "summary"],
+        &["simulate", "tp.sched", "--json"],
+        &["plan", "tp.sched"],
+    ] {
+        let out = schedc(args, &dir);
+        assert_eq!(
+            out.status.code(),
+            Some(1),
+            "{args:?}: {}",
+            text(&out.stderr)
+        );
+        let stderr = text(&out.stderr);
+        assert!(
+            stderr.contains("error: tensor parallelism (t = 2) is not lowered yet")
+                && stderr.contains("tp.sched:20:21"),
+            "{args:?}: {stderr}"
+        );
+        assert!(out.stdout.is_empty(), "{args:?}");
+    }
+    assert!(!dir.join("tp.plan.json").exists());
+    assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 1, "only tp.sched");
+
+    let analysis = schedc::analyze(&dir.join("tp.sched"), &schedc::FsLoader).unwrap();
+    let job = analysis.select(None).unwrap();
+    assert!(matches!(
+        schedc::compile(job),
+        Err(schedc::CompileError::TensorNotLowered(2))
+    ));
+}
+
 #[test]
 fn warnings_alone_exit_0() {
     let dir = scratch("check_warn");

@@ -216,7 +216,9 @@ fn a_transfer_costs_one_message_over_its_link() {
             if !matches!(c.kind, Collective::Send | Collective::Recv) {
                 continue;
             }
-            let rank = program.layout.rank_of(program.streams[op.stream].stage, 0);
+            let rank = program
+                .layout
+                .rank_of(program.streams[op.stream].stage, 0, 0);
             let rt = t.ranks.iter().find(|r| r.rank == rank).unwrap();
             let took = rt.end[id.index()] - rt.start[id.index()];
             assert!(

@@ -57,3 +57,25 @@ fn stream_workspaces_are_read_strictly() {
         "unknown kind `scratch`",
     );
 }
+
+/// A plan's job without tensor parallelism leaves `tensor` out; one that asks for it (t > 1)
+/// does not match any program (tensor parallelism is not lowered yet) and is refused.
+#[test]
+fn a_job_with_tensor_parallelism_is_refused() {
+    let plan = plan_json();
+    assert!(plan["job"]["schedule"].get("tensor").is_none());
+    let mut p = plan.clone();
+    p["job"]["schedule"]["tensor"] = serde_json::json!({ "size": 2, "sequence": false });
+    let e = read_plan(&p.to_string())
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    assert!(
+        e.contains("the plan's `job` does not match its program: it has tensor groups of 2 ranks"),
+        "{e}"
+    );
+    // Written out as the default, it reads as before.
+    let mut p = plan.clone();
+    p["job"]["schedule"]["tensor"] = serde_json::json!({ "size": 1, "sequence": false });
+    assert!(read_plan(&p.to_string()).is_ok());
+}

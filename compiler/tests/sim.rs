@@ -299,7 +299,7 @@ fn overlap_never_beats_compute_or_any_link() {
             let stages = p.layout.stages;
             let mut compute_mean = 0.0;
             for stage in 0..stages {
-                let rank = p.layout.rank_of(stage, 0);
+                let rank = p.layout.rank_of(stage, 0, 0);
                 let (mut intra, mut inter, mut compute) = (0.0, 0.0, 0.0);
                 for op in p.ops.values() {
                     let stream = &p.streams[op.stream];

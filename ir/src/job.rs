@@ -467,10 +467,50 @@ pub struct Schedule {
     pub streams: Streams,
     pub overlap: Overlap,
     pub train: Train,
+    /// Tensor parallelism (t = 1, none, by default; left out of a plan file's job and of every
+    /// JSON output then, so schedules without it serialise as before).
+    #[serde(default, skip_serializing_if = "Tensor::is_default")]
+    pub tensor: Tensor,
     /// Pipeline stages and their order of actions (one stage, no pipeline, by default; left
     /// out of a plan file's job then, so plans without a pipeline read as before).
     #[serde(default, skip_serializing_if = "Pipeline::is_default")]
     pub pipeline: Pipeline,
+}
+
+/// Tensor parallelism, resolved (parallel spec §1): each layer split over a tensor group of t
+/// consecutive ranks of one node, Megatron-LM style.
+///
+/// Ranks are `t × p × d`, decomposed with t fastest: rank `r = (stage·d + dp_index)·t +
+/// tp_index` ([`crate::Layout`]). `sequence` is only ever true with t > 1 (semantic analysis
+/// resolves `sequence = true` over one rank to the default).
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Tensor {
+    /// t, the ranks of a tensor group.
+    pub size: u32,
+    /// Sequence parallelism: the residual stream and the norms split by sequence.
+    pub sequence: bool,
+}
+
+impl Default for Tensor {
+    /// A tensor group of one rank: no tensor parallelism.
+    fn default() -> Self {
+        Tensor {
+            size: 1,
+            sequence: false,
+        }
+    }
+}
+
+impl Tensor {
+    /// t = 1 and nothing else set.
+    pub fn is_default(&self) -> bool {
+        *self == Tensor::default()
+    }
+
+    /// Whether layers are split over more than one rank.
+    pub fn is_parallel(&self) -> bool {
+        self.size > 1
+    }
 }
 
 /// A built-in pipeline schedule, or the user's own order (parallel spec §1, "Schedules").
@@ -554,9 +594,10 @@ impl std::fmt::Display for Action {
 
 /// Pipeline parallelism, resolved: stages, chunks and every stage's order of actions.
 ///
-/// Ranks are `stages × d` (tensor parallelism aside): rank `r = stage·d + dp_index`. The model's
-/// layers are split into `stages × virtual` contiguous chunks; chunk `c` runs on stage
-/// [`Pipeline::stage_of_chunk`], as its local chunk [`Pipeline::local_chunk`].
+/// Ranks are `stages × d` without tensor parallelism: rank `r = stage·d + dp_index` (with it,
+/// `stages × d × t`, see [`Tensor`]). The model's layers are split into `stages × virtual`
+/// contiguous chunks; chunk `c` runs on stage [`Pipeline::stage_of_chunk`], as its local chunk
+/// [`Pipeline::local_chunk`].
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
 pub struct Pipeline {
     /// p, the number of stages.

@@ -501,6 +501,8 @@ fn from_file(f: PlanFile) -> Result<ReadPlan, ReadError> {
             shard,
             secondary: f.secondary,
             stages: f.stages,
+            // Tensor parallelism is not lowered yet: every plan's program has t = 1.
+            tensor: 1,
         },
         micro_steps: f.micro_steps,
         arena_bytes: f.arena_bytes,
@@ -673,6 +675,8 @@ fn check_job(f: &PlanFile, shard: Shard) -> Result<(), ReadError> {
         Some(format!("{} ranks", job.ranks()))
     } else if job.schedule.micro_steps != f.micro_steps {
         Some(format!("{} micro-steps", job.schedule.micro_steps))
+    } else if layout.tensor != 1 {
+        Some(format!("tensor groups of {} ranks", layout.tensor))
     } else if layout.shard != shard || layout.secondary != f.secondary {
         Some("other shard meshes".to_string())
     } else if layers != f.layers.iter().map(|l| l.name.as_str()).collect::<Vec<_>>() {

@@ -222,6 +222,20 @@ fn check(file: &Path, resolved: bool) -> Status {
     Status::Ok
 }
 
+/// Refuses a job that checks but asks for what is not lowered yet (tensor parallelism), with
+/// its error at the span that asks for it.
+fn lowerable(analysis: &Analysis, job: &schedc::Job) -> Result<(), Status> {
+    match analysis.not_lowered(job) {
+        Some(d) => {
+            analysis
+                .sources
+                .emit(&mut stderr(), std::slice::from_ref(d));
+            Err(Status::BadInput)
+        }
+        None => Ok(()),
+    }
+}
+
 fn compile(
     file: &Path,
     schedule: Option<&str>,
@@ -240,6 +254,9 @@ fn compile(
             return Status::BadInput;
         }
     };
+    if let Err(status) = lowerable(&analysis, job) {
+        return status;
+    }
     let mut times = schedc::pipeline::PassTimes::default();
     // The plan file is written out beside the final verification, and kept only if it passes.
     let plan_text = |p: &sched_ir::ir::Program| {
@@ -262,6 +279,10 @@ fn compile(
                 "error: schedule `{}` cannot be lowered: {e}",
                 job.schedule.name
             );
+            return Status::BadInput;
+        }
+        Err(e @ schedc::CompileError::TensorNotLowered(_)) => {
+            eprintln!("error: schedule `{}`: {e}", job.schedule.name);
             return Status::BadInput;
         }
         Err(schedc::CompileError::Pass {
@@ -589,6 +610,9 @@ fn plan(file: &Path, schedule: Option<&str>, top: usize, json: bool, tune_knobs:
             return Status::BadInput;
         }
     };
+    if let Err(status) = lowerable(&analysis, base) {
+        return status;
+    }
     if top == 0 {
         eprintln!("error: --top must be at least 1");
         return Status::BadInput;

@@ -7,6 +7,7 @@
 
 use sched_ir::job::*;
 pub use sched_ir::listing::{plural, thousands};
+use sched_ir::Layout;
 use std::fmt::Write;
 
 /// Renders one job.
@@ -105,6 +106,23 @@ fn schedule(out: &mut String, job: &Job) {
             t.steps, t.lr, t.seed
         ),
     );
+    if !s.tensor.is_default() {
+        let layout = Layout::of(job);
+        let g = layout.dp_gpus_per_node();
+        let _ = writeln!(
+            out,
+            "  {:<22} t = {}{}, data-parallel mesh {g} x {} (d = {})",
+            "tensor",
+            s.tensor.size,
+            if s.tensor.sequence {
+                ", sequence parallel"
+            } else {
+                ""
+            },
+            layout.dp_size() / g,
+            layout.dp_size()
+        );
+    }
     if s.pipeline.is_pipelined() {
         pipeline(out, job);
     }
@@ -114,12 +132,9 @@ fn schedule(out: &mut String, job: &Job) {
 fn pipeline(out: &mut String, job: &Job) {
     let pl = &job.schedule.pipeline;
     let (p, v) = (pl.stages, pl.virtual_stages);
-    let g = u64::from(job.schedule.gpus_per_node);
-    let d = job.ranks() / u64::from(p);
-    let dp = match d % g {
-        0 => format!("{g} x {}", d / g),
-        _ => format!("{d} x 1"),
-    };
+    let layout = Layout::of(job);
+    let g = layout.dp_gpus_per_node();
+    let dp = format!("{g} x {}", layout.dp_size() / g);
     let _ = writeln!(
         out,
         "  {:<22} {} x {} per stage, {}, data-parallel mesh {dp} per stage",

@@ -149,8 +149,10 @@ impl Builder<'_> {
                         "the input of"
                     }
                 ),
+                // The pairs with the same data-parallel and tensor indices, in rank order.
                 (0..l.dp_size())
-                    .map(|dp| vec![l.rank_of(from, dp), l.rank_of(to, dp)])
+                    .flat_map(|dp| (0..l.tensor.max(1)).map(move |tp| (dp, tp)))
+                    .map(|(dp, tp)| vec![l.rank_of(from, dp, tp), l.rank_of(to, dp, tp)])
                     .collect(),
             ),
             CommKind::EmbeddingGroup { first, last } => (

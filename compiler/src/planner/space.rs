@@ -19,6 +19,8 @@
 //!   layers. A head tied across stages keeps a replica of the embedding on its stage, and
 //!   clipping sums its norm over the stages, so neither limits the splits.
 //!
+//! Tensor parallelism is not searched: every candidate has t = 1 (it is not lowered yet).
+//!
 //! Choices that cannot change the program are not enumerated twice: resharding, prefetch and the
 //! gather algorithm only where parameters are sharded; hpZ's node-local secondary shard only where
 //! the parameter group spans nodes (inside one node it saves nothing); the hierarchical all-gather
@@ -28,7 +30,7 @@
 
 use sched_ir::job::{
     AllGatherAlgo, Buckets, GradSync, Job, LayerKind, Mesh, Pipeline, PipelineSchedule, Prefetch,
-    ReshardAfterForward, Schedule, Shard,
+    ReshardAfterForward, Schedule, Shard, Tensor,
 };
 
 /// What is sharded where, how it moves and how the layers are staged: the choices that decide
@@ -327,6 +329,8 @@ pub fn apply(base: &Job, structure: &Structure, knobs: &Knobs) -> Job {
     };
     let s = &mut job.schedule;
     s.preset = None;
+    // The search keeps to t = 1: tensor parallelism is not lowered yet.
+    s.tensor = Tensor::default();
     s.shard = structure.shard;
     s.reshard_after_forward = structure.reshard_after_forward;
     s.grad_sync = structure.grad_sync;

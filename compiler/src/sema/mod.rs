@@ -21,6 +21,7 @@ mod cluster;
 mod model;
 pub mod pipeline;
 mod schedule;
+mod tensor;
 mod values;
 
 use sched_grammar::ast::{self, Item};
@@ -150,6 +151,9 @@ pub struct Analysis {
     /// Schedules defined in the root file, in source order (imported files' schedules are checked
     /// but not listed here).
     pub jobs: Vec<Job>,
+    /// For each job of [`Analysis::jobs`] that checks but cannot be compiled yet, by schedule
+    /// name, the error that says why ([`Analysis::not_lowered`]).
+    not_lowered: Vec<(String, Diagnostic)>,
 }
 
 impl Analysis {
@@ -160,6 +164,18 @@ impl Analysis {
     /// The diagnostics rendered as plain text.
     pub fn render(&self) -> String {
         self.sources.render(&self.diagnostics)
+    }
+
+    /// Why `job` (one of [`Analysis::jobs`]) cannot be compiled yet although it checks: an error
+    /// at what asks for a lowering that does not exist. Today that is tensor parallelism
+    /// (`tensor { size = t }` with t > 1, at `size`). `schedc check` accepts such a job; every
+    /// command that compiles one (`compile`, `simulate`, `plan`, `schedrun`) reports this error
+    /// instead, as an error in the input.
+    pub fn not_lowered(&self, job: &Job) -> Option<&Diagnostic> {
+        self.not_lowered
+            .iter()
+            .find(|(name, _)| *name == job.schedule.name)
+            .map(|(_, d)| d)
     }
 
     /// The job to act on: the one named, or the only one. Lists the choices otherwise.
@@ -235,6 +251,7 @@ pub fn analyze(root: &Path, loader: &dyn Loader) -> Result<Analysis, ReadError> 
         clusters: vec![],
         models: vec![],
         jobs: vec![],
+        not_lowered: vec![],
     };
     if !files.syntax_errors {
         resolve(&mut ctx, &mut analysis, &files.asts, root_id);
@@ -393,6 +410,9 @@ fn resolve(ctx: &mut Ctx, out: &mut Analysis, asts: &HashMap<FileId, ast::File>,
     for s in schedules {
         if let Some(job) = schedule::resolve(ctx, &env, s) {
             if s.span.file == root {
+                if let Some(d) = tensor::not_lowered(s, &job) {
+                    out.not_lowered.push((job.schedule.name.clone(), d));
+                }
                 out.jobs.push(job);
             }
         }

@@ -4,9 +4,10 @@
 //! 1. [`read`], before the cluster or model is known: the keys' values, rule 5 (what each
 //!    schedule needs of v and m), and a `custom` order, parsed action by action with the span of
 //!    each and checked by [`orders::check`], its errors placed at the offending actions.
-//! 2. [`PipelineSpec::data_parallel`], once the ranks used are known: rule 2. A stage is d =
-//!    G·N/p consecutive ranks, and either holds whole nodes (a mesh of G x d/G) or shares a node
-//!    with other whole stages (d x 1); the `shard` meshes are laid out over that mesh.
+//! 2. [`PipelineSpec::data_parallel`], once the ranks used are known: rule 2. A stage is d·t =
+//!    G·N/p consecutive ranks (t, the tensor-parallel degree, 1 without a `tensor` block), and
+//!    either holds whole nodes (a data-parallel mesh of G/t x d·t/G) or shares a node with other
+//!    whole stages (d x 1); the `shard` meshes are laid out over that mesh.
 //! 3. [`PipelineSpec::resolve`], once the model is known: rule 4 (the layers of each chunk, as
 //!    listed or `balanced` by the cost model) and the built-in order from [`orders::generate`].
 //!
@@ -436,35 +437,63 @@ fn check_order(
 
 impl PipelineSpec {
     /// Rule 2: the data-parallel mesh of each stage, `(a, b)`: a GPUs in each of b nodes, for
-    /// `g` GPUs per node and `n` nodes used. `None` after an error.
-    pub(crate) fn data_parallel(&self, ctx: &mut Ctx, g: u64, n: u64) -> Option<(u64, u64)> {
+    /// `g` GPUs per node, `n` nodes used and tensor groups of `tensor` (t, with where it is
+    /// written; `None` is t = 1). `None` after an error.
+    pub(crate) fn data_parallel(
+        &self,
+        ctx: &mut Ctx,
+        g: u64,
+        n: u64,
+        tensor: Option<(u32, Span)>,
+    ) -> Option<(u64, u64)> {
         let p = u64::from(self.stages);
+        let (t, t_span) = match tensor {
+            Some((t, span)) if t > 1 => (u64::from(t), Some(span)),
+            _ => (1, None),
+        };
         let ranks = g * n;
         let used = format!("{ranks} ranks used ({n} nodes x {g} GPUs)");
-        if ranks.checked_rem(p) != Some(0) || ranks < p {
-            ctx.error(
-                Diagnostic::error(format!("rule 2: {p} stages cannot share the {used} evenly"))
-                    .at(self.stages_span, format!("p = {p}"))
-                    .note("each stage is G·N/p consecutive ranks, so p must divide the ranks used"),
-            );
+        if ranks.checked_rem(p * t) != Some(0) || ranks < p * t {
+            let d = match t_span {
+                None => Diagnostic::error(format!(
+                    "rule 2: {p} stages cannot share the {used} evenly"
+                ))
+                .at(self.stages_span, format!("p = {p}"))
+                .note("each stage is G·N/p consecutive ranks, so p must divide the ranks used"),
+                Some(span) => Diagnostic::error(format!(
+                    "rule 2: {p} stages of tensor groups of {t} cannot share the {used} evenly"
+                ))
+                .at(self.stages_span, format!("p = {p}"))
+                .also(span, format!("t = {t}"))
+                .note(format!(
+                    "the ranks used are t·p·d and each stage is d·t consecutive ranks, so t·p = {} must divide them",
+                    t * p
+                )),
+            };
+            ctx.error(d);
             return None;
         }
-        let d = ranks / p;
-        if d.checked_rem(g) == Some(0) {
-            return Some((g, d / g));
+        // d·t, the consecutive ranks of one stage.
+        let dt = ranks / p;
+        if dt.checked_rem(g) == Some(0) {
+            return Some((g / t, dt / g));
         }
-        if g.checked_rem(d) == Some(0) {
-            return Some((d, 1));
+        if g.checked_rem(dt) == Some(0) {
+            return Some((dt / t, 1));
         }
-        ctx.error(
-            Diagnostic::error(format!(
-                "rule 2: {p} stages of the {used} have {d} ranks each, so a stage would straddle nodes of {g} GPUs"
-            ))
-            .at(self.stages_span, format!("p = {p}: {d} ranks per stage"))
-            .note(format!(
-                "a stage holds whole nodes ({g} divides its ranks) or each node holds whole stages (its ranks divide {g})"
-            )),
-        );
+        let mut d = Diagnostic::error(format!(
+            "rule 2: {p} stages of the {used} have {dt} ranks each, so a stage would straddle nodes of {g} GPUs"
+        ))
+        .at(self.stages_span, format!("p = {p}: {dt} ranks per stage"));
+        if let Some(span) = t_span {
+            d = d.also(span, format!("t = {t}")).note(format!(
+                "with tensor groups of {t}, a stage's {dt} ranks are d·t = {} x {t}",
+                dt / t
+            ));
+        }
+        ctx.error(d.note(format!(
+            "a stage holds whole nodes ({g} divides its ranks) or each node holds whole stages (its ranks divide {g})"
+        )));
         None
     }
 

@@ -16,8 +16,14 @@
 //! ranks are known its rule 2 gives each stage's data-parallel mesh, and the meshes (`full`,
 //! presets, rules 1 to 3, hpZ's secondary shard) are laid out over that mesh instead of G x N;
 //! once the job is built, its chunks and order are resolved.
+//!
+//! A `tensor { … }` block (module [`super::tensor`]) is read beside it; once the ranks are known
+//! its rule 1 (t divides G) is checked, and t enters rule 2: a stage is d·t ranks and the
+//! data-parallel mesh holds the ranks of one tensor index (`G/t x …`, also without a pipeline);
+//! once the model is known, its rule 3 (what t must divide) is checked.
 
 use super::pipeline;
+use super::tensor;
 use super::values::*;
 use super::Ctx;
 use sched_grammar::ast::{BlockItem, Value, ValueKind};
@@ -43,6 +49,7 @@ const KEYS: &[(&str, Shape)] = &[
     ("overlap", Shape::Block),
     ("train", Shape::Block),
     ("pipeline", Shape::Block),
+    ("tensor", Shape::Block),
 ];
 const SHARD_KEYS: &[(&str, Shape)] = &[
     ("params", Shape::Value),
@@ -176,6 +183,8 @@ pub(crate) fn resolve(ctx: &mut Ctx, env: &Env, item: &BlockItem) -> Option<Job>
     let pipeline = r
         .block("pipeline")
         .map(|b| pipeline::read(ctx, b, micro_steps.map(|m| m as u32)));
+    // The same for the tensor block.
+    let tensor = r.block("tensor").map(|b| tensor::read(ctx, b));
 
     // The ranks used: G GPUs per node x N nodes, each at most the cluster's.
     let cluster = cluster?;
@@ -190,19 +199,45 @@ pub(crate) fn resolve(ctx: &mut Ctx, env: &Env, item: &BlockItem) -> Option<Job>
     let ranks = Ranks {
         g: gpus?,
         n: nodes?,
-        stage: false,
+        over: Over::All,
     };
-    // Rule 2 of pipelines: the shard meshes are laid out over each stage's data-parallel mesh.
-    // A pipeline block with errors leaves the whole cluster, which reports no more than it would.
+    // Rule 1 of tensor parallelism: t divides G. A tensor block with errors, or breaking the
+    // rule, counts as t = 1 below, which reports no more than it would.
+    let rule1 = match &tensor {
+        Some(Some(spec)) => spec.rule1(ctx, ranks.g),
+        _ => true,
+    };
+    let t = match &tensor {
+        Some(Some(spec)) if rule1 && spec.size > 1 => Some(spec),
+        _ => None,
+    };
+    // Rule 2 of pipelines: the shard meshes are laid out over each stage's data-parallel mesh
+    // (with tensor parallelism, the ranks of one tensor index). A pipeline block with errors
+    // leaves the whole cluster (or its ranks of one tensor index), which reports no more than it
+    // would.
     let mut rule2 = true;
-    let shard_ranks = match &pipeline {
-        Some(Some(spec)) => match spec.data_parallel(ctx, ranks.g, ranks.n) {
-            Some((g, n)) => Ranks { g, n, stage: true },
-            None => {
-                rule2 = false;
-                ranks
+    let shard_ranks = match (&pipeline, t) {
+        (Some(Some(spec)), t) => {
+            match spec.data_parallel(ctx, ranks.g, ranks.n, t.map(|t| (t.size, t.size_span))) {
+                Some((g, n)) => Ranks {
+                    g,
+                    n,
+                    over: Over::Stage,
+                },
+                None => {
+                    rule2 = false;
+                    ranks
+                }
             }
-        },
+        }
+        (_, Some(t)) => {
+            let (g, n) = t.data_parallel(ranks.g, ranks.n);
+            Ranks {
+                g,
+                n,
+                over: Over::DataParallel,
+            }
+        }
         _ => ranks,
     };
 
@@ -216,6 +251,18 @@ pub(crate) fn resolve(ctx: &mut Ctx, env: &Env, item: &BlockItem) -> Option<Job>
         None => Some(preset_value(&preset, |p| p.all_gather).unwrap_or(AllGatherAlgo::Flat)),
     };
     let reshard = reshard_after_forward(ctx, reshard, &preset, shard_ranks.g);
+    // Rule 3 of tensor parallelism, on the model (pointing at its definition too).
+    let rule3 = match (&tensor, &model) {
+        (Some(Some(spec)), Some(model)) => {
+            let item = env
+                .models
+                .iter()
+                .find(|(_, m)| m.as_ref().is_some_and(|m| Arc::ptr_eq(m, model)))
+                .map(|(item, _)| *item);
+            spec.rule3(ctx, model, item)
+        }
+        _ => true,
+    };
     let [params, grads, optimizer] = factors?;
     let model = model?;
     let prefetch = opt_blocks.prefetch?;
@@ -244,6 +291,10 @@ pub(crate) fn resolve(ctx: &mut Ctx, env: &Env, item: &BlockItem) -> Option<Job>
             streams: opt_blocks.streams?,
             overlap: opt_blocks.overlap?,
             train: opt_blocks.train(env.sources, item)?,
+            tensor: match &tensor {
+                Some(spec) => spec.as_ref()?.resolve(),
+                None => Tensor::default(),
+            },
             pipeline: Pipeline::default(),
         },
         model,
@@ -252,7 +303,7 @@ pub(crate) fn resolve(ctx: &mut Ctx, env: &Env, item: &BlockItem) -> Option<Job>
     if let Some(spec) = pipeline {
         job.schedule.pipeline = spec?.resolve(ctx, &job)?;
     }
-    rule2.then_some(job)
+    (rule1 && rule2 && rule3).then_some(job)
 }
 
 /// What a preset that resolved sets with `f`; `None` without a preset (or with a broken one).
@@ -581,33 +632,49 @@ fn mesh_spec(ctx: &mut Ctx, v: &Value) -> Option<MeshSpec> {
     }
 }
 
-/// The ranks a schedule uses: G GPUs per node × N nodes; with a pipeline, those of one stage's
-/// data-parallel mesh.
+/// The ranks a schedule uses: G GPUs per node × N nodes; with a pipeline or tensor parallelism,
+/// those of one stage's data-parallel mesh.
 #[derive(Clone, Copy)]
 struct Ranks {
     g: u64,
     n: u64,
-    /// A stage's data-parallel mesh rather than all the ranks used.
-    stage: bool,
+    /// What the ranks are, for messages.
+    over: Over,
+}
+
+/// Which ranks the shard meshes are laid out over.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Over {
+    /// All the ranks used.
+    All,
+    /// A pipeline stage's data-parallel mesh.
+    Stage,
+    /// The data-parallel mesh of tensor parallelism without a pipeline: the ranks of one
+    /// tensor index.
+    DataParallel,
 }
 
 impl Ranks {
-    /// "the 8 GPUs per node used", or of a stage's data-parallel mesh.
+    /// "the 8 GPUs per node used", or of a (stage's) data-parallel mesh.
     fn gpus(&self) -> String {
-        match self.stage {
-            true => format!(
+        match self.over {
+            Over::Stage => format!(
                 "the {} GPUs per node of a stage's data-parallel mesh",
                 self.g
             ),
-            false => format!("the {} GPUs per node used", self.g),
+            Over::DataParallel => {
+                format!("the {} GPUs per node of the data-parallel mesh", self.g)
+            }
+            Over::All => format!("the {} GPUs per node used", self.g),
         }
     }
 
-    /// "the 4 nodes used", or of a stage's data-parallel mesh.
+    /// "the 4 nodes used", or of a (stage's) data-parallel mesh.
     fn nodes(&self) -> String {
-        match self.stage {
-            true => format!("the {} nodes of a stage's data-parallel mesh", self.n),
-            false => format!("the {} nodes used", self.n),
+        match self.over {
+            Over::Stage => format!("the {} nodes of a stage's data-parallel mesh", self.n),
+            Over::DataParallel => format!("the {} nodes of the data-parallel mesh", self.n),
+            Over::All => format!("the {} nodes used", self.n),
         }
     }
 

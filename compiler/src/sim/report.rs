@@ -141,7 +141,7 @@ pub fn stage_timeline<'a>(
     timeline: &'a Timeline,
     stage: u32,
 ) -> &'a RankTimeline {
-    let first = program.layout.rank_of(stage, 0);
+    let first = program.layout.rank_of(stage, 0, 0);
     timeline
         .ranks
         .iter()

@@ -1493,7 +1493,8 @@ impl Backend for EmulatedBackend {
                     }
                     let ready = match &p.actions[op.index()] {
                         Action::Collectives(cs) => cs.iter().enumerate().all(|(i, c)| {
-                            let g = p.members[c.comm][layout.rank_of(stage as u32, 0) as usize].0;
+                            let g =
+                                p.members[c.comm][layout.rank_of(stage as u32, 0, 0) as usize].0;
                             c.kind != Collective::Recv
                                 || letters.contains_key(&(
                                     c.comm.as_u32(),
