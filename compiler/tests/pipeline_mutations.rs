@@ -424,23 +424,18 @@ fn a_norm_of_one_stage_or_counting_the_replica_twice_is_refused() {
             .map(|(id, _)| id)
             .expect("a norm per stage")
     };
-    let (replica_norm, embed_norm) = (norm_op(&twice, 1), norm_op(&twice, 0));
-    let embed_grad = *twice.ops[embed_norm]
-        .reads
-        .iter()
-        .find(|r| twice.buffers[r.buffer].name.starts_with("embed."))
-        .expect("the embedding's gradient");
+    let replica_norm = norm_op(&twice, 1);
+    // What the replica's update reads first: its optimizer-shard gradient.
     let replica_grad = twice
         .ops
         .values()
-        .flat_map(|op| op.reads.iter())
-        .find(|r| {
-            twice.buffers[r.buffer].name.starts_with("embed.replica.")
-                && twice.buffers[r.buffer].kind == twice.buffers[embed_grad.buffer].kind
-                && r.bytes == embed_grad.bytes
+        .find(|op| {
+            op.kind == OpKind::Compute(ComputeKind::Update)
+                && twice.streams[op.stream].stage == 1
+                && op.layer.is_some_and(|l| twice.layers[l].name == "embed")
         })
-        .copied()
-        .expect("the replica's optimizer-shard gradient");
+        .map(|op| op.reads[0])
+        .expect("the replica's update");
     twice.ops[replica_norm].reads.push(replica_grad);
     let msgs = messages(&twice);
     assert!(msgs.iter().any(|m| m.contains("replica")), "{msgs:?}");

@@ -43,8 +43,9 @@ pub(super) enum CommKind {
         boundary: u32,
         grad: bool,
     },
-    /// Megatron's embedding group: pairs of ranks with the same data-parallel index on the
-    /// stages of the embedding (`first`) and of the tied head keeping its replica (`last`),
+    /// Megatron's embedding group: pairs of ranks with the same data-parallel and tensor
+    /// indices on the stages of the embedding (`first`) and of the tied head keeping its replica
+    /// (`last`),
     /// which all-reduce the two copies' gradients.
     EmbeddingGroup { first: u32, last: u32 },
     /// Gradient clipping's norm across pipeline stages: the s_os groups of every stage at the
@@ -158,7 +159,8 @@ impl Builder<'_> {
             CommKind::EmbeddingGroup { first, last } => (
                 format!("embedding group of stages {first} and {last}"),
                 (0..l.dp_size())
-                    .map(|dp| vec![l.rank_of(first, dp), l.rank_of(last, dp)])
+                    .flat_map(|dp| (0..l.tensor.max(1)).map(move |tp| (dp, tp)))
+                    .map(|(dp, tp)| vec![l.rank_of(first, dp, tp), l.rank_of(last, dp, tp)])
                     .collect(),
             ),
             CommKind::NormAcrossStages => {
@@ -171,7 +173,10 @@ impl Builder<'_> {
                         .filter(|g| l.stage(g[0]) == 0)
                         .map(|g| {
                             (0..l.stages)
-                                .flat_map(|s| g.iter().map(move |&r| l.rank_of(s, l.dp_index(r))))
+                                .flat_map(|s| {
+                                    g.iter()
+                                        .map(move |&r| l.rank_of(s, l.dp_index(r), l.tp_index(r)))
+                                })
                                 .collect()
                         })
                         .collect(),
