@@ -71,6 +71,7 @@ pub fn draft(job: &Job) -> Draft {
         replica: None,
         replica_state: None,
         deferred: vec![],
+        held: None,
         stage: 0,
         stage_streams: vec![],
     };
@@ -137,6 +138,8 @@ struct Builder<'a> {
     replica_state: Option<(LayerState, BufferId)>,
     /// A pipeline stage's updates held back to its end (see `super::stages`).
     deferred: Vec<Boundary>,
+    /// In a pipeline, what the previous action gathered (`None` without a pipeline).
+    held: Option<step::Held>,
     /// The pipeline stage whose buffers and ops are being made (0 without a pipeline).
     stage: u32,
     /// Each stage's placeholder stream (see [`draft`]).

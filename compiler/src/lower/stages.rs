@@ -25,7 +25,7 @@
 //! update waits for the last of them.
 
 use super::comms::CommKind;
-use super::step::{Buckets, Half, MicroStepSlots};
+use super::step::{Buckets, Half, Held, MicroStepSlots};
 use super::Builder;
 use crate::draft::Slot;
 use sched_ir::hash::FxHashMap;
@@ -84,7 +84,12 @@ impl Builder<'_> {
         let mut gathered: FxHashMap<(u32, u32), FxHashMap<usize, BufferId>> = FxHashMap::default();
         // Each action's first and last slot.
         let (mut firsts, mut ends) = (vec![], vec![]);
+        self.held = Some(Held::default());
         for (k, a) in order.iter().enumerate() {
+            let same_chunk = k > 0 && order[k - 1].chunk == a.chunk;
+            if let Some(held) = self.held.as_mut() {
+                held.next_action(same_chunk);
+            }
             let chunk = pipeline.chunk_of(stage, a.chunk);
             let layers = pipeline.layers_of_chunk(chunk);
             let first = slots.len();
@@ -181,6 +186,7 @@ impl Builder<'_> {
                 k => slots[ends[k - 1]].after.push(op),
             }
         }
+        self.held = None;
         // After the stage's last transfer: what waits for other stages at the end of the step.
         let ops = self.finish_stage();
         if let Some(&end) = ends.last() {

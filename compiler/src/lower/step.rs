@@ -22,6 +22,35 @@ pub(super) struct Buckets {
     reduce: Vec<Vec<usize>>,
 }
 
+/// Gathered parameters a pipeline action leaves to the next action of the same chunk on its
+/// stage (parallel spec §2: a chunk whose parameters stay gathered across consecutive actions is
+/// gathered once). An action's last gather bucket is the next action's first whenever the
+/// consumption order turns around at the boundary (a forward ends with the chunk's last layers,
+/// where the backward of the next micro-batch begins; a backward ends with its first layers,
+/// where the next forward begins): those stay gathered across the boundary instead of being
+/// released and gathered again, which saves the gather and never adds a live byte. Per layer:
+/// the buffer and the unit (slot, index) that gathered it.
+#[derive(Default)]
+pub(super) struct Held {
+    /// The previous action's last bucket (empty when it ran another chunk).
+    previous: FxHashMap<usize, (BufferId, usize, usize)>,
+    /// The current action's latest bucket.
+    current: FxHashMap<usize, (BufferId, usize, usize)>,
+    /// Whether the current action has placed its first bucket (only that one may take over).
+    started: bool,
+}
+
+impl Held {
+    /// The next action begins: the last one's last bucket stays held if it runs `same` chunk.
+    pub(super) fn next_action(&mut self, same: bool) {
+        self.previous = std::mem::take(&mut self.current);
+        if !same {
+            self.previous.clear();
+        }
+        self.started = false;
+    }
+}
+
 /// Which part of a layer's backward a backward slot runs: all of it (`B`), its input-gradient
 /// half (`I`) or its weight half (`W`, which the gradient reductions follow).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -155,6 +184,11 @@ impl Builder<'_> {
         let depth = s.prefetch.forward as usize;
         let mut fwd_full: FxHashMap<usize, BufferId> = FxHashMap::default();
         for bucket in &buckets.forward {
+            let last = at.forward[*bucket.last().expect("non-empty")];
+            // (The first forward's refresh is never taken over.)
+            if self.reuse_gather(bucket, &mut fwd_full, slots, (last, !refresh)) {
+                continue;
+            }
             if let Some(mut unit) = self.forward_unit(bucket, m, gathers, refresh, &mut fwd_full) {
                 unit.consumer = at.forward[bucket[0]];
                 unit.earliest = if m == 0 {
@@ -164,7 +198,12 @@ impl Builder<'_> {
                 };
                 unit.depth = depth;
                 // Released after the last forward that reads it (or kept to backward).
-                unit.last_consumer = at.forward[*bucket.last().expect("non-empty")];
+                unit.last_consumer = last;
+                self.hold_gather(
+                    bucket,
+                    &fwd_full,
+                    (unit.consumer, slots[unit.consumer].units.len()),
+                );
                 slots[unit.consumer].units.push(unit);
             }
         }
@@ -194,16 +233,12 @@ impl Builder<'_> {
         let depth = s.prefetch.backward as usize;
         let mut bwd_full: FxHashMap<usize, BufferId> = FxHashMap::default();
         for bucket in &buckets.backward {
-            // (An embedding's replica goes with its tied head.)
+            // (An embedding's replica is not gathered for backward: its tied head reads the
+            // forward's gather, kept for it, as on the embedding's own stage.)
             let bucket: Vec<usize> = bucket
                 .iter()
                 .copied()
-                .filter(|&l| {
-                    layers.contains(&l)
-                        || self
-                            .replica
-                            .is_some_and(|(h, e)| l == e && layers.contains(&h))
-                })
+                .filter(|l| layers.contains(l))
                 .collect();
             if bucket.is_empty() {
                 continue;
@@ -217,11 +252,20 @@ impl Builder<'_> {
                 }
                 continue;
             }
+            let last = at.backward[*bucket.last().expect("non-empty")];
+            if self.reuse_gather(bucket, &mut bwd_full, slots, (last, true)) {
+                continue;
+            }
             if let Some(mut unit) = self.backward_unit(bucket, m, gathers, &mut bwd_full) {
                 unit.consumer = at.backward[bucket[0]];
                 unit.earliest = at.forward[bucket[0]] + 1;
                 unit.depth = depth;
-                unit.last_consumer = at.backward[*bucket.last().expect("non-empty")];
+                unit.last_consumer = last;
+                self.hold_gather(
+                    bucket,
+                    &bwd_full,
+                    (unit.consumer, slots[unit.consumer].units.len()),
+                );
                 slots[unit.consumer].units.push(unit);
             }
         }
@@ -318,6 +362,64 @@ impl Builder<'_> {
             for bucket in &buckets.reduce {
                 let ops = self.refresh(bucket);
                 slots[last_backward].after.extend(ops);
+            }
+        }
+    }
+
+    /// Serves a pipeline action's first gather bucket from the previous action of the same chunk
+    /// when that one's last bucket holds every layer of it ([`Held`]): the buffers go into `full`,
+    /// and the unit that gathered them lives on to slot `last` (unless not `allowed`). Only with
+    /// `reshard_after_forward = true` (otherwise forward buffers are kept for backward, or
+    /// backward gathers hpZ's secondary copy), and not for a tied embedding (kept to its head's
+    /// backward).
+    fn reuse_gather(
+        &mut self,
+        bucket: &[usize],
+        full: &mut FxHashMap<usize, BufferId>,
+        slots: &mut [Slot],
+        (last, allowed): (usize, bool),
+    ) -> bool {
+        let eligible = allowed
+            && self.job.schedule.reshard_after_forward == ReshardAfterForward::True
+            && !self
+                .job
+                .tied_head()
+                .is_some_and(|(_, e)| bucket.contains(&e));
+        let layers = self.with_params(bucket);
+        let Some(held) = self.held.as_mut() else {
+            return false;
+        };
+        // Whatever happens, this bucket becomes the latest.
+        held.current.clear();
+        let first = !std::mem::replace(&mut held.started, true);
+        let all_held = !layers.is_empty() && layers.iter().all(|l| held.previous.contains_key(l));
+        if !(eligible && first && all_held) {
+            return false;
+        }
+        for l in layers {
+            let (b, slot, unit) = held.previous[&l];
+            full.insert(l, b);
+            let u = &mut slots[slot].units[unit];
+            u.last_consumer = u.last_consumer.max(last);
+            held.current.insert(l, (b, slot, unit));
+        }
+        true
+    }
+
+    /// Records that unit `at` (slot, index) gathered `bucket` into `full`, for the next action
+    /// of the same chunk ([`Builder::reuse_gather`]).
+    fn hold_gather(
+        &mut self,
+        bucket: &[usize],
+        full: &FxHashMap<usize, BufferId>,
+        (slot, unit): (usize, usize),
+    ) {
+        let Some(held) = self.held.as_mut() else {
+            return;
+        };
+        for &l in bucket {
+            if let Some(&b) = full.get(&l) {
+                held.current.insert(l, (b, slot, unit));
             }
         }
     }

@@ -303,16 +303,18 @@ struct LayerFloor {
 /// another; the first layer's update follows the last of those, and its refresh follows the update.
 /// This is a flow-shop bound in the two machines "compute stream" and "collective chain".
 pub fn step_time_floor(job: &Job, compute: impl Fn(&Layer, ComputeKind) -> f64) -> TimeFloor {
-    floor(job, &compute)
+    floor(job, &compute, false)
 }
 
 /// [`step_time_floor`] with the compute time as a trait object (a pipeline floors its stages
-/// with the same one).
-fn floor(job: &Job, compute: &dyn Fn(&Layer, ComputeKind) -> f64) -> TimeFloor {
+/// with the same one). `stage`: `job` is a pipeline stage's, whose chunks' parameters are
+/// gathered at least once per step (consecutive actions of a chunk share one gather), so only
+/// the first micro-step's forward counts a gather.
+fn floor(job: &Job, compute: &dyn Fn(&Layer, ComputeKind) -> f64, stage: bool) -> TimeFloor {
     if job.schedule.pipeline.is_pipelined() {
         let stages: Vec<TimeFloor> = stage_jobs(job)
             .iter()
-            .map(|sub| floor(sub, compute))
+            .map(|sub| floor(sub, compute, true))
             .collect();
         let most = |f: fn(&TimeFloor) -> f64| stages.iter().map(f).fold(0.0, f64::max);
         return TimeFloor {
@@ -427,7 +429,7 @@ fn floor(job: &Job, compute: &dyn Fn(&Layer, ComputeKind) -> f64) -> TimeFloor {
         _ => 0.0,
     };
     let deferred = s.overlap.refresh == Refresh::NextForward;
-    let slots = slots(&layers, s.micro_steps, loss, deferred);
+    let slots = slots(&layers, (s.micro_steps, stage), loss, deferred);
     let compute_s = slots.iter().map(|x| x.compute).sum();
     let comm_s = slots.iter().map(|x| x.needs + x.produces).sum();
     let (first_update, first_refresh) =
@@ -521,14 +523,21 @@ struct Slot {
 }
 
 /// The compute slots of a step in order: per micro-step every forward, the loss, every backward in
-/// reverse.
-fn slots(layers: &[LayerFloor], micro_steps: u32, loss: f64, deferred: bool) -> Vec<Slot> {
+/// reverse. With `gather_once` (a pipeline stage) only the first forward of each layer needs its
+/// gather.
+fn slots(
+    layers: &[LayerFloor],
+    (micro_steps, gather_once): (u32, bool),
+    loss: f64,
+    deferred: bool,
+) -> Vec<Slot> {
     let mut out = vec![];
+    let gathers = |m: u32, g: f64| if gather_once && m > 0 { 0.0 } else { g };
     for m in 0..micro_steps {
         for f in layers {
             let refresh = if deferred && m == 0 { f.refresh } else { 0.0 };
             out.push(Slot {
-                needs: f.gather_forward + refresh,
+                needs: gathers(m, f.gather_forward) + refresh,
                 compute: f.forward,
                 ..Slot::default()
             });
@@ -542,7 +551,7 @@ fn slots(layers: &[LayerFloor], micro_steps: u32, loss: f64, deferred: bool) -> 
             let refresh = if last && !deferred { f.refresh } else { 0.0 };
             let boundary = if last { f.boundary } else { 0.0 };
             out.push(Slot {
-                needs: f.gather_backward,
+                needs: if gather_once { 0.0 } else { f.gather_backward },
                 compute: f.backward,
                 produces: f.reduce + boundary + refresh,
                 refresh,
