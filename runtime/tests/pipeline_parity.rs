@@ -51,6 +51,16 @@ fn job(schedule: PipelineSchedule, stages: u32, chunks: &[u32], m: u32, shard: [
     job
 }
 
+/// 3 steps under the stress mode's delays (300 µs, seeded), against the reference.
+fn check_jittered(job: &Job, seed: u64) {
+    let options = RunOptions {
+        jitter: Some(Duration::from_micros(300)),
+        jitter_seed: seed,
+        ..RunOptions::default()
+    };
+    check(job, options, 3, "jitter");
+}
+
 fn check(job: &Job, options: RunOptions, steps: u64, what: &str) {
     let want = reference(job, steps);
     let plan = plan_of(job);
@@ -75,12 +85,7 @@ fn examples() -> Vec<Job> {
 fn the_pipeline_examples_match_the_reference() {
     for job in examples() {
         check(&job, RunOptions::default(), STEPS, "plain");
-        let options = RunOptions {
-            jitter: Some(Duration::from_micros(300)),
-            jitter_seed: 5,
-            ..RunOptions::default()
-        };
-        check(&job, options, 3, "jitter");
+        check_jittered(&job, 5);
     }
 }
 
@@ -188,12 +193,7 @@ fn tied_heads_and_clipping_across_stages_match_the_reference() {
             );
         }
         check(&job, RunOptions::default(), STEPS, "plain");
-        let options = RunOptions {
-            jitter: Some(Duration::from_micros(300)),
-            jitter_seed: 7,
-            ..RunOptions::default()
-        };
-        check(&job, options, 3, "jitter");
+        check_jittered(&job, 7);
     }
 }
 
@@ -207,11 +207,6 @@ fn pipelines_match_the_reference() {
 #[test]
 fn pipelines_match_the_reference_under_jitter() {
     for job in jobs() {
-        let options = RunOptions {
-            jitter: Some(Duration::from_micros(300)),
-            jitter_seed: 11,
-            ..RunOptions::default()
-        };
-        check(&job, options, 3, "jitter");
+        check_jittered(&job, 11);
     }
 }
