@@ -31,6 +31,7 @@ pub(crate) mod ops;
 pub(crate) mod optim;
 mod precision;
 pub(crate) mod saved;
+pub mod tensor;
 
 pub use init::{init_layer, Rng};
 pub use optim::{grad_scale, optimizer_step, OptimizerConfig};
