@@ -233,9 +233,8 @@ fn the_search_stages_untied_models_and_keeps_the_global_batch() {
     for s in &splits {
         assert_eq!(8 / s.stages * s.micro_steps, global, "{s:?}");
     }
-    // A tied head (its stage keeps a replica of the embedding) and clipping (its norm summed
-    // over the stages) stage as well; only ZB-V, whose V puts the head in another chunk of the
-    // embedding's stage, keeps their parameters and gradients whole there.
+    // A tied head (keeping a replica of the embedding where it needs one) and clipping (its norm
+    // summed over the stages) stage as well, with every ZeRO preset, ZB-V included.
     let tied = job("base");
     let splits = space::splits(&tied);
     assert!(
@@ -244,15 +243,9 @@ fn the_search_stages_untied_models_and_keeps_the_global_batch() {
             .any(|s| s.stages == 2 && s.schedule == sched_ir::job::PipelineSchedule::OneFOneB),
         "{splits:?}"
     );
-    for s in space::structures(&tied) {
-        if s.split.schedule == sched_ir::job::PipelineSchedule::Zbv {
-            assert_eq!(
-                (s.shard.params.size(), s.shard.grads.size()),
-                (1, 1),
-                "{s:?}"
-            );
-        }
-    }
+    assert!(space::structures(&tied).iter().any(|s| {
+        s.split.schedule == sched_ir::job::PipelineSchedule::Zbv && s.shard.params.size() > 1
+    }));
     let planned = planner::plan(
         &base,
         &Options {
@@ -264,7 +257,7 @@ fn the_search_stages_untied_models_and_keeps_the_global_batch() {
     )
     .unwrap();
     assert_eq!(planned.ranked.len(), 3);
-    assert!(planned.stats.structures > space::structures(&job("base")).len());
+    assert_eq!(planned.stats.structures, space::structures(&base).len());
 }
 
 #[test]

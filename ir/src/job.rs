@@ -711,12 +711,18 @@ impl Job {
         Some((h, e))
     }
 
-    /// The tied head and its embedding when they run on different pipeline stages: the head's
-    /// stage then keeps a replica of the embedding, whose gradient is all-reduced with the
-    /// embedding's before both update (Megatron's embedding group).
-    pub fn tied_across_stages(&self) -> Option<(usize, usize)> {
+    /// The tied head and its embedding when the head keeps a replica of the embedding's state
+    /// (Megatron's embedding group): when they run on different pipeline stages, or in different
+    /// chunks of one stage (ZB-V's V) with parameters or gradients sharded, where the head's
+    /// actions would otherwise need the embedding's chunk's gathers and reductions. The replica's
+    /// gradient is summed with the embedding's before both update, so the two stay equal.
+    pub fn tied_replica(&self) -> Option<(usize, usize)> {
         let pipeline = &self.schedule.pipeline;
-        self.tied_head()
-            .filter(|&(h, e)| pipeline.stage_of_layer(h) != pipeline.stage_of_layer(e))
+        let sh = self.schedule.shard;
+        let sharded = sh.params.size() > 1 || sh.grads.size() > 1;
+        self.tied_head().filter(|&(h, e)| {
+            pipeline.stage_of_layer(h) != pipeline.stage_of_layer(e)
+                || (sharded && pipeline.chunk_of_layer(h) != pipeline.chunk_of_layer(e))
+        })
     }
 }

@@ -125,12 +125,12 @@ fn jobs() -> Vec<Job> {
 }
 
 /// ZB-V's V puts the first and the last chunk on stage 0, so a head tied to the embedding stays
-/// on one stage: tiny_gpt (tied) as ZB-V, with ddp and ZeRO-1 (sharded parameters or gradients
-/// are refused for it: the head's actions would need the embedding gathered and its gradient
-/// reduced with the embedding's).
+/// on one stage: tiny_gpt (tied) as ZB-V, with ddp and ZeRO-1 (the head reads the embedding
+/// itself) and ZeRO-2 and -3 (the head keeps a replica on the same ranks, summed with the
+/// embedding's gradient by a local add and copy).
 #[test]
 fn a_tied_head_pipelines_as_zbv() {
-    for shard in [[1, 1, 1], [1, 1, 2]] {
+    for shard in [[1, 1, 1], [1, 1, 2], [1, 2, 2], [2, 2, 2]] {
         let mut j = job(PipelineSchedule::Zbv, 2, &[1, 1, 1, 1], 4, shard);
         j.model = std::sync::Arc::new(common::tiny("tiny_gpt"));
         j.schedule.name = format!("tiny_gpt_zbv_{}{}{}", shard[0], shard[1], shard[2]);
@@ -155,6 +155,7 @@ fn tied_and_clipped() -> Vec<Job> {
         (job(Interleaved1F1B, 2, &[1, 1, 1, 1], 4, [2, 2, 2]), None),
         (job(OneFOneB, 4, &[1, 1, 1, 1], 4, [1, 1, 1]), Some(0.05)),
         (job(Zbv, 2, &[1, 1, 1, 1], 4, [1, 1, 2]), Some(0.05)),
+        (job(Zbv, 2, &[1, 1, 1, 1], 4, [2, 2, 2]), Some(0.05)),
     ];
     for (mut j, clip) in cases {
         let mut model = common::tiny("tiny_gpt");

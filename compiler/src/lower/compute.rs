@@ -195,17 +195,20 @@ impl Builder<'_> {
                 reads.push(p);
             }
             let g = self.grad_target(e, m, full_grads);
-            let LayerKind::Embedding { vocab, hidden, .. } = self.job.model.layers[e].kind else {
-                unreachable!()
-            };
             // Into the embedding's `wte` part; into a replica's whole gradient, which nothing
             // else writes (the device writes zeros past `wte`).
-            let wte = match self.holds_replica(e) {
+            let wte = match self.is_replica(e) {
                 true => g,
-                false => Region {
-                    bytes: vocab * hidden * self.grad_dtype.bytes(),
-                    ..g
-                },
+                false => {
+                    let LayerKind::Embedding { vocab, hidden, .. } = self.job.model.layers[e].kind
+                    else {
+                        unreachable!()
+                    };
+                    Region {
+                        bytes: vocab * hidden * self.grad_dtype.bytes(),
+                        ..g
+                    }
+                }
             };
             self.grad_write(m, wte, reads, writes);
         }

@@ -240,21 +240,44 @@ impl Builder<'_> {
         (ops, whole)
     }
 
-    /// The embedding group's all-reduce of the embedding `l`'s optimizer-shard gradient `g` (on
-    /// its own stage or, as its replica, on the tied head's), so that both copies update alike.
-    pub(super) fn embedding_group(&mut self, l: usize, g: Region) -> Vec<OpId> {
-        let Some((h, e)) = self.replica else {
+    /// Megatron's embedding group: makes the embedding's and its replica's optimizer-shard
+    /// gradients (among `grads`, a stage's) both their sum, so that both copies update alike.
+    /// Across stages, an all-reduce over pairs of ranks with the same data-parallel and tensor
+    /// indices, issued by both stages; on one stage (ZB-V's V), the replica's gradient added into
+    /// the embedding's and the sum copied back.
+    pub(super) fn embedding_group(&mut self, grads: &[(usize, Region)]) -> Vec<OpId> {
+        let (Some((h, e)), Some(r)) = (self.replica, self.replica_index()) else {
             return vec![];
         };
-        let kind = CommKind::EmbeddingGroup {
-            first: self.stage_of_layer(e),
-            last: self.stage_of_layer(h),
+        let of = |x: usize| grads.iter().find(|&&(l, _)| l == x).map(|&(_, g)| g);
+        let id = self.state(e).id;
+        let (first, last) = (self.stage_of_layer(e), self.stage_of_layer(h));
+        if first != last {
+            let Some(g) = of(e).or_else(|| of(r)) else {
+                return vec![];
+            };
+            let kind = CommKind::EmbeddingGroup { first, last };
+            let c = self.collective(Collective::AllReduce, kind, self.grad_dtype, g, g);
+            return self
+                .issue(vec![c], OpRole::Sync, Some(id), None)
+                .into_iter()
+                .collect();
+        }
+        let (Some(ge), Some(gr)) = (of(e), of(r)) else {
+            return vec![];
         };
-        let c = self.collective(Collective::AllReduce, kind, self.grad_dtype, g, g);
-        let id = self.state(l).id;
-        self.issue(vec![c], OpRole::Sync, Some(id), None)
-            .into_iter()
-            .collect()
+        let add = self.compute(
+            ComputeKind::Accumulate,
+            Some(id),
+            None,
+            vec![gr, ge],
+            vec![ge],
+        );
+        let copy = self.compute(ComputeKind::Copy, Some(id), None, vec![ge], vec![gr]);
+        for &o in &[add, copy] {
+            self.p.ops[o].role = OpRole::Sync;
+        }
+        vec![add, copy]
     }
 
     /// Optimizer update of each layer of `grads` (reading its optimizer-shard gradient, then with

@@ -69,7 +69,6 @@ pub fn draft(job: &Job) -> Draft {
         optimizer_shards: vec![],
         grads_written: Default::default(),
         replica: None,
-        replica_state: None,
         deferred: vec![],
         held: None,
         stage: 0,
@@ -131,11 +130,9 @@ struct Builder<'a> {
     optimizer_shards: Vec<BufferId>,
     /// Bytes of each gradient buffer already written in a micro-step (from its start).
     grads_written: FxHashMap<(BufferId, u32), u64>,
-    /// A tied head on another stage than its embedding, whose stage keeps a replica of the
-    /// embedding's state: (head, embedding).
+    /// A tied head keeping a replica of its embedding's state ([`Job::tied_replica`]):
+    /// (head, embedding). The replica is layer index [`Builder::replica_index`].
     replica: Option<(usize, usize)>,
-    /// That replica's state and optimizer shard.
-    replica_state: Option<(LayerState, BufferId)>,
     /// A pipeline stage's updates held back to its end (see `super::stages`).
     deferred: Vec<Boundary>,
     /// In a pipeline, what the previous action gathered (`None` without a pipeline).
@@ -281,35 +278,34 @@ impl Builder<'_> {
         self.job.schedule.pipeline.stage_of_layer(l)
     }
 
-    /// Layer `l`'s persistent state as the current stage holds it: the embedding's replica on
-    /// the stage of a head tied to it from another stage, else the layer's own.
+    /// The persistent state of layer index `l` (a model layer's, or at [`Builder::replica_index`]
+    /// the tied head's replica of its embedding).
     fn state(&self, l: usize) -> LayerState {
-        match self.replica_state {
-            Some((st, _)) if self.holds_replica(l) => st,
-            _ => self.layers[l],
-        }
+        self.layers[l]
     }
 
-    /// Layer `l`'s optimizer shard as the current stage holds it (see [`Builder::state`]).
+    /// The optimizer shard of layer index `l` (see [`Builder::state`]).
     fn optimizer_shard(&self, l: usize) -> BufferId {
-        match self.replica_state {
-            Some((_, opt)) if self.holds_replica(l) => opt,
-            _ => self.optimizer_shards[l],
-        }
+        self.optimizer_shards[l]
     }
 
-    /// Whether the current stage holds layer `l` as a replica: `l` is the embedding and this is
-    /// the stage of the head tied to it from another stage.
-    fn holds_replica(&self, l: usize) -> bool {
-        self.replica
-            .is_some_and(|(h, e)| l == e && self.stage_of_layer(h) == self.stage)
+    /// The layer index of the tied head's replica of its embedding, when there is one: past the
+    /// model's layers. It has the embedding's layer id (its buffers are the embedding's, on the
+    /// head's stage), no compute of its own, and goes with the head's gathers, reductions,
+    /// boundary and update.
+    fn replica_index(&self) -> Option<usize> {
+        self.replica.map(|_| self.job.model.layers.len())
     }
 
-    /// Index of the embedding a tied lm_head shares, if layer `l` is one.
+    /// Whether layer index `l` is the replica.
+    fn is_replica(&self, l: usize) -> bool {
+        self.replica_index() == Some(l)
+    }
+
+    /// The layer index of the embedding state a tied lm_head reads, if layer `l` is one: its
+    /// replica when it keeps one, else the embedding.
     fn tied_embedding(&self, l: usize) -> Option<usize> {
-        self.job
-            .tied_head()
-            .filter(|&(h, _)| h == l)
-            .map(|(_, e)| e)
+        let (_, e) = self.job.tied_head().filter(|&(h, _)| h == l)?;
+        Some(self.replica_index().unwrap_or(e))
     }
 }

@@ -21,7 +21,7 @@ impl Builder<'_> {
             sh.optimizer.size(),
             u64::from(self.layout.secondary.unwrap_or(1)),
         );
-        self.replica = self.job.tied_across_stages();
+        self.replica = self.job.tied_replica();
         for (l, layer) in self.job.model.layers.iter().enumerate() {
             let padded = layer.params.div_ceil(pad) * pad;
             let chunk = self.chunk_of_layer(l);
@@ -36,11 +36,14 @@ impl Builder<'_> {
             self.optimizer_shards.push(opt);
             self.layers.push(state);
         }
-        // The tied head's stage keeps a replica of the embedding's state.
+        // The tied head's stage keeps a replica of the embedding's state, at the layer index
+        // past the model's.
         if let Some((h, e)) = self.replica {
             self.stage = self.stage_of_layer(h);
             let (id, padded) = (self.layers[e].id, self.layers[e].padded);
-            self.replica_state = Some(self.persistent_shards(e, id, padded, ".replica"));
+            let (state, opt) = self.persistent_shards(e, id, padded, ".replica");
+            self.optimizer_shards.push(opt);
+            self.layers.push(state);
         }
         self.stage = 0;
     }

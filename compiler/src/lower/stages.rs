@@ -64,6 +64,7 @@ impl Builder<'_> {
         plan: &[TransferGroup],
         slots: &mut Vec<Slot>,
     ) {
+        // Slots per layer index, the replica's included.
         let n = self.layers.len();
         let order = &pipeline.order[stage as usize];
         let last_chunk = pipeline.chunks.len() as u32 - 1;
@@ -194,26 +195,26 @@ impl Builder<'_> {
         }
     }
 
-    /// A chunk's layers in order, with the embedding's replica right before the tied head when
-    /// the chunk holds the head on another stage than the embedding: the replica is gathered,
-    /// reduced and updated with the head.
+    /// A chunk's layer indices in order, with the embedding's replica right before the tied head
+    /// when the head keeps one: the replica is gathered, reduced and updated with the head.
     fn with_replica(&self, layers: Range<usize>) -> Vec<usize> {
         let mut out = vec![];
         for l in layers {
-            if let Some((h, e)) = self.replica.filter(|&(h, _)| h == l) {
-                debug_assert_eq!(h, l);
-                out.push(e);
+            if self.replica.is_some_and(|(h, _)| h == l) {
+                out.extend(self.replica_index());
             }
             out.push(l);
         }
         out
     }
 
-    /// The replica's slots are its tied head's (when `layers` hold the head on its own stage).
+    /// The replica's slots are its tied head's (when `layers` hold the head).
     fn replica_slots(&self, layers: &Range<usize>, at: &mut MicroStepSlots) {
-        if let Some((h, e)) = self.replica.filter(|&(h, _)| layers.contains(&h)) {
-            at.forward[e] = at.forward[h];
-            at.backward[e] = at.backward[h];
+        if let (Some((h, _)), Some(r)) = (self.replica, self.replica_index()) {
+            if layers.contains(&h) {
+                at.forward[r] = at.forward[h];
+                at.backward[r] = at.backward[h];
+            }
         }
     }
 

@@ -85,7 +85,7 @@ impl Builder<'_> {
     /// The whole step: every micro-step's slots, then boundary, update and refresh pinned after
     /// each layer's last backward of the last micro-step.
     pub(super) fn step(&mut self) -> Vec<Slot> {
-        let all = 0..self.layers.len();
+        let all = 0..self.job.model.layers.len();
         let buckets = self.buckets(&all.clone().collect::<Vec<_>>());
         let mut slots: Vec<Slot> = vec![];
         for m in 0..self.job.schedule.micro_steps {
@@ -130,7 +130,7 @@ impl Builder<'_> {
     /// Micro-step `m`: forward slots with their gather units, the loss, backward slots with
     /// theirs, and each reduction bucket after its last backward.
     fn micro_step(&mut self, m: u32, buckets: &Buckets, slots: &mut Vec<Slot>) -> MicroStepSlots {
-        let n = self.layers.len();
+        let n = self.job.model.layers.len();
         let first = slots.len();
         let forward: Vec<usize> = (0..n).map(|l| first + l).collect();
         let loss = first + n;
@@ -154,7 +154,7 @@ impl Builder<'_> {
 
     /// The loss of micro-step `m`: softmax cross-entropy of the last layer's output.
     pub(super) fn loss(&mut self, m: u32) -> OpId {
-        let n = self.layers.len();
+        let n = self.job.model.layers.len();
         let last = self.hidden_buf(false, m, n);
         let dlast = self.hidden_buf(true, m, n);
         let (lb, db) = (self.p.buffers[last].bytes, self.p.buffers[dlast].bytes);
@@ -379,12 +379,13 @@ impl Builder<'_> {
         slots: &mut [Slot],
         (last, allowed): (usize, bool),
     ) -> bool {
+        // (What a tied head reads, the embedding or its replica, is kept to its backward.)
+        let tied = self.job.tied_head().map(|(h, _)| h);
         let eligible = allowed
             && self.job.schedule.reshard_after_forward == ReshardAfterForward::True
-            && !self
-                .job
-                .tied_head()
-                .is_some_and(|(_, e)| bucket.contains(&e));
+            && !tied
+                .and_then(|h| self.tied_embedding(h))
+                .is_some_and(|e| bucket.contains(&e));
         let layers = self.with_params(bucket);
         let Some(held) = self.held.as_mut() else {
             return false;
@@ -447,20 +448,17 @@ impl Builder<'_> {
             return vec![];
         }
         let pending = std::mem::take(&mut self.deferred);
-        let mut ops = vec![];
-        for (_, grads) in &pending {
-            for &(l, g) in grads {
-                if self.replica.is_some_and(|(_, e)| l == e) {
-                    ops.extend(self.embedding_group(l, g));
-                }
-            }
-        }
+        let grads: Vec<(usize, Region)> = pending
+            .iter()
+            .flat_map(|(_, g)| g.iter().copied())
+            .collect();
+        let mut ops = self.embedding_group(&grads);
         let norm = if self.job.schedule.train.clip.is_some() {
             // A replica's gradient equals its embedding's: counted once, on the embedding's stage.
-            let all: Vec<(usize, Region)> = pending
+            let all: Vec<(usize, Region)> = grads
                 .iter()
-                .flat_map(|(_, g)| g.iter().copied())
-                .filter(|&(l, _)| !self.holds_replica(l))
+                .copied()
+                .filter(|&(l, _)| !self.is_replica(l))
                 .collect();
             let (norm_ops, norm) = self.grad_norm(&all);
             ops.extend(norm_ops);

@@ -67,7 +67,7 @@ pub fn model_state_bytes(job: &Job) -> u64 {
     let pad = padding(job);
     let opt = m.optimizer.state_bytes_per_param();
     // (A head tied across pipeline stages keeps a replica of the embedding.)
-    let replica = job.tied_across_stages().map(|(_, e)| &m.layers[e]);
+    let replica = job.tied_replica().map(|(_, e)| &m.layers[e]);
     m.layers
         .iter()
         .chain(replica)
@@ -97,7 +97,7 @@ pub fn stage_jobs(job: &Job) -> Vec<Job> {
                 .filter(|&c| pipeline.stage_of_chunk(c) == stage)
                 .flat_map(|c| job.model.layers[pipeline.layers_of_chunk(c)].to_vec())
                 .collect();
-            if let Some((h, e)) = job.tied_across_stages() {
+            if let Some((h, e)) = job.tied_replica() {
                 if pipeline.stage_of_layer(h) == stage {
                     let at = model
                         .layers

@@ -13,11 +13,10 @@
 //!   `balanced` by the cost model, and m micro-batches so that the global batch stays the base
 //!   schedule's (d·m·micro_batch sequences, d = ranks/p); the shard meshes are then those of a
 //!   stage's data-parallel mesh, and only the ZeRO presets over it are searched with a split (ddp,
-//!   ZeRO-1, -2, -3: [`stage_presets`]). Splits the lowering cannot run are left out: `zbv`
-//!   with a tied head (its V keeps the head in another chunk of the embedding's stage) and sharded
-//!   parameters or gradients; interleaving where m is not a multiple of p or p·v exceeds the
-//!   layers. A head tied across stages keeps a replica of the embedding on its stage, and
-//!   clipping sums its norm over the stages, so neither limits the splits.
+//!   ZeRO-1, -2, -3: [`stage_presets`]). Splits the lowering cannot run are left out:
+//!   interleaving where m is not a multiple of p or p·v exceeds the layers. A tied head keeps a
+//!   replica of the embedding where it needs one, and clipping sums its norm over the stages, so
+//!   neither limits the splits.
 //!
 //! Tensor parallelism is not searched: every candidate has t = 1 (it is not lowered yet).
 //!
@@ -29,7 +28,7 @@
 //! delivers the same shard for half the bytes of the all-reduce).
 
 use sched_ir::job::{
-    AllGatherAlgo, Buckets, GradSync, Job, LayerKind, Mesh, Pipeline, PipelineSchedule, Prefetch,
+    AllGatherAlgo, Buckets, GradSync, Job, Mesh, Pipeline, PipelineSchedule, Prefetch,
     ReshardAfterForward, Schedule, Shard, Tensor,
 };
 
@@ -245,11 +244,6 @@ pub fn structures(base: &Job) -> Vec<Structure> {
 /// The structures of one pipeline split: the shard choices over a stage's data-parallel mesh.
 fn split_structures(job: &Job, split: Split) -> Vec<Structure> {
     let base = &job.schedule;
-    let base_tied = job
-        .model
-        .layers
-        .iter()
-        .any(|l| matches!(l.kind, LayerKind::LmHead { tied: true, .. }));
     let ranks = base.gpus_per_node * base.nodes / split.stages;
     let gpus = base.gpus_per_node.min(ranks);
     let nodes = ranks / gpus;
@@ -260,11 +254,7 @@ fn split_structures(job: &Job, split: Split) -> Vec<Structure> {
     } else {
         stage_presets(gpus, nodes)
     };
-    // A tied head in another chunk of its embedding's stage (ZB-V's V) keeps parameters and
-    // gradients whole (the language refuses the rest); on another stage it keeps a replica.
-    let tied = split.schedule == PipelineSchedule::Zbv && split.stages > 1 && base_tied;
-    let whole = |s: &Shard| s.params.size() == 1 && s.grads.size() == 1;
-    for shard in shards.into_iter().filter(|s| !tied || whole(s)) {
+    for shard in shards {
         let params_sharded = shard.params.size() > 1;
         let mut reshards = vec![ReshardAfterForward::True];
         if params_sharded {

@@ -556,16 +556,6 @@ impl PipelineSpec {
             return Some(Pipeline::default());
         }
         let m = job.schedule.micro_steps;
-        let pipeline = Pipeline {
-            stages: p,
-            virtual_stages: v,
-            schedule: self.schedule,
-            chunks: chunks.clone(),
-            order: vec![],
-        };
-        if !supported(ctx, job, &pipeline, self.stages_span) {
-            return None;
-        }
         let order = match self.order {
             Some(order) => order,
             None => orders::generate(self.schedule, p, v, m),
@@ -578,39 +568,6 @@ impl PipelineSpec {
             order,
         })
     }
-}
-
-/// Whether parameters or gradients are sharded (beyond ZeRO-1).
-fn sharded_before_the_optimizer(job: &Job) -> bool {
-    let sh = job.schedule.shard;
-    sh.params.size() > 1 || sh.grads.size() > 1
-}
-
-/// What the lowering cannot do with pipeline stages yet, refused at `stages`: a head tied to
-/// an embedding in another chunk of the same stage (the V of `zbv`) with sharded parameters or
-/// gradients. (A tied head on another stage keeps a replica of the embedding, Megatron's
-/// embedding group; see `lower::stages`.)
-fn supported(ctx: &mut Ctx, job: &Job, pipeline: &Pipeline, stages_span: Span) -> bool {
-    let Some((h, e)) = job.tied_head() else {
-        return true;
-    };
-    let same_stage = pipeline.stage_of_layer(h) == pipeline.stage_of_layer(e);
-    let other_chunk = pipeline.chunk_of_layer(h) != pipeline.chunk_of_layer(e);
-    if same_stage && other_chunk && sharded_before_the_optimizer(job) {
-        let sh = job.schedule.shard;
-        ctx.error(
-            Diagnostic::error(format!(
-                "`{}` ties its head to its embedding in another chunk; with sharded parameters or gradients (params {}, grads {}) the head's actions would need the embedding gathered and its gradient reduced with the embedding's, which is not lowered yet",
-                job.model.name,
-                sh.params,
-                sh.grads
-            ))
-            .at(stages_span, format!("p = {}", pipeline.stages))
-            .note("keep parameters and gradients whole in each stage (`ddp` or `zero1`), or untie the head"),
-        );
-        return false;
-    }
-    true
 }
 
 /// `layers = balanced` for `job`'s model in `k` chunks (k at most the layer count): each layer
