@@ -440,3 +440,63 @@ fn a_norm_of_one_stage_or_counting_the_replica_twice_is_refused() {
     let msgs = messages(&twice);
     assert!(msgs.iter().any(|m| m.contains("replica")), "{msgs:?}");
 }
+
+/// ZB-V keeps a tied head's replica on the embedding's own ranks when gradients are sharded:
+/// the embedding group is an add of the replica's gradient into the embedding's and a copy
+/// back. Either made a copy of its destination onto itself (its waits kept): without the add,
+/// the embedding's update misses the head's term; without the copy, the replica's misses the
+/// embedding's.
+#[test]
+fn dropping_the_local_embedding_sum_of_zbv_is_refused() {
+    let text = r#"
+        import "models/tiny.sched"
+        import "clusters/cpu.sched"
+        schedule v {
+            model = tiny_gpt;  cluster = cpu4;  micro_steps = 4;  preset = zero3
+            pipeline { stages = 2  virtual = 2  schedule = zbv  layers = [1, 1, 1, 1] }
+        }
+    "#;
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../schedules");
+    let read = |f: &str| std::fs::read_to_string(root.join(f)).unwrap();
+    let loader = MemLoader::default()
+        .in_dir("/mem")
+        .with("/mem/v.sched", text)
+        .with("/mem/models/tiny.sched", &read("models/tiny.sched"))
+        .with("/mem/clusters/cpu.sched", &read("clusters/cpu.sched"));
+    let a = analyze(Path::new("/mem/v.sched"), &loader).unwrap();
+    assert!(!a.has_errors(), "{}", a.render());
+    let p = compile(&a.jobs[0]).unwrap().into_program();
+    // The add and the copy: the embedding's compute ops outside any micro-step.
+    let sum: Vec<OpId> = p
+        .ops
+        .iter()
+        .filter(|(_, op)| {
+            op.micro_step.is_none()
+                && matches!(
+                    op.kind,
+                    OpKind::Compute(ComputeKind::Accumulate | ComputeKind::Copy)
+                )
+                && op.layer.is_some_and(|l| p.layers[l].name == "embed")
+        })
+        .map(|(id, _)| id)
+        .collect();
+    assert_eq!(sum.len(), 2, "an add and a copy: {sum:?}");
+    for (k, want) in [
+        (0, "head's backward (layer 3)"),
+        (1, "the layer's own gradient never arrives"),
+    ] {
+        let mut q = p.clone();
+        let op = &mut q.ops[sum[k]];
+        let dst = op.writes[0];
+        op.kind = OpKind::Compute(ComputeKind::Copy);
+        op.reads = vec![dst];
+        op.writes = vec![dst];
+        let msgs = messages(&q);
+        assert!(
+            msgs.iter()
+                .any(|m| m.contains("update of embed") && m.contains(want)),
+            "neutralising {}: {msgs:?}",
+            sum[k]
+        );
+    }
+}
