@@ -16,11 +16,14 @@
 //! - [`planner`]: `schedc plan`, the search for the fastest schedule that fits, over compiled and
 //!   simulated candidates pruned by analytic floors.
 //!
+//! [`hf`] turns a Hugging Face `config.json` into a `model` block (`schedc import hf`).
+//!
 //! [`compile`] runs lowering and verification together, so an unverified program never escapes;
 //! [`load`] is the one "plan file or `.sched`" loader both binaries use.
 
 pub mod draft;
 pub mod emit;
+pub mod hf;
 pub mod load;
 pub mod lower;
 pub mod passes;

@@ -85,6 +85,11 @@ enum Command {
         #[arg(long)]
         no_tune: bool,
     },
+    /// Write a `model` block from another tool's description of a model.
+    Import {
+        #[command(subcommand)]
+        from: Import,
+    },
     /// Rewrite files in canonical layout, keeping comments.
     Fmt {
         #[arg(required = true)]
@@ -92,6 +97,21 @@ enum Command {
         /// Only report files that are not formatted (exit 1 if any); change nothing.
         #[arg(long)]
         check: bool,
+    },
+}
+
+#[derive(Subcommand)]
+enum Import {
+    /// A Hugging Face `config.json` (GPT-2, LLaMA or Mistral families): every field is mapped or
+    /// refused by name, so the parameter count `schedc check` prints is the checkpoint's.
+    Hf {
+        config: PathBuf,
+        /// The model's name in the block.
+        #[arg(long, default_value = "imported")]
+        name: String,
+        /// Write the block to this file (default: stdout); nothing is written on an error.
+        #[arg(short, long)]
+        output: Option<PathBuf>,
     },
 }
 
@@ -124,6 +144,14 @@ fn main() -> ExitCode {
     let status = match cli.command {
         Command::Check { files, resolved } => files.iter().map(|f| check(f, resolved)).max(),
         Command::Fmt { files, check } => files.iter().map(|f| fmt(f, check)).max(),
+        Command::Import {
+            from:
+                Import::Hf {
+                    config,
+                    name,
+                    output,
+                },
+        } => Some(import_hf(&config, &name, output.as_deref())),
         Command::Compile {
             file,
             schedule,
@@ -667,6 +695,46 @@ fn plan(file: &Path, schedule: Option<&str>, top: usize, json: bool, tune_knobs:
 
 fn plural(n: u32, word: &str) -> String {
     format!("{n} {word}{}", if n == 1 { "" } else { "s" })
+}
+
+/// `schedc import hf`: the model block of `config`, on stdout or into `output`.
+fn import_hf(config: &Path, name: &str, output: Option<&Path>) -> Status {
+    let is_name = name
+        .chars()
+        .next()
+        .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+        && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+    if !is_name {
+        eprintln!("error: --name `{name}` is not an identifier (letters, digits and _, not starting with a digit)");
+        return Status::BadInput;
+    }
+    let text = match std::fs::read_to_string(config) {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("error: cannot read {}: {e}", config.display());
+            return Status::Fault;
+        }
+    };
+    let block = match schedc::hf::model_from_config(&text, name) {
+        Ok(b) => b,
+        Err(e) => {
+            eprintln!("error: {}: {e}", config.display());
+            return Status::BadInput;
+        }
+    };
+    match output {
+        None => {
+            print!("{block}");
+            Status::Ok
+        }
+        Some(path) => match write_atomically(path, &block) {
+            Ok(()) => Status::Ok,
+            Err(e) => {
+                eprintln!("error: cannot write {}: {e}", path.display());
+                Status::Fault
+            }
+        },
+    }
 }
 
 fn fmt(file: &Path, check_only: bool) -> Status {
