@@ -29,12 +29,15 @@
 //!    parameters whole and current, every optimizer shard receives each of the dp × M gradient
 //!    contributions exactly once, and every param shard is refreshed for the next step
 //!    ([`values`]). With gradient clipping, the norm reads each layer's optimizer-shard gradient
-//!    only once complete, is summed over every optimizer shard once, and every update reads it.
+//!    only once complete, is summed over every optimizer shard (of every stage) once, and every
+//!    update reads it. Across stages both run the stages together, a collective spanning stages
+//!    meeting all of them ([`joint`]).
 //! 8. **NCCL buffer rules** ([`nccl`]). On every rank, every collective's input and output are
 //!    disjoint in the arena or in place exactly as NCCL defines it.
-//! 9. **Pipeline stages** ([`stages`]). Every op keeps to its stage's buffers and events; each
-//!    send has exactly one receive on its peer, with the same count and dtype, matched in issue
-//!    order; and the stages run to the end with every send and receive blocking until its peer
+//! 9. **Pipeline stages** ([`stages`]). Every op keeps to its stage's buffers and events; a
+//!    collective spanning stages (an embedding group, clipping's norm) is issued by every stage
+//!    its groups reach, with matching calls; each send has exactly one receive on its peer, with
+//!    the same count and dtype, matched in issue order; and the stages run to the end with every send and receive blocking until its peer
 //!    reaches it (group calls posting their transfers together), or the cycle of waiting stages
 //!    is named. Proofs 4–6 hold per stage: a stage's ranks run only its ops, and buffers of
 //!    different stages may share arena bytes.

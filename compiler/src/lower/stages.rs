@@ -23,6 +23,15 @@
 //!
 //! Gradient accumulation runs over a stage's micro-batches in its order's backward order, so the
 //! update waits for the last of them.
+//!
+//! A tied head that keeps a replica of its embedding (`Job::tied_replica`: on another stage, or
+//! in another chunk of the same stage with sharded parameters or gradients) has it as the layer
+//! index past the model's, listed right before the head in its chunk's buckets, so the replica is
+//! gathered, reduced and updated with the head. A stage that clips, or holds either copy, keeps
+//! its updates to its end, after its last transfer ([`Builder::finish_stage`]): the two copies'
+//! gradients are summed there (the embedding group), and clipping's norm is summed over every
+//! stage. Consecutive actions of one chunk share the gather bucket at their boundary
+//! (`super::step::Held`).
 
 use super::comms::CommKind;
 use super::step::{Buckets, Half, Held, MicroStepSlots};
