@@ -1,7 +1,8 @@
 //! A sweep over pipeline schedules: stages, chunks, built-in (zero-bubble ones included) and
 //! custom orders (one with I/W), micro-batches,
 //! every ZeRO preset and the other switches (recompute, stream policies, overlap, buckets,
-//! prefetch, `max_live`, deferred refresh) on CPU-sized clusters of 8 and 2 x 4 ranks. Every combination the language accepts must compile: the verifier's proofs run
+//! prefetch, `max_live`, deferred refresh) on CPU-sized clusters of 8 and 2 x 4 ranks, and a
+//! model with a tied head (replicas, the embedding group, clipping across stages). Every combination the language accepts must compile: the verifier's proofs run
 //! on each, so a lowering that breaks on a rare combination (a schedule nobody wrote an example
 //! for) fails here rather than in a user's hands.
 

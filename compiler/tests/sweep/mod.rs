@@ -33,6 +33,16 @@ model deep {
                                  norm = rmsnorm, act = swiglu, bias = false)
     layer head     = lm_head(hidden = 32, vocab = 256, norm = rmsnorm)
 }
+
+model deep_tied {
+    dtype       = fp32
+    optimizer   = adamw
+    seq_len     = 16
+    micro_batch = 2
+    layer embed    = embedding(vocab = 256, hidden = 32, positions = learned)
+    layer block[6] = transformer(hidden = 32, heads = 4, ffn = 64)
+    layer head     = lm_head(hidden = 32, vocab = 256, tied = true)
+}
 "#;
 
 /// One schedule block per combination, named `s{i}`.
@@ -90,6 +100,20 @@ pub fn schedules() -> Vec<String> {
                 out.len()
             ));
         }
+    }
+    // A head tied to the embedding (a replica on its stage, or ZB-V's on the embedding's ranks
+    // with sharded gradients), each pipeline once, the presets in turn, every other one clipped.
+    for (i, (p, v, schedule, layers, m)) in pipelines.iter().enumerate() {
+        let shard = shards[i % shards.len()];
+        let clip = if i % 2 == 0 {
+            "train { clip = 1.0 }"
+        } else {
+            ""
+        };
+        out.push(format!(
+            "schedule s{} {{\n    model = deep_tied;  cluster = c8;  micro_steps = {m}\n    {shard}\n    {clip}\n    pipeline {{ stages = {p}  virtual = {v}  schedule = {schedule}  layers = {layers} }}\n}}\n",
+            out.len()
+        ));
     }
     // Custom orders: a stage that runs all forwards first beside 1F1B neighbours, a drained
     // interleaving, and uneven micro-batch orders that still match across stages.
