@@ -438,3 +438,45 @@ fn a_nan_loss_stops_the_run_at_its_step_and_keeps_the_last_good_checkpoint() {
         .iter()
         .all(|l| l.params.iter().all(|x| x.is_finite())));
 }
+
+/// `train { checkpoints, save_every, keep }` in the schedule: the folder relative to the file,
+/// the flags overriding the keys.
+#[test]
+fn the_schedule_s_train_keys_set_the_checkpoints() {
+    let dir = temp("keys");
+    let file = dir.join("job.sched");
+    let schedules = root().join("schedules");
+    std::fs::write(
+        &file,
+        format!(
+            "import \"{}/models/tiny.sched\"\nimport \"{}/clusters/cpu.sched\"\n\n\
+             schedule tiny_keys {{\n    model   = tiny_gpt\n    cluster = cpu4\n    \
+             preset  = zero3\n    train {{ steps = 5  lr = 1e-3  seed = 0  checkpoints = \"ck\"  \
+             save_every = 2  keep = 2 }}\n}}\n",
+            schedules.display(),
+            schedules.display()
+        ),
+    )
+    .unwrap();
+    let out = schedrun(&[s(&file)]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    // Steps 2 and 4 by the cadence, 5 at the end; the newest two kept.
+    assert_eq!(entries(&dir.join("ck")), [4, 5]);
+
+    let out = schedrun(&[
+        s(&file),
+        "--save-every",
+        "1",
+        "--keep",
+        "4",
+        "--resume",
+        s(&dir.join("ck")),
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(entries(&dir.join("ck")), [7, 8, 9, 10]);
+
+    // --save-every without a folder anywhere is refused.
+    let out = schedrun(&with(&TINY, &["--steps", "1", "--save-every", "2"]));
+    assert_eq!(out.status.code(), Some(1));
+    assert!(stderr(&out).contains("--checkpoints"), "{}", stderr(&out));
+}

@@ -78,18 +78,19 @@ struct Cli {
     #[arg(long, value_name = "F|DIR")]
     resume: Option<PathBuf>,
     /// Write checkpoints into this folder, each step's as its own entry (`step-00000120/`):
-    /// every `--save-every` steps, when stopped by SIGTERM or SIGINT, and after the last step.
+    /// every `--save-every` steps, when stopped by SIGTERM or SIGINT, and after the last step
+    /// (default: the schedule's `train.checkpoints`).
     #[arg(long, value_name = "DIR")]
     checkpoints: Option<PathBuf>,
-    /// With `--checkpoints`: write one every N steps (counted from step 0, so a resumed run keeps
-    /// the cadence).
-    #[arg(long, value_name = "N", requires = "checkpoints",
-          value_parser = clap::value_parser!(u64).range(1..))]
+    /// With checkpoints: write one every N steps, counted from step 0 so that a resumed run keeps
+    /// the cadence (default: the schedule's `train.save_every`, else only at the end and on a
+    /// signal).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
     save_every: Option<u64>,
-    /// With `--checkpoints`: how many entries to keep, the newest.
-    #[arg(long, value_name = "K", requires = "checkpoints", default_value_t = 3,
-          value_parser = clap::value_parser!(u64).range(1..))]
-    keep: u64,
+    /// With checkpoints: how many entries to keep, the newest (default: the schedule's
+    /// `train.keep`, else 3).
+    #[arg(long, value_name = "K", value_parser = clap::value_parser!(u64).range(1..))]
+    keep: Option<u64>,
     /// Test hook: make one weight NaN just before this step (1-based), to exercise the
     /// divergence stop.
     #[arg(long, value_name = "STEP", hide = true)]
@@ -194,9 +195,9 @@ fn run(cli: &Cli) -> Result<(), Failure> {
             None => return launch(cli),
         },
     };
-    check_outputs(cli)?;
     let plan = Plan::load(&cli.file, cli.schedule.as_deref())?;
     let plan = Arc::new(plan);
+    check_outputs(cli, &Saving::of(cli, &plan)?)?;
     let data = cli.data.clone().or(plan.job.schedule.train.data.clone());
     let corpus = Corpus::load(data.as_deref()).map_err(Failure::input)?;
     corpus
@@ -232,7 +233,7 @@ fn run(cli: &Cli) -> Result<(), Failure> {
             // Missing libraries (or a build without CUDA): one line, before any device work.
             cuda::probe().map_err(Failure::fault)?;
             let ptx = ptx_files(cli)?;
-            if env.world > 1 && (cli.save.is_some() || cli.checkpoints.is_some()) {
+            if env.world > 1 && (cli.save.is_some() || Saving::of(cli, &plan)?.dir.is_some()) {
                 return Err(Failure::input(
                     "--save and --checkpoints are not supported yet with several cuda processes \
                      (each holds only its own shards)",
@@ -287,9 +288,34 @@ fn ptx_files(cli: &Cli) -> Result<PtxFiles, Failure> {
         .map_err(Failure::input)
 }
 
+/// Periodic checkpoints: the flags, else the schedule's `train` keys.
+struct Saving {
+    dir: Option<PathBuf>,
+    every: Option<u64>,
+    keep: usize,
+}
+
+impl Saving {
+    fn of(cli: &Cli, plan: &Plan) -> Result<Saving, Failure> {
+        let train = &plan.job.schedule.train;
+        let dir = cli.checkpoints.clone().or(train.checkpoints.clone());
+        if dir.is_none() && (cli.save_every.is_some() || cli.keep.is_some()) {
+            return Err(Failure::input(
+                "--save-every and --keep need a checkpoint folder: --checkpoints DIR or the \
+                 schedule's `train.checkpoints`",
+            ));
+        }
+        Ok(Saving {
+            dir,
+            every: cli.save_every.or(train.save_every),
+            keep: cli.keep.or(train.keep).unwrap_or(3) as usize,
+        })
+    }
+}
+
 /// Every file the run will write, checked creatable before anything runs (exit 2 naming the
 /// first that is not): a probe file is created and removed beside each, so nothing is left.
-fn check_outputs(cli: &Cli) -> Result<(), Failure> {
+fn check_outputs(cli: &Cli, saving: &Saving) -> Result<(), Failure> {
     let files = [
         ("--save-init", &cli.save_init),
         ("--save", &cli.save),
@@ -308,7 +334,7 @@ fn check_outputs(cli: &Cli) -> Result<(), Failure> {
         };
         why.map_err(|why| Failure::fault(format!("cannot write {} ({flag}): {why}", f.display())))?;
     }
-    if let Some(d) = &cli.checkpoints {
+    if let Some(d) = &saving.dir {
         // The folder is made at the first checkpoint: its nearest existing ancestor must be a
         // folder this process can write in.
         let mut at = d.as_path();
@@ -420,7 +446,8 @@ fn run_steps<B: Backend>(
     let mut last = None;
     // The newest checkpoint entry this run wrote.
     let mut entry: Option<(u64, PathBuf)> = None;
-    let keep = cli.keep as usize;
+    let saving = Saving::of(cli, &plan)?;
+    let keep = saving.keep;
     for _ in 0..steps {
         if cli.inject_nan == Some(trainer.steps_done() + 1) {
             trainer.poison().map_err(Failure::fault)?;
@@ -459,8 +486,8 @@ fn run_steps<B: Backend>(
             None => println!("{line}"),
         }
         let stop = preempt::requested();
-        let due = cli.save_every.is_some_and(|n| r.step % n == 0) || stop.is_some();
-        if let (Some(dir), true) = (&cli.checkpoints, due) {
+        let due = saving.every.is_some_and(|n| r.step % n == 0) || stop.is_some();
+        if let (Some(dir), true) = (&saving.dir, due) {
             let state = trainer.state().map_err(Failure::fault)?;
             let at =
                 checkpoint::folder::write(dir, &model, &state, keep).map_err(Failure::fault)?;
@@ -499,7 +526,7 @@ fn run_steps<B: Backend>(
     if let Some(b) = &bar {
         b.finish_and_clear();
     }
-    if let Some(dir) = &cli.checkpoints {
+    if let Some(dir) = &saving.dir {
         let done = trainer.steps_done();
         if !reports.is_empty() && entry.as_ref().map(|e| e.0) != Some(done) {
             let state = trainer.state().map_err(Failure::fault)?;
