@@ -419,12 +419,19 @@ pub mod folder {
             write_synced(&tmp.join(MANIFEST), text.as_bytes())?;
             sync_dir(&tmp)?;
             let at = dir.join(&name);
-            if at.exists() {
-                // The same step written again (a run resumed from an older entry): replace it.
-                fs::remove_dir_all(&at).map_err(io(&at, true))?;
+            // The same step written again (a run resumed from an older entry): the old entry is
+            // moved aside, under a hidden name the next save removes, before the new one takes
+            // its place, so that a crash in between leaves one of the two.
+            let old = dir.join(format!(".{name}.{}.old.tmp", std::process::id()));
+            let replacing = at.exists();
+            if replacing {
+                fs::rename(&at, &old).map_err(io(&at, true))?;
             }
             fs::rename(&tmp, &at).map_err(io(&at, true))?;
             sync_dir(dir)?;
+            if replacing {
+                let _ = fs::remove_dir_all(&old);
+            }
             Ok(at)
         })();
         if result.is_err() {

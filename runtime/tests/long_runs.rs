@@ -399,6 +399,24 @@ fn a_damaged_checkpoint_folder_is_refused_naming_what_is_missing() {
     );
     assert!(err.contains("step-00000003"), "{err}");
     assert!(String::from_utf8_lossy(&out.stdout).contains("step     4"));
+
+    // Resumed from entry 3 into the same folder, step 4 is written again: the cut-short entry is
+    // replaced by a complete one and no hidden leftover stays.
+    let out = schedrun(&with(
+        &TINY,
+        &[
+            "--steps",
+            "1",
+            "--resume",
+            s(&ckpt.join("step-00000003")),
+            "--checkpoints",
+            s(&ckpt),
+        ],
+    ));
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(entries(&ckpt), [3, 4]);
+    assert_eq!(std::fs::read_dir(&ckpt).unwrap().count(), 2);
+    assert_eq!(load(&folder::resolve(&ckpt).unwrap().file).step, 4);
 }
 
 #[test]

@@ -448,6 +448,14 @@ fn run_steps<B: Backend>(
     let mut entry: Option<(u64, PathBuf)> = None;
     let saving = Saving::of(cli, &plan)?;
     let keep = saving.keep;
+    if let Some(signal) = preempt::requested() {
+        // Stopped while starting: nothing has changed since the state was loaded.
+        eprintln!(
+            "schedrun: {} received while starting: stopped before the first step",
+            preempt::name(signal)
+        );
+        return Err(Failure::Stopped((128 + signal) as u8));
+    }
     for _ in 0..steps {
         if cli.inject_nan == Some(trainer.steps_done() + 1) {
             trainer.poison().map_err(Failure::fault)?;
