@@ -447,6 +447,16 @@ pub struct Train {
     pub data: Option<PathBuf>,
     /// Global gradient-norm limit; `None` is off.
     pub clip: Option<f64>,
+    /// Folder of periodic checkpoints (`schedrun --checkpoints`), resolved relative to the
+    /// schedule's file; `None` is off. Absent from plan files when not set.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checkpoints: Option<PathBuf>,
+    /// A checkpoint every this many steps (`--save-every`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub save_every: Option<u64>,
+    /// Checkpoint entries kept (`--keep`; `None`: schedrun's default, 3).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub keep: Option<u64>,
 }
 
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]

@@ -47,6 +47,8 @@ pub enum CheckpointError {
         tensor: String,
         dtype: String,
     },
+    /// A checkpoint folder or entry (`--checkpoints`) that is not complete: what is missing.
+    Incomplete { path: PathBuf, problem: String },
     /// The file holds tensors the model does not have (the first few named).
     Extra {
         path: PathBuf,
@@ -97,6 +99,9 @@ impl fmt::Display for CheckpointError {
                 "{}: tensor `{tensor}` is {dtype}; F32 or BF16 expected",
                 path.display()
             ),
+            CheckpointError::Incomplete { path, problem } => {
+                write!(f, "checkpoint {} is incomplete: {problem}", path.display())
+            }
             CheckpointError::Extra {
                 path,
                 model,
@@ -145,6 +150,21 @@ pub fn save(
     state: &State,
     contents: Contents,
 ) -> Result<(), CheckpointError> {
+    let bytes = save_bytes(path, model, state, contents)?;
+    sched_ir::files::write_atomically(path, &bytes).map_err(|e| CheckpointError::Io {
+        path: path.to_path_buf(),
+        writing: true,
+        error: e.into(),
+    })
+}
+
+/// The bytes [`save`] writes (`path` only names the file in errors).
+fn save_bytes(
+    path: &Path,
+    model: &Model,
+    state: &State,
+    contents: Contents,
+) -> Result<Vec<u8>, CheckpointError> {
     let format = |problem: String| CheckpointError::Format {
         path: path.to_path_buf(),
         problem,
@@ -183,13 +203,7 @@ pub fn save(
     if contents == Contents::Checkpoint {
         meta.insert("step".to_string(), state.step.to_string());
     }
-    let bytes = safetensors::serialize(views, &Some(meta))
-        .map_err(|e| format(format!("cannot serialise: {e}")))?;
-    sched_ir::files::write_atomically(path, &bytes).map_err(|e| CheckpointError::Io {
-        path: path.to_path_buf(),
-        writing: true,
-        error: e.into(),
-    })
+    safetensors::serialize(views, &Some(meta)).map_err(|e| format(format!("cannot serialise: {e}")))
 }
 
 /// Reads a weights file or checkpoint of `model` from `path`. With `Contents::Checkpoint` the
@@ -289,4 +303,279 @@ pub fn load(path: &Path, model: &Model, contents: Contents) -> Result<State, Che
         });
     }
     Ok(State { layers, step })
+}
+
+/// Checkpoints of a long run, one entry per saved step under a folder (`--checkpoints DIR`):
+/// `DIR/step-00000120/` holds `state.safetensors` (a checkpoint as [`save`] writes it) and
+/// `manifest.json`, written last, which lists every file of the entry with its size and FNV-1a
+/// hash. An entry is complete exactly when its manifest is there and every file it lists has the
+/// listed size and hash.
+///
+/// An entry is written under a hidden temporary name (`DIR/.step-00000120.PID.tmp/`), each file
+/// and then the folder synced to disk, and renamed into place, so a run killed at any moment leaves
+/// either the whole entry or none of it (only a hidden leftover, removed by the next save).
+pub mod folder {
+    use super::{save_bytes, CheckpointError, Contents};
+    use crate::train::State;
+    use sched_ir::job::Model;
+    use serde::{Deserialize, Serialize};
+    use std::fs;
+    use std::io::Write;
+    use std::path::{Path, PathBuf};
+
+    /// The entry's file listing every other file; written last.
+    pub const MANIFEST: &str = "manifest.json";
+    /// The whole state of the CPU backend (and of a single CUDA process).
+    pub const STATE: &str = "state.safetensors";
+    const FORMAT: &str = "sched-checkpoint-folder";
+
+    #[derive(Serialize, Deserialize)]
+    struct Manifest {
+        format: String,
+        step: u64,
+        model: String,
+        files: Vec<FileEntry>,
+    }
+
+    #[derive(Serialize, Deserialize)]
+    struct FileEntry {
+        name: String,
+        bytes: u64,
+        fnv1a64: String,
+    }
+
+    /// 64-bit FNV-1a: enough to tell a damaged file from the one written (not an authenticity
+    /// check).
+    fn fnv1a64(bytes: &[u8]) -> String {
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        for &b in bytes {
+            h ^= u64::from(b);
+            h = h.wrapping_mul(0x0100_0000_01b3);
+        }
+        format!("{h:016x}")
+    }
+
+    /// The folder name of step `step`'s entry.
+    pub fn entry_name(step: u64) -> String {
+        format!("step-{step:08}")
+    }
+
+    fn step_of(name: &str) -> Option<u64> {
+        let digits = name.strip_prefix("step-")?;
+        if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+            return None;
+        }
+        digits.parse().ok()
+    }
+
+    fn io(path: &Path, writing: bool) -> impl FnOnce(std::io::Error) -> CheckpointError + '_ {
+        move |e| CheckpointError::Io {
+            path: path.to_path_buf(),
+            writing,
+            error: e.into(),
+        }
+    }
+
+    fn write_synced(path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
+        let mut f = fs::File::create(path).map_err(io(path, true))?;
+        f.write_all(bytes).map_err(io(path, true))?;
+        f.sync_all().map_err(io(path, true))
+    }
+
+    fn sync_dir(path: &Path) -> Result<(), CheckpointError> {
+        fs::File::open(path)
+            .and_then(|d| d.sync_all())
+            .map_err(io(path, true))
+    }
+
+    /// Writes `state` as the entry of its step under `dir` (created if missing), then removes all
+    /// but the newest `keep` entries. Returns the entry's path.
+    pub fn write(
+        dir: &Path,
+        model: &Model,
+        state: &State,
+        keep: usize,
+    ) -> Result<PathBuf, CheckpointError> {
+        fs::create_dir_all(dir).map_err(io(dir, true))?;
+        let name = entry_name(state.step);
+        let tmp = dir.join(format!(".{name}.{}.tmp", std::process::id()));
+        let _ = fs::remove_dir_all(&tmp);
+        fs::create_dir(&tmp).map_err(io(&tmp, true))?;
+        let result = (|| {
+            let file = tmp.join(STATE);
+            let bytes = save_bytes(&file, model, state, Contents::Checkpoint)?;
+            write_synced(&file, &bytes)?;
+            let manifest = Manifest {
+                format: FORMAT.to_string(),
+                step: state.step,
+                model: model.name.clone(),
+                files: vec![FileEntry {
+                    name: STATE.to_string(),
+                    bytes: bytes.len() as u64,
+                    fnv1a64: fnv1a64(&bytes),
+                }],
+            };
+            let text = serde_json::to_string_pretty(&manifest).expect("manifests serialise") + "\n";
+            write_synced(&tmp.join(MANIFEST), text.as_bytes())?;
+            sync_dir(&tmp)?;
+            let at = dir.join(&name);
+            // The same step written again (a run resumed from an older entry): the old entry is
+            // moved aside, under a hidden name the next save removes, before the new one takes
+            // its place, so that a crash in between leaves one of the two.
+            let old = dir.join(format!(".{name}.{}.old.tmp", std::process::id()));
+            let replacing = at.exists();
+            if replacing {
+                fs::rename(&at, &old).map_err(io(&at, true))?;
+            }
+            fs::rename(&tmp, &at).map_err(io(&at, true))?;
+            sync_dir(dir)?;
+            if replacing {
+                let _ = fs::remove_dir_all(&old);
+            }
+            Ok(at)
+        })();
+        if result.is_err() {
+            let _ = fs::remove_dir_all(&tmp);
+        }
+        let at = result?;
+        prune(dir, keep.max(1));
+        Ok(at)
+    }
+
+    /// Removes all but the newest `keep` entries, and leftovers of interrupted writes by other
+    /// processes. Best effort: a failure to remove leaves an old entry, never loses a new one.
+    fn prune(dir: &Path, keep: usize) {
+        let Ok(read) = fs::read_dir(dir) else {
+            return;
+        };
+        let mut entries = vec![];
+        for e in read.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if let Some(step) = step_of(&name) {
+                entries.push((step, e.path()));
+            } else if name.starts_with(".step-") && name.ends_with(".tmp") {
+                let _ = fs::remove_dir_all(e.path());
+            }
+        }
+        entries.sort();
+        let extra = entries.len().saturating_sub(keep);
+        for (_, path) in entries.into_iter().take(extra) {
+            let _ = fs::remove_dir_all(path);
+        }
+    }
+
+    /// What `--resume PATH` resolved to: the checkpoint file to load, and entries passed over.
+    pub struct Resolved {
+        pub file: PathBuf,
+        /// Entries newer than the one chosen that have no manifest (writes cut short).
+        pub skipped: Vec<PathBuf>,
+    }
+
+    /// `--resume PATH`: a checkpoint file as it is; an entry folder (one holding a manifest),
+    /// verified; a folder of entries, its newest entry that has a manifest, verified. Entries
+    /// without a manifest are skipped (reported in [`Resolved::skipped`]); an entry whose manifest
+    /// is there but one of whose files is missing, truncated or altered is refused, naming the
+    /// file: damage is never passed over silently.
+    pub fn resolve(path: &Path) -> Result<Resolved, CheckpointError> {
+        if !path.is_dir() {
+            return Ok(Resolved {
+                file: path.to_path_buf(),
+                skipped: vec![],
+            });
+        }
+        if path.join(MANIFEST).exists() || step_of(&file_name(path)).is_some() {
+            return Ok(Resolved {
+                file: verify(path)?,
+                skipped: vec![],
+            });
+        }
+        let mut entries = vec![];
+        for e in fs::read_dir(path).map_err(io(path, false))? {
+            let e = e.map_err(io(path, false))?;
+            if let Some(step) = step_of(&e.file_name().to_string_lossy()) {
+                entries.push((step, e.path()));
+            }
+        }
+        entries.sort();
+        let mut skipped = vec![];
+        while let Some((_, entry)) = entries.pop() {
+            if entry.join(MANIFEST).exists() {
+                return Ok(Resolved {
+                    file: verify(&entry)?,
+                    skipped,
+                });
+            }
+            skipped.push(entry);
+        }
+        Err(CheckpointError::Incomplete {
+            path: path.to_path_buf(),
+            problem: format!(
+                "no complete checkpoint entry (a `step-N` folder with a {MANIFEST}) in this folder"
+            ),
+        })
+    }
+
+    fn file_name(path: &Path) -> String {
+        path.file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default()
+    }
+
+    /// Checks every file the entry's manifest lists; returns the state file's path.
+    fn verify(entry: &Path) -> Result<PathBuf, CheckpointError> {
+        let incomplete = |problem: String| CheckpointError::Incomplete {
+            path: entry.to_path_buf(),
+            problem,
+        };
+        let mpath = entry.join(MANIFEST);
+        let text = match fs::read_to_string(&mpath) {
+            Ok(t) => t,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                return Err(incomplete(format!(
+                    "{MANIFEST} is missing: the entry was not completely written"
+                )))
+            }
+            Err(e) => return Err(io(&mpath, false)(e)),
+        };
+        let manifest: Manifest = serde_json::from_str(&text)
+            .ok()
+            .filter(|m: &Manifest| m.format == FORMAT)
+            .ok_or_else(|| incomplete(format!("{MANIFEST} is not a checkpoint manifest")))?;
+        for f in &manifest.files {
+            let at = entry.join(&f.name);
+            let bytes = match fs::read(&at) {
+                Ok(b) => b,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                    return Err(incomplete(format!(
+                        "`{}` is missing ({MANIFEST} lists it)",
+                        f.name
+                    )))
+                }
+                Err(e) => return Err(io(&at, false)(e)),
+            };
+            if bytes.len() as u64 != f.bytes {
+                return Err(incomplete(format!(
+                    "`{}` has {} bytes, {MANIFEST} says {} ({})",
+                    f.name,
+                    bytes.len(),
+                    f.bytes,
+                    if (bytes.len() as u64) < f.bytes {
+                        "truncated"
+                    } else {
+                        "altered"
+                    }
+                )));
+            }
+            if fnv1a64(&bytes) != f.fnv1a64 {
+                return Err(incomplete(format!(
+                    "`{}` does not match the hash in {MANIFEST} (damaged)",
+                    f.name
+                )));
+            }
+        }
+        if !manifest.files.iter().any(|f| f.name == STATE) {
+            return Err(incomplete(format!("{MANIFEST} lists no `{STATE}`")));
+        }
+        Ok(entry.join(STATE))
+    }
 }

@@ -12,7 +12,8 @@
 //!   math over the primitives each backend implements (the CPU's on host memory).
 //! - [`math`]: the model math in f32 (zoo layers forward and backward, loss, optimizers, bf16).
 //! - [`train`]: the host side: initial state, batches by `runtime.md`'s rule, steps, whole-tensor
-//!   state in and out; [`checkpoint`] stores that state in safetensors files.
+//!   state in and out; [`checkpoint`] stores that state in safetensors files and folders of
+//!   periodic checkpoints; [`preempt`] turns SIGTERM/SIGINT into a stop after the current step.
 //! - [`data`]: the byte corpus and the batch rule; [`reference`]: an independent single-process
 //!   trainer that parity tests compare every schedule against; [`trace`]: a measured step as a
 //!   Perfetto trace.
@@ -26,6 +27,7 @@ pub mod exec;
 pub mod math;
 mod pages;
 pub mod plan;
+pub mod preempt;
 pub mod reference;
 pub mod step;
 pub mod trace;

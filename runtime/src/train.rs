@@ -215,6 +215,26 @@ impl<B: Backend> Trainer<B> {
         })
     }
 
+    /// Test hook (`schedrun --inject-nan STEP`): makes the first weight of the first layer after
+    /// the embedding (the embedding when it is the only one) NaN, in the parameters and the master
+    /// copy, so that the next step's loss is NaN as a real divergence's would be. Returns the
+    /// layer's index.
+    pub fn poison(&mut self) -> Result<usize, RunError> {
+        let mut s = self.state()?;
+        let n = s.layers.len();
+        let l = (1..n)
+            .chain(0..1)
+            .find(|&l| !s.layers[l].params.is_empty())
+            .ok_or_else(|| RunError::of_run("no layer holds parameters"))?;
+        let layer = &mut s.layers[l];
+        layer.params[0] = f32::NAN;
+        if let Some(x) = layer.master.first_mut() {
+            *x = f32::NAN;
+        }
+        self.load(&s)?;
+        Ok(l)
+    }
+
     /// The batches of step `t` (0-based) for the backend's ranks: `[rank][micro_step]`.
     pub fn batches(&self, t: u64) -> Result<Vec<Vec<Batch>>, RunError> {
         let p = &self.plan;

@@ -15,6 +15,9 @@ fn train(lr: f64, clip: Option<f64>) -> Train {
         seed: 0,
         data: None,
         clip,
+        checkpoints: None,
+        save_every: None,
+        keep: None,
     }
 }
 

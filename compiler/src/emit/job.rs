@@ -99,10 +99,21 @@ fn schedule(out: &mut String, job: &Job) {
         .as_ref()
         .map_or("built-in".into(), |p| p.display().to_string());
     let clip = t.clip.map_or("off".into(), |c| c.to_string());
+    // Checkpoint settings only when set: the line of a schedule without them is unchanged.
+    let mut checkpoints = String::new();
+    if let Some(d) = &t.checkpoints {
+        checkpoints += &format!("  checkpoints {}", d.display());
+    }
+    if let Some(n) = t.save_every {
+        checkpoints += &format!("  save_every {n}");
+    }
+    if let Some(k) = t.keep {
+        checkpoints += &format!("  keep {k}");
+    }
     row(
         "train",
         format!(
-            "steps {}  lr {}  seed {}  data {data}  clip {clip}",
+            "steps {}  lr {}  seed {}  data {data}  clip {clip}{checkpoints}",
             t.steps, t.lr, t.seed
         ),
     );

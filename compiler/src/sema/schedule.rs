@@ -74,6 +74,9 @@ const TRAIN_KEYS: &[(&str, Shape)] = &[
     ("seed", Shape::Value),
     ("data", Shape::Value),
     ("clip", Shape::Value),
+    ("checkpoints", Shape::Value),
+    ("save_every", Shape::Value),
+    ("keep", Shape::Value),
 ];
 const PRESETS: [&str; 8] = [
     "ddp", "zero1", "zero2", "zero3", "fsdp", "mics", "hsdp", "hpz",
@@ -856,6 +859,9 @@ struct TrainSpec<'a> {
     seed: u64,
     data: Option<&'a sched_grammar::ast::StringLit>,
     clip: Option<f64>,
+    checkpoints: Option<&'a sched_grammar::ast::StringLit>,
+    save_every: Option<u64>,
+    keep: Option<u64>,
 }
 
 impl<'a> OptionalBlocks<'a> {
@@ -896,6 +902,9 @@ impl<'a> OptionalBlocks<'a> {
             seed: t.seed,
             data: t.data.map(|s| dir.join(&s.value)),
             clip: t.clip,
+            checkpoints: t.checkpoints.map(|s| dir.join(&s.value)),
+            save_every: t.save_every,
+            keep: t.keep,
         })
     }
 }
@@ -1010,6 +1019,9 @@ fn train<'a>(ctx: &mut Ctx, r: &BlockReader<'a>) -> Option<TrainSpec<'a>> {
             seed: 0,
             data: None,
             clip: None,
+            checkpoints: None,
+            save_every: None,
+            keep: None,
         });
     };
     let p = BlockReader::for_nested(ctx, "`train`", b, TRAIN_KEYS);
@@ -1029,12 +1041,25 @@ fn train<'a>(ctx: &mut Ctx, r: &BlockReader<'a>) -> Option<TrainSpec<'a>> {
     let clip = opt(ctx, p.value("clip"), None, |ctx, v| {
         positive(ctx, v, "`train.clip`").map(Some)
     });
+    let checkpoints = match p.value("checkpoints") {
+        Some(v) => expect_string(ctx, v).map(Some),
+        None => Some(None),
+    };
+    let save_every = opt(ctx, p.value("save_every"), None, |ctx, v| {
+        expect_int(ctx, v, 1, 1 << 40, "`train.save_every`").map(Some)
+    });
+    let keep = opt(ctx, p.value("keep"), None, |ctx, v| {
+        expect_int(ctx, v, 1, 1 << 20, "`train.keep`").map(Some)
+    });
     Some(TrainSpec {
         steps: steps?,
         lr: lr?,
         seed: seed?,
         data: data?,
         clip: clip?,
+        checkpoints: checkpoints?,
+        save_every: save_every?,
+        keep: keep?,
     })
 }
 

@@ -1,8 +1,11 @@
 //! `schedrun`: runs a compiled schedule for real (`docs/cli.md`).
 //!
 //! Exit status: 0 success, 1 bad input (a schedule with errors, a plan that is malformed, of
-//! another version or fails verification, a weights file that does not fit the model), 2 any
-//! other failure (a rank that fails or stops answering, a file that cannot be written).
+//! another version or fails verification, a weights file that does not fit the model, an
+//! incomplete checkpoint) or a run that diverged (a non-finite loss), 2 any other failure (a rank
+//! that fails or stops answering, an output that cannot be written, checked before the first
+//! step), 128 + the signal (143 SIGTERM, 130 SIGINT) a run stopped by a signal after its current
+//! step and its checkpoint.
 //! Per-step results go to stdout (one JSON object per line with `--json`), progress and errors to
 //! stderr, the progress bar only when stderr is a terminal.
 
@@ -15,10 +18,11 @@ use schedrun::backend::{Backend, RunOptions, StreamWait};
 use schedrun::checkpoint::{self, Contents};
 use schedrun::data::Corpus;
 use schedrun::plan::{LoadError, Plan};
+use schedrun::preempt;
 use schedrun::train::{StepReport, Trainer};
 use serde_json::json;
 use std::io::IsTerminal;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
@@ -41,6 +45,10 @@ struct Cli {
     /// Optimizer steps to run (default: the schedule's `train.steps`).
     #[arg(long)]
     steps: Option<u64>,
+    /// Run until the step count reaches N, counting a resumed checkpoint's steps (for a job
+    /// requeued with the same command line); not with `--steps`.
+    #[arg(long, value_name = "N", conflicts_with = "steps")]
+    until_step: Option<u64>,
     /// Learning rate (default: the schedule's `train.lr`).
     #[arg(long)]
     lr: Option<f64>,
@@ -65,9 +73,28 @@ struct Cli {
     /// Write a checkpoint (weights, optimizer state, step) after the last step.
     #[arg(long, value_name = "F")]
     save: Option<PathBuf>,
-    /// Continue from a checkpoint written by `--save`, under this or any other schedule.
-    #[arg(long, value_name = "F")]
+    /// Continue from a checkpoint, under this or any other schedule: a file written by `--save`,
+    /// a folder of `--checkpoints` (its newest complete entry) or one entry of it.
+    #[arg(long, value_name = "F|DIR")]
     resume: Option<PathBuf>,
+    /// Write checkpoints into this folder, each step's as its own entry (`step-00000120/`):
+    /// every `--save-every` steps, when stopped by SIGTERM or SIGINT, and after the last step
+    /// (default: the schedule's `train.checkpoints`).
+    #[arg(long, value_name = "DIR")]
+    checkpoints: Option<PathBuf>,
+    /// With checkpoints: write one every N steps, counted from step 0 so that a resumed run keeps
+    /// the cadence (default: the schedule's `train.save_every`, else only at the end and on a
+    /// signal).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    save_every: Option<u64>,
+    /// With checkpoints: how many entries to keep, the newest (default: the schedule's
+    /// `train.keep`, else 3).
+    #[arg(long, value_name = "K", value_parser = clap::value_parser!(u64).range(1..))]
+    keep: Option<u64>,
+    /// Test hook: make one weight NaN just before this step (1-based), to exercise the
+    /// divergence stop.
+    #[arg(long, value_name = "STEP", hide = true)]
+    inject_nan: Option<u64>,
     /// Stress mode: sleep a random time up to this many microseconds before every op, so that a
     /// missing wait shows up as wrong numbers instead of passing by luck.
     #[arg(long, value_name = "MICROSECONDS")]
@@ -105,6 +132,9 @@ enum Failure {
     Fault(Cause),
     /// A report already written out in full (a `.sched` file's diagnostics): printed as it is.
     Reported(String),
+    /// Stopped by a signal after a step, the checkpoint written and the reason already printed:
+    /// exit with this status.
+    Stopped(u8),
 }
 
 type Cause = Box<dyn std::error::Error + Send + Sync>;
@@ -142,6 +172,7 @@ fn main() -> ExitCode {
             eprintln!("{}", report.trim_end());
             return ExitCode::from(1);
         }
+        Err(Failure::Stopped(status)) => return ExitCode::from(status),
     };
     let message = e.to_string();
     eprintln!("error: {message}");
@@ -166,6 +197,7 @@ fn run(cli: &Cli) -> Result<(), Failure> {
     };
     let plan = Plan::load(&cli.file, cli.schedule.as_deref())?;
     let plan = Arc::new(plan);
+    check_outputs(cli, &Saving::of(cli, &plan)?)?;
     let data = cli.data.clone().or(plan.job.schedule.train.data.clone());
     let corpus = Corpus::load(data.as_deref()).map_err(Failure::input)?;
     corpus
@@ -180,6 +212,7 @@ fn run(cli: &Cli) -> Result<(), Failure> {
     };
     match dist {
         None => {
+            preempt::install().map_err(Failure::fault)?;
             let backend = CpuBackend::new(plan.clone(), options);
             run_steps(
                 cli,
@@ -200,11 +233,15 @@ fn run(cli: &Cli) -> Result<(), Failure> {
             // Missing libraries (or a build without CUDA): one line, before any device work.
             cuda::probe().map_err(Failure::fault)?;
             let ptx = ptx_files(cli)?;
-            if env.world > 1 && cli.save.is_some() {
+            if env.world > 1 && (cli.save.is_some() || Saving::of(cli, &plan)?.dir.is_some()) {
                 return Err(Failure::input(
-                    "--save is not supported yet with several cuda processes (each holds only \
-                     its own shards)",
+                    "--save and --checkpoints are not supported yet with several cuda processes \
+                     (each holds only its own shards)",
                 ));
+            }
+            if env.world == 1 {
+                // Several processes would have to agree on the step to stop after: not yet.
+                preempt::install().map_err(Failure::fault)?;
             }
             let backend =
                 CudaBackend::new(plan.clone(), options, &env, &ptx).map_err(Failure::fault)?;
@@ -251,6 +288,89 @@ fn ptx_files(cli: &Cli) -> Result<PtxFiles, Failure> {
         .map_err(Failure::input)
 }
 
+/// Periodic checkpoints: the flags, else the schedule's `train` keys.
+struct Saving {
+    dir: Option<PathBuf>,
+    every: Option<u64>,
+    keep: usize,
+}
+
+impl Saving {
+    fn of(cli: &Cli, plan: &Plan) -> Result<Saving, Failure> {
+        let train = &plan.job.schedule.train;
+        let dir = cli.checkpoints.clone().or(train.checkpoints.clone());
+        if dir.is_none() && (cli.save_every.is_some() || cli.keep.is_some()) {
+            return Err(Failure::input(
+                "--save-every and --keep need a checkpoint folder: --checkpoints DIR or the \
+                 schedule's `train.checkpoints`",
+            ));
+        }
+        Ok(Saving {
+            dir,
+            every: cli.save_every.or(train.save_every),
+            keep: cli.keep.or(train.keep).unwrap_or(3) as usize,
+        })
+    }
+}
+
+/// Every file the run will write, checked creatable before anything runs (exit 2 naming the
+/// first that is not): a probe file is created and removed beside each, so nothing is left.
+fn check_outputs(cli: &Cli, saving: &Saving) -> Result<(), Failure> {
+    let files = [
+        ("--save-init", &cli.save_init),
+        ("--save", &cli.save),
+        ("--trace", &cli.trace),
+    ];
+    for (flag, f) in files {
+        let Some(f) = f else { continue };
+        let dir = f
+            .parent()
+            .filter(|d| !d.as_os_str().is_empty())
+            .unwrap_or(Path::new("."));
+        let why = if f.is_dir() {
+            Err("it is a folder".to_string())
+        } else {
+            writable_folder(dir)
+        };
+        why.map_err(|why| Failure::fault(format!("cannot write {} ({flag}): {why}", f.display())))?;
+    }
+    if let Some(d) = &saving.dir {
+        // The folder is made at the first checkpoint: its nearest existing ancestor must be a
+        // folder this process can write in.
+        let mut at = d.as_path();
+        while !at.exists() {
+            match at.parent().filter(|p| !p.as_os_str().is_empty()) {
+                Some(p) => at = p,
+                None => {
+                    at = Path::new(".");
+                    break;
+                }
+            }
+        }
+        writable_folder(at).map_err(|why| {
+            Failure::fault(format!(
+                "cannot write checkpoints into {} (--checkpoints): {why}",
+                d.display()
+            ))
+        })?;
+    }
+    Ok(())
+}
+
+/// Whether a file can be created in `dir`: it is a folder and a probe file can be created there.
+fn writable_folder(dir: &Path) -> Result<(), String> {
+    if !dir.exists() {
+        return Err(format!("folder {} does not exist", dir.display()));
+    }
+    if !dir.is_dir() {
+        return Err(format!("{} is not a folder", dir.display()));
+    }
+    let probe = dir.join(format!(".schedrun-probe.{}", std::process::id()));
+    std::fs::File::create(&probe).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let _ = std::fs::remove_file(&probe);
+    Ok(())
+}
+
 /// Loads the initial state and runs the steps; only `print` ranks write results.
 fn run_steps<B: Backend>(
     cli: &Cli,
@@ -260,7 +380,6 @@ fn run_steps<B: Backend>(
 ) -> Result<(), Failure> {
     let plan = plan.clone();
     let train = &plan.job.schedule.train;
-    let steps = cli.steps.unwrap_or(train.steps);
     let lr = cli.lr.unwrap_or(train.lr);
     let seed = cli.seed.unwrap_or(train.seed);
     let clip = cli.clip.or(train.clip);
@@ -268,14 +387,34 @@ fn run_steps<B: Backend>(
     let state = match (&cli.init, &cli.resume) {
         (Some(f), _) => checkpoint::load(f, &model, Contents::Weights).map_err(Failure::input)?,
         (_, Some(f)) => {
-            checkpoint::load(f, &model, Contents::Checkpoint).map_err(Failure::input)?
+            let found = checkpoint::folder::resolve(f).map_err(Failure::input)?;
+            if print {
+                for s in &found.skipped {
+                    eprintln!(
+                        "schedrun: skipping {}: no {} (its write was cut short)",
+                        s.display(),
+                        checkpoint::folder::MANIFEST
+                    );
+                }
+                if found.file != *f {
+                    eprintln!("schedrun: resuming from {}", found.file.display());
+                }
+            }
+            checkpoint::load(&found.file, &model, Contents::Checkpoint).map_err(Failure::input)?
         }
         _ => trainer.initial_state(seed),
     };
     trainer.load(&state).map_err(Failure::fault)?;
+    let steps = match cli.until_step {
+        Some(n) => n.saturating_sub(state.step),
+        None => cli.steps.unwrap_or(train.steps),
+    };
     if !print {
         for _ in 0..steps {
-            trainer.step(lr, clip).map_err(Failure::fault)?;
+            let r = trainer.step(lr, clip).map_err(Failure::fault)?;
+            if !r.loss.is_finite() {
+                return Err(diverged(&r, None));
+            }
         }
         return Ok(());
     }
@@ -305,8 +444,33 @@ fn run_steps<B: Backend>(
     let bar = progress(steps);
     let mut reports: Vec<StepReport> = vec![];
     let mut last = None;
+    // The newest checkpoint entry this run wrote.
+    let mut entry: Option<(u64, PathBuf)> = None;
+    let saving = Saving::of(cli, &plan)?;
+    let keep = saving.keep;
+    if let Some(signal) = preempt::requested() {
+        // Stopped while starting: nothing has changed since the state was loaded.
+        eprintln!(
+            "schedrun: {} received while starting: stopped before the first step",
+            preempt::name(signal)
+        );
+        return Err(Failure::Stopped((128 + signal) as u8));
+    }
     for _ in 0..steps {
+        if cli.inject_nan == Some(trainer.steps_done() + 1) {
+            trainer.poison().map_err(Failure::fault)?;
+        }
         let mut r = trainer.step(lr, clip).map_err(Failure::fault)?;
+        if !r.loss.is_finite() {
+            if let Some(b) = &bar {
+                b.abandon();
+            }
+            let saved = entry
+                .as_ref()
+                .map(|e| e.1.clone())
+                .or_else(|| cli.resume.clone());
+            return Err(diverged(&r, saved.as_deref()));
+        }
         last = Some((r.time, std::mem::take(&mut r.outcome.spans)));
         let line = if cli.json {
             json!({"step": r.step, "loss": r.loss, "step_time_s": r.time.as_secs_f64(),
@@ -329,10 +493,55 @@ fn run_steps<B: Backend>(
             }
             None => println!("{line}"),
         }
+        let stop = preempt::requested();
+        let due = saving.every.is_some_and(|n| r.step % n == 0) || stop.is_some();
+        if let (Some(dir), true) = (&saving.dir, due) {
+            let state = trainer.state().map_err(Failure::fault)?;
+            let at =
+                checkpoint::folder::write(dir, &model, &state, keep).map_err(Failure::fault)?;
+            note(&bar, format!("schedrun: checkpoint {}", at.display()));
+            entry = Some((r.step, at));
+        }
         reports.push(r);
+        if let Some(signal) = stop {
+            if let Some(b) = &bar {
+                b.abandon();
+            }
+            if let Some(f) = &cli.save {
+                let state = trainer.state().map_err(Failure::fault)?;
+                checkpoint::save(f, &model, &state, Contents::Checkpoint)
+                    .map_err(Failure::fault)?;
+            }
+            let written: Vec<String> = entry
+                .iter()
+                .filter(|e| e.0 == trainer.steps_done())
+                .map(|e| e.1.display().to_string())
+                .chain(cli.save.iter().map(|f| f.display().to_string()))
+                .collect();
+            eprintln!(
+                "schedrun: {} received: stopped after step {}; {}",
+                preempt::name(signal),
+                trainer.steps_done(),
+                if written.is_empty() {
+                    "no checkpoint written (saving is off: --checkpoints or --save)".to_string()
+                } else {
+                    format!("checkpoint written to {}", written.join(" and "))
+                }
+            );
+            return Err(Failure::Stopped((128 + signal) as u8));
+        }
     }
     if let Some(b) = &bar {
         b.finish_and_clear();
+    }
+    if let Some(dir) = &saving.dir {
+        let done = trainer.steps_done();
+        if !reports.is_empty() && entry.as_ref().map(|e| e.0) != Some(done) {
+            let state = trainer.state().map_err(Failure::fault)?;
+            let at =
+                checkpoint::folder::write(dir, &model, &state, keep).map_err(Failure::fault)?;
+            eprintln!("schedrun: checkpoint {}", at.display());
+        }
     }
     if let Some(f) = &cli.save {
         let state = trainer.state().map_err(Failure::fault)?;
@@ -347,6 +556,27 @@ fn run_steps<B: Backend>(
     }
     summary(cli.json, &plan, &trainer, &reports);
     Ok(())
+}
+
+/// A line on stderr, above the progress bar when there is one.
+fn note(bar: &Option<ProgressBar>, line: String) {
+    match bar {
+        Some(b) => b.suspend(|| eprintln!("{line}")),
+        None => eprintln!("{line}"),
+    }
+}
+
+/// A step whose loss is not finite: the run stops (exit 1) before anything of it is saved.
+fn diverged(r: &StepReport, last_good: Option<&Path>) -> Failure {
+    Failure::input(format!(
+        "step {}: the loss is {} (the run diverged); stopped before saving anything of this step{}",
+        r.step,
+        r.loss,
+        match last_good {
+            Some(p) => format!(" (the last good checkpoint is {})", p.display()),
+            None => String::new(),
+        }
+    ))
 }
 
 fn progress(steps: u64) -> Option<ProgressBar> {
