@@ -448,23 +448,38 @@ fn import_hf_writes_a_checked_block_or_nothing() {
     let dir = scratch("import_hf");
     let hf = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/hf");
     let config = |f: &str| hf.join(f).display().to_string();
-    let out = schedc(&["import", "hf", &config("gpt2.json"), "--name", "gpt2"], &dir);
+    let out = schedc(
+        &["import", "hf", &config("gpt2.json"), "--name", "gpt2"],
+        &dir,
+    );
     assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
     assert!(text(&out.stdout).contains("model gpt2 {"));
     std::fs::write(dir.join("m.sched"), &out.stdout).unwrap();
     let out = schedc(&["check", "m.sched"], &dir);
     assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
     let out = schedc(
-        &["import", "hf", &config("bad-rope-theta.json"), "-o", "x.sched"],
+        &[
+            "import",
+            "hf",
+            &config("bad-rope-theta.json"),
+            "-o",
+            "x.sched",
+        ],
         &dir,
     );
     assert_eq!(out.status.code(), Some(1));
     let err = text(&out.stderr);
-    assert!(err.contains("bad-rope-theta.json") && err.contains("`rope_theta`"), "{err}");
+    assert!(
+        err.contains("bad-rope-theta.json") && err.contains("`rope_theta`"),
+        "{err}"
+    );
     assert!(!dir.join("x.sched").exists());
     let out = schedc(&["import", "hf", "missing.json", "-o", "x.sched"], &dir);
     assert_eq!(out.status.code(), Some(2));
     assert!(!dir.join("x.sched").exists());
-    let out = schedc(&["import", "hf", &config("gpt2.json"), "--name", "2x"], &dir);
+    let out = schedc(
+        &["import", "hf", &config("gpt2.json"), "--name", "2x"],
+        &dir,
+    );
     assert_eq!(out.status.code(), Some(1), "a name that is no identifier");
 }
