@@ -215,6 +215,35 @@ impl<B: Backend> Trainer<B> {
         })
     }
 
+    /// The layers whose gradient accumulators hold a value that is not finite after the last
+    /// step, in backward order (the last layer first: where a backward's non-finite values show
+    /// up first), for the message of a diverged run. Reads every gradient shard of every rank.
+    pub fn non_finite_gradients(&self) -> Result<Vec<String>, RunError> {
+        let p = &self.plan;
+        let mut out = vec![];
+        for (l, layer) in p.job.model.layers.iter().enumerate().rev() {
+            let mut bad = false;
+            for g in p.state_buffers(l, BufferKind::GradShard) {
+                let buf = &p.program.buffers[g];
+                let n = (buf.bytes / buf.dtype.bytes()) as usize;
+                let holders = p.holders(g);
+                for rank in self
+                    .backend
+                    .ranks()
+                    .into_iter()
+                    .filter(|r| holders.contains(r))
+                {
+                    let v = self.backend.download(rank, buf.offset, n, buf.dtype)?;
+                    bad |= v.iter().any(|x| !x.is_finite());
+                }
+            }
+            if bad {
+                out.push(layer.name.clone());
+            }
+        }
+        Ok(out)
+    }
+
     /// Test hook (`schedrun --inject-nan STEP`): makes the first weight of the first layer after
     /// the embedding (the embedding when it is the only one) NaN, in the parameters and the master
     /// copy, so that the next step's loss is NaN as a real divergence's would be. Returns the

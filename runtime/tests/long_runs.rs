@@ -443,6 +443,11 @@ fn a_nan_loss_stops_the_run_at_its_step_and_keeps_the_last_good_checkpoint() {
     let err = stderr(&out);
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(err.contains("step 3: the loss is NaN"), "{err}");
+    // The poisoned weight (block[0]'s) spoils every gradient; the head's shows it first.
+    assert!(
+        err.contains("non-finite gradients in head, block[1], block[0], embed (backward order)"),
+        "names the layers: {err}"
+    );
     assert!(
         err.contains("step-00000002"),
         "names the last good checkpoint: {err}"

@@ -413,7 +413,7 @@ fn run_steps<B: Backend>(
         for _ in 0..steps {
             let r = trainer.step(lr, clip).map_err(Failure::fault)?;
             if !r.loss.is_finite() {
-                return Err(diverged(&r, None));
+                return Err(diverged(&r, &trainer, None));
             }
         }
         return Ok(());
@@ -469,7 +469,7 @@ fn run_steps<B: Backend>(
                 .as_ref()
                 .map(|e| e.1.clone())
                 .or_else(|| cli.resume.clone());
-            return Err(diverged(&r, saved.as_deref()));
+            return Err(diverged(&r, &trainer, saved.as_deref()));
         }
         last = Some((r.time, std::mem::take(&mut r.outcome.spans)));
         let line = if cli.json {
@@ -566,10 +566,19 @@ fn note(bar: &Option<ProgressBar>, line: String) {
     }
 }
 
-/// A step whose loss is not finite: the run stops (exit 1) before anything of it is saved.
-fn diverged(r: &StepReport, last_good: Option<&Path>) -> Failure {
+/// A step whose loss is not finite: the run stops (exit 1) before anything of it is saved,
+/// naming the layers whose gradients are not finite either (in backward order).
+fn diverged<B: Backend>(r: &StepReport, trainer: &Trainer<B>, last_good: Option<&Path>) -> Failure {
+    let layers = match trainer.non_finite_gradients() {
+        Ok(l) if l.is_empty() => String::new(),
+        Ok(l) => format!(
+            "; non-finite gradients in {} (backward order)",
+            l.join(", ")
+        ),
+        Err(e) => format!("; the gradients could not be read: {e}"),
+    };
     Failure::input(format!(
-        "step {}: the loss is {} (the run diverged); stopped before saving anything of this step{}",
+        "step {}: the loss is {} (the run diverged){layers}; stopped before saving anything of this step{}",
         r.step,
         r.loss,
         match last_good {
