@@ -457,6 +457,71 @@ pub struct Train {
     /// Checkpoint entries kept (`--keep`; `None`: schedrun's default, 3).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub keep: Option<u64>,
+    /// Steps of linear warmup to `lr` (0: none). Absent from plan files when 0.
+    #[serde(default, skip_serializing_if = "is_zero_u64")]
+    pub warmup: u64,
+    /// How the learning rate decays from `lr` to `min_lr` over the steps after the warmup.
+    #[serde(default, skip_serializing_if = "Decay::is_constant")]
+    pub decay: Decay,
+    /// The learning rate the decay ends at (0 by default).
+    #[serde(default, skip_serializing_if = "is_zero_f64")]
+    pub min_lr: f64,
+}
+
+fn is_zero_u64(x: &u64) -> bool {
+    *x == 0
+}
+
+fn is_zero_f64(x: &f64) -> bool {
+    *x == 0.0
+}
+
+/// The learning-rate decay after the warmup (`train.decay`).
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[serde(rename_all = "snake_case")]
+pub enum Decay {
+    /// `lr` throughout.
+    #[default]
+    Constant,
+    /// Linearly from `lr` to `min_lr` at the last step.
+    Linear,
+    /// Half a cosine from `lr` to `min_lr` at the last step.
+    Cosine,
+}
+
+impl Decay {
+    pub fn is_constant(&self) -> bool {
+        *self == Decay::Constant
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Decay::Constant => "constant",
+            Decay::Linear => "linear",
+            Decay::Cosine => "cosine",
+        }
+    }
+}
+
+impl Train {
+    /// The learning rate of step `t` (0-based, counted over the whole run, resumes included) with
+    /// base rate `lr` (the schedule's, or a command line's): `lr·(t+1)/W` during a warmup of W
+    /// steps, then, with progress `q = (t − W) / (steps − W)` clamped to [0, 1], `lr` (constant),
+    /// `min + (lr − min)·(1 − q)` (linear) or `min + (lr − min)·(1 + cos πq)/2` (cosine), as
+    /// nanoGPT and Hugging Face's schedulers with a floor compute them.
+    pub fn lr_at(&self, lr: f64, t: u64) -> f64 {
+        if t < self.warmup {
+            return lr * (t + 1) as f64 / self.warmup as f64;
+        }
+        let span = self.steps.saturating_sub(self.warmup).max(1) as f64;
+        let q = ((t - self.warmup) as f64 / span).clamp(0.0, 1.0);
+        let min = self.min_lr;
+        match self.decay {
+            Decay::Constant => lr,
+            Decay::Linear => min + (lr - min) * (1.0 - q),
+            Decay::Cosine => min + (lr - min) * 0.5 * (1.0 + (std::f64::consts::PI * q).cos()),
+        }
+    }
 }
 
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
@@ -736,3 +801,7 @@ impl Job {
         })
     }
 }
+
+#[cfg(test)]
+#[path = "../tests/unit/lr_schedule.rs"]
+mod lr_schedule;

@@ -16,6 +16,8 @@ use sched_ir::job::{Layer, LayerKind, Model, Train};
 use std::ops::Range;
 
 pub struct Reference {
+    /// The training settings (the learning-rate schedule's, for each step's rate).
+    train: sched_ir::job::Train,
     layers: Vec<Layer>,
     math: Vec<LayerMath>,
     seq_len: usize,
@@ -90,6 +92,7 @@ impl Reference {
         let max_params = math.iter().map(LayerMath::params).max().unwrap_or(0);
         let tied_len = math.last().map_or(0, LayerMath::tied_elements);
         Ok(Reference {
+            train: train.clone(),
             layers: model.layers.clone(),
             seq_len: model.seq_len as usize,
             micro_batch: model.micro_batch as usize,
@@ -214,6 +217,7 @@ impl Reference {
             "a global batch is a whole number of micro-batches"
         );
         let micro_batches = batch.inputs.len() / chunk;
+        self.opt.lr = self.train.lr_at(self.train.lr, step_index) as f32;
         self.grads.iter_mut().for_each(|g| g.fill(0.0));
         let mut total = 0.0;
         for (x, y) in batch.inputs.chunks(chunk).zip(batch.targets.chunks(chunk)) {

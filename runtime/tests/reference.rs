@@ -18,6 +18,9 @@ fn train(lr: f64, clip: Option<f64>) -> Train {
         checkpoints: None,
         save_every: None,
         keep: None,
+        warmup: 0,
+        decay: sched_ir::job::Decay::Constant,
+        min_lr: 0.0,
     }
 }
 

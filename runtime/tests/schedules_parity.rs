@@ -35,6 +35,32 @@ fn every_tiny_schedule_matches_the_single_process_reference() {
     }
 }
 
+/// A learning-rate schedule (warmup, then cosine or linear decay to a floor) is applied alike by
+/// the backend's steps and the reference, and changes the run (the losses move away from the
+/// constant rate's).
+#[test]
+fn a_learning_rate_schedule_matches_the_reference() {
+    let base = jobs("tiny_cpu.sched").remove(0);
+    let constant = reference(&base, STEPS);
+    for decay in [sched_ir::job::Decay::Cosine, sched_ir::job::Decay::Linear] {
+        let mut job = base.clone();
+        let t = &mut job.schedule.train;
+        t.warmup = 3;
+        t.decay = decay;
+        t.min_lr = t.lr / 10.0;
+        t.steps = STEPS;
+        let want = reference(&job, STEPS);
+        let got = scheduled(&job, STEPS, RunOptions::default());
+        assert_parity(&job, &got, &want, decay.name());
+        let apart = want
+            .0
+            .iter()
+            .zip(&constant.0)
+            .any(|(a, b)| (a - b).abs() > 1e-3 * b);
+        assert!(apart, "{}: the schedule changes nothing", decay.name());
+    }
+}
+
 #[test]
 fn parity_holds_under_jitter() {
     let mut all = jobs("tiny_cpu.sched");

@@ -110,6 +110,13 @@ fn schedule(out: &mut String, job: &Job) {
     if let Some(k) = t.keep {
         checkpoints += &format!("  keep {k}");
     }
+    // The learning-rate schedule only when set, likewise.
+    if t.warmup > 0 {
+        checkpoints += &format!("  warmup {}", t.warmup);
+    }
+    if !t.decay.is_constant() {
+        checkpoints += &format!("  decay {}  min_lr {}", t.decay.name(), t.min_lr);
+    }
     row(
         "train",
         format!(

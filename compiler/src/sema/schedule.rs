@@ -77,6 +77,9 @@ const TRAIN_KEYS: &[(&str, Shape)] = &[
     ("checkpoints", Shape::Value),
     ("save_every", Shape::Value),
     ("keep", Shape::Value),
+    ("warmup", Shape::Value),
+    ("decay", Shape::Value),
+    ("min_lr", Shape::Value),
 ];
 const PRESETS: [&str; 8] = [
     "ddp", "zero1", "zero2", "zero3", "fsdp", "mics", "hsdp", "hpz",
@@ -862,6 +865,9 @@ struct TrainSpec<'a> {
     checkpoints: Option<&'a sched_grammar::ast::StringLit>,
     save_every: Option<u64>,
     keep: Option<u64>,
+    warmup: u64,
+    decay: Decay,
+    min_lr: f64,
 }
 
 impl<'a> OptionalBlocks<'a> {
@@ -905,6 +911,9 @@ impl<'a> OptionalBlocks<'a> {
             checkpoints: t.checkpoints.map(|s| dir.join(&s.value)),
             save_every: t.save_every,
             keep: t.keep,
+            warmup: t.warmup,
+            decay: t.decay,
+            min_lr: t.min_lr,
         })
     }
 }
@@ -1022,6 +1031,9 @@ fn train<'a>(ctx: &mut Ctx, r: &BlockReader<'a>) -> Option<TrainSpec<'a>> {
             checkpoints: None,
             save_every: None,
             keep: None,
+            warmup: 0,
+            decay: Decay::Constant,
+            min_lr: 0.0,
         });
     };
     let p = BlockReader::for_nested(ctx, "`train`", b, TRAIN_KEYS);
@@ -1051,7 +1063,43 @@ fn train<'a>(ctx: &mut Ctx, r: &BlockReader<'a>) -> Option<TrainSpec<'a>> {
     let keep = opt(ctx, p.value("keep"), None, |ctx, v| {
         expect_int(ctx, v, 1, 1 << 20, "`train.keep`").map(Some)
     });
+    let warmup = opt(ctx, p.value("warmup"), 0, |ctx, v| {
+        expect_int(ctx, v, 0, 1 << 40, "`train.warmup`")
+    });
+    let decay = opt(ctx, p.value("decay"), Decay::Constant, |ctx, v| {
+        expect_choice(
+            ctx,
+            v,
+            &["constant", "linear", "cosine"],
+            "learning-rate decay",
+        )
+        .map(|i| [Decay::Constant, Decay::Linear, Decay::Cosine][i])
+    });
+    let min_lr = opt(ctx, p.value("min_lr"), 0.0, |ctx, v| {
+        let x = expect_number(ctx, v)?;
+        if x < 0.0 {
+            ctx.error(
+                Diagnostic::error(format!("`train.min_lr` must not be negative, found {x}"))
+                    .at(v.span, "negative"),
+            );
+            return None;
+        }
+        Some(x)
+    });
+    if let (Some(lo), Some(hi), Some(v)) = (min_lr, lr, p.value("min_lr")) {
+        if lo > hi {
+            ctx.error(
+                Diagnostic::error(format!(
+                    "`train.min_lr` ({lo}) is above `train.lr` ({hi}): the decay would raise the rate"
+                ))
+                .at(v.span, "above lr"),
+            );
+        }
+    }
     Some(TrainSpec {
+        warmup: warmup?,
+        decay: decay?,
+        min_lr: min_lr?,
         steps: steps?,
         lr: lr?,
         seed: seed?,

@@ -11,6 +11,7 @@
 
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
+use sched_ir::job::{Decay, Train};
 use schedrun::backend::cpu::CpuBackend;
 use schedrun::backend::cuda::launch::{self, DistEnv};
 use schedrun::backend::cuda::{self, CudaBackend, PtxFiles};
@@ -52,6 +53,16 @@ struct Cli {
     /// Learning rate (default: the schedule's `train.lr`).
     #[arg(long)]
     lr: Option<f64>,
+    /// Steps of linear warmup to the learning rate (default: the schedule's `train.warmup`).
+    #[arg(long, value_name = "N")]
+    warmup: Option<u64>,
+    /// Decay after the warmup to `--min-lr` at the last step (default: the schedule's
+    /// `train.decay`).
+    #[arg(long, value_parser = ["constant", "linear", "cosine"])]
+    decay: Option<String>,
+    /// The rate the decay ends at (default: the schedule's `train.min_lr`, else 0).
+    #[arg(long, value_name = "LR")]
+    min_lr: Option<f64>,
     /// Initialisation seed (default: the schedule's `train.seed`).
     #[arg(long)]
     seed: Option<u64>,
@@ -379,7 +390,7 @@ fn run_steps<B: Backend>(
     print: bool,
 ) -> Result<(), Failure> {
     let plan = plan.clone();
-    let train = &plan.job.schedule.train;
+    let train = &learning_rate_schedule(cli, &plan.job.schedule.train)?;
     let lr = cli.lr.unwrap_or(train.lr);
     let seed = cli.seed.unwrap_or(train.seed);
     let clip = cli.clip.or(train.clip);
@@ -411,7 +422,8 @@ fn run_steps<B: Backend>(
     };
     if !print {
         for _ in 0..steps {
-            let r = trainer.step(lr, clip).map_err(Failure::fault)?;
+            let rate = train.lr_at(lr, trainer.steps_done());
+            let r = trainer.step(rate, clip).map_err(Failure::fault)?;
             if !r.loss.is_finite() {
                 return Err(diverged(&r, &trainer, None));
             }
@@ -460,7 +472,8 @@ fn run_steps<B: Backend>(
         if cli.inject_nan == Some(trainer.steps_done() + 1) {
             trainer.poison().map_err(Failure::fault)?;
         }
-        let mut r = trainer.step(lr, clip).map_err(Failure::fault)?;
+        let rate = train.lr_at(lr, trainer.steps_done());
+        let mut r = trainer.step(rate, clip).map_err(Failure::fault)?;
         if !r.loss.is_finite() {
             if let Some(b) = &bar {
                 b.abandon();
@@ -473,7 +486,7 @@ fn run_steps<B: Backend>(
         }
         last = Some((r.time, std::mem::take(&mut r.outcome.spans)));
         let line = if cli.json {
-            json!({"step": r.step, "loss": r.loss, "step_time_s": r.time.as_secs_f64(),
+            json!({"step": r.step, "loss": r.loss, "lr": rate, "step_time_s": r.time.as_secs_f64(),
                    "tokens_per_s": r.tokens_per_s})
             .to_string()
         } else {
@@ -556,6 +569,32 @@ fn run_steps<B: Backend>(
     }
     summary(cli.json, &plan, &trainer, &reports);
     Ok(())
+}
+
+/// The schedule's training settings with the command line's learning-rate schedule over them.
+fn learning_rate_schedule(cli: &Cli, train: &Train) -> Result<Train, Failure> {
+    let mut t = train.clone();
+    if let Some(w) = cli.warmup {
+        t.warmup = w;
+    }
+    if let Some(d) = &cli.decay {
+        t.decay = match d.as_str() {
+            "linear" => Decay::Linear,
+            "cosine" => Decay::Cosine,
+            _ => Decay::Constant,
+        };
+    }
+    if let Some(m) = cli.min_lr {
+        t.min_lr = m;
+    }
+    let lr = cli.lr.unwrap_or(t.lr);
+    if !(t.min_lr >= 0.0 && t.min_lr <= lr) {
+        return Err(Failure::input(format!(
+            "--min-lr {} must lie between 0 and the learning rate {lr}",
+            t.min_lr
+        )));
+    }
+    Ok(t)
 }
 
 /// A line on stderr, above the progress bar when there is one.

@@ -102,7 +102,10 @@ pub fn train<B: Backend>(
     let init = t.initial_state(train.seed);
     t.load(&init).unwrap();
     let losses = (0..steps)
-        .map(|_| t.step(train.lr, train.clip).unwrap().loss)
+        .map(|_| {
+            let lr = train.lr_at(train.lr, t.steps_done());
+            t.step(lr, train.clip).unwrap().loss
+        })
         .collect();
     let weights = t.state().unwrap().into_params();
     (losses, weights, t)
