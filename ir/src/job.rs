@@ -466,6 +466,15 @@ pub struct Train {
     /// The learning rate the decay ends at (0 by default).
     #[serde(default, skip_serializing_if = "is_zero_f64")]
     pub min_lr: f64,
+    /// AdamW's decoupled weight decay (`None`: 0.1). Absent from plan files when not set.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub weight_decay: Option<f64>,
+    /// Adam's β1 and β2 (`None`: 0.9 and 0.95).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub betas: Option<[f64; 2]>,
+    /// Adam's ε (`None`: 1e-8).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eps: Option<f64>,
 }
 
 fn is_zero_u64(x: &u64) -> bool {

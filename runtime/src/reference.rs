@@ -76,7 +76,10 @@ impl Reference {
             ));
         }
         let tie = tied.then(|| (0, tensor_range(first, "wte").expect("an embedding has wte")));
-        let opt = OptimizerConfig::new(model.optimizer, train.lr);
+        if train.weight_decay.is_some() && model.optimizer != sched_ir::job::Optimizer::AdamW {
+            return Err(bad("`train.weight_decay` is AdamW's decoupled decay"));
+        }
+        let opt = OptimizerConfig::of(model.optimizer, train.lr, train);
         let act = Precision::of(model.dtype);
         let mut params = vec![];
         let mut state = vec![];

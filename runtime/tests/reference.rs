@@ -21,6 +21,9 @@ fn train(lr: f64, clip: Option<f64>) -> Train {
         warmup: 0,
         decay: sched_ir::job::Decay::Constant,
         min_lr: 0.0,
+        weight_decay: None,
+        betas: None,
+        eps: None,
     }
 }
 

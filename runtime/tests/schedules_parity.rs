@@ -61,6 +61,29 @@ fn a_learning_rate_schedule_matches_the_reference() {
     }
 }
 
+/// The optimizer's settings (`weight_decay`, `betas`, `eps`) reach the backend's update as the
+/// reference's, and change the run.
+#[test]
+fn optimizer_settings_match_the_reference() {
+    let base = jobs("tiny_cpu.sched").remove(0);
+    assert_eq!(base.model.optimizer, sched_ir::job::Optimizer::AdamW);
+    let defaults = reference(&base, STEPS);
+    let mut job = base.clone();
+    let t = &mut job.schedule.train;
+    t.weight_decay = Some(0.3);
+    t.betas = Some([0.8, 0.99]);
+    t.eps = Some(1e-6);
+    let want = reference(&job, STEPS);
+    let got = scheduled(&job, STEPS, RunOptions::default());
+    assert_parity(&job, &got, &want, "optimizer settings");
+    let apart = want
+        .0
+        .iter()
+        .zip(&defaults.0)
+        .any(|(a, b)| (a - b).abs() > 1e-4 * b);
+    assert!(apart, "the settings change nothing");
+}
+
 #[test]
 fn parity_holds_under_jitter() {
     let mut all = jobs("tiny_cpu.sched");

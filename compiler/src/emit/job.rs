@@ -117,6 +117,15 @@ fn schedule(out: &mut String, job: &Job) {
     if !t.decay.is_constant() {
         checkpoints += &format!("  decay {}  min_lr {}", t.decay.name(), t.min_lr);
     }
+    if let Some(w) = t.weight_decay {
+        checkpoints += &format!("  weight_decay {w}");
+    }
+    if let Some([b1, b2]) = t.betas {
+        checkpoints += &format!("  betas [{b1}, {b2}]");
+    }
+    if let Some(e) = t.eps {
+        checkpoints += &format!("  eps {e}");
+    }
     row(
         "train",
         format!(

@@ -80,6 +80,9 @@ const TRAIN_KEYS: &[(&str, Shape)] = &[
     ("warmup", Shape::Value),
     ("decay", Shape::Value),
     ("min_lr", Shape::Value),
+    ("weight_decay", Shape::Value),
+    ("betas", Shape::Value),
+    ("eps", Shape::Value),
 ];
 const PRESETS: [&str; 8] = [
     "ddp", "zero1", "zero2", "zero3", "fsdp", "mics", "hsdp", "hpz",
@@ -868,6 +871,9 @@ struct TrainSpec<'a> {
     warmup: u64,
     decay: Decay,
     min_lr: f64,
+    weight_decay: Option<f64>,
+    betas: Option<[f64; 2]>,
+    eps: Option<f64>,
 }
 
 impl<'a> OptionalBlocks<'a> {
@@ -914,6 +920,9 @@ impl<'a> OptionalBlocks<'a> {
             warmup: t.warmup,
             decay: t.decay,
             min_lr: t.min_lr,
+            weight_decay: t.weight_decay,
+            betas: t.betas,
+            eps: t.eps,
         })
     }
 }
@@ -1034,6 +1043,9 @@ fn train<'a>(ctx: &mut Ctx, r: &BlockReader<'a>) -> Option<TrainSpec<'a>> {
             warmup: 0,
             decay: Decay::Constant,
             min_lr: 0.0,
+            weight_decay: None,
+            betas: None,
+            eps: None,
         });
     };
     let p = BlockReader::for_nested(ctx, "`train`", b, TRAIN_KEYS);
@@ -1096,7 +1108,51 @@ fn train<'a>(ctx: &mut Ctx, r: &BlockReader<'a>) -> Option<TrainSpec<'a>> {
             );
         }
     }
+    let weight_decay = opt(ctx, p.value("weight_decay"), None, |ctx, v| {
+        let x = expect_number(ctx, v)?;
+        if x < 0.0 {
+            ctx.error(
+                Diagnostic::error(format!(
+                    "`train.weight_decay` must not be negative, found {x}"
+                ))
+                .at(v.span, "negative"),
+            );
+            return None;
+        }
+        Some(Some(x))
+    });
+    let betas = opt(ctx, p.value("betas"), None, |ctx, v| {
+        let ValueKind::List(items) = &v.kind else {
+            ctx.error(
+                Diagnostic::error("`train.betas` is a list of two numbers, as [0.9, 0.95]")
+                    .at(v.span, "not a list"),
+            );
+            return None;
+        };
+        let xs: Vec<f64> = items
+            .iter()
+            .map(|i| expect_number(ctx, i))
+            .collect::<Option<_>>()?;
+        match xs.as_slice() {
+            [a, b] if (0.0..1.0).contains(a) && (0.0..1.0).contains(b) => Some(Some([*a, *b])),
+            _ => {
+                ctx.error(
+                    Diagnostic::error(format!(
+                        "`train.betas` must be two numbers in [0, 1), found {xs:?}"
+                    ))
+                    .at(v.span, "not two betas"),
+                );
+                None
+            }
+        }
+    });
+    let eps = opt(ctx, p.value("eps"), None, |ctx, v| {
+        positive(ctx, v, "`train.eps`").map(Some)
+    });
     Some(TrainSpec {
+        weight_decay: weight_decay?,
+        betas: betas?,
+        eps: eps?,
         warmup: warmup?,
         decay: decay?,
         min_lr: min_lr?,

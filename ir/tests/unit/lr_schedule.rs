@@ -17,6 +17,9 @@ fn train(steps: u64, warmup: u64, decay: Decay, min_lr: f64) -> Train {
         warmup,
         decay,
         min_lr,
+        weight_decay: None,
+        betas: None,
+        eps: None,
     }
 }
 

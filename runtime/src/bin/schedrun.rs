@@ -11,7 +11,7 @@
 
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
-use sched_ir::job::{Decay, Train};
+use sched_ir::job::{Decay, Optimizer, Train};
 use schedrun::backend::cpu::CpuBackend;
 use schedrun::backend::cuda::launch::{self, DistEnv};
 use schedrun::backend::cuda::{self, CudaBackend, PtxFiles};
@@ -391,6 +391,13 @@ fn run_steps<B: Backend>(
 ) -> Result<(), Failure> {
     let plan = plan.clone();
     let train = &learning_rate_schedule(cli, &plan.job.schedule.train)?;
+    if train.weight_decay.is_some() && plan.job.model.optimizer != Optimizer::AdamW {
+        return Err(Failure::input(format!(
+            "`train.weight_decay` is AdamW's decoupled decay, but model `{}` uses {}",
+            plan.job.model.name,
+            plan.job.model.optimizer.name()
+        )));
+    }
     let lr = cli.lr.unwrap_or(train.lr);
     let seed = cli.seed.unwrap_or(train.seed);
     let clip = cli.clip.or(train.clip);

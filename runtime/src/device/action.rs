@@ -547,7 +547,8 @@ impl<D: Device> Rank<'_, D> {
                 let n = self.elements(grad);
                 let g = self.read(grad, n)?;
                 let st = self.read(state, self.elements(state))?;
-                let cfg = OptimizerConfig::new(p.job.model.optimizer, input.lr);
+                let cfg =
+                    OptimizerConfig::of(p.job.model.optimizer, input.lr, &p.job.schedule.train);
                 if self.elements(state) != cfg.state_per_param() * n {
                     return Err(plan_error(format!(
                         "optimizer state of {} values for a shard of {n}",

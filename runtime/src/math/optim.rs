@@ -27,6 +27,21 @@ impl OptimizerConfig {
         }
     }
 
+    /// [`OptimizerConfig::new`] with the schedule's `weight_decay`, `betas` and `eps` where set.
+    pub fn of(kind: Optimizer, lr: f64, train: &sched_ir::job::Train) -> Self {
+        let mut c = OptimizerConfig::new(kind, lr);
+        if let (Some(w), Optimizer::AdamW) = (train.weight_decay, kind) {
+            c.weight_decay = w as f32;
+        }
+        if let Some([b1, b2]) = train.betas {
+            (c.beta1, c.beta2) = (b1 as f32, b2 as f32);
+        }
+        if let Some(e) = train.eps {
+            c.eps = e as f32;
+        }
+        c
+    }
+
     /// Whether AdamW's decoupled weight decay applies (to the decayed ranges).
     pub fn decays(&self) -> bool {
         self.kind == Optimizer::AdamW && self.weight_decay != 0.0
