@@ -370,3 +370,59 @@ fn cuda_launch_settings_are_checked_before_anything_starts() {
         "{err}"
     );
 }
+
+/// The learning-rate schedule and optimizer flags: `--json` reports each step's rate (warmup
+/// from lr/2 with `--warmup 2`), the optimizer flags change the run, and bad values exit 1
+/// before any step.
+#[test]
+fn learning_rate_and_optimizer_flags() {
+    let base = [
+        "schedules/tiny_cpu.sched",
+        "--steps",
+        "3",
+        "--json",
+        "--lr",
+        "1e-3",
+    ];
+    let run = |extra: &[&str]| {
+        let args: Vec<&str> = base.iter().chain(extra).copied().collect();
+        let out = schedrun(&args);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        json_lines(&out)
+    };
+    let warm = run(&["--warmup", "2"]);
+    let rates: Vec<f64> = warm.iter().filter_map(|l| l["lr"].as_f64()).collect();
+    assert_eq!(rates, [5e-4, 1e-3, 1e-3]);
+    let loss =
+        |lines: &[Value]| -> Vec<f64> { lines.iter().filter_map(|l| l["loss"].as_f64()).collect() };
+    let plain = loss(&run(&[]));
+    let tuned = loss(&run(&[
+        "--betas",
+        "0.8,0.99",
+        "--eps",
+        "1e-6",
+        "--weight-decay",
+        "0.3",
+    ]));
+    assert_eq!(
+        plain[0], tuned[0],
+        "the first step's loss comes before any update"
+    );
+    assert_ne!(plain[2], tuned[2], "the optimizer flags change the run");
+    for bad in [
+        &["--betas", "0.9"][..],
+        &["--betas", "0.9,1.0"],
+        &["--eps", "0"],
+        &["--weight-decay=-1"],
+        &["--min-lr", "1"],
+    ] {
+        let args: Vec<&str> = base.iter().chain(bad).copied().collect();
+        let out = schedrun(&args);
+        assert_eq!(out.status.code(), Some(1), "{bad:?}");
+        assert!(out.stdout.is_empty(), "{bad:?}: no step ran");
+    }
+}

@@ -63,6 +63,15 @@ struct Cli {
     /// The rate the decay ends at (default: the schedule's `train.min_lr`, else 0).
     #[arg(long, value_name = "LR")]
     min_lr: Option<f64>,
+    /// AdamW's decoupled weight decay (default: the schedule's `train.weight_decay`, else 0.1).
+    #[arg(long, value_name = "X")]
+    weight_decay: Option<f64>,
+    /// Adam's β1 and β2 (default: the schedule's `train.betas`, else 0.9,0.95).
+    #[arg(long, value_name = "B1,B2", value_delimiter = ',')]
+    betas: Option<Vec<f64>>,
+    /// Adam's ε (default: the schedule's `train.eps`, else 1e-8).
+    #[arg(long, value_name = "X")]
+    eps: Option<f64>,
     /// Initialisation seed (default: the schedule's `train.seed`).
     #[arg(long)]
     seed: Option<u64>,
@@ -206,7 +215,19 @@ fn run(cli: &Cli) -> Result<(), Failure> {
             None => return launch(cli),
         },
     };
-    let plan = Plan::load(&cli.file, cli.schedule.as_deref())?;
+    let mut plan = Plan::load(&cli.file, cli.schedule.as_deref())?;
+    // The command line's learning-rate schedule and optimizer settings over the schedule's:
+    // the backends read them from the plan's job.
+    plan.job.schedule.train = learning_rate_schedule(cli, &plan.job.schedule.train)?;
+    if plan.job.schedule.train.weight_decay.is_some()
+        && plan.job.model.optimizer != Optimizer::AdamW
+    {
+        return Err(Failure::input(format!(
+            "`train.weight_decay` is AdamW's decoupled decay, but model `{}` uses {}",
+            plan.job.model.name,
+            plan.job.model.optimizer.name()
+        )));
+    }
     let plan = Arc::new(plan);
     check_outputs(cli, &Saving::of(cli, &plan)?)?;
     let data = cli.data.clone().or(plan.job.schedule.train.data.clone());
@@ -390,14 +411,8 @@ fn run_steps<B: Backend>(
     print: bool,
 ) -> Result<(), Failure> {
     let plan = plan.clone();
-    let train = &learning_rate_schedule(cli, &plan.job.schedule.train)?;
-    if train.weight_decay.is_some() && plan.job.model.optimizer != Optimizer::AdamW {
-        return Err(Failure::input(format!(
-            "`train.weight_decay` is AdamW's decoupled decay, but model `{}` uses {}",
-            plan.job.model.name,
-            plan.job.model.optimizer.name()
-        )));
-    }
+    // (The command line's settings are already in the plan's job.)
+    let train = &plan.job.schedule.train;
     let lr = cli.lr.unwrap_or(train.lr);
     let seed = cli.seed.unwrap_or(train.seed);
     let clip = cli.clip.or(train.clip);
@@ -578,7 +593,8 @@ fn run_steps<B: Backend>(
     Ok(())
 }
 
-/// The schedule's training settings with the command line's learning-rate schedule over them.
+/// The schedule's training settings with the command line's learning-rate schedule and
+/// optimizer settings over them.
 fn learning_rate_schedule(cli: &Cli, train: &Train) -> Result<Train, Failure> {
     let mut t = train.clone();
     if let Some(w) = cli.warmup {
@@ -593,6 +609,34 @@ fn learning_rate_schedule(cli: &Cli, train: &Train) -> Result<Train, Failure> {
     }
     if let Some(m) = cli.min_lr {
         t.min_lr = m;
+    }
+    if let Some(w) = cli.weight_decay {
+        if !(w >= 0.0 && w.is_finite()) {
+            return Err(Failure::input(format!(
+                "--weight-decay {w} must be a number ≥ 0"
+            )));
+        }
+        t.weight_decay = Some(w);
+    }
+    if let Some(b) = &cli.betas {
+        match b.as_slice() {
+            &[b1, b2] if (0.0..1.0).contains(&b1) && (0.0..1.0).contains(&b2) => {
+                t.betas = Some([b1, b2]);
+            }
+            _ => {
+                return Err(Failure::input(format!(
+                    "--betas {b:?} must be two numbers in [0, 1), as 0.9,0.95"
+                )))
+            }
+        }
+    }
+    if let Some(e) = cli.eps {
+        if !(e > 0.0 && e.is_finite()) {
+            return Err(Failure::input(format!(
+                "--eps {e} must be a positive number"
+            )));
+        }
+        t.eps = Some(e);
     }
     let lr = cli.lr.unwrap_or(t.lr);
     if !(t.min_lr >= 0.0 && t.min_lr <= lr) {
