@@ -261,6 +261,16 @@ impl Lists<'_> {
         matches!(self.kind(r), BufferKind::ParamShard | BufferKind::Gathered)
     }
 
+    /// [`Lists::tied_after_grads`], which a backward of a tied head (`tied`) must have and any
+    /// other must not.
+    fn tied_embedding(&mut self, tied: bool) -> Result<Option<Region>, OpMismatch> {
+        let r = self.tied_after_grads();
+        if tied != r.is_some() {
+            return Err(OpMismatch::TiedEmbeddingMissing);
+        }
+        Ok(r)
+    }
+
     /// A backward's reads after its input: the gradient regions it adds onto, then a tied
     /// head's embedding parameters (the last parameter region among them).
     fn tied_after_grads(&mut self) -> Option<Region> {
@@ -356,10 +366,7 @@ fn decode_op(
                 input,
                 ..
             } = r;
-            let tied = l.tied_after_grads();
-            if tied_of(layer).is_some() != tied.is_some() {
-                return Err(OpMismatch::TiedEmbeddingMissing);
-            }
+            let tied = l.tied_embedding(tied_of(layer).is_some())?;
             let grad_input = l.take_write(layer > 0, "input gradient")?;
             let stash = l.take_write(maths[layer].stash_elements() > 0, "stash")?;
             Action::BackwardInput {
@@ -383,11 +390,8 @@ fn decode_op(
                 grad_output,
                 input,
             } = r;
-            let tied = l.tied_after_grads();
+            let tied = l.tied_embedding(tied_of(layer).is_some())?;
             let (grads, tied_grads) = l.grad_parts(layer, tied_of(layer))?;
-            if tied_of(layer).is_some() != tied.is_some() {
-                return Err(OpMismatch::TiedEmbeddingMissing);
-            }
             Action::BackwardWeight {
                 layer,
                 params,
@@ -440,13 +444,9 @@ fn decode_op(
                 input,
                 ..
             } = r;
-            let tied = l.tied_after_grads();
+            let tied = l.tied_embedding(tied_of(layer).is_some())?;
             let grad_input = l.take_write(layer > 0, "input gradient")?;
-            let tied_layer = tied_of(layer);
-            let (grads, tied_grads) = l.grad_parts(layer, tied_layer)?;
-            if tied_layer.is_some() != tied.is_some() {
-                return Err(OpMismatch::TiedEmbeddingMissing);
-            }
+            let (grads, tied_grads) = l.grad_parts(layer, tied_of(layer))?;
             Action::Backward {
                 layer,
                 params,

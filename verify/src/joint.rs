@@ -31,20 +31,11 @@ pub(crate) struct Meetings {
 
 impl Meetings {
     pub(crate) fn of(p: &Program) -> Meetings {
-        let layout = p.layout;
-        let mut stages: FxHashMap<CommId, Vec<u32>> = FxHashMap::default();
-        for (id, comm) in p.comms.iter() {
-            let spans = comm
-                .groups
-                .iter()
-                .any(|g| g.iter().any(|&r| layout.stage(r) != layout.stage(g[0])));
-            if spans {
-                let mut s: Vec<u32> = comm.groups[0].iter().map(|&r| layout.stage(r)).collect();
-                s.sort_unstable();
-                s.dedup();
-                stages.insert(id, s);
-            }
-        }
+        let stages: FxHashMap<CommId, Vec<u32>> = p
+            .comms
+            .keys()
+            .filter_map(|id| p.stages_spanned(id).map(|s| (id, s)))
+            .collect();
         let mut key = FxHashMap::default();
         if !stages.is_empty() {
             let calls = p.call_numbers();

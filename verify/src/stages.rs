@@ -256,21 +256,21 @@ fn transfers(p: &Program) -> FxHashMap<CommId, Transfers> {
 /// every stage a group reaches makes the same calls on the communicator, call k of each the
 /// same kind, element count and dtype, so that the members meet in each.
 fn joint_matching(p: &Program) -> Vec<VerifyError> {
-    let layout = p.layout;
     let mut errs = vec![];
     let mut calls: FxHashMap<CommId, FxHashMap<u32, Vec<(OpId, CollectiveOp)>>> =
         FxHashMap::default();
+    let spans: Vec<bool> = p
+        .comms
+        .keys()
+        .map(|c| p.stages_spanned(c).is_some())
+        .collect();
     for (id, op) in p.ops.iter() {
         for c in op
             .collectives()
             .iter()
             .filter(|c| !c.kind.is_point_to_point())
         {
-            let spans = p.comms[c.comm]
-                .groups
-                .iter()
-                .any(|g| g.iter().any(|&r| layout.stage(r) != layout.stage(g[0])));
-            if spans {
+            if spans[c.comm.as_u32() as usize] {
                 let by_stage = calls.entry(c.comm).or_default();
                 by_stage.entry(stage_of(p, op)).or_default().push((id, *c));
             }

@@ -469,15 +469,10 @@ struct P2pCalls {
 impl P2pCalls {
     fn new(program: &Program) -> Self {
         let calls = program.call_numbers();
-        let layout = program.layout;
         let spans: Vec<bool> = program
             .comms
-            .values()
-            .map(|c| {
-                c.groups
-                    .iter()
-                    .any(|g| g.iter().any(|&r| layout.stage(r) != layout.stage(g[0])))
-            })
+            .keys()
+            .map(|c| program.stages_spanned(c).is_some())
             .collect();
         let mut by_call = FxHashMap::default();
         let mut of_op = vec![vec![]; program.ops.len()];

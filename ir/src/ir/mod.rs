@@ -134,6 +134,23 @@ impl Program {
         self.layout.ranks()
     }
 
+    /// The pipeline stages communicator `c`'s groups reach, sorted, when some group spans more
+    /// than one stage (a transfer's pair, an embedding group, clipping's norm across stages);
+    /// `None` when every group lies inside one stage.
+    pub fn stages_spanned(&self, c: CommId) -> Option<Vec<u32>> {
+        let layout = self.layout;
+        let groups = &self.comms[c].groups;
+        let spans = groups
+            .iter()
+            .any(|g| g.iter().any(|&r| layout.stage(r) != layout.stage(g[0])));
+        spans.then(|| {
+            let mut s: Vec<u32> = groups.iter().flatten().map(|&r| layout.stage(r)).collect();
+            s.sort_unstable();
+            s.dedup();
+            s
+        })
+    }
+
     /// Each collective's call number on its communicator, by op (one per collective of the op,
     /// in its order): the k-th call (from 0) the op's pipeline stage makes on that communicator,
     /// in issue order. Every member of a group makes its k-th call together, and a send and its

@@ -1435,13 +1435,8 @@ impl Backend for EmulatedBackend {
         let spans: std::collections::HashMap<sched_ir::ir::CommId, Vec<u32>> = p
             .program
             .comms
-            .iter()
-            .filter_map(|(id, comm)| {
-                let mut s: Vec<u32> = comm.groups[0].iter().map(|&r| layout.stage(r)).collect();
-                s.sort_unstable();
-                s.dedup();
-                (s.len() > 1).then_some((id, s))
-            })
+            .keys()
+            .filter_map(|id| p.program.stages_spanned(id).map(|s| (id, s)))
             .collect();
         let mut arrivals: std::collections::HashMap<
             (u32, u64),
