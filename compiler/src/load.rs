@@ -107,7 +107,7 @@ impl LoadError {
             } => {
                 matches!(
                     error,
-                    CompileError::Lower(_) | CompileError::TensorNotLowered(_)
+                    CompileError::Lower(_) | CompileError::TensorNotLowered(..)
                 ) || (*custom_order && matches!(error, CompileError::Verify(_)))
             }
         }

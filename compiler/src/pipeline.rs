@@ -43,11 +43,12 @@ pub enum CompileError {
     /// The schedule cannot be lowered as written (an unmeetable `max_live`).
     #[error(transparent)]
     Lower(#[from] MaxLiveError),
-    /// The job asks for tensor parallelism (t > 1), which lowering does not do yet. Semantic
-    /// analysis reports this at its span before anything compiles
-    /// ([`crate::Analysis::not_lowered`]); this is the guard for callers that hold only a job.
-    #[error("tensor parallelism (t = {0}) is not lowered yet")]
-    TensorNotLowered(u32),
+    /// The job asks for tensor parallelism (t > 1) with what lowering does not do for it yet
+    /// ([`sched_ir::Job::tensor_not_lowered`]). Semantic analysis reports this at its span
+    /// before anything compiles ([`crate::Analysis::not_lowered`]); this is the guard for
+    /// callers that hold only a job.
+    #[error("tensor parallelism (t = {0}) with {1} is not lowered yet")]
+    TensorNotLowered(u32, &'static str),
     /// The lowered program failed verification: a compiler bug, reported with the program.
     #[error("the compiled program fails verification ({} errors)", .0.errors.len())]
     Verify(#[source] Rejected),
@@ -249,8 +250,11 @@ impl Pipeline<'_> {
 
     fn unplanned_program(&mut self) -> Result<Program, CompileError> {
         let job = self.job;
-        if job.schedule.tensor.is_parallel() {
-            return Err(CompileError::TensorNotLowered(job.schedule.tensor.size));
+        if let Some(what) = job.tensor_not_lowered() {
+            return Err(CompileError::TensorNotLowered(
+                job.schedule.tensor.size,
+                what,
+            ));
         }
         let draft: Draft = self.times.time("build", || crate::lower::draft(job));
         let (streams, overlap) = (draft.job_streams, draft.overlap);

@@ -89,12 +89,12 @@ fn a_deadlocking_custom_order_exits_1_with_its_cycle() {
     assert!(!dir.join("crossed.plan.json").exists());
 }
 
-/// Tensor parallelism checks but is not lowered yet: `check` (and `check --resolved`) accept a
-/// schedule with `tensor { size = 2 }`, while `compile`, `simulate` and `plan` refuse it at
+/// Sequence parallelism checks but is not lowered yet: `check` (and `check --resolved`) accept a
+/// schedule with `tensor { size = 2;  sequence = true }`, while `compile`, `simulate` and `plan` refuse it at
 /// `size` with exit 1 and write nothing; the compiler's own guard says the same to a caller
 /// holding only the job.
 #[test]
-fn tensor_parallelism_checks_but_is_not_compiled_yet() {
+fn sequence_parallelism_checks_but_is_not_compiled_yet() {
     let dir = scratch("tensor");
     let src = format!(
         "{CLUSTER}\n{MODEL}\nschedule tp {{\n    model = m;  cluster = c\n    tensor {{ size = 2;  sequence = true }}\n}}\n"
@@ -125,8 +125,9 @@ fn tensor_parallelism_checks_but_is_not_compiled_yet() {
         );
         let stderr = text(&out.stderr);
         assert!(
-            stderr.contains("error: tensor parallelism (t = 2) is not lowered yet")
-                && stderr.contains("tp.sched:20:21"),
+            stderr.contains(
+                "error: tensor parallelism (t = 2) with sequence parallelism is not lowered yet"
+            ) && stderr.contains("tp.sched:20:21"),
             "{args:?}: {stderr}"
         );
         assert!(out.stdout.is_empty(), "{args:?}");
@@ -138,7 +139,10 @@ fn tensor_parallelism_checks_but_is_not_compiled_yet() {
     let job = analysis.select(None).unwrap();
     assert!(matches!(
         schedc::compile(job),
-        Err(schedc::CompileError::TensorNotLowered(2))
+        Err(schedc::CompileError::TensorNotLowered(
+            2,
+            "sequence parallelism"
+        ))
     ));
 }
 

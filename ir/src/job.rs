@@ -795,6 +795,34 @@ impl Job {
         Some((h, e))
     }
 
+    /// What tensor parallelism cannot lower yet in this job, when t > 1: sequence parallelism,
+    /// gradient clipping (whose norm must count each slice once and each replicated tensor
+    /// once), full recomputation or a split backward (`I`/`W` actions) of tensor-parallel layers.
+    /// `None` when it lowers.
+    pub fn tensor_not_lowered(&self) -> Option<&'static str> {
+        if !self.schedule.tensor.is_parallel() {
+            return None;
+        }
+        let split = self
+            .schedule
+            .pipeline
+            .order
+            .iter()
+            .flatten()
+            .any(|a| matches!(a.kind, ActionKind::I | ActionKind::W));
+        if self.schedule.tensor.sequence {
+            Some("sequence parallelism")
+        } else if self.schedule.train.clip.is_some() {
+            Some("gradient clipping (`train.clip`)")
+        } else if self.schedule.recompute == Recompute::Full {
+            Some("`recompute = full`")
+        } else if split {
+            Some("a split backward (`I`/`W` actions)")
+        } else {
+            None
+        }
+    }
+
     /// The tied head and its embedding when the head keeps a replica of the embedding's state
     /// (Megatron's embedding group): when they run on different pipeline stages, or in different
     /// chunks of one stage (ZB-V's V) with parameters or gradients sharded, where the head's

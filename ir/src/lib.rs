@@ -25,6 +25,7 @@ pub mod job;
 pub mod listing;
 pub mod orders;
 pub mod plan_file;
+pub mod tensor;
 pub mod timeline;
 
 pub use ir::{Layout, Program};

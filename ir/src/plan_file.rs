@@ -48,6 +48,9 @@ pub struct PlanFile {
     /// Pipeline stages (absent: one).
     #[serde(default = "one", skip_serializing_if = "is_one")]
     pub stages: u32,
+    /// The tensor-parallel degree t (absent: one).
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub tensor: u32,
     pub layers: Vec<LayerFile>,
     pub communicators: Vec<CommFile>,
     pub buffers: Vec<BufferFile>,
@@ -171,9 +174,12 @@ pub struct OpFile {
     pub record: Option<u32>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub ops: Vec<CollectiveFile>,
+    /// A tensor-parallel phase's sublayer (`forward_open` … `backward_close`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sublayer: Option<u8>,
 }
 
-const KINDS: [(BufferKind, &str); 11] = [
+const KINDS: [(BufferKind, &str); 12] = [
     (BufferKind::ParamShard, "param_shard"),
     (BufferKind::GradShard, "grad_shard"),
     (BufferKind::OptimizerShard, "optimizer_shard"),
@@ -185,14 +191,16 @@ const KINDS: [(BufferKind, &str); 11] = [
     (BufferKind::Hidden, "hidden"),
     (BufferKind::Workspace, "workspace"),
     (BufferKind::Stash, "stash"),
+    (BufferKind::Partial, "partial"),
 ];
-const ROLES: [(OpRole, &str); 6] = [
+const ROLES: [(OpRole, &str); 7] = [
     (OpRole::Compute, "compute"),
     (OpRole::Gather, "gather"),
     (OpRole::Reduce, "reduce"),
     (OpRole::Sync, "sync"),
     (OpRole::Refresh, "refresh"),
     (OpRole::P2p, "p2p"),
+    (OpRole::Tensor, "tensor"),
 ];
 const STREAM_ROLES: [StreamRole; 7] = [
     StreamRole::Compute,
@@ -204,7 +212,7 @@ const STREAM_ROLES: [StreamRole; 7] = [
     StreamRole::P2p,
 ];
 const SCOPES: [Scope; 3] = [Scope::Intra, Scope::Inter, Scope::Mixed];
-const COMPUTE: [ComputeKind; 10] = [
+const COMPUTE: [ComputeKind; 14] = [
     ComputeKind::Forward,
     ComputeKind::Recompute,
     ComputeKind::Backward,
@@ -215,6 +223,10 @@ const COMPUTE: [ComputeKind; 10] = [
     ComputeKind::GradNorm,
     ComputeKind::BackwardInput,
     ComputeKind::BackwardWeight,
+    ComputeKind::ForwardOpen(0),
+    ComputeKind::ForwardClose(0),
+    ComputeKind::BackwardOpen(0),
+    ComputeKind::BackwardClose(0),
 ];
 
 /// A buffer kind's name in plan files.
@@ -248,6 +260,7 @@ pub fn emit_plan(p: &Program, job: &Job) -> PlanFile {
         },
         secondary,
         stages: p.layout.stages,
+        tensor: p.layout.tensor,
         layers: p
             .layers
             .values()
@@ -354,6 +367,10 @@ fn op_file(p: &Program, id: OpId, o: &Op) -> OpFile {
         wait: o.wait.iter().map(|e| e.as_u32()).collect(),
         record: o.record.map(|e| e.as_u32()),
         ops: o.collectives().iter().map(coll).collect(),
+        sublayer: match o.kind {
+            OpKind::Compute(k) => k.sublayer(),
+            _ => None,
+        },
     }
 }
 
@@ -448,6 +465,13 @@ fn from_file(f: PlanFile) -> Result<ReadPlan, ReadError> {
             f.ranks
         ));
     }
+    if f.tensor == 0 || !(f.ranks / f.stages).is_multiple_of(f.tensor) {
+        return Err(invalid!(
+            "tensor groups of {} ranks do not divide a stage's {} ranks",
+            f.tensor,
+            f.ranks / f.stages
+        ));
+    }
     let stages = f.stages;
     let stage = |s: u32, what: &str| {
         if s < stages {
@@ -501,8 +525,7 @@ fn from_file(f: PlanFile) -> Result<ReadPlan, ReadError> {
             shard,
             secondary: f.secondary,
             stages: f.stages,
-            // Tensor parallelism is not lowered yet: every plan's program has t = 1.
-            tensor: 1,
+            tensor: f.tensor,
         },
         micro_steps: f.micro_steps,
         arena_bytes: f.arena_bytes,
@@ -675,7 +698,7 @@ fn check_job(f: &PlanFile, shard: Shard) -> Result<(), ReadError> {
         Some(format!("{} ranks", job.ranks()))
     } else if job.schedule.micro_steps != f.micro_steps {
         Some(format!("{} micro-steps", job.schedule.micro_steps))
-    } else if layout.tensor != 1 {
+    } else if layout.tensor != f.tensor {
         Some(format!("tensor groups of {} ranks", layout.tensor))
     } else if layout.shard != shard || layout.secondary != f.secondary {
         Some("other shard meshes".to_string())
@@ -844,7 +867,23 @@ fn op_from(p: &Program, stream: StreamId, o: OpFile) -> Result<Op, ReadError> {
             if !collectives.is_empty() {
                 return Err(invalid!("{what}: a `{k}` op holds no collectives"));
             }
-            OpKind::Compute(*c)
+            let j = match (c.sublayer(), o.sublayer) {
+                (Some(_), Some(j)) if j < 2 => j,
+                (None, None) => 0,
+                (Some(_), _) => {
+                    return Err(invalid!("{what}: a `{k}` op names sublayer 0 or 1"));
+                }
+                (None, Some(_)) => {
+                    return Err(invalid!("{what}: a `{k}` op has no sublayer"));
+                }
+            };
+            OpKind::Compute(match *c {
+                ComputeKind::ForwardOpen(_) => ComputeKind::ForwardOpen(j),
+                ComputeKind::ForwardClose(_) => ComputeKind::ForwardClose(j),
+                ComputeKind::BackwardOpen(_) => ComputeKind::BackwardOpen(j),
+                ComputeKind::BackwardClose(_) => ComputeKind::BackwardClose(j),
+                other => other,
+            })
         }
     };
     let ev = |e: u32| {

@@ -169,8 +169,14 @@ impl Work {
     /// recomputed forward of the `B` action.
     pub fn of(kind: ComputeKind) -> Work {
         match kind {
-            ComputeKind::Forward | ComputeKind::Loss => Work::Action(ActionKind::F),
-            ComputeKind::Backward | ComputeKind::Recompute => Work::Action(ActionKind::B),
+            ComputeKind::Forward
+            | ComputeKind::Loss
+            | ComputeKind::ForwardOpen(_)
+            | ComputeKind::ForwardClose(_) => Work::Action(ActionKind::F),
+            ComputeKind::Backward
+            | ComputeKind::Recompute
+            | ComputeKind::BackwardOpen(_)
+            | ComputeKind::BackwardClose(_) => Work::Action(ActionKind::B),
             ComputeKind::BackwardInput => Work::Action(ActionKind::I),
             ComputeKind::BackwardWeight => Work::Action(ActionKind::W),
             ComputeKind::Update | ComputeKind::GradNorm => Work::Optimizer,

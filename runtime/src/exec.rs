@@ -118,6 +118,46 @@ pub enum Action {
         to: Vec<Region>,
     },
     Collectives(Vec<CollectiveOp>),
+    /// A tensor-parallel layer's `forward_open(j)`: `partial` (fp32) and its part of `saved`
+    /// written from the residual `stream` at the sublayer's input.
+    ForwardOpen {
+        layer: usize,
+        sublayer: u8,
+        params: Option<Region>,
+        stream: Region,
+        partial: Region,
+        saved: Option<Region>,
+    },
+    /// `forward_close(j)`: the all-reduced `partial` stored as the residual stream `output`.
+    ForwardClose {
+        partial: Region,
+        output: Region,
+    },
+    /// `backward_open(j)`: from the residual stream's gradient `stream_grad` at the sublayer's
+    /// output, `partial` (fp32) and the sublayer's products' parameter-gradient parts.
+    BackwardOpen {
+        layer: usize,
+        sublayer: u8,
+        params: Option<Region>,
+        saved: Option<Region>,
+        stream_grad: Region,
+        partial: Region,
+        grads: Vec<GradPart>,
+    },
+    /// `backward_close(j)`: `grad_input` ← `base` + the norm's input gradient from the
+    /// all-reduced `partial`, and the norm's parameter-gradient parts; `input` is the layer's
+    /// input (sublayer 0's norm reads it).
+    BackwardClose {
+        layer: usize,
+        sublayer: u8,
+        params: Option<Region>,
+        saved: Option<Region>,
+        partial: Region,
+        base: Region,
+        input: Option<Region>,
+        grad_input: Region,
+        grads: Vec<GradPart>,
+    },
 }
 
 /// Why a plan's ops do not decode against its model.
@@ -250,6 +290,16 @@ impl Lists<'_> {
         self.writes
             .pop_front()
             .map(Some)
+            .ok_or(OpMismatch::MissingWrite(what))
+    }
+
+    fn need_read(&mut self, what: &'static str) -> Result<Region, OpMismatch> {
+        self.reads.pop_front().ok_or(OpMismatch::MissingRead(what))
+    }
+
+    fn need_write(&mut self, what: &'static str) -> Result<Region, OpMismatch> {
+        self.writes
+            .pop_front()
             .ok_or(OpMismatch::MissingWrite(what))
     }
 
@@ -457,6 +507,68 @@ fn decode_op(
                 grad_input,
                 grads,
                 tied_grads,
+            }
+        }
+        ComputeKind::ForwardOpen(j) => {
+            let layer = need_layer()?;
+            let params = l.take_read(model.layers[layer].params > 0, "parameters")?;
+            let stream = l.need_read("residual stream")?;
+            let keeps = maths[layer].saved_elements() > 0;
+            // A later sublayer keeps what the earlier ones saved.
+            l.take_read(keeps && j > 0, "saved activations")?;
+            let partial = l.need_write("partial sum")?;
+            let saved = l.take_write(keeps, "saved activations")?;
+            Action::ForwardOpen {
+                layer,
+                sublayer: j,
+                params,
+                stream,
+                partial,
+                saved,
+            }
+        }
+        ComputeKind::ForwardClose(_) => Action::ForwardClose {
+            partial: l.need_read("partial sum")?,
+            output: l.need_write("residual stream")?,
+        },
+        ComputeKind::BackwardOpen(j) => {
+            let layer = need_layer()?;
+            let params = l.take_read(model.layers[layer].params > 0, "parameters")?;
+            let saved = l.take_read(maths[layer].saved_elements() > 0, "saved activations")?;
+            let stream_grad = l.need_read("residual stream's gradient")?;
+            let partial = l.need_write("partial sum")?;
+            l.reads.clear(); // the gradient parts added onto
+            let (grads, _) = l.grad_parts(layer, None)?;
+            Action::BackwardOpen {
+                layer,
+                sublayer: j,
+                params,
+                saved,
+                stream_grad,
+                partial,
+                grads,
+            }
+        }
+        ComputeKind::BackwardClose(j) => {
+            let layer = need_layer()?;
+            let params = l.take_read(model.layers[layer].params > 0, "parameters")?;
+            let saved = l.take_read(maths[layer].saved_elements() > 0, "saved activations")?;
+            let partial = l.need_read("partial sum")?;
+            let base = l.need_read("residual stream's gradient")?;
+            let input = l.take_read(j == 0, "input hidden state")?;
+            let grad_input = l.need_write("input gradient")?;
+            l.reads.clear();
+            let (grads, _) = l.grad_parts(layer, None)?;
+            Action::BackwardClose {
+                layer,
+                sublayer: j,
+                params,
+                saved,
+                partial,
+                base,
+                input,
+                grad_input,
+                grads,
             }
         }
         ComputeKind::Loss => Action::Loss {

@@ -140,7 +140,7 @@ impl Plan {
             .model
             .layers
             .iter()
-            .map(|l| LayerMath::new(l, &job.model))
+            .map(|l| LayerMath::sliced(l, &job.model, job.schedule.tensor.size))
             .collect::<Result<Vec<_>, _>>()?;
         let actions = decode(&program, &job.model, &maths)?;
         let layout = program.layout;
@@ -199,10 +199,11 @@ impl Plan {
         self.program.layout.dp_size()
     }
 
-    /// The ranks holding `buffer`: those of its pipeline stage.
+    /// The ranks holding `buffer`: those of its pipeline stage (d·t of them).
     pub fn holders(&self, buffer: BufferId) -> std::ops::Range<u32> {
-        let (d, stage) = (self.dp_size(), self.program.buffers[buffer].stage);
-        stage * d..(stage + 1) * d
+        let n = self.program.layout.stage_size();
+        let stage = self.program.buffers[buffer].stage;
+        stage * n..(stage + 1) * n
     }
 
     /// The arena byte offset of `r` on `rank`.

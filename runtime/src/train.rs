@@ -89,83 +89,89 @@ impl<B: Backend> Trainer<B> {
     }
 
     /// Scatters `state` into every rank's shards. Missing optimizer state starts fresh: master
-    /// copy = parameters, moments zero.
+    /// copy = parameters, moments zero. A tensor-parallel layer's ranks take their slices of it
+    /// ([`sched_ir::tensor::SliceLayout`]).
     pub fn load(&mut self, state: &State) -> Result<(), RunError> {
         let p = self.plan.clone();
         let model = &p.job.model;
         let sh = p.job.schedule.shard;
         let dtype = model.dtype;
+        let layout = p.program.layout;
         for (l, (layer, st)) in model.layers.iter().zip(&state.layers).enumerate() {
             let padded =
                 p.program.layers[sched_ir::ir::LayerId::from_u32(l as u32)].padded as usize;
-            let pad = |v: &[f32]| {
-                let mut x = v.to_vec();
-                x.resize(padded, 0.0);
-                x
-            };
-            let params = pad(&st.params);
-            let master = if st.master.is_empty() {
-                params.clone()
-            } else {
-                pad(&st.master)
-            };
-            let zeros = vec![0.0; padded];
-            let m = if st.m.is_empty() {
-                zeros.clone()
-            } else {
-                pad(&st.m)
-            };
-            let v = if st.v.is_empty() { zeros } else { pad(&st.v) };
             let ps = padded / sh.params.size() as usize;
             let os = padded / sh.optimizer.size() as usize;
             let moments = model.optimizer != Optimizer::Sgd;
-            // Only the ranks of the layer's pipeline stage hold it (and those of a tied head's
-            // stage, which keep a replica of the embedding).
-            let copies = p
-                .state_buffers(l, BufferKind::ParamShard)
-                .into_iter()
-                .zip(p.state_buffers(l, BufferKind::OptimizerShard));
-            for (pbuf, obuf) in copies {
-                let holders = p.holders(pbuf);
-                for rank in self
-                    .backend
-                    .ranks()
+            let slices = Slices::of(layer, layout.tensor)?;
+            for k in 0..slices.count() {
+                let pad = |v: &[f32]| {
+                    let mut x = slices.cut(k, v);
+                    x.resize(padded, 0.0);
+                    x
+                };
+                let params = pad(&st.params);
+                let master = if st.master.is_empty() {
+                    params.clone()
+                } else {
+                    pad(&st.master)
+                };
+                let zeros = vec![0.0; padded];
+                let m = if st.m.is_empty() {
+                    zeros.clone()
+                } else {
+                    pad(&st.m)
+                };
+                let v = if st.v.is_empty() { zeros } else { pad(&st.v) };
+                // Only the ranks of the layer's pipeline stage hold it (and those of a tied
+                // head's stage, which keep a replica of the embedding), each its tensor slice.
+                let copies = p
+                    .state_buffers(l, BufferKind::ParamShard)
                     .into_iter()
-                    .filter(|r| holders.contains(r))
-                {
-                    let i = p.index(rank, ShardIndex::Param) as usize;
-                    let at = p.program.buffers[pbuf].offset;
-                    self.backend
-                        .upload(rank, at, dtype, &params[i * ps..(i + 1) * ps])?;
-                    let j = p.index(rank, ShardIndex::Optimizer) as usize;
-                    let mut at = p.program.buffers[obuf].offset;
-                    let parts: &[&Vec<f32>] = if moments {
-                        &[&master, &m, &v]
-                    } else {
-                        &[&master]
-                    };
-                    for part in parts {
+                    .zip(p.state_buffers(l, BufferKind::OptimizerShard));
+                for (pbuf, obuf) in copies {
+                    let holders = p.holders(pbuf);
+                    let ranks = self.backend.ranks().into_iter().filter(|&r| {
+                        holders.contains(&r) && slices.holds(k, layout.tp_index(r) as usize)
+                    });
+                    for rank in ranks {
+                        let i = p.index(rank, ShardIndex::Param) as usize;
+                        let at = p.program.buffers[pbuf].offset;
                         self.backend
-                            .upload(rank, at, Dtype::Fp32, &part[j * os..(j + 1) * os])?;
-                        at += 4 * os as u64;
+                            .upload(rank, at, dtype, &params[i * ps..(i + 1) * ps])?;
+                        let j = p.index(rank, ShardIndex::Optimizer) as usize;
+                        let mut at = p.program.buffers[obuf].offset;
+                        let parts: &[&Vec<f32>] = if moments {
+                            &[&master, &m, &v]
+                        } else {
+                            &[&master]
+                        };
+                        for part in parts {
+                            self.backend.upload(
+                                rank,
+                                at,
+                                Dtype::Fp32,
+                                &part[j * os..(j + 1) * os],
+                            )?;
+                            at += 4 * os as u64;
+                        }
                     }
                 }
             }
-            let _ = layer;
         }
         self.step = state.step;
         Ok(())
     }
 
     /// Gathers every layer's whole state from the optimizer shards (the parameters are the master
-    /// copy rounded to the model dtype).
+    /// copy rounded to the model dtype), a tensor-parallel layer's from its slices.
     pub fn state(&self) -> Result<State, RunError> {
         let p = &self.plan;
         let model = &p.job.model;
         let sh = p.job.schedule.shard;
+        let layout = p.program.layout;
         let mut layers = vec![];
         for (l, layer) in model.layers.iter().enumerate() {
-            let n = layer.params as usize;
             // A replica's copy equals the layer's own: read from the layer's stage.
             let Some(&obuf) = p.state_buffers(l, BufferKind::OptimizerShard).first() else {
                 layers.push(LayerState::default());
@@ -174,13 +180,14 @@ impl<B: Backend> Trainer<B> {
             let padded =
                 p.program.layers[sched_ir::ir::LayerId::from_u32(l as u32)].padded as usize;
             let os = padded / sh.optimizer.size() as usize;
-            let mut params = vec![0.0; padded];
             let parts = if model.optimizer == Optimizer::Sgd {
                 1
             } else {
                 3
             };
-            let mut opt = vec![vec![0.0; padded]; parts];
+            let slices = Slices::of(layer, layout.tensor)?;
+            // Per part (master, m, v), each tensor slice's padded vector.
+            let mut opt = vec![vec![vec![0.0; padded]; slices.count()]; parts];
             let holders = p.holders(obuf);
             for rank in self
                 .backend
@@ -188,23 +195,30 @@ impl<B: Backend> Trainer<B> {
                 .into_iter()
                 .filter(|r| holders.contains(r))
             {
+                let k = layout.tp_index(rank) as usize;
+                if k >= slices.count() {
+                    continue; // a replicated layer: every tensor index holds the same
+                }
                 let j = p.index(rank, ShardIndex::Optimizer) as usize;
                 let at = p.program.buffers[obuf].offset;
                 let v = self.backend.download(rank, at, parts * os, Dtype::Fp32)?;
-                for (k, part) in opt.iter_mut().enumerate() {
-                    part[j * os..(j + 1) * os].copy_from_slice(&v[k * os..(k + 1) * os]);
+                for (i, part) in opt.iter_mut().enumerate() {
+                    part[k][j * os..(j + 1) * os].copy_from_slice(&v[i * os..(i + 1) * os]);
                 }
             }
+            let mut opt = opt
+                .into_iter()
+                .map(|part| slices.join(part))
+                .collect::<Result<Vec<_>, _>>()?
+                .into_iter();
             // The optimizer's master copy is the truth after a step: with `refresh = next_forward`
             // the param shards other ranks updated are refreshed only when the next step starts.
-            params.copy_from_slice(&opt[0]);
+            let master = opt.next().unwrap_or_default();
+            let mut params = master.clone();
             Precision::of(model.dtype).round(&mut params);
-            params.truncate(n);
-            opt.iter_mut().for_each(|x| x.truncate(n));
-            let mut opt = opt.into_iter();
             layers.push(LayerState {
                 params,
-                master: opt.next().unwrap_or_default(),
+                master,
                 m: opt.next().unwrap_or_default(),
                 v: opt.next().unwrap_or_default(),
             });
@@ -318,5 +332,64 @@ impl<B: Backend> Trainer<B> {
             tokens_per_s: tokens / time.as_secs_f64().max(1e-9),
             outcome,
         })
+    }
+}
+
+/// How a layer's whole vectors map to what ranks hold: its tensor slices when the lowering
+/// splits it, else the whole vector on every tensor index.
+struct Slices<'a> {
+    layer: &'a sched_ir::job::Layer,
+    cuts: Vec<sched_ir::tensor::SliceLayout>,
+}
+
+impl<'a> Slices<'a> {
+    fn of(layer: &'a sched_ir::job::Layer, t: u32) -> Result<Self, RunError> {
+        let cuts = match sched_ir::tensor::split_layers(&layer.kind, t) {
+            false => vec![],
+            true => (0..t as usize)
+                .map(|index| {
+                    let rank = sched_ir::tensor::TensorRank {
+                        size: t as usize,
+                        index,
+                    };
+                    sched_ir::tensor::SliceLayout::new(layer, rank)
+                })
+                .collect::<Result<_, _>>()
+                .map_err(RunError::of_run)?,
+        };
+        Ok(Slices { layer, cuts })
+    }
+
+    /// The distinct vectors ranks hold: one per tensor index, or one.
+    fn count(&self) -> usize {
+        self.cuts.len().max(1)
+    }
+
+    /// Whether a rank of tensor index `tp` holds vector `k`.
+    fn holds(&self, k: usize, tp: usize) -> bool {
+        self.cuts.is_empty() || k == tp
+    }
+
+    /// Vector `k` of the whole vector `v`.
+    fn cut(&self, k: usize, v: &[f32]) -> Vec<f32> {
+        match self.cuts.get(k) {
+            Some(c) => c.slice(v),
+            None => v.to_vec(),
+        }
+    }
+
+    /// The whole vector from the padded vectors ranks hold.
+    fn join(&self, mut held: Vec<Vec<f32>>) -> Result<Vec<f32>, RunError> {
+        let n = self.layer.params as usize;
+        if self.cuts.is_empty() {
+            let mut v = held.swap_remove(0);
+            v.truncate(n);
+            return Ok(v);
+        }
+        for (v, c) in held.iter_mut().zip(&self.cuts) {
+            v.truncate(c.elements());
+        }
+        let refs: Vec<&[f32]> = held.iter().map(|v| v.as_slice()).collect();
+        sched_ir::tensor::gather(self.layer, self.cuts.len(), &refs).map_err(RunError::of_run)
     }
 }

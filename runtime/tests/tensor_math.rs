@@ -10,7 +10,7 @@ mod common;
 use sched_ir::job::{Layer, LayerKind, Model};
 use schedrun::math::tensor::{
     gather, vocab_cross_entropy, vocab_loss, vocab_max, vocab_sums, BlockSlice, EmbeddingSlice,
-    HeadSlice, Reduce, SliceLayout, Split, TensorError, TensorRank, VocabShard,
+    HeadSlice, Reduce, SliceError, SliceLayout, Split, TensorRank, VocabShard,
 };
 use schedrun::math::{cross_entropy, Input, LayerMath, Rng, SliceGrads};
 use std::sync::{Barrier, Mutex};
@@ -194,12 +194,12 @@ fn layers_that_cannot_be_split_are_refused() {
     let block = layer(&llama, "block[0]");
     // kv_heads = 2: four ranks would split a kv head.
     let e = SliceLayout::new(block, rank(4, 0)).unwrap_err();
-    assert!(matches!(e, TensorError::Split { .. }), "{e}");
+    assert!(matches!(e, SliceError::Split { .. }), "{e}");
     assert!(e.to_string().contains("kv_heads = 2"), "{e}");
     assert!(BlockSlice::new(block, &llama, rank(4, 1)).is_err());
     assert!(BlockSlice::new(block, &llama, rank(2, 1)).is_ok());
     let e = SliceLayout::new(block, rank(2, 2)).unwrap_err();
-    assert_eq!(e, TensorError::Rank { size: 2, index: 2 });
+    assert_eq!(e, SliceError::Rank { size: 2, index: 2 });
     let dense = model("dense_one");
     assert!(SliceLayout::new(layer(&dense, "d"), rank(2, 0)).is_err());
     let head = layer(&llama, "head");

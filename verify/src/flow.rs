@@ -37,6 +37,30 @@ enum Value {
     Saved { layer: u32, micro: u32 },
     /// What layer `layer`'s input-gradient backward stashed for its weight half.
     Stash { layer: u32, micro: u32 },
+    /// What a tensor-parallel layer's forward saved up to sublayer `sublayer` (the rest
+    /// follows with the next sublayer's `forward_open`).
+    SavedUpTo {
+        layer: u32,
+        micro: u32,
+        sublayer: u8,
+    },
+    /// A tensor-parallel layer's residual stream after sublayer `sublayer` (forward), or its
+    /// gradient at that sublayer's input (`grad`).
+    Stream {
+        layer: u32,
+        micro: u32,
+        sublayer: u8,
+        grad: bool,
+    },
+    /// One rank's partial sum of sublayer `sublayer` of a tensor-parallel layer (its output, or
+    /// with `grad` its norm output's gradient), `reduced` once all-reduced over its tensor group.
+    Partial {
+        layer: u32,
+        micro: u32,
+        sublayer: u8,
+        grad: bool,
+        reduced: bool,
+    },
 }
 
 impl Value {
@@ -61,19 +85,80 @@ impl Value {
             ),
             Value::Stash { layer, micro } => format!(
                 "what {}'s input-gradient backward stashed in micro-step {micro}",
-                p.layers
-                    .get(LayerId::from_u32(layer))
-                    .map_or("a layer", |x| x.name.as_str())
+                layer_name(p, layer)
+            ),
+            Value::SavedUpTo {
+                layer,
+                micro,
+                sublayer,
+            } => format!(
+                "what {}'s forward saved up to sublayer {sublayer} in micro-step {micro}",
+                layer_name(p, layer)
+            ),
+            Value::Stream {
+                layer,
+                micro,
+                sublayer,
+                grad,
+            } => format!(
+                "{} of {} in micro-step {micro}",
+                if grad {
+                    format!("the gradient at the input of sublayer {sublayer}")
+                } else {
+                    format!("the residual stream after sublayer {sublayer}")
+                },
+                layer_name(p, layer)
+            ),
+            Value::Partial {
+                layer,
+                micro,
+                sublayer,
+                grad,
+                reduced,
+            } => format!(
+                "{} {} of sublayer {sublayer} of {} in micro-step {micro}",
+                if reduced {
+                    "the summed"
+                } else {
+                    "one rank's unsummed"
+                },
+                if grad {
+                    "partial gradients"
+                } else {
+                    "partial outputs"
+                },
+                layer_name(p, layer)
             ),
         }
     }
 }
 
+fn layer_name(p: &Program, layer: u32) -> &str {
+    p.layers
+        .get(LayerId::from_u32(layer))
+        .map_or("a layer", |x| x.name.as_str())
+}
+
 fn tracked(b: &Buffer) -> bool {
     matches!(
         b.kind,
-        BufferKind::Hidden | BufferKind::Activation | BufferKind::Stash
+        BufferKind::Hidden | BufferKind::Activation | BufferKind::Stash | BufferKind::Partial
     )
+}
+
+/// Whether communicator `c`'s groups are the tensor groups: each the t ranks of one stage and
+/// data-parallel index, in tensor-index order (so a sum over it adds every part once).
+fn is_tensor_comm(p: &Program, c: CommId) -> bool {
+    let l = p.layout;
+    let t = l.tensor.max(1);
+    p.comms[c].groups.iter().all(|g| {
+        g.len() == t as usize
+            && g.iter().enumerate().all(|(i, &r)| {
+                l.tp_index(r) == i as u32
+                    && l.stage(r) == l.stage(g[0])
+                    && l.dp_index(r) == l.dp_index(g[0])
+            })
+    })
 }
 
 pub fn check(p: &Program) -> Vec<VerifyError> {
@@ -86,8 +171,19 @@ pub fn check(p: &Program) -> Vec<VerifyError> {
             }
         }
     }
+    // A tensor-parallel layer's sublayers: one more than the highest its phases name.
+    let mut sublayers: FxHashMap<u32, u8> = FxHashMap::default();
+    for op in p.ops.values() {
+        if let (OpKind::Compute(k), Some(l)) = (&op.kind, op.layer) {
+            if let Some(j) = k.sublayer() {
+                let n = sublayers.entry(l.as_u32()).or_insert(0);
+                *n = (*n).max(j + 1);
+            }
+        }
+    }
     let mut run = Run {
         p,
+        sublayers,
         held: FxHashMap::default(),
         letters: FxHashMap::default(),
         calls: p.call_numbers(),
@@ -116,6 +212,8 @@ pub fn check(p: &Program) -> Vec<VerifyError> {
 
 struct Run<'a> {
     p: &'a Program,
+    /// Each tensor-parallel layer's sublayer count.
+    sublayers: FxHashMap<u32, u8>,
     /// What each tracked buffer holds (absent: nothing yet).
     held: FxHashMap<BufferId, Value>,
     /// Sent values not yet received, by (communicator, call number).
@@ -193,6 +291,11 @@ impl Run<'_> {
                         }
                     }
                 }
+                sched_ir::job::Collective::AllReduce
+                    if p.buffers[c.output.buffer].kind == BufferKind::Partial =>
+                {
+                    self.sum_partials(id, c);
+                }
                 _ => {
                     for r in c.writes() {
                         self.held.remove(&r.buffer);
@@ -201,6 +304,59 @@ impl Run<'_> {
             }
         }
         true
+    }
+
+    /// An all-reduce of a partial-sum buffer: it must sum one rank's parts over the tensor
+    /// group, once, in place.
+    fn sum_partials(&mut self, id: OpId, c: &CollectiveOp) {
+        let p = self.p;
+        let b = c.output.buffer;
+        let held = self.held.remove(&b);
+        let name = &p.buffers[b].name;
+        let whole = c.input == c.output && c.output.bytes == p.buffers[b].bytes;
+        match held {
+            Some(Value::Partial {
+                layer,
+                micro,
+                sublayer,
+                grad,
+                reduced: false,
+            }) if whole && is_tensor_comm(p, c.comm) => {
+                let v = Value::Partial {
+                    layer,
+                    micro,
+                    sublayer,
+                    grad,
+                    reduced: true,
+                };
+                self.held.insert(b, v);
+            }
+            Some(v @ Value::Partial { reduced: false, .. }) if whole => self.error(
+                id,
+                format!(
+                    "all_reduce of {name} ({}) runs over {} ({}), not the tensor groups: \
+                     the sum does not cover each of the t parts once",
+                    v.describe(p),
+                    c.comm,
+                    p.comms[c.comm].name
+                ),
+            ),
+            Some(v) if whole => self.error(
+                id,
+                format!(
+                    "all_reduce of {name} sums {} again: the tensor group's parts would count t times",
+                    v.describe(p)
+                ),
+            ),
+            Some(v) => self.error(
+                id,
+                format!("all_reduce of {name} ({}) covers part of it, not in place", v.describe(p)),
+            ),
+            None => self.error(
+                id,
+                format!("all_reduce of {name} sums a partial buffer nothing wrote"),
+            ),
+        }
     }
 
     fn compute(&mut self, id: OpId, kind: ComputeKind) {
@@ -215,6 +371,24 @@ impl Run<'_> {
             layer,
             micro: m,
             grad,
+        };
+        let stream = |layer, sublayer, grad| Value::Stream {
+            layer,
+            micro: m,
+            sublayer,
+            grad,
+        };
+        let partial = |layer, sublayer, grad, reduced| Value::Partial {
+            layer,
+            micro: m,
+            sublayer,
+            grad,
+            reduced,
+        };
+        let saved_up_to = |layer, sublayer| Value::SavedUpTo {
+            layer,
+            micro: m,
+            sublayer,
         };
         // (what it must read, what it writes)
         let (reads, writes): (Vec<Value>, Vec<Value>) = match (kind, layer) {
@@ -257,6 +431,55 @@ impl Run<'_> {
                 (reads, vec![])
             }
             (ComputeKind::Loss, _) => (vec![hidden(n, false)], vec![hidden(n, true)]),
+            (ComputeKind::ForwardOpen(j), Some(l)) => {
+                let sublayers = self.sublayers(l);
+                let mut reads = vec![];
+                if j == 0 {
+                    reads.push(hidden(l, false));
+                } else {
+                    reads.push(stream(l, j - 1, false));
+                    reads.push(saved_up_to(l, j - 1));
+                }
+                let saved = match j + 1 == sublayers {
+                    true => Value::Saved { layer: l, micro: m },
+                    false => saved_up_to(l, j),
+                };
+                (reads, vec![partial(l, j, false, false), saved])
+            }
+            (ComputeKind::ForwardClose(j), Some(l)) => {
+                let out = match j + 1 == self.sublayers(l) {
+                    true => hidden(l + 1, false),
+                    false => stream(l, j, false),
+                };
+                (vec![partial(l, j, false, true)], vec![out])
+            }
+            (ComputeKind::BackwardOpen(j), Some(l)) => {
+                let dy = match j + 1 == self.sublayers(l) {
+                    true => hidden(l + 1, true),
+                    false => stream(l, j + 1, true),
+                };
+                let reads = vec![Value::Saved { layer: l, micro: m }, dy];
+                (reads, vec![partial(l, j, true, false)])
+            }
+            (ComputeKind::BackwardClose(j), Some(l)) => {
+                let dy = match j + 1 == self.sublayers(l) {
+                    true => hidden(l + 1, true),
+                    false => stream(l, j + 1, true),
+                };
+                let mut reads = vec![
+                    Value::Saved { layer: l, micro: m },
+                    partial(l, j, true, true),
+                    dy,
+                ];
+                let gi = match j {
+                    0 => {
+                        reads.push(hidden(l, false));
+                        hidden(l, true)
+                    }
+                    _ => stream(l, j, true),
+                };
+                (reads, vec![gi])
+            }
             _ => {
                 self.clobber(id);
                 return;
@@ -287,9 +510,14 @@ impl Run<'_> {
                 }
             }
         }
-        // A saved activation is only read when the layer saves any; a hidden input always.
+        // A saved activation is only read when the layer saves any; a hidden input, a stream
+        // between sublayers and a partial sum always.
         for (i, v) in reads.iter().enumerate() {
-            if !seen[i] && matches!(v, Value::Hidden { .. }) {
+            let needed = matches!(
+                v,
+                Value::Hidden { .. } | Value::Stream { .. } | Value::Partial { .. }
+            );
+            if !seen[i] && needed {
                 self.error(
                     id,
                     format!("{} never reads {}", Op::compute_name(kind), v.describe(p)),
@@ -304,9 +532,14 @@ impl Run<'_> {
             let value = writes.iter().copied().find(|v| {
                 matches!(
                     (v, b.kind),
-                    (Value::Hidden { .. }, BufferKind::Hidden)
-                        | (Value::Saved { .. }, BufferKind::Activation)
-                        | (Value::Stash { .. }, BufferKind::Stash)
+                    (
+                        Value::Hidden { .. } | Value::Stream { .. },
+                        BufferKind::Hidden
+                    ) | (
+                        Value::Saved { .. } | Value::SavedUpTo { .. },
+                        BufferKind::Activation
+                    ) | (Value::Stash { .. }, BufferKind::Stash)
+                        | (Value::Partial { .. }, BufferKind::Partial)
                 )
             });
             match value {
@@ -318,6 +551,11 @@ impl Run<'_> {
                 }
             }
         }
+    }
+
+    /// How many tensor-parallel sublayers layer `l`'s phases run.
+    fn sublayers(&self, l: u32) -> u8 {
+        self.sublayers.get(&l).copied().unwrap_or(0)
     }
 
     /// An op this proof does not model: whatever tracked buffer it writes holds nothing known.

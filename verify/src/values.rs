@@ -399,10 +399,10 @@ impl Run<'_> {
         self.p.buffers[b].layer == Some(self.layer)
     }
 
-    /// The ranks of pipeline stage `stage` (every rank without a pipeline).
+    /// The ranks of pipeline stage `stage` (every rank without a pipeline): d·t of them.
     fn stage_ranks(&self, stage: u32) -> std::ops::Range<u32> {
-        let d = self.layout.dp_size();
-        stage * d..(stage + 1) * d
+        let n = self.layout.stage_size();
+        stage * n..(stage + 1) * n
     }
 
     /// The ranks running op `o`: those of its stream's stage.
@@ -628,7 +628,11 @@ impl Run<'_> {
             | ComputeKind::Recompute
             | ComputeKind::Backward
             | ComputeKind::BackwardInput
-            | ComputeKind::BackwardWeight => {
+            | ComputeKind::BackwardWeight
+            | ComputeKind::ForwardOpen(_)
+            | ComputeKind::ForwardClose(_)
+            | ComputeKind::BackwardOpen(_)
+            | ComputeKind::BackwardClose(_) => {
                 for r in reads
                     .iter()
                     .filter(|r| self.mine(r.buffer) && is_param(self.p.buffers[r.buffer].kind))
@@ -652,7 +656,13 @@ impl Run<'_> {
                     }
                 }
                 // The whole backward, or its weight half, contributes the gradient.
-                if matches!(kind, ComputeKind::Backward | ComputeKind::BackwardWeight) {
+                if matches!(
+                    kind,
+                    ComputeKind::Backward
+                        | ComputeKind::BackwardWeight
+                        | ComputeKind::BackwardOpen(_)
+                        | ComputeKind::BackwardClose(_)
+                ) {
                     let targets: Vec<Region> = writes
                         .iter()
                         .filter(|w| self.mine(w.buffer) && is_grad(self.p.buffers[w.buffer].kind))
@@ -917,15 +927,16 @@ impl Run<'_> {
                         "no contribution of micro-step {m} (from layer{t}'s backward) arrives"
                     ));
                 };
-                // Each term's backward runs on the d ranks of its stage.
+                // Each term's backward runs on the d ranks of its stage holding one tensor
+                // slice (every rank of the stage with t = 1).
                 let have: u32 = bits.iter().map(|w| w.count_ones()).sum();
                 let d = self.layout.dp_size();
                 let first = (0..bits.len() as u32 * 64)
                     .find(|r| bits[*r as usize / 64] & (1 << (r % 64)) != 0)
                     .unwrap_or(0);
-                let ranks = self.stage_ranks(self.layout.stage(first));
-                let missing = ranks
-                    .clone()
+                let (stage, tp) = (self.layout.stage(first), self.layout.tp_index(first));
+                let missing = (0..d)
+                    .map(|dp| self.layout.rank_of(stage, dp, tp))
                     .find(|r| bits[*r as usize / 64] & (1 << (r % 64)) == 0);
                 if have != d || missing.is_some() {
                     let missing =
@@ -1053,8 +1064,12 @@ impl Run<'_> {
             return;
         };
         // Point-to-point transfers move hidden states, never a layer's parameters or gradients
-        // (the pipeline proofs follow them).
+        // (the pipeline proofs follow them); a tensor group's sums of partial activations are
+        // the flow proof's.
+        let partial =
+            |c: &CollectiveOp| self.p.buffers[c.output.buffer].kind == BufferKind::Partial;
         if c.kind.is_point_to_point()
+            || members.iter().all(|(_, c)| partial(c))
             || !members
                 .iter()
                 .any(|(_, c)| self.mine(c.input.buffer) || self.mine(c.output.buffer))
@@ -1420,7 +1435,6 @@ pub fn check_norm(p: &Program) -> Vec<VerifyError> {
     let norms = norm_buffers(p);
     let stage_of = |o: OpId| p.streams[p.ops[o].stream].stage;
     let stages = layout.stages.max(1);
-    let d = layout.dp_size();
     let mut norm_of_stage: Vec<Option<OpId>> = vec![None; stages as usize];
     for (id, op) in p.ops.iter() {
         if op.kind != OpKind::Compute(ComputeKind::GradNorm) {
@@ -1443,7 +1457,9 @@ pub fn check_norm(p: &Program) -> Vec<VerifyError> {
     // Each layer's stage: that of its forward (a replica on another stage is not counted).
     let mut home: Vec<Option<u32>> = vec![None; p.layers.len()];
     for (id, op) in p.ops.iter() {
-        if let (OpKind::Compute(ComputeKind::Forward), Some(l)) = (&op.kind, op.layer) {
+        if let (OpKind::Compute(ComputeKind::Forward | ComputeKind::ForwardOpen(0)), Some(l)) =
+            (&op.kind, op.layer)
+        {
             home[l.index()] = Some(stage_of(id));
         }
     }
@@ -1479,7 +1495,8 @@ pub fn check_norm(p: &Program) -> Vec<VerifyError> {
         let op = &p.ops[id];
         let writes_norm = op.writes.iter().any(|w| norms.contains(&w.buffer));
         let stage = stage_of(id);
-        let ranks = stage * d..(stage + 1) * d;
+        let n = layout.stage_size();
+        let ranks = stage * n..(stage + 1) * n;
         match &op.kind {
             OpKind::Compute(ComputeKind::GradNorm) => {
                 // Its workspace is scratch, not a value (see the IR module doc).

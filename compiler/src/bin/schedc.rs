@@ -309,7 +309,7 @@ fn compile(
             );
             return Status::BadInput;
         }
-        Err(e @ schedc::CompileError::TensorNotLowered(_)) => {
+        Err(e @ schedc::CompileError::TensorNotLowered(..)) => {
             eprintln!("error: schedule `{}`: {e}", job.schedule.name);
             return Status::BadInput;
         }

@@ -51,6 +51,9 @@ pub(super) enum CommKind {
     /// Gradient clipping's norm across pipeline stages: the s_os groups of every stage at the
     /// same data-parallel position, joined stage after stage.
     NormAcrossStages,
+    /// A tensor group: the t consecutive ranks of one stage and data-parallel index, by tensor
+    /// index (a tensor-parallel layer's all-reduces of partial sums).
+    Tensor,
 }
 
 impl Builder<'_> {
@@ -182,6 +185,7 @@ impl Builder<'_> {
                         .collect(),
                 )
             }
+            CommKind::Tensor => (format!("tensor {}", l.tensor), l.tp_groups()),
             CommKind::HierInter => {
                 let group = key(sh.params);
                 (

@@ -82,6 +82,16 @@ impl Builder<'_> {
         m: u32,
         full: &FxHashMap<usize, BufferId>,
     ) -> Vec<OpId> {
+        let mut ops = match self.sublayers(l) {
+            0 => self.whole_forward(l, m, full),
+            n => self.forward_phases(l, m, n, full),
+        };
+        ops.extend(self.secondary_copy(l, m, full));
+        ops
+    }
+
+    /// Layer `l`'s forward as one op.
+    fn whole_forward(&mut self, l: usize, m: u32, full: &FxHashMap<usize, BufferId>) -> Vec<OpId> {
         let id = self.state(l).id;
         let recompute = self.job.schedule.recompute == Recompute::Full;
         let mut reads: Vec<Region> = self.params_region(l, full).into_iter().collect();
@@ -99,8 +109,13 @@ impl Builder<'_> {
                 writes.push(Region::whole(a, self.p.buffers[a].bytes));
             }
         }
-        let mut ops = vec![self.compute(ComputeKind::Forward, Some(id), Some(m), reads, writes)];
-        // hpZ keeps this rank's slice of the gathered parameters for backward.
+        vec![self.compute(ComputeKind::Forward, Some(id), Some(m), reads, writes)]
+    }
+
+    /// hpZ keeps this rank's slice of the gathered parameters of layer `l` for backward.
+    fn secondary_copy(&mut self, l: usize, m: u32, full: &FxHashMap<usize, BufferId>) -> Vec<OpId> {
+        let id = self.state(l).id;
+        let mut ops = vec![];
         if let (ReshardAfterForward::Node { secondary }, Some(&g)) =
             (self.job.schedule.reshard_after_forward, full.get(&l))
         {
@@ -135,6 +150,9 @@ impl Builder<'_> {
         fwd_full: &FxHashMap<usize, BufferId>,
         full_grads: &mut FxHashMap<usize, BufferId>,
     ) -> Vec<OpId> {
+        if self.sublayers(l) > 0 {
+            return self.backward_phases(l, m, bwd_full, full_grads);
+        }
         let id = self.state(l).id;
         let mut ops = self.recompute(l, m, bwd_full);
         let (mut reads, mut writes) = self.backward_operands(l, m, bwd_full, None, true);

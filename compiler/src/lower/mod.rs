@@ -35,6 +35,7 @@ mod grads;
 mod params;
 mod stages;
 mod step;
+mod tensor;
 pub mod workspace;
 
 use crate::draft::Draft;

@@ -22,13 +22,17 @@ impl Builder<'_> {
             u64::from(self.layout.secondary.unwrap_or(1)),
         );
         self.replica = self.job.tied_replica();
+        let t = self.job.schedule.tensor.size;
         for (l, layer) in self.job.model.layers.iter().enumerate() {
-            let padded = layer.params.div_ceil(pad) * pad;
+            // A tensor-parallel layer's state is the rank's slice of it.
+            let params = sched_ir::tensor::rank_params(layer, t)
+                .expect("the analysis checked the tensor-parallel rules");
+            let padded = params.div_ceil(pad) * pad;
             let chunk = self.chunk_of_layer(l);
             self.stage = self.job.schedule.pipeline.stage_of_chunk(chunk);
             let id = self.p.layers.push(LayerInfo {
                 name: layer.name.clone(),
-                params: layer.params,
+                params,
                 padded,
                 chunk,
             });

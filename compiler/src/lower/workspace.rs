@@ -238,6 +238,20 @@ pub fn op_floats(ranks: &mut Ranks<'_>, op: &Op) -> u64 {
             };
             layer_floats(model, l) + parts + aliased
         }
+        // A tensor-parallel phase: at most the whole layer's math, its parameter gradient
+        // (every phase computes the slice's, whose largest padded part it may assemble), the
+        // input gradient a close computes, and an output computed in workspace.
+        (
+            ComputeKind::ForwardOpen(_)
+            | ComputeKind::ForwardClose(_)
+            | ComputeKind::BackwardOpen(_)
+            | ComputeKind::BackwardClose(_),
+            Some(l),
+        ) => {
+            let stream = input_elements(&model.layers[l].kind, model);
+            let parts = data.iter().map(|r| elems(p, r)).max().unwrap_or(0);
+            layer_floats(model, l) + parts + 2 * stream
+        }
         (ComputeKind::Loss, _) => {
             let aliased = if !data.is_empty() && ranks.aliased(op, 0) {
                 elems(p, &data[0])
@@ -273,6 +287,9 @@ pub fn runs_layer_math(op: &Op) -> bool {
                 | ComputeKind::Backward
                 | ComputeKind::BackwardInput
                 | ComputeKind::BackwardWeight
+                | ComputeKind::ForwardOpen(_)
+                | ComputeKind::BackwardOpen(_)
+                | ComputeKind::BackwardClose(_)
         )
     )
 }

@@ -7,7 +7,8 @@
 //! switch is off runs on `compute`. Compute-kind helpers of a communication role (the hierarchical
 //! all-gather's rearrangement, gradient accumulation, the optimizer update after the boundary)
 //! follow the stream of the role's previous op. Pipeline sends and receives run on `p2p`
-//! (on `compute` under `single`).
+//! (on `compute` under `single`). A tensor-parallel layer's tensor-group all-reduces stay on
+//! `compute`, between the phases that write and read them (the critical path).
 //!
 //! With pipeline stages, every stage gets its own streams: lowering leaves each op on a
 //! placeholder stream of its stage, which says where the op belongs; the streams made here
@@ -38,7 +39,8 @@ pub fn run(p: &mut Program, policy: Streams, overlap: Overlap) {
             OpRole::Sync => overlap.sync,
             OpRole::Refresh => overlap.refresh != Refresh::Overlap(false),
             OpRole::P2p => true,
-            OpRole::Compute => false,
+            // On the critical path: a layer's next phase waits for it.
+            OpRole::Compute | OpRole::Tensor => false,
         };
         let role = if !on || policy == Streams::Single {
             StreamRole::Compute
@@ -75,7 +77,7 @@ pub fn run(p: &mut Program, policy: Streams, overlap: Overlap) {
 
 fn per_role(role: OpRole) -> StreamRole {
     match role {
-        OpRole::Compute => StreamRole::Compute,
+        OpRole::Compute | OpRole::Tensor => StreamRole::Compute,
         OpRole::Gather => StreamRole::Gather,
         OpRole::Reduce => StreamRole::Reduce,
         OpRole::Sync | OpRole::Refresh => StreamRole::Sync,

@@ -220,14 +220,14 @@ impl TensorSpec {
     }
 }
 
-/// Why `job`, resolved from `item`, cannot be compiled yet although it checks: tensor
-/// parallelism (t > 1) is not lowered. An error at `size`, which every command that compiles
-/// reports instead of compiling ([`super::Analysis::not_lowered`]).
+/// Why `job`, resolved from `item`, cannot be compiled yet although it checks: with tensor
+/// parallelism (t > 1), full recomputation and split backwards (`I`/`W` actions: `zb_h1`, `zbv`,
+/// a custom order with them) are not lowered for tensor-parallel layers. An error at `size`,
+/// which every command that compiles reports instead of compiling
+/// ([`super::Analysis::not_lowered`]).
 pub(crate) fn not_lowered(item: &BlockItem, job: &Job) -> Option<Diagnostic> {
     let t = job.schedule.tensor.size;
-    if t <= 1 {
-        return None;
-    }
+    let what = job.tensor_not_lowered()?;
     let size = item.body.entries.iter().find_map(|e| match e {
         Entry::Nested(n) if n.key.name == "tensor" => Some(
             n.entries
@@ -238,11 +238,11 @@ pub(crate) fn not_lowered(item: &BlockItem, job: &Job) -> Option<Diagnostic> {
         _ => None,
     });
     let d = Diagnostic::error(format!(
-        "tensor parallelism (t = {t}) is not lowered yet: schedule `{}` checks, but cannot be compiled, simulated or planned",
+        "tensor parallelism (t = {t}) with {what} is not lowered yet: schedule `{}` checks, but cannot be compiled, simulated or planned",
         job.schedule.name
     ))
-    .note("`schedc check` accepts it; lowering tensor-parallel layers is the next step of issue 30 (docs/parallel.md)")
-    .note("write `size = 1` (or remove `tensor`) to compile this schedule without tensor parallelism");
+    .note("tensor-parallel layers run their forward and whole backward as Megatron's phases; recomputing them, and splitting their backward into `I` and `W`, are the next steps of issue 30 (docs/parallel.md)")
+    .note("drop the recompute or use a schedule with whole backwards (gpipe, 1f1b, interleaved_1f1b), or write `size = 1`");
     Some(match size {
         Some(span) => d.at(span, format!("t = {t}")),
         None => d,

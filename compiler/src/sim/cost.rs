@@ -183,6 +183,8 @@ pub struct CostModel {
     /// s_g and s_os, for the sizes of accumulators and optimizer shards.
     grad_shards: u64,
     optimizer_shards: u64,
+    /// t, the tensor-parallel degree: a sublayer's products are 1/t of the layer's.
+    tensor: u32,
 }
 
 impl CostModel {
@@ -216,6 +218,7 @@ impl CostModel {
                 + m.dtype.bytes() as f64,
             grad_shards: job.schedule.shard.grads.size(),
             optimizer_shards: job.schedule.shard.optimizer.size(),
+            tensor: job.schedule.tensor.size.max(1),
         }
     }
 
@@ -319,6 +322,25 @@ impl CostModel {
                 let shard = layer.params.div_ceil(self.optimizer_shards) as f64;
                 self.memory_seconds(shard * self.grad_bytes)
             }
+            ComputeKind::ForwardOpen(j) => {
+                let w = self.sublayer_work(&layer.kind, j);
+                w.forward_s + mem(w.bytes) + launch(w.kernels)
+            }
+            ComputeKind::BackwardOpen(j) => {
+                let w = self.sublayer_work(&layer.kind, j);
+                w.backward_s + mem(2.0 * w.bytes + w.backward_bytes) + launch(2.0 * w.kernels)
+            }
+            // The fp32 sum read, the residual stream written in the model dtype.
+            ComputeKind::ForwardClose(_) => {
+                let h = layer.kind.hidden().unwrap_or(0) as f64;
+                mem(self.tokens * h * (4.0 + self.dtype_bytes)) + launch(1.0)
+            }
+            // The norm's backward: the fp32 sum, its input and the stream's gradient read, the
+            // gradient written.
+            ComputeKind::BackwardClose(_) => {
+                let h = layer.kind.hidden().unwrap_or(0) as f64;
+                mem(self.tokens * h * (4.0 + 3.0 * self.grad_bytes)) + launch(2.0)
+            }
         }
     }
 
@@ -343,39 +365,18 @@ impl CostModel {
                 ..Work::default()
             },
             LayerKind::Transformer(tr) => {
-                let h = tr.hidden as f64;
-                let kv = tr.kv_dim() as f64;
-                let s = self.seq_len;
-                let heads = tr.heads as f64;
-                let head_dim = tr.head_dim() as f64;
-                let full_attention = 4.0 * s * h * t;
-                // Score elements: tokens × keys × heads (half of them under flash's causal skip).
-                let scores = t * s * heads;
-                let (attention, outputs, probs_bytes, extra) = match tr.attention {
-                    // Causal blocks above the diagonal are skipped; backward recomputes P.
-                    Attention::Flash => (
-                        full_attention / 2.0,
-                        scores / 2.0,
-                        0.0,
-                        full_attention / 4.0,
-                    ),
-                    // The whole s×s matrix, masked, written, softmaxed and read back.
-                    Attention::Naive => (full_attention, scores, 4.0 * t * s * heads * d, 0.0),
-                };
-                let qkv = self.product(t, h + 2.0 * kv, h);
-                let out = self.product(t, h, h);
-                let mlp = self.mlp_work(t, h, tr.ffn as f64, tr.act, d);
-                let attn_fwd = self.attention_seconds(attention, outputs, head_dim);
-                let attn_bwd = self.attention_seconds(2.0 * attention + extra, outputs, head_dim);
+                let (attention, mlp) = (
+                    self.attention_work(&tr, 1.0),
+                    self.transformer_mlp(&tr, 1.0),
+                );
                 Work {
-                    forward_s: qkv.0 + out.0 + attn_fwd + mlp.forward_s,
-                    backward_s: qkv.1 + out.1 + attn_bwd + mlp.backward_s,
-                    weight_s: qkv.2 + out.2 + mlp.weight_s,
-                    // Attention norm (read, write), rotary on q and k, residual add.
-                    bytes: t * d * (2.0 * h + 2.0 * (h + kv) + 3.0 * h) + probs_bytes + mlp.bytes,
-                    backward_bytes: probs_bytes / 2.0,
+                    forward_s: attention.forward_s + mlp.forward_s,
+                    backward_s: attention.backward_s + mlp.backward_s,
+                    weight_s: attention.weight_s + mlp.weight_s,
+                    bytes: attention.bytes + mlp.bytes,
+                    backward_bytes: attention.backward_bytes,
                     // Norm, QKV, rotary, attention, output projection, residual; the MLP's.
-                    kernels: 6.0 + mlp.kernels,
+                    kernels: attention.kernels + mlp.kernels,
                 }
             }
             LayerKind::Mlp(m) => self.mlp_work(t, m.hidden as f64, m.ffn as f64, m.act, d),
@@ -405,6 +406,67 @@ impl CostModel {
                 kernels: 2.0,
                 ..Work::default()
             },
+        }
+    }
+
+    /// A transformer's attention sublayer on one rank of a tensor group of `tp` (1: the whole
+    /// sublayer): its norm, the qkv product over the rank's heads, the attention, the output
+    /// projection over those heads' columns, the residual add.
+    fn attention_work(&self, tr: &sched_ir::job::TransformerSpec, tp: f64) -> Work {
+        let (t, d) = (self.tokens, self.dtype_bytes);
+        let h = tr.hidden as f64;
+        let kv = tr.kv_dim() as f64;
+        let s = self.seq_len;
+        let heads = tr.heads as f64 / tp;
+        let head_dim = tr.head_dim() as f64;
+        let full_attention = 4.0 * s * h * t / tp;
+        // Score elements: tokens × keys × heads (half of them under flash's causal skip).
+        let scores = t * s * heads;
+        let (attention, outputs, probs_bytes, extra) = match tr.attention {
+            // Causal blocks above the diagonal are skipped; backward recomputes P.
+            Attention::Flash => (
+                full_attention / 2.0,
+                scores / 2.0,
+                0.0,
+                full_attention / 4.0,
+            ),
+            // The whole s×s matrix, masked, written, softmaxed and read back.
+            Attention::Naive => (full_attention, scores, 4.0 * t * s * heads * d, 0.0),
+        };
+        let qkv = self.product(t, (h + 2.0 * kv) / tp, h);
+        let out = self.product(t, h, h / tp);
+        let attn_fwd = self.attention_seconds(attention, outputs, head_dim);
+        let attn_bwd = self.attention_seconds(2.0 * attention + extra, outputs, head_dim);
+        Work {
+            forward_s: qkv.0 + out.0 + attn_fwd,
+            backward_s: qkv.1 + out.1 + attn_bwd,
+            weight_s: qkv.2 + out.2,
+            // Attention norm (read, write), rotary on q and k, residual add.
+            bytes: t * d * (2.0 * h + 2.0 * (h + kv) / tp + 3.0 * h) + probs_bytes,
+            backward_bytes: probs_bytes / 2.0,
+            // Norm, QKV, rotary, attention, output projection, residual.
+            kernels: 6.0,
+        }
+    }
+
+    /// A transformer's MLP sublayer on one rank of a tensor group of `tp`.
+    fn transformer_mlp(&self, tr: &sched_ir::job::TransformerSpec, tp: f64) -> Work {
+        let f = tr.ffn as f64 / tp;
+        self.mlp_work(self.tokens, tr.hidden as f64, f, tr.act, self.dtype_bytes)
+    }
+
+    /// Sublayer `j` of a tensor-parallel layer on one rank (`ForwardOpen(j)`, `BackwardOpen(j)`):
+    /// the narrower products at their own shape's efficiency.
+    fn sublayer_work(&self, kind: &LayerKind, j: u8) -> Work {
+        let tp = f64::from(self.tensor);
+        match *kind {
+            LayerKind::Transformer(tr) if j == 0 => self.attention_work(&tr, tp),
+            LayerKind::Transformer(tr) => self.transformer_mlp(&tr, tp),
+            LayerKind::Mlp(m) => {
+                let f = m.ffn as f64 / tp;
+                self.mlp_work(self.tokens, m.hidden as f64, f, m.act, self.dtype_bytes)
+            }
+            _ => self.forward_work(kind),
         }
     }
 

@@ -317,6 +317,10 @@ pub enum BufferKind {
     /// (`W`) in one micro-step: the gradients of its products' outputs, fp32
     /// (`crate::abi::stash_elements`).
     Stash,
+    /// A tensor-parallel layer's partial sum in one micro-step (fp32, tokens × hidden): one
+    /// rank's summand of a sublayer's output or of its norm output's gradient, summed in place by
+    /// an all-reduce over the tensor group.
+    Partial,
 }
 
 impl BufferKind {
@@ -471,6 +475,37 @@ pub enum ComputeKind {
     /// The backward for the parameter gradients only (a pipeline's `W`), after its
     /// `BackwardInput`, from the saved activations and the stash.
     BackwardWeight,
+    /// A tensor-parallel layer's forward of sublayer j (0: attention, 1: the MLP; an mlp layer
+    /// has only 0) up to its row-parallel product: reads the layer's parameter slice and the
+    /// residual stream at the sublayer's input; writes the sublayer's saved activations and its
+    /// **partial** (fp32, tokens × hidden), this rank's summand of the sublayer's output, which
+    /// a tensor-group all-reduce sums (see "Tensor parallelism" above).
+    ForwardOpen(u8),
+    /// After the all-reduce of sublayer j's partials: the residual stream at the next
+    /// sublayer's input (the layer's output after the last) ← the sum, in the model dtype.
+    ForwardClose(u8),
+    /// A tensor-parallel layer's backward of sublayer j (from the last) down to its
+    /// column-parallel products: the gradients of the sublayer's sliced parameters (into the
+    /// layer's fp32 gradient scratch) and the partial gradient of the sublayer's norm output,
+    /// which a tensor-group all-reduce sums.
+    BackwardOpen(u8),
+    /// After that all-reduce: the sum through the (replicated) norm into the gradient of the
+    /// residual stream at the sublayer's input; for j = 0 the layer's input gradient, and the
+    /// layer's gradient written from the scratch as `Backward` writes it.
+    BackwardClose(u8),
+}
+
+impl ComputeKind {
+    /// The tensor-parallel sublayer a phase op runs (`None` for the other kinds).
+    pub fn sublayer(self) -> Option<u8> {
+        match self {
+            ComputeKind::ForwardOpen(j)
+            | ComputeKind::ForwardClose(j)
+            | ComputeKind::BackwardOpen(j)
+            | ComputeKind::BackwardClose(j) => Some(j),
+            _ => None,
+        }
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -496,6 +531,9 @@ pub enum OpRole {
     Refresh,
     /// Pipeline sends and receives of activations and their gradients.
     P2p,
+    /// Tensor-group all-reduces of a tensor-parallel layer's partial sums (activations and
+    /// their gradients): on the critical path, so on the compute stream.
+    Tensor,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -534,6 +572,10 @@ impl Op {
             ComputeKind::GradNorm => "grad_norm",
             ComputeKind::BackwardInput => "backward_input",
             ComputeKind::BackwardWeight => "backward_weight",
+            ComputeKind::ForwardOpen(_) => "forward_open",
+            ComputeKind::ForwardClose(_) => "forward_close",
+            ComputeKind::BackwardOpen(_) => "backward_open",
+            ComputeKind::BackwardClose(_) => "backward_close",
         }
     }
 

@@ -238,6 +238,13 @@ impl<D: Device> Rank<'_, D> {
         Ok(())
     }
 
+    fn read_saved_opt(&self, layer: usize, r: &Option<Region>) -> Result<D::Ptr, DeviceError> {
+        match r {
+            Some(s) => self.read_saved(layer, s),
+            None => self.device.alloc(0),
+        }
+    }
+
     fn read_saved(&self, layer: usize, r: &Region) -> Result<D::Ptr, DeviceError> {
         if let Some(p) = self.saved_view(layer, r)? {
             return Ok(p);
@@ -432,6 +439,91 @@ impl<D: Device> Rank<'_, D> {
                     self.write(r, dx, math.input_elements(), false)?;
                 }
                 self.write_layer_grads(*layer, (grads, dp), (tied_grads, dt))?;
+            }
+            Action::ForwardOpen {
+                layer,
+                sublayer,
+                params,
+                stream,
+                partial,
+                saved,
+            } => {
+                let math = &p.maths[*layer];
+                let op = op_regions(a);
+                let pp = self.read_opt(params, math.params())?;
+                let x = self.read(stream, math.input_elements())?;
+                let n = math.input_elements();
+                let out = self.output(Some(partial), n, &op)?;
+                let keep = match saved.as_ref().filter(|s| self.alone(s, &op)) {
+                    Some(s) => self.saved_view(*layer, s)?,
+                    None => None,
+                };
+                // Sublayer 1 writes its part of what sublayer 0 wrote: start from it.
+                let keep = match (keep, saved) {
+                    (Some(k), _) => k,
+                    (None, Some(s)) if *sublayer > 0 => self.read_saved(*layer, s)?,
+                    (None, _) => d.alloc(math.saved_elements())?,
+                };
+                let lead = p.program.layout.tp_index(self.rank) == 0;
+                super::tensor::forward_open(d, math, *sublayer, pp, x, keep, out, lead)?;
+                self.write(partial, out, n, false)?;
+                if let Some(s) = saved {
+                    self.write_saved(*layer, s, keep)?;
+                }
+            }
+            Action::ForwardClose { partial, output } => {
+                let n = self.elements(output);
+                let sum = self.read(partial, n)?;
+                self.write(output, sum, n, false)?;
+            }
+            Action::BackwardOpen {
+                layer,
+                sublayer,
+                params,
+                saved,
+                stream_grad,
+                partial,
+                grads,
+            } => {
+                let math = &p.maths[*layer];
+                let op = op_regions(a);
+                let n = math.input_elements();
+                let pp = self.read_opt(params, math.params())?;
+                let keep = self.read_saved_opt(*layer, saved)?;
+                let dy = self.read(stream_grad, n)?;
+                let out = self.output(Some(partial), n, &op)?;
+                let gp = d.alloc(math.params())?;
+                d.fill(gp, math.params(), 0.0)?;
+                super::tensor::backward_open(d, math, *sublayer, pp, keep, dy, gp, out)?;
+                self.write(partial, out, n, false)?;
+                d.round(math.precisions().1, gp, math.params())?;
+                self.write_grads(grads, gp, math.params())?;
+            }
+            Action::BackwardClose {
+                layer,
+                sublayer,
+                params,
+                saved,
+                partial,
+                base,
+                input: hidden,
+                grad_input,
+                grads,
+            } => {
+                let math = &p.maths[*layer];
+                let n = math.input_elements();
+                let pp = self.read_opt(params, math.params())?;
+                let keep = self.read_saved_opt(*layer, saved)?;
+                let sum = self.read(partial, n)?;
+                let x = hidden.as_ref().map(|r| self.read(r, n)).transpose()?;
+                let b = self.read(base, n)?;
+                let gi = d.alloc(n)?;
+                let gp = d.alloc(math.params())?;
+                d.fill(gp, math.params(), 0.0)?;
+                super::tensor::backward_close(d, math, *sublayer, pp, keep, x, sum, (gi, b), gp)?;
+                self.write(grad_input, gi, n, false)?;
+                d.round(math.precisions().1, gp, math.params())?;
+                self.write_grads(grads, gp, math.params())?;
             }
             Action::BackwardInput {
                 layer,
@@ -684,6 +776,9 @@ fn op_regions(a: &Action) -> Vec<&Region> {
             input,
             ..
         } => vec![params, tied, saved, stash, input],
+        Action::ForwardOpen { params, saved, .. }
+        | Action::BackwardOpen { params, saved, .. }
+        | Action::BackwardClose { params, saved, .. } => vec![params, saved],
         _ => vec![],
     };
     let more: Vec<&Region> = match a {
@@ -702,6 +797,18 @@ fn op_regions(a: &Action) -> Vec<&Region> {
             .chain(grads.iter().chain(tied_grads).map(|g| &g.region))
             .collect(),
         Action::BackwardInput { grad_output, .. } => vec![grad_output],
+        Action::ForwardOpen {
+            stream, partial, ..
+        } => vec![stream, partial],
+        Action::BackwardOpen {
+            stream_grad,
+            partial,
+            grads,
+            ..
+        } => [stream_grad, partial]
+            .into_iter()
+            .chain(grads.iter().map(|g| &g.region))
+            .collect(),
         Action::Loss { logits, grad } => vec![logits, grad],
         Action::Update {
             grad, state, param, ..

@@ -49,14 +49,14 @@ fn tokens<D: Device>(input: In<D>, lm: &LayerMath) -> Result<D::Tokens, DeviceEr
 }
 
 /// A block's product of its normed input `x` [t, hidden] into q, k and v.
-fn qkv_product<P>(bp: &BlockP, t: usize, x: P, w: P) -> Linear<P> {
+pub(super) fn qkv_product<P>(bp: &BlockP, t: usize, x: P, w: P) -> Linear<P> {
     let (inp, out) = (bp.hidden, bp.shape.width());
     Linear { x, w, t, inp, out }
 }
 
 /// A block's projection of attention's output `x` [t, hidden] back to the hidden width.
-fn proj_product<P>(bp: &BlockP, t: usize, x: P, w: P) -> Linear<P> {
-    let (inp, out) = (bp.hidden, bp.hidden);
+pub(super) fn proj_product<P>(bp: &BlockP, t: usize, x: P, w: P) -> Linear<P> {
+    let (inp, out) = (bp.shape.hidden(), bp.hidden);
     Linear { x, w, t, inp, out }
 }
 
@@ -78,8 +78,10 @@ fn head_product<P>(t: usize, (inp, out): (usize, usize), x: P, w: P) -> Linear<P
     Linear { x, w, t, inp, out }
 }
 
-/// out += MLP(a), keeping the MLP's tensors in `kept`.
-fn mlp_forward<D: Device>(
+/// out += MLP(a), keeping the MLP's tensors in `kept`; the last product's bias only with
+/// `last_bias` (a tensor group adds it on one rank).
+#[allow(clippy::too_many_arguments)]
+pub(super) fn mlp_forward<D: Device>(
     d: &D,
     lm: &LayerMath,
     mp: &MlpP,
@@ -87,6 +89,7 @@ fn mlp_forward<D: Device>(
     a: D::Ptr,
     kept: MlpSaved<D::Ptr>,
     out: D::Ptr,
+    last_bias: bool,
 ) -> Result<(), DeviceError> {
     let (t, f) = (lm.dims().t, mp.ffn);
     let act = lm.precisions().0;
@@ -114,7 +117,7 @@ fn mlp_forward<D: Device>(
             prod
         }
     };
-    let proj_b = mp.proj_b.as_ref().map(|r| p.at(r));
+    let proj_b = mp.proj_b.as_ref().filter(|_| last_bias).map(|r| p.at(r));
     d.linear(from_ffn(mp, t, mid, p.at(&mp.proj)), proj_b, out, 1.0)
 }
 
@@ -139,15 +142,15 @@ pub(crate) struct Grads<P> {
 /// The gradient through a sublayer: `dy`, its output's (read); `dx`, its input's (overwritten);
 /// `gp`, the layer's flat parameter gradient (accumulated).
 #[derive(Clone, Copy, Debug)]
-struct Through<P> {
-    dy: P,
-    dx: P,
-    gp: P,
+pub(super) struct Through<P> {
+    pub dy: P,
+    pub dx: P,
+    pub gp: P,
 }
 
 /// The MLP's backward: parameter gradients accumulate into `g.gp`; `g.dx` (the gradient of the
 /// MLP's input) is overwritten.
-fn mlp_backward<D: Device>(
+pub(super) fn mlp_backward<D: Device>(
     d: &D,
     lm: &LayerMath,
     mp: &MlpP,
@@ -251,7 +254,16 @@ pub(crate) fn forward<D: Device>(
             )?;
             d.round(act, a, t * h)?;
             d.copy(out, x, t * h)?;
-            mlp_forward(d, lm, mlp, p, a, MlpSaved::carve(t, mlp, &mut rest), out)?;
+            mlp_forward(
+                d,
+                lm,
+                mlp,
+                p,
+                a,
+                MlpSaved::carve(t, mlp, &mut rest),
+                out,
+                true,
+            )?;
             d.round(act, out, t * h)
         }
         Kind::LmHead {
@@ -336,7 +348,7 @@ fn transformer_forward<D: Device>(
     }
     d.round(act, qkv, t * w)?;
     d.attention(bp, act, qkv, att, keep)?;
-    d.round(act, att, t * h)?;
+    d.round(act, att, t * bp.shape.hidden())?;
     d.copy(resid, x, t * h)?;
     let proj = proj_product(bp, t, att, p.at(&bp.proj));
     d.linear(proj, bias(&bp.proj_b), resid, 1.0)?;
@@ -355,7 +367,7 @@ fn transformer_forward<D: Device>(
     d.round(act, a2, t * h)?;
     d.copy(out, resid, t * h)?;
     let kept = MlpSaved::carve(t, &bp.mlp, &mut mlp);
-    mlp_forward(d, lm, &bp.mlp, p, a2, kept, out)?;
+    mlp_forward(d, lm, &bp.mlp, p, a2, kept, out, true)?;
     d.round(act, out, t * h)
 }
 
@@ -569,7 +581,13 @@ pub(crate) struct WeightGrads<P> {
 }
 
 /// The operands of the norm `np` (of the layer's parameters `params`) over `t` rows of `x`.
-fn norm_operands<P: Ptr>(np: &NormP, params: P, t: usize, x: P, stats: P) -> NormOperands<'_, P> {
+pub(super) fn norm_operands<P: Ptr>(
+    np: &NormP,
+    params: P,
+    t: usize,
+    x: P,
+    stats: P,
+) -> NormOperands<'_, P> {
     NormOperands {
         np,
         params,

@@ -38,6 +38,7 @@ pub mod jit;
 mod kernels;
 pub(crate) mod layers;
 mod slices;
+mod tensor;
 
 use crate::math::attention::Keep;
 use crate::math::saved::Piece;

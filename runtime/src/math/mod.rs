@@ -310,6 +310,32 @@ fn model_uses_rope(model: &Model) -> bool {
 
 impl LayerMath {
     pub fn new(layer: &Layer, model: &Model) -> Result<Self, MathError> {
+        Self::sliced(layer, model, 1)
+    }
+
+    /// The math of one rank's slice of `layer` under tensor-parallel degree `t`
+    /// ([`sched_ir::tensor`]): a layer the lowering splits ([`sched_ir::tensor::split_layers`])
+    /// computes heads/t query heads and kv_heads/t key and value heads of the full head width,
+    /// and ffn/t of its MLP, from its slice's tensors; any other layer (and every layer at t = 1)
+    /// is [`LayerMath::new`]'s whole layer. Every rank's slice has the same shapes, so one math
+    /// serves the whole tensor group.
+    pub fn sliced(layer: &Layer, model: &Model, t: u32) -> Result<Self, MathError> {
+        let narrow;
+        let (layer, tp) = if sched_ir::tensor::split_layers(&layer.kind, t) {
+            let rank = sched_ir::tensor::TensorRank {
+                size: t as usize,
+                index: 0,
+            };
+            let cut =
+                sched_ir::tensor::SliceLayout::new(layer, rank).map_err(|e| MathError::Shape {
+                    layer: layer.name.clone(),
+                    problem: e.to_string(),
+                })?;
+            narrow = cut.narrow(layer);
+            (&narrow, t as usize)
+        } else {
+            (layer, 1)
+        };
         let s = model.seq_len as usize;
         let b = model.micro_batch as usize;
         let dims = Dims { s, t: b * s };
@@ -353,8 +379,8 @@ impl LayerMath {
                 let shape = attention::Shape {
                     b,
                     s,
-                    heads,
-                    kv_heads: kvh,
+                    heads: heads / tp,
+                    kv_heads: kvh / tp,
                     d: h / heads,
                 };
                 let rope = if model_uses_rope(model) {
@@ -376,15 +402,16 @@ impl LayerMath {
                     ln1: ts.norm("ln1", tr.norm, h)?,
                     qkv: ts.get("attn.qkv.weight", &[width, h])?,
                     qkv_b: ts.opt("attn.qkv.bias", &[width], tr.bias)?,
-                    proj: ts.get("attn.proj.weight", &[h, h])?,
+                    proj: ts.get("attn.proj.weight", &[h, shape.hidden()])?,
                     proj_b: ts.opt("attn.proj.bias", &[h], tr.bias)?,
                     ln2: ts.norm("ln2", tr.norm, h)?,
-                    mlp: ts.mlp(tr.act, h, f, tr.bias)?,
+                    mlp: ts.mlp(tr.act, h, f / tp, tr.bias)?,
                     rope,
                 };
+                let heads = shape.heads;
                 let mut segs = norm_segments("ln1.out", "ln1.stats", dims, h).to_vec();
                 segs.push(seg("attn.qkv", dims.t * width, Stored::Model));
-                segs.push(seg("attn.out", dims.t * h, Stored::Model));
+                segs.push(seg("attn.out", dims.t * shape.hidden(), Stored::Model));
                 segs.push(match tr.attention {
                     Attention::Flash => seg("attn.lse", heads * dims.t, Stored::F32),
                     Attention::Naive => seg("attn.probs", heads * dims.t * s, Stored::Model),
@@ -395,7 +422,7 @@ impl LayerMath {
                 (Kind::Transformer(Box::new(p)), segs)
             }
             LayerKind::Mlp(m) => {
-                let (h, f) = (m.hidden as usize, m.ffn as usize);
+                let (h, f) = (m.hidden as usize, m.ffn as usize / tp);
                 let mlp = ts.mlp(m.act, h, f, m.bias)?;
                 let mut segs = norm_segments("ln.out", "ln.stats", dims, h).to_vec();
                 segs.extend(mlp_segments(dims, &mlp));

@@ -84,7 +84,7 @@ impl<S: Piece> BlockSaved<S> {
             a1: c.take(t * h),
             st1: c.take(2 * t),
             qkv: c.take(t * sh.width()),
-            att: c.take(t * h),
+            att: c.take(t * sh.hidden()),
             keep: match bp.attention {
                 Attention::Flash => Keep::Lse(c.take(sh.heads * t)),
                 Attention::Naive => Keep::Probs(c.take(sh.heads * t * s)),

@@ -58,8 +58,9 @@ pub fn tiny(name: &str) -> Model {
 pub fn reference(job: &Job, steps: u64) -> (Vec<f64>, Vec<f32>) {
     let corpus = Corpus::builtin();
     let model = &job.model;
-    // A pipeline's global batch is its data-parallel ranks' (its `ddp` twin's).
-    let d = job.ranks() as usize / job.schedule.pipeline.stages.max(1) as usize;
+    // A pipeline's (or a tensor group's) global batch is its data-parallel ranks' (its `ddp`
+    // twin's).
+    let d = sched_ir::Layout::of(job).dp_size() as usize;
     let sequences = d * job.schedule.micro_steps as usize * model.micro_batch as usize;
     let mut r = Reference::new(model, &job.schedule.train).unwrap();
     let losses = (0..steps)

@@ -192,8 +192,12 @@ impl Backend for CpuBackend {
         let mut spans = vec![];
         let mut waits = vec![];
         let mut loss_sum = 0.0;
+        let layout = self.plan.program.layout;
         for r in results {
-            loss_sum += r.loss;
+            // A tensor group's ranks compute the same loss: count it once.
+            if layout.tp_index(r.wait.rank) == 0 {
+                loss_sum += r.loss;
+            }
             waits.push(r.wait);
             spans.extend(r.spans);
         }

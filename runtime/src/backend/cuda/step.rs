@@ -503,6 +503,13 @@ impl CudaBackend {
 
     fn finish_loss(&self) -> Result<f64, RunError> {
         let f = |m: CudaError| fault(self.rank, m);
+        if !self.counts_loss() {
+            // SAFETY: one f64 in the constants buffer; every stream is idle.
+            unsafe {
+                cudarc::driver::result::memcpy_htod_sync(self.consts.loss.0, &0f64.to_le_bytes())
+            }
+            .map_err(|e| f(CudaError::new(Library::Driver, "zeroing the loss", e)))?;
+        }
         if self.world > 1 {
             let comm = self.comms.get(&LOSS_KEY).map_err(f)?;
             let s = &self.dev.streams[0];
@@ -516,6 +523,12 @@ impl CudaBackend {
         unsafe { cudarc::driver::result::memcpy_dtoh_sync(&mut out, self.consts.loss.0) }
             .map_err(|e| f(CudaError::new(Library::Driver, "reading the loss", e)))?;
         Ok(f64::from_le_bytes(out))
+    }
+
+    /// Whether this rank's loss counts in the step's: a tensor group's ranks compute the same
+    /// loss, and only its lead's is summed.
+    fn counts_loss(&self) -> bool {
+        self.plan.program.layout.tp_index(self.rank) == 0
     }
 }
 

@@ -1,0 +1,228 @@
+//! Tensor-parallel layers (`spec/parallel.md` §2): with t > 1 a transformer's or mlp's forward
+//! and backward become the phases Megatron-LM runs between its all-reduces over the tensor
+//! group, each rank computing its slice ([`sched_ir::tensor`]).
+//!
+//! Per sublayer j (a transformer's attention, 0, and MLP, 1; an mlp layer's MLP, 0):
+//! - forward: `forward_open(j)` reads the parameter slice and the residual stream at the
+//!   sublayer's input (the layer's input hidden state for j = 0, the layer's output buffer, which
+//!   holds the stream between sublayers, after), writes the sublayer's saved activations and its
+//!   fp32 **partial** (tokens × hidden; the lead rank's includes the residual and the
+//!   row-parallel bias); an `all_reduce` over the tensor group sums the partials in place;
+//!   `forward_close(j)` stores the sum in the layer's output buffer;
+//! - backward, from the last sublayer: `backward_open(j)` reads the parameter slice, the saved
+//!   activations and the residual stream's gradient at the sublayer's output (the layer's
+//!   output gradient for the last sublayer, the input-gradient buffer, which holds it between
+//!   sublayers, after), writes the partial gradient of the sublayer's norm output and the
+//!   gradient of the sublayer's products' parameters; an `all_reduce` sums the partials;
+//!   `backward_close(j)` reads them, the saved activations, the residual path's gradient and,
+//!   for j = 0, the layer's input, writes the layer's input gradient and the gradient of the
+//!   sublayer's norm.
+//!
+//! Each phase writes its own tensors' range of the layer's gradient (the one holding the
+//! vector's end also the padding), as a whole backward writes all of it: plainly, or added onto
+//! the accumulator when backward accumulates directly after the first micro-step. The
+//! all-reduces have role `Tensor` (on the compute stream: the next phase waits for them).
+//! Partials are fresh buffers per (layer, micro-step, sublayer, direction), so the memory plan
+//! alone decides what shares bytes. Recomputation and split backwards (`I`/`W`) of tensor-parallel
+//! layers are not lowered: the analysis refuses them before lowering.
+
+use super::comms::CommKind;
+use super::Builder;
+use sched_ir::abi;
+use sched_ir::hash::FxHashMap;
+use sched_ir::ir::*;
+use sched_ir::job::*;
+use sched_ir::tensor::{split_layers, SliceLayout, TensorRank};
+
+impl Builder<'_> {
+    /// How many tensor-parallel sublayers layer index `l` is lowered as: 0 for a layer that runs
+    /// whole (t = 1, the embedding, the head, the tied head's replica).
+    pub(super) fn sublayers(&self, l: usize) -> u8 {
+        let t = self.job.schedule.tensor.size;
+        match self.job.model.layers.get(l).map(|x| x.kind) {
+            Some(k @ LayerKind::Transformer(_)) if split_layers(&k, t) => 2,
+            Some(k @ LayerKind::Mlp(_)) if split_layers(&k, t) => 1,
+            _ => 0,
+        }
+    }
+
+    /// A fresh fp32 partial-sum buffer of layer `l` (its forward's with `!grad`).
+    fn partial_buf(&mut self, l: usize, m: u32, j: u8, grad: bool) -> BufferId {
+        let id = self.state(l).id;
+        let elems = abi::input_elements(&self.job.model.layers[l].kind, &self.job.model);
+        let what = if grad { "partial_grad" } else { "partial" };
+        let name = format!("{}.{what}{j}.m{m}", self.p.layers[id].name);
+        self.buffer(name, BufferKind::Partial, Dtype::Fp32, elems, Some(id))
+    }
+
+    /// The tensor group's all-reduce of partial buffer `b` in place.
+    fn tensor_all_reduce(&mut self, l: usize, m: u32, b: BufferId) -> OpId {
+        let r = Region::whole(b, self.p.buffers[b].bytes);
+        let c = self.collective(Collective::AllReduce, CommKind::Tensor, Dtype::Fp32, r, r);
+        let id = self.state(l).id;
+        self.issue(vec![c], OpRole::Tensor, Some(id), Some(m))
+            .expect("one collective")
+    }
+
+    fn whole(&self, b: BufferId) -> Region {
+        Region::whole(b, self.p.buffers[b].bytes)
+    }
+
+    /// Layer `l`'s forward in micro-step `m` as its `n` sublayers' phases.
+    pub(super) fn forward_phases(
+        &mut self,
+        l: usize,
+        m: u32,
+        n: u8,
+        full: &FxHashMap<usize, BufferId>,
+    ) -> Vec<OpId> {
+        let id = self.state(l).id;
+        let params = self.params_region(l, full);
+        let input = self.hidden_buf(false, m, l);
+        let out = self.hidden_buf(false, m, l + 1);
+        let act = self.act_buf(l, m);
+        let mut ops = vec![];
+        for j in 0..n {
+            let stream = if j == 0 { input } else { out };
+            let mut reads: Vec<Region> = params.into_iter().collect();
+            reads.push(self.whole(stream));
+            if j > 0 {
+                reads.extend(act.map(|a| self.whole(a)));
+            }
+            let partial = self.partial_buf(l, m, j, false);
+            let mut writes = vec![self.whole(partial)];
+            writes.extend(act.map(|a| self.whole(a)));
+            let open = ComputeKind::ForwardOpen(j);
+            ops.push(self.compute(open, Some(id), Some(m), reads, writes));
+            ops.push(self.tensor_all_reduce(l, m, partial));
+            let (r, w) = (vec![self.whole(partial)], vec![self.whole(out)]);
+            ops.push(self.compute(ComputeKind::ForwardClose(j), Some(id), Some(m), r, w));
+        }
+        ops
+    }
+
+    /// Layer `l`'s backward in micro-step `m` as its sublayers' phases, from the last.
+    pub(super) fn backward_phases(
+        &mut self,
+        l: usize,
+        m: u32,
+        bwd_full: &FxHashMap<usize, BufferId>,
+        full_grads: &mut FxHashMap<usize, BufferId>,
+    ) -> Vec<OpId> {
+        let id = self.state(l).id;
+        let params = self.params_region(l, bwd_full);
+        let act = self.act_buf(l, m);
+        let input = self.hidden_buf(false, m, l);
+        let g_out = self.hidden_buf(true, m, l + 1);
+        let g_in = self.hidden_buf(true, m, l);
+        let target = self.grad_target(l, m, full_grads);
+        let ranges = self.phase_gradients(l);
+        let mut ops = vec![];
+        for j in (0..self.sublayers(l)).rev() {
+            let last = j + 1 == self.sublayers(l);
+            let stream_grad = if last { g_out } else { g_in };
+            let front = |b: &Self| -> Vec<Region> {
+                let mut r: Vec<Region> = params.into_iter().collect();
+                r.extend(act.map(|a| b.whole(a)));
+                r
+            };
+            // Open: the products' parameter gradients and the norm output's partial gradient.
+            let mut reads = front(self);
+            reads.push(self.whole(stream_grad));
+            let partial = self.partial_buf(l, m, j, true);
+            let mut writes = vec![self.whole(partial)];
+            self.phase_grad_write(m, target, &ranges.open[j as usize], &mut reads, &mut writes);
+            let open = ComputeKind::BackwardOpen(j);
+            ops.push(self.compute(open, Some(id), Some(m), reads, writes));
+            ops.push(self.tensor_all_reduce(l, m, partial));
+            // Close: through the norm into the input gradient, the norm's parameter gradient.
+            let mut reads = front(self);
+            reads.push(self.whole(partial));
+            reads.push(self.whole(stream_grad));
+            if j == 0 {
+                reads.push(self.whole(input));
+            }
+            let mut writes = vec![self.whole(g_in)];
+            self.phase_grad_write(
+                m,
+                target,
+                &ranges.close[j as usize],
+                &mut reads,
+                &mut writes,
+            );
+            let close = ComputeKind::BackwardClose(j);
+            ops.push(self.compute(close, Some(id), Some(m), reads, writes));
+        }
+        ops
+    }
+
+    /// The element ranges of layer `l`'s flat slice gradient each backward phase writes: the
+    /// products' tensors by the opens, the norms' by the closes, the padding with the range
+    /// holding the vector's end.
+    fn phase_gradients(&self, l: usize) -> PhaseGradients {
+        let layer = &self.job.model.layers[l];
+        let t = self.job.schedule.tensor.size as usize;
+        let slice = SliceLayout::new(layer, TensorRank { size: t, index: 0 })
+            .expect("the analysis checked the tensor-parallel rules");
+        let span = |prefix: &str| {
+            let mut it = slice
+                .tensors()
+                .iter()
+                .filter(|x| x.name.starts_with(prefix))
+                .map(|x| x.range.clone());
+            let first = it.next().map_or(0..0, |r| r);
+            it.fold(first, |a, r| a.start.min(r.start)..a.end.max(r.end))
+        };
+        let (open, close) = match self.sublayers(l) {
+            2 => (
+                vec![span("attn."), span("mlp.")],
+                vec![span("ln1."), span("ln2.")],
+            ),
+            _ => (vec![span("mlp.")], vec![span("ln.")]),
+        };
+        let (end, padded) = (slice.elements() as u64, self.state(l).padded);
+        let pad = |v: Vec<std::ops::Range<usize>>| {
+            v.into_iter()
+                .map(|r| {
+                    let (a, b) = (r.start as u64, r.end as u64);
+                    a..if b == end { padded } else { b }
+                })
+                .collect()
+        };
+        PhaseGradients {
+            open: pad(open),
+            close: pad(close),
+        }
+    }
+
+    /// A phase's write of elements `range` of gradient target `g`: added onto what earlier
+    /// micro-steps left when backward accumulates directly, else written.
+    fn phase_grad_write(
+        &mut self,
+        m: u32,
+        g: Region,
+        range: &std::ops::Range<u64>,
+        reads: &mut Vec<Region>,
+        writes: &mut Vec<Region>,
+    ) {
+        let d = self.grad_dtype.bytes();
+        let r = Region {
+            offset: Offset::Fixed(range.start * d),
+            bytes: (range.end - range.start) * d,
+            ..g
+        };
+        if r.bytes == 0 {
+            return;
+        }
+        if self.direct_accumulation() && m > 0 {
+            reads.push(r);
+        }
+        writes.push(r);
+    }
+}
+
+/// Per sublayer, the gradient elements its backward's open and close write.
+struct PhaseGradients {
+    open: Vec<std::ops::Range<u64>>,
+    close: Vec<std::ops::Range<u64>>,
+}
