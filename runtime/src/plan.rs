@@ -11,6 +11,7 @@ use crate::math::{decay_ranges, LayerMath};
 use cranelift_entity::SecondaryMap;
 use sched_ir::ir::{BufferId, BufferKind, CommId, LayerId, OpId, Region, ShardIndex, StreamId};
 use sched_ir::job::Job;
+use sched_ir::tensor::{SliceLayout, TensorRank};
 use sched_verify::Verified;
 use std::path::Path;
 
@@ -155,7 +156,30 @@ impl Plan {
         let indices = (0..program.ranks())
             .map(|r| ShardIndex::ALL.map(|i| layout.index(i, r)))
             .collect();
-        let decay = job.model.layers.iter().map(decay_ranges).collect();
+        // A tensor-parallel layer's ranges are its slice's (every slice has the same layout).
+        let t = job.schedule.tensor.size;
+        let decay = job
+            .model
+            .layers
+            .iter()
+            .map(|l| match sched_ir::tensor::split_layers(&l.kind, t) {
+                true => SliceLayout::new(
+                    l,
+                    TensorRank {
+                        size: t as usize,
+                        index: 0,
+                    },
+                )
+                .map(|s| decay_ranges(&s.narrow(l)))
+                .map_err(|e| {
+                    LoadError::from(crate::math::MathError::Shape {
+                        layer: l.name.clone(),
+                        problem: e.to_string(),
+                    })
+                }),
+                false => Ok(decay_ranges(l)),
+            })
+            .collect::<Result<_, _>>()?;
         let mut members: SecondaryMap<CommId, Vec<(usize, usize)>> = SecondaryMap::new();
         for (c, comm) in program.comms.iter() {
             // (usize::MAX, usize::MAX): not a member (a pipeline transfer pairs two stages only).

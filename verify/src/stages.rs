@@ -176,11 +176,12 @@ fn pair_shape(p: &Program, c: &CollectiveOp, stage: u32) -> Option<String> {
         layout.stage(g[mine]) == stage
             && layout.stage(g[other]) == peer
             && layout.dp_index(g[0]) == layout.dp_index(g[1])
+            && layout.tp_index(g[0]) == layout.tp_index(g[1])
     });
-    let covers = comm.groups.len() as u32 == layout.dp_size();
+    let covers = comm.groups.len() as u32 == layout.stage_size();
     if peer == stage || !pairs_ok || !covers {
         return Some(format!(
-            "{} on stage {stage} over {} ({}): its groups must pair each rank of stage {stage} (as member {mine}) with the rank of one other stage at the same data-parallel index",
+            "{} on stage {stage} over {} ({}): its groups must pair each rank of stage {stage} (as member {mine}) with the rank of one other stage at the same data-parallel and tensor index",
             c.kind.name(),
             c.comm,
             comm.name
