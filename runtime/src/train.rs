@@ -7,6 +7,7 @@
 //! and gathers shards back into whole tensors when asked.
 
 use crate::backend::{Backend, Batch, RunError, StepInput, StepOutcome};
+use crate::checkpoint::shards::{LayerShard, RankShard};
 use crate::data::{BatchShape, Corpus};
 use crate::math::{init_layer, Precision};
 use crate::plan::Plan;
@@ -36,6 +37,21 @@ impl State {
     /// Every layer's parameters, in layer order, as one vector (what parity checks compare).
     pub fn into_params(self) -> Vec<f32> {
         self.layers.into_iter().flat_map(|l| l.params).collect()
+    }
+
+    /// The layers (by index) whose parameters, master copy or moments hold a value that is not
+    /// finite: state no checkpoint may keep.
+    pub fn non_finite_layers(&self) -> Vec<usize> {
+        self.layers
+            .iter()
+            .enumerate()
+            .filter(|(_, l)| {
+                [&l.params, &l.master, &l.m, &l.v]
+                    .iter()
+                    .any(|v| v.iter().any(|x| !x.is_finite()))
+            })
+            .map(|(i, _)| i)
+            .collect()
     }
 }
 
@@ -215,6 +231,60 @@ impl<B: Backend> Trainer<B> {
         })
     }
 
+    /// The optimizer-state slices the ranks this backend drives write into a sharded checkpoint
+    /// entry (`checkpoint::shards`), one [`RankShard`] per rank: for each layer, the slice of
+    /// the rank's optimizer shard, when the rank holds the layer (its own stage's copy) and no
+    /// lower rank holds the same slice (replicas write it once).
+    pub fn rank_shards(&self) -> Result<Vec<RankShard>, RunError> {
+        let p = &self.plan;
+        let model = &p.job.model;
+        let sh = p.job.schedule.shard;
+        let parts = if model.optimizer == Optimizer::Sgd {
+            1
+        } else {
+            3
+        };
+        let mut out = vec![];
+        for rank in self.backend.ranks() {
+            let mut layers = vec![];
+            for l in 0..model.layers.len() {
+                let Some(&obuf) = p.state_buffers(l, BufferKind::OptimizerShard).first() else {
+                    continue;
+                };
+                let holders = p.holders(obuf);
+                let j = p.index(rank, ShardIndex::Optimizer);
+                let writer = holders
+                    .clone()
+                    .find(|&r| p.index(r, ShardIndex::Optimizer) == j);
+                if !holders.contains(&rank) || writer != Some(rank) {
+                    continue;
+                }
+                let padded =
+                    p.program.layers[sched_ir::ir::LayerId::from_u32(l as u32)].padded as usize;
+                let os = padded / sh.optimizer.size() as usize;
+                let at = p.program.buffers[obuf].offset;
+                let v = self.backend.download(rank, at, parts * os, Dtype::Fp32)?;
+                let part = |k: usize| {
+                    if k < parts {
+                        v[k * os..(k + 1) * os].to_vec()
+                    } else {
+                        vec![]
+                    }
+                };
+                layers.push(LayerShard {
+                    layer: l,
+                    first: j as usize * os,
+                    padded,
+                    master: part(0),
+                    m: part(1),
+                    v: part(2),
+                });
+            }
+            out.push(RankShard { rank, layers });
+        }
+        Ok(out)
+    }
+
     /// The layers whose gradient accumulators hold a value that is not finite after the last
     /// step, in backward order (the last layer first: where a backward's non-finite values show
     /// up first), for the message of a diverged run. Reads every gradient shard of every rank.
@@ -244,17 +314,22 @@ impl<B: Backend> Trainer<B> {
         Ok(out)
     }
 
-    /// Test hook (`schedrun --inject-nan STEP`): makes the first weight of the first layer after
-    /// the embedding (the embedding when it is the only one) NaN, in the parameters and the master
-    /// copy, so that the next step's loss is NaN as a real divergence's would be. Returns the
-    /// layer's index.
+    /// The layer the test hooks poison: the first after the embedding that holds parameters
+    /// (the embedding when it is the only one).
+    pub fn poison_target(&self) -> Result<usize, RunError> {
+        let layers = &self.plan.job.model.layers;
+        (1..layers.len())
+            .chain(0..1)
+            .find(|&l| layers[l].params > 0)
+            .ok_or_else(|| RunError::of_run("no layer holds parameters"))
+    }
+
+    /// Test hook (`schedrun --inject-nan STEP`): makes the first weight of
+    /// [`Trainer::poison_target`] NaN, in the parameters and the master copy, so that the next
+    /// step's loss is NaN as a real divergence's would be. Returns the layer's index.
     pub fn poison(&mut self) -> Result<usize, RunError> {
         let mut s = self.state()?;
-        let n = s.layers.len();
-        let l = (1..n)
-            .chain(0..1)
-            .find(|&l| !s.layers[l].params.is_empty())
-            .ok_or_else(|| RunError::of_run("no layer holds parameters"))?;
+        let l = self.poison_target()?;
         let layer = &mut s.layers[l];
         layer.params[0] = f32::NAN;
         if let Some(x) = layer.master.first_mut() {
@@ -294,6 +369,17 @@ impl<B: Backend> Trainer<B> {
 
     /// Runs the next optimizer step.
     pub fn step(&mut self, lr: f64, clip: Option<f64>) -> Result<StepReport, RunError> {
+        self.step_poisoned(lr, clip, None)
+    }
+
+    /// Runs the next optimizer step with a test hook: `poison_grad` makes that layer's gradient
+    /// non-finite after the backward ([`StepInput::poison_grad`]).
+    pub fn step_poisoned(
+        &mut self,
+        lr: f64,
+        clip: Option<f64>,
+        poison_grad: Option<usize>,
+    ) -> Result<StepReport, RunError> {
         if clip.is_some() && !self.plan.clips() {
             return Err(RunError::of_run(
                 "gradient clipping was asked for, but the plan was compiled without it (set \
@@ -305,6 +391,7 @@ impl<B: Backend> Trainer<B> {
             lr,
             clip,
             batches: self.batches(self.step)?,
+            poison_grad,
         };
         let start = Instant::now();
         let outcome = self.backend.run_step(&input)?;
