@@ -2,7 +2,8 @@
 //!
 //! Exit status: 0 success, 1 bad input (a schedule with errors, a plan that is malformed, of
 //! another version or fails verification, a weights file that does not fit the model, an
-//! incomplete checkpoint) or a run that diverged (a non-finite loss), 2 any other failure (a rank
+//! incomplete checkpoint) or a run that diverged (a non-finite loss or gradient norm, or non-finite
+//! state about to be checkpointed), 2 any other failure (a rank
 //! that fails or stops answering, an output that cannot be written, checked before the first
 //! step), 128 + the signal (143 SIGTERM, 130 SIGINT) a run stopped by a signal after its current
 //! step and its checkpoint.
