@@ -7,7 +7,6 @@
 //! and gathers shards back into whole tensors when asked.
 
 use crate::backend::{Backend, Batch, RunError, StepInput, StepOutcome};
-use crate::checkpoint::shards::{LayerShard, RankShard};
 use crate::data::{BatchShape, Corpus};
 use crate::math::{init_layer, Precision};
 use crate::plan::Plan;
@@ -51,6 +50,44 @@ impl State {
                     .any(|v| v.iter().any(|x| !x.is_finite()))
             })
             .map(|(i, _)| i)
+            .collect()
+    }
+}
+
+/// One layer's slice of the optimizer state as one rank holds it.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct LayerShard {
+    /// The layer's index in the model.
+    pub layer: usize,
+    /// The slice's first element in the layer's padded flat state.
+    pub first: usize,
+    /// The layer's padded length (its parameters rounded up to the shard count).
+    pub padded: usize,
+    /// The fp32 master copy, then Adam's moments (empty for SGD), each of the slice's length.
+    pub master: Vec<f32>,
+    pub m: Vec<f32>,
+    pub v: Vec<f32>,
+}
+
+/// What one rank writes into a sharded checkpoint entry (`checkpoint::shards`): its slices of
+/// the layers' optimizer state.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct RankShard {
+    pub rank: u32,
+    pub layers: Vec<LayerShard>,
+}
+
+impl RankShard {
+    /// The layers (by index) whose slice holds a value that is not finite.
+    pub fn non_finite_layers(&self) -> Vec<usize> {
+        self.layers
+            .iter()
+            .filter(|s| {
+                [&s.master, &s.m, &s.v]
+                    .iter()
+                    .any(|v| v.iter().any(|x| !x.is_finite()))
+            })
+            .map(|s| s.layer)
             .collect()
     }
 }

@@ -784,3 +784,55 @@ fn sharded_checkpoints_resume_under_another_schedule_bit_for_bit() {
         "{err}"
     );
 }
+
+/// Whatever the sharding, a sharded entry holds exactly the state a whole one does: under
+/// replicas (DDP, HSDP, MiCS, AMSP: each slice written once), pipeline stages and a tied head's
+/// replica of the embedding on another stage, the entry written by `--shard-checkpoints` loads
+/// to the `--save` file of the same step, bit for bit.
+#[test]
+fn sharded_entries_hold_the_whole_state_under_every_sharding() {
+    let dir = temp("every-sharding");
+    let cases = [
+        ("schedules/tiny_cpu_schedules.sched", "tiny_ddp"),
+        ("schedules/tiny_cpu_schedules.sched", "tiny_hsdp"),
+        ("schedules/tiny_cpu_schedules.sched", "tiny_mics2"),
+        ("schedules/tiny_cpu_schedules.sched", "tiny_amsp"),
+        ("schedules/tiny_pipeline.sched", "tiny_1f1b"),
+        (
+            "schedules/tiny_pipeline_schedules.sched",
+            "tiny_gpt_tied_interleaved_zero3",
+        ),
+    ];
+    for (file, schedule) in cases {
+        let ckpt = dir.join(schedule);
+        let save = dir.join(format!("{schedule}.safetensors"));
+        let out = schedrun(&[
+            file,
+            "--schedule",
+            schedule,
+            "--steps",
+            "2",
+            "--checkpoints",
+            s(&ckpt),
+            "--shard-checkpoints",
+            "--save",
+            s(&save),
+        ]);
+        assert!(out.status.success(), "{schedule}: {}", stderr(&out));
+        let model = analyze(&root().join(file), &FsLoader)
+            .unwrap()
+            .jobs
+            .into_iter()
+            .find(|j| j.schedule.name == schedule)
+            .unwrap()
+            .model;
+        let entry = folder::resolve(&ckpt).unwrap().file;
+        assert!(entry.is_dir(), "{schedule}: a sharded entry");
+        let whole = checkpoint::load(&save, &model, Contents::Checkpoint).unwrap();
+        assert_eq!(whole.step, 2);
+        assert!(
+            folder::load(&entry, &model).unwrap() == whole,
+            "{schedule}: the sharded entry differs from the whole state"
+        );
+    }
+}

@@ -29,6 +29,7 @@
 use super::folder::{self, FileEntry, Manifest, MANIFEST};
 use super::CheckpointError;
 use crate::math::Precision;
+pub use crate::train::{LayerShard, RankShard};
 use crate::train::{LayerState, State};
 use safetensors::tensor::{Dtype as StDtype, TensorView};
 use safetensors::SafeTensors;
@@ -39,28 +40,6 @@ use std::fs;
 use std::path::{Path, PathBuf};
 
 const FORMAT: &str = "sched-checkpoint-shard";
-
-/// One layer's slice of the optimizer state as one rank holds it.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct LayerShard {
-    /// The layer's index in the model.
-    pub layer: usize,
-    /// The slice's first element in the layer's padded flat state.
-    pub first: usize,
-    /// The layer's padded length (its parameters rounded up to the shard count).
-    pub padded: usize,
-    /// The fp32 master copy, then Adam's moments (empty for SGD), each of the slice's length.
-    pub master: Vec<f32>,
-    pub m: Vec<f32>,
-    pub v: Vec<f32>,
-}
-
-/// What one rank writes into a sharded entry.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct RankShard {
-    pub rank: u32,
-    pub layers: Vec<LayerShard>,
-}
 
 /// The shard file of `rank` in an entry.
 pub fn shard_name(rank: u32) -> String {
@@ -220,7 +199,9 @@ pub fn finish(
         })?;
         let receipt: Receipt = serde_json::from_str(&text)
             .ok()
-            .filter(|r: &Receipt| r.step == step && r.world == world)
+            .filter(|r: &Receipt| {
+                r.step == step && r.world == world && r.file.name == shard_name(rank)
+            })
             .ok_or_else(|| {
                 incomplete(format!(
                     "{} is not rank {rank}'s receipt of step {step} of {world} ranks",
@@ -267,11 +248,13 @@ pub fn finish(
 /// model or step, or slices of the wrong size are refused naming the entry.
 pub fn load(entry: &Path, model: &Model) -> Result<State, CheckpointError> {
     let manifest = folder::read_manifest(entry)?;
-    let world = manifest.shards.unwrap_or(0);
     let incomplete = |problem: String| CheckpointError::Incomplete {
         path: entry.to_path_buf(),
         problem,
     };
+    let world = manifest
+        .shards
+        .ok_or_else(|| incomplete(format!("{MANIFEST} lists no rank shards")))?;
     let moments = model.optimizer != Optimizer::Sgd;
     // Per layer: every rank's slice.
     let mut pieces: Vec<Vec<LayerShard>> = vec![vec![]; model.layers.len()];
@@ -405,19 +388,4 @@ pub fn load(entry: &Path, model: &Model) -> Result<State, CheckpointError> {
         layers,
         step: manifest.step,
     })
-}
-
-impl RankShard {
-    /// The layers (by index) whose slice holds a value that is not finite.
-    pub fn non_finite_layers(&self) -> Vec<usize> {
-        self.layers
-            .iter()
-            .filter(|s| {
-                [&s.master, &s.m, &s.v]
-                    .iter()
-                    .any(|v| v.iter().any(|x| !x.is_finite()))
-            })
-            .map(|s| s.layer)
-            .collect()
-    }
 }
