@@ -8,6 +8,8 @@
 //!
 //! Loading checks every tensor's presence, dtype and shape, and refuses files with tensors the model
 //! does not have. Saving writes a temporary file and renames it, so a failed save leaves nothing.
+//! Folders of periodic checkpoints are [`folder`]'s; entries written as per-rank shards by
+//! several processes, [`shards`]'.
 
 use crate::train::{LayerState, State};
 use safetensors::tensor::{Dtype as StDtype, TensorView};
@@ -16,6 +18,8 @@ use sched_ir::job::Model;
 use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::path::{Path, PathBuf};
+
+pub mod shards;
 
 const FORMAT: &str = "sched-checkpoint";
 
@@ -314,6 +318,11 @@ pub fn load(path: &Path, model: &Model, contents: Contents) -> Result<State, Che
 /// An entry is written under a hidden temporary name (`DIR/.step-00000120.PID.tmp/`), each file
 /// and then the folder synced to disk, and renamed into place, so a run killed at any moment leaves
 /// either the whole entry or none of it (only a hidden leftover, removed by the next save).
+///
+/// Processes that each hold only some ranks' shards (several CUDA processes) write a sharded
+/// entry instead ([`shards`]): one `rank-NNNNN.safetensors` per rank in place of
+/// `state.safetensors`, and a manifest that says how many ranks wrote (`shards`) and lists every
+/// shard. [`folder::resolve`] verifies both kinds alike, and [`folder::load`] reads either.
 pub mod folder {
     use super::{save_bytes, CheckpointError, Contents};
     use crate::train::State;
@@ -327,26 +336,30 @@ pub mod folder {
     pub const MANIFEST: &str = "manifest.json";
     /// The whole state of the CPU backend (and of a single CUDA process).
     pub const STATE: &str = "state.safetensors";
-    const FORMAT: &str = "sched-checkpoint-folder";
+    pub(super) const FORMAT: &str = "sched-checkpoint-folder";
 
     #[derive(Serialize, Deserialize)]
-    struct Manifest {
-        format: String,
-        step: u64,
-        model: String,
-        files: Vec<FileEntry>,
+    pub(super) struct Manifest {
+        pub format: String,
+        pub step: u64,
+        pub model: String,
+        /// A sharded entry ([`super::shards`]): the number of ranks, each of which wrote one
+        /// `rank-NNNNN.safetensors`. Absent for an entry of one `state.safetensors`.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub shards: Option<u32>,
+        pub files: Vec<FileEntry>,
     }
 
     #[derive(Serialize, Deserialize)]
-    struct FileEntry {
-        name: String,
-        bytes: u64,
-        fnv1a64: String,
+    pub(super) struct FileEntry {
+        pub name: String,
+        pub bytes: u64,
+        pub fnv1a64: String,
     }
 
     /// 64-bit FNV-1a: enough to tell a damaged file from the one written (not an authenticity
     /// check).
-    fn fnv1a64(bytes: &[u8]) -> String {
+    pub(super) fn fnv1a64(bytes: &[u8]) -> String {
         let mut h: u64 = 0xcbf2_9ce4_8422_2325;
         for &b in bytes {
             h ^= u64::from(b);
@@ -368,7 +381,10 @@ pub mod folder {
         digits.parse().ok()
     }
 
-    fn io(path: &Path, writing: bool) -> impl FnOnce(std::io::Error) -> CheckpointError + '_ {
+    pub(super) fn io(
+        path: &Path,
+        writing: bool,
+    ) -> impl FnOnce(std::io::Error) -> CheckpointError + '_ {
         move |e| CheckpointError::Io {
             path: path.to_path_buf(),
             writing,
@@ -376,13 +392,13 @@ pub mod folder {
         }
     }
 
-    fn write_synced(path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
+    pub(super) fn write_synced(path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
         let mut f = fs::File::create(path).map_err(io(path, true))?;
         f.write_all(bytes).map_err(io(path, true))?;
         f.sync_all().map_err(io(path, true))
     }
 
-    fn sync_dir(path: &Path) -> Result<(), CheckpointError> {
+    pub(super) fn sync_dir(path: &Path) -> Result<(), CheckpointError> {
         fs::File::open(path)
             .and_then(|d| d.sync_all())
             .map_err(io(path, true))
@@ -409,6 +425,7 @@ pub mod folder {
                 format: FORMAT.to_string(),
                 step: state.step,
                 model: model.name.clone(),
+                shards: None,
                 files: vec![FileEntry {
                     name: STATE.to_string(),
                     bytes: bytes.len() as u64,
@@ -418,21 +435,7 @@ pub mod folder {
             let text = serde_json::to_string_pretty(&manifest).expect("manifests serialise") + "\n";
             write_synced(&tmp.join(MANIFEST), text.as_bytes())?;
             sync_dir(&tmp)?;
-            let at = dir.join(&name);
-            // The same step written again (a run resumed from an older entry): the old entry is
-            // moved aside, under a hidden name the next save removes, before the new one takes
-            // its place, so that a crash in between leaves one of the two.
-            let old = dir.join(format!(".{name}.{}.old.tmp", std::process::id()));
-            let replacing = at.exists();
-            if replacing {
-                fs::rename(&at, &old).map_err(io(&at, true))?;
-            }
-            fs::rename(&tmp, &at).map_err(io(&at, true))?;
-            sync_dir(dir)?;
-            if replacing {
-                let _ = fs::remove_dir_all(&old);
-            }
-            Ok(at)
+            place(dir, &tmp, state.step)
         })();
         if result.is_err() {
             let _ = fs::remove_dir_all(&tmp);
@@ -442,9 +445,29 @@ pub mod folder {
         Ok(at)
     }
 
+    /// Renames the written entry folder `tmp` to step `step`'s entry under `dir` and syncs
+    /// `dir`. The same step written again (a run resumed from an older entry): the old entry is
+    /// moved aside, under a hidden name the next save removes, before the new one takes its
+    /// place, so that a crash in between leaves one of the two.
+    pub(super) fn place(dir: &Path, tmp: &Path, step: u64) -> Result<PathBuf, CheckpointError> {
+        let name = entry_name(step);
+        let at = dir.join(&name);
+        let old = dir.join(format!(".{name}.{}.old.tmp", std::process::id()));
+        let replacing = at.exists();
+        if replacing {
+            fs::rename(&at, &old).map_err(io(&at, true))?;
+        }
+        fs::rename(tmp, &at).map_err(io(&at, true))?;
+        sync_dir(dir)?;
+        if replacing {
+            let _ = fs::remove_dir_all(&old);
+        }
+        Ok(at)
+    }
+
     /// Removes all but the newest `keep` entries, and leftovers of interrupted writes by other
     /// processes. Best effort: a failure to remove leaves an old entry, never loses a new one.
-    fn prune(dir: &Path, keep: usize) {
+    pub(super) fn prune(dir: &Path, keep: usize) {
         let Ok(read) = fs::read_dir(dir) else {
             return;
         };
@@ -464,8 +487,11 @@ pub mod folder {
         }
     }
 
-    /// What `--resume PATH` resolved to: the checkpoint file to load, and entries passed over.
+    /// What `--resume PATH` resolved to: the checkpoint to load ([`load`]), and entries passed
+    /// over.
     pub struct Resolved {
+        /// A checkpoint file (a `--save` file, an entry's `state.safetensors`) or a sharded
+        /// entry's folder.
         pub file: PathBuf,
         /// Entries newer than the one chosen that have no manifest (writes cut short).
         pub skipped: Vec<PathBuf>,
@@ -521,8 +547,19 @@ pub mod folder {
             .unwrap_or_default()
     }
 
-    /// Checks every file the entry's manifest lists; returns the state file's path.
-    fn verify(entry: &Path) -> Result<PathBuf, CheckpointError> {
+    /// The checkpoint [`resolve`] found, whole: a checkpoint file as [`super::load`] reads it
+    /// (with its optimizer state), a sharded entry's folder as [`super::shards::load`] puts it
+    /// together.
+    pub fn load(resolved: &Path, model: &Model) -> Result<State, CheckpointError> {
+        if resolved.is_dir() {
+            super::shards::load(resolved, model)
+        } else {
+            super::load(resolved, model, Contents::Checkpoint)
+        }
+    }
+
+    /// The entry's manifest, read and checked to be one.
+    pub(super) fn read_manifest(entry: &Path) -> Result<Manifest, CheckpointError> {
         let incomplete = |problem: String| CheckpointError::Incomplete {
             path: entry.to_path_buf(),
             problem,
@@ -532,15 +569,52 @@ pub mod folder {
             Ok(t) => t,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
                 return Err(incomplete(format!(
-                    "{MANIFEST} is missing: the entry was not completely written"
+                    "{MANIFEST} is missing: the entry was not completely written{}",
+                    shards_present(entry)
                 )))
             }
             Err(e) => return Err(io(&mpath, false)(e)),
         };
-        let manifest: Manifest = serde_json::from_str(&text)
+        serde_json::from_str(&text)
             .ok()
             .filter(|m: &Manifest| m.format == FORMAT)
-            .ok_or_else(|| incomplete(format!("{MANIFEST} is not a checkpoint manifest")))?;
+            .ok_or_else(|| incomplete(format!("{MANIFEST} is not a checkpoint manifest")))
+    }
+
+    /// For the message of an entry without a manifest: the rank shards it holds, if any.
+    fn shards_present(entry: &Path) -> String {
+        let mut names: Vec<String> = fs::read_dir(entry)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| n.starts_with("rank-") && n.ends_with(".safetensors"))
+            .collect();
+        names.sort();
+        match names.len() {
+            0 => String::new(),
+            _ => format!(" (it holds the shards {})", names.join(", ")),
+        }
+    }
+
+    /// Checks every file the entry's manifest lists; returns the state file's path, or the
+    /// entry's for a sharded one.
+    fn verify(entry: &Path) -> Result<PathBuf, CheckpointError> {
+        let incomplete = |problem: String| CheckpointError::Incomplete {
+            path: entry.to_path_buf(),
+            problem,
+        };
+        let manifest = read_manifest(entry)?;
+        if let Some(world) = manifest.shards {
+            for rank in 0..world {
+                let name = super::shards::shard_name(rank);
+                if !manifest.files.iter().any(|f| f.name == name) {
+                    return Err(incomplete(format!(
+                        "{MANIFEST} lists no `{name}` (rank {rank} of {world})"
+                    )));
+                }
+            }
+        }
         for f in &manifest.files {
             let at = entry.join(&f.name);
             let bytes = match fs::read(&at) {
@@ -572,6 +646,9 @@ pub mod folder {
                     f.name
                 )));
             }
+        }
+        if manifest.shards.is_some() {
+            return Ok(entry.to_path_buf());
         }
         if !manifest.files.iter().any(|f| f.name == STATE) {
             return Err(incomplete(format!("{MANIFEST} lists no `{STATE}`")));

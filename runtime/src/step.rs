@@ -18,4 +18,9 @@ pub struct StepInput {
     pub clip: Option<f64>,
     /// `batches[rank][micro_step]`, for the ranks this backend drives.
     pub batches: Vec<Vec<Batch>>,
+    /// Test hook (`schedrun --inject-nan STEP:grad`): this layer's optimizer-shard gradient gets
+    /// a NaN as its first element on the lowest rank holding it, just before the first op that
+    /// reads it after the backward (the `grad_norm` with clipping, else the layer's update), so
+    /// the step's loss stays finite while its gradient is not.
+    pub poison_grad: Option<usize>,
 }

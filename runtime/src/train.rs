@@ -37,6 +37,59 @@ impl State {
     pub fn into_params(self) -> Vec<f32> {
         self.layers.into_iter().flat_map(|l| l.params).collect()
     }
+
+    /// The layers (by index) whose parameters, master copy or moments hold a value that is not
+    /// finite: state no checkpoint may keep.
+    pub fn non_finite_layers(&self) -> Vec<usize> {
+        self.layers
+            .iter()
+            .enumerate()
+            .filter(|(_, l)| {
+                [&l.params, &l.master, &l.m, &l.v]
+                    .iter()
+                    .any(|v| v.iter().any(|x| !x.is_finite()))
+            })
+            .map(|(i, _)| i)
+            .collect()
+    }
+}
+
+/// One layer's slice of the optimizer state as one rank holds it.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct LayerShard {
+    /// The layer's index in the model.
+    pub layer: usize,
+    /// The slice's first element in the layer's padded flat state.
+    pub first: usize,
+    /// The layer's padded length (its parameters rounded up to the shard count).
+    pub padded: usize,
+    /// The fp32 master copy, then Adam's moments (empty for SGD), each of the slice's length.
+    pub master: Vec<f32>,
+    pub m: Vec<f32>,
+    pub v: Vec<f32>,
+}
+
+/// What one rank writes into a sharded checkpoint entry (`checkpoint::shards`): its slices of
+/// the layers' optimizer state.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct RankShard {
+    pub rank: u32,
+    pub layers: Vec<LayerShard>,
+}
+
+impl RankShard {
+    /// The layers (by index) whose slice holds a value that is not finite.
+    pub fn non_finite_layers(&self) -> Vec<usize> {
+        self.layers
+            .iter()
+            .filter(|s| {
+                [&s.master, &s.m, &s.v]
+                    .iter()
+                    .any(|v| v.iter().any(|x| !x.is_finite()))
+            })
+            .map(|s| s.layer)
+            .collect()
+    }
 }
 
 /// What one step measured.
@@ -229,6 +282,60 @@ impl<B: Backend> Trainer<B> {
         })
     }
 
+    /// The optimizer-state slices the ranks this backend drives write into a sharded checkpoint
+    /// entry (`checkpoint::shards`), one [`RankShard`] per rank: for each layer, the slice of
+    /// the rank's optimizer shard, when the rank holds the layer (its own stage's copy) and no
+    /// lower rank holds the same slice (replicas write it once).
+    pub fn rank_shards(&self) -> Result<Vec<RankShard>, RunError> {
+        let p = &self.plan;
+        let model = &p.job.model;
+        let sh = p.job.schedule.shard;
+        let parts = if model.optimizer == Optimizer::Sgd {
+            1
+        } else {
+            3
+        };
+        let mut out = vec![];
+        for rank in self.backend.ranks() {
+            let mut layers = vec![];
+            for l in 0..model.layers.len() {
+                let Some(&obuf) = p.state_buffers(l, BufferKind::OptimizerShard).first() else {
+                    continue;
+                };
+                let holders = p.holders(obuf);
+                let j = p.index(rank, ShardIndex::Optimizer);
+                let writer = holders
+                    .clone()
+                    .find(|&r| p.index(r, ShardIndex::Optimizer) == j);
+                if !holders.contains(&rank) || writer != Some(rank) {
+                    continue;
+                }
+                let padded =
+                    p.program.layers[sched_ir::ir::LayerId::from_u32(l as u32)].padded as usize;
+                let os = padded / sh.optimizer.size() as usize;
+                let at = p.program.buffers[obuf].offset;
+                let v = self.backend.download(rank, at, parts * os, Dtype::Fp32)?;
+                let part = |k: usize| {
+                    if k < parts {
+                        v[k * os..(k + 1) * os].to_vec()
+                    } else {
+                        vec![]
+                    }
+                };
+                layers.push(LayerShard {
+                    layer: l,
+                    first: j as usize * os,
+                    padded,
+                    master: part(0),
+                    m: part(1),
+                    v: part(2),
+                });
+            }
+            out.push(RankShard { rank, layers });
+        }
+        Ok(out)
+    }
+
     /// The layers whose gradient accumulators hold a value that is not finite after the last
     /// step, in backward order (the last layer first: where a backward's non-finite values show
     /// up first), for the message of a diverged run. Reads every gradient shard of every rank.
@@ -258,17 +365,22 @@ impl<B: Backend> Trainer<B> {
         Ok(out)
     }
 
-    /// Test hook (`schedrun --inject-nan STEP`): makes the first weight of the first layer after
-    /// the embedding (the embedding when it is the only one) NaN, in the parameters and the master
-    /// copy, so that the next step's loss is NaN as a real divergence's would be. Returns the
-    /// layer's index.
+    /// The layer the test hooks poison: the first after the embedding that holds parameters
+    /// (the embedding when it is the only one).
+    pub fn poison_target(&self) -> Result<usize, RunError> {
+        let layers = &self.plan.job.model.layers;
+        (1..layers.len())
+            .chain(0..1)
+            .find(|&l| layers[l].params > 0)
+            .ok_or_else(|| RunError::of_run("no layer holds parameters"))
+    }
+
+    /// Test hook (`schedrun --inject-nan STEP`): makes the first weight of
+    /// [`Trainer::poison_target`] NaN, in the parameters and the master copy, so that the next
+    /// step's loss is NaN as a real divergence's would be. Returns the layer's index.
     pub fn poison(&mut self) -> Result<usize, RunError> {
         let mut s = self.state()?;
-        let n = s.layers.len();
-        let l = (1..n)
-            .chain(0..1)
-            .find(|&l| !s.layers[l].params.is_empty())
-            .ok_or_else(|| RunError::of_run("no layer holds parameters"))?;
+        let l = self.poison_target()?;
         let layer = &mut s.layers[l];
         layer.params[0] = f32::NAN;
         if let Some(x) = layer.master.first_mut() {
@@ -308,6 +420,17 @@ impl<B: Backend> Trainer<B> {
 
     /// Runs the next optimizer step.
     pub fn step(&mut self, lr: f64, clip: Option<f64>) -> Result<StepReport, RunError> {
+        self.step_poisoned(lr, clip, None)
+    }
+
+    /// Runs the next optimizer step with a test hook: `poison_grad` makes that layer's gradient
+    /// non-finite after the backward ([`StepInput::poison_grad`]).
+    pub fn step_poisoned(
+        &mut self,
+        lr: f64,
+        clip: Option<f64>,
+        poison_grad: Option<usize>,
+    ) -> Result<StepReport, RunError> {
         if clip.is_some() && !self.plan.clips() {
             return Err(RunError::of_run(
                 "gradient clipping was asked for, but the plan was compiled without it (set \
@@ -319,6 +442,7 @@ impl<B: Backend> Trainer<B> {
             lr,
             clip,
             batches: self.batches(self.step)?,
+            poison_grad,
         };
         let start = Instant::now();
         let outcome = self.backend.run_step(&input)?;

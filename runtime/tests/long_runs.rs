@@ -503,3 +503,336 @@ fn the_schedule_s_train_keys_set_the_checkpoints() {
     assert_eq!(out.status.code(), Some(1));
     assert!(stderr(&out).contains("--checkpoints"), "{}", stderr(&out));
 }
+
+/// With clipping, a gradient that goes non-finite while the loss stays finite (`--inject-nan
+/// STEP:grad` puts a NaN into block[0]'s gradient during the step) stops the run at that very
+/// step through the gradient norm, naming the step and the layer; no entry or `--save` file holds
+/// the spoilt update.
+#[test]
+fn a_non_finite_gradient_norm_with_a_finite_loss_stops_the_run_at_its_step() {
+    let dir = temp("norm");
+    let ckpt = dir.join("ckpt");
+    let save = dir.join("final.safetensors");
+    let out = schedrun(&[
+        "schedules/tiny_cpu_schedules.sched",
+        "--schedule",
+        "tiny_zero3_clip",
+        "--steps",
+        "5",
+        "--checkpoints",
+        s(&ckpt),
+        "--save-every",
+        "1",
+        "--save",
+        s(&save),
+        "--inject-nan",
+        "3:grad",
+        "--json",
+    ]);
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("step 3: the gradient norm is NaN with a finite loss ("),
+        "{err}"
+    );
+    assert!(
+        err.contains("non-finite gradients in block[0] (backward order)"),
+        "names the one layer: {err}"
+    );
+    assert!(err.contains("step-00000002"), "the last good entry: {err}");
+    assert_eq!(String::from_utf8_lossy(&out.stdout).lines().count(), 2);
+    assert_eq!(entries(&ckpt), [1, 2]);
+    assert!(!save.exists());
+    let last = load(&folder::resolve(&ckpt).unwrap().file);
+    assert_eq!(last.step, 2);
+    assert!(last.non_finite_layers().is_empty());
+
+    // The hook's argument is checked.
+    let out = schedrun(&with(&TINY, &["--steps", "1", "--inject-nan", "3:loss"]));
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+}
+
+/// Without clipping no norm is computed: a non-finite gradient with a finite loss spoils the
+/// update unseen, and the checkpoint due after that step is refused instead of written (exit 1,
+/// naming the step and the layer), so no entry ever holds non-finite state.
+#[test]
+fn a_non_finite_state_is_never_checkpointed() {
+    let dir = temp("state");
+    let ckpt = dir.join("ckpt");
+    let out = schedrun(&with(
+        &TINY,
+        &[
+            "--steps",
+            "5",
+            "--checkpoints",
+            s(&ckpt),
+            "--save-every",
+            "1",
+            "--inject-nan",
+            "3:grad",
+            "--json",
+        ],
+    ));
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains(
+            "step 3: the weights or optimizer state after this step hold non-finite values in \
+             block[0]"
+        ),
+        "{err}"
+    );
+    assert!(err.contains("step-00000002"), "the last good entry: {err}");
+    assert_eq!(entries(&ckpt), [1, 2]);
+}
+
+/// A small state of `model` whose every value differs: what the shard tests write.
+fn numbered_state(model: &sched_ir::job::Model, step: u64) -> State {
+    let mut k = 0.0f32;
+    let mut next = |n: usize| -> Vec<f32> {
+        (0..n)
+            .map(|_| {
+                k += 1.0;
+                k * 1e-3
+            })
+            .collect()
+    };
+    State {
+        layers: model
+            .layers
+            .iter()
+            .map(|l| {
+                let n = l.params as usize;
+                let master = next(n);
+                schedrun::train::LayerState {
+                    params: master.clone(),
+                    master,
+                    m: next(n),
+                    v: next(n),
+                }
+            })
+            .collect(),
+        step,
+    }
+}
+
+/// `state` cut into `world` equal shards of each layer (padded to a multiple of `world`), rank
+/// `r` holding the `r`-th, as ZeRO's optimizer sharding does.
+fn shards_of(state: &State, world: u32) -> Vec<checkpoint::shards::RankShard> {
+    (0..world)
+        .map(|rank| checkpoint::shards::RankShard {
+            rank,
+            layers: state
+                .layers
+                .iter()
+                .enumerate()
+                .map(|(layer, l)| {
+                    let n = l.master.len();
+                    let padded = n.div_ceil(world as usize) * world as usize;
+                    let os = padded / world as usize;
+                    let first = rank as usize * os;
+                    let slice = |v: &[f32]| -> Vec<f32> {
+                        (first..first + os)
+                            .map(|i| v.get(i).copied().unwrap_or(0.0))
+                            .collect()
+                    };
+                    checkpoint::shards::LayerShard {
+                        layer,
+                        first,
+                        padded,
+                        master: slice(&l.master),
+                        m: slice(&l.m),
+                        v: slice(&l.v),
+                    }
+                })
+                .collect(),
+        })
+        .collect()
+}
+
+/// The sharded entry format on its own: four ranks (threads) write their shards at once, one
+/// places the entry after all have; until then no entry is visible. The entry loads back to the
+/// state; a rank that did not write is refused by name at placing; a missing or truncated shard
+/// and a missing manifest are refused at resuming, naming the file.
+#[test]
+fn sharded_entries_written_by_several_ranks_load_whole_and_refuse_damage() {
+    let dir = temp("shards");
+    let ckpt = dir.join("ckpt");
+    let model = tiny_gpt();
+    let state = numbered_state(&model, 7);
+    let shards = shards_of(&state, 4);
+    let barrier = std::sync::Barrier::new(4);
+    std::thread::scope(|scope| {
+        for shard in &shards {
+            let (ckpt, model, barrier) = (&ckpt, &model, &barrier);
+            scope.spawn(move || {
+                checkpoint::shards::write_rank(ckpt, model, 7, 4, shard).unwrap();
+                barrier.wait();
+            });
+        }
+    });
+    // Written but not placed: the hidden pending folder is no entry.
+    let err = folder::resolve(&ckpt)
+        .err()
+        .expect("no entry yet")
+        .to_string();
+    assert!(err.contains("no complete checkpoint entry"), "{err}");
+    let entry = checkpoint::shards::finish(&ckpt, &model, 7, 4, 3).unwrap();
+    assert_eq!(entry, ckpt.join("step-00000007"));
+    let mut names: Vec<String> = std::fs::read_dir(&entry)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    assert_eq!(
+        names,
+        [
+            "manifest.json",
+            "rank-00000.safetensors",
+            "rank-00001.safetensors",
+            "rank-00002.safetensors",
+            "rank-00003.safetensors"
+        ]
+    );
+    let resolved = folder::resolve(&ckpt).unwrap();
+    assert_eq!(resolved.file, entry);
+    assert_eq!(folder::load(&resolved.file, &model).unwrap(), state);
+
+    // A rank that never wrote: placing is refused naming it, and nothing is placed.
+    for shard in &shards[..3] {
+        checkpoint::shards::write_rank(&ckpt, &model, 8, 4, shard).unwrap();
+    }
+    let err = checkpoint::shards::finish(&ckpt, &model, 8, 4, 3)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("rank 3 has not written its shard"), "{err}");
+    assert_eq!(entries(&ckpt), [7]);
+
+    let refused = |what: &Path| folder::resolve(what).err().map(|e| e.to_string());
+    let shard1 = entry.join("rank-00001.safetensors");
+    let bytes = std::fs::read(&shard1).unwrap();
+    std::fs::write(&shard1, &bytes[..bytes.len() - 100]).unwrap();
+    let err = refused(&ckpt).expect("a truncated shard is refused");
+    assert!(
+        err.contains("step-00000007")
+            && err.contains("rank-00001.safetensors")
+            && err.contains("truncated"),
+        "{err}"
+    );
+    std::fs::write(&shard1, &bytes).unwrap();
+    std::fs::remove_file(entry.join("rank-00002.safetensors")).unwrap();
+    let err = refused(&ckpt).expect("a missing shard is refused");
+    assert!(err.contains("`rank-00002.safetensors` is missing"), "{err}");
+    std::fs::remove_file(entry.join(folder::MANIFEST)).unwrap();
+    let err = refused(&entry).expect("an entry without its manifest is refused");
+    assert!(
+        err.contains("manifest.json is missing")
+            && err
+                .contains("rank-00000.safetensors, rank-00001.safetensors, rank-00003.safetensors"),
+        "{err}"
+    );
+}
+
+/// The sharded entries end to end (`--shard-checkpoints` makes the CPU backend write them as
+/// several CUDA processes do, each rank its shard): resumed from its folder under another
+/// schedule with another sharding, a run ends bit-identical to an uninterrupted one; a removed
+/// shard is refused by `--resume` naming it.
+#[test]
+fn sharded_checkpoints_resume_under_another_schedule_bit_for_bit() {
+    let dir = temp("sharded-run");
+    let ckpt = dir.join("ckpt");
+    let out = schedrun(&with(
+        &TINY,
+        &[
+            "--steps",
+            "3",
+            "--checkpoints",
+            s(&ckpt),
+            "--save-every",
+            "2",
+            "--shard-checkpoints",
+        ],
+    ));
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(entries(&ckpt), [2, 3]);
+    assert!(ckpt.join("step-00000003/rank-00003.safetensors").exists());
+    assert!(!ckpt.join("step-00000003").join(folder::STATE).exists());
+
+    let straight = dir.join("straight.safetensors");
+    let out = schedrun(&with(&TINY, &["--steps", "5", "--save", s(&straight)]));
+    assert!(out.status.success(), "{}", stderr(&out));
+    let end = dir.join("end.safetensors");
+    let mut args = vec![
+        "schedules/tiny_cpu_schedules.sched",
+        "--schedule",
+        "tiny_zero1",
+    ];
+    args.extend(&TINY[1..]);
+    args.extend(["--resume", s(&ckpt), "--until-step", "5", "--save", s(&end)]);
+    let out = schedrun(&args);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(stderr(&out).contains("step-00000003"), "{}", stderr(&out));
+    assert_eq!(load(&end), load(&straight));
+
+    std::fs::remove_file(ckpt.join("step-00000003/rank-00002.safetensors")).unwrap();
+    let out = schedrun(&with(&TINY, &["--steps", "1", "--resume", s(&ckpt)]));
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("step-00000003") && err.contains("`rank-00002.safetensors` is missing"),
+        "{err}"
+    );
+}
+
+/// Whatever the sharding, a sharded entry holds exactly the state a whole one does: under
+/// replicas (DDP, HSDP, MiCS, AMSP: each slice written once), pipeline stages and a tied head's
+/// replica of the embedding on another stage, the entry written by `--shard-checkpoints` loads
+/// to the `--save` file of the same step, bit for bit.
+#[test]
+fn sharded_entries_hold_the_whole_state_under_every_sharding() {
+    let dir = temp("every-sharding");
+    let cases = [
+        ("schedules/tiny_cpu_schedules.sched", "tiny_ddp"),
+        ("schedules/tiny_cpu_schedules.sched", "tiny_hsdp"),
+        ("schedules/tiny_cpu_schedules.sched", "tiny_mics2"),
+        ("schedules/tiny_cpu_schedules.sched", "tiny_amsp"),
+        ("schedules/tiny_pipeline.sched", "tiny_1f1b"),
+        (
+            "schedules/tiny_pipeline_schedules.sched",
+            "tiny_gpt_tied_interleaved_zero3",
+        ),
+    ];
+    for (file, schedule) in cases {
+        let ckpt = dir.join(schedule);
+        let save = dir.join(format!("{schedule}.safetensors"));
+        let out = schedrun(&[
+            file,
+            "--schedule",
+            schedule,
+            "--steps",
+            "2",
+            "--checkpoints",
+            s(&ckpt),
+            "--shard-checkpoints",
+            "--save",
+            s(&save),
+        ]);
+        assert!(out.status.success(), "{schedule}: {}", stderr(&out));
+        let model = analyze(&root().join(file), &FsLoader)
+            .unwrap()
+            .jobs
+            .into_iter()
+            .find(|j| j.schedule.name == schedule)
+            .unwrap()
+            .model;
+        let entry = folder::resolve(&ckpt).unwrap().file;
+        assert!(entry.is_dir(), "{schedule}: a sharded entry");
+        let whole = checkpoint::load(&save, &model, Contents::Checkpoint).unwrap();
+        assert_eq!(whole.step, 2);
+        assert!(
+            folder::load(&entry, &model).unwrap() == whole,
+            "{schedule}: the sharded entry differs from the whole state"
+        );
+    }
+}

@@ -46,6 +46,13 @@ pub struct StepOutcome {
     /// Sum of every token's cross-entropy over **all** ranks of the plan (a backend that drives
     /// only some ranks, one process per GPU, sums it across processes).
     pub loss_sum: f64,
+    /// With clipping (the plan's `grad_norm` op): the sum over **all** ranks of each rank's sum
+    /// of squares of its optimizer-shard gradients, as its `grad_norm` op computed it in f64
+    /// before the all-reduce. Not the global norm (a shard held by several replicas counts once
+    /// per replica) but non-finite exactly when some rank's part is, that is when a gradient
+    /// element is (`schedrun` stops a run on it: `runtime.md`, "Long runs"). `None` without
+    /// clipping.
+    pub grad_sumsq: Option<f64>,
     pub waits: Vec<StreamWait>,
     /// With [`RunOptions::time_ops`], every op of every rank this backend drives; else empty.
     pub spans: Vec<OpSpan>,
@@ -172,4 +179,11 @@ pub trait Backend {
     /// Runs one optimizer step of the plan on every rank and stream, and joins them.
     fn run_step(&mut self, input: &StepInput) -> Result<StepOutcome, RunError>;
     fn memory(&self) -> Vec<RankMemory>;
+    /// Whether every process of the run passes `ok`: a point each process reaches in the same
+    /// order between steps (a sharded checkpoint's phases, `checkpoint::shards`). A backend that
+    /// drives every rank in this process returns `ok`; the CUDA backend with several processes
+    /// sums a flag over them.
+    fn all_agree(&self, ok: bool) -> Result<bool, RunError> {
+        Ok(ok)
+    }
 }

@@ -2,7 +2,8 @@
 //!
 //! Exit status: 0 success, 1 bad input (a schedule with errors, a plan that is malformed, of
 //! another version or fails verification, a weights file that does not fit the model, an
-//! incomplete checkpoint) or a run that diverged (a non-finite loss), 2 any other failure (a rank
+//! incomplete checkpoint) or a run that diverged (a non-finite loss or gradient norm, or non-finite
+//! state about to be checkpointed), 2 any other failure (a rank
 //! that fails or stops answering, an output that cannot be written, checked before the first
 //! step), 128 + the signal (143 SIGTERM, 130 SIGINT) a run stopped by a signal after its current
 //! step and its checkpoint.
@@ -11,7 +12,7 @@
 
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
-use sched_ir::job::{Decay, Optimizer, Train};
+use sched_ir::job::{Decay, Model, Optimizer, Train};
 use schedrun::backend::cpu::CpuBackend;
 use schedrun::backend::cuda::launch::{self, DistEnv};
 use schedrun::backend::cuda::{self, CudaBackend, PtxFiles};
@@ -112,9 +113,14 @@ struct Cli {
     #[arg(long, value_name = "K", value_parser = clap::value_parser!(u64).range(1..))]
     keep: Option<u64>,
     /// Test hook: make one weight NaN just before this step (1-based), to exercise the
-    /// divergence stop.
-    #[arg(long, value_name = "STEP", hide = true)]
-    inject_nan: Option<u64>,
+    /// divergence stop; with `STEP:grad`, one layer's gradient during the step instead, leaving
+    /// the step's loss finite.
+    #[arg(long, value_name = "STEP[:grad]", hide = true, value_parser = parse_injection)]
+    inject_nan: Option<Injection>,
+    /// Test hook: write `--checkpoints` entries as per-rank shards and a manifest, as several
+    /// CUDA processes do (`checkpoint::shards`), though this process holds every rank.
+    #[arg(long, hide = true)]
+    shard_checkpoints: bool,
     /// Stress mode: sleep a random time up to this many microseconds before every op, so that a
     /// missing wait shows up as wrong numbers instead of passing by luck.
     #[arg(long, value_name = "MICROSECONDS")]
@@ -136,6 +142,26 @@ struct Cli {
     /// process on the CUDA backend (timed with CUDA events around each op).
     #[arg(long, value_name = "OUT.json")]
     trace: Option<PathBuf>,
+}
+
+/// `--inject-nan STEP[:grad]`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Injection {
+    step: u64,
+    /// Poison a gradient during the step, not a weight before it.
+    grad: bool,
+}
+
+fn parse_injection(s: &str) -> Result<Injection, String> {
+    let (step, grad) = match s.split_once(':') {
+        Some((step, "grad")) => (step, true),
+        Some((_, what)) => return Err(format!("`{what}`: only `grad` follows the step")),
+        None => (s, false),
+    };
+    let step = step
+        .parse()
+        .map_err(|_| format!("`{step}` is not a step number"))?;
+    Ok(Injection { step, grad })
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -265,10 +291,11 @@ fn run(cli: &Cli) -> Result<(), Failure> {
             // Missing libraries (or a build without CUDA): one line, before any device work.
             cuda::probe().map_err(Failure::fault)?;
             let ptx = ptx_files(cli)?;
-            if env.world > 1 && (cli.save.is_some() || Saving::of(cli, &plan)?.dir.is_some()) {
+            if env.world > 1 && cli.save.is_some() {
                 return Err(Failure::input(
-                    "--save and --checkpoints are not supported yet with several cuda processes \
-                     (each holds only its own shards)",
+                    "--save writes the whole state as one file, which none of several cuda \
+                     processes holds (each holds its own shards): use --checkpoints DIR, whose \
+                     entries each rank writes its shards into",
                 ));
             }
             if env.world == 1 {
@@ -433,7 +460,7 @@ fn run_steps<B: Backend>(
                     eprintln!("schedrun: resuming from {}", found.file.display());
                 }
             }
-            checkpoint::load(&found.file, &model, Contents::Checkpoint).map_err(Failure::input)?
+            checkpoint::folder::load(&found.file, &model).map_err(Failure::input)?
         }
         _ => trainer.initial_state(seed),
     };
@@ -442,13 +469,44 @@ fn run_steps<B: Backend>(
         Some(n) => n.saturating_sub(state.step),
         None => cli.steps.unwrap_or(train.steps),
     };
+    let saving = Saving::of(cli, &plan)?;
+    // Every process writes its ranks' shards where this one does not hold every rank.
+    let sharded = cli.shard_checkpoints || trainer.backend.ranks().len() != plan.ranks() as usize;
+    let saver = Saver {
+        model: &model,
+        dir: saving.dir.as_deref(),
+        keep: saving.keep,
+        sharded,
+        lead: print,
+        world: plan.ranks(),
+    };
+    let poison = match cli.inject_nan {
+        Some(Injection { grad: true, .. }) => {
+            Some(trainer.poison_target().map_err(Failure::fault)?)
+        }
+        _ => None,
+    };
     if !print {
+        // Another process of a CUDA run: the same steps and checkpoints, in lockstep with the
+        // first (which prints), every divergence seen alike (loss and norm are summed over all).
+        let mut last = None;
         for _ in 0..steps {
+            let next = trainer.steps_done() + 1;
             let rate = train.lr_at(lr, trainer.steps_done());
-            let r = trainer.step(rate, clip).map_err(Failure::fault)?;
-            if !r.loss.is_finite() {
-                return Err(diverged(&r, &trainer, None));
+            let injected = poison.filter(|_| cli.inject_nan.map(|i| i.step) == Some(next));
+            let r = trainer
+                .step_poisoned(rate, clip, injected)
+                .map_err(Failure::fault)?;
+            if let Some(why) = Divergence::of(&r) {
+                return Err(diverged(&r, why, &trainer, None));
             }
+            if saving.every.is_some_and(|n| r.step % n == 0) {
+                saver.write(&trainer, r.step, None)?;
+                last = Some(r.step);
+            }
+        }
+        if saving.dir.is_some() && steps > 0 && last != Some(trainer.steps_done()) {
+            saver.write(&trainer, trainer.steps_done(), None)?;
         }
         return Ok(());
     }
@@ -480,8 +538,6 @@ fn run_steps<B: Backend>(
     let mut last = None;
     // The newest checkpoint entry this run wrote.
     let mut entry: Option<(u64, PathBuf)> = None;
-    let saving = Saving::of(cli, &plan)?;
-    let keep = saving.keep;
     if let Some(signal) = preempt::requested() {
         // Stopped while starting: nothing has changed since the state was loaded.
         eprintln!(
@@ -491,20 +547,25 @@ fn run_steps<B: Backend>(
         return Err(Failure::Stopped((128 + signal) as u8));
     }
     for _ in 0..steps {
-        if cli.inject_nan == Some(trainer.steps_done() + 1) {
+        let next = trainer.steps_done() + 1;
+        let injected = cli.inject_nan.filter(|i| i.step == next);
+        if injected.is_some_and(|i| !i.grad) {
             trainer.poison().map_err(Failure::fault)?;
         }
         let rate = train.lr_at(lr, trainer.steps_done());
-        let mut r = trainer.step(rate, clip).map_err(Failure::fault)?;
-        if !r.loss.is_finite() {
+        let mut r = trainer
+            .step_poisoned(rate, clip, poison.filter(|_| injected.is_some()))
+            .map_err(Failure::fault)?;
+        // The last good checkpoint: this run's newest entry, else what it resumed from.
+        let good = entry
+            .as_ref()
+            .map(|e| e.1.clone())
+            .or_else(|| cli.resume.clone());
+        if let Some(why) = Divergence::of(&r) {
             if let Some(b) = &bar {
                 b.abandon();
             }
-            let saved = entry
-                .as_ref()
-                .map(|e| e.1.clone())
-                .or_else(|| cli.resume.clone());
-            return Err(diverged(&r, &trainer, saved.as_deref()));
+            return Err(diverged(&r, why, &trainer, good.as_deref()));
         }
         last = Some((r.time, std::mem::take(&mut r.outcome.spans)));
         let line = if cli.json {
@@ -530,10 +591,14 @@ fn run_steps<B: Backend>(
         }
         let stop = preempt::requested();
         let due = saving.every.is_some_and(|n| r.step % n == 0) || stop.is_some();
-        if let (Some(dir), true) = (&saving.dir, due) {
-            let state = trainer.state().map_err(Failure::fault)?;
-            let at =
-                checkpoint::folder::write(dir, &model, &state, keep).map_err(Failure::fault)?;
+        if saving.dir.is_some() && due {
+            let written = saver.write(&trainer, r.step, good.as_deref());
+            if written.is_err() {
+                if let Some(b) = &bar {
+                    b.abandon();
+                }
+            }
+            let at = written?;
             note(&bar, format!("schedrun: checkpoint {}", at.display()));
             entry = Some((r.step, at));
         }
@@ -543,7 +608,7 @@ fn run_steps<B: Backend>(
                 b.abandon();
             }
             if let Some(f) = &cli.save {
-                let state = trainer.state().map_err(Failure::fault)?;
+                let state = checked_state(&trainer, good_of(&entry, cli))?;
                 checkpoint::save(f, &model, &state, Contents::Checkpoint)
                     .map_err(Failure::fault)?;
             }
@@ -569,17 +634,16 @@ fn run_steps<B: Backend>(
     if let Some(b) = &bar {
         b.finish_and_clear();
     }
-    if let Some(dir) = &saving.dir {
+    if saving.dir.is_some() {
         let done = trainer.steps_done();
         if !reports.is_empty() && entry.as_ref().map(|e| e.0) != Some(done) {
-            let state = trainer.state().map_err(Failure::fault)?;
-            let at =
-                checkpoint::folder::write(dir, &model, &state, keep).map_err(Failure::fault)?;
+            let at = saver.write(&trainer, done, good_of(&entry, cli))?;
             eprintln!("schedrun: checkpoint {}", at.display());
+            entry = Some((done, at));
         }
     }
     if let Some(f) = &cli.save {
-        let state = trainer.state().map_err(Failure::fault)?;
+        let state = checked_state(&trainer, good_of(&entry, cli))?;
         checkpoint::save(f, &model, &state, Contents::Checkpoint).map_err(Failure::fault)?;
     }
     if let (Some(f), Some((time, spans))) = (&cli.trace, &last) {
@@ -656,9 +720,36 @@ fn note(bar: &Option<ProgressBar>, line: String) {
     }
 }
 
-/// A step whose loss is not finite: the run stops (exit 1) before anything of it is saved,
-/// naming the layers whose gradients are not finite either (in backward order).
-fn diverged<B: Backend>(r: &StepReport, trainer: &Trainer<B>, last_good: Option<&Path>) -> Failure {
+/// Why a step's run stops: what was not finite.
+#[derive(Clone, Copy)]
+enum Divergence {
+    Loss,
+    /// The loss finite, the gradient norm not (with clipping).
+    Norm,
+}
+
+impl Divergence {
+    fn of(r: &StepReport) -> Option<Divergence> {
+        if !r.loss.is_finite() {
+            Some(Divergence::Loss)
+        } else if r.outcome.grad_sumsq.is_some_and(|s| !s.is_finite()) {
+            Some(Divergence::Norm)
+        } else {
+            None
+        }
+    }
+}
+
+/// A step whose loss or gradient norm is not finite: the run stops (exit 1) before anything of
+/// it is saved, naming the layers whose gradients are not finite (in backward order). The
+/// step's update has run (the norm is read on the device, by the updates), so the weights held
+/// are spoilt; no checkpoint is written from them.
+fn diverged<B: Backend>(
+    r: &StepReport,
+    why: Divergence,
+    trainer: &Trainer<B>,
+    last_good: Option<&Path>,
+) -> Failure {
     let layers = match trainer.non_finite_gradients() {
         Ok(l) if l.is_empty() => String::new(),
         Ok(l) => format!(
@@ -667,15 +758,148 @@ fn diverged<B: Backend>(r: &StepReport, trainer: &Trainer<B>, last_good: Option<
         ),
         Err(e) => format!("; the gradients could not be read: {e}"),
     };
+    let what = match why {
+        Divergence::Loss => format!("the loss is {}", r.loss),
+        Divergence::Norm => format!(
+            "the gradient norm is {} with a finite loss ({:.4})",
+            r.outcome.grad_sumsq.unwrap_or(f64::NAN).sqrt(),
+            r.loss
+        ),
+    };
     Failure::input(format!(
-        "step {}: the loss is {} (the run diverged){layers}; stopped before saving anything of this step{}",
+        "step {}: {what} (the run diverged){layers}; stopped before saving anything of this \
+         step{}",
         r.step,
-        r.loss,
-        match last_good {
-            Some(p) => format!(" (the last good checkpoint is {})", p.display()),
-            None => String::new(),
-        }
+        last_good_note(last_good)
     ))
+}
+
+fn last_good_note(last_good: Option<&Path>) -> String {
+    match last_good {
+        Some(p) => format!(" (the last good checkpoint is {})", p.display()),
+        None => String::new(),
+    }
+}
+
+/// A state about to be saved that holds non-finite values: a gradient went non-finite with a
+/// finite loss, and no gradient norm was computed to catch it at its step (exit 1).
+fn non_finite_state(step: u64, layers: &[String], last_good: Option<&Path>) -> Failure {
+    let held = match layers {
+        [] => "on another process".to_string(),
+        l => format!("in {}", l.join(", ")),
+    };
+    Failure::input(format!(
+        "step {step}: the weights or optimizer state after this step hold non-finite values \
+         {held} (the run diverged: a gradient was not finite though the loss was; with `clip` \
+         its norm stops the run at that step); nothing of this step is saved{}",
+        last_good_note(last_good)
+    ))
+}
+
+/// The newest entry this run wrote, else the checkpoint it resumed from.
+fn good_of<'a>(entry: &'a Option<(u64, PathBuf)>, cli: &'a Cli) -> Option<&'a Path> {
+    entry
+        .as_ref()
+        .map(|e| e.1.as_path())
+        .or(cli.resume.as_deref())
+}
+
+/// The whole state, refused when any value is not finite (no checkpoint keeps such state).
+fn checked_state<B: Backend>(
+    trainer: &Trainer<B>,
+    last_good: Option<&Path>,
+) -> Result<schedrun::train::State, Failure> {
+    let state = trainer.state().map_err(Failure::fault)?;
+    let bad = state.non_finite_layers();
+    if !bad.is_empty() {
+        let names = layer_names(&trainer.plan, &bad);
+        return Err(non_finite_state(state.step, &names, last_good));
+    }
+    Ok(state)
+}
+
+fn layer_names(plan: &Plan, layers: &[usize]) -> Vec<String> {
+    layers
+        .iter()
+        .map(|&l| plan.job.model.layers[l].name.clone())
+        .collect()
+}
+
+/// Writes the checkpoint entries of a run, every process at the same steps.
+struct Saver<'a> {
+    model: &'a Model,
+    dir: Option<&'a Path>,
+    keep: usize,
+    /// Each rank writes its shards (`checkpoint::shards`) rather than this process the whole
+    /// state: with several processes, or `--shard-checkpoints`.
+    sharded: bool,
+    /// The process that places a sharded entry (the first), and prints.
+    lead: bool,
+    world: u32,
+}
+
+impl Saver<'_> {
+    /// Writes the entry of `step` (the state now held) and returns its path. State holding a
+    /// non-finite value is never written: the run stops as diverged.
+    fn write<B: Backend>(
+        &self,
+        trainer: &Trainer<B>,
+        step: u64,
+        last_good: Option<&Path>,
+    ) -> Result<PathBuf, Failure> {
+        let Some(dir) = self.dir else {
+            return Err(Failure::fault("no checkpoint folder to write into"));
+        };
+        if !self.sharded {
+            let state = checked_state(trainer, last_good)?;
+            return checkpoint::folder::write(dir, self.model, &state, self.keep)
+                .map_err(Failure::fault);
+        }
+        // Phase 0: every process's shards finite, or none writes.
+        let shards = trainer.rank_shards().map_err(Failure::fault)?;
+        let mut bad: Vec<usize> = shards.iter().flat_map(|s| s.non_finite_layers()).collect();
+        bad.sort();
+        bad.dedup();
+        if !trainer
+            .backend
+            .all_agree(bad.is_empty())
+            .map_err(Failure::fault)?
+        {
+            let names = layer_names(&trainer.plan, &bad);
+            return Err(non_finite_state(step, &names, last_good));
+        }
+        // Phase 1: every rank its shard.
+        let wrote = shards
+            .iter()
+            .try_for_each(|s| checkpoint::shards::write_rank(dir, self.model, step, self.world, s));
+        let all = trainer
+            .backend
+            .all_agree(wrote.is_ok())
+            .map_err(Failure::fault)?;
+        wrote.map_err(Failure::fault)?;
+        if !all {
+            return Err(Failure::fault(format!(
+                "step {step}: another process could not write its checkpoint shard (its own \
+                 error says why); the entry was not completed"
+            )));
+        }
+        // Phase 2: the first process checks every shard, writes the manifest, places the entry.
+        let placed = self
+            .lead
+            .then(|| checkpoint::shards::finish(dir, self.model, step, self.world, self.keep));
+        let ok = !matches!(placed, Some(Err(_)));
+        let all = trainer.backend.all_agree(ok).map_err(Failure::fault)?;
+        if let Some(p) = placed {
+            return p.map_err(Failure::fault);
+        }
+        if !all {
+            return Err(Failure::fault(format!(
+                "step {step}: the first process could not complete the checkpoint entry (its \
+                 error says why)"
+            )));
+        }
+        Ok(dir.join(checkpoint::folder::entry_name(step)))
+    }
 }
 
 fn progress(steps: u64) -> Option<ProgressBar> {

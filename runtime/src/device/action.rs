@@ -10,6 +10,7 @@ use crate::exec::{Action, GradPart};
 use crate::math::{LayerMath, OptimizerConfig, Precision, Stored};
 use crate::plan::Plan;
 use crate::step::StepInput;
+use cranelift_entity::EntityRef;
 use sched_ir::ir::{Region, ShardIndex};
 use sched_ir::job::{Dtype, LayerKind};
 
@@ -82,6 +83,22 @@ impl<D: Device> Rank<'_, D> {
             Some(r) => self.read(r, n),
             None => self.device.alloc(0),
         }
+    }
+
+    /// Test hook ([`StepInput::poison_grad`]): the first value of the gradient region `r` made
+    /// NaN, on the lowest rank holding its buffer only. Filled in place where the device can
+    /// (every region on a GPU, whose workspace the plan sizes without room for it), else
+    /// through one float of workspace.
+    fn poison(&self, r: &Region) -> Result<(), DeviceError> {
+        if self.rank != self.plan.holders(r.buffer).start {
+            return Ok(());
+        }
+        if let Some(p) = self.device.view(self.at(r), self.dtype(r), 1)? {
+            return self.device.fill(p, 1, f32::NAN);
+        }
+        let nan = self.device.alloc(1)?;
+        self.device.fill(nan, 1, f32::NAN)?;
+        self.device.store(nan, self.at(r), self.dtype(r), 1, false)
     }
 
     /// `n` values at `src` written (or added) into `r`.
@@ -636,6 +653,9 @@ impl<D: Device> Rank<'_, D> {
                 sumsq,
             } => {
                 let contributions = f64::from(p.dp_size()) * f64::from(p.program.micro_steps);
+                if sumsq.is_none() && input.poison_grad == Some(*layer) {
+                    self.poison(grad)?;
+                }
                 let n = self.elements(grad);
                 let g = self.read(grad, n)?;
                 let st = self.read(state, self.elements(state))?;
@@ -669,6 +689,12 @@ impl<D: Device> Rank<'_, D> {
                 }
             }
             Action::GradNorm { grads, sumsq } => {
+                for g in grads {
+                    let layer = p.program.buffers[g.buffer].layer.map(|l| l.index());
+                    if layer.is_some() && layer == input.poison_grad {
+                        self.poison(g)?;
+                    }
+                }
                 let spans: Vec<ArenaSpan> = grads.iter().map(|g| self.span(g)).collect();
                 d.grad_norm(&spans, self.span(sumsq))?;
             }

@@ -102,6 +102,8 @@ pub struct Host<'a> {
     free: RefCell<Vec<Vec<f32>>>,
     used: RefCell<Vec<Vec<f32>>>,
     loss: Cell<f64>,
+    /// The sums of squares `grad_norm` computed since the last [`Host::take_sumsq`].
+    sumsq: Cell<Option<f64>>,
     /// The Rust math or the generated kernels, chosen when the device is made.
     kernels: Kernels,
 }
@@ -119,6 +121,7 @@ impl<'a> Host<'a> {
             free: RefCell::new(pool),
             used: RefCell::new(vec![]),
             loss: Cell::new(0.0),
+            sumsq: Cell::new(None),
             kernels: Kernels::chosen(),
         }
     }
@@ -133,6 +136,7 @@ impl<'a> Host<'a> {
             free: RefCell::new(pool),
             used: RefCell::new(vec![]),
             loss: Cell::new(0.0),
+            sumsq: Cell::new(None),
             kernels: Kernels::chosen(),
         };
         let out = f(&host);
@@ -145,6 +149,12 @@ impl<'a> Host<'a> {
     /// The loss added by cross-entropy since the last call.
     pub fn take_loss(&self) -> f64 {
         self.loss.replace(0.0)
+    }
+
+    /// The sum of squares `grad_norm` computed since the last call (f64, before it is stored
+    /// in the plan's fp32 `clip.sumsq`), `None` when it did not run.
+    pub fn take_sumsq(&self) -> Option<f64> {
+        self.sumsq.take()
     }
 
     /// The workspace vectors, for the next step.
@@ -848,6 +858,8 @@ impl Device for Host<'_> {
             a.read_into(g.at, g.dtype, v)?;
             total += v.iter().map(|x| f64::from(*x) * f64::from(*x)).sum::<f64>();
         }
+        self.sumsq
+            .set(Some(self.sumsq.get().unwrap_or(0.0) + total));
         a.write(out.at, out.dtype, &[total as f32])
             .map_err(DeviceError::from)
     }

@@ -1516,9 +1516,14 @@ impl Backend for EmulatedBackend {
             "the emulated stages deadlocked"
         );
         let loss = |rank: &EmuRank| f64::from_bits(rank.consts[self.consts.loss as usize / 8]);
+        let sumsq = |rank: &EmuRank| f64::from_bits(rank.consts[self.consts.sumsq as usize / 8]);
         Ok(StepOutcome {
             // The CUDA backend's loss all-reduce over the world.
             loss_sum: self.ranks.iter().map(loss).sum(),
+            grad_sumsq: self
+                .plan
+                .clips()
+                .then(|| self.ranks.iter().map(sumsq).sum()),
             waits: vec![],
             spans: vec![],
             enqueue: None,
@@ -1792,6 +1797,60 @@ fn training_on_the_emulated_device_matches_the_cpu_backend() {
             tol as f32,
         );
     }
+}
+
+/// The gradient's sum of squares the CUDA backend reads back after a step (the `grad_norm`
+/// op's f64 accumulator in the constants, summed over the ranks) is the CPU backend's, finite
+/// as it is; with a NaN put into one layer's gradient during the step (`StepInput::poison_grad`,
+/// through the device code both backends share), non-finite on both while the loss stays finite.
+#[test]
+fn the_gradient_sum_of_squares_read_back_is_the_cpu_s_and_shows_a_poisoned_gradient() {
+    let text = format!(
+        "{MODELS}\n{}\n\
+         schedule c {{ model = gpt_naive  cluster = four  preset = zero3  micro_steps = 2  train {{ lr = 1e-3  seed = 4  clip = 0.5 }} }}\n",
+        CLUSTERS
+    );
+    let loader = schedc::MemLoader::default()
+        .in_dir("/mem")
+        .with("/mem/s.sched", &text);
+    let a = schedc::analyze(std::path::Path::new("/mem/s.sched"), &loader).expect("readable");
+    assert!(!a.has_errors(), "{}", a.render());
+    let job = &a.jobs[0];
+    let plan = Arc::new(Plan::new(schedc::compile(job).unwrap(), job.clone()).unwrap());
+    let train = job.schedule.train.clone();
+    let mut cpu = Trainer::new(
+        plan.clone(),
+        CpuBackend::new(plan.clone(), RunOptions::default()),
+        crate::data::Corpus::builtin(),
+    );
+    let mut emu = Trainer::new(
+        plan.clone(),
+        EmulatedBackend::new(plan.clone()),
+        crate::data::Corpus::builtin(),
+    );
+    let init = cpu.initial_state(train.seed);
+    cpu.load(&init).unwrap();
+    emu.load(&init).unwrap();
+    let layer = cpu.poison_target().unwrap();
+    let mut on_cpu = |poison| {
+        let r = cpu.step_poisoned(train.lr, train.clip, poison).unwrap();
+        (r.loss, r.outcome.grad_sumsq)
+    };
+    let mut on_emu = |poison| {
+        let r = emu.step_poisoned(train.lr, train.clip, poison).unwrap();
+        (r.loss, r.outcome.grad_sumsq)
+    };
+    let (lc, sc) = on_cpu(None);
+    let (le, se) = on_emu(None);
+    let (sc, se) = (sc.expect("clipping"), se.expect("clipping"));
+    assert!(sc.is_finite() && sc > 0.0, "cpu sum of squares {sc}");
+    assert!((se - sc).abs() <= 1e-4 * sc, "emulated cuda {se}, cpu {sc}");
+    assert!((le - lc).abs() <= 1e-6 * lc);
+    let (lc, sc) = on_cpu(Some(layer));
+    let (le, se) = on_emu(Some(layer));
+    assert!(lc.is_finite() && le.is_finite(), "losses {lc}, {le}");
+    assert!(sc.is_some_and(f64::is_nan), "cpu {sc:?}");
+    assert!(se.is_some_and(f64::is_nan), "emulated cuda {se:?}");
 }
 
 /// Runs `steps` steps; per step, the loss and (after the last) the weights.
@@ -2082,6 +2141,7 @@ fn device_memory_is_the_planned_arena() {
         lr: 1e-3,
         clip: None,
         batches: vec![vec![]],
+        poison_grad: None,
     };
     let e = run_action(&view, a, Some(0), &input)
         .unwrap_err()

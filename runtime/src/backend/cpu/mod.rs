@@ -104,6 +104,8 @@ pub enum Stopped {
 
 struct ThreadResult {
     loss: f64,
+    /// The sums of squares of this stream's `grad_norm` ops (`StepOutcome::grad_sumsq`).
+    sumsq: Option<f64>,
     wait: StreamWait,
     spans: Vec<OpSpan>,
 }
@@ -192,17 +194,22 @@ impl Backend for CpuBackend {
         let mut spans = vec![];
         let mut waits = vec![];
         let mut loss_sum = 0.0;
+        let mut grad_sumsq = None;
         let layout = self.plan.program.layout;
         for r in results {
             // A tensor group's ranks compute the same loss: count it once.
             if layout.tp_index(r.wait.rank) == 0 {
                 loss_sum += r.loss;
             }
+            if let Some(s) = r.sumsq {
+                grad_sumsq = Some(grad_sumsq.unwrap_or(0.0) + s);
+            }
             waits.push(r.wait);
             spans.extend(r.spans);
         }
         Ok(StepOutcome {
             loss_sum,
+            grad_sumsq: grad_sumsq.filter(|_| p.clips()),
             waits,
             spans,
             enqueue: None,
@@ -245,6 +252,7 @@ fn run_ops(sh: &StepShared<'_>, ctx: &RankCtx<'_>, stream: usize) -> Option<Thre
     let (p, rank) = (sh.plan, ctx.rank);
     let mut jitter = Jitter::new(sh.options, rank, stream as u64, sh.input.step);
     let (mut loss, mut waiting) = (0.0, Duration::ZERO);
+    let mut sumsq: Option<f64> = None;
     let mut spans = vec![];
     let started = Instant::now();
     for &op in &p.stream_ops[StreamId::new(stream)] {
@@ -296,7 +304,7 @@ fn run_ops(sh: &StepShared<'_>, ctx: &RankCtx<'_>, stream: usize) -> Option<Thre
             Action::Collectives(cs) => {
                 let r = collectives::run(sh, ctx, op, cs);
                 waiting += begun.elapsed();
-                (r.map(|()| 0.0), begun, Instant::now())
+                (r.map(|()| (0.0, None)), begun, Instant::now())
             }
             a => {
                 let _core = sh.cores.take();
@@ -307,13 +315,18 @@ fn run_ops(sh: &StepShared<'_>, ctx: &RankCtx<'_>, stream: usize) -> Option<Thre
                     device: &ctx.device,
                 };
                 let r = run_action(&r, a, o.micro_step, sh.input)
-                    .map(|()| ctx.device.take_loss())
+                    .map(|()| (ctx.device.take_loss(), ctx.device.take_sumsq()))
                     .map_err(|e| Stopped::Failed(e.into()));
                 (r, start, Instant::now())
             }
         };
         match result {
-            Ok(l) => loss += l,
+            Ok((l, s)) => {
+                loss += l;
+                if let Some(s) = s {
+                    sumsq = Some(sumsq.unwrap_or(0.0) + s);
+                }
+            }
             Err(Stopped::Failed(e)) => {
                 fail(e);
                 return None;
@@ -334,6 +347,7 @@ fn run_ops(sh: &StepShared<'_>, ctx: &RankCtx<'_>, stream: usize) -> Option<Thre
     }
     Some(ThreadResult {
         loss,
+        sumsq,
         wait: StreamWait {
             rank,
             stream: p.stream_name(StreamId::new(stream)),

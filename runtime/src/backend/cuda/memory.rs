@@ -10,7 +10,8 @@
 //!   live in host memory beside the arenas: the batch's tokens (the step's input, i32, 2·T per
 //!   micro-step: `M·2·T·4` bytes), the loss and sum-of-squares accumulators (one f64 each: the
 //!   step's output, read by the host, and the gradient norm's f64 sum before it is stored into
-//!   the planned `clip.sumsq`), the rotary tables (2·s·d/2 fp32 when the model uses rotary
+//!   the planned `clip.sumsq`, both summed over the processes after the step), a flag the
+//!   processes sum to agree between steps (one f64: `Backend::all_agree`), the rotary tables (2·s·d/2 fp32 when the model uses rotary
 //!   positions), plus 64 bytes of slack. They are uploaded once (tables) or written by the
 //!   host between steps
 //!   (tokens, accumulators): no op of the plan produces them, so they are inputs and outputs of
@@ -67,6 +68,9 @@ pub struct ConstsLayout {
     /// The loss accumulator (f64), right after the tokens (8-aligned); sum of squares after it.
     pub loss: u64,
     pub sumsq: u64,
+    /// A flag (f64) the processes sum to agree between steps (`Backend::all_agree`), after the
+    /// sum of squares.
+    pub agree: u64,
     /// The rotary tables (cos then sin), when the model uses them.
     pub rope: Option<u64>,
     /// The allocation's size.
@@ -82,7 +86,8 @@ impl ConstsLayout {
         let tokens_bytes = u64::from(p.program.micro_steps) * 2 * t as u64 * 4;
         let loss = tokens_bytes.div_ceil(8) * 8;
         let sumsq = loss + 8;
-        let mut contents = vec![0u8; (sumsq + 8) as usize];
+        let agree = sumsq + 8;
+        let mut contents = vec![0u8; (agree + 8) as usize];
         let rope = p.maths.iter().find_map(|m| match m.kind() {
             crate::math::Kind::Transformer(bp) => bp.rope.as_ref(),
             _ => None,
@@ -99,6 +104,7 @@ impl ConstsLayout {
             tokens_bytes,
             loss,
             sumsq,
+            agree,
             rope,
             bytes,
             contents,

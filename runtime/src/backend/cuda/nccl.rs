@@ -123,19 +123,21 @@ pub unsafe fn collective(
         .map_err(|e| CudaError::new(Library::Nccl, format!("{:?}", call.kind), e))
 }
 
-/// Sums one f64 across the world on `stream` (the step's loss).
+/// Sums `count` adjacent f64 across the world on `stream` (the step's loss and gradient sum of
+/// squares).
 ///
 /// # Safety
-/// `value` must be a device pointer to one f64.
+/// `value` must be a device pointer to `count` f64.
 pub unsafe fn sum_f64(
     comm: ncclComm_t,
     stream: cudarc::driver::sys::CUstream,
     value: u64,
+    count: usize,
 ) -> Result<(), CudaError> {
     nr::all_reduce(
         value as *const std::ffi::c_void,
         value as *mut std::ffi::c_void,
-        1,
+        count,
         ncclDataType_t::ncclFloat64,
         ncclRedOp_t::ncclSum,
         comm,
@@ -241,7 +243,14 @@ pub fn check_one_rank_collectives() -> Result<Vec<String>, CudaError> {
     let loss = 2.5f64;
     dev.write_bytes(0, &loss.to_le_bytes())?;
     // SAFETY: byte 0 of the arena holds one f64.
-    unsafe { sum_f64(comms.get(&keys[0])?, stream.cu_stream(), dev.arena_base.0) }?;
+    unsafe {
+        sum_f64(
+            comms.get(&keys[0])?,
+            stream.cu_stream(),
+            dev.arena_base.0,
+            1,
+        )
+    }?;
     wait()?;
     let back = dev.read_bytes(0, 8)?;
     let sum = f64::from_le_bytes(back.try_into().expect("8 bytes"));

@@ -282,6 +282,48 @@ impl Backend for CudaBackend {
         a.read(0, n, dtype).map_err(|e| fault(rank, e.0))
     }
 
+    /// One f64 flag per process summed over the world's communicator (the loss's), in the
+    /// constants' `agree` slot: every process must call it at the same point.
+    fn all_agree(&self, ok: bool) -> Result<bool, RunError> {
+        if self.world == 1 {
+            return Ok(ok);
+        }
+        let f = |m: CudaError| fault(self.rank, m);
+        let at = self.consts.loss.0 + (self.consts_layout.agree - self.consts_layout.loss);
+        let flag = if ok { 1.0f64 } else { 0.0 };
+        // SAFETY: one f64 in the constants buffer; every stream is idle between steps.
+        unsafe { cudarc::driver::result::memcpy_htod_sync(at, &flag.to_le_bytes()) }.map_err(
+            |e| {
+                f(CudaError::new(
+                    Library::Driver,
+                    "writing the agreement flag",
+                    e,
+                ))
+            },
+        )?;
+        let comm = self.comms.get(&LOSS_KEY).map_err(f)?;
+        let s = &self.dev.streams[0];
+        // SAFETY: as above.
+        unsafe { nccl::sum_f64(comm, s.cu_stream(), at, 1) }.map_err(f)?;
+        s.synchronize().map_err(|e| {
+            f(CudaError::new(
+                Library::Driver,
+                "waiting for the agreement",
+                e,
+            ))
+        })?;
+        let mut out = [0u8; 8];
+        // SAFETY: as above; the stream is idle.
+        unsafe { cudarc::driver::result::memcpy_dtoh_sync(&mut out, at) }.map_err(|e| {
+            f(CudaError::new(
+                Library::Driver,
+                "reading the agreement flag",
+                e,
+            ))
+        })?;
+        Ok(f64::from_le_bytes(out) == f64::from(self.world))
+    }
+
     fn run_step(&mut self, input: &StepInput) -> Result<StepOutcome, RunError> {
         let started = Instant::now();
         let rank = self.rank;
@@ -295,7 +337,7 @@ impl Backend for CudaBackend {
         }
         let enqueue = issuing.elapsed();
         self.watch()?;
-        let loss = self.finish_loss()?;
+        let (loss, sumsq) = self.finish_sums()?;
         let busy = started.elapsed();
         // Every stream is idle (`watch`), so every timing event has been reached.
         let spans = match &self.timers {
@@ -306,6 +348,7 @@ impl Backend for CudaBackend {
         };
         Ok(StepOutcome {
             loss_sum: loss,
+            grad_sumsq: self.plan.clips().then_some(sumsq),
             waits: self
                 .plan
                 .stream_ops
@@ -501,8 +544,11 @@ impl CudaBackend {
         self.dev.synchronize().map_err(|m| fault(self.rank, m))
     }
 
-    fn finish_loss(&self) -> Result<f64, RunError> {
+    /// The step's loss and the rank's gradient sum of squares (the two f64 accumulators, side by
+    /// side in the constants), each summed over the world with several processes.
+    fn finish_sums(&self) -> Result<(f64, f64), RunError> {
         let f = |m: CudaError| fault(self.rank, m);
+        debug_assert_eq!(self.consts_layout.sumsq, self.consts_layout.loss + 8);
         if !self.counts_loss() {
             // SAFETY: one f64 in the constants buffer; every stream is idle.
             unsafe {
@@ -513,16 +559,19 @@ impl CudaBackend {
         if self.world > 1 {
             let comm = self.comms.get(&LOSS_KEY).map_err(f)?;
             let s = &self.dev.streams[0];
-            // SAFETY: the loss accumulator is one f64 in the constants buffer.
-            unsafe { nccl::sum_f64(comm, s.cu_stream(), self.consts.loss.0) }.map_err(f)?;
+            // SAFETY: the loss and sum-of-squares accumulators are two adjacent f64 in the
+            // constants buffer.
+            unsafe { nccl::sum_f64(comm, s.cu_stream(), self.consts.loss.0, 2) }.map_err(f)?;
             s.synchronize()
                 .map_err(|e| f(CudaError::new(Library::Driver, "waiting for the loss", e)))?;
         }
-        let mut out = [0u8; 8];
-        // SAFETY: one f64 in the constants buffer; every stream is idle.
+        let mut out = [0u8; 16];
+        // SAFETY: two f64 in the constants buffer; every stream is idle.
         unsafe { cudarc::driver::result::memcpy_dtoh_sync(&mut out, self.consts.loss.0) }
             .map_err(|e| f(CudaError::new(Library::Driver, "reading the loss", e)))?;
-        Ok(f64::from_le_bytes(out))
+        let at =
+            |i: usize| f64::from_le_bytes(out[8 * i..8 * i + 8].try_into().expect("eight bytes"));
+        Ok((at(0), at(1)))
     }
 
     /// Whether this rank's loss counts in the step's: a tensor group's ranks compute the same
