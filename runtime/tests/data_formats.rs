@@ -542,39 +542,42 @@ fn schedrun_trains_on_tokenized_text() {
 fn the_validation_loss_equals_the_training_loss_of_the_same_batches() {
     let dir = temp("val-equal");
     let data = write(&dir, "train.bin", &llmc(&stream(5000, 256)));
-    let out = schedrun(&[
-        "schedules/tiny_cpu.sched",
-        "--steps",
-        "3",
-        "--lr",
-        "0",
-        "--json",
-        "--data",
-        s(&data),
-        "--val",
-        s(&data),
-        "--eval-every",
-        "2",
-        "--eval-batches",
-        "3",
-    ]);
-    assert!(out.status.success(), "{}", stderr(&out));
-    let lines = json_lines(&out);
-    let losses: Vec<f64> = lines[..3]
-        .iter()
-        .map(|l| l["loss"].as_f64().unwrap())
-        .collect();
-    let mean = losses.iter().sum::<f64>() / 3.0;
-    // After step 2 (a multiple of --eval-every) and after the last step, not after step 1.
-    assert!(lines[0].get("val_loss").is_none());
-    for l in [&lines[1], &lines[2]] {
-        let v = l["val_loss"].as_f64().unwrap();
-        assert!(
-            ((v - mean) / mean).abs() < 1e-5,
-            "val {v} vs mean training loss {mean}"
-        );
+    // ZeRO-3 (tiny GPT) and a two-stage 1F1B pipeline (tiny LLaMA).
+    for sched in ["schedules/tiny_cpu.sched", "schedules/tiny_pipeline.sched"] {
+        let out = schedrun(&[
+            sched,
+            "--steps",
+            "3",
+            "--lr",
+            "0",
+            "--json",
+            "--data",
+            s(&data),
+            "--val",
+            s(&data),
+            "--eval-every",
+            "2",
+            "--eval-batches",
+            "3",
+        ]);
+        assert!(out.status.success(), "{sched}: {}", stderr(&out));
+        let lines = json_lines(&out);
+        let losses: Vec<f64> = lines[..3]
+            .iter()
+            .map(|l| l["loss"].as_f64().unwrap())
+            .collect();
+        let mean = losses.iter().sum::<f64>() / 3.0;
+        // After step 2 (a multiple of --eval-every) and after the last step, not after step 1.
+        assert!(lines[0].get("val_loss").is_none());
+        for l in [&lines[1], &lines[2]] {
+            let v = l["val_loss"].as_f64().unwrap();
+            assert!(
+                ((v - mean) / mean).abs() < 1e-5,
+                "{sched}: val {v} vs mean training loss {mean}"
+            );
+        }
+        assert_eq!(lines[3]["summary"]["val_loss"], lines[2]["val_loss"]);
     }
-    assert_eq!(lines[3]["summary"]["val_loss"], lines[2]["val_loss"]);
     // --eval-batches 1: the first step's loss alone.
     let out = schedrun(&[
         "schedules/tiny_cpu.sched",
