@@ -14,19 +14,22 @@
 //! - [`train`]: the host side: initial state, batches by `runtime.md`'s rule, steps, whole-tensor
 //!   state in and out; [`checkpoint`] stores that state in safetensors files and folders of
 //!   periodic checkpoints; [`preempt`] turns SIGTERM/SIGINT into a stop after the current step.
-//! - [`data`]: the byte corpus and the batch rule; [`reference`]: an independent single-process
-//!   trainer that parity tests compare every schedule against; [`trace`]: a measured step as a
-//!   Perfetto trace.
+//! - [`data`]: the corpus (bytes, token files, text through a tokenizer) and the batch rule;
+//!   [`reference`]: an independent single-process trainer that parity tests compare every
+//!   schedule against, and [`eval`] computes the validation loss with; [`trace`]: a measured step
+//!   as a Perfetto trace; [`plot`]: the loss curve as an SVG.
 
 pub mod arena;
 pub mod backend;
 pub mod checkpoint;
 pub mod data;
 pub(crate) mod device;
+pub mod eval;
 pub mod exec;
 pub mod math;
 mod pages;
 pub mod plan;
+pub mod plot;
 pub mod preempt;
 pub mod reference;
 pub mod step;

@@ -191,6 +191,34 @@ impl Reference {
         loss
     }
 
+    /// Replaces the weights with `layers`' parameters (whole, one vector per layer, as
+    /// [`crate::train::Trainer::state`] gathers them), rounded to the model dtype; the optimizer
+    /// state is left as it is. A forward-only [`Reference::evaluate`] then computes the loss of
+    /// those weights.
+    pub fn set_params(&mut self, layers: &[Vec<f32>]) -> Result<(), MathError> {
+        if layers.len() != self.params.len() {
+            return Err(MathError::Shape {
+                layer: "the model".to_string(),
+                problem: format!(
+                    "{} layers of weights for {} layers",
+                    layers.len(),
+                    self.params.len()
+                ),
+            });
+        }
+        for ((p, w), l) in self.params.iter_mut().zip(layers).zip(&self.layers) {
+            if p.len() != w.len() {
+                return Err(MathError::Shape {
+                    layer: l.name.clone(),
+                    problem: format!("{} weights for {} parameters", w.len(), p.len()),
+                });
+            }
+            p.copy_from_slice(w);
+            self.act.round(p);
+        }
+        Ok(())
+    }
+
     /// The mean loss of `batch` under the current weights, without training.
     pub fn evaluate(&mut self, batch: &Batch) -> f64 {
         let chunk = self.micro_batch * self.seq_len;

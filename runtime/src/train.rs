@@ -121,6 +121,11 @@ impl<B: Backend> Trainer<B> {
         }
     }
 
+    /// The corpus the batches are cut from.
+    pub fn corpus(&self) -> &Corpus {
+        &self.corpus
+    }
+
     pub fn steps_done(&self) -> u64 {
         self.step
     }

@@ -18,8 +18,10 @@ use schedrun::backend::cuda::launch::{self, DistEnv};
 use schedrun::backend::cuda::{self, CudaBackend, PtxFiles};
 use schedrun::backend::{Backend, RunOptions, StreamWait};
 use schedrun::checkpoint::{self, Contents};
-use schedrun::data::Corpus;
+use schedrun::data::{self, Corpus, TextTokenizer};
+use schedrun::eval::Validation;
 use schedrun::plan::{LoadError, Plan};
+use schedrun::plot::LossCurve;
 use schedrun::preempt;
 use schedrun::train::{StepReport, Trainer};
 use serde_json::json;
@@ -76,9 +78,28 @@ struct Cli {
     /// Initialisation seed (default: the schedule's `train.seed`).
     #[arg(long)]
     seed: Option<u64>,
-    /// Training text, read as bytes (default: the schedule's `train.data`, else the built-in corpus).
+    /// Training data (default: the schedule's `train.data`, else the built-in corpus): a text
+    /// file read as bytes, tokens in a `.bin` (llm.c's shard or nanoGPT's raw uint16) or a `.npy`,
+    /// or text tokenized by `--tokenizer`.
     #[arg(long)]
     data: Option<PathBuf>,
+    /// A Hugging Face `tokenizer.json`: the data (and `--val`) files are UTF-8 text it encodes.
+    #[arg(long, value_name = "tokenizer.json")]
+    tokenizer: Option<PathBuf>,
+    /// A validation corpus (any format `--data` reads): its loss is printed after every
+    /// `--eval-every` steps and after the last step.
+    #[arg(long, value_name = "F")]
+    val: Option<PathBuf>,
+    /// With `--val`: compute the validation loss after every N steps (counted from step 0);
+    /// without it, after the last step only.
+    #[arg(long, value_name = "N", requires = "val", value_parser = clap::value_parser!(u64).range(1..))]
+    eval_every: Option<u64>,
+    /// With `--val`: the validation loss is the mean over K global batches of it (default 4).
+    #[arg(long, value_name = "K", requires = "val", value_parser = clap::value_parser!(u64).range(1..))]
+    eval_batches: Option<u64>,
+    /// Write the training (and validation) loss over the steps as an SVG plot after the run.
+    #[arg(long, value_name = "OUT.svg")]
+    plot: Option<PathBuf>,
     /// Global gradient-norm limit (default: the schedule's `train.clip`).
     #[arg(long)]
     clip: Option<f64>,
@@ -256,11 +277,7 @@ fn run(cli: &Cli) -> Result<(), Failure> {
     }
     let plan = Arc::new(plan);
     check_outputs(cli, &Saving::of(cli, &plan)?)?;
-    let data = cli.data.clone().or(plan.job.schedule.train.data.clone());
-    let corpus = Corpus::load(data.as_deref()).map_err(Failure::input)?;
-    corpus
-        .check(plan.job.model.seq_len as usize)
-        .map_err(Failure::input)?;
+    let (corpus, validation) = load_data(cli, &plan)?;
     let options = RunOptions {
         jitter: cli.jitter.map(Duration::from_micros),
         jitter_seed: cli.seed.unwrap_or(plan.job.schedule.train.seed),
@@ -276,6 +293,7 @@ fn run(cli: &Cli) -> Result<(), Failure> {
                 cli,
                 &plan,
                 Trainer::new(plan.clone(), backend, corpus),
+                validation,
                 true,
             )
         }
@@ -291,11 +309,11 @@ fn run(cli: &Cli) -> Result<(), Failure> {
             // Missing libraries (or a build without CUDA): one line, before any device work.
             cuda::probe().map_err(Failure::fault)?;
             let ptx = ptx_files(cli)?;
-            if env.world > 1 && cli.save.is_some() {
+            if env.world > 1 && (cli.save.is_some() || validation.is_some()) {
                 return Err(Failure::input(
-                    "--save writes the whole state as one file, which none of several cuda \
-                     processes holds (each holds its own shards): use --checkpoints DIR, whose \
-                     entries each rank writes its shards into",
+                    "--save and --val need the whole state in one process, which none of \
+                     several cuda processes holds (each holds its own shards): use \
+                     --checkpoints DIR, whose entries each rank writes its shards into",
                 ));
             }
             if env.world == 1 {
@@ -308,10 +326,69 @@ fn run(cli: &Cli) -> Result<(), Failure> {
                 cli,
                 &plan,
                 Trainer::new(plan.clone(), backend, corpus),
+                validation,
                 env.rank == 0,
             )
         }
     }
+}
+
+/// The training corpus and the validation set, read and checked against the model (length,
+/// vocabulary) before anything runs or is written: a bad file is exit 1 naming it.
+fn load_data(cli: &Cli, plan: &Plan) -> Result<(Corpus, Option<Validation>), Failure> {
+    let model = &plan.job.model;
+    let seq_len = model.seq_len as usize;
+    let tokenizer = match &cli.tokenizer {
+        Some(t) => Some(TextTokenizer::load(t).map_err(Failure::input)?),
+        None => None,
+    };
+    let data = cli.data.clone().or(plan.job.schedule.train.data.clone());
+    let open = |f: &Path| -> Result<Corpus, Failure> {
+        let corpus = Corpus::open(f, tokenizer.as_ref()).map_err(Failure::input)?;
+        corpus.check(seq_len).map_err(Failure::input)?;
+        if let Some(v) = data::vocabulary(model) {
+            corpus.check_vocabulary(v).map_err(Failure::input)?;
+        }
+        Ok(corpus)
+    };
+    let corpus = match (&data, &tokenizer) {
+        (Some(f), _) => open(f)?,
+        (None, Some(t)) => {
+            return Err(Failure::input(format!(
+                "--tokenizer {} encodes a text file, but there is none: give --data (or the \
+                 schedule's `train.data`)",
+                t.path().display()
+            )))
+        }
+        (None, None) => {
+            let c = Corpus::builtin();
+            c.check(seq_len).map_err(Failure::input)?;
+            if let Some(v) = data::vocabulary(model) {
+                c.check_vocabulary(v).map_err(Failure::input)?;
+            }
+            c
+        }
+    };
+    let validation = match &cli.val {
+        None => None,
+        Some(f) => {
+            let batches = cli.eval_batches.unwrap_or(4) as usize;
+            Some(Validation::new(plan, open(f)?, cli.eval_every, batches).map_err(Failure::input)?)
+        }
+    };
+    for (what, c) in std::iter::once(("data", &corpus))
+        .chain(validation.as_ref().map(|v| ("validation", v.corpus())))
+    {
+        if let Some(f) = c.path().filter(|_| !c.format().is_bytes()) {
+            eprintln!(
+                "schedrun: {what} {} ({}): {} tokens",
+                f.display(),
+                c.format(),
+                c.len()
+            );
+        }
+    }
+    Ok((corpus, validation))
 }
 
 /// `--backend cuda` without RANK/WORLD_SIZE: this process starts one copy of itself per rank.
@@ -379,6 +456,7 @@ fn check_outputs(cli: &Cli, saving: &Saving) -> Result<(), Failure> {
         ("--save-init", &cli.save_init),
         ("--save", &cli.save),
         ("--trace", &cli.trace),
+        ("--plot", &cli.plot),
     ];
     for (flag, f) in files {
         let Some(f) = f else { continue };
@@ -435,6 +513,7 @@ fn run_steps<B: Backend>(
     cli: &Cli,
     plan: &Arc<Plan>,
     mut trainer: Trainer<B>,
+    mut validation: Option<Validation>,
     print: bool,
 ) -> Result<(), Failure> {
     let plan = plan.clone();
@@ -513,6 +592,7 @@ fn run_steps<B: Backend>(
     if let Some(f) = &cli.save_init {
         checkpoint::save(f, &model, &state, Contents::Weights).map_err(Failure::fault)?;
     }
+    let bytes = trainer.corpus().format().is_bytes();
     // A pipeline's batch is its data-parallel ranks' (each stage's).
     let ranks = match plan.program.layout.stages {
         1 => format!("{} ranks", plan.ranks()),
@@ -523,13 +603,14 @@ fn run_steps<B: Backend>(
         ),
     };
     eprintln!(
-        "schedrun: {} ({} on {}): {ranks} x {} micro-steps x {} sequences of {} bytes = {} tokens per step, {} backend",
+        "schedrun: {} ({} on {}): {ranks} x {} micro-steps x {} sequences of {} {} = {} tokens per step, {} backend",
         plan.job.schedule.name,
         model.name,
         plan.job.cluster.name,
         plan.program.micro_steps,
         model.micro_batch,
         model.seq_len,
+        if bytes { "bytes" } else { "tokens" },
         plan.tokens_per_step(),
         trainer.backend.name()
     );
@@ -546,7 +627,8 @@ fn run_steps<B: Backend>(
         );
         return Err(Failure::Stopped((128 + signal) as u8));
     }
-    for _ in 0..steps {
+    let mut curve = LossCurve::default();
+    for i in 0..steps {
         let next = trainer.steps_done() + 1;
         let injected = cli.inject_nan.filter(|i| i.step == next);
         if injected.is_some_and(|i| !i.grad) {
@@ -568,17 +650,34 @@ fn run_steps<B: Backend>(
             return Err(diverged(&r, why, &trainer, good.as_deref()));
         }
         last = Some((r.time, std::mem::take(&mut r.outcome.spans)));
+        curve.train.push((r.step, r.loss));
+        let val_loss = match &mut validation {
+            Some(v) if v.due(r.step, i + 1 == steps) => {
+                let state = trainer.state().map_err(Failure::fault)?;
+                let weights: Vec<Vec<f32>> = state.layers.into_iter().map(|l| l.params).collect();
+                let loss = v.loss(&weights).map_err(Failure::fault)?;
+                curve.val.push((r.step, loss));
+                Some(loss)
+            }
+            _ => None,
+        };
         let line = if cli.json {
-            json!({"step": r.step, "loss": r.loss, "lr": rate, "step_time_s": r.time.as_secs_f64(),
-                   "tokens_per_s": r.tokens_per_s})
-            .to_string()
+            let mut o = json!({"step": r.step, "loss": r.loss, "lr": rate,
+                   "step_time_s": r.time.as_secs_f64(), "tokens_per_s": r.tokens_per_s});
+            if let Some(v) = val_loss {
+                o["val_loss"] = json!(v);
+            }
+            o.to_string()
         } else {
             format!(
-                "step {:>5}  loss {:.4}  {:>8.3} s  {:>10.0} tokens/s",
+                "step {:>5}  loss {:.4}  {:>8.3} s  {:>10.0} tokens/s{}",
                 r.step,
                 r.loss,
                 r.time.as_secs_f64(),
-                r.tokens_per_s
+                r.tokens_per_s,
+                val_loss
+                    .map(|v| format!("  val loss {v:.4}"))
+                    .unwrap_or_default()
             )
         };
         match &bar {
@@ -607,6 +706,7 @@ fn run_steps<B: Backend>(
             if let Some(b) = &bar {
                 b.abandon();
             }
+            write_plot(cli, &plan, &curve)?;
             if let Some(f) = &cli.save {
                 let state = checked_state(&trainer, good_of(&entry, cli))?;
                 checkpoint::save(f, &model, &state, Contents::Checkpoint)
@@ -646,6 +746,7 @@ fn run_steps<B: Backend>(
         let state = checked_state(&trainer, good_of(&entry, cli))?;
         checkpoint::save(f, &model, &state, Contents::Checkpoint).map_err(Failure::fault)?;
     }
+    write_plot(cli, &plan, &curve)?;
     if let (Some(f), Some((time, spans))) = (&cli.trace, &last) {
         let trace = schedrun::trace::measured(&plan, *time, spans).map_err(Failure::fault)?;
         let text = serde_json::to_string(&trace).expect("traces serialise") + "\n";
@@ -653,7 +754,18 @@ fn run_steps<B: Backend>(
             .map_err(|e| Failure::fault(format!("cannot write {}: {e}", f.display())))?;
         eprintln!("wrote {}", f.display());
     }
-    summary(cli.json, &plan, &trainer, &reports);
+    summary(cli.json, &plan, &trainer, &reports, curve.val.last());
+    Ok(())
+}
+
+/// `--plot`: the loss curve so far, when asked for and some step ran.
+fn write_plot(cli: &Cli, plan: &Plan, curve: &LossCurve) -> Result<(), Failure> {
+    let (Some(f), false) = (&cli.plot, curve.train.is_empty()) else {
+        return Ok(());
+    };
+    let title = format!("{} ({})", plan.job.schedule.name, plan.job.model.name);
+    curve.write(f, &title).map_err(Failure::fault)?;
+    eprintln!("wrote {}", f.display());
     Ok(())
 }
 
@@ -935,7 +1047,13 @@ fn waits_by_stream(reports: &[StepReport]) -> Vec<(&'static str, f64, f64)> {
     out
 }
 
-fn summary<B: Backend>(json_out: bool, plan: &Plan, trainer: &Trainer<B>, reports: &[StepReport]) {
+fn summary<B: Backend>(
+    json_out: bool,
+    plan: &Plan,
+    trainer: &Trainer<B>,
+    reports: &[StepReport],
+    val: Option<&(u64, f64)>,
+) {
     let memory = trainer.backend.memory();
     let waits = waits_by_stream(reports);
     let total: f64 = reports.iter().map(|r| r.time.as_secs_f64()).sum();
@@ -947,6 +1065,7 @@ fn summary<B: Backend>(json_out: bool, plan: &Plan, trainer: &Trainer<B>, report
             "steps": reports.len(),
             "first_loss": reports.first().map(|r| r.loss),
             "final_loss": reports.last().map(|r| r.loss),
+            "val_loss": val.map(|v| v.1),
             "time_s": total,
             "tokens_per_s": tokens / total.max(1e-9),
             "memory_per_rank": memory.iter().map(|m| json!({
@@ -970,6 +1089,9 @@ fn summary<B: Backend>(json_out: bool, plan: &Plan, trainer: &Trainer<B>, report
         first.loss,
         last.loss
     );
+    if let Some((step, v)) = val {
+        eprintln!("validation loss {v:.4} after step {step}");
+    }
     eprintln!("memory per rank (bytes):   planned      allocated    peak touched");
     for m in &memory {
         eprintln!(
