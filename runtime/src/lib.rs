@@ -24,6 +24,7 @@ pub mod checkpoint;
 pub mod data;
 pub(crate) mod device;
 pub mod exec;
+pub mod hf;
 pub mod math;
 mod pages;
 pub mod plan;
