@@ -1147,3 +1147,7 @@ impl Catalogue {
         }
     }
 }
+
+#[cfg(test)]
+#[path = "../tests/unit/norm_eps.rs"]
+mod norm_eps_tests;
