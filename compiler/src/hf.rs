@@ -3,14 +3,17 @@
 //! Two families are read: GPT-2 (`model_type = "gpt2"`: learned positions, LayerNorm, the tanh
 //! GELU, biases, a head tied to the embedding unless said otherwise) and LLaMA with its
 //! look-alike `mistral` (rotary positions, RMSNorm, SwiGLU, grouped-query
-//! attention, no biases; Qwen2, whose q, k and v projections have biases, is refused). Every field is either mapped to the language, checked to hold the one
-//! value the language and the runtime implement (norm epsilon 1e-5, rotary base 10,000, no rotary
-//! scaling, no sliding window, no biases on LLaMA's projections, head size hidden/heads), or one
-//! of the bookkeeping fields that do not change the model (token ids, initialisation range,
-//! `transformers_version`, …). Anything else is refused with an error naming the field: a
-//! config is never imported as a different model. The context length (`n_positions`,
-//! `max_position_embeddings`) becomes `seq_len`, which for GPT-2 is also the size of the learned
-//! position table, so the parameter count `schedc check` prints equals the checkpoint's.
+//! attention, no biases; Qwen2, whose q, k and v projections have biases, is refused). Every field
+//! is either mapped to the language (the norms' epsilon to `norm_eps`, with `transformers`'
+//! default where the config leaves it out: 1e-5 for GPT-2, 1e-6 for LLaMA and Mistral; the
+//! rotary base to `rope_base`, default 10,000), checked to hold the one value the language and
+//! the runtime implement (no rotary scaling, no sliding window, no biases on LLaMA's projections,
+//! head size hidden/heads), or one of the bookkeeping fields that do not change the model (token
+//! ids, initialisation range, `transformers_version`, …). Anything else is refused with an error
+//! naming the field: a config is never imported as a different model. The context length
+//! (`n_positions`, `max_position_embeddings`) becomes `seq_len`, which for GPT-2 is also the size
+//! of the learned position table, so the parameter count `schedc check` prints equals the
+//! checkpoint's.
 
 use serde_json::{Map, Value};
 use std::fmt::Write;
@@ -180,20 +183,32 @@ impl Fields<'_> {
         }
     }
 
-    /// A field that must hold `want` (or be absent, when `want` is also its default).
-    fn number_is(&mut self, key: &'static str, want: f64, what: &str) -> Result<(), ImportError> {
-        match self.get(key).map(|v| v.as_f64()) {
-            None => Ok(()),
-            Some(Some(x)) if (x - want).abs() <= want.abs() * 1e-9 => Ok(()),
-            Some(x) => Err(error(
-                key,
-                format!(
-                    "{} here; {what} is {want} in schedc's language and runtime, and other values \
-                     cannot be expressed yet",
-                    x.map_or("not a number".to_string(), |x| x.to_string())
-                ),
-            )),
+    /// A number that `valid` accepts (`rule` says which), `default` when absent or null.
+    fn number(
+        &mut self,
+        key: &'static str,
+        default: f64,
+        valid: fn(f64) -> bool,
+        rule: &str,
+    ) -> Result<f64, ImportError> {
+        match self.get(key) {
+            None => Ok(default),
+            Some(v) => match v.as_f64() {
+                Some(x) if valid(x) => Ok(x),
+                Some(x) => Err(error(key, format!("{x} here: it must be {rule}"))),
+                None => Err(error(key, format!("must be a number, not {v}"))),
+            },
         }
+    }
+
+    /// The norms' epsilon from `key` (`default` when absent), as the language takes it.
+    fn norm_eps(&mut self, key: &'static str, default: f64) -> Result<f64, ImportError> {
+        self.number(
+            key,
+            default,
+            |x| x > 0.0 && x <= 1.0 && (x as f32) > 0.0,
+            "positive and at most 1 (schedc's `norm_eps`)",
+        )
     }
 
     /// A boolean that must be false (or absent).
@@ -232,7 +247,8 @@ impl Fields<'_> {
 }
 
 /// GPT-2: `n_embd`, `n_layer`, `n_head`, `n_inner` (4·n_embd when null), `n_positions`,
-/// `vocab_size`; the tanh GELU, LayerNorm eps 1e-5, biases, a tied head unless untied.
+/// `vocab_size`, `layer_norm_epsilon` (1e-5 when absent); the tanh GELU, biases, a tied head
+/// unless untied.
 fn gpt2(f: &mut Fields) -> Result<String, ImportError> {
     let hidden = f.int("n_embd")?;
     let layers = f.int("n_layer")?;
@@ -249,7 +265,7 @@ fn gpt2(f: &mut Fields) -> Result<String, ImportError> {
             ))
         }
     }
-    f.number_is("layer_norm_epsilon", 1e-5, "the norms' epsilon")?;
+    let eps = f.norm_eps("layer_norm_epsilon", 1e-5)?;
     f.off(
         "scale_attn_by_inverse_layer_idx",
         "scaling attention by the layer index",
@@ -269,6 +285,7 @@ fn gpt2(f: &mut Fields) -> Result<String, ImportError> {
     Ok(format!(
         "    seq_len     = {positions}    # n_positions: also the size of the learned position table\n\
          \x20   micro_batch = 1\n\
+         \x20   norm_eps    = {eps:e}    # layer_norm_epsilon\n\
          \n\
          \x20   layer embed     = embedding(vocab = {vocab}, hidden = {hidden}, positions = learned)\n\
          \x20   layer block[{layers}] = transformer(hidden = {hidden}, heads = {heads}, ffn = {ffn}, norm = layernorm, act = gelu, bias = true)\n\
@@ -278,8 +295,8 @@ fn gpt2(f: &mut Fields) -> Result<String, ImportError> {
 
 /// LLaMA and its look-alikes: `hidden_size`, `intermediate_size`, `num_hidden_layers`,
 /// `num_attention_heads`, `num_key_value_heads` (the heads when absent), `vocab_size`,
-/// `max_position_embeddings`; SiLU-gated MLP, RMSNorm eps 1e-5, rotary base 10,000, no biases,
-/// an untied head unless tied.
+/// `max_position_embeddings`, `rms_norm_eps` (1e-6 when absent, as in `transformers`),
+/// `rope_theta` (10,000 when absent); SiLU-gated MLP, no biases, an untied head unless tied.
 fn llama(f: &mut Fields) -> Result<String, ImportError> {
     let hidden = f.int("hidden_size")?;
     let ffn = f.int("intermediate_size")?;
@@ -311,8 +328,13 @@ fn llama(f: &mut Fields) -> Result<String, ImportError> {
             ))
         }
     }
-    f.number_is("rms_norm_eps", 1e-5, "the norms' epsilon")?;
-    f.number_is("rope_theta", 10000.0, "the rotary base")?;
+    let eps = f.norm_eps("rms_norm_eps", 1e-6)?;
+    let theta = f.number(
+        "rope_theta",
+        10_000.0,
+        |x| x > 1.0 && x.is_finite(),
+        "greater than 1 (schedc's `rope_base`)",
+    )?;
     f.absent("rope_scaling", "a rotary scaling")?;
     f.off("attention_bias", "biases on the attention projections")?;
     f.off("mlp_bias", "biases on the MLP projections")?;
@@ -327,6 +349,8 @@ fn llama(f: &mut Fields) -> Result<String, ImportError> {
     Ok(format!(
         "    seq_len     = {positions}    # max_position_embeddings\n\
          \x20   micro_batch = 1\n\
+         \x20   norm_eps    = {eps:e}    # rms_norm_eps\n\
+         \x20   rope_base   = {theta}    # rope_theta\n\
          \n\
          \x20   layer embed     = embedding(vocab = {vocab}, hidden = {hidden}, positions = rope)\n\
          \x20   layer block[{layers}] = transformer(hidden = {hidden}, heads = {heads}, kv_heads = {kv_heads}, ffn = {ffn}, norm = rmsnorm, act = swiglu, bias = false)\n\

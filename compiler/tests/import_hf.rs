@@ -18,12 +18,17 @@ fn config(file: &str) -> String {
     std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
-/// The parameter count the language gives the imported block.
-fn parameters(block: &str) -> u64 {
+/// The model the language resolves the imported block into.
+fn resolved(block: &str) -> sched_ir::job::Model {
     let loader = MemLoader::default().with("/hf/m.sched", block);
     let a = analyze(Path::new("/hf/m.sched"), &loader).unwrap();
     assert!(!a.has_errors(), "{}\n{block}", a.render());
-    a.models[0].parameters()
+    (*a.models[0]).clone()
+}
+
+/// The parameter count the language gives the imported block.
+fn parameters(block: &str) -> u64 {
+    resolved(block).parameters()
 }
 
 #[test]
@@ -40,6 +45,36 @@ fn imported_models_have_the_checkpoints_parameter_counts() {
             .unwrap_or_else(|e| panic!("{file}: {e}"));
         assert_eq!(parameters(&block), want, "{file}:\n{block}");
         insta::assert_snapshot!(name, block);
+    }
+}
+
+#[test]
+fn norm_epsilon_and_rotary_base_are_imported() {
+    // The files' own values; `transformers`' defaults (1e-6 for LLaMA's RMSNorm, 1e-5 for GPT-2's
+    // LayerNorm, 10,000 for the rotary base) where a config leaves them out.
+    let without = |file: &str, keys: &[&str]| {
+        let mut c: serde_json::Map<String, serde_json::Value> =
+            serde_json::from_str(&config(file)).unwrap();
+        for k in keys {
+            c.remove(*k);
+        }
+        serde_json::to_string(&c).unwrap()
+    };
+    for (text, eps, base) in [
+        (config("llama-rope-500k.json"), 1e-6, Some(500_000.0)),
+        (config("tinyllama-1.1b.json"), 1e-5, Some(10_000.0)),
+        (config("gpt2.json"), 1e-5, None),
+        (
+            without("llama-rope-500k.json", &["rms_norm_eps", "rope_theta"]),
+            1e-6,
+            Some(10_000.0),
+        ),
+        (without("gpt2.json", &["layer_norm_epsilon"]), 1e-5, None),
+    ] {
+        let block = schedc::hf::model_from_config(&text, "m").unwrap();
+        let m = resolved(&block);
+        assert_eq!(m.norm_eps, Some(eps), "{block}");
+        assert_eq!(m.rope_base, base, "{block}");
     }
 }
 

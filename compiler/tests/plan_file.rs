@@ -79,3 +79,31 @@ fn a_job_with_tensor_parallelism_is_refused() {
     p["job"]["schedule"]["tensor"] = serde_json::json!({ "size": 1, "sequence": false });
     assert!(read_plan(&p.to_string()).is_ok());
 }
+
+/// The model's `norm_eps` and `rope_base` are absent from plans that do not set them (which read
+/// with the defaults, as plans written before the keys did); set, they read back, and out of the
+/// language's range they are refused.
+#[test]
+fn norm_eps_and_rope_base_are_optional_and_checked() {
+    let plan = plan_json();
+    assert!(plan["job"]["model"].get("norm_eps").is_none());
+    assert!(plan["job"]["model"].get("rope_base").is_none());
+    let read = |p: &serde_json::Value| read_plan(&p.to_string()).map(|r| r.job.model);
+    let model = read(&plan).unwrap();
+    assert_eq!((model.norm_eps(), model.rope_base()), (1e-5, 10_000.0));
+    let mut p = plan.clone();
+    p["job"]["model"]["norm_eps"] = 1e-6.into();
+    p["job"]["model"]["rope_base"] = 500_000.0.into();
+    let model = read(&p).unwrap();
+    assert_eq!((model.norm_eps(), model.rope_base()), (1e-6, 500_000.0));
+    for (key, value, says) in [
+        ("norm_eps", 0.0, "norm_eps 0 is not in (0, 1]"),
+        ("norm_eps", 1e-50, "is not in (0, 1]"),
+        ("rope_base", 0.5, "rope_base 0.5 is not above 1"),
+    ] {
+        let mut p = plan.clone();
+        p["job"]["model"][key] = value.into();
+        let e = read(&p).err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(e.contains(says), "{key} {value}: {e}");
+    }
+}

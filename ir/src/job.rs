@@ -326,9 +326,32 @@ pub struct Model {
     pub seq_len: u64,
     pub micro_batch: u64,
     pub layers: Vec<Layer>,
+    /// The norms' ε, added to the variance (or mean square) under the square root (`None`:
+    /// [`Model::DEFAULT_NORM_EPS`]). Absent from plan files when not set.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub norm_eps: Option<f64>,
+    /// The rotary base θ: position p turns pair i of a head of width d by p·θ^(−2i/d) (`None`:
+    /// [`Model::DEFAULT_ROPE_BASE`]). Absent from plan files when not set.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rope_base: Option<f64>,
 }
 
 impl Model {
+    /// The norms' ε when the model does not set one (GPT-2's and LLaMA's).
+    pub const DEFAULT_NORM_EPS: f64 = 1e-5;
+    /// The rotary base when the model does not set one (the RoFormer paper's and LLaMA's).
+    pub const DEFAULT_ROPE_BASE: f64 = 10_000.0;
+
+    /// The norms' ε as the fp32 norms add it.
+    pub fn norm_eps(&self) -> f32 {
+        self.norm_eps.unwrap_or(Self::DEFAULT_NORM_EPS) as f32
+    }
+
+    /// The rotary base θ.
+    pub fn rope_base(&self) -> f64 {
+        self.rope_base.unwrap_or(Self::DEFAULT_ROPE_BASE)
+    }
+
     /// Ψ, the total parameter count (saturating: semantic analysis bounds real models far below).
     pub fn parameters(&self) -> u64 {
         self.layers

@@ -13,7 +13,10 @@
 //! node, more events than ops, layers over [`MAX_LAYER_PARAMS`] parameters or not padded as the
 //! lowering pads them (to a multiple of s_os and of hpZ's secondary size), regions that do not fit
 //! their buffer at rank 0 (where every shard index is 0) or whose furthest end passes 2^64, and
-//! collectives whose payload in bytes passes 2^64. What is left is the verifier's to judge.
+//! collectives whose payload in bytes passes 2^64, and a model whose `norm_eps` or `rope_base` is
+//! out of the language's range. What is left is the verifier's to judge. Fields added since
+//! version 2 (the model's `norm_eps` and `rope_base`, the training settings) are optional: a plan
+//! without them reads with the defaults.
 
 use crate::ir::*;
 use crate::job::{Collective, Dtype, Job, Mesh, Shard};
@@ -709,12 +712,26 @@ fn check_job(f: &PlanFile, shard: Shard) -> Result<(), ReadError> {
     } else {
         None
     };
-    match mismatch {
-        Some(m) => Err(invalid!(
+    if let Some(m) = mismatch {
+        return Err(invalid!(
             "the plan's `job` does not match its program: it has {m}"
-        )),
-        None => Ok(()),
+        ));
     }
+    // The language's ranges for the model's numbers (absent: the defaults).
+    let m = &job.model;
+    if let Some(e) = m
+        .norm_eps
+        .filter(|&e| !(e > 0.0 && e <= 1.0 && (e as f32) > 0.0))
+    {
+        return Err(invalid!(
+            "model `{}`: norm_eps {e} is not in (0, 1]",
+            m.name
+        ));
+    }
+    if let Some(b) = m.rope_base.filter(|&b| !(b > 1.0 && b.is_finite())) {
+        return Err(invalid!("model `{}`: rope_base {b} is not above 1", m.name));
+    }
+    Ok(())
 }
 
 /// Least common multiple of two positive numbers, saturating (a saturated pad refuses every

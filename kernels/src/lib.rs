@@ -138,6 +138,38 @@ impl Param {
     }
 }
 
+/// A norm's ε as the bits of the fp32 the norm adds, so that [`Op`] stays `Eq` and `Hash`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct NormEps(pub u32);
+
+impl NormEps {
+    /// The default ε, 1e-5 (`sched_ir::job::Model::DEFAULT_NORM_EPS`).
+    pub const DEFAULT: NormEps = NormEps(0x3727_c5ac);
+
+    /// The ε `model` sets.
+    pub fn of(model: &Model) -> NormEps {
+        NormEps::new(model.norm_eps())
+    }
+
+    pub fn new(eps: f32) -> NormEps {
+        NormEps(eps.to_bits())
+    }
+
+    pub fn value(self) -> f32 {
+        f32::from_bits(self.0)
+    }
+
+    /// What a kernel's name adds for it: nothing for the default, else `_eps` and the fp32 bits
+    /// in hex (names must stay identifiers).
+    fn suffix(self) -> String {
+        if self == NormEps::DEFAULT {
+            String::new()
+        } else {
+            format!("_eps{:08x}", self.0)
+        }
+    }
+}
+
 /// An operation before storage dtypes are chosen. Sizes that shape the code are constants.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Op {
@@ -165,8 +197,15 @@ pub enum Op {
     /// stored back into `dy` unless cast: the MLP's GELU backward in the pass that sums and
     /// casts its result, instead of a pass of its own over the fp32 gradient.
     BiasGrad { width: u32, cast: bool, gelu: bool },
-    /// Layer or RMS norm of each row into `out`, with (mean, 1/σ) per row in `stats`.
-    Norm { norm: Norm, width: u32, bias: bool },
+    /// Layer or RMS norm of each row into `out`, with (mean, 1/σ) per row in `stats`; `eps` is
+    /// the model's ε as fp32 bits ([`NormEps`]), baked into the kernel (its name says it when it
+    /// is not the default 1e-5).
+    Norm {
+        norm: Norm,
+        width: u32,
+        bias: bool,
+        eps: NormEps,
+    },
     /// A norm's input gradient added to `base` into `dx`, per row: the residual stream's
     /// gradient taken in the same pass (`base` may be `dx`, which then accumulates).
     NormBackwardInput { norm: Norm, width: u32 },
@@ -571,7 +610,8 @@ impl Op {
                 norm: n,
                 width,
                 bias,
-            } => format!("{}{}_w{width}", norm(n), nb(bias)),
+                eps,
+            } => format!("{}{}_w{width}{}", norm(n), nb(bias), eps.suffix()),
             Op::NormBackwardInput { norm: n, width } => {
                 format!("{}_backward_input_w{width}", norm(n))
             }
@@ -770,6 +810,7 @@ fn for_model_with(model: &Model, split: bool) -> Vec<Kernel> {
         split,
         out: if a == f { vec![f] } else { vec![a, f] },
         list: vec![],
+        eps: NormEps::of(model),
     };
     let rope = model.layers.iter().any(|l| {
         matches!(
@@ -927,6 +968,7 @@ struct Catalogue {
     split: bool,
     out: Vec<Dtype>,
     list: Vec<Kernel>,
+    eps: NormEps,
 }
 
 impl Catalogue {
@@ -985,7 +1027,14 @@ impl Catalogue {
                 d.push(a);
             }
             d.push(s);
-            self.add_stats(Kernel::new(Op::Norm { norm, width, bias }, &d), s);
+            let eps = self.eps;
+            let op = Op::Norm {
+                norm,
+                width,
+                bias,
+                eps,
+            };
+            self.add_stats(Kernel::new(op, &d), s);
         }
         let d = if bias {
             vec![a, f, f, f]
@@ -1098,3 +1147,7 @@ impl Catalogue {
         }
     }
 }
+
+#[cfg(test)]
+#[path = "../tests/unit/norm_eps.rs"]
+mod norm_eps_tests;

@@ -26,6 +26,7 @@ pub mod data;
 pub(crate) mod device;
 pub mod eval;
 pub mod exec;
+pub mod hf;
 pub mod math;
 mod pages;
 pub mod plan;

@@ -84,6 +84,36 @@ fn optimizer_settings_match_the_reference() {
     assert!(apart, "the settings change nothing");
 }
 
+/// The model's `norm_eps` and `rope_base` reach the backend's norms and rotary tables as the
+/// reference's, and change the run (tiny_llama has both RMS norms and rotary positions; tiny_gpt
+/// layer norms).
+#[test]
+fn norm_epsilon_and_rotary_base_match_the_reference() {
+    let all = jobs("tiny_cpu_schedules.sched");
+    for name in ["tiny_zero2_single_stream", "tiny_mics2"] {
+        let base = all
+            .iter()
+            .find(|j| j.schedule.name == name)
+            .unwrap()
+            .clone();
+        let defaults = reference(&base, 4);
+        let mut job = base.clone();
+        let mut model = (*job.model).clone();
+        model.norm_eps = Some(0.05);
+        model.rope_base = Some(100.0);
+        job.model = model.into();
+        let want = reference(&job, 4);
+        let got = scheduled(&job, 4, RunOptions::default());
+        assert_parity(&job, &got, &want, "norm_eps and rope_base");
+        let apart = want
+            .0
+            .iter()
+            .zip(&defaults.0)
+            .any(|(a, b)| (a - b).abs() > 1e-4 * b);
+        assert!(apart, "{name}: the settings change nothing");
+    }
+}
+
 #[test]
 fn parity_holds_under_jitter() {
     let mut all = jobs("tiny_cpu.sched");

@@ -245,6 +245,12 @@ fn model(out: &mut String, m: &Model) {
         m.seq_len,
         m.micro_batch
     );
+    if let Some(e) = m.norm_eps {
+        let _ = writeln!(out, "  norm_eps {e}");
+    }
+    if let Some(b) = m.rope_base {
+        let _ = writeln!(out, "  rope_base {b}");
+    }
     let _ = writeln!(
         out,
         "  parameters {} in {}",

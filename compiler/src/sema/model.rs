@@ -9,10 +9,13 @@
 //!
 //! Beyond the spec: the `mlp` kind also takes `norm = layernorm | rmsnorm` (default `layernorm`),
 //! since it carries its own norm; `optimizer` defaults to `adam` and `micro_batch` to 1.
+//!
+//! `norm_eps` (every norm's ε, default 1e-5) and `rope_base` (the rotary θ, default 10,000) are
+//! model-wide numbers; unset, the resolved model leaves them unset, so plans are unchanged.
 
 use super::values::*;
 use super::Ctx;
-use sched_grammar::ast::{BlockItem, LayerDecl};
+use sched_grammar::ast::{BlockItem, LayerDecl, Value};
 use sched_grammar::diag::Diagnostic;
 use sched_ir::job::*;
 
@@ -22,6 +25,8 @@ const KEYS: &[(&str, Shape)] = &[
     ("optimizer", Shape::Value),
     ("seq_len", Shape::Value),
     ("micro_batch", Shape::Value),
+    ("norm_eps", Shape::Value),
+    ("rope_base", Shape::Value),
 ];
 
 const KINDS: [&str; 5] = ["embedding", "transformer", "mlp", "lm_head", "dense"];
@@ -75,6 +80,15 @@ pub(crate) fn resolve(ctx: &mut Ctx, item: &BlockItem) -> Option<Model> {
         Some(v) => expect_int(ctx, v, 1, MAX_DIM, "`micro_batch`"),
         None => Some(1),
     };
+    // `Some(None)`: not set; `None`: set wrongly (reported).
+    let norm_eps = match r.value("norm_eps") {
+        Some(v) => norm_eps(ctx, v).map(Some),
+        None => Some(None),
+    };
+    let rope_base = match r.value("rope_base") {
+        Some(v) => rope_base(ctx, v).map(Some),
+        None => Some(None),
+    };
     if r.layers.is_empty() {
         ctx.error(
             Diagnostic::error(format!("{what} has no layers"))
@@ -95,6 +109,26 @@ pub(crate) fn resolve(ctx: &mut Ctx, item: &BlockItem) -> Option<Model> {
         );
         return None;
     }
+    if let Some(v) = r.value("rope_base") {
+        let rotary = layers.iter().any(|l| {
+            matches!(
+                l.kind,
+                LayerKind::Embedding {
+                    positions: Positions::Rope,
+                    ..
+                }
+            )
+        });
+        if !rotary {
+            ctx.warn(
+                Diagnostic::warning(format!(
+                    "{what} sets `rope_base` but has no rotary positions: it changes nothing"
+                ))
+                .at(v.span, "unused")
+                .note("rotary positions are the embedding's `positions = rope`"),
+            );
+        }
+    }
     Some(Model {
         name: item.name.name.clone(),
         dtype: dtype?,
@@ -103,7 +137,39 @@ pub(crate) fn resolve(ctx: &mut Ctx, item: &BlockItem) -> Option<Model> {
         seq_len: seq_len?,
         micro_batch: micro_batch?,
         layers,
+        norm_eps: norm_eps?,
+        rope_base: rope_base?,
     })
+}
+
+/// `norm_eps`: positive, at most 1, and not zero once rounded to the fp32 the norms add it in.
+fn norm_eps(ctx: &mut Ctx, v: &Value) -> Option<f64> {
+    let x = expect_number(ctx, v)?;
+    if x > 0.0 && x <= 1.0 && (x as f32) > 0.0 {
+        return Some(x);
+    }
+    ctx.error(
+        Diagnostic::error(format!(
+            "`norm_eps` must be positive and at most 1 (as an fp32, not 0), found {x:e}"
+        ))
+        .at(v.span, "out of range")
+        .note("GPT-2 and LLaMA use 1e-5 (the default), LLaMA 2 and later 1e-6"),
+    );
+    None
+}
+
+/// `rope_base`: greater than 1, so that the rotation frequencies fall along a head.
+fn rope_base(ctx: &mut Ctx, v: &Value) -> Option<f64> {
+    let x = expect_number(ctx, v)?;
+    if x > 1.0 {
+        return Some(x);
+    }
+    ctx.error(
+        Diagnostic::error(format!("`rope_base` must be greater than 1, found {x}"))
+            .at(v.span, "out of range")
+            .note("LLaMA uses 10000 (the default), LLaMA 3 500000"),
+    );
+    None
 }
 
 fn dtype_of(i: usize) -> Dtype {

@@ -17,8 +17,6 @@ use crate::{Kernel, Op, ADAM_DECAY_BOUNDS, SUMSQ_CHUNK};
 use inkwell::IntPredicate;
 use sched_ir::job::Norm;
 
-const NORM_EPS: f32 = 1e-5;
-
 pub fn emit<'c>(fx: &mut Fx<'c, '_>, k: &Kernel, i: I<'c>) {
     match k.op {
         // The halves ops differ from a conversion only in how `src` or `dst` is addressed.
@@ -97,7 +95,12 @@ pub fn emit<'c>(fx: &mut Fx<'c, '_>, k: &Kernel, i: I<'c>) {
             fx.store("y", i, v);
         }
         Op::BiasGrad { width, cast, gelu } => column_sums(fx, width, cast, gelu, i),
-        Op::Norm { norm, width, bias } => norm_forward(fx, norm, width, bias, i),
+        Op::Norm {
+            norm,
+            width,
+            bias,
+            eps,
+        } => norm_forward(fx, norm, width, bias, eps.value(), i),
         Op::NormBackwardInput { norm, width } => norm_backward_input(fx, norm, width, i),
         Op::NormBackwardParams { width, bias } => norm_backward_params(fx, width, bias, i),
         Op::CrossEntropy { vocab, stride } => cross_entropy(fx, vocab, stride, i),
@@ -237,8 +240,8 @@ fn column_sums<'c>(fx: &mut Fx<'c, '_>, width: u32, cast: bool, gelu: bool, j: I
     fx.finish_column("db", j, fx.get(&acc));
 }
 
-/// `ops::norm_forward` on row `r`.
-fn norm_forward<'c>(fx: &mut Fx<'c, '_>, norm: Norm, width: u32, bias: bool, r: I<'c>) {
+/// `ops::norm_forward` on row `r`, with ε `eps`.
+fn norm_forward<'c>(fx: &mut Fx<'c, '_>, norm: Norm, width: u32, bias: bool, eps: f32, r: I<'c>) {
     let h = fx.i64c(width.into());
     let hf = fx.f(width as f32);
     let row = fx.imul(r, h);
@@ -253,10 +256,7 @@ fn norm_forward<'c>(fx: &mut Fx<'c, '_>, norm: Norm, width: u32, bias: bool, r: 
                 fx.mul(d, d)
             });
             let var = fx.div(squares, hf);
-            (
-                mean,
-                fx.div(fx.f(1.0), fx.sqrt(fx.add(var, fx.f(NORM_EPS)))),
-            )
+            (mean, fx.div(fx.f(1.0), fx.sqrt(fx.add(var, fx.f(eps)))))
         }
         Norm::RmsNorm => {
             let squares = fx.row_sum(zero, h, |fx, j| {
@@ -264,10 +264,7 @@ fn norm_forward<'c>(fx: &mut Fx<'c, '_>, norm: Norm, width: u32, bias: bool, r: 
                 fx.mul(v, v)
             });
             let ms = fx.div(squares, hf);
-            (
-                fx.f(0.0),
-                fx.div(fx.f(1.0), fx.sqrt(fx.add(ms, fx.f(NORM_EPS)))),
-            )
+            (fx.f(0.0), fx.div(fx.f(1.0), fx.sqrt(fx.add(ms, fx.f(eps)))))
         }
     };
     let two_r = fx.imul(r, fx.i64c(2));

@@ -3,7 +3,7 @@
 use super::super::{slot_f32, slot_i64, slot_ptr, HostKernels};
 use crate::flash::tests::values;
 use crate::flash::{self, Grads, Shape};
-use crate::{Kernel, Op, Param};
+use crate::{Kernel, NormEps, Op, Param};
 use sched_ir::job::{Dtype, Norm};
 
 /// The fused attention's generated code (the PTX kernels' IR, built for the host with the
@@ -155,6 +155,7 @@ fn row_kernels_on_a_warp_agree_with_one_lane() {
         norm,
         width: 67,
         bias,
+        eps: NormEps::DEFAULT,
     };
     let rotary = Op::Rotary {
         heads: 4,

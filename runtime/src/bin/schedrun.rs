@@ -109,12 +109,18 @@ struct Cli {
     /// Write the initial weights (safetensors) before the first step.
     #[arg(long, value_name = "F")]
     save_init: Option<PathBuf>,
-    /// Start from these weights instead of the seed's.
-    #[arg(long, value_name = "F", conflicts_with = "resume")]
+    /// Start from these weights instead of the seed's: a file written by `--save-init`, or a
+    /// Hugging Face GPT-2 or LLaMA checkpoint (a `.safetensors` file, a sharded
+    /// `model.safetensors.index.json`, or a folder holding either).
+    #[arg(long, value_name = "F|DIR", conflicts_with = "resume")]
     init: Option<PathBuf>,
     /// Write a checkpoint (weights, optimizer state, step) after the last step.
     #[arg(long, value_name = "F")]
     save: Option<PathBuf>,
+    /// Write the weights after the last step in Hugging Face layout (GPT-2 or LLaMA names, fp32
+    /// safetensors), for `transformers`' `from_pretrained`; no optimizer state.
+    #[arg(long, value_name = "F")]
+    save_hf: Option<PathBuf>,
     /// Continue from a checkpoint, under this or any other schedule: a file written by `--save`,
     /// a folder of `--checkpoints` (its newest complete entry) or one entry of it.
     #[arg(long, value_name = "F|DIR")]
@@ -276,6 +282,10 @@ fn run(cli: &Cli) -> Result<(), Failure> {
         )));
     }
     let plan = Arc::new(plan);
+    if cli.save_hf.is_some() {
+        // Refused before training, not after.
+        schedrun::hf::family_of_model(&plan.job.model).map_err(Failure::input)?;
+    }
     check_outputs(cli, &Saving::of(cli, &plan)?)?;
     let (corpus, validation) = load_data(cli, &plan)?;
     let options = RunOptions {
@@ -455,6 +465,7 @@ fn check_outputs(cli: &Cli, saving: &Saving) -> Result<(), Failure> {
     let files = [
         ("--save-init", &cli.save_init),
         ("--save", &cli.save),
+        ("--save-hf", &cli.save_hf),
         ("--trace", &cli.trace),
         ("--plot", &cli.plot),
     ];
@@ -524,6 +535,9 @@ fn run_steps<B: Backend>(
     let clip = cli.clip.or(train.clip);
     let model = plan.job.model.clone();
     let state = match (&cli.init, &cli.resume) {
+        (Some(f), _) if schedrun::hf::is_hf_checkpoint(f) => {
+            schedrun::hf::load(f, &model).map_err(Failure::input)?
+        }
         (Some(f), _) => checkpoint::load(f, &model, Contents::Weights).map_err(Failure::input)?,
         (_, Some(f)) => {
             let found = checkpoint::folder::resolve(f).map_err(Failure::input)?;
@@ -745,6 +759,10 @@ fn run_steps<B: Backend>(
     if let Some(f) = &cli.save {
         let state = checked_state(&trainer, good_of(&entry, cli))?;
         checkpoint::save(f, &model, &state, Contents::Checkpoint).map_err(Failure::fault)?;
+    }
+    if let Some(f) = &cli.save_hf {
+        let state = trainer.state().map_err(Failure::fault)?;
+        schedrun::hf::save(f, &model, &state).map_err(Failure::fault)?;
     }
     write_plot(cli, &plan, &curve)?;
     if let (Some(f), Some((time, spans))) = (&cli.trace, &last) {

@@ -25,7 +25,7 @@ use std::cell::{Cell, RefCell};
 
 use super::kernels::{Arg, Kernels};
 use sched_ir::job::Optimizer;
-use sched_kernels::Op;
+use sched_kernels::{NormEps, Op};
 
 /// f32 values in host memory, by address.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -411,6 +411,7 @@ impl Device for Host<'_> {
                 norm: np.kind,
                 width: h as u32,
                 bias: np.b.is_some(),
+                eps: NormEps::new(np.eps),
             };
             let mut args = vec![x.arg(), params.at(&np.w).arg()];
             args.extend(np.b.as_ref().map(|r| params.at(r).arg()));
@@ -424,7 +425,16 @@ impl Device for Host<'_> {
             || unsafe {
                 let b = np.b.as_ref().map(|r| params.at(r).r(h));
                 let w = params.at(&np.w).r(h);
-                norm_forward(np.kind, h, x.r(t * h), w, b, out.w(t * h), stats.w(2 * t))
+                norm_forward(
+                    np.kind,
+                    np.eps,
+                    h,
+                    x.r(t * h),
+                    w,
+                    b,
+                    out.w(t * h),
+                    stats.w(2 * t),
+                )
             },
         );
         Ok(())

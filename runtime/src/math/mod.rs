@@ -121,6 +121,8 @@ pub(crate) struct Dims {
 #[derive(Clone, Debug)]
 pub(crate) struct NormP {
     pub kind: Norm,
+    /// The model's ε (`norm_eps`).
+    pub eps: f32,
     pub w: Range<usize>,
     pub b: Option<Range<usize>>,
 }
@@ -185,9 +187,11 @@ pub struct LayerMath {
     segments: Vec<Segment>,
 }
 
-/// Finds tensors by name in a layer's list and checks their shapes.
+/// Finds tensors by name in a layer's list and checks their shapes; `eps` is the model's norm ε
+/// for the norms it finds.
 struct Tensors<'a> {
     layer: &'a Layer,
+    eps: f32,
 }
 
 impl Tensors<'_> {
@@ -231,6 +235,7 @@ impl Tensors<'_> {
     fn norm(&self, prefix: &str, kind: Norm, h: usize) -> Result<NormP, MathError> {
         Ok(NormP {
             kind,
+            eps: self.eps,
             w: self.get(&format!("{prefix}.weight"), &[h])?,
             b: self.opt(&format!("{prefix}.bias"), &[h], kind == Norm::LayerNorm)?,
         })
@@ -339,7 +344,10 @@ impl LayerMath {
         let s = model.seq_len as usize;
         let b = model.micro_batch as usize;
         let dims = Dims { s, t: b * s };
-        let ts = Tensors { layer };
+        let ts = Tensors {
+            layer,
+            eps: model.norm_eps(),
+        };
         let shape_err = |problem: String| MathError::Shape {
             layer: layer.name.clone(),
             problem,
@@ -390,7 +398,7 @@ impl LayerMath {
                             shape.d
                         )));
                     }
-                    Some(ops::Rope::new(shape.d, s))
+                    Some(ops::Rope::new(shape.d, s, model.rope_base()))
                 } else {
                     None
                 };
@@ -655,5 +663,10 @@ pub fn decay_ranges(layer: &Layer) -> Vec<Range<usize>> {
 
 /// Where `name`'s tensor sits in `layer`'s flat vector.
 pub fn tensor_range(layer: &Layer, name: &str) -> Option<Range<usize>> {
-    Tensors { layer }.find(name).map(|(r, _)| r)
+    Tensors {
+        layer,
+        eps: Model::DEFAULT_NORM_EPS as f32,
+    }
+    .find(name)
+    .map(|(r, _)| r)
 }

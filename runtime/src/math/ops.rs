@@ -2,13 +2,13 @@
 
 use sched_ir::job::Norm;
 
-pub(crate) const NORM_EPS: f32 = 1e-5;
-
-/// Normalises each row of `x` (rows of `h`) into `out`; `stats` gets (mean, 1/σ) per row, with
-/// mean 0 for RMS norm.
+/// Normalises each row of `x` (rows of `h`) into `out` with ε `eps` (the model's `norm_eps`);
+/// `stats` gets (mean, 1/σ) per row, with mean 0 for RMS norm.
 #[inline(always)]
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn norm_forward(
     kind: Norm,
+    eps: f32,
     h: usize,
     x: &[f32],
     w: &[f32],
@@ -26,11 +26,11 @@ pub(crate) fn norm_forward(
             Norm::LayerNorm => {
                 let mean = xr.iter().sum::<f32>() / hf;
                 let var = xr.iter().map(|&v| (v - mean) * (v - mean)).sum::<f32>() / hf;
-                (mean, 1.0 / (var + NORM_EPS).sqrt())
+                (mean, 1.0 / (var + eps).sqrt())
             }
             Norm::RmsNorm => {
                 let ms = xr.iter().map(|&v| v * v).sum::<f32>() / hf;
-                (0.0, 1.0 / (ms + NORM_EPS).sqrt())
+                (0.0, 1.0 / (ms + eps).sqrt())
             }
         };
         st[0] = mean;
@@ -205,23 +205,21 @@ pub(crate) fn sigmoid(x: f32) -> f32 {
 }
 
 /// Rotary position tables for one head width: cos and sin of position·θ^(−2i/d), i < d/2, per
-/// position (rows of d/2).
+/// position (rows of d/2), θ the model's `rope_base`.
 pub(crate) struct Rope {
     pub half: usize,
     pub cos: Vec<f32>,
     pub sin: Vec<f32>,
 }
 
-pub(crate) const ROPE_THETA: f64 = 10000.0;
-
 impl Rope {
-    pub fn new(head_dim: usize, seq_len: usize) -> Self {
+    pub fn new(head_dim: usize, seq_len: usize, base: f64) -> Self {
         let half = head_dim / 2;
         let mut cos = Vec::with_capacity(seq_len * half);
         let mut sin = Vec::with_capacity(seq_len * half);
         for pos in 0..seq_len {
             for i in 0..half {
-                let inv_freq = ROPE_THETA.powf(-2.0 * i as f64 / head_dim as f64);
+                let inv_freq = base.powf(-2.0 * i as f64 / head_dim as f64);
                 let angle = pos as f64 * inv_freq;
                 cos.push(angle.cos() as f32);
                 sin.push(angle.sin() as f32);

@@ -114,7 +114,7 @@ fn pieces<'a>(segs: &[Segment], buf: &'a [f32]) -> Vec<&'a [f32]> {
 /// The norm `np` (width `h`, of the parameters `p`) over the rows of `x`.
 fn norm_fwd(np: &NormP, h: usize, p: &[f32], x: &[f32], out: &mut [f32], stats: &mut [f32]) {
     let b = np.b.as_ref().map(|r| &p[r.clone()]);
-    norm_forward(np.kind, h, x, &p[np.w.clone()], b, out, stats);
+    norm_forward(np.kind, np.eps, h, x, &p[np.w.clone()], b, out, stats);
 }
 
 /// The norm's backward from the gradient of its output `dy`: its input gradient is added to
@@ -196,7 +196,10 @@ impl BlockSlice {
         LayerMath::new(layer, model)?;
         let layout = SliceLayout::new(layer, rank)?;
         let narrow = layout.narrow(layer);
-        let ts = Tensors { layer: &narrow };
+        let ts = Tensors {
+            layer: &narrow,
+            eps: model.norm_eps(),
+        };
         let t = rank.size;
         let s = model.seq_len as usize;
         let dims = Dims {
@@ -226,7 +229,7 @@ impl BlockSlice {
                     proj_b: ts.opt("attn.proj.bias", &[h], tr.bias)?,
                     ln2: ts.norm("ln2", tr.norm, h)?,
                     mlp: ts.mlp(tr.act, h, tr.ffn as usize / t, tr.bias)?,
-                    rope: model_uses_rope(model).then(|| ops::Rope::new(d, s)),
+                    rope: model_uses_rope(model).then(|| ops::Rope::new(d, s, model.rope_base())),
                 };
                 let mut segs = norm_segments("ln1.out", "ln1.stats", dims, h).to_vec();
                 segs.push(seg("attn.qkv", dims.t * width, Stored::Model));
@@ -731,7 +734,10 @@ impl EmbeddingSlice {
         };
         let layout = SliceLayout::new(layer, rank)?;
         let narrow = layout.narrow(layer);
-        let ts = Tensors { layer: &narrow };
+        let ts = Tensors {
+            layer: &narrow,
+            eps: model.norm_eps(),
+        };
         let (h, s) = (hidden as usize, model.seq_len as usize);
         let shard = VocabShard::new(vocab as usize, rank);
         Ok(EmbeddingSlice {
@@ -880,7 +886,10 @@ impl HeadSlice {
         };
         let layout = SliceLayout::new(layer, rank)?;
         let narrow = layout.narrow(layer);
-        let ts = Tensors { layer: &narrow };
+        let ts = Tensors {
+            layer: &narrow,
+            eps: model.norm_eps(),
+        };
         let h = hidden as usize;
         let shard = VocabShard::new(vocab as usize, rank);
         let s = model.seq_len as usize;

@@ -19,7 +19,7 @@ use crate::device::{Device, Lookup, Update};
 use crate::math::{bf16_bits_to_f32, f32_to_bf16_bits};
 use sched_ir::job::{Dtype, Norm, Optimizer};
 use sched_kernels::codegen::{slot_f32, slot_f64, slot_i64, slot_ptr, HostKernels};
-use sched_kernels::{Kernel, Op, SUMSQ_CHUNK};
+use sched_kernels::{Kernel, NormEps, Op, SUMSQ_CHUNK};
 use std::ops::Range;
 
 /// A tensor in one storage dtype: its words and their f32 values.
@@ -361,7 +361,8 @@ fn activations_match_ops() {
 #[test]
 fn norms_match_ops() {
     let (rows, h) = (13, 67);
-    for norm in [Norm::LayerNorm, Norm::RmsNorm] {
+    // The default ε for layer norm, another (as `norm_eps = 1e-6` sets) for RMS norm.
+    for (norm, eps) in [(Norm::LayerNorm, 1e-5f32), (Norm::RmsNorm, 1e-6)] {
         for d in DTYPES {
             let bias = norm == Norm::LayerNorm;
             let x = round(d, &finite(5, rows * h, 2.0));
@@ -374,6 +375,7 @@ fn norms_match_ops() {
                 norm,
                 width: h as u32,
                 bias,
+                eps: NormEps::new(eps),
             };
             let mut args = vec![tx.ptr(), tw.ptr()];
             if bias {
@@ -384,7 +386,7 @@ fn norms_match_ops() {
             run(&Kernel::new(op, &ds), &args, rows);
             let (mut wo, mut ws) = (vec![0.0; rows * h], vec![0.0; 2 * rows]);
             let bb = bias.then_some(&b[..]);
-            norm_forward(norm, h, &x, &w, bb, &mut wo, &mut ws);
+            norm_forward(norm, eps, h, &x, &w, bb, &mut wo, &mut ws);
             same(&format!("{norm:?} {d:?} stats"), &stats.values(), &ws);
             same(
                 &format!("{norm:?} {d:?} out"),
@@ -492,6 +494,7 @@ fn halved_statistics_are_the_same_bits() {
         norm: Norm::LayerNorm,
         width: h as u32,
         bias: true,
+        eps: NormEps::DEFAULT,
     };
     let k = Kernel::new(op, &[d; 4]);
     let (mut tx, mut tw, mut tb) = (T::new(d, &x), T::new(d, &w), T::new(d, &b));
@@ -597,7 +600,7 @@ fn cross_entropy_matches() {
 fn rotary_matches_rope() {
     let (heads, kv, d, s, tokens) = (4usize, 2usize, 16usize, 8usize, 20usize);
     let width = heads * d + 2 * kv * d;
-    let rope = Rope::new(d, s);
+    let rope = Rope::new(d, s, 10_000.0);
     for inverse in [false, true] {
         let qkv = finite(13, tokens * width, 1.0);
         let mut want = qkv.clone();

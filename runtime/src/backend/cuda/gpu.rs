@@ -34,7 +34,7 @@ use crate::math::attention::{Keep, Shape};
 use crate::math::{BlockP, Precision, Segment};
 use sched_ir::abi::{attention_chunk, PADDED_ROWS};
 use sched_ir::job::{Dtype, Optimizer};
-use sched_kernels::{flash, Kernel, Op, Param, SUMSQ_CHUNK};
+use sched_kernels::{flash, Kernel, NormEps, Op, Param, SUMSQ_CHUNK};
 use std::cell::Cell;
 
 /// Device addresses of a rank's constants: the batch tokens, the loss and sum-of-squares
@@ -1183,6 +1183,7 @@ impl Device for Gpu<'_> {
             norm: np.kind,
             width: h as u32,
             bias: np.b.is_some(),
+            eps: NormEps::new(np.eps),
         };
         let mut args = vec![T(x), T(params.at(&np.w))];
         args.extend(np.b.as_ref().map(|r| T(params.at(r))));
