@@ -293,6 +293,11 @@ impl<B: Backend> Trainer<B> {
     /// lower rank holds the same slice (replicas write it once).
     pub fn rank_shards(&self) -> Result<Vec<RankShard>, RunError> {
         let p = &self.plan;
+        if p.program.layout.tensor > 1 {
+            return Err(RunError::of_run(
+                "sharded entries of a tensor-parallel plan are not written yet",
+            ));
+        }
         let model = &p.job.model;
         let sh = p.job.schedule.shard;
         let parts = if model.optimizer == Optimizer::Sgd {

@@ -565,6 +565,13 @@ fn run_steps<B: Backend>(
     let saving = Saving::of(cli, &plan)?;
     // Every process writes its ranks' shards where this one does not hold every rank.
     let sharded = cli.shard_checkpoints || trainer.backend.ranks().len() != plan.ranks() as usize;
+    if sharded && saving.dir.is_some() && plan.program.layout.tensor > 1 {
+        return Err(Failure::input(
+            "sharded checkpoint entries of a tensor-parallel plan are not written yet (each \
+             rank's shard is of its tensor slice): run it in one process, or without \
+             --checkpoints",
+        ));
+    }
     let saver = Saver {
         model: &model,
         dir: saving.dir.as_deref(),
