@@ -275,14 +275,7 @@ fn workspaces(p: &Program, err: &mut impl FnMut(Option<OpId>, String)) {
             );
             continue;
         };
-        let layer_math = matches!(
-            kind,
-            ComputeKind::Forward
-                | ComputeKind::Recompute
-                | ComputeKind::Backward
-                | ComputeKind::BackwardInput
-                | ComputeKind::BackwardWeight
-        );
+        let layer_math = kind.runs_layer_math();
         let write = op.writes.iter().find(|r| r.buffer == ws.buffer);
         let right = write.is_some_and(|r| match r.offset {
             Offset::Fixed(o) if layer_math => o == 0 && r.bytes >= ws.gemm_bytes,

@@ -279,19 +279,7 @@ pub fn op_floats(ranks: &mut Ranks<'_>, op: &Op) -> u64 {
 
 /// Whether `op` runs layer math (and so matrix products through the GEMM library).
 pub fn runs_layer_math(op: &Op) -> bool {
-    matches!(
-        op.kind,
-        OpKind::Compute(
-            ComputeKind::Forward
-                | ComputeKind::Recompute
-                | ComputeKind::Backward
-                | ComputeKind::BackwardInput
-                | ComputeKind::BackwardWeight
-                | ComputeKind::ForwardOpen(_)
-                | ComputeKind::BackwardOpen(_)
-                | ComputeKind::BackwardClose(_)
-        )
-    )
+    matches!(op.kind, OpKind::Compute(k) if k.runs_layer_math())
 }
 
 /// What one stream needs of its workspace.

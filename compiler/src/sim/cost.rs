@@ -703,8 +703,9 @@ pub fn model_flops_per_token(layer: &Layer, seq_len: u64) -> f64 {
 }
 
 /// cli.md's MFU numerator: 3 × the forward model FLOPs of one step, over all micro-steps and
-/// the data-parallel ranks (every rank without a pipeline; with p stages, the ranks of one stage,
-/// since a micro-batch passes through all p) (recomputation adds nothing).
+/// the d data-parallel ranks (every rank without a pipeline or tensor groups; a micro-batch passes
+/// through all p stages and is shared by the t ranks of a tensor group) (recomputation adds
+/// nothing).
 pub fn model_flops_per_step(job: &Job) -> f64 {
     let m = &job.model;
     let per_token: f64 = m
@@ -712,7 +713,7 @@ pub fn model_flops_per_step(job: &Job) -> f64 {
         .iter()
         .map(|l| model_flops_per_token(l, m.seq_len))
         .sum();
-    let data_parallel = job.ranks() / u64::from(job.schedule.pipeline.stages.max(1));
+    let data_parallel = sched_ir::Layout::of(job).dp_size();
     let tokens = (m.micro_batch * m.seq_len) as f64
         * f64::from(job.schedule.micro_steps)
         * data_parallel as f64;

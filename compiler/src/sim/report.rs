@@ -205,10 +205,13 @@ pub fn report(program: &Program, job: &Job, timeline: &Timeline) -> SimReport {
         0.0
     };
     let m = &job.model;
+    // One rank's share of its micro-batches: a micro-batch passes through p stages and is
+    // shared by the t ranks of a tensor group.
     let mut tokens = (m.micro_batch * m.seq_len) as f64 * f64::from(program.micro_steps);
     if pipelined {
         tokens /= f64::from(stages);
     }
+    tokens /= f64::from(program.layout.tensor.max(1));
     let bubble =
         pipelined.then(|| per_stage.iter().map(|s| s.bubble).sum::<f64>() / f64::from(stages));
     SimReport {

@@ -496,6 +496,21 @@ pub enum ComputeKind {
 }
 
 impl ComputeKind {
+    /// Whether ops of this kind run layer math with matrix products (through the GEMM library,
+    /// whose workspace is the first part of their stream's workspace).
+    pub fn runs_layer_math(self) -> bool {
+        matches!(
+            self,
+            ComputeKind::Forward
+                | ComputeKind::Recompute
+                | ComputeKind::Backward
+                | ComputeKind::BackwardInput
+                | ComputeKind::BackwardWeight
+                | ComputeKind::ForwardOpen(_)
+                | ComputeKind::BackwardOpen(_)
+        )
+    }
+
     /// The tensor-parallel sublayer a phase op runs (`None` for the other kinds).
     pub fn sublayer(self) -> Option<u8> {
         match self {
