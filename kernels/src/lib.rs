@@ -48,7 +48,7 @@ pub mod flash;
 
 use sched_ir::job::{
     ActionKind, Activation, Attention, Dtype, Job, LayerKind, MlpSpec, Model, Norm, Optimizer,
-    Positions, TransformerSpec,
+    Positions,
 };
 use std::fmt;
 use std::path::{Path, PathBuf};
@@ -774,21 +774,36 @@ pub fn ptx_path(plan: &Path, sm: u32) -> PathBuf {
 /// optimizer, the gradient norm, the conversions and roundings, and the fills.
 pub fn for_job(job: &Job) -> Vec<Kernel> {
     let split = (job.schedule.pipeline.order.iter().flatten()).any(|a| a.kind == ActionKind::W);
-    for_model_with(&job.model, split)
+    for_model_with(&job.model, split, job.schedule.tensor.size)
 }
 
 /// [`for_job`] of any job of `model` whose pipeline order has no split backward (the kernels
 /// depend on the model alone, and on whether it runs a pipeline's `I` and `W`:
 /// [`for_split_model`]).
 pub fn for_model(model: &Model) -> Vec<Kernel> {
-    for_model_with(model, false)
+    for_model_with(model, false, 1)
 }
 
 /// [`for_job`] of any job of `model` whose pipeline order splits backwards into `I` and `W`:
 /// [`for_model`]'s and the weight halves' bias gradients of fp32 stashed gradients (a GELU
 /// product's, whose whole backward takes GELU's backward in that pass).
 pub fn for_split_model(model: &Model) -> Vec<Kernel> {
-    for_model_with(model, true)
+    for_model_with(model, true, 1)
+}
+
+/// The attention heads one rank computes of a transformer: all of them, or its tensor slice's.
+#[derive(Clone, Copy, Debug)]
+struct Heads {
+    heads: u32,
+    kv_heads: u32,
+    head_dim: u32,
+}
+
+impl Heads {
+    /// The packed q/k/v width.
+    fn width(self) -> u32 {
+        (self.heads + 2 * self.kv_heads) * self.head_dim
+    }
 }
 
 /// [`for_job`] of `model`, with `split` the kernels of a pipeline's split backward.
@@ -801,8 +816,10 @@ pub fn for_split_model(model: &Model) -> Vec<Kernel> {
 /// gradient, is computed in workspace instead where it shares bytes with another region of its
 /// op (the memory plan decides), so their kernels come in both places. A 16-bit model's fp32
 /// statistics inside its saved region may lie at a 2-byte offset: its norm and fused attention
-/// kernels also come with halved statistics ([`Kernel::with_halved_stats`]).
-fn for_model_with(model: &Model, split: bool) -> Vec<Kernel> {
+/// kernels also come with halved statistics ([`Kernel::with_halved_stats`]). With tensor
+/// parallelism of degree `tensor`, a split layer's attention and MLP kernels are those of its
+/// slice (heads/t and kv_heads/t heads of the full head width, ffn/t; `sched_ir::tensor`).
+fn for_model_with(model: &Model, split: bool, tensor: u32) -> Vec<Kernel> {
     let (a, g, f) = (model.dtype, model.grad_dtype, Dtype::Fp32);
     let mut k = Catalogue {
         a,
@@ -822,6 +839,11 @@ fn for_model_with(model: &Model, split: bool) -> Vec<Kernel> {
         )
     });
     for layer in &model.layers {
+        // The layer's tensor-parallel degree: its slice's shapes when the lowering splits it.
+        let tp = match sched_ir::tensor::split_layers(&layer.kind, tensor) {
+            true => u64::from(tensor),
+            false => 1,
+        };
         match layer.kind {
             LayerKind::Transformer(t) => {
                 let h = t.hidden as u32;
@@ -835,8 +857,16 @@ fn for_model_with(model: &Model, split: bool) -> Vec<Kernel> {
                     .chain(out.iter().map(|&o| (f, o)))
                     .collect();
                 k.norm_input_grad(t.norm, h, &pairs);
-                k.mlp(t.mlp());
-                let width = (t.hidden + 2 * t.kv_dim()) as u32;
+                k.mlp(MlpSpec {
+                    ffn: t.ffn / tp,
+                    ..t.mlp()
+                });
+                let heads = Heads {
+                    heads: (t.heads / tp) as u32,
+                    kv_heads: (t.kv_heads / tp) as u32,
+                    head_dim: t.head_dim() as u32,
+                };
+                let width = heads.width();
                 if t.bias {
                     k.add(Kernel::new(Op::BiasAdd { width }, &[f, a]));
                     k.bias_grad(width, f);
@@ -846,9 +876,9 @@ fn for_model_with(model: &Model, split: bool) -> Vec<Kernel> {
                 if rope {
                     for inverse in [false, true] {
                         let op = Op::Rotary {
-                            heads: t.heads as u32,
-                            kv_heads: t.kv_heads as u32,
-                            head_dim: t.head_dim() as u32,
+                            heads: heads.heads,
+                            kv_heads: heads.kv_heads,
+                            head_dim: heads.head_dim,
                             width,
                             seq_len: model.seq_len as u32,
                             inverse,
@@ -856,7 +886,7 @@ fn for_model_with(model: &Model, split: bool) -> Vec<Kernel> {
                         k.add(Kernel::new(op, &[f]));
                     }
                 }
-                k.attention(&t, model.seq_len as u32);
+                k.attention(t.attention, heads, model.seq_len as u32);
             }
             LayerKind::Mlp(m) => {
                 k.norm(m.norm, m.hidden as u32, false);
@@ -867,7 +897,10 @@ fn for_model_with(model: &Model, split: bool) -> Vec<Kernel> {
                     .flat_map(|&dy| out.iter().map(move |&dx| (dy, dx)))
                     .collect();
                 k.norm_input_grad(m.norm, m.hidden as u32, &pairs);
-                k.mlp(m);
+                k.mlp(MlpSpec {
+                    ffn: m.ffn / tp,
+                    ..m
+                });
             }
             LayerKind::LmHead {
                 vocab,
@@ -1110,9 +1143,9 @@ impl Catalogue {
     /// the product dtype, which is the model's. A bf16 model's fused forward with a head width
     /// the tensor cores take ([`flash::supports`]) is one kernel instead, writing the output
     /// where the layer's goes (`out`).
-    fn attention(&mut self, t: &TransformerSpec, seq_len: u32) {
+    fn attention(&mut self, attention: Attention, heads: Heads, seq_len: u32) {
         let (a, f) = (self.a, self.f);
-        let probs = match t.attention {
+        let probs = match attention {
             Attention::Flash => vec![a],
             Attention::Naive => self.out.clone(),
         };
@@ -1122,13 +1155,13 @@ impl Catalogue {
         // The naive path's score gradient in place (fp32), the fused one's into the
         // probabilities' place in the product dtype.
         self.add(Kernel::new(Op::SoftmaxBackward, &[a, f, f]));
-        if t.attention == Attention::Flash {
+        if attention == Attention::Flash {
             self.add(Kernel::new(Op::SoftmaxBackward, &[a, f, a]));
-            if flash::supports(a, t.head_dim() as usize) {
+            if flash::supports(a, heads.head_dim as usize) {
                 let sh = flash::Shape {
-                    heads: t.heads as usize,
-                    kv_heads: t.kv_heads as usize,
-                    d: t.head_dim() as usize,
+                    heads: heads.heads as usize,
+                    kv_heads: heads.kv_heads as usize,
+                    d: heads.head_dim as usize,
                     s: seq_len as usize,
                 };
                 for o in self.out.clone() {
