@@ -170,7 +170,7 @@ pub fn emit_summary(p: &Program) -> String {
 /// many micro-batches are in flight at once.
 fn stages(out: &mut String, p: &Program) {
     let _ = writeln!(out, "\nstages:");
-    let d = p.layout.dp_size();
+    let d = p.layout.stage_size();
     for stage in 0..p.layout.stages {
         let mut chunks: Vec<u32> = vec![];
         let mut layers: Vec<&str> = vec![];

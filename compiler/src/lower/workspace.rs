@@ -71,12 +71,22 @@ fn tied_elements(kind: &LayerKind) -> u64 {
 
 /// Floats of workspace layer `l`'s forward or backward math needs (see the module doc).
 pub fn layer_floats(model: &Model, l: usize) -> u64 {
+    slice_floats(model, l, 1)
+}
+
+/// [`layer_floats`] of one rank's slice of layer `l` under tensor-parallel degree `tp` (heads,
+/// kv heads and ffn divided by it, the residual stream's width not; 1: the whole layer).
+pub fn slice_floats(model: &Model, l: usize, tp: u64) -> u64 {
     let layer = &model.layers[l];
     let t = tokens(model);
+    let params = match tp {
+        1 => layer.params,
+        _ => sched_ir::tensor::rank_params(layer, tp as u32).unwrap_or(layer.params),
+    };
     let (scratch, widest) = match layer.kind {
         LayerKind::Transformer(tr) => {
-            let (h, f, s, n) = (tr.hidden, tr.ffn, model.seq_len, tr.heads);
-            let w = h + 2 * tr.kv_dim();
+            let (h, f, s, n) = (tr.hidden, tr.ffn / tp, model.seq_len, tr.heads / tp);
+            let w = (tr.heads + 2 * tr.kv_heads) / tp * tr.head_dim();
             let (attention, probs) = match tr.attention {
                 // One sequence's scores (forward) or their gradient (backward), and, forward,
                 // each row's log-sum-exp.
@@ -95,7 +105,7 @@ pub fn layer_floats(model: &Model, l: usize) -> u64 {
             )
         }
         LayerKind::Mlp(m) => {
-            let (h, f) = (m.hidden, m.ffn);
+            let (h, f) = (m.hidden, m.ffn / tp);
             (
                 t * h + 2 * t * f + padded_rows(t, &[h, f, 2 * f], h.max(f)),
                 t * f,
@@ -112,7 +122,7 @@ pub fn layer_floats(model: &Model, l: usize) -> u64 {
     if model.grad_dtype != model.dtype {
         casts += output_elements(&layer.kind, model);
     }
-    layer.params + 2 * tied_elements(&layer.kind) + scratch + casts + SLACK
+    params + 2 * tied_elements(&layer.kind) + scratch + casts + SLACK
 }
 
 /// Rank-dependent offsets, evaluated lazily: only a pair of regions of one buffer with a shard
@@ -250,7 +260,8 @@ pub fn op_floats(ranks: &mut Ranks<'_>, op: &Op) -> u64 {
         ) => {
             let stream = input_elements(&model.layers[l].kind, model);
             let parts = data.iter().map(|r| elems(p, r)).max().unwrap_or(0);
-            layer_floats(model, l) + parts + 2 * stream
+            let tp = u64::from(job.schedule.tensor.size.max(1));
+            slice_floats(model, l, tp) + parts + 2 * stream
         }
         (ComputeKind::Loss, _) => {
             let aliased = if !data.is_empty() && ranks.aliased(op, 0) {
