@@ -820,7 +820,7 @@ impl Job {
 
     /// What tensor parallelism cannot lower yet in this job, when t > 1: sequence parallelism,
     /// gradient clipping (whose norm must count each slice once and each replicated tensor
-    /// once), full recomputation or a split backward (`I`/`W` actions) of tensor-parallel layers.
+    /// once) or a split backward (`I`/`W` actions) of tensor-parallel layers.
     /// `None` when it lowers.
     pub fn tensor_not_lowered(&self) -> Option<&'static str> {
         if !self.schedule.tensor.is_parallel() {
@@ -837,8 +837,6 @@ impl Job {
             Some("sequence parallelism")
         } else if self.schedule.train.clip.is_some() {
             Some("gradient clipping (`train.clip`)")
-        } else if self.schedule.recompute == Recompute::Full {
-            Some("`recompute = full`")
         } else if split {
             Some("a split backward (`I`/`W` actions)")
         } else {

@@ -293,6 +293,22 @@ impl Lists<'_> {
             .ok_or(OpMismatch::MissingWrite(what))
     }
 
+    /// The next read when it lies in a buffer of `kind`.
+    fn take_kind(&mut self, kind: BufferKind) -> Option<Region> {
+        let r = *self.reads.front()?;
+        (self.kind(&r) == kind)
+            .then(|| self.reads.pop_front())
+            .flatten()
+    }
+
+    /// The next write when it lies in a buffer of `kind`.
+    fn take_write_kind(&mut self, kind: BufferKind) -> Option<Region> {
+        let r = *self.writes.front()?;
+        (self.kind(&r) == kind)
+            .then(|| self.writes.pop_front())
+            .flatten()
+    }
+
     fn need_read(&mut self, what: &'static str) -> Result<Region, OpMismatch> {
         self.reads.pop_front().ok_or(OpMismatch::MissingRead(what))
     }
@@ -513,11 +529,11 @@ fn decode_op(
             let layer = need_layer()?;
             let params = l.take_read(model.layers[layer].params > 0, "parameters")?;
             let stream = l.need_read("residual stream")?;
-            let keeps = maths[layer].saved_elements() > 0;
-            // A later sublayer keeps what the earlier ones saved.
-            l.take_read(keeps && j > 0, "saved activations")?;
+            // A later sublayer keeps what the earlier ones saved (nothing is saved in a
+            // forward whose backward recomputes).
+            l.take_kind(BufferKind::Activation);
             let partial = l.need_write("partial sum")?;
-            let saved = l.take_write(keeps, "saved activations")?;
+            let saved = l.take_write_kind(BufferKind::Activation);
             Action::ForwardOpen {
                 layer,
                 sublayer: j,

@@ -14,7 +14,7 @@
 mod common;
 
 use common::{plan_of, reference, train};
-use sched_ir::job::{Job, Mesh, Pipeline, PipelineSchedule, Shard, Tensor};
+use sched_ir::job::{Job, Mesh, Pipeline, PipelineSchedule, Recompute, Shard, Tensor};
 use schedrun::backend::cpu::CpuBackend;
 use schedrun::backend::RunOptions;
 use std::time::Duration;
@@ -133,5 +133,20 @@ fn tensor_groups_in_pipeline_stages_match_the_reference() {
     ] {
         check(&job, RunOptions::default(), STEPS, "plain");
         jittered(&job, 11);
+    }
+}
+
+/// `recompute = full`: the backward runs the forward's phases again (all-reduce included) for
+/// the saved activations the forward did not keep.
+#[test]
+fn recomputed_tensor_parallel_layers_match_the_reference() {
+    for mut job in [
+        job("tiny_gpt", 4, 2, [2, 2, 2], 1),
+        job("tiny_llama", 4, 2, [1, 1, 1], 2),
+    ] {
+        job.schedule.recompute = Recompute::Full;
+        job.schedule.name.push_str("_recompute");
+        check(&job, RunOptions::default(), STEPS, "plain");
+        jittered(&job, 13);
     }
 }

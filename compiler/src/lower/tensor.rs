@@ -23,8 +23,11 @@
 //! the accumulator when backward accumulates directly after the first micro-step. The
 //! all-reduces have role `Tensor` (on the compute stream: the next phase waits for them).
 //! Partials are fresh buffers per (layer, micro-step, sublayer, direction), so the memory plan
-//! alone decides what shares bytes. Recomputation and split backwards (`I`/`W`) of tensor-parallel
-//! layers are not lowered: the analysis refuses them before lowering.
+//! alone decides what shares bytes. With `recompute = full` the forward saves nothing and the
+//! backward starts with the forward's phases again (Megatron's full recomputation, all-reduce
+//! included), saving; the stream between sublayers goes to a fresh buffer and the last
+//! sublayer's partial is not summed. Split backwards (`I`/`W`) of tensor-parallel layers are not
+//! lowered: the analysis refuses them before lowering.
 
 use super::comms::CommKind;
 use super::Builder;
@@ -76,11 +79,30 @@ impl Builder<'_> {
         n: u8,
         full: &FxHashMap<usize, BufferId>,
     ) -> Vec<OpId> {
-        let id = self.state(l).id;
-        let params = self.params_region(l, full);
         let input = self.hidden_buf(false, m, l);
         let out = self.hidden_buf(false, m, l + 1);
-        let act = self.act_buf(l, m);
+        // With `recompute = full` the forward saves nothing: the backward's recompute does.
+        let act = match self.job.schedule.recompute {
+            Recompute::Full => None,
+            _ => self.act_buf(l, m),
+        };
+        self.phases_forward(l, m, (input, out), act, full, (n, true))
+    }
+
+    /// The forward phases of layer `l`'s `n` sublayers from `input` into `out` (the stream
+    /// between sublayers and after the last), saving into `act`; without `sum_last` (a
+    /// recompute), the last sublayer's partial is left unsummed: nothing reads it.
+    fn phases_forward(
+        &mut self,
+        l: usize,
+        m: u32,
+        (input, out): (BufferId, BufferId),
+        act: Option<BufferId>,
+        full: &FxHashMap<usize, BufferId>,
+        (n, sum_last): (u8, bool),
+    ) -> Vec<OpId> {
+        let id = self.state(l).id;
+        let params = self.params_region(l, full);
         let mut ops = vec![];
         for j in 0..n {
             let stream = if j == 0 { input } else { out };
@@ -94,11 +116,38 @@ impl Builder<'_> {
             writes.extend(act.map(|a| self.whole(a)));
             let open = ComputeKind::ForwardOpen(j);
             ops.push(self.compute(open, Some(id), Some(m), reads, writes));
+            if j + 1 == n && !sum_last {
+                break;
+            }
             ops.push(self.tensor_all_reduce(l, m, partial));
             let (r, w) = (vec![self.whole(partial)], vec![self.whole(out)]);
             ops.push(self.compute(ComputeKind::ForwardClose(j), Some(id), Some(m), r, w));
         }
         ops
+    }
+
+    /// With `recompute = full`, layer `l`'s forward again before its backward in micro-step
+    /// `m`, for its saved activations: every sublayer's open, and the sum and close of all but
+    /// the last (whose output nothing needs), the stream between them in a fresh buffer.
+    fn recompute_phases(
+        &mut self,
+        l: usize,
+        m: u32,
+        bwd_full: &FxHashMap<usize, BufferId>,
+    ) -> Vec<OpId> {
+        let Some(act) = self.act_buf(l, m) else {
+            return vec![];
+        };
+        if self.job.schedule.recompute != Recompute::Full {
+            return vec![];
+        }
+        let input = self.hidden_buf(false, m, l);
+        let id = self.state(l).id;
+        let elems = abi::input_elements(&self.job.model.layers[l].kind, &self.job.model);
+        let name = format!("{}.restream.m{m}", self.p.layers[id].name);
+        let stream = self.buffer(name, BufferKind::Hidden, self.dtype, elems, Some(id));
+        let n = self.sublayers(l);
+        self.phases_forward(l, m, (input, stream), Some(act), bwd_full, (n, false))
     }
 
     /// Layer `l`'s backward in micro-step `m` as its sublayers' phases, from the last.
@@ -117,7 +166,7 @@ impl Builder<'_> {
         let g_in = self.hidden_buf(true, m, l);
         let target = self.grad_target(l, m, full_grads);
         let ranges = self.phase_gradients(l);
-        let mut ops = vec![];
+        let mut ops = self.recompute_phases(l, m, bwd_full);
         for j in (0..self.sublayers(l)).rev() {
             let last = j + 1 == self.sublayers(l);
             let stream_grad = if last { g_out } else { g_in };
