@@ -294,6 +294,16 @@ impl SliceLayout {
     /// Rank `rank.index`'s slice of `layer` for a group of `rank.size`: refuses a `dense` layer,
     /// heads, kv_heads or ffn that t does not divide, and tensors the rules do not know.
     pub fn new(layer: &Layer, rank: TensorRank) -> Result<Self, SliceError> {
+        Self::build(layer, rank, true)
+    }
+
+    /// [`SliceLayout::new`] without the copy runs ([`SliceLayout::runs`] is empty): the slice's
+    /// tensors, shapes and ranges only, for sizing (a row-parallel matrix has a run per row).
+    pub fn shapes(layer: &Layer, rank: TensorRank) -> Result<Self, SliceError> {
+        Self::build(layer, rank, false)
+    }
+
+    fn build(layer: &Layer, rank: TensorRank, with_runs: bool) -> Result<Self, SliceError> {
         let cuts = Cuts::of(layer, rank)?;
         let (t, k) = (rank.size, rank.index);
         let mut out = SliceLayout {
@@ -321,12 +331,14 @@ impl SliceLayout {
             };
             let (at, base) = (out.full, out.elements);
             let mut run = |full: usize, slice: usize, len: usize, replicated: bool| {
-                out.runs.push(Run {
-                    full: at + full,
-                    slice: base + slice,
-                    len,
-                    replicated,
-                })
+                if with_runs {
+                    out.runs.push(Run {
+                        full: at + full,
+                        slice: base + slice,
+                        len,
+                        replicated,
+                    })
+                }
             };
             let (shape, elements) = match split {
                 Split::Replicated => {
@@ -340,7 +352,7 @@ impl SliceLayout {
                         )));
                     }
                     let w = width / t;
-                    for i in 0..rows {
+                    for i in (0..rows).filter(|_| with_runs) {
                         run(i * width + k * w, i * w, w, false);
                     }
                     (vec![rows as u64, w as u64], rows * w)
@@ -480,5 +492,5 @@ pub fn rank_params(layer: &Layer, t: u32) -> Result<u64, SliceError> {
         size: t as usize,
         index: 0,
     };
-    Ok(SliceLayout::new(layer, rank)?.elements() as u64)
+    Ok(SliceLayout::shapes(layer, rank)?.elements() as u64)
 }

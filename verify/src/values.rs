@@ -399,14 +399,20 @@ impl Run<'_> {
         self.p.buffers[b].layer == Some(self.layer)
     }
 
-    /// The ranks of pipeline stage `stage` (every rank without a pipeline): d·t of them.
-    fn stage_ranks(&self, stage: u32) -> std::ops::Range<u32> {
+    /// The ranks of pipeline stage `stage` (every rank without a pipeline) the proof runs:
+    /// those of tensor index 0. The ranks of another tensor index run the same ops on the same
+    /// shard indices (a rank's shard indices depend on its stage and data-parallel index only),
+    /// and every collective this proof follows stays inside one tensor index (checked in
+    /// [`Run::collective`]; the tensor groups' sums of partial activations are the flow proof's),
+    /// so they hold the same values: one tensor index proves them all, and the proof costs d
+    /// ranks' work per stage, not d·t.
+    fn stage_ranks(&self, stage: u32) -> std::iter::StepBy<std::ops::Range<u32>> {
         let n = self.layout.stage_size();
-        stage * n..(stage + 1) * n
+        (stage * n..(stage + 1) * n).step_by(self.layout.tensor.max(1) as usize)
     }
 
-    /// The ranks running op `o`: those of its stream's stage.
-    fn op_ranks(&self, o: OpId) -> std::ops::Range<u32> {
+    /// The ranks running op `o` the proof runs (see [`Run::stage_ranks`]).
+    fn op_ranks(&self, o: OpId) -> std::iter::StepBy<std::ops::Range<u32>> {
         self.stage_ranks(self.p.streams[self.p.ops[o].stream].stage)
     }
 
@@ -1079,6 +1085,23 @@ impl Run<'_> {
         let p = self.p;
         let layout = self.layout;
         let comm = &p.comms[c.comm];
+        let mixed = |g: &Vec<u32>| {
+            g.iter()
+                .any(|&r| layout.tp_index(r) != layout.tp_index(g[0]))
+        };
+        if comm.groups.iter().any(mixed) {
+            self.error(
+                o,
+                format!(
+                    "{} over {} ({}) sums or moves a layer's parameters or gradients across tensor \
+                     indices: each tensor index holds its own slices",
+                    c.kind.name(),
+                    c.comm,
+                    comm.name
+                ),
+            );
+            return;
+        }
         let d_out = self.elem_bytes(c.output.buffer);
         let mut out: Contents = vec![];
         // Each member's regions are those of its stage's op.
@@ -1094,10 +1117,11 @@ impl Run<'_> {
             .iter()
             .map(|(m, _)| p.streams[p.ops[*m].stream].stage)
             .collect();
+        // The groups of tensor index 0 (see `Run::stage_ranks`).
         for g in comm
             .groups
             .iter()
-            .filter(|g| stages.contains(&layout.stage(g[0])))
+            .filter(|g| stages.contains(&layout.stage(g[0])) && layout.tp_index(g[0]) == 0)
         {
             let gs = g.len() as u64;
             if c.kind == Collective::AllGather {

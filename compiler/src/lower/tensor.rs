@@ -211,7 +211,7 @@ impl Builder<'_> {
     fn phase_gradients(&self, l: usize) -> PhaseGradients {
         let layer = &self.job.model.layers[l];
         let t = self.job.schedule.tensor.size as usize;
-        let slice = SliceLayout::new(layer, TensorRank { size: t, index: 0 })
+        let slice = SliceLayout::shapes(layer, TensorRank { size: t, index: 0 })
             .expect("the analysis checked the tensor-parallel rules");
         let span = |prefix: &str| {
             let mut it = slice
