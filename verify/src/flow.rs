@@ -184,6 +184,7 @@ pub fn check(p: &Program) -> Vec<VerifyError> {
     let mut run = Run {
         p,
         sublayers,
+        tensor_comms: FxHashMap::default(),
         held: FxHashMap::default(),
         letters: FxHashMap::default(),
         calls: p.call_numbers(),
@@ -214,6 +215,8 @@ struct Run<'a> {
     p: &'a Program,
     /// Each tensor-parallel layer's sublayer count.
     sublayers: FxHashMap<u32, u8>,
+    /// Whether each communicator an all-reduce of partials used is the tensor groups.
+    tensor_comms: FxHashMap<CommId, bool>,
     /// What each tracked buffer holds (absent: nothing yet).
     held: FxHashMap<BufferId, Value>,
     /// Sent values not yet received, by (communicator, call number).
@@ -321,7 +324,7 @@ impl Run<'_> {
                 sublayer,
                 grad,
                 reduced: false,
-            }) if whole && is_tensor_comm(p, c.comm) => {
+            }) if whole && self.tensor_comm(c.comm) => {
                 let v = Value::Partial {
                     layer,
                     micro,
@@ -551,6 +554,15 @@ impl Run<'_> {
                 }
             }
         }
+    }
+
+    /// [`is_tensor_comm`] of `c`, computed once per communicator.
+    fn tensor_comm(&mut self, c: CommId) -> bool {
+        let p = self.p;
+        *self
+            .tensor_comms
+            .entry(c)
+            .or_insert_with(|| is_tensor_comm(p, c))
     }
 
     /// How many tensor-parallel sublayers layer `l`'s phases run.

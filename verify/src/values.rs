@@ -168,6 +168,17 @@ pub fn check(p: &Program, threads: usize) -> Vec<VerifyError> {
         }
     }
     let meetings = super::joint::Meetings::of(p);
+    // Communicators some group of which mixes tensor indices (see `Run::stage_ranks`).
+    let mixed: Vec<bool> = p
+        .comms
+        .values()
+        .map(|c| {
+            c.groups.iter().any(|g| {
+                g.iter()
+                    .any(|&r| layout.tp_index(r) != layout.tp_index(g[0]))
+            })
+        })
+        .collect();
     let mut seen: FxHashMap<Signature, usize> = FxHashMap::default();
     let mut runs: Vec<(LayerId, &[OpId])> = vec![];
     for (l, ops) in ops_of.iter().enumerate() {
@@ -186,6 +197,7 @@ pub fn check(p: &Program, threads: usize) -> Vec<VerifyError> {
             p,
             layout: &layout,
             meetings: &meetings,
+            mixed: &mixed,
             layer,
             coverage: vec![],
             contribs: Contribs::default(),
@@ -293,6 +305,8 @@ struct Run<'a> {
     layout: &'a Layout,
     /// The collectives spanning stages, which run as one across their stages' ops.
     meetings: &'a super::joint::Meetings,
+    /// By communicator, whether a group of it mixes tensor indices.
+    mixed: &'a [bool],
     layer: LayerId,
     /// Other layers' backward terms in this layer's gradient, with their elements
     /// ([`Run::other_terms`]).
@@ -1085,11 +1099,7 @@ impl Run<'_> {
         let p = self.p;
         let layout = self.layout;
         let comm = &p.comms[c.comm];
-        let mixed = |g: &Vec<u32>| {
-            g.iter()
-                .any(|&r| layout.tp_index(r) != layout.tp_index(g[0]))
-        };
-        if comm.groups.iter().any(mixed) {
+        if self.mixed[c.comm.index()] {
             self.error(
                 o,
                 format!(
