@@ -298,42 +298,38 @@ pub(crate) fn forward<D: Device>(
     }
 }
 
-fn transformer_forward<D: Device>(
+/// What a block's attention sublayer keeps, up to its output projection: ln1's output and
+/// statistics, the q/k/v product, the attention's output and what its backward needs.
+pub(super) struct Attended<P> {
+    pub a1: P,
+    pub st1: P,
+    pub qkv: P,
+    pub att: P,
+    pub keep: crate::math::attention::Keep<P>,
+}
+
+/// A block's attention up to its output projection, from the layer's input `x` into `kept`
+/// (each rounded to the activation dtype where the CPU rounds it).
+pub(super) fn attention_forward<D: Device>(
     d: &D,
     lm: &LayerMath,
     bp: &BlockP,
     p: D::Ptr,
     x: D::Ptr,
-    out: D::Ptr,
-    saved: D::Ptr,
+    kept: Attended<D::Ptr>,
 ) -> Result<(), DeviceError> {
-    let (t, s, h) = (lm.dims().t, lm.dims().s, bp.hidden);
-    let act = lm.precisions().0;
-    let w = bp.shape.width();
-    let BlockSaved {
+    let Attended {
         a1,
         st1,
         qkv,
         att,
         keep,
-        resid,
-        a2,
-        st2,
-        mut mlp,
-    } = BlockSaved::carve(bp, t, s, saved);
+    } = kept;
+    let (t, h) = (lm.dims().t, bp.hidden);
+    let act = lm.precisions().0;
+    let w = bp.shape.width();
     let bias = |r: &Option<std::ops::Range<usize>>| r.as_ref().map(|r| p.at(r));
-
-    d.norm_forward(
-        &NormOperands {
-            np: &bp.ln1,
-            params: p,
-            t,
-            h,
-            x,
-            stats: st1,
-        },
-        a1,
-    )?;
+    d.norm_forward(&norm_operands(&bp.ln1, p, t, x, st1), a1)?;
     d.round(act, a1, t * h)?;
     // With rotary positions the product goes to f32 workspace and the rotation writes qkv, so
     // that qkv in 16-bit storage is rounded once, after the rotation, as the CPU rounds it.
@@ -348,7 +344,40 @@ fn transformer_forward<D: Device>(
     }
     d.round(act, qkv, t * w)?;
     d.attention(bp, act, qkv, att, keep)?;
-    d.round(act, att, t * bp.shape.hidden())?;
+    d.round(act, att, t * bp.shape.hidden())
+}
+
+fn transformer_forward<D: Device>(
+    d: &D,
+    lm: &LayerMath,
+    bp: &BlockP,
+    p: D::Ptr,
+    x: D::Ptr,
+    out: D::Ptr,
+    saved: D::Ptr,
+) -> Result<(), DeviceError> {
+    let (t, s, h) = (lm.dims().t, lm.dims().s, bp.hidden);
+    let act = lm.precisions().0;
+    let BlockSaved {
+        a1,
+        st1,
+        qkv,
+        att,
+        keep,
+        resid,
+        a2,
+        st2,
+        mut mlp,
+    } = BlockSaved::carve(bp, t, s, saved);
+    let bias = |r: &Option<std::ops::Range<usize>>| r.as_ref().map(|r| p.at(r));
+    let kept = Attended {
+        a1,
+        st1,
+        qkv,
+        att,
+        keep,
+    };
+    attention_forward(d, lm, bp, p, x, kept)?;
     d.copy(resid, x, t * h)?;
     let proj = proj_product(bp, t, att, p.at(&bp.proj));
     d.linear(proj, bias(&bp.proj_b), resid, 1.0)?;

@@ -22,7 +22,10 @@
 //! (sublayer 0's first). Parameter gradients accumulate into `gp`, the layer's flat slice
 //! gradient, which the caller zeroes and writes part by part.
 
-use super::layers::{mlp_backward, mlp_forward, norm_operands, proj_product, qkv_product, Through};
+use super::layers::{
+    attention_forward, mlp_backward, mlp_forward, norm_operands, proj_product, qkv_product,
+    Attended, Through,
+};
 use super::{plan_error, Device, DeviceError, Ptr};
 use crate::math::saved::{BlockSaved, MlpSaved, NormedSaved};
 use crate::math::{Kind, LayerMath};
@@ -62,7 +65,6 @@ pub(crate) fn forward_open<D: Device>(
     match (lm.kind(), j) {
         (Kind::Transformer(bp), 0) => {
             let h = bp.hidden;
-            let w = bp.shape.width();
             let BlockSaved {
                 a1,
                 st1,
@@ -71,20 +73,14 @@ pub(crate) fn forward_open<D: Device>(
                 keep,
                 ..
             } = BlockSaved::carve(bp, t, s, saved);
-            d.norm_forward(&norm_operands(&bp.ln1, p, t, stream, st1), a1)?;
-            d.round(act, a1, t * h)?;
-            let projected = match bp.rope {
-                Some(_) => d.alloc(t * w)?,
-                None => qkv,
+            let kept = Attended {
+                a1,
+                st1,
+                qkv,
+                att,
+                keep,
             };
-            let product = qkv_product(bp, t, a1, p.at(&bp.qkv));
-            d.linear(product, bias(p, &bp.qkv_b), projected, 0.0)?;
-            if bp.rope.is_some() {
-                d.rope(bp, t, projected, qkv, false)?;
-            }
-            d.round(act, qkv, t * w)?;
-            d.attention(bp, act, qkv, att, keep)?;
-            d.round(act, att, t * bp.shape.hidden())?;
+            attention_forward(d, lm, bp, p, stream, kept)?;
             start(h)?;
             let proj = proj_product(bp, t, att, p.at(&bp.proj));
             let b = bias(p, &bp.proj_b).filter(|_| lead);
