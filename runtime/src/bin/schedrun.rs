@@ -326,10 +326,8 @@ fn run(cli: &Cli) -> Result<(), Failure> {
                      --checkpoints DIR, whose entries each rank writes its shards into",
                 ));
             }
-            if env.world == 1 {
-                // Several processes would have to agree on the step to stop after: not yet.
-                preempt::install().map_err(Failure::fault)?;
-            }
+            // Several processes agree on the step to stop after (`agreed_stop`).
+            preempt::install().map_err(Failure::fault)?;
             let backend =
                 CudaBackend::new(plan.clone(), options, &env, &ptx).map_err(Failure::fault)?;
             run_steps(
@@ -520,6 +518,24 @@ fn writable_folder(dir: &Path) -> Result<(), String> {
 }
 
 /// Loads the initial state and runs the steps; only `print` ranks write results.
+/// The signal this run stops on after the step just done, agreed by every process of the run:
+/// the one this process received, or SIGTERM when only another process received one (Slurm and
+/// torchrun signal every process; a signal to one of several CUDA processes still stops all of
+/// them after the same step, each writing its shards of the checkpoint). One process holding
+/// every rank agrees with itself.
+fn agreed_stop<B: Backend>(trainer: &Trainer<B>) -> Result<Option<i32>, Failure> {
+    let local = preempt::requested();
+    let none_stops = trainer
+        .backend
+        .all_agree(local.is_none())
+        .map_err(Failure::fault)?;
+    Ok(match (local, none_stops) {
+        (Some(signal), _) => Some(signal),
+        (None, false) => Some(libc::SIGTERM),
+        (None, true) => None,
+    })
+}
+
 fn run_steps<B: Backend>(
     cli: &Cli,
     plan: &Arc<Plan>,
@@ -640,7 +656,7 @@ fn run_steps<B: Backend>(
     let mut last = None;
     // The newest checkpoint entry this run wrote.
     let mut entry: Option<(u64, PathBuf)> = None;
-    if let Some(signal) = preempt::requested() {
+    if let Some(signal) = agreed_stop(&trainer)? {
         // Stopped while starting: nothing has changed since the state was loaded.
         eprintln!(
             "schedrun: {} received while starting: stopped before the first step",
@@ -709,7 +725,7 @@ fn run_steps<B: Backend>(
             }
             None => println!("{line}"),
         }
-        let stop = preempt::requested();
+        let stop = agreed_stop(&trainer)?;
         let due = saving.every.is_some_and(|n| r.step % n == 0) || stop.is_some();
         if saving.dir.is_some() && due {
             let written = saver.write(&trainer, r.step, good.as_deref());
