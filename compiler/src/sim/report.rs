@@ -22,7 +22,8 @@
 //!   `compute_s`: layer math, the loss, the update, whatever stream they run on; never its
 //!   sends, receives or collectives);
 //! - `stages[].bubble`: `1 − busy_s / step_time_s`, the idle share of the stage's compute over the
-//!   step; `bubble`, their mean over stages. For uniform stages and free links it is the papers'
+//!   step (its tensor groups' all-reduces, which run on the compute stream between a layer's
+//!   phases, count as busy there, not as idle); `bubble`, their mean over stages. For uniform stages and free links it is the papers'
 //!   (p−1)/(m+p−1) (`gpipe`, `1f1b`) or (p−1)/(v·m+p−1) (`interleaved_1f1b`), plus the share of
 //!   the step the update and the loss take from no stage's busy time, which is small;
 //! - `compute_s` is the mean of the stages' `busy_s` and `exposed_comm_s` the rest of the step,
@@ -39,7 +40,7 @@
 use super::cost::model_flops_per_step;
 use super::engine::{RankTimeline, Timeline};
 use cranelift_entity::EntityRef;
-use sched_ir::ir::{OpKind, Program};
+use sched_ir::ir::{OpKind, OpRole, Program};
 use sched_ir::job::Job;
 use serde::{Deserialize, Serialize};
 
@@ -149,13 +150,16 @@ pub fn stage_timeline<'a>(
         .unwrap_or(&timeline.ranks[0])
 }
 
-/// The union of the intervals of `rank`'s compute ops on `stage`'s streams, in seconds.
-fn compute_seconds(program: &Program, rank: &RankTimeline, stage: u32) -> f64 {
+/// The union of the intervals of `rank`'s compute ops on `stage`'s streams, in seconds; with
+/// `tensor`, also of its tensor groups' all-reduces (they run on the compute stream, which is
+/// busy with them, not idle).
+fn compute_seconds(program: &Program, rank: &RankTimeline, stage: u32, tensor: bool) -> f64 {
     let mut compute: Vec<(f64, f64)> = vec![];
     for (id, op) in program.ops.iter() {
         let (s, e) = (rank.start[id.index()], rank.end[id.index()]);
         let here = program.streams[op.stream].stage == stage;
-        if here && matches!(op.kind, OpKind::Compute(_)) && e > s {
+        let counts = matches!(op.kind, OpKind::Compute(_)) || (tensor && op.role == OpRole::Tensor);
+        if here && counts && e > s {
             compute.push((s, e));
         }
     }
@@ -184,8 +188,15 @@ pub fn report(program: &Program, job: &Job, timeline: &Timeline) -> SimReport {
                 busy[op.stream.index()] += rank.end[id.index()] - rank.start[id.index()];
             }
         }
-        let busy_s = compute_seconds(program, rank, stage);
-        let bubble = if step > 0.0 { 1.0 - busy_s / step } else { 0.0 };
+        let busy_s = compute_seconds(program, rank, stage, false);
+        // The bubble: the compute stream idle, neither computing nor summing a tensor group's
+        // partials.
+        let stream_busy = compute_seconds(program, rank, stage, true);
+        let bubble = if step > 0.0 {
+            1.0 - stream_busy / step
+        } else {
+            0.0
+        };
         per_stage.push(StageBusy {
             stage,
             busy_s,
