@@ -298,34 +298,26 @@ pub(crate) fn forward<D: Device>(
     }
 }
 
-/// What a block's attention sublayer keeps, up to its output projection: ln1's output and
-/// statistics, the q/k/v product, the attention's output and what its backward needs.
-pub(super) struct Attended<P> {
-    pub a1: P,
-    pub st1: P,
-    pub qkv: P,
-    pub att: P,
-    pub keep: crate::math::attention::Keep<P>,
-}
-
-/// A block's attention up to its output projection, from the layer's input `x` into `kept`
-/// (each rounded to the activation dtype where the CPU rounds it).
+/// A block's attention up to its output projection, from the layer's input `x` into its part of
+/// `saved` (ln1's output and statistics, the q/k/v product, the attention's output and what its
+/// backward needs), each rounded to the activation dtype where the CPU rounds it.
 pub(super) fn attention_forward<D: Device>(
     d: &D,
     lm: &LayerMath,
     bp: &BlockP,
     p: D::Ptr,
     x: D::Ptr,
-    kept: Attended<D::Ptr>,
+    saved: D::Ptr,
 ) -> Result<(), DeviceError> {
-    let Attended {
+    let (t, s, h) = (lm.dims().t, lm.dims().s, bp.hidden);
+    let BlockSaved {
         a1,
         st1,
         qkv,
         att,
         keep,
-    } = kept;
-    let (t, h) = (lm.dims().t, bp.hidden);
+        ..
+    } = BlockSaved::carve(bp, t, s, saved);
     let act = lm.precisions().0;
     let w = bp.shape.width();
     let bias = |r: &Option<std::ops::Range<usize>>| r.as_ref().map(|r| p.at(r));
@@ -359,25 +351,15 @@ fn transformer_forward<D: Device>(
     let (t, s, h) = (lm.dims().t, lm.dims().s, bp.hidden);
     let act = lm.precisions().0;
     let BlockSaved {
-        a1,
-        st1,
-        qkv,
         att,
-        keep,
         resid,
         a2,
         st2,
         mut mlp,
+        ..
     } = BlockSaved::carve(bp, t, s, saved);
     let bias = |r: &Option<std::ops::Range<usize>>| r.as_ref().map(|r| p.at(r));
-    let kept = Attended {
-        a1,
-        st1,
-        qkv,
-        att,
-        keep,
-    };
-    attention_forward(d, lm, bp, p, x, kept)?;
+    attention_forward(d, lm, bp, p, x, saved)?;
     d.copy(resid, x, t * h)?;
     let proj = proj_product(bp, t, att, p.at(&bp.proj));
     d.linear(proj, bias(&bp.proj_b), resid, 1.0)?;

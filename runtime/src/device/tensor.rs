@@ -23,8 +23,7 @@
 //! gradient, which the caller zeroes and writes part by part.
 
 use super::layers::{
-    attention_forward, mlp_backward, mlp_forward, norm_operands, proj_product, qkv_product,
-    Attended, Through,
+    attention_forward, mlp_backward, mlp_forward, norm_operands, proj_product, qkv_product, Through,
 };
 use super::{plan_error, Device, DeviceError, Ptr};
 use crate::math::saved::{BlockSaved, MlpSaved, NormedSaved};
@@ -65,22 +64,8 @@ pub(crate) fn forward_open<D: Device>(
     match (lm.kind(), j) {
         (Kind::Transformer(bp), 0) => {
             let h = bp.hidden;
-            let BlockSaved {
-                a1,
-                st1,
-                qkv,
-                att,
-                keep,
-                ..
-            } = BlockSaved::carve(bp, t, s, saved);
-            let kept = Attended {
-                a1,
-                st1,
-                qkv,
-                att,
-                keep,
-            };
-            attention_forward(d, lm, bp, p, stream, kept)?;
+            let BlockSaved { att, .. } = BlockSaved::carve(bp, t, s, saved);
+            attention_forward(d, lm, bp, p, stream, saved)?;
             start(h)?;
             let proj = proj_product(bp, t, att, p.at(&bp.proj));
             let b = bias(p, &bp.proj_b).filter(|_| lead);
