@@ -3,34 +3,17 @@
 
 use serde_json::Value;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Command;
 
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .unwrap()
-        .to_path_buf()
-}
+#[path = "common/cli.rs"]
+mod cli;
 
-fn schedrun(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_schedrun"))
-        .args(args)
-        .current_dir(root())
-        .output()
-        .unwrap()
-}
+use cli::{json_lines, root, schedrun};
 
 fn temp(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("schedrun-cli-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     dir.join(name)
-}
-
-fn json_lines(out: &Output) -> Vec<Value> {
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
-        .collect()
 }
 
 #[test]

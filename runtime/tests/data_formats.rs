@@ -6,46 +6,16 @@
 
 use schedrun::data::{Corpus, DataError, Format, FormatProblem, TextTokenizer, Tokens};
 use schedrun::plot::LossCurve;
-use serde_json::Value;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
 
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .unwrap()
-        .to_path_buf()
-}
+#[path = "common/cli.rs"]
+mod cli;
 
-fn schedrun(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_schedrun"))
-        .args(args)
-        .current_dir(root())
-        .output()
-        .unwrap()
-}
+use cli::{json_lines, s, schedrun, stderr};
 
 /// A fresh folder for one test.
 fn temp(test: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("schedrun-data-{}-{test}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
-fn s(p: &Path) -> &str {
-    p.to_str().unwrap()
-}
-
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
-}
-
-fn json_lines(out: &Output) -> Vec<Value> {
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
-        .collect()
+    cli::fresh_dir("data", test)
 }
 
 // ---- writers, as llm.c, nanoGPT and numpy write ----

@@ -8,7 +8,11 @@
 //! `schedrun::hf`'s mapping. The parity with `transformers` itself is `hf/parity.py` (not run by
 //! the tests).
 
+#[path = "common/cli.rs"]
+mod cli;
 mod common;
+
+use cli::schedrun;
 
 use safetensors::tensor::{Dtype as StDtype, TensorView};
 use safetensors::SafeTensors;
@@ -19,7 +23,7 @@ use schedrun::train::{LayerState, State};
 use serde_json::Value;
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Output;
 
 fn temp(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("schedrun-hf-{}", std::process::id()));
@@ -505,21 +509,6 @@ fn bad_checkpoints_are_refused_naming_the_file_and_the_problem() {
     let (e, m) = refused(&dir, &model);
     assert!(matches!(e, HfError::Extra { .. }), "{m}");
     assert!(m.contains("model.layers.2.input_layernorm.weight"), "{m}");
-}
-
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .unwrap()
-        .to_path_buf()
-}
-
-fn schedrun(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_schedrun"))
-        .args(args)
-        .current_dir(root())
-        .output()
-        .unwrap()
 }
 
 fn losses(out: &Output) -> Vec<f64> {

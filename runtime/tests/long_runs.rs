@@ -8,39 +8,16 @@ use schedrun::checkpoint::{self, folder, Contents};
 use schedrun::train::State;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Child, Stdio};
 
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .unwrap()
-        .to_path_buf()
-}
+#[path = "common/cli.rs"]
+mod cli;
 
-fn command(args: &[&str]) -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_schedrun"));
-    c.args(args).current_dir(root());
-    c
-}
-
-fn schedrun(args: &[&str]) -> Output {
-    command(args).output().unwrap()
-}
+use cli::{command, root, s, schedrun, stderr};
 
 /// A fresh folder for one test.
 fn temp(test: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("schedrun-long-{}-{test}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
-fn s(p: &Path) -> &str {
-    p.to_str().unwrap()
-}
-
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
+    cli::fresh_dir("long", test)
 }
 
 fn tiny_gpt() -> std::sync::Arc<sched_ir::job::Model> {
