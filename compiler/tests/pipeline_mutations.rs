@@ -10,31 +10,17 @@ mod edit;
 use edit::{drop_op, renumber_events};
 use sched_ir::ir::*;
 use sched_ir::job::{Collective, Job};
-use schedc::{analyze, compile, FsLoader, MemLoader};
+use schedc::{analyze, compile, MemLoader};
 use std::path::Path;
 
 fn jobs() -> Vec<Job> {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../schedules");
-    let mut out = vec![];
-    for f in ["tiny_pipeline.sched", "tiny_pipeline_schedules.sched"] {
-        let a = analyze(&root.join(f), &FsLoader).unwrap();
-        assert!(!a.has_errors(), "{}", a.render());
-        out.extend(a.jobs.iter().cloned());
-    }
+    let out = edit::example_jobs(&["tiny_pipeline.sched", "tiny_pipeline_schedules.sched"]);
     assert!(out.len() >= 6, "the pipeline examples went missing");
     out
 }
 
 fn programs() -> Vec<(String, Program)> {
-    jobs()
-        .iter()
-        .map(|j| {
-            let p = compile(j)
-                .unwrap_or_else(|e| panic!("{}: {e}", j.schedule.name))
-                .into_program();
-            (j.schedule.name.clone(), p)
-        })
-        .collect()
+    edit::compiled(&jobs())
 }
 
 fn messages(p: &Program) -> Vec<String> {

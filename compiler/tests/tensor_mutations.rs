@@ -6,24 +6,12 @@ mod edit;
 
 use edit::{drop_op, renumber_events};
 use sched_ir::ir::*;
-use schedc::{analyze, compile, FsLoader};
-use std::path::Path;
 
 /// `schedules/tiny_tensor.sched`'s programs (tensor groups of 2, alone and in pipeline stages).
 fn programs() -> Vec<(String, Program)> {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../schedules");
-    let a = analyze(&root.join("tiny_tensor.sched"), &FsLoader).unwrap();
-    assert!(!a.has_errors(), "{}", a.render());
-    assert!(a.jobs.len() >= 2, "the tensor examples went missing");
-    a.jobs
-        .iter()
-        .map(|j| {
-            let p = compile(j)
-                .unwrap_or_else(|e| panic!("{}: {e}", j.schedule.name))
-                .into_program();
-            (j.schedule.name.clone(), p)
-        })
-        .collect()
+    let jobs = edit::example_jobs(&["tiny_tensor.sched"]);
+    assert!(jobs.len() >= 2, "the tensor examples went missing");
+    edit::compiled(&jobs)
 }
 
 fn messages(p: &Program) -> Vec<String> {

@@ -1,8 +1,38 @@
 //! Edits of compiled programs shared by the mutation tests: each keeps the program well formed
-//! (ops and events numbered densely, every event recorded once) and breaks only its meaning.
+//! (ops and events numbered densely, every event recorded once) and breaks only its meaning; and
+//! the example schedules they start from, compiled.
+
+// Each test crate that includes this module uses some of its helpers.
+#![allow(dead_code)]
 
 use cranelift_entity::{EntityRef, PrimaryMap};
 use sched_ir::ir::*;
+use sched_ir::job::Job;
+use std::path::Path;
+
+/// Every job of the example files `files` (under `schedules/`), which must check.
+pub fn example_jobs(files: &[&str]) -> Vec<Job> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../schedules");
+    let mut out = vec![];
+    for f in files {
+        let a = schedc::analyze(&root.join(f), &schedc::FsLoader).unwrap();
+        assert!(!a.has_errors(), "{}", a.render());
+        out.extend(a.jobs.iter().cloned());
+    }
+    out
+}
+
+/// Each job compiled (and so proved), with its schedule's name.
+pub fn compiled(jobs: &[Job]) -> Vec<(String, Program)> {
+    jobs.iter()
+        .map(|j| {
+            let p = schedc::compile(j)
+                .unwrap_or_else(|e| panic!("{}: {e}", j.schedule.name))
+                .into_program();
+            (j.schedule.name.clone(), p)
+        })
+        .collect()
+}
 
 /// Removes op `id` and every wait on the event it records, renumbering ops and events so the
 /// program stays well formed: only its meaning is broken.
