@@ -833,9 +833,7 @@ impl Job {
             .iter()
             .flatten()
             .any(|a| matches!(a.kind, ActionKind::I | ActionKind::W));
-        if self.schedule.tensor.sequence {
-            Some("sequence parallelism")
-        } else if self.schedule.train.clip.is_some() {
+        if self.schedule.train.clip.is_some() {
             Some("gradient clipping (`train.clip`)")
         } else if split {
             Some("a split backward (`I`/`W` actions)")

@@ -79,7 +79,39 @@ struct Contribs {
     unions: FxHashMap<(u32, u32), u32>,
 }
 
+/// A term flag (sequence parallelism): the contribution holds only the rows of the tokens its
+/// rank's backward close handled, a t-th of the norm's gradient; the tensor group's all-reduce
+/// of it clears the flag ([`Contribs::rows_summed`]).
+const ROWS: u32 = 1 << 31;
+
 impl Contribs {
+    /// Set `c` summed over the tensor group's rows: every term flagged [`ROWS`], the same set
+    /// with the flag cleared (the other tensor indices hold the same contributions for their
+    /// rows); `None` when some term is not a rows' part.
+    fn rows_summed(&mut self, c: u32) -> Option<u32> {
+        let set = &self.sets[c as usize];
+        if set.is_empty() || set.iter().any(|(t, _, _)| t & ROWS == 0) {
+            return None;
+        }
+        let mut out: ContribSet = set
+            .iter()
+            .map(|(t, m, b)| (t & !ROWS, *m, b.clone()))
+            .collect();
+        out.sort_by_key(|(t, m, _)| (*t, *m));
+        if let [(t, m, bits)] = out.as_slice() {
+            let ones: u32 = bits.iter().map(|w| w.count_ones()).sum();
+            if ones == 1 {
+                let rank = (0..bits.len() as u32 * 64)
+                    .find(|r| bits[*r as usize / 64] & (1 << (r % 64)) != 0)
+                    .expect("one bit");
+                // A singleton is interned by (term, micro-step, rank) alone.
+                let (t, m, ranks) = (*t, *m, bits.len() as u32 * 64);
+                return Some(self.single(t, m, rank, ranks));
+            }
+        }
+        Some(self.intern(out))
+    }
+
     fn intern(&mut self, set: ContribSet) -> u32 {
         if let Some(&i) = self.index.get(&set) {
             return i;
@@ -641,7 +673,12 @@ impl Run<'_> {
         let op = &self.p.ops[o];
         let (reads, writes) = (op.reads.clone(), op.writes.clone());
         let m = op.micro_step.unwrap_or(0);
-        let term = op.layer.map_or(0, |l| l.as_u32());
+        let mut term = op.layer.map_or(0, |l| l.as_u32());
+        // With sequence parallelism a backward close computes the norms' gradients of its
+        // rank's rows only.
+        if self.p.layout.sequence && matches!(kind, ComputeKind::BackwardClose(_)) {
+            term |= ROWS;
+        }
         let padded = self.p.layers[self.layer].padded;
         match kind {
             ComputeKind::Forward
@@ -921,6 +958,13 @@ impl Run<'_> {
     /// micro-step).
     fn incomplete(&self, c: u32, micro_steps: u32, elems: (u64, u64)) -> Option<String> {
         let set = &self.contribs.sets[c as usize];
+        if set.iter().any(|(t, _, _)| t & ROWS != 0) {
+            return Some(
+                "elements hold only this rank's rows' part of a norm's gradient (sequence \
+                 parallelism): the tensor group's all-reduce of it never ran"
+                    .into(),
+            );
+        }
         let mut terms: Vec<u32> = set.iter().map(|(t, _, _)| *t).collect();
         terms.dedup();
         if !terms.contains(&self.layer.as_u32()) {
@@ -1086,8 +1130,12 @@ impl Run<'_> {
         // Point-to-point transfers move hidden states, never a layer's parameters or gradients
         // (the pipeline proofs follow them); a tensor group's sums of partial activations are
         // the flow proof's.
-        let partial =
-            |c: &CollectiveOp| self.p.buffers[c.output.buffer].kind == BufferKind::Partial;
+        let partial = |c: &CollectiveOp| {
+            matches!(
+                self.p.buffers[c.output.buffer].kind,
+                BufferKind::Partial | BufferKind::Hidden
+            )
+        };
         if c.kind.is_point_to_point()
             || members.iter().all(|(_, c)| partial(c))
             || !members
@@ -1099,6 +1147,9 @@ impl Run<'_> {
         let p = self.p;
         let layout = self.layout;
         let comm = &p.comms[c.comm];
+        if self.mixed[c.comm.index()] && self.rows_summed(o, &c) {
+            return;
+        }
         if self.mixed[c.comm.index()] {
             self.error(
                 o,
@@ -1243,6 +1294,52 @@ impl Run<'_> {
 }
 
 impl Run<'_> {
+    /// Sequence parallelism's all-reduce of norm gradients over the tensor groups: in place,
+    /// over gradient elements holding only rows' parts ([`ROWS`]), which it completes. False
+    /// (nothing done) when `c` is not such an all-reduce; an error when it sums anything else.
+    fn rows_summed(&mut self, o: OpId, c: &CollectiveOp) -> bool {
+        let p = self.p;
+        let sums = c.kind == Collective::AllReduce
+            && p.layout.sequence
+            && c.input == c.output
+            && is_grad(p.buffers[c.output.buffer].kind)
+            && crate::flow::is_tensor_comm(p, c.comm);
+        if !sums {
+            return false;
+        }
+        let d = self.elem_bytes(c.output.buffer);
+        // Each tensor group's lead stands for its group (see `Run::stage_ranks`).
+        for rank in self.op_ranks(o) {
+            let (a, z) = range(&c.output, self.layout, rank);
+            let mut segs = self.read(c.output.buffer, rank, a, z);
+            for s in &mut segs {
+                let summed = match s.val {
+                    Val::Grad { elem, contrib } => self
+                        .contribs
+                        .rows_summed(contrib)
+                        .map(|contrib| Val::Grad { elem, contrib }),
+                    Val::Param { .. } => None,
+                };
+                let Some(v) = summed else {
+                    let held = describe(std::slice::from_ref(s), d);
+                    self.error(
+                        o,
+                        format!(
+                            "all_reduce over the tensor group ({}) of {}'s gradient holds {held}: \
+                             only a norm's rows' parts (sequence parallelism) are summed over \
+                             the tensor group, once; every rank holds its own slices of the rest",
+                            p.comms[c.comm].name, p.layers[self.layer].name
+                        ),
+                    );
+                    return true;
+                };
+                s.val = v;
+            }
+            self.write(c.output.buffer, rank, a, z - a, &segs);
+        }
+        true
+    }
+
     /// The sum over members of bytes `[a, z)` of their inputs. When every member holds one gradient
     /// range there with the same elements, only the contribution sets are combined, and a fold
     /// seen before (the same sets in the same order) is reused.
