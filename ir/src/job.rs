@@ -818,7 +818,7 @@ impl Job {
         Some((h, e))
     }
 
-    /// What tensor parallelism cannot lower yet in this job, when t > 1: sequence parallelism,
+    /// What tensor parallelism cannot lower yet in this job, when t > 1:
     /// gradient clipping (whose norm must count each slice once and each replicated tensor
     /// once) or a split backward (`I`/`W` actions) of tensor-parallel layers.
     /// `None` when it lowers.

@@ -392,8 +392,12 @@ impl Run<'_> {
                 true => "with sequence parallelism the partials are reduce-scattered into each rank's rows",
                 false => "without sequence parallelism the partials are all-reduced in place",
             };
+            let what = self
+                .held
+                .get(&b)
+                .map_or_else(|| "nothing yet".into(), |v| v.describe(p));
             self.held.remove(&out);
-            self.error(id, format!("{kind} of {name}: {how}"));
+            self.error(id, format!("{kind} of {name} ({what}): {how}"));
             return;
         }
         let whole = match scatter {
