@@ -208,3 +208,21 @@ fn sequence_parallel_pipelines_and_recompute_match_the_reference() {
         jittered(&job, 23);
     }
 }
+
+/// Gradient clipping with tensor parallelism: each tensor index's norm counts its slices and
+/// tensor index 0 also the tensors the group holds alike, summed over every stage and tensor
+/// index, so the clipped step is the reference's (a small `clip`, so it clips every step).
+#[test]
+fn clipped_tensor_parallel_jobs_match_the_reference() {
+    for mut job in [
+        job("tiny_gpt", 4, 2, [1, 1, 2], 1),
+        job("tiny_gpt", 4, 4, [1, 1, 1], 1),
+        sequence(job("tiny_gpt", 8, 2, [2, 2, 2], 2), None),
+        sequence(job("tiny_llama", 4, 2, [1, 1, 1], 1), Some(2)),
+    ] {
+        job.schedule.train.clip = Some(0.05);
+        job.schedule.name.push_str("_clip");
+        check(&job, RunOptions::default(), STEPS, "plain");
+        jittered(&job, 29);
+    }
+}

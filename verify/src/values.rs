@@ -1595,7 +1595,11 @@ pub fn check_norm(p: &Program) -> Vec<VerifyError> {
         }
     }
     let s_os = p.layout.shard.optimizer.size();
-    let slots = s_os * u64::from(stages);
+    // A slot per (stage, tensor index, optimizer shard): with t > 1 each tensor index's norm
+    // holds its slices' squares (the replicated tensors' on tensor index 0 alone: `grad_norm`'s
+    // convention, IR module doc).
+    let t = u64::from(layout.tensor.max(1));
+    let slots = s_os * u64::from(stages) * t;
     let words = (slots as usize).div_ceil(64);
     let meetings = super::joint::Meetings::of(p);
     let ops: Vec<OpId> = p.ops.keys().collect();
@@ -1683,7 +1687,8 @@ pub fn check_norm(p: &Program) -> Vec<VerifyError> {
                 }
                 for rank in ranks {
                     let mut bits = vec![0u64; words];
-                    let k = (u64::from(stage) * s_os + layout.index(ShardIndex::Optimizer, rank))
+                    let k = ((u64::from(stage) * t + u64::from(layout.tp_index(rank))) * s_os
+                        + layout.index(ShardIndex::Optimizer, rank))
                         as usize;
                     bits[k / 64] |= 1 << (k % 64);
                     held.insert((w.buffer, rank), bits);
@@ -1749,9 +1754,12 @@ pub fn check_norm(p: &Program) -> Vec<VerifyError> {
                         .get(&(r.buffer, rank))
                         .map_or(0, |bits| bits.iter().map(|w| w.count_ones()).sum::<u32>());
                     if u64::from(have) != slots {
-                        let over = match stages {
-                            1 => format!("the {s_os} optimizer shards"),
-                            _ => format!("the {slots} optimizer shards of {stages} stages"),
+                        let over = match (stages, t) {
+                            (1, 1) => format!("the {s_os} optimizer shards"),
+                            (_, 1) => format!("the {slots} optimizer shards of {stages} stages"),
+                            _ => format!(
+                                "the {slots} optimizer shards of {stages} stages and {t} tensor indices"
+                            ),
                         };
                         err(id, format!("update on rank {rank} reads a gradient norm summed over {have} of {over}"));
                         break;

@@ -46,6 +46,40 @@ impl<D: Device> Rank<'_, D> {
         self.plan.at(self.rank, r)
     }
 
+    /// What gradient clipping's norm counts of optimizer-shard gradient `g`: all of it, or with
+    /// t > 1 on a tensor index but 0, the parts outside the tensors every rank of the tensor
+    /// group holds alike ([`Plan::replicated`]), which tensor index 0 counts. `g` holds the
+    /// rank's optimizer shard of its layer's flat vector (the value proof checks it).
+    fn counted(&self, g: &Region) -> Vec<ArenaSpan> {
+        let whole = self.span(g);
+        let p = self.plan;
+        let layer = p.program.buffers[g.buffer].layer.map(|l| l.index());
+        let same = layer.map_or(&[][..], |l| &p.replicated[l][..]);
+        if p.program.layout.tp_index(self.rank) == 0 || same.is_empty() {
+            return vec![whole];
+        }
+        let n = whole.elements;
+        let first = p.program.layout.index(ShardIndex::Optimizer, self.rank) as usize * n;
+        let bytes = whole.dtype.bytes();
+        let mut out = vec![];
+        let mut at = first;
+        for r in same.iter().chain(std::iter::once(&(first + n..first + n))) {
+            let (a, z) = (
+                r.start.clamp(first, first + n),
+                r.end.clamp(first, first + n),
+            );
+            if a > at {
+                out.push(ArenaSpan {
+                    at: whole.at + ((at - first) as u64) * bytes,
+                    dtype: whole.dtype,
+                    elements: a - at,
+                });
+            }
+            at = at.max(z);
+        }
+        out
+    }
+
     /// The rows of `n` values (a hidden state, tokens × hidden) this rank holds between layers:
     /// (first value, count): all of them, or with sequence parallelism the t-th of its tensor
     /// index.
@@ -728,7 +762,7 @@ impl<D: Device> Rank<'_, D> {
                         self.poison(g)?;
                     }
                 }
-                let spans: Vec<ArenaSpan> = grads.iter().map(|g| self.span(g)).collect();
+                let spans: Vec<ArenaSpan> = grads.iter().flat_map(|g| self.counted(g)).collect();
                 d.grad_norm(&spans, self.span(sumsq))?;
             }
             Action::Accumulate { from, acc } => {
