@@ -199,7 +199,7 @@ impl Plan {
                     .filter(|x| x.split == Split::Replicated)
                     .map(|x| x.range.clone())
                     .collect(),
-                (true, None) => vec![0..l.params as usize],
+                (true, None) => std::iter::once(0..l.params as usize).collect(),
             })
             .collect();
         let mut members: SecondaryMap<CommId, Vec<(usize, usize)>> = SecondaryMap::new();
