@@ -24,14 +24,16 @@ fn messages(p: &Program) -> Vec<String> {
         .collect()
 }
 
-/// The tensor group's ops of `kind` reading a buffer of kind `from`, in issue order.
+/// The tensor group's ops (collectives or groups) of `kind` reading a buffer of kind `from`,
+/// in issue order.
 fn tensor_ops(p: &Program, kind: Collective, from: BufferKind) -> Vec<OpId> {
     p.ops
         .iter()
         .filter(|(_, o)| o.role == OpRole::Tensor)
         .filter(|(_, o)| {
-            matches!(&o.kind, OpKind::Collective(c)
-                if c.kind == kind && p.buffers[c.input.buffer].kind == from)
+            o.collectives()
+                .iter()
+                .any(|c| c.kind == kind && p.buffers[c.input.buffer].kind == from)
         })
         .map(|(id, _)| id)
         .collect()
@@ -65,11 +67,12 @@ fn norm_sums(p: &Program) -> Vec<OpId> {
     ops
 }
 
-/// `p` with a copy of op `s` issued right after it on its stream.
+/// `p` with a copy of op `s` issued right after it on its stream, the copy recording the
+/// event `s` recorded (so what waited for the sum waits for both).
 fn twice(p: &Program, s: OpId) -> Program {
     let mut q = p.clone();
     let mut again = q.ops[s].clone();
-    again.record = None;
+    q.ops[s].record = None;
     again.wait.clear();
     let old = std::mem::take(&mut q.ops);
     for (id, op) in old.into_iter() {
@@ -229,8 +232,20 @@ fn the_norm_gradient_sum_is_needed_once() {
     for (name, p) in sequence_programs() {
         let sums = norm_sums(&p);
         assert!(!sums.is_empty(), "{name}: no sum of norm gradients");
+        // Dropped, its event recorded by the op before it on its stream (the backward close),
+        // so that what waited for the sum still waits for the close.
         let mut q = p.clone();
-        drop_op(&mut q, sums[0]);
+        let s = sums[0];
+        let before = q
+            .ops
+            .iter()
+            .filter(|&(o, op)| o < s && op.stream == q.ops[s].stream)
+            .map(|(o, _)| o)
+            .last()
+            .expect("a close before the sum");
+        assert!(q.ops[before].record.is_none(), "{name}: the close records");
+        q.ops[before].record = q.ops[s].record.take();
+        drop_op(&mut q, s);
         let m = messages(&q);
         assert!(
             m.iter()

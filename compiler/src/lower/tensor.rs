@@ -312,7 +312,8 @@ impl Builder<'_> {
     /// Sequence parallelism: each close left the norms' parameter gradients of its rank's rows
     /// only; once the gradient target holds what is to be summed (after every micro-step's
     /// backward when each writes a fresh buffer, after the last when backward accumulates
-    /// directly), an all-reduce over the tensor group of each norm's range completes them.
+    /// directly), an all-reduce over the tensor group of each norm's range (one coalesced group)
+    /// completes them.
     fn sum_norm_gradients(
         &mut self,
         l: usize,
@@ -332,17 +333,19 @@ impl Builder<'_> {
         let id = self.state(l).id;
         let d = self.grad_dtype.bytes();
         let gd = self.grad_dtype;
-        let mut ops = vec![];
+        // One coalesced call for the layer's norms (two disjoint ranges of a transformer's).
+        let mut cs = vec![];
         for r in norms.iter().filter(|r| r.end > r.start) {
             let g = Region {
                 offset: Offset::Fixed(r.start * d),
                 bytes: (r.end - r.start) * d,
                 ..target
             };
-            let c = self.collective(Collective::AllReduce, CommKind::Tensor, gd, g, g);
-            ops.extend(self.issue(vec![c], OpRole::Tensor, Some(id), Some(m)));
+            cs.push(self.collective(Collective::AllReduce, CommKind::Tensor, gd, g, g));
         }
-        ops
+        self.issue(cs, OpRole::Tensor, Some(id), Some(m))
+            .into_iter()
+            .collect()
     }
 
     /// The element ranges of layer `l`'s flat slice gradient each backward phase writes: the
