@@ -309,8 +309,12 @@ impl CostModel {
                 }
                 _ => mem(3.0 * self.tokens * self.dtype_bytes) + launch(2.0),
             },
+            // The rank's optimizer shard of its tensor slice (the whole layer's when it is not
+            // split).
             ComputeKind::Update => {
-                let shard = layer.params.div_ceil(self.optimizer_shards) as f64;
+                let params =
+                    sched_ir::tensor::rank_params(layer, self.tensor).unwrap_or(layer.params);
+                let shard = params.div_ceil(self.optimizer_shards) as f64;
                 self.memory_seconds(shard * self.optimizer_bytes_per_param)
             }
             ComputeKind::Accumulate => {
