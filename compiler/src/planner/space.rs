@@ -371,6 +371,12 @@ pub fn apply(base: &Job, structure: &Structure, knobs: &Knobs) -> Job {
     let mut job = base.clone();
     let split = structure.split;
     job.schedule.micro_steps = split.micro_steps;
+    // Sequence parallelism is not lowered yet: the search splits layers only. (Set before the
+    // chunks are balanced: a split layer weighs its slice's phases.)
+    job.schedule.tensor = Tensor {
+        size: split.tensor,
+        sequence: false,
+    };
     job.schedule.pipeline = if split.stages == 1 {
         Pipeline::default()
     } else {
@@ -391,11 +397,6 @@ pub fn apply(base: &Job, structure: &Structure, knobs: &Knobs) -> Job {
     };
     let s = &mut job.schedule;
     s.preset = None;
-    // Sequence parallelism is not lowered yet: the search splits layers only.
-    s.tensor = Tensor {
-        size: split.tensor,
-        sequence: false,
-    };
     s.shard = structure.shard;
     s.reshard_after_forward = structure.reshard_after_forward;
     s.grad_sync = structure.grad_sync;

@@ -348,6 +348,39 @@ impl CostModel {
         }
     }
 
+    /// Seconds layer `layer`'s `kind` (forward, backward or recompute) keeps a rank's compute
+    /// stream busy in one micro-step: [`CostModel::compute_seconds`], or for a layer split over a
+    /// tensor group, its sublayers' phases and the tensor all-reduce of each fp32 partial
+    /// between them (on the compute stream, alone on the node's links), as `lower::tensor`
+    /// runs them (a recompute sums all but the last sublayer's partial). What `balanced`
+    /// pipeline chunks weigh.
+    pub fn stream_seconds(&self, layer: &Layer, kind: ComputeKind) -> f64 {
+        let n: u8 = match layer.kind {
+            k @ LayerKind::Transformer(_) if sched_ir::tensor::split_layers(&k, self.tensor) => 2,
+            k @ LayerKind::Mlp(_) if sched_ir::tensor::split_layers(&k, self.tensor) => 1,
+            _ => return self.compute_seconds(layer, kind),
+        };
+        type Phase = fn(u8) -> ComputeKind;
+        let (open, close, summed): (Phase, Phase, u8) = match kind {
+            ComputeKind::Forward => (ComputeKind::ForwardOpen, ComputeKind::ForwardClose, n),
+            ComputeKind::Recompute => (ComputeKind::ForwardOpen, ComputeKind::ForwardClose, n - 1),
+            ComputeKind::Backward => (ComputeKind::BackwardOpen, ComputeKind::BackwardClose, n),
+            _ => return self.compute_seconds(layer, kind),
+        };
+        let partial = (self.tokens * layer.kind.hidden().unwrap_or(0) as f64 * 4.0) as u64;
+        let reduce = self.collective_seconds(Collective::AllReduce, self.tensor, 1, partial);
+        (0..n)
+            .map(|j| {
+                let closing = if j < summed {
+                    reduce + self.compute_seconds(layer, close(j))
+                } else {
+                    0.0
+                };
+                self.compute_seconds(layer, open(j)) + closing
+            })
+            .sum()
+    }
+
     /// Seconds of an attention kernel doing `flops` with inner size `head_dim` over `outputs`
     /// score elements.
     fn attention_seconds(&self, flops: f64, outputs: f64, head_dim: f64) -> f64 {
