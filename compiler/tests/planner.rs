@@ -306,6 +306,42 @@ fn the_search_stages_untied_models_and_keeps_the_global_batch() {
     assert_eq!(planned.stats.structures, space::structures(&base).len());
 }
 
+/// hpZ's secondary shard is not lowered with tensor parallelism (its groups would mix tensor
+/// indices): `Job::tensor_not_lowered` refuses it, and the search, asking it, never enumerates it
+/// with t > 1, while it still does with t = 1.
+#[test]
+fn the_search_asks_what_tensor_parallelism_does_not_lower() {
+    let base = job("deferred");
+    let structures = space::structures(&base);
+    let node = |s: &space::Structure| {
+        matches!(
+            s.reshard_after_forward,
+            sched_ir::job::ReshardAfterForward::Node { .. }
+        )
+    };
+    assert!(structures.iter().any(|s| s.split.tensor > 1));
+    assert!(structures.iter().any(|s| s.split.tensor == 1 && node(s)));
+    assert!(!structures.iter().any(|s| s.split.tensor > 1 && node(s)));
+    let mut hpz = base.clone();
+    hpz.schedule.tensor = sched_ir::job::Tensor {
+        size: 2,
+        sequence: false,
+    };
+    let mesh = sched_ir::job::Mesh { intra: 2, inter: 2 };
+    hpz.schedule.shard = sched_ir::job::Shard {
+        params: mesh,
+        grads: mesh,
+        optimizer: mesh,
+    };
+    hpz.schedule.reshard_after_forward = sched_ir::job::ReshardAfterForward::Node { secondary: 2 };
+    assert!(hpz.tensor_not_lowered().unwrap().contains("hpZ"));
+    let Err(refused) = schedc::compile(&hpz) else {
+        panic!("hpZ with t = 2 compiled");
+    };
+    let refused = refused.to_string();
+    assert!(refused.contains("hpZ"), "{refused}");
+}
+
 #[test]
 fn fragment_sizes_use_exact_units() {
     assert_eq!(fragment::bytes(256 << 20), "256 MiB");

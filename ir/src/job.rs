@@ -820,8 +820,9 @@ impl Job {
 
     /// What tensor parallelism cannot lower yet in this job, when t > 1: sequence parallelism,
     /// gradient clipping (whose norm must count each slice once and each replicated tensor
-    /// once) or a split backward (`I`/`W` actions) of tensor-parallel layers.
-    /// `None` when it lowers.
+    /// once), a split backward (`I`/`W` actions) of tensor-parallel layers, or hpZ's secondary
+    /// shard (its groups are `secondary` consecutive ranks, which with t > 1 mix tensor indices:
+    /// the program fails verification). `None` when it lowers.
     pub fn tensor_not_lowered(&self) -> Option<&'static str> {
         if !self.schedule.tensor.is_parallel() {
             return None;
@@ -839,6 +840,11 @@ impl Job {
             Some("gradient clipping (`train.clip`)")
         } else if split {
             Some("a split backward (`I`/`W` actions)")
+        } else if matches!(
+            self.schedule.reshard_after_forward,
+            ReshardAfterForward::Node { .. }
+        ) {
+            Some("hpZ's secondary shard (`reshard_after_forward = node`)")
         } else {
             None
         }

@@ -22,8 +22,9 @@
 //!   sequence parallelism): every divisor of the GPUs per node that the model's layers split by
 //!   (heads, kv_heads and ffn divisible by t, no `dense` layer: [`tensor_degrees`]), composed
 //!   with every pipeline split; d = ranks/(p·t) and m keep the global batch, and the shard meshes
-//!   are read over the data-parallel mesh of one tensor index. Splits the lowering refuses with
-//!   t > 1 (`Job::tensor_not_lowered`: split backwards, clipping) are left out by asking it.
+//!   are read over the data-parallel mesh of one tensor index. Splits and structures the lowering
+//!   refuses with t > 1 (`Job::tensor_not_lowered`: split backwards, clipping, hpZ's secondary
+//!   shard) are left out by asking it.
 //!
 //! Choices that cannot change the program are not enumerated twice: resharding, prefetch and the
 //! gather algorithm only where parameters are sharded; hpZ's node-local secondary shard only where
@@ -101,9 +102,12 @@ pub fn splits(job: &Job) -> Vec<Split> {
 /// Whether the lowering refuses `split` for `job` (`Job::tensor_not_lowered`: what tensor
 /// parallelism does not compose with yet), asked of the job the split makes.
 fn refused_with_tensor(job: &Job, split: &Split) -> bool {
-    if split.tensor == 1 {
-        return false;
-    }
+    split.tensor > 1 && probe(job, split).tensor_not_lowered().is_some()
+}
+
+/// `job` with `split`'s tensor groups and pipeline (its order generated), to ask
+/// `Job::tensor_not_lowered` of.
+fn probe(job: &Job, split: &Split) -> Job {
     let mut probe = job.clone();
     let s = &mut probe.schedule;
     s.tensor = Tensor {
@@ -122,7 +126,7 @@ fn refused_with_tensor(job: &Job, split: &Split) -> bool {
             split.micro_steps,
         );
     }
-    probe.tensor_not_lowered().is_some()
+    probe
 }
 
 /// The pipeline splits with tensor groups of `t`, p = 1 first, keeping `global` micro-batches.
@@ -321,6 +325,7 @@ fn split_structures(job: &Job, split: Split) -> Vec<Structure> {
     let gpus = per_node / split.tensor;
     let ranks = u64::from(gpus * nodes);
     let mut out = vec![];
+    let mut asked = (split.tensor > 1).then(|| probe(job, &split));
     let shards = if split.stages == 1 {
         shard_meshes(gpus, nodes)
     } else {
@@ -347,6 +352,13 @@ fn split_structures(job: &Job, split: Split) -> Vec<Structure> {
         let mut gathers = vec![AllGatherAlgo::Flat];
         if shard.params.inter > 1 && shard.params.intra > 1 {
             gathers.push(AllGatherAlgo::Hierarchical);
+        }
+        // What tensor parallelism does not lower yet is asked of the job (hpZ's secondary shard).
+        if let Some(asked) = asked.as_mut() {
+            reshards.retain(|&r| {
+                asked.schedule.reshard_after_forward = r;
+                asked.tensor_not_lowered().is_none()
+            });
         }
         for &reshard_after_forward in &reshards {
             for &grad_sync in &syncs {
