@@ -11,6 +11,13 @@
 //! prints the table (`cargo test -p schedc --test calibration -- --nocapture`) and asserts that
 //! the median relative error over the other points is at most 10%.
 //!
+//! Megatron-LM's 3-D weak-scaling runs (Narayanan et al., SC 2021, Table 1: t = 8 with 1, 2, 4 and 8
+//! pipeline stages) are checked with their own tolerance and left out of the median too: sched's
+//! program for them is not Megatron's (its tensor all-reduces sum fp32 partials, twice Megatron's
+//! 16-bit bytes; the embedding and head run whole on every tensor rank, and the head is recomputed;
+//! a stage's last gradient send is chained behind its data-parallel all-reduces), so they measure
+//! the lowering as much as the cost model. docs/simulation.md splits their gap by cause.
+//!
 //! The papers' held-out evaluation sections (MiCS §5, AMSP §VI) are not used: their figures are
 //! not in `shared/seeds`. The Amazon article's RoBERTa-10B/50B figures (123 and 154 TFLOPS per
 //! A100) are not used either: it gives no model shape, sequence length or batch size to simulate.
@@ -51,6 +58,9 @@ enum Check {
     /// The figure a constant was fitted to: reproduced within this relative error, not counted in
     /// the median.
     Fit(f64),
+    /// A run whose program sched lowers differently from the published system's, for the
+    /// reason given: within this relative error, not counted in the median.
+    Differs(f64, &'static str),
     /// A figure the model does not reach, for the reason given: the check asserts the miss is
     /// still there (relative error above 1), so that docs/simulation.md's account of it stays true.
     KnownMiss(&'static str),
@@ -80,6 +90,47 @@ fn mics_bandwidth(a: u32, b: u32) -> f64 {
 }
 
 const AMSP: &str = "calibration_amsp.sched";
+
+const MEGATRON: &str = "calibration_megatron.sched";
+
+/// Megatron-LM's "achieved teraFLOP/s per GPU" of the run `name` as the simulator predicts it: the
+/// paper's FLOPs per iteration (Narayanan et al. 2021, §5.1, with activation recomputation:
+/// F = 96·B·s·l·h²·(1 + s/6h + V/16lh), B the global batch in sequences) over the simulated step
+/// time and the GPUs.
+fn megatron_tflops(name: &'static str) -> f64 {
+    let job = job(MEGATRON, name);
+    let r = simulate(MEGATRON, name);
+    let m = &job.model;
+    let blocks: Vec<_> = m
+        .layers
+        .iter()
+        .filter_map(|l| match l.kind {
+            sched_ir::job::LayerKind::Transformer(t) => Some(t),
+            _ => None,
+        })
+        .collect();
+    let (l, h) = (blocks.len() as f64, blocks[0].hidden as f64);
+    let vocab = m
+        .layers
+        .iter()
+        .find_map(|x| match x.kind {
+            sched_ir::job::LayerKind::Embedding { vocab, .. } => Some(vocab as f64),
+            _ => None,
+        })
+        .unwrap();
+    let s = m.seq_len as f64;
+    let dp = sched_ir::Layout::of(&job).dp_size() as f64;
+    let batch = (m.micro_batch * u64::from(job.schedule.micro_steps)) as f64 * dp;
+    let flops = 96.0 * batch * s * l * h * h * (1.0 + s / (6.0 * h) + vocab / (16.0 * l * h));
+    let gpus = f64::from(job.schedule.gpus_per_node * job.schedule.nodes);
+    flops / (r.step_time_s * gpus) / 1e12
+}
+
+/// Why sched's program for Megatron's runs is slower than Megatron's (docs/simulation.md).
+const NOT_MEGATRON: &str =
+    "fp32 tensor partials (Megatron all-reduces 16-bit), embedding and head \
+     whole on every tensor rank and the head recomputed, the last gradient send chained behind the \
+     data-parallel all-reduces";
 
 const POINTS: &[Point] = &[
     Point {
@@ -142,6 +193,38 @@ const POINTS: &[Point] = &[
         predict: || simulate("calibration_fa2.sched", "fa2_gpt3_2_7b_8k").tflops_per_gpu,
     },
     Point {
+        name: "megatron_18b",
+        source: "Megatron-LM 2021 Table 1: GPT 18.4B, t = 8, 256 A100s, batch 1024",
+        what: "TFLOP/s/GPU",
+        published: 135.0,
+        check: Check::Differs(0.25, NOT_MEGATRON),
+        predict: || megatron_tflops("megatron_18b"),
+    },
+    Point {
+        name: "megatron_39b",
+        source: "Megatron-LM 2021 Table 1: GPT 39.1B, t = 8, p = 2, 512 A100s, batch 1536",
+        what: "TFLOP/s/GPU",
+        published: 138.0,
+        check: Check::Differs(0.25, NOT_MEGATRON),
+        predict: || megatron_tflops("megatron_39b"),
+    },
+    Point {
+        name: "megatron_76b",
+        source: "Megatron-LM 2021 Table 1: GPT 76.1B, t = 8, p = 4, 1024 A100s, batch 1792",
+        what: "TFLOP/s/GPU",
+        published: 140.0,
+        check: Check::Differs(0.25, NOT_MEGATRON),
+        predict: || megatron_tflops("megatron_76b"),
+    },
+    Point {
+        name: "megatron_146b",
+        source: "Megatron-LM 2021 Table 1: GPT 145.6B, t = 8, p = 8, 1536 A100s, batch 2304",
+        what: "TFLOP/s/GPU",
+        published: 148.0,
+        check: Check::Differs(0.25, NOT_MEGATRON),
+        predict: || megatron_tflops("megatron_146b"),
+    },
+    Point {
         name: "mics_all_gather_in_node",
         source: "MiCS §3.2: all-gather B_part, 8 V100s in one node",
         what: "GB/s",
@@ -168,6 +251,16 @@ fn check(p: &Point) -> f64 {
     let predicted = (p.predict)();
     let err = relative_error(predicted, p.published);
     match p.check {
+        Check::Differs(tol, why) => assert!(
+            err <= tol,
+            "{} ({}): predicted {predicted:.4} {}, published {} (error {:.1}% > {:.0}%; the programs differ: {why})",
+            p.name,
+            p.source,
+            p.what,
+            p.published,
+            100.0 * err,
+            100.0 * tol
+        ),
         Check::Within(tol) | Check::Fit(tol) => assert!(
             err <= tol,
             "{} ({}): predicted {predicted:.4} {}, published {} (error {:.1}% > {:.0}%)",
@@ -228,6 +321,26 @@ fn fa2_gpt3_2_7b_8k() {
 }
 
 #[test]
+fn megatron_18b() {
+    check(point("megatron_18b"));
+}
+
+#[test]
+fn megatron_39b() {
+    check(point("megatron_39b"));
+}
+
+#[test]
+fn megatron_76b() {
+    check(point("megatron_76b"));
+}
+
+#[test]
+fn megatron_146b() {
+    check(point("megatron_146b"));
+}
+
+#[test]
 fn mics_all_gather_in_node() {
     check(point("mics_all_gather_in_node"));
 }
@@ -251,6 +364,7 @@ fn calibration_points_median_error() {
         let note = match p.check {
             Check::Fit(_) => " (fitted; not in the median)",
             Check::KnownMiss(_) => " (known miss)",
+            Check::Differs(..) => " (another program; not in the median)",
             Check::Within(_) => "",
         };
         println!(
@@ -262,7 +376,7 @@ fn calibration_points_median_error() {
             p.source,
             p.what
         );
-        if !matches!(p.check, Check::Fit(_)) {
+        if !matches!(p.check, Check::Fit(_) | Check::Differs(..)) {
             errors.push(err);
         }
     }

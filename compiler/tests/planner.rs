@@ -65,7 +65,41 @@ schedule staged {
 }
 "#;
 
+/// A model whose transformer layers are too wide for a GPU without tensor parallelism: with
+/// t = 1, the whole layer's fp32 gradient workspace and gathered parameters do not fit 640 MiB
+/// under any sharding or pipeline split; each rank's slice with t = 2 or 4 does.
+const WIDE: &str = r#"
+cluster c {
+    nodes = 1
+    gpus_per_node = 4
+    gpu_memory = 640 MiB
+    peak_flops = 100 TFLOPS
+    intra_node { bandwidth = 100 GB/s  latency = 2 us }
+    inter_node { bandwidth = 100 Gbps  latency = 10 us }
+}
+
+model wide {
+    dtype = bf16
+    seq_len = 256
+    micro_batch = 1
+    layer embed = embedding(vocab = 1024, hidden = 1024)
+    layer block[2] = transformer(hidden = 1024, heads = 8, ffn = 16384)
+    layer head = lm_head(hidden = 1024, vocab = 1024)
+}
+
+schedule wide_base {
+    model = wide
+    cluster = c
+    nodes = 1
+    micro_steps = 4
+    preset = zero3
+}
+"#;
+
 fn job(name: &str) -> Job {
+    if name == "wide_base" {
+        return job_from(WIDE, name);
+    }
     job_from(SOURCE, name)
 }
 
@@ -88,14 +122,15 @@ fn sample(base: &Job, step: usize) -> Vec<Job> {
 
 #[test]
 fn floors_never_exceed_what_the_compiler_and_simulator_report() {
-    for name in ["base", "deferred", "staged"] {
+    for name in ["base", "deferred", "staged", "wide_base"] {
         let base = job(name);
-        let cost = schedc::sim::cost::CostModel::new(&base);
         let mut checked = 0;
         for job in sample(&base, 2) {
             let Ok(program) = schedc::compile(&job) else {
                 continue;
             };
+            // The cost model of the candidate's tensor degree.
+            let cost = schedc::sim::cost::CostModel::new(&job);
             let label = format!("{name}: {:?}", space::structure_of(&job.schedule));
             let report = schedc::sim::simulate(&program, &job);
             let floor = bounds::step_time_floor(&job, |l, k| cost.compute_seconds(l, k));
@@ -123,6 +158,12 @@ fn floors_never_exceed_what_the_compiler_and_simulator_report() {
             checked += 1;
         }
         assert!(checked > 20, "{name}: only {checked} structures lowered");
+        if name == "wide_base" || name == "staged" {
+            assert!(
+                sample(&base, 2).iter().any(|j| j.schedule.tensor.size > 1),
+                "{name}: no tensor-parallel structure was floored"
+            );
+        }
     }
 }
 
@@ -230,8 +271,13 @@ fn the_search_stages_untied_models_and_keeps_the_global_batch() {
     assert!(staged
         .iter()
         .any(|s| s.schedule == sched_ir::job::PipelineSchedule::Interleaved1F1B));
+    // d = 8 / (p·t) data-parallel ranks of m micro-batches each, tensor groups included.
+    assert!(
+        splits.iter().any(|s| s.tensor == 4 && s.stages == 2),
+        "{splits:?}"
+    );
     for s in &splits {
-        assert_eq!(8 / s.stages * s.micro_steps, global, "{s:?}");
+        assert_eq!(8 / (s.stages * s.tensor) * s.micro_steps, global, "{s:?}");
     }
     // A tied head (keeping a replica of the embedding where it needs one) and clipping (its norm
     // summed over the stages) stage as well, with every ZeRO preset, ZB-V included.
@@ -258,6 +304,42 @@ fn the_search_stages_untied_models_and_keeps_the_global_batch() {
     .unwrap();
     assert_eq!(planned.ranked.len(), 3);
     assert_eq!(planned.stats.structures, space::structures(&base).len());
+}
+
+/// hpZ's secondary shard is not lowered with tensor parallelism (its groups would mix tensor
+/// indices): `Job::tensor_not_lowered` refuses it, and the search, asking it, never enumerates it
+/// with t > 1, while it still does with t = 1.
+#[test]
+fn the_search_asks_what_tensor_parallelism_does_not_lower() {
+    let base = job("deferred");
+    let structures = space::structures(&base);
+    let node = |s: &space::Structure| {
+        matches!(
+            s.reshard_after_forward,
+            sched_ir::job::ReshardAfterForward::Node { .. }
+        )
+    };
+    assert!(structures.iter().any(|s| s.split.tensor > 1));
+    assert!(structures.iter().any(|s| s.split.tensor == 1 && node(s)));
+    assert!(!structures.iter().any(|s| s.split.tensor > 1 && node(s)));
+    let mut hpz = base.clone();
+    hpz.schedule.tensor = sched_ir::job::Tensor {
+        size: 2,
+        sequence: false,
+    };
+    let mesh = sched_ir::job::Mesh { intra: 2, inter: 2 };
+    hpz.schedule.shard = sched_ir::job::Shard {
+        params: mesh,
+        grads: mesh,
+        optimizer: mesh,
+    };
+    hpz.schedule.reshard_after_forward = sched_ir::job::ReshardAfterForward::Node { secondary: 2 };
+    assert!(hpz.tensor_not_lowered().unwrap().contains("hpZ"));
+    let Err(refused) = schedc::compile(&hpz) else {
+        panic!("hpZ with t = 2 compiled");
+    };
+    let refused = refused.to_string();
+    assert!(refused.contains("hpZ"), "{refused}");
 }
 
 #[test]
@@ -364,4 +446,72 @@ fn the_command_prints_a_table_and_json_with_fragments() {
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("base, deferred"));
     assert!(out.stdout.is_empty());
+}
+
+#[test]
+fn the_search_splits_layers_that_do_not_fit_whole() {
+    let base = job("wide_base");
+    let gpu = base.cluster.gpu_memory;
+    // t: the divisors of the 4 GPUs per node that heads 8 and ffn 16384 divide, composed with
+    // pipelines (4 layers: p = 2 with t = 2) and keeping the global batch (16 sequences).
+    let splits = space::splits(&base);
+    let degrees: Vec<u32> = space::tensor_degrees(&base);
+    assert_eq!(degrees, [1, 2, 4]);
+    assert!(
+        splits.iter().any(|s| s.tensor == 2 && s.stages == 2),
+        "{splits:?}"
+    );
+    for s in &splits {
+        assert_eq!(4 / (s.tensor * s.stages) * s.micro_steps, 16, "{s:?}");
+        // Split backwards are not lowered with t > 1: never proposed.
+        let split_backward = matches!(
+            s.schedule,
+            sched_ir::job::PipelineSchedule::ZbH1 | sched_ir::job::PipelineSchedule::Zbv
+        );
+        assert!(s.tensor == 1 || !(s.stages > 1 && split_backward), "{s:?}");
+    }
+    // No whole-layer schedule fits: every t = 1 structure is over the GPU, by its floor or
+    // once compiled.
+    for job in sample(&base, 1)
+        .into_iter()
+        .filter(|j| j.schedule.tensor.size == 1)
+    {
+        let over = bounds::memory_floor(&job) > gpu
+            || schedc::compile(&job).map_or(true, |p| p.arena_bytes > gpu);
+        assert!(
+            over,
+            "{:?} fits without tensor parallelism",
+            space::structure_of(&job.schedule)
+        );
+    }
+    let result = planner::plan(
+        &base,
+        &Options {
+            top: 3,
+            threads: 2,
+            tune_knobs: true,
+        },
+        &|_| {},
+    )
+    .unwrap();
+    assert!(!result.ranked.is_empty(), "{:?}", result.stats);
+    for r in &result.ranked {
+        assert!(
+            r.job.schedule.tensor.size > 1,
+            "{:?}",
+            r.job.schedule.tensor
+        );
+        assert!(r.report.fits && r.report.peak_memory_bytes <= gpu);
+    }
+    // The pick, written as a fragment beside its source, compiles, verifies and simulates to the
+    // step time the planner predicted for it.
+    let best = &result.ranked[0];
+    let text = fragment::fragment(&best.job, "picked");
+    assert!(text.contains("tensor { size = "), "{text}");
+    let back = job_from(&format!("{WIDE}\n{text}"), "picked");
+    let program = schedc::compile(&back).unwrap();
+    let report = schedc::sim::simulate(&program, &back);
+    assert_eq!(report.step_time_s, best.report.step_time_s, "{text}");
+    assert_eq!(report.peak_memory_bytes, best.report.peak_memory_bytes);
+    assert!(report.fits);
 }

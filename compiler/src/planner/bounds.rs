@@ -26,6 +26,15 @@
 //!   contention only adds (to compute, and between collectives). A collective the cluster gives
 //!   `measured` bandwidths for is floored at zero (a measurement may beat the link model).
 //!
+//! With tensor parallelism (t > 1), a rank holds its slice of every split layer
+//! (`sched_ir::tensor::rank_params`: 1/t of the products' weights, the norms and row-parallel
+//! biases whole) and the embedding and head whole; it saves 1/t of what the products and the
+//! attention save and the norms' inputs and the residual stream whole (a floor of any slicing
+//! of the saved activations; the lowering today keeps the whole layer's); its compute stream
+//! runs each sublayer's phases, at the cost model's narrower products, with the tensor group's
+//! all-reduce of the fp32 partial between them (floored by its bandwidth terms on the node's
+//! links), and its workspace is the slice's (`lower::workspace::slice_floats`).
+//!
 //! With pipeline stages, each stage is floored as a job of its own ([`stage_jobs`]: its chunks'
 //! layers on its data-parallel mesh, the pipeline's micro-batches): its memory floor, and its
 //! compute and collective sums (a stage's compute stream runs its ops one after another, and its
@@ -40,6 +49,85 @@ use sched_ir::ir::{ComputeKind, Program};
 use sched_ir::job::{
     Collective, GradSync, Job, Layer, LayerKind, Mesh, Recompute, Refresh, ReshardAfterForward,
 };
+use sched_ir::tensor::split_layers;
+
+/// Parameters one rank holds of `layer`: its tensor slice's when the lowering splits it.
+fn rank_params(job: &Job, layer: &Layer) -> u64 {
+    sched_ir::tensor::rank_params(layer, job.schedule.tensor.size).unwrap_or(layer.params)
+}
+
+/// The tensor-parallel sublayers `layer` is lowered as (`lower::tensor`): 2 for a split
+/// transformer (attention, MLP), 1 for a split mlp, 0 for a layer that runs whole.
+fn sublayers(job: &Job, layer: &Layer) -> u8 {
+    match layer.kind {
+        k @ LayerKind::Transformer(_) if split_layers(&k, job.schedule.tensor.size) => 2,
+        k @ LayerKind::Mlp(_) if split_layers(&k, job.schedule.tensor.size) => 1,
+        _ => 0,
+    }
+}
+
+/// A floor of the bytes `layer` saves for backward in one micro-step on one rank: the whole
+/// layer's, or for a tensor slice the norms' inputs (with their fp32 statistics) and the
+/// residual stream between sublayers whole, and 1/t of the rest (the products' and the
+/// attention's, which Megatron splits by heads and `ffn`).
+fn saved_floor(job: &Job, layer: &Layer) -> u64 {
+    let m = &job.model;
+    let whole = saved_bytes(&layer.kind, m);
+    let t = u64::from(job.schedule.tensor.size);
+    let tokens = m.micro_batch * m.seq_len;
+    let norm = |h: u64| tokens * h * m.dtype.bytes() + 2 * tokens * 4;
+    let replicated = match layer.kind {
+        _ if sublayers(job, layer) == 0 => return whole,
+        LayerKind::Transformer(tr) => 2 * norm(tr.hidden) + tokens * tr.hidden * m.dtype.bytes(),
+        LayerKind::Mlp(x) => norm(x.hidden),
+        _ => return whole,
+    }
+    .min(whole);
+    replicated + (whole - replicated) / t
+}
+
+/// Seconds of `layer`'s compute of `kind` in one micro-step on one rank, from `compute` (the cost
+/// model of `job`'s tensor degree): a split layer's forward and backward are its sublayers'
+/// phases with a floor of the tensor group's all-reduce of each partial between them (with
+/// recompute, every sublayer's open and the all-reduce and close of all but the last, as the
+/// lowering reruns them).
+fn layer_seconds(
+    job: &Job,
+    compute: &dyn Fn(&Layer, ComputeKind) -> f64,
+    layer: &Layer,
+    kind: ComputeKind,
+) -> f64 {
+    let n = sublayers(job, layer);
+    if n == 0 {
+        return compute(layer, kind);
+    }
+    let partial = sched_ir::abi::input_elements(&layer.kind, &job.model) * 4;
+    let group = Mesh {
+        intra: job.schedule.tensor.size,
+        inter: 1,
+    };
+    let reduce = collective_floor(job, Collective::AllReduce, group, partial, false, false);
+    let phases = |open: fn(u8) -> ComputeKind, close: fn(u8) -> ComputeKind, closed: u8| {
+        (0..n)
+            .map(|j| {
+                let closing = if j < closed {
+                    reduce + compute(layer, close(j))
+                } else {
+                    0.0
+                };
+                compute(layer, open(j)) + closing
+            })
+            .sum()
+    };
+    match kind {
+        ComputeKind::Forward => phases(ComputeKind::ForwardOpen, ComputeKind::ForwardClose, n),
+        ComputeKind::Recompute => {
+            phases(ComputeKind::ForwardOpen, ComputeKind::ForwardClose, n - 1)
+        }
+        ComputeKind::Backward => phases(ComputeKind::BackwardOpen, ComputeKind::BackwardClose, n),
+        _ => compute(layer, kind),
+    }
+}
 
 /// Elements every layer's flat parameter vector is padded to a multiple of (lowering §1).
 fn padding(job: &Job) -> u64 {
@@ -72,7 +160,7 @@ pub fn model_state_bytes(job: &Job) -> u64 {
         .iter()
         .chain(replica)
         .map(|l| {
-            let padded = l.params.div_ceil(pad) * pad;
+            let padded = rank_params(job, l).div_ceil(pad) * pad;
             padded / s.shard.params.size() * m.dtype.bytes()
                 + padded / s.shard.grads.size() * m.grad_dtype.bytes()
                 + padded / s.shard.optimizer.size() * opt
@@ -129,16 +217,15 @@ pub fn memory_floor(job: &Job) -> u64 {
         return stage_jobs(job).iter().map(memory_floor).max().unwrap_or(0);
     }
     let activations = match job.schedule.recompute {
-        Recompute::None => job
-            .model
-            .layers
-            .iter()
-            .map(|l| saved_bytes(&l.kind, &job.model))
-            .sum(),
+        Recompute::None => job.model.layers.iter().map(|l| saved_floor(job, l)).sum(),
         Recompute::Full => 0,
     };
+    let t = u64::from(job.schedule.tensor.size);
     let workspace = (0..job.model.layers.len())
-        .map(|l| workspace::layer_floats(&job.model, l) * 4)
+        .map(|l| match sublayers(job, &job.model.layers[l]) {
+            0 => workspace::layer_floats(&job.model, l) * 4,
+            _ => workspace::slice_floats(&job.model, l, t) * 4,
+        })
         .max()
         .map_or(0, |floats| floats + workspace::gemm_bytes(job));
     model_state_bytes(job) + activations + workspace
@@ -293,7 +380,8 @@ struct LayerFloor {
 }
 
 /// The floors of a job's step time; `compute` is the cost model's time of one layer's compute op
-/// for one micro-step (forward, backward, recompute, loss, update).
+/// for one micro-step (forward, backward, recompute, loss, update, and a tensor-parallel layer's
+/// phases), the cost model of `job` (of its tensor degree).
 ///
 /// Beyond the two sums, a critical-path floor: the first forward cannot start before the first
 /// layer's gather (and, with `refresh = next_forward`, its refresh) completes; the last micro-step's
@@ -325,8 +413,9 @@ fn floor(job: &Job, compute: &dyn Fn(&Layer, ComputeKind) -> f64, stage: bool) -
     }
     let s = &job.schedule;
     let m = &job.model;
+    let compute = |l: &Layer, k: ComputeKind| layer_seconds(job, compute, l, k);
     let ranks = Mesh {
-        intra: s.gpus_per_node,
+        intra: s.gpus_per_node / s.tensor.size.max(1),
         inter: s.nodes,
     };
     let sh = s.shard;
@@ -378,7 +467,7 @@ fn floor(job: &Job, compute: &dyn Fn(&Layer, ComputeKind) -> f64, stage: bool) -
                 return f;
             }
             f.update = update;
-            let padded = layer.params.div_ceil(pad) * pad;
+            let padded = rank_params(job, layer).div_ceil(pad) * pad;
             let full = padded * d;
             // Parameters, every micro-step: forward gather, then backward's (lowering §3).
             f.gather_forward = collective_floor(
@@ -479,6 +568,7 @@ fn pipeline_chain(
 ) -> f64 {
     let pipeline = &job.schedule.pipeline;
     let full = job.schedule.recompute == Recompute::Full;
+    let compute = |l: &Layer, k: ComputeKind| layer_seconds(job, compute, l, k);
     let chunk = |c: u32| -> (f64, f64) {
         job.model.layers[pipeline.layers_of_chunk(c)]
             .iter()

@@ -66,6 +66,14 @@ pub fn fragment(job: &Job, name: &str) -> String {
         bytes(s.buckets.gather),
         bytes(s.buckets.reduce)
     ));
+    if s.tensor.is_parallel() {
+        let sequence = if s.tensor.sequence {
+            "  sequence = true"
+        } else {
+            ""
+        };
+        line(format!("tensor {{ size = {}{sequence} }}", s.tensor.size));
+    }
     let pp = &s.pipeline;
     if pp.is_pipelined() {
         let chunks: Vec<String> = pp.chunks.iter().map(u32::to_string).collect();

@@ -4,8 +4,8 @@
 //! memory formula, every candidate that could win is compiled and simulated, so overlap, prefetch,
 //! buckets and contention count, and memory is the real memory plan's arena.
 //!
-//! 1. **Enumerate** every structure ([`space`]: meshes × resharding × gradient sync × all-gather
-//!    algorithm) with the base schedule's knobs.
+//! 1. **Enumerate** every structure ([`space`]: tensor-parallel degree × pipeline split × meshes
+//!    × resharding × gradient sync × all-gather algorithm) with the base schedule's knobs.
 //! 2. **Floor** each one analytically ([`bounds`]), in chunks on the worker threads: a memory floor
 //!    (its shards, the activations of one micro-step and the compute stream's workspace) above the
 //!    GPU drops it; a step-time
@@ -166,7 +166,6 @@ pub fn plan(
     let threads = options.threads.max(1);
     let gpu = base.cluster.gpu_memory;
     let knobs = Knobs::of(&base.schedule);
-    let cost = CostModel::new(base);
     let structures = space::structures(base);
     let mut stats = SearchStats {
         structures: structures.len(),
@@ -181,6 +180,8 @@ pub fn plan(
             .map(|structure| {
                 let job = space::apply(base, structure, &knobs);
                 (bounds::memory_floor(&job) <= gpu).then(|| {
+                    // The cost model of the candidate's tensor degree (its narrower products).
+                    let cost = CostModel::new(&job);
                     bounds::step_time_floor(&job, |l, k| cost.compute_seconds(l, k)).seconds()
                 })
             })

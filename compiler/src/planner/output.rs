@@ -15,6 +15,9 @@ pub struct PlannedJson {
     pub reshard_after_forward: String,
     pub grad_sync: &'static str,
     pub all_gather: &'static str,
+    /// Tensor parallelism, when the schedule splits layers over t > 1 ranks (absent otherwise).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tensor: Option<TensorJson>,
     /// Pipeline stages, when the schedule has more than one (absent otherwise).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub pipeline: Option<PipelineJson>,
@@ -42,6 +45,14 @@ pub struct ShardJson {
     pub params: String,
     pub grads: String,
     pub optimizer: String,
+}
+
+#[derive(Serialize)]
+pub struct TensorJson {
+    /// t, the ranks of a tensor group.
+    pub size: u32,
+    /// Micro-batches per step of each data-parallel rank (d·m keeps the global batch).
+    pub micro_steps: u32,
 }
 
 #[derive(Serialize)]
@@ -123,6 +134,10 @@ pub fn json(base: &Job, result: &PlanResult) -> Vec<PlannedJson> {
                 reshard_after_forward: reshard(s.reshard_after_forward),
                 grad_sync: s.grad_sync.name(),
                 all_gather: s.all_gather.name(),
+                tensor: s.tensor.is_parallel().then_some(TensorJson {
+                    size: s.tensor.size,
+                    micro_steps: s.micro_steps,
+                }),
                 pipeline: s.pipeline.is_pipelined().then(|| PipelineJson {
                     stages: s.pipeline.stages,
                     virtual_stages: s.pipeline.virtual_stages,
@@ -210,6 +225,11 @@ pub fn table(base: &Job, result: &PlanResult) -> String {
         .ranked
         .iter()
         .any(|r| r.job.schedule.pipeline.is_pipelined());
+    // A tensor column only when some schedule splits layers.
+    let tensors = result
+        .ranked
+        .iter()
+        .any(|r| r.job.schedule.tensor.is_parallel());
     let mut header = vec![
         "#",
         "params",
@@ -229,6 +249,10 @@ pub fn table(base: &Job, result: &PlanResult) -> String {
     if pipelines {
         header.insert(1, "pipeline");
     }
+    if tensors {
+        header.insert(1, "tensor");
+    }
+    let first_number = header.iter().position(|h| *h == "step").unwrap_or(0);
     let rows: Vec<Vec<String>> = result
         .ranked
         .iter()
@@ -269,6 +293,14 @@ pub fn table(base: &Job, result: &PlanResult) -> String {
                     },
                 );
             }
+            if tensors {
+                let cell = match (j.tensor.size, j.pipeline.is_pipelined()) {
+                    (1, _) => "-".to_string(),
+                    (t, true) => t.to_string(),
+                    (t, false) => format!("{t} m={}", j.micro_steps),
+                };
+                row.insert(1, cell);
+            }
             row
         })
         .collect();
@@ -288,7 +320,7 @@ pub fn table(base: &Job, result: &PlanResult) -> String {
             .enumerate()
             .map(|(c, (cell, w))| {
                 // Numbers right-aligned, words left-aligned.
-                if c == 0 || c >= 9 {
+                if c == 0 || c >= first_number {
                     format!("{cell:>w$}")
                 } else {
                     format!("{cell:<w$}")

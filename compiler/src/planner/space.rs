@@ -18,7 +18,13 @@
 //!   replica of the embedding where it needs one, and clipping sums its norm over the stages, so
 //!   neither limits the splits.
 //!
-//! Tensor parallelism is not searched: every candidate has t = 1 (it is not lowered yet).
+//! - a **tensor-parallel degree** t (Megatron's split of transformer and mlp layers, without
+//!   sequence parallelism): every divisor of the GPUs per node that the model's layers split by
+//!   (heads, kv_heads and ffn divisible by t, no `dense` layer: [`tensor_degrees`]), composed
+//!   with every pipeline split; d = ranks/(p·t) and m keep the global batch, and the shard meshes
+//!   are read over the data-parallel mesh of one tensor index. Splits and structures the lowering
+//!   refuses with t > 1 (`Job::tensor_not_lowered`: split backwards, clipping, hpZ's secondary
+//!   shard) are left out by asking it.
 //!
 //! Choices that cannot change the program are not enumerated twice: resharding, prefetch and the
 //! gather algorithm only where parameters are sharded; hpZ's node-local secondary shard only where
@@ -44,9 +50,10 @@ pub struct Structure {
 }
 
 /// A pipeline split: p stages of v chunks each, run in `schedule`'s order over `micro_steps`
-/// micro-batches (p = 1: no pipeline, the base schedule's micro-steps).
+/// micro-batches (p = 1: no pipeline), with tensor groups of `tensor` ranks (t; 1: none).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Split {
+    pub tensor: u32,
     pub stages: u32,
     pub virtual_stages: u32,
     pub schedule: PipelineSchedule,
@@ -59,34 +66,101 @@ pub const MAX_STAGES: u32 = 64;
 /// Chunks per stage the search tries with `interleaved_1f1b`.
 pub const INTERLEAVE: [u32; 2] = [2, 4];
 
-/// Every pipeline split of `job` the lowering can run (see the module doc), p = 1 first.
+/// The tensor-parallel degrees the search tries for `job`: every divisor t of the GPUs per node
+/// used (rule 1) by which every layer can be sliced (rule 3: `sched_ir::tensor` refuses heads,
+/// kv_heads or ffn not divisible by t and `dense` layers, the rule the language checks).
+pub fn tensor_degrees(job: &Job) -> Vec<u32> {
+    divisors(job.schedule.gpus_per_node)
+        .into_iter()
+        .filter(|&t| {
+            job.model
+                .layers
+                .iter()
+                .all(|l| sched_ir::tensor::rank_params(l, t).is_ok())
+        })
+        .collect()
+}
+
+/// Every split of `job` the lowering can run (see the module doc), t = 1 and p = 1 first.
 pub fn splits(job: &Job) -> Vec<Split> {
+    let s = &job.schedule;
+    let ranks = s.gpus_per_node * s.nodes;
+    let base_dp = ranks / (s.pipeline.stages.max(1) * s.tensor.size.max(1));
+    // Sequences of the global batch, in micro-batches: d·m for every split.
+    let global = u64::from(base_dp) * u64::from(s.micro_steps);
+    let mut out = vec![];
+    for t in tensor_degrees(job) {
+        out.extend(
+            pipeline_splits(job, t, global)
+                .into_iter()
+                .filter(|split| !refused_with_tensor(job, split)),
+        );
+    }
+    out
+}
+
+/// Whether the lowering refuses `split` for `job` (`Job::tensor_not_lowered`: what tensor
+/// parallelism does not compose with yet), asked of the job the split makes.
+fn refused_with_tensor(job: &Job, split: &Split) -> bool {
+    split.tensor > 1 && probe(job, split).tensor_not_lowered().is_some()
+}
+
+/// `job` with `split`'s tensor groups and pipeline (its order generated), to ask
+/// `Job::tensor_not_lowered` of.
+fn probe(job: &Job, split: &Split) -> Job {
+    let mut probe = job.clone();
+    let s = &mut probe.schedule;
+    s.tensor = Tensor {
+        size: split.tensor,
+        sequence: false,
+    };
+    s.pipeline = Pipeline::default();
+    if split.stages > 1 {
+        s.pipeline.stages = split.stages;
+        s.pipeline.virtual_stages = split.virtual_stages;
+        s.pipeline.schedule = split.schedule;
+        s.pipeline.order = sched_ir::orders::generate(
+            split.schedule,
+            split.stages,
+            split.virtual_stages,
+            split.micro_steps,
+        );
+    }
+    probe
+}
+
+/// The pipeline splits with tensor groups of `t`, p = 1 first, keeping `global` micro-batches.
+fn pipeline_splits(job: &Job, t: u32, global: u64) -> Vec<Split> {
     let s = &job.schedule;
     let layers = job.model.layers.len() as u32;
     let ranks = s.gpus_per_node * s.nodes;
-    let base_dp = ranks / s.pipeline.stages.max(1);
-    // Sequences of the global batch, in micro-batches: d·m for every split.
-    let global = u64::from(base_dp) * u64::from(s.micro_steps);
-    let mut out = vec![Split {
-        stages: 1,
-        virtual_stages: 1,
-        schedule: PipelineSchedule::default(),
-        micro_steps: (global / u64::from(ranks)) as u32,
-    }];
-    if global % u64::from(ranks) != 0 {
-        out.clear();
+    let mut out = vec![];
+    let dp = u64::from(ranks / t);
+    if global.is_multiple_of(dp) {
+        out.push(Split {
+            tensor: t,
+            stages: 1,
+            virtual_stages: 1,
+            schedule: PipelineSchedule::default(),
+            micro_steps: (global / dp) as u32,
+        });
     }
     let g = s.gpus_per_node;
-    for p in divisors(ranks)
+    for p in divisors(ranks / t)
         .into_iter()
         .filter(|&p| p > 1 && p <= MAX_STAGES.min(layers))
     {
-        let d = ranks / p;
-        if !(d.is_multiple_of(g) || g.is_multiple_of(d)) || global % u64::from(d) != 0 {
+        // A stage's d·t ranks hold whole nodes or lie inside one (rule 2).
+        let stage = ranks / p;
+        let d = stage / t;
+        if !(stage.is_multiple_of(g) || g.is_multiple_of(stage))
+            || !global.is_multiple_of(u64::from(d))
+        {
             continue;
         }
         let m = (global / u64::from(d)) as u32;
         let split = |schedule, v| Split {
+            tensor: t,
             stages: p,
             virtual_stages: v,
             schedule,
@@ -241,14 +315,17 @@ pub fn structures(base: &Job) -> Vec<Structure> {
         .collect()
 }
 
-/// The structures of one pipeline split: the shard choices over a stage's data-parallel mesh.
+/// The structures of one split: the shard choices over a stage's data-parallel mesh (of one
+/// tensor index: `G/t x` the stage's nodes when a stage holds whole nodes, `d x 1` inside one).
 fn split_structures(job: &Job, split: Split) -> Vec<Structure> {
     let base = &job.schedule;
-    let ranks = base.gpus_per_node * base.nodes / split.stages;
-    let gpus = base.gpus_per_node.min(ranks);
-    let nodes = ranks / gpus;
-    let ranks = u64::from(ranks);
+    let stage = base.gpus_per_node * base.nodes / split.stages;
+    let per_node = base.gpus_per_node.min(stage);
+    let nodes = stage / per_node;
+    let gpus = per_node / split.tensor;
+    let ranks = u64::from(gpus * nodes);
     let mut out = vec![];
+    let mut asked = (split.tensor > 1).then(|| probe(job, &split));
     let shards = if split.stages == 1 {
         shard_meshes(gpus, nodes)
     } else {
@@ -276,6 +353,13 @@ fn split_structures(job: &Job, split: Split) -> Vec<Structure> {
         if shard.params.inter > 1 && shard.params.intra > 1 {
             gathers.push(AllGatherAlgo::Hierarchical);
         }
+        // What tensor parallelism does not lower yet is asked of the job (hpZ's secondary shard).
+        if let Some(asked) = asked.as_mut() {
+            reshards.retain(|&r| {
+                asked.schedule.reshard_after_forward = r;
+                asked.tensor_not_lowered().is_none()
+            });
+        }
         for &reshard_after_forward in &reshards {
             for &grad_sync in &syncs {
                 for &all_gather in &gathers {
@@ -299,6 +383,12 @@ pub fn apply(base: &Job, structure: &Structure, knobs: &Knobs) -> Job {
     let mut job = base.clone();
     let split = structure.split;
     job.schedule.micro_steps = split.micro_steps;
+    // Sequence parallelism is not lowered yet: the search splits layers only. (Set before the
+    // chunks are balanced: a split layer weighs its slice's phases.)
+    job.schedule.tensor = Tensor {
+        size: split.tensor,
+        sequence: false,
+    };
     job.schedule.pipeline = if split.stages == 1 {
         Pipeline::default()
     } else {
@@ -319,8 +409,6 @@ pub fn apply(base: &Job, structure: &Structure, knobs: &Knobs) -> Job {
     };
     let s = &mut job.schedule;
     s.preset = None;
-    // The search keeps to t = 1: tensor parallelism is not lowered yet.
-    s.tensor = Tensor::default();
     s.shard = structure.shard;
     s.reshard_after_forward = structure.reshard_after_forward;
     s.grad_sync = structure.grad_sync;
@@ -341,6 +429,7 @@ pub fn apply(base: &Job, structure: &Structure, knobs: &Knobs) -> Job {
 pub fn structure_of(s: &Schedule) -> Structure {
     Structure {
         split: Split {
+            tensor: s.tensor.size.max(1),
             stages: s.pipeline.stages.max(1),
             virtual_stages: s.pipeline.virtual_stages.max(1),
             schedule: s.pipeline.schedule,

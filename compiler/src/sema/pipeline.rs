@@ -579,8 +579,8 @@ pub fn balanced_chunks(job: &Job, k: u32) -> Vec<u32> {
         .layers
         .iter()
         .map(|l| {
-            cost.compute_seconds(l, ComputeKind::Forward)
-                + cost.compute_seconds(l, ComputeKind::Backward)
+            cost.stream_seconds(l, ComputeKind::Forward)
+                + cost.stream_seconds(l, ComputeKind::Backward)
         })
         .collect();
     balanced(&costs, k as usize)

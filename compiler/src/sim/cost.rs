@@ -309,8 +309,12 @@ impl CostModel {
                 }
                 _ => mem(3.0 * self.tokens * self.dtype_bytes) + launch(2.0),
             },
+            // The rank's optimizer shard of its tensor slice (the whole layer's when it is not
+            // split).
             ComputeKind::Update => {
-                let shard = layer.params.div_ceil(self.optimizer_shards) as f64;
+                let params =
+                    sched_ir::tensor::rank_params(layer, self.tensor).unwrap_or(layer.params);
+                let shard = params.div_ceil(self.optimizer_shards) as f64;
                 self.memory_seconds(shard * self.optimizer_bytes_per_param)
             }
             ComputeKind::Accumulate => {
@@ -342,6 +346,39 @@ impl CostModel {
                 mem(self.tokens * h * (4.0 + 3.0 * self.grad_bytes)) + launch(2.0)
             }
         }
+    }
+
+    /// Seconds layer `layer`'s `kind` (forward, backward or recompute) keeps a rank's compute
+    /// stream busy in one micro-step: [`CostModel::compute_seconds`], or for a layer split over a
+    /// tensor group, its sublayers' phases and the tensor all-reduce of each fp32 partial
+    /// between them (on the compute stream, alone on the node's links), as `lower::tensor`
+    /// runs them (a recompute sums all but the last sublayer's partial). What `balanced`
+    /// pipeline chunks weigh.
+    pub fn stream_seconds(&self, layer: &Layer, kind: ComputeKind) -> f64 {
+        let n: u8 = match layer.kind {
+            k @ LayerKind::Transformer(_) if sched_ir::tensor::split_layers(&k, self.tensor) => 2,
+            k @ LayerKind::Mlp(_) if sched_ir::tensor::split_layers(&k, self.tensor) => 1,
+            _ => return self.compute_seconds(layer, kind),
+        };
+        type Phase = fn(u8) -> ComputeKind;
+        let (open, close, summed): (Phase, Phase, u8) = match kind {
+            ComputeKind::Forward => (ComputeKind::ForwardOpen, ComputeKind::ForwardClose, n),
+            ComputeKind::Recompute => (ComputeKind::ForwardOpen, ComputeKind::ForwardClose, n - 1),
+            ComputeKind::Backward => (ComputeKind::BackwardOpen, ComputeKind::BackwardClose, n),
+            _ => return self.compute_seconds(layer, kind),
+        };
+        let partial = (self.tokens * layer.kind.hidden().unwrap_or(0) as f64 * 4.0) as u64;
+        let reduce = self.collective_seconds(Collective::AllReduce, self.tensor, 1, partial);
+        (0..n)
+            .map(|j| {
+                let closing = if j < summed {
+                    reduce + self.compute_seconds(layer, close(j))
+                } else {
+                    0.0
+                };
+                self.compute_seconds(layer, open(j)) + closing
+            })
+            .sum()
     }
 
     /// Seconds of an attention kernel doing `flops` with inner size `head_dim` over `outputs`
