@@ -51,6 +51,8 @@ pub struct ShardJson {
 pub struct TensorJson {
     /// t, the ranks of a tensor group.
     pub size: u32,
+    /// Sequence parallelism.
+    pub sequence: bool,
     /// Micro-batches per step of each data-parallel rank (d·m keeps the global batch).
     pub micro_steps: u32,
 }
@@ -136,6 +138,7 @@ pub fn json(base: &Job, result: &PlanResult) -> Vec<PlannedJson> {
                 all_gather: s.all_gather.name(),
                 tensor: s.tensor.is_parallel().then_some(TensorJson {
                     size: s.tensor.size,
+                    sequence: s.tensor.sequence,
                     micro_steps: s.micro_steps,
                 }),
                 pipeline: s.pipeline.is_pipelined().then(|| PipelineJson {
@@ -294,10 +297,11 @@ pub fn table(base: &Job, result: &PlanResult) -> String {
                 );
             }
             if tensors {
+                let sp = if j.tensor.sequence { " sp" } else { "" };
                 let cell = match (j.tensor.size, j.pipeline.is_pipelined()) {
                     (1, _) => "-".to_string(),
-                    (t, true) => t.to_string(),
-                    (t, false) => format!("{t} m={}", j.micro_steps),
+                    (t, true) => format!("{t}{sp}"),
+                    (t, false) => format!("{t}{sp} m={}", j.micro_steps),
                 };
                 row.insert(1, cell);
             }

@@ -18,8 +18,8 @@
 //!   replica of the embedding where it needs one, and clipping sums its norm over the stages, so
 //!   neither limits the splits.
 //!
-//! - a **tensor-parallel degree** t (Megatron's split of transformer and mlp layers, without
-//!   sequence parallelism): every divisor of the GPUs per node that the model's layers split by
+//! - a **tensor-parallel degree** t (Megatron's split of transformer and mlp layers, each with
+//!   and without sequence parallelism where `seq_len` divides by t): every divisor of the GPUs per node that the model's layers split by
 //!   (heads, kv_heads and ffn divisible by t, no `dense` layer: [`tensor_degrees`]), composed
 //!   with every pipeline split; d = ranks/(p·t) and m keep the global batch, and the shard meshes
 //!   are read over the data-parallel mesh of one tensor index. Splits and structures the lowering
@@ -50,10 +50,12 @@ pub struct Structure {
 }
 
 /// A pipeline split: p stages of v chunks each, run in `schedule`'s order over `micro_steps`
-/// micro-batches (p = 1: no pipeline), with tensor groups of `tensor` ranks (t; 1: none).
+/// micro-batches (p = 1: no pipeline), with tensor groups of `tensor` ranks (t; 1: none), with
+/// sequence parallelism or not (`sequence`, only with t > 1).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Split {
     pub tensor: u32,
+    pub sequence: bool,
     pub stages: u32,
     pub virtual_stages: u32,
     pub schedule: PipelineSchedule,
@@ -90,9 +92,20 @@ pub fn splits(job: &Job) -> Vec<Split> {
     let global = u64::from(base_dp) * u64::from(s.micro_steps);
     let mut out = vec![];
     for t in tensor_degrees(job) {
+        // With t > 1, each split with and without sequence parallelism where the sequence
+        // splits by t (rule 3).
+        let sequence: &[bool] = match t > 1 && job.model.seq_len.is_multiple_of(u64::from(t)) {
+            true => &[false, true],
+            false => &[false],
+        };
         out.extend(
             pipeline_splits(job, t, global)
                 .into_iter()
+                .flat_map(|split| {
+                    sequence
+                        .iter()
+                        .map(move |&sequence| Split { sequence, ..split })
+                })
                 .filter(|split| !refused_with_tensor(job, split)),
         );
     }
@@ -112,7 +125,7 @@ fn probe(job: &Job, split: &Split) -> Job {
     let s = &mut probe.schedule;
     s.tensor = Tensor {
         size: split.tensor,
-        sequence: false,
+        sequence: split.sequence,
     };
     s.pipeline = Pipeline::default();
     if split.stages > 1 {
@@ -139,6 +152,7 @@ fn pipeline_splits(job: &Job, t: u32, global: u64) -> Vec<Split> {
     if global.is_multiple_of(dp) {
         out.push(Split {
             tensor: t,
+            sequence: false,
             stages: 1,
             virtual_stages: 1,
             schedule: PipelineSchedule::default(),
@@ -161,6 +175,7 @@ fn pipeline_splits(job: &Job, t: u32, global: u64) -> Vec<Split> {
         let m = (global / u64::from(d)) as u32;
         let split = |schedule, v| Split {
             tensor: t,
+            sequence: false,
             stages: p,
             virtual_stages: v,
             schedule,
@@ -383,11 +398,10 @@ pub fn apply(base: &Job, structure: &Structure, knobs: &Knobs) -> Job {
     let mut job = base.clone();
     let split = structure.split;
     job.schedule.micro_steps = split.micro_steps;
-    // Sequence parallelism is not lowered yet: the search splits layers only. (Set before the
-    // chunks are balanced: a split layer weighs its slice's phases.)
+    // (Set before the chunks are balanced: a split layer weighs its slice's phases.)
     job.schedule.tensor = Tensor {
         size: split.tensor,
-        sequence: false,
+        sequence: split.sequence,
     };
     job.schedule.pipeline = if split.stages == 1 {
         Pipeline::default()
@@ -430,6 +444,7 @@ pub fn structure_of(s: &Schedule) -> Structure {
     Structure {
         split: Split {
             tensor: s.tensor.size.max(1),
+            sequence: s.tensor.is_parallel() && s.tensor.sequence,
             stages: s.pipeline.stages.max(1),
             virtual_stages: s.pipeline.virtual_stages.max(1),
             schedule: s.pipeline.schedule,
