@@ -819,9 +819,7 @@ impl Job {
     }
 
     /// What tensor parallelism cannot lower yet in this job, when t > 1: a split backward
-    /// (`I`/`W` actions) of tensor-parallel layers, or hpZ's secondary shard (its groups are
-    /// `secondary` consecutive ranks, which with t > 1 mix tensor indices: the program fails
-    /// verification). `None` when it lowers.
+    /// (`I`/`W` actions) of tensor-parallel layers. `None` when it lowers.
     pub fn tensor_not_lowered(&self) -> Option<&'static str> {
         if !self.schedule.tensor.is_parallel() {
             return None;
@@ -833,16 +831,7 @@ impl Job {
             .iter()
             .flatten()
             .any(|a| matches!(a.kind, ActionKind::I | ActionKind::W));
-        if split {
-            Some("a split backward (`I`/`W` actions)")
-        } else if matches!(
-            self.schedule.reshard_after_forward,
-            ReshardAfterForward::Node { .. }
-        ) {
-            Some("hpZ's secondary shard (`reshard_after_forward = node`)")
-        } else {
-            None
-        }
+        split.then_some("a split backward (`I`/`W` actions)")
     }
 
     /// The tied head and its embedding when the head keeps a replica of the embedding's state

@@ -14,7 +14,9 @@
 mod common;
 
 use common::{plan_of, reference, train};
-use sched_ir::job::{Job, Mesh, Pipeline, PipelineSchedule, Recompute, Shard, Tensor};
+use sched_ir::job::{
+    Job, Mesh, Pipeline, PipelineSchedule, Recompute, ReshardAfterForward, Shard, Tensor,
+};
 use schedrun::backend::cpu::CpuBackend;
 use schedrun::backend::RunOptions;
 use std::time::Duration;
@@ -123,6 +125,16 @@ fn tensor_slices_sharded_by_zero_match_the_reference() {
         check(&job, RunOptions::default(), STEPS, "plain");
         jittered(&job, 7);
     }
+}
+
+/// hpZ with tensor groups: each secondary group is k data-parallel ranks of one tensor index.
+#[test]
+fn tensor_slices_under_hpz_match_the_reference() {
+    let mut job = job("tiny_gpt", 8, 2, [4, 4, 4], 1);
+    job.schedule.reshard_after_forward = ReshardAfterForward::Node { secondary: 2 };
+    job.schedule.name.push_str("_hpz2");
+    check(&job, RunOptions::default(), STEPS, "plain");
+    jittered(&job, 31);
 }
 
 #[test]

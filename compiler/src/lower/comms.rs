@@ -135,9 +135,12 @@ impl Builder<'_> {
             CommKind::Secondary => {
                 let k = l.secondary.unwrap_or(1);
                 let secondary = index(ShardIndex::Secondary);
+                // k data-parallel neighbours of one node (and, by `groups_by`, of one stage and
+                // tensor index: with t > 1 consecutive ranks are tensor peers, not replicas).
+                let key = |r: u32| u64::from(l.node(r)) << 32 | u64::from(l.dp_local(r) / k);
                 (
                     format!("secondary shards over {k} GPUs"),
-                    l.groups_by(|r| u64::from(r / k), |r| secondary[r as usize]),
+                    l.groups_by(key, |r| secondary[r as usize]),
                 )
             }
             CommKind::P2p {

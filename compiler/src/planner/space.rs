@@ -23,8 +23,8 @@
 //!   (heads, kv_heads and ffn divisible by t, no `dense` layer: [`tensor_degrees`]), composed
 //!   with every pipeline split; d = ranks/(p·t) and m keep the global batch, and the shard meshes
 //!   are read over the data-parallel mesh of one tensor index. Splits and structures the lowering
-//!   refuses with t > 1 (`Job::tensor_not_lowered`: split backwards, clipping, hpZ's secondary
-//!   shard) are left out by asking it.
+//!   refuses with t > 1 (`Job::tensor_not_lowered`: split backwards) are left out by asking
+//!   it.
 //!
 //! Choices that cannot change the program are not enumerated twice: resharding, prefetch and the
 //! gather algorithm only where parameters are sharded; hpZ's node-local secondary shard only where
@@ -368,7 +368,7 @@ fn split_structures(job: &Job, split: Split) -> Vec<Structure> {
         if shard.params.inter > 1 && shard.params.intra > 1 {
             gathers.push(AllGatherAlgo::Hierarchical);
         }
-        // What tensor parallelism does not lower yet is asked of the job (hpZ's secondary shard).
+        // What tensor parallelism does not lower yet is asked of the job.
         if let Some(asked) = asked.as_mut() {
             reshards.retain(|&r| {
                 asked.schedule.reshard_after_forward = r;
