@@ -117,9 +117,12 @@ struct Cli {
     /// Write a checkpoint (weights, optimizer state, step) after the last step.
     #[arg(long, value_name = "F")]
     save: Option<PathBuf>,
-    /// Write the weights after the last step in Hugging Face layout (GPT-2 or LLaMA names, fp32
-    /// safetensors), for `transformers`' `from_pretrained`; no optimizer state.
-    #[arg(long, value_name = "F")]
+    /// Write the weights after the last step in Hugging Face layout (GPT-2 or LLaMA names;
+    /// bf16 for a bf16 model, else fp32) with the family's `config.json`, for `transformers`'
+    /// `from_pretrained`; no optimizer state. F ending in `.safetensors` is the weights file
+    /// (config.json beside it); any other F is a folder receiving `model.safetensors` and
+    /// `config.json`.
+    #[arg(long, value_name = "F|DIR")]
     save_hf: Option<PathBuf>,
     /// Continue from a checkpoint, under this or any other schedule: a file written by `--save`,
     /// a folder of `--checkpoints` (its newest complete entry) or one entry of it.
@@ -463,7 +466,6 @@ fn check_outputs(cli: &Cli, saving: &Saving) -> Result<(), Failure> {
     let files = [
         ("--save-init", &cli.save_init),
         ("--save", &cli.save),
-        ("--save-hf", &cli.save_hf),
         ("--trace", &cli.trace),
         ("--plot", &cli.plot),
     ];
@@ -480,19 +482,28 @@ fn check_outputs(cli: &Cli, saving: &Saving) -> Result<(), Failure> {
         };
         why.map_err(|why| Failure::fault(format!("cannot write {} ({flag}): {why}", f.display())))?;
     }
+    if let Some(f) = &cli.save_hf {
+        // The weights and their config.json; a folder named by `--save-hf` is made at the end.
+        let (weights, config) = schedrun::hf::save_paths(f);
+        for f in [&weights, &config] {
+            let dir = f
+                .parent()
+                .filter(|d| !d.as_os_str().is_empty())
+                .unwrap_or(Path::new("."));
+            let why = if f.is_dir() {
+                Err("it is a folder".to_string())
+            } else {
+                writable_folder(nearest_existing(dir))
+            };
+            why.map_err(|why| {
+                Failure::fault(format!("cannot write {} (--save-hf): {why}", f.display()))
+            })?;
+        }
+    }
     if let Some(d) = &saving.dir {
         // The folder is made at the first checkpoint: its nearest existing ancestor must be a
         // folder this process can write in.
-        let mut at = d.as_path();
-        while !at.exists() {
-            match at.parent().filter(|p| !p.as_os_str().is_empty()) {
-                Some(p) => at = p,
-                None => {
-                    at = Path::new(".");
-                    break;
-                }
-            }
-        }
+        let at = nearest_existing(d);
         writable_folder(at).map_err(|why| {
             Failure::fault(format!(
                 "cannot write checkpoints into {} (--checkpoints): {why}",
@@ -501,6 +512,18 @@ fn check_outputs(cli: &Cli, saving: &Saving) -> Result<(), Failure> {
         })?;
     }
     Ok(())
+}
+
+/// `d` or its nearest ancestor that exists (`.` for a relative path none of whose ancestors do).
+fn nearest_existing(d: &Path) -> &Path {
+    let mut at = d;
+    while !at.exists() {
+        match at.parent().filter(|p| !p.as_os_str().is_empty()) {
+            Some(p) => at = p,
+            None => return Path::new("."),
+        }
+    }
+    at
 }
 
 /// Whether a file can be created in `dir`: it is a folder and a probe file can be created there.
@@ -785,7 +808,8 @@ fn run_steps<B: Backend>(
     }
     if let Some(f) = &cli.save_hf {
         let state = trainer.state().map_err(Failure::fault)?;
-        schedrun::hf::save(f, &model, &state).map_err(Failure::fault)?;
+        let (weights, config) = schedrun::hf::save(f, &model, &state).map_err(Failure::fault)?;
+        eprintln!("wrote {} and {}", weights.display(), config.display());
     }
     write_plot(cli, &plan, &curve)?;
     if let (Some(f), Some((time, spans))) = (&cli.trace, &last) {
