@@ -4,7 +4,9 @@
 //! validation loss against the training loss of the same batches; the loss plot. Every file is
 //! made here, in a temporary folder: nothing is downloaded.
 
-use schedrun::data::{Corpus, DataError, Format, FormatProblem, TextTokenizer, Tokens};
+use schedrun::data::{
+    BatchShape, Corpus, DataError, Format, FormatProblem, TextTokenizer, Tokens, Windows,
+};
 use schedrun::plot::LossCurve;
 use std::path::{Path, PathBuf};
 
@@ -277,6 +279,97 @@ fn damaged() -> Vec<(&'static str, Vec<u8>, &'static str)> {
             "NumPy format version 9.0",
         ),
     ]
+}
+
+/// `--windows seeded` (an opt-in; the default stays the batch rule): the same seed gives the same
+/// windows, another seed others; the windows stay inside the file and the rank split of the
+/// batch rule holds (a rank's micro-batch is its sequences of the global batch).
+#[test]
+fn seeded_windows_repeat_for_a_seed_and_differ_for_another() {
+    let dir = temp("seeded");
+    let tokens: Vec<u16> = (0..5000).map(|i| (i % 4000) as u16).collect();
+    let p = write(&dir, "t.bin", &llmc(&tokens));
+    let strided = Corpus::open(&p, None).unwrap();
+    assert_eq!(strided.windows(), Windows::Strided, "the default");
+    let seeded = |seed| {
+        Corpus::open(&p, None)
+            .unwrap()
+            .with_windows(Windows::Seeded(seed))
+    };
+    let (a, a2, b) = (seeded(7), seeded(7), seeded(8));
+    let span = 5000 - 16 - 1;
+    let starts = |c: &Corpus| {
+        (0..200)
+            .map(|g| c.offset(g, 16).unwrap())
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(starts(&a), starts(&a2));
+    assert_ne!(starts(&a), starts(&b));
+    assert_ne!(starts(&a), starts(&strided));
+    assert!(starts(&a).iter().all(|&o| o < span));
+    // Spread over the file, not bunched: every tenth of it is hit.
+    let mut tenths = [0; 10];
+    starts(&a).iter().for_each(|&o| tenths[o * 10 / span] += 1);
+    assert!(tenths.iter().all(|&n| n > 0), "{tenths:?}");
+    for step in 0..3 {
+        let global = a.global_batch(step, 8, 16).unwrap();
+        assert_eq!(global, a2.global_batch(step, 8, 16).unwrap());
+        assert_ne!(global, b.global_batch(step, 8, 16).unwrap());
+        // Sequence k of the global batch is sequence step·B + k, as with the batch rule.
+        let shape = BatchShape {
+            ranks: 4,
+            micro_steps: 2,
+            micro_batch: 1,
+            seq_len: 16,
+        };
+        for m in 0..2 {
+            for r in 0..4 {
+                let (x, y) = a.batch(&shape, (step, m, r)).unwrap();
+                let k = m * 4 + r;
+                assert_eq!(x, global.inputs[k * 16..(k + 1) * 16]);
+                assert_eq!(y, global.targets[k * 16..(k + 1) * 16]);
+            }
+        }
+    }
+}
+
+/// Parity twins still match with seeded windows: ZeRO-3 (`tiny_cpu.sched`) and ZeRO-1 on the
+/// same 4 ranks (the same global batch) give the same losses, run to run; and the flag changes
+/// the losses from the strided default, which `--windows strided` keeps.
+#[test]
+fn seeded_windows_keep_the_parity_of_zero3_and_zero1() {
+    let run = |file: &str, schedule: Option<&str>, extra: &[&str]| -> Vec<f64> {
+        let mut args = vec![file, "--steps", "3", "--lr", "1e-3", "--json"];
+        if let Some(name) = schedule {
+            args.extend(["--schedule", name]);
+        }
+        args.extend(extra);
+        let out = schedrun(&args);
+        assert!(out.status.success(), "{}", stderr(&out));
+        json_lines(&out)
+            .iter()
+            .filter_map(|l| l.get("loss").and_then(|v| v.as_f64()))
+            .collect()
+    };
+    let zero3 = |extra: &[&str]| run("schedules/tiny_cpu.sched", None, extra);
+    let seeded = ["--windows", "seeded", "--seed", "3"];
+    let a = zero3(&seeded);
+    let twin = run(
+        "schedules/tiny_cpu_schedules.sched",
+        Some("tiny_zero1"),
+        &seeded,
+    );
+    assert_eq!(a.len(), 3);
+    for (x, y) in a.iter().zip(&twin) {
+        assert!(
+            (x - y).abs() <= 1e-5 * y.abs(),
+            "zero3 {a:?}, zero1 {twin:?}"
+        );
+    }
+    assert_eq!(a, zero3(&seeded), "run to run");
+    let strided = zero3(&["--seed", "3"]);
+    assert_eq!(strided, zero3(&["--seed", "3", "--windows", "strided"]));
+    assert_ne!(a, strided, "seeded windows are other windows");
 }
 
 #[test]

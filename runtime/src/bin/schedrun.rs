@@ -18,7 +18,7 @@ use schedrun::backend::cuda::launch::{self, DistEnv};
 use schedrun::backend::cuda::{self, CudaBackend, PtxFiles};
 use schedrun::backend::{Backend, RunOptions, StreamWait};
 use schedrun::checkpoint::{self, Contents};
-use schedrun::data::{self, Corpus, TextTokenizer};
+use schedrun::data::{self, Corpus, TextTokenizer, Windows};
 use schedrun::eval::Validation;
 use schedrun::plan::{LoadError, Plan};
 use schedrun::plot::LossCurve;
@@ -83,6 +83,11 @@ struct Cli {
     /// or text tokenized by `--tokenizer`.
     #[arg(long)]
     data: Option<PathBuf>,
+    /// Where each training sequence's window starts: `strided` (the batch rule, the same on
+    /// every run) or `seeded` (drawn from the seed, `--seed` or the schedule's `train.seed`:
+    /// the same for the same seed, under any schedule). Validation windows are always strided.
+    #[arg(long, value_parser = ["strided", "seeded"], default_value = "strided")]
+    windows: String,
     /// A Hugging Face `tokenizer.json`: the data (and `--val`) files are UTF-8 text it encodes.
     #[arg(long, value_name = "tokenizer.json")]
     tokenizer: Option<PathBuf>,
@@ -379,6 +384,12 @@ fn load_data(cli: &Cli, plan: &Plan) -> Result<(Corpus, Option<Validation>), Fai
             }
             c
         }
+    };
+    let corpus = match cli.windows.as_str() {
+        "seeded" => corpus.with_windows(Windows::Seeded(
+            cli.seed.unwrap_or(plan.job.schedule.train.seed),
+        )),
+        _ => corpus,
     };
     let validation = match &cli.val {
         None => None,
