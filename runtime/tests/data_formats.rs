@@ -670,6 +670,55 @@ fn the_validation_loss_equals_the_training_loss_of_the_same_batches() {
     assert!((loss - val).abs() <= 1.5e-4, "human line: {line}");
 }
 
+/// `train { val, eval_every, eval_batches }` configure the validation loss as the flags do (the
+/// file relative to the schedule's), and the flags override them.
+#[test]
+fn the_train_block_sets_validation_like_the_flags() {
+    let dir = temp("val-keys");
+    write(&dir, "val.bin", &llmc(&stream(3000, 256)));
+    let sched = dir.join("keys.sched");
+    let root = cli::root();
+    std::fs::write(
+        &sched,
+        format!(
+            "import \"{0}/schedules/models/tiny.sched\"\nimport \"{0}/schedules/clusters/cpu.sched\"\n\
+             schedule s {{ model = tiny_gpt  cluster = cpu4  nodes = 1  preset = zero3\n\
+             train {{ steps = 3  lr = 1e-3  val = \"val.bin\"  eval_every = 2  eval_batches = 2 }} }}\n",
+            root.display()
+        ),
+    )
+    .unwrap();
+    let vals = |args: &[&str]| -> Vec<Option<f64>> {
+        let out = schedrun(args);
+        assert!(out.status.success(), "{}", stderr(&out));
+        json_lines(&out)[..3]
+            .iter()
+            .map(|l| l.get("val_loss").and_then(|v| v.as_f64()))
+            .collect()
+    };
+    let val = dir.join("val.bin");
+    let keys = vals(&[s(&sched), "--json"]);
+    let flags = vals(&[
+        s(&sched),
+        "--json",
+        "--val",
+        s(&val),
+        "--eval-every",
+        "2",
+        "--eval-batches",
+        "2",
+    ]);
+    assert!(
+        keys[0].is_none() && keys[1].is_some() && keys[2].is_some(),
+        "{keys:?}"
+    );
+    assert_eq!(keys, flags);
+    // The flag overrides the key: every step.
+    let every = vals(&[s(&sched), "--json", "--eval-every", "1"]);
+    assert!(every.iter().all(Option::is_some), "{every:?}");
+    assert_eq!(every[1], keys[1]);
+}
+
 /// The issue's run: a GPT-2-shaped model (learned positions, LayerNorm, GELU, tied head) with a
 /// vocabulary past a byte's trains on an llm.c shard with warmup and cosine decay under ZeRO-3 on
 /// the CPU backend, printing the validation loss, and plots both curves.
@@ -825,7 +874,7 @@ fn an_unwritable_plot_is_refused_before_the_first_step() {
     assert_eq!(out.status.code(), Some(2), "{err}");
     assert!(err.contains("--plot") && err.contains(s(&plot)), "{err}");
     assert!(out.stdout.is_empty());
-    // Written after a run, and --eval-every without --val is refused by the parser.
+    // Written after a run, and --eval-every without a validation file is refused (exit 1).
     let plot = dir.join("loss.svg");
     let out = schedrun(&[
         "schedules/tiny_cpu.sched",
@@ -837,8 +886,9 @@ fn an_unwritable_plot_is_refused_before_the_first_step() {
     assert!(out.status.success(), "{}", stderr(&out));
     check_plot_train_only(&std::fs::read_to_string(&plot).unwrap(), 3);
     let out = schedrun(&["schedules/tiny_cpu.sched", "--eval-every", "2"]);
-    assert_eq!(out.status.code(), Some(2));
+    assert_eq!(out.status.code(), Some(1));
     assert!(stderr(&out).contains("--val"), "{}", stderr(&out));
+    assert!(out.stdout.is_empty());
 }
 
 fn check_plot_train_only(svg: &str, train: usize) {

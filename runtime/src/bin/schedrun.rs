@@ -91,16 +91,17 @@ struct Cli {
     /// A Hugging Face `tokenizer.json`: the data (and `--val`) files are UTF-8 text it encodes.
     #[arg(long, value_name = "tokenizer.json")]
     tokenizer: Option<PathBuf>,
-    /// A validation corpus (any format `--data` reads): its loss is printed after every
-    /// `--eval-every` steps and after the last step.
+    /// A validation corpus (any format `--data` reads; default: the schedule's `train.val`):
+    /// its loss is printed after every `--eval-every` steps and after the last step.
     #[arg(long, value_name = "F")]
     val: Option<PathBuf>,
-    /// With `--val`: compute the validation loss after every N steps (counted from step 0);
-    /// without it, after the last step only.
-    #[arg(long, value_name = "N", requires = "val", value_parser = clap::value_parser!(u64).range(1..))]
+    /// With a validation file: compute the validation loss after every N steps (counted from
+    /// step 0; default: the schedule's `train.eval_every`, else after the last step only).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
     eval_every: Option<u64>,
-    /// With `--val`: the validation loss is the mean over K global batches of it (default 4).
-    #[arg(long, value_name = "K", requires = "val", value_parser = clap::value_parser!(u64).range(1..))]
+    /// With a validation file: the validation loss is the mean over K global batches of it
+    /// (default: the schedule's `train.eval_batches`, else 4).
+    #[arg(long, value_name = "K", value_parser = clap::value_parser!(u64).range(1..))]
     eval_batches: Option<u64>,
     /// Write the training (and validation) loss over the steps as an SVG plot after the run.
     #[arg(long, value_name = "OUT.svg")]
@@ -391,11 +392,23 @@ fn load_data(cli: &Cli, plan: &Plan) -> Result<(Corpus, Option<Validation>), Fai
         )),
         _ => corpus,
     };
-    let validation = match &cli.val {
-        None => None,
+    // The flags over the schedule's `train { val, eval_every, eval_batches }`.
+    let train = &plan.job.schedule.train;
+    let val = cli.val.clone().or(train.val.clone());
+    let validation = match &val {
+        None => {
+            if cli.eval_every.is_some() || cli.eval_batches.is_some() {
+                return Err(Failure::input(
+                    "--eval-every and --eval-batches set the validation loss, but there is no \
+                     validation file: give --val (or the schedule's `train.val`)",
+                ));
+            }
+            None
+        }
         Some(f) => {
-            let batches = cli.eval_batches.unwrap_or(4) as usize;
-            Some(Validation::new(plan, open(f)?, cli.eval_every, batches).map_err(Failure::input)?)
+            let batches = cli.eval_batches.or(train.eval_batches).unwrap_or(4) as usize;
+            let every = cli.eval_every.or(train.eval_every);
+            Some(Validation::new(plan, open(f)?, every, batches).map_err(Failure::input)?)
         }
     };
     for (what, c) in std::iter::once(("data", &corpus))
