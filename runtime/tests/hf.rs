@@ -734,8 +734,8 @@ fn a_bad_checkpoint_stops_schedrun_before_anything_is_written() {
 
 /// The parity with `transformers` itself (`hf/parity.py`, whose docstring lists what it checks:
 /// parameter counts, first-step losses within 1e-5 relative from fp32, sharded and bf16
-/// checkpoints, and `--save-hf` weights and config loaded back by `from_pretrained`), for a tiny
-/// GPT-2 and a tiny LLaMA with grouped-query attention. It runs where `python3` imports `torch`
+/// checkpoints, and `--save-hf` weights and config loaded back by `from_pretrained`), for tiny
+/// GPT-2s and LLaMAs (tied and untied, grouped- and multi-query attention). It runs where `python3` imports `torch`
 /// and `transformers`; elsewhere it says SKIPPED (`torch`; CI does not install PyTorch).
 #[test]
 fn hf_parity_with_transformers() {

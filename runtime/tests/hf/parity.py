@@ -7,8 +7,9 @@ By hand, from the repository root, after `cargo build -p schedc -p schedrun` (CP
 
     python3 runtime/tests/hf/parity.py [--bin target/debug]
 
-For a tiny GPT-2 and a tiny LLaMA (GQA, untied head), each built from a config with random weights
-and saved with `save_pretrained` (fp32; also bf16, and fp32 in shards), nothing downloaded:
+For tiny GPT-2s (tied and untied head) and LLaMAs (GQA with an untied head and rotary base 50,000;
+multi-query with a tied head), each built from a config with every parameter random and saved with
+`save_pretrained` (fp32; also bf16, and fp32 in shards), nothing downloaded:
 
 1. `schedc import hf config.json` gives a model whose parameter count (`schedc check`) is the
    checkpoint's `num_parameters()`;
@@ -55,8 +56,19 @@ def configs():
         vocab_size=256, hidden_size=64, intermediate_size=172, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
         rms_norm_eps=1e-6, rope_theta=50000.0, tie_word_embeddings=False, attention_dropout=0.0)
+    # The other tying of each family, and other epsilons and rotary base.
+    gpt2_untied = transformers.GPT2Config(
+        vocab_size=256, n_positions=SEQ, n_embd=64, n_layer=1, n_head=2, n_inner=128,
+        activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        layer_norm_epsilon=1e-6, tie_word_embeddings=False)
+    llama_tied = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+        num_attention_heads=8, num_key_value_heads=1, max_position_embeddings=SEQ,
+        rms_norm_eps=1e-5, tie_word_embeddings=True, attention_dropout=0.0)
     return [("gpt2", gpt2, transformers.GPT2LMHeadModel),
-            ("llama", llama, transformers.LlamaForCausalLM)]
+            ("llama", llama, transformers.LlamaForCausalLM),
+            ("gpt2-untied", gpt2_untied, transformers.GPT2LMHeadModel),
+            ("llama-tied", llama_tied, transformers.LlamaForCausalLM)]
 
 
 def randomised(model):
@@ -151,7 +163,7 @@ def main():
         got = schedrun_losses(args.bin, sched, data, ckpt, ["--steps", "1"])[0]
         close(got, want, "first-step loss (fp32)")
         sharded = os.path.join(tmp, f"{name}-sharded")
-        model.save_pretrained(sharded, max_shard_size="200KB")
+        model.save_pretrained(sharded, max_shard_size="100KB")
         shards = [f for f in os.listdir(sharded) if f.endswith(".safetensors")]
         assert len(shards) > 1 and "model.safetensors.index.json" in os.listdir(sharded), shards
         got = schedrun_losses(args.bin, sched, data, sharded, ["--steps", "1"])[0]
