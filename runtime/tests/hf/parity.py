@@ -171,7 +171,9 @@ def main():
         half = os.path.join(tmp, f"{name}-bf16")
         model.to(torch.bfloat16).save_pretrained(half)
         model.float()
-        rounded = cls.from_pretrained(half, dtype=torch.float32).eval()
+        # Read back as saved (bf16, or fp32 by transformers 4's default) and widened exactly:
+        # no `dtype`/`torch_dtype` argument, whose name differs between versions 4 and 5.
+        rounded = cls.from_pretrained(half).float().eval()
         got = schedrun_losses(args.bin, sched, data, half, ["--steps", "1"])[0]
         close(got, loss_of(rounded, window), "first-step loss (bf16 checkpoint)")
         # 3. Trained weights back into transformers, config.json included.
@@ -199,7 +201,7 @@ def main():
             said = json.load(f).get("torch_dtype")
         if dtypes != {torch.bfloat16} or said != "bfloat16":
             sys.exit(f"FAIL {name}: a bf16 run's --save-hf wrote {dtypes}, config {said}")
-        cls.from_pretrained(saved16, dtype=torch.float32)
+        cls.from_pretrained(saved16)
         print(f"  bf16 run: --save-hf wrote {dtypes.pop()}, config.json says {said}")
     shutil.rmtree(tmp)
     print("ok")
