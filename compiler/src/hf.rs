@@ -6,7 +6,8 @@
 //! attention, no biases; Qwen2, whose q, k and v projections have biases, is refused). Every field
 //! is either mapped to the language (the norms' epsilon to `norm_eps`, with `transformers`'
 //! default where the config leaves it out: 1e-5 for GPT-2, 1e-6 for LLaMA and Mistral; the
-//! rotary base to `rope_base`, default 10,000), checked to hold the one value the language and
+//! rotary base to `rope_base`, default 10,000, from `rope_theta` or `transformers` 5's
+//! `rope_parameters` of the `default` type), checked to hold the one value the language and
 //! the runtime implement (no rotary scaling, no sliding window, no biases on LLaMA's projections,
 //! head size hidden/heads), or one of the bookkeeping fields that do not change the model (token
 //! ids, initialisation range, `transformers_version`, …). Anything else is refused with an error
@@ -40,6 +41,7 @@ const BOOKKEEPING: &[&str] = &[
     "model_type",
     "transformers_version",
     "torch_dtype",
+    "dtype",
     "use_cache",
     "bos_token_id",
     "eos_token_id",
@@ -101,13 +103,19 @@ pub fn model_from_config(config: &str, name: &str) -> Result<String, ImportError
              model without it",
         ));
     }
-    let dtype = match c.get("torch_dtype").and_then(Value::as_str) {
+    // `transformers` 5 writes `dtype`, earlier versions `torch_dtype`.
+    let dtype_key = if c.contains_key("dtype") {
+        "dtype"
+    } else {
+        "torch_dtype"
+    };
+    let dtype = match c.get(dtype_key).and_then(Value::as_str) {
         None | Some("float32") => "fp32",
         Some("bfloat16") => "bf16",
         Some("float16") => "fp16",
         Some(other) => {
             return Err(error(
-                "torch_dtype",
+                dtype_key,
                 format!("`{other}` is not a dtype schedc trains in"),
             ))
         }
@@ -233,6 +241,59 @@ impl Fields<'_> {
         }
     }
 
+    /// The rotary base from `rope_parameters` (`transformers` 5's form of `rope_theta` and
+    /// `rope_scaling`: `{"rope_type": "default", "rope_theta": …}`), `theta` (the top-level
+    /// `rope_theta`'s or its default) when absent. Only the `default` rotary type is read; any
+    /// other type, or any other key in the object, is a scaling the language cannot express.
+    fn rope_parameters(&mut self, theta: f64) -> Result<f64, ImportError> {
+        const KEY: &str = "rope_parameters";
+        let Some(v) = self.get(KEY) else {
+            return Ok(theta);
+        };
+        let Value::Object(p) = v else {
+            return Err(error(KEY, format!("must be an object, not {v}")));
+        };
+        let p = p.clone();
+        let top = self.c.get("rope_theta").filter(|v| !v.is_null()).is_some();
+        match p.get("rope_type").or_else(|| p.get("type")) {
+            None => {}
+            Some(Value::String(t)) if t == "default" => {}
+            Some(t) => {
+                return Err(error(
+                    KEY,
+                    format!("rope_type {t} here: a rotary scaling cannot be expressed yet"),
+                ))
+            }
+        }
+        if let Some(k) = p
+            .keys()
+            .find(|k| !matches!(k.as_str(), "rope_type" | "type" | "rope_theta"))
+        {
+            return Err(error(
+                KEY,
+                format!("`{k}` here: a rotary scaling cannot be expressed yet"),
+            ));
+        }
+        match p.get("rope_theta") {
+            None => Ok(theta),
+            Some(v) => match v.as_f64() {
+                Some(x) if x > 1.0 && x.is_finite() => {
+                    if top && x != theta {
+                        return Err(error(
+                            KEY,
+                            format!("rope_theta {x} here, but `rope_theta` says {theta}"),
+                        ));
+                    }
+                    Ok(x)
+                }
+                _ => Err(error(
+                    KEY,
+                    format!("rope_theta {v} here: it must be a number greater than 1 (schedc's `rope_base`)"),
+                )),
+            },
+        }
+    }
+
     /// `tie_word_embeddings`, `default` when absent.
     fn tied(&mut self, default: bool) -> Result<bool, ImportError> {
         match self.get("tie_word_embeddings") {
@@ -335,6 +396,7 @@ fn llama(f: &mut Fields) -> Result<String, ImportError> {
         |x| x > 1.0 && x.is_finite(),
         "greater than 1 (schedc's `rope_base`)",
     )?;
+    let theta = f.rope_parameters(theta)?;
     f.absent("rope_scaling", "a rotary scaling")?;
     f.off("attention_bias", "biases on the attention projections")?;
     f.off("mlp_bias", "biases on the MLP projections")?;

@@ -12,6 +12,8 @@
 //! - `gpu`: a CUDA GPU with its libraries, and `schedrun` built with `--features cuda`;
 //! - `no-gpu`: no usable CUDA backend (the tests of the message given without one);
 //! - `ptxas`: the PTX assembler (`$PTXAS` or the `nvidia-cuda-nvcc-cu12` wheel's).
+//! - `torch`: `python3` importing PyTorch and Hugging Face `transformers` (the parity of
+//!   `schedrun`'s Hugging Face checkpoints with `transformers`, `runtime/tests/hf.rs`).
 
 use std::io::Write;
 

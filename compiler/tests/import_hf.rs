@@ -5,8 +5,10 @@
 //! The configs in `tests/hf/` are those of the public checkpoints (`gpt2`, `gpt2-medium`,
 //! `meta-llama/Llama-2-7b-hf`, `TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T`,
 //! `mistralai/Mistral-7B-v0.1`, which uses a sliding window, and the same without it), and the
-//! `bad-*` ones edits of them. The expected counts are the checkpoints' own, as their model cards
-//! and `num_parameters()` give them, independent of schedc's formulas.
+//! `bad-*` ones edits of them; `transformers5-*` are tiny configs as `transformers` 5.24's
+//! `save_pretrained` writes them (`dtype`, `rope_parameters`). The expected counts are the
+//! checkpoints' own, as their model cards and `num_parameters()` give them, independent of
+//! schedc's formulas.
 
 use schedc::{analyze, MemLoader};
 use std::path::Path;
@@ -70,6 +72,9 @@ fn norm_epsilon_and_rotary_base_are_imported() {
             Some(10_000.0),
         ),
         (without("gpt2.json", &["layer_norm_epsilon"]), 1e-5, None),
+        // `transformers` 5 writes `dtype` and `rope_parameters` (`rope_theta` inside).
+        (config("transformers5-llama.json"), 1e-6, Some(50_000.0)),
+        (config("transformers5-gpt2.json"), 1e-5, None),
     ] {
         let block = schedc::hf::model_from_config(&text, "m").unwrap();
         let m = resolved(&block);
@@ -85,6 +90,7 @@ fn configs_the_language_cannot_express_are_refused_by_field() {
         ("bad-rope-theta.json", "rope_theta"),
         ("bad-norm-eps.json", "rms_norm_eps"),
         ("bad-rope-scaling.json", "rope_scaling"),
+        ("bad-rope-parameters.json", "rope_parameters"),
         ("bad-family.json", "model_type"),
         ("bad-qwen2.json", "model_type"),
         ("bad-unknown-field.json", "qk_layernorm"),

@@ -498,6 +498,17 @@ pub struct Train {
     /// Adam's ε (`None`: 1e-8).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub eps: Option<f64>,
+    /// A validation corpus (`schedrun --val`), resolved relative to the schedule's file;
+    /// `None`: no validation loss. Absent from plan files when not set.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub val: Option<PathBuf>,
+    /// The validation loss after every this many steps (`--eval-every`; `None`: after the last
+    /// step only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eval_every: Option<u64>,
+    /// Global batches of the validation corpus averaged (`--eval-batches`; `None`: 4).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eval_batches: Option<u64>,
 }
 
 fn is_zero_u64(x: &u64) -> bool {

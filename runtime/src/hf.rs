@@ -26,7 +26,7 @@
 use crate::train::{LayerState, State};
 use safetensors::tensor::{Dtype as StDtype, TensorView};
 use safetensors::SafeTensors;
-use sched_ir::job::{Activation, LayerKind, Model, Norm, Positions, TransformerSpec};
+use sched_ir::job::{Activation, Dtype, LayerKind, Model, Norm, Positions, TransformerSpec};
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -710,28 +710,176 @@ pub fn tensors(model: &Model, state: &State) -> Result<NamedTensors, HfError> {
     Ok(out)
 }
 
-/// Writes the weights of `state` to `path` as one Hugging Face safetensors file (`--save-hf`),
-/// atomically: on an error nothing is written.
-pub fn save(path: &Path, model: &Model, state: &State) -> Result<(), HfError> {
-    let bytes = to_bytes(path, &tensors(model, state)?)?;
-    sched_ir::files::write_atomically(path, &bytes).map_err(io(path, true))
+/// Where `--save-hf PATH` writes: the weights file and the `config.json` beside it. A `PATH`
+/// ending in `.safetensors` is the weights file itself (the config goes into its folder); any
+/// other `PATH` is a folder (made when missing) that receives [`SINGLE`] and [`CONFIG`], as
+/// `save_pretrained` writes them.
+pub fn save_paths(path: &Path) -> (PathBuf, PathBuf) {
+    if path.extension().is_some_and(|e| e == "safetensors") {
+        let dir = path
+            .parent()
+            .filter(|d| !d.as_os_str().is_empty())
+            .unwrap_or(Path::new("."));
+        (path.to_path_buf(), dir.join(CONFIG))
+    } else {
+        (path.join(SINGLE), path.join(CONFIG))
+    }
 }
 
-/// `tensors` serialised as a safetensors file in fp32 with `transformers`' metadata (`path` only
-/// names the file in errors).
+/// The safetensors dtype `--save-hf` writes `model`'s weights in: BF16 for a bf16 model (its
+/// parameters are bf16 values, so nothing is lost), F32 otherwise (an fp16 model's values are
+/// all exact in fp32).
+pub fn save_dtype(model: &Model) -> StDtype {
+    match model.dtype {
+        Dtype::Bf16 => StDtype::BF16,
+        Dtype::Fp16 | Dtype::Fp32 => StDtype::F32,
+    }
+}
+
+/// Writes the weights of `state` as a Hugging Face checkpoint (`--save-hf`): the weights file
+/// and its `config.json` ([`save_paths`]), in [`save_dtype`]. Both are built before either is
+/// written, and each is written atomically. Returns the two paths.
+pub fn save(path: &Path, model: &Model, state: &State) -> Result<(PathBuf, PathBuf), HfError> {
+    let (weights, config) = save_paths(path);
+    let bytes = to_bytes(&weights, &tensors(model, state)?, save_dtype(model))?;
+    let text =
+        serde_json::to_string_pretty(&config_json(model)?).expect("configs serialise") + "\n";
+    if let Some(dir) = weights.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).map_err(io(dir, true))?;
+    }
+    sched_ir::files::write_atomically(&weights, &bytes).map_err(io(&weights, true))?;
+    sched_ir::files::write_atomically(&config, text.as_bytes()).map_err(io(&config, true))?;
+    Ok((weights, config))
+}
+
+/// The `config.json` of `model` in its family's own keys, as `transformers` reads them
+/// (`from_pretrained` on the folder builds the same model, and `schedc import hf` on it gives
+/// `model` back): GPT-2's `n_embd`, `n_layer`, … or LLaMA's `hidden_size`,
+/// `num_key_value_heads`, `rope_theta`, …, the norms' epsilon, tying, the dtype the weights are
+/// written in, and dropout 0 (schedrun trains without it). `transformers` 4 and 5 both read the
+/// keys written (`torch_dtype`, a top-level `rope_theta`).
+pub fn config_json(model: &Model) -> Result<serde_json::Value, HfError> {
+    use serde_json::json;
+    let family = family_of_model(model)?;
+    let refuse = |problem: String| HfError::Model {
+        model: model.name.clone(),
+        problem,
+    };
+    let blocks: Vec<TransformerSpec> = model
+        .layers
+        .iter()
+        .filter_map(|l| match l.kind {
+            LayerKind::Transformer(t) => Some(t),
+            _ => None,
+        })
+        .collect();
+    let Some(&t) = blocks.first() else {
+        return Err(refuse("it has no transformer blocks".into()));
+    };
+    let same = |a: &TransformerSpec| {
+        (a.hidden, a.heads, a.kv_heads, a.ffn) == (t.hidden, t.heads, t.kv_heads, t.ffn)
+    };
+    if let Some(l) = model
+        .layers
+        .iter()
+        .find(|l| matches!(l.kind, LayerKind::Transformer(ref b) if !same(b)))
+    {
+        return Err(refuse(format!(
+            "block `{}` differs from the first in hidden size, heads or ffn: a config.json \
+             describes blocks all alike",
+            l.name
+        )));
+    }
+    let (vocab, head_vocab, tied) = match (
+        &model.layers[0].kind,
+        &model.layers[model.layers.len() - 1].kind,
+    ) {
+        (
+            LayerKind::Embedding { vocab, .. },
+            LayerKind::LmHead {
+                vocab: hv, tied, ..
+            },
+        ) => (*vocab, *hv, *tied),
+        _ => unreachable!("family_of_model checked the first and last layers"),
+    };
+    if vocab != head_vocab {
+        return Err(refuse(format!(
+            "its embedding's vocabulary ({vocab}) and its lm_head's ({head_vocab}) differ"
+        )));
+    }
+    let dtype = match save_dtype(model) {
+        StDtype::BF16 => "bfloat16",
+        _ => "float32",
+    };
+    let eps = model.norm_eps.unwrap_or(Model::DEFAULT_NORM_EPS);
+    Ok(match family {
+        Family::Gpt2 => json!({
+            "architectures": ["GPT2LMHeadModel"],
+            "model_type": "gpt2",
+            "vocab_size": vocab,
+            "n_positions": model.seq_len,
+            "n_embd": t.hidden,
+            "n_layer": blocks.len(),
+            "n_head": t.heads,
+            "n_inner": t.ffn,
+            "activation_function": "gelu_new",
+            "layer_norm_epsilon": eps,
+            "tie_word_embeddings": tied,
+            "resid_pdrop": 0.0,
+            "embd_pdrop": 0.0,
+            "attn_pdrop": 0.0,
+            "torch_dtype": dtype,
+        }),
+        Family::Llama => json!({
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "vocab_size": vocab,
+            "max_position_embeddings": model.seq_len,
+            "hidden_size": t.hidden,
+            "intermediate_size": t.ffn,
+            "num_hidden_layers": blocks.len(),
+            "num_attention_heads": t.heads,
+            "num_key_value_heads": t.kv_heads,
+            "head_dim": t.head_dim(),
+            "hidden_act": "silu",
+            "rms_norm_eps": eps,
+            "rope_theta": model.rope_base(),
+            "attention_bias": false,
+            "mlp_bias": false,
+            "attention_dropout": 0.0,
+            "tie_word_embeddings": tied,
+            "torch_dtype": dtype,
+        }),
+    })
+}
+
+/// `tensors` serialised as a safetensors file in `dtype` (F32 or BF16, rounded to nearest even)
+/// with `transformers`' metadata (`path` only names the file in errors).
 pub fn to_bytes(
     path: &Path,
     tensors: &[(String, Vec<usize>, Vec<f32>)],
+    dtype: StDtype,
 ) -> Result<Vec<u8>, HfError> {
     let data: Vec<Vec<u8>> = tensors
         .iter()
-        .map(|(_, _, v)| v.iter().flat_map(|x| x.to_le_bytes()).collect())
+        .map(|(_, _, v)| match dtype {
+            StDtype::BF16 => v
+                .iter()
+                .flat_map(|&x| crate::math::f32_to_bf16_bits(x).to_le_bytes())
+                .collect(),
+            _ => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        })
         .collect();
+    let dtype = if dtype == StDtype::BF16 {
+        StDtype::BF16
+    } else {
+        StDtype::F32
+    };
     let views = tensors
         .iter()
         .zip(&data)
         .map(|((name, shape, _), d)| {
-            TensorView::new(StDtype::F32, shape.clone(), d)
+            TensorView::new(dtype, shape.clone(), d)
                 .map(|v| (name.clone(), v))
                 .map_err(|e| HfError::Format {
                     path: path.to_path_buf(),

@@ -2,7 +2,7 @@
 //! checkpoints written and resumed through the flags.
 
 use serde_json::Value;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Command;
 
 #[path = "common/cli.rs"]
@@ -52,16 +52,7 @@ fn json_lines_per_step_and_a_summary_with_memory() {
 #[test]
 fn a_plan_file_runs_like_its_source_and_checkpoints_resume() {
     let plan = temp("tiny.plan.json");
-    let schedc = Path::new(env!("CARGO_BIN_EXE_schedrun")).with_file_name("schedc");
-    if !schedc.exists() {
-        // schedc is another package's binary; build it through cargo when missing.
-        let st = Command::new(env!("CARGO"))
-            .args(["build", "-q", "-p", "schedc"])
-            .current_dir(root())
-            .status()
-            .unwrap();
-        assert!(st.success());
-    }
+    let schedc = cli::schedc_binary();
     let st = Command::new(&schedc)
         .args(["compile", "schedules/tiny_cpu.sched", "-o"])
         .arg(&plan)

@@ -4,7 +4,9 @@
 //! validation loss against the training loss of the same batches; the loss plot. Every file is
 //! made here, in a temporary folder: nothing is downloaded.
 
-use schedrun::data::{Corpus, DataError, Format, FormatProblem, TextTokenizer, Tokens};
+use schedrun::data::{
+    BatchShape, Corpus, DataError, Format, FormatProblem, TextTokenizer, Tokens, Windows,
+};
 use schedrun::plot::LossCurve;
 use std::path::{Path, PathBuf};
 
@@ -277,6 +279,97 @@ fn damaged() -> Vec<(&'static str, Vec<u8>, &'static str)> {
             "NumPy format version 9.0",
         ),
     ]
+}
+
+/// `--windows seeded` (an opt-in; the default stays the batch rule): the same seed gives the same
+/// windows, another seed others; the windows stay inside the file and the rank split of the
+/// batch rule holds (a rank's micro-batch is its sequences of the global batch).
+#[test]
+fn seeded_windows_repeat_for_a_seed_and_differ_for_another() {
+    let dir = temp("seeded");
+    let tokens: Vec<u16> = (0..5000).map(|i| (i % 4000) as u16).collect();
+    let p = write(&dir, "t.bin", &llmc(&tokens));
+    let strided = Corpus::open(&p, None).unwrap();
+    assert_eq!(strided.windows(), Windows::Strided, "the default");
+    let seeded = |seed| {
+        Corpus::open(&p, None)
+            .unwrap()
+            .with_windows(Windows::Seeded(seed))
+    };
+    let (a, a2, b) = (seeded(7), seeded(7), seeded(8));
+    let span = 5000 - 16 - 1;
+    let starts = |c: &Corpus| {
+        (0..200)
+            .map(|g| c.offset(g, 16).unwrap())
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(starts(&a), starts(&a2));
+    assert_ne!(starts(&a), starts(&b));
+    assert_ne!(starts(&a), starts(&strided));
+    assert!(starts(&a).iter().all(|&o| o < span));
+    // Spread over the file, not bunched: every tenth of it is hit.
+    let mut tenths = [0; 10];
+    starts(&a).iter().for_each(|&o| tenths[o * 10 / span] += 1);
+    assert!(tenths.iter().all(|&n| n > 0), "{tenths:?}");
+    for step in 0..3 {
+        let global = a.global_batch(step, 8, 16).unwrap();
+        assert_eq!(global, a2.global_batch(step, 8, 16).unwrap());
+        assert_ne!(global, b.global_batch(step, 8, 16).unwrap());
+        // Sequence k of the global batch is sequence step·B + k, as with the batch rule.
+        let shape = BatchShape {
+            ranks: 4,
+            micro_steps: 2,
+            micro_batch: 1,
+            seq_len: 16,
+        };
+        for m in 0..2 {
+            for r in 0..4 {
+                let (x, y) = a.batch(&shape, (step, m, r)).unwrap();
+                let k = m * 4 + r;
+                assert_eq!(x, global.inputs[k * 16..(k + 1) * 16]);
+                assert_eq!(y, global.targets[k * 16..(k + 1) * 16]);
+            }
+        }
+    }
+}
+
+/// Parity twins still match with seeded windows: ZeRO-3 (`tiny_cpu.sched`) and ZeRO-1 on the
+/// same 4 ranks (the same global batch) give the same losses, run to run; and the flag changes
+/// the losses from the strided default, which `--windows strided` keeps.
+#[test]
+fn seeded_windows_keep_the_parity_of_zero3_and_zero1() {
+    let run = |file: &str, schedule: Option<&str>, extra: &[&str]| -> Vec<f64> {
+        let mut args = vec![file, "--steps", "3", "--lr", "1e-3", "--json"];
+        if let Some(name) = schedule {
+            args.extend(["--schedule", name]);
+        }
+        args.extend(extra);
+        let out = schedrun(&args);
+        assert!(out.status.success(), "{}", stderr(&out));
+        json_lines(&out)
+            .iter()
+            .filter_map(|l| l.get("loss").and_then(|v| v.as_f64()))
+            .collect()
+    };
+    let zero3 = |extra: &[&str]| run("schedules/tiny_cpu.sched", None, extra);
+    let seeded = ["--windows", "seeded", "--seed", "3"];
+    let a = zero3(&seeded);
+    let twin = run(
+        "schedules/tiny_cpu_schedules.sched",
+        Some("tiny_zero1"),
+        &seeded,
+    );
+    assert_eq!(a.len(), 3);
+    for (x, y) in a.iter().zip(&twin) {
+        assert!(
+            (x - y).abs() <= 1e-5 * y.abs(),
+            "zero3 {a:?}, zero1 {twin:?}"
+        );
+    }
+    assert_eq!(a, zero3(&seeded), "run to run");
+    let strided = zero3(&["--seed", "3"]);
+    assert_eq!(strided, zero3(&["--seed", "3", "--windows", "strided"]));
+    assert_ne!(a, strided, "seeded windows are other windows");
 }
 
 #[test]
@@ -577,6 +670,55 @@ fn the_validation_loss_equals_the_training_loss_of_the_same_batches() {
     assert!((loss - val).abs() <= 1.5e-4, "human line: {line}");
 }
 
+/// `train { val, eval_every, eval_batches }` configure the validation loss as the flags do (the
+/// file relative to the schedule's), and the flags override them.
+#[test]
+fn the_train_block_sets_validation_like_the_flags() {
+    let dir = temp("val-keys");
+    write(&dir, "val.bin", &llmc(&stream(3000, 256)));
+    let sched = dir.join("keys.sched");
+    let root = cli::root();
+    std::fs::write(
+        &sched,
+        format!(
+            "import \"{0}/schedules/models/tiny.sched\"\nimport \"{0}/schedules/clusters/cpu.sched\"\n\
+             schedule s {{ model = tiny_gpt  cluster = cpu4  nodes = 1  preset = zero3\n\
+             train {{ steps = 3  lr = 1e-3  val = \"val.bin\"  eval_every = 2  eval_batches = 2 }} }}\n",
+            root.display()
+        ),
+    )
+    .unwrap();
+    let vals = |args: &[&str]| -> Vec<Option<f64>> {
+        let out = schedrun(args);
+        assert!(out.status.success(), "{}", stderr(&out));
+        json_lines(&out)[..3]
+            .iter()
+            .map(|l| l.get("val_loss").and_then(|v| v.as_f64()))
+            .collect()
+    };
+    let val = dir.join("val.bin");
+    let keys = vals(&[s(&sched), "--json"]);
+    let flags = vals(&[
+        s(&sched),
+        "--json",
+        "--val",
+        s(&val),
+        "--eval-every",
+        "2",
+        "--eval-batches",
+        "2",
+    ]);
+    assert!(
+        keys[0].is_none() && keys[1].is_some() && keys[2].is_some(),
+        "{keys:?}"
+    );
+    assert_eq!(keys, flags);
+    // The flag overrides the key: every step.
+    let every = vals(&[s(&sched), "--json", "--eval-every", "1"]);
+    assert!(every.iter().all(Option::is_some), "{every:?}");
+    assert_eq!(every[1], keys[1]);
+}
+
 /// The issue's run: a GPT-2-shaped model (learned positions, LayerNorm, GELU, tied head) with a
 /// vocabulary past a byte's trains on an llm.c shard with warmup and cosine decay under ZeRO-3 on
 /// the CPU backend, printing the validation loss, and plots both curves.
@@ -732,7 +874,7 @@ fn an_unwritable_plot_is_refused_before_the_first_step() {
     assert_eq!(out.status.code(), Some(2), "{err}");
     assert!(err.contains("--plot") && err.contains(s(&plot)), "{err}");
     assert!(out.stdout.is_empty());
-    // Written after a run, and --eval-every without --val is refused by the parser.
+    // Written after a run, and --eval-every without a validation file is refused (exit 1).
     let plot = dir.join("loss.svg");
     let out = schedrun(&[
         "schedules/tiny_cpu.sched",
@@ -744,8 +886,9 @@ fn an_unwritable_plot_is_refused_before_the_first_step() {
     assert!(out.status.success(), "{}", stderr(&out));
     check_plot_train_only(&std::fs::read_to_string(&plot).unwrap(), 3);
     let out = schedrun(&["schedules/tiny_cpu.sched", "--eval-every", "2"]);
-    assert_eq!(out.status.code(), Some(2));
+    assert_eq!(out.status.code(), Some(1));
     assert!(stderr(&out).contains("--val"), "{}", stderr(&out));
+    assert!(out.stdout.is_empty());
 }
 
 fn check_plot_train_only(svg: &str, train: usize) {

@@ -24,6 +24,9 @@ fn train(lr: f64, clip: Option<f64>) -> Train {
         weight_decay: None,
         betas: None,
         eps: None,
+        val: None,
+        eval_every: None,
+        eval_batches: None,
     }
 }
 

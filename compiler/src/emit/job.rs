@@ -126,6 +126,15 @@ fn schedule(out: &mut String, job: &Job) {
     if let Some(e) = t.eps {
         checkpoints += &format!("  eps {e}");
     }
+    if let Some(v) = &t.val {
+        checkpoints += &format!("  val {}", v.display());
+    }
+    if let Some(n) = t.eval_every {
+        checkpoints += &format!("  eval_every {n}");
+    }
+    if let Some(k) = t.eval_batches {
+        checkpoints += &format!("  eval_batches {k}");
+    }
     row(
         "train",
         format!(

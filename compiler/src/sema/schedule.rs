@@ -83,6 +83,9 @@ const TRAIN_KEYS: &[(&str, Shape)] = &[
     ("weight_decay", Shape::Value),
     ("betas", Shape::Value),
     ("eps", Shape::Value),
+    ("val", Shape::Value),
+    ("eval_every", Shape::Value),
+    ("eval_batches", Shape::Value),
 ];
 const PRESETS: [&str; 8] = [
     "ddp", "zero1", "zero2", "zero3", "fsdp", "mics", "hsdp", "hpz",
@@ -874,6 +877,9 @@ struct TrainSpec<'a> {
     weight_decay: Option<f64>,
     betas: Option<[f64; 2]>,
     eps: Option<f64>,
+    val: Option<&'a sched_grammar::ast::StringLit>,
+    eval_every: Option<u64>,
+    eval_batches: Option<u64>,
 }
 
 impl<'a> OptionalBlocks<'a> {
@@ -923,6 +929,9 @@ impl<'a> OptionalBlocks<'a> {
             weight_decay: t.weight_decay,
             betas: t.betas,
             eps: t.eps,
+            val: t.val.map(|s| dir.join(&s.value)),
+            eval_every: t.eval_every,
+            eval_batches: t.eval_batches,
         })
     }
 }
@@ -1046,6 +1055,9 @@ fn train<'a>(ctx: &mut Ctx, r: &BlockReader<'a>) -> Option<TrainSpec<'a>> {
             weight_decay: None,
             betas: None,
             eps: None,
+            val: None,
+            eval_every: None,
+            eval_batches: None,
         });
     };
     let p = BlockReader::for_nested(ctx, "`train`", b, TRAIN_KEYS);
@@ -1149,10 +1161,35 @@ fn train<'a>(ctx: &mut Ctx, r: &BlockReader<'a>) -> Option<TrainSpec<'a>> {
     let eps = opt(ctx, p.value("eps"), None, |ctx, v| {
         positive(ctx, v, "`train.eps`").map(Some)
     });
+    let val = match p.value("val") {
+        Some(v) => expect_string(ctx, v).map(Some),
+        None => Some(None),
+    };
+    let eval_every = opt(ctx, p.value("eval_every"), None, |ctx, v| {
+        expect_int(ctx, v, 1, 1 << 40, "`train.eval_every`").map(Some)
+    });
+    let eval_batches = opt(ctx, p.value("eval_batches"), None, |ctx, v| {
+        expect_int(ctx, v, 1, 1 << 20, "`train.eval_batches`").map(Some)
+    });
+    if p.value("val").is_none() {
+        for key in ["eval_every", "eval_batches"] {
+            if let Some(v) = p.value(key) {
+                ctx.error(
+                    Diagnostic::error(format!(
+                        "`train.{key}` sets the validation loss, but there is no `train.val` file"
+                    ))
+                    .at(v.span, "without `val`"),
+                );
+            }
+        }
+    }
     Some(TrainSpec {
         weight_decay: weight_decay?,
         betas: betas?,
         eps: eps?,
+        val: val?,
+        eval_every: eval_every?,
+        eval_batches: eval_batches?,
         warmup: warmup?,
         decay: decay?,
         min_lr: min_lr?,

@@ -20,6 +20,9 @@ fn train(steps: u64, warmup: u64, decay: Decay, min_lr: f64) -> Train {
         weight_decay: None,
         betas: None,
         eps: None,
+        val: None,
+        eval_every: None,
+        eval_batches: None,
     }
 }
 

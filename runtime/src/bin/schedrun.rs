@@ -18,7 +18,7 @@ use schedrun::backend::cuda::launch::{self, DistEnv};
 use schedrun::backend::cuda::{self, CudaBackend, PtxFiles};
 use schedrun::backend::{Backend, RunOptions, StreamWait};
 use schedrun::checkpoint::{self, Contents};
-use schedrun::data::{self, Corpus, TextTokenizer};
+use schedrun::data::{self, Corpus, TextTokenizer, Windows};
 use schedrun::eval::Validation;
 use schedrun::plan::{LoadError, Plan};
 use schedrun::plot::LossCurve;
@@ -83,19 +83,25 @@ struct Cli {
     /// or text tokenized by `--tokenizer`.
     #[arg(long)]
     data: Option<PathBuf>,
+    /// Where each training sequence's window starts: `strided` (the batch rule, the same on
+    /// every run) or `seeded` (drawn from the seed, `--seed` or the schedule's `train.seed`:
+    /// the same for the same seed, under any schedule). Validation windows are always strided.
+    #[arg(long, value_parser = ["strided", "seeded"], default_value = "strided")]
+    windows: String,
     /// A Hugging Face `tokenizer.json`: the data (and `--val`) files are UTF-8 text it encodes.
     #[arg(long, value_name = "tokenizer.json")]
     tokenizer: Option<PathBuf>,
-    /// A validation corpus (any format `--data` reads): its loss is printed after every
-    /// `--eval-every` steps and after the last step.
+    /// A validation corpus (any format `--data` reads; default: the schedule's `train.val`):
+    /// its loss is printed after every `--eval-every` steps and after the last step.
     #[arg(long, value_name = "F")]
     val: Option<PathBuf>,
-    /// With `--val`: compute the validation loss after every N steps (counted from step 0);
-    /// without it, after the last step only.
-    #[arg(long, value_name = "N", requires = "val", value_parser = clap::value_parser!(u64).range(1..))]
+    /// With a validation file: compute the validation loss after every N steps (counted from
+    /// step 0; default: the schedule's `train.eval_every`, else after the last step only).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
     eval_every: Option<u64>,
-    /// With `--val`: the validation loss is the mean over K global batches of it (default 4).
-    #[arg(long, value_name = "K", requires = "val", value_parser = clap::value_parser!(u64).range(1..))]
+    /// With a validation file: the validation loss is the mean over K global batches of it
+    /// (default: the schedule's `train.eval_batches`, else 4).
+    #[arg(long, value_name = "K", value_parser = clap::value_parser!(u64).range(1..))]
     eval_batches: Option<u64>,
     /// Write the training (and validation) loss over the steps as an SVG plot after the run.
     #[arg(long, value_name = "OUT.svg")]
@@ -117,9 +123,12 @@ struct Cli {
     /// Write a checkpoint (weights, optimizer state, step) after the last step.
     #[arg(long, value_name = "F")]
     save: Option<PathBuf>,
-    /// Write the weights after the last step in Hugging Face layout (GPT-2 or LLaMA names, fp32
-    /// safetensors), for `transformers`' `from_pretrained`; no optimizer state.
-    #[arg(long, value_name = "F")]
+    /// Write the weights after the last step in Hugging Face layout (GPT-2 or LLaMA names;
+    /// bf16 for a bf16 model, else fp32) with the family's `config.json`, for `transformers`'
+    /// `from_pretrained`; no optimizer state. F ending in `.safetensors` is the weights file
+    /// (config.json beside it); any other F is a folder receiving `model.safetensors` and
+    /// `config.json`.
+    #[arg(long, value_name = "F|DIR")]
     save_hf: Option<PathBuf>,
     /// Continue from a checkpoint, under this or any other schedule: a file written by `--save`,
     /// a folder of `--checkpoints` (its newest complete entry) or one entry of it.
@@ -377,11 +386,29 @@ fn load_data(cli: &Cli, plan: &Plan) -> Result<(Corpus, Option<Validation>), Fai
             c
         }
     };
-    let validation = match &cli.val {
-        None => None,
+    let corpus = match cli.windows.as_str() {
+        "seeded" => corpus.with_windows(Windows::Seeded(
+            cli.seed.unwrap_or(plan.job.schedule.train.seed),
+        )),
+        _ => corpus,
+    };
+    // The flags over the schedule's `train { val, eval_every, eval_batches }`.
+    let train = &plan.job.schedule.train;
+    let val = cli.val.clone().or(train.val.clone());
+    let validation = match &val {
+        None => {
+            if cli.eval_every.is_some() || cli.eval_batches.is_some() {
+                return Err(Failure::input(
+                    "--eval-every and --eval-batches set the validation loss, but there is no \
+                     validation file: give --val (or the schedule's `train.val`)",
+                ));
+            }
+            None
+        }
         Some(f) => {
-            let batches = cli.eval_batches.unwrap_or(4) as usize;
-            Some(Validation::new(plan, open(f)?, cli.eval_every, batches).map_err(Failure::input)?)
+            let batches = cli.eval_batches.or(train.eval_batches).unwrap_or(4) as usize;
+            let every = cli.eval_every.or(train.eval_every);
+            Some(Validation::new(plan, open(f)?, every, batches).map_err(Failure::input)?)
         }
     };
     for (what, c) in std::iter::once(("data", &corpus))
@@ -463,7 +490,6 @@ fn check_outputs(cli: &Cli, saving: &Saving) -> Result<(), Failure> {
     let files = [
         ("--save-init", &cli.save_init),
         ("--save", &cli.save),
-        ("--save-hf", &cli.save_hf),
         ("--trace", &cli.trace),
         ("--plot", &cli.plot),
     ];
@@ -480,19 +506,28 @@ fn check_outputs(cli: &Cli, saving: &Saving) -> Result<(), Failure> {
         };
         why.map_err(|why| Failure::fault(format!("cannot write {} ({flag}): {why}", f.display())))?;
     }
+    if let Some(f) = &cli.save_hf {
+        // The weights and their config.json; a folder named by `--save-hf` is made at the end.
+        let (weights, config) = schedrun::hf::save_paths(f);
+        for f in [&weights, &config] {
+            let dir = f
+                .parent()
+                .filter(|d| !d.as_os_str().is_empty())
+                .unwrap_or(Path::new("."));
+            let why = if f.is_dir() {
+                Err("it is a folder".to_string())
+            } else {
+                writable_folder(nearest_existing(dir))
+            };
+            why.map_err(|why| {
+                Failure::fault(format!("cannot write {} (--save-hf): {why}", f.display()))
+            })?;
+        }
+    }
     if let Some(d) = &saving.dir {
         // The folder is made at the first checkpoint: its nearest existing ancestor must be a
         // folder this process can write in.
-        let mut at = d.as_path();
-        while !at.exists() {
-            match at.parent().filter(|p| !p.as_os_str().is_empty()) {
-                Some(p) => at = p,
-                None => {
-                    at = Path::new(".");
-                    break;
-                }
-            }
-        }
+        let at = nearest_existing(d);
         writable_folder(at).map_err(|why| {
             Failure::fault(format!(
                 "cannot write checkpoints into {} (--checkpoints): {why}",
@@ -501,6 +536,18 @@ fn check_outputs(cli: &Cli, saving: &Saving) -> Result<(), Failure> {
         })?;
     }
     Ok(())
+}
+
+/// `d` or its nearest ancestor that exists (`.` for a relative path none of whose ancestors do).
+fn nearest_existing(d: &Path) -> &Path {
+    let mut at = d;
+    while !at.exists() {
+        match at.parent().filter(|p| !p.as_os_str().is_empty()) {
+            Some(p) => at = p,
+            None => return Path::new("."),
+        }
+    }
+    at
 }
 
 /// Whether a file can be created in `dir`: it is a folder and a probe file can be created there.
@@ -785,7 +832,8 @@ fn run_steps<B: Backend>(
     }
     if let Some(f) = &cli.save_hf {
         let state = trainer.state().map_err(Failure::fault)?;
-        schedrun::hf::save(f, &model, &state).map_err(Failure::fault)?;
+        let (weights, config) = schedrun::hf::save(f, &model, &state).map_err(Failure::fault)?;
+        eprintln!("wrote {} and {}", weights.display(), config.display());
     }
     write_plot(cli, &plan, &curve)?;
     if let (Some(f), Some((time, spans))) = (&cli.trace, &last) {

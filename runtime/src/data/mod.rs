@@ -6,7 +6,8 @@
 //! micro_batch sequences per step, sequence g = t·B + k (step t, k-th of its global batch) is the
 //! seq_len + 1 tokens starting at offset (g·seq_len) mod (len − seq_len − 1): the first seq_len
 //! are inputs, the last seq_len targets. In micro-step m, rank r takes
-//! k = (m·ranks + r)·micro_batch + j for its j-th sequence. The built-in corpus is generated here
+//! k = (m·ranks + r)·micro_batch + j for its j-th sequence ([`Windows::Seeded`], an opt-in,
+//! draws each sequence's start from the seed and g instead). The built-in corpus is generated here
 //! from a small sentence grammar and a fixed seed, so it is the same everywhere and a byte model's
 //! loss visibly falls on it.
 
@@ -147,12 +148,48 @@ impl Tokens {
     }
 }
 
+/// Where each sequence's window starts.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Windows {
+    /// The batch rule of `runtime.md`: sequence g starts at (g·seq_len) mod (len − seq_len − 1).
+    #[default]
+    Strided,
+    /// Opt-in (`--windows seeded`): sequence g starts at a position drawn from the seed and g
+    /// alone, `splitmix64(seed + splitmix64(g)) mod (len − seq_len − 1)`, so it is the same on
+    /// every run with that seed and under every schedule with the same global batch (g counts
+    /// global sequences, not ranks).
+    Seeded(u64),
+}
+
+impl Windows {
+    /// Sequence `g`'s start among `span` possible starts.
+    fn start(self, g: u64, seq_len: usize, span: usize) -> usize {
+        let span = span as u128;
+        match self {
+            Windows::Strided => ((u128::from(g) * seq_len as u128) % span) as usize,
+            Windows::Seeded(seed) => {
+                let x = splitmix64(seed.wrapping_add(splitmix64(g)));
+                (u128::from(x) % span) as usize
+            }
+        }
+    }
+}
+
+/// One step of SplitMix64 (Steele, Lea and Flood): a well-mixed 64-bit value of `x`.
+fn splitmix64(x: u64) -> u64 {
+    let mut z = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Corpus {
     tokens: Tokens,
     /// How the tokens were read, and from where (`None`: built in or made in memory).
     format: Format,
     path: Option<PathBuf>,
+    windows: Windows,
 }
 
 impl Corpus {
@@ -161,6 +198,7 @@ impl Corpus {
             tokens: Tokens::Bytes(bytes),
             format: Format::Bytes,
             path: None,
+            windows: Windows::Strided,
         }
     }
 
@@ -170,6 +208,7 @@ impl Corpus {
             tokens,
             format,
             path,
+            windows: Windows::Strided,
         }
     }
 
@@ -203,6 +242,7 @@ impl Corpus {
             tokens,
             format,
             path: Some(path.to_path_buf()),
+            windows: Windows::Strided,
         })
     }
 
@@ -275,11 +315,22 @@ impl Corpus {
         })
     }
 
-    /// Where sequence `g` starts: (g·seq_len) mod (len − seq_len − 1).
+    /// The corpus with its windows chosen as `windows` says (the default: [`Windows::Strided`]).
+    pub fn with_windows(mut self, windows: Windows) -> Self {
+        self.windows = windows;
+        self
+    }
+
+    pub fn windows(&self) -> Windows {
+        self.windows
+    }
+
+    /// Where sequence `g` starts: (g·seq_len) mod (len − seq_len − 1), or the seeded start
+    /// ([`Windows`]).
     pub fn offset(&self, g: u64, seq_len: usize) -> Result<usize, DataError> {
         self.check(seq_len)?;
-        let span = (self.tokens.len() - seq_len - 1) as u128;
-        Ok(((u128::from(g) * seq_len as u128) % span) as usize)
+        let span = self.tokens.len() - seq_len - 1;
+        Ok(self.windows.start(g, seq_len, span))
     }
 
     /// Writes sequence `g`'s inputs and targets (seq_len each).

@@ -28,6 +28,21 @@ pub fn schedrun(args: &[&str]) -> Output {
     command(args).output().unwrap()
 }
 
+/// The `schedc` binary beside `schedrun`, built through cargo when missing (it is another
+/// package's binary, which `cargo test -p schedrun` does not build).
+pub fn schedc_binary() -> PathBuf {
+    let schedc = Path::new(env!("CARGO_BIN_EXE_schedrun")).with_file_name("schedc");
+    if !schedc.exists() {
+        let st = Command::new(env!("CARGO"))
+            .args(["build", "-q", "-p", "schedc"])
+            .current_dir(root())
+            .status()
+            .unwrap();
+        assert!(st.success(), "cargo build -p schedc failed");
+    }
+    schedc
+}
+
 /// A fresh, empty folder for test `test` of suite `suite`.
 pub fn fresh_dir(suite: &str, test: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("schedrun-{suite}-{}-{test}", std::process::id()));
