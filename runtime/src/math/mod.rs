@@ -140,6 +140,7 @@ pub(crate) struct MlpP {
     pub proj_b: Option<Range<usize>>,
 }
 
+#[derive(Clone)]
 pub(crate) struct BlockP {
     pub hidden: usize,
     pub shape: attention::Shape,

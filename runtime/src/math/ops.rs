@@ -206,6 +206,7 @@ pub(crate) fn sigmoid(x: f32) -> f32 {
 
 /// Rotary position tables for one head width: cos and sin of position·θ^(−2i/d), i < d/2, per
 /// position (rows of d/2), θ the model's `rope_base`.
+#[derive(Clone)]
 pub(crate) struct Rope {
     pub half: usize,
     pub cos: Vec<f32>,

@@ -51,8 +51,8 @@ use super::attention::{self, Keep, Shape};
 use super::gemm::{col_sums, linear, linear_backward, Product};
 use super::ops::{self, norm_backward, norm_forward, NormRows, Rope};
 use super::{
-    mlp_segments, model_uses_rope, norm_segments, seg, BlockP, Dims, LayerMath, MathError, MlpP,
-    NormP, Precision, Segment, Stored, Tensors,
+    norm_segments, BlockP, Dims, Kind, LayerMath, MathError, MlpP, NormP, Precision, Segment,
+    Tensors,
 };
 use sched_ir::job::{Activation, Attention, Layer, LayerKind, Model};
 pub use sched_ir::tensor::{
@@ -195,62 +195,19 @@ impl BlockSlice {
     pub fn new(layer: &Layer, model: &Model, rank: TensorRank) -> Result<Self, TensorError> {
         LayerMath::new(layer, model)?;
         let layout = SliceLayout::new(layer, rank)?;
-        let narrow = layout.narrow(layer);
-        let ts = Tensors {
-            layer: &narrow,
-            eps: model.norm_eps(),
-        };
-        let t = rank.size;
-        let s = model.seq_len as usize;
-        let dims = Dims {
-            s,
-            t: model.micro_batch as usize * s,
-        };
-        let (hidden, kind, segments) = match layer.kind {
-            LayerKind::Transformer(tr) => {
-                let h = tr.hidden as usize;
-                let d = h / tr.heads as usize;
-                let shape = Shape {
-                    b: model.micro_batch as usize,
-                    s,
-                    heads: tr.heads as usize / t,
-                    kv_heads: tr.kv_heads as usize / t,
-                    d,
-                };
-                let width = shape.width();
-                let bp = BlockP {
-                    hidden: h,
-                    shape,
-                    attention: tr.attention,
-                    ln1: ts.norm("ln1", tr.norm, h)?,
-                    qkv: ts.get("attn.qkv.weight", &[width, h])?,
-                    qkv_b: ts.opt("attn.qkv.bias", &[width], tr.bias)?,
-                    proj: ts.get("attn.proj.weight", &[h, shape.hidden()])?,
-                    proj_b: ts.opt("attn.proj.bias", &[h], tr.bias)?,
-                    ln2: ts.norm("ln2", tr.norm, h)?,
-                    mlp: ts.mlp(tr.act, h, tr.ffn as usize / t, tr.bias)?,
-                    rope: model_uses_rope(model).then(|| ops::Rope::new(d, s, model.rope_base())),
-                };
-                let mut segs = norm_segments("ln1.out", "ln1.stats", dims, h).to_vec();
-                segs.push(seg("attn.qkv", dims.t * width, Stored::Model));
-                segs.push(seg("attn.out", dims.t * shape.hidden(), Stored::Model));
-                segs.push(match tr.attention {
-                    Attention::Flash => seg("attn.lse", shape.heads * dims.t, Stored::F32),
-                    Attention::Naive => seg("attn.probs", shape.heads * dims.t * s, Stored::Model),
-                });
-                segs.push(seg("resid", dims.t * h, Stored::Model));
-                segs.extend(norm_segments("ln2.out", "ln2.stats", dims, h));
-                segs.extend(mlp_segments(dims, &bp.mlp));
-                (h, BlockKind::Transformer(Box::new(bp)), segs)
-            }
-            LayerKind::Mlp(m) => {
-                let h = m.hidden as usize;
-                let mlp = ts.mlp(m.act, h, m.ffn as usize / t, m.bias)?;
-                let mut segs = norm_segments("ln.out", "ln.stats", dims, h).to_vec();
-                segs.extend(mlp_segments(dims, &mlp));
-                let ln = ts.norm("ln", m.norm, h)?;
-                (h, BlockKind::Mlp { ln, mlp }, segs)
-            }
+        // The slice's shapes and saved layout are the device layer's (`LayerMath::sliced`).
+        let math = LayerMath::sliced(layer, model, rank.size as u32)?;
+        let dims = math.dims();
+        let segments = math.saved_segments();
+        let (hidden, kind) = match math.kind() {
+            Kind::Transformer(bp) => (bp.hidden, BlockKind::Transformer(bp.clone())),
+            Kind::Mlp { hidden, ln, mlp } => (
+                *hidden,
+                BlockKind::Mlp {
+                    ln: ln.clone(),
+                    mlp: mlp.clone(),
+                },
+            ),
             _ => {
                 return Err(SliceError::Split {
                     layer: layer.name.clone(),
