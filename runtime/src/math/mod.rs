@@ -332,11 +332,13 @@ impl LayerMath {
                 size: t as usize,
                 index: 0,
             };
-            let cut =
-                sched_ir::tensor::SliceLayout::new(layer, rank).map_err(|e| MathError::Shape {
+            // Shapes only: the copy runs (a row-parallel matrix has one per row) are not needed.
+            let cut = sched_ir::tensor::SliceLayout::shapes(layer, rank).map_err(|e| {
+                MathError::Shape {
                     layer: layer.name.clone(),
                     problem: e.to_string(),
-                })?;
+                }
+            })?;
             narrow = cut.narrow(layer);
             (&narrow, t as usize)
         } else {
