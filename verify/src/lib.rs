@@ -57,6 +57,7 @@
 
 mod clocks;
 mod collectives;
+mod contribs;
 mod flow;
 mod issue;
 mod joint;
