@@ -219,9 +219,11 @@ pub struct ValuesProof {
 }
 
 /// Runs proof 7 (with clipping's norm) on `p` now; see [`ValuesProof`]. Meant to run beside other
-/// work, it leaves that work one core: its runs spread over the others, if any.
+/// work (memory planning, itself spread over the cores stage by stage), its runs spread over
+/// every core too: the system shares the cores while both run, and whichever finishes first
+/// leaves the other all of them.
 pub fn prove_values(p: &Program) -> ValuesProof {
-    prove_values_on(p, cores().saturating_sub(1).max(1))
+    prove_values_on(p, cores())
 }
 
 /// Proof 7 with its runs spread over at most `threads` threads.

@@ -10,8 +10,8 @@
 //! finish. A buffer no op touches gets no space.
 //!
 //! With pipeline stages, each stage's buffers live on other ranks than every other stage's, so
-//! each stage is planned on its own (over the program cut down to its ops) from offset 0, and
-//! the arena is the largest stage's.
+//! each stage is planned on its own (over the program cut down to its ops) from offset 0, on as
+//! many threads as there are cores, and the arena is the largest stage's.
 //!
 //! - `place`: one greedy placement of units (single buffers, or slots of equal-size buffers
 //!   used in turn) in a given order and fit;
@@ -137,9 +137,7 @@ pub fn plan(p: &Program) -> Placement {
         transient: vec![],
         arena_bytes: 0,
     };
-    for stage in 0..p.layout.stages {
-        let q = stage_program(p, stage);
-        let part = plan_stage(&q, stage);
+    for (stage, part) in (0..p.layout.stages).zip(plan_stages(p)) {
         for (id, b) in p.buffers.iter() {
             if b.stage == stage {
                 all.offsets[id.index()] = part.offsets[id.index()];
@@ -152,6 +150,47 @@ pub fn plan(p: &Program) -> Placement {
     let first = first_access(p);
     all.transient.sort_by_key(|&b| (first[b.index()], b));
     all
+}
+
+/// [`plan_stage`] of every stage, in stage order. The stages share nothing (each is planned on
+/// its own program from offset 0), so on a machine with more than one core they are planned on
+/// as many threads, each taking the next stage not yet taken; the result does not depend on
+/// which thread planned which stage.
+fn plan_stages(p: &Program) -> Vec<Placement> {
+    let stages = p.layout.stages as usize;
+    let one = |stage: usize| plan_stage(&stage_program(p, stage as u32), stage as u32);
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(stages);
+    if threads <= 1 {
+        return (0..stages).map(one).collect();
+    }
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let mut done: Vec<(usize, Placement)> = std::thread::scope(|s| {
+        let workers: Vec<_> = (0..threads)
+            .map(|_| {
+                s.spawn(|| {
+                    let mut out = vec![];
+                    loop {
+                        let k = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        if k >= stages {
+                            break out;
+                        }
+                        out.push((k, one(k)));
+                    }
+                })
+            })
+            .collect();
+        workers
+            .into_iter()
+            .flat_map(|w| {
+                w.join()
+                    .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+            })
+            .collect()
+    });
+    done.sort_by_key(|(k, _)| *k);
+    done.into_iter().map(|(_, part)| part).collect()
 }
 
 /// The first op touching each buffer, by buffer index (`usize::MAX`: none).
