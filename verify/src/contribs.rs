@@ -11,6 +11,7 @@
 //! merge two sorted sets in one pass.
 
 use sched_ir::hash::FxHashMap;
+use std::rc::Rc;
 
 /// One contribution set: `keys[i]` = (term, micro-step), sorted; its rank bitset is
 /// `bits[i·w .. (i + 1)·w]` for the run's `w` words a key.
@@ -32,8 +33,9 @@ pub struct Contribs {
     t: u32,
     /// Words of one key's bitset.
     words: usize,
-    sets: Vec<Set>,
-    index: FxHashMap<Set, u32>,
+    /// Each set once, shared with `index` (a set is read far more often than made).
+    sets: Vec<Rc<Set>>,
+    index: FxHashMap<Rc<Set>, u32>,
     singles: FxHashMap<(u32, u32, u32), u32>,
     /// Unions already taken, by the ids of their two sides.
     unions: FxHashMap<(u32, u32), u32>,
@@ -58,7 +60,8 @@ impl Contribs {
             return i;
         }
         let i = self.sets.len() as u32;
-        self.sets.push(set.clone());
+        let set = Rc::new(set);
+        self.sets.push(Rc::clone(&set));
         self.index.insert(set, i);
         i
     }
@@ -77,10 +80,10 @@ impl Contribs {
         let mut bits = vec![0u64; self.words];
         bits[slot / 64] |= 1 << (slot % 64);
         let i = self.sets.len() as u32;
-        self.sets.push(Set {
+        self.sets.push(Rc::new(Set {
             keys: vec![(term, m)],
             bits,
-        });
+        }));
         self.singles.insert((term, m, rank), i);
         i
     }
@@ -106,7 +109,7 @@ impl Contribs {
         if rest.is_empty() {
             return Ok(first);
         }
-        let mut acc = self.sets[first as usize].clone();
+        let mut acc = Set::clone(&self.sets[first as usize]);
         let mut out = Set::default();
         for &b in rest {
             self.merge(&acc, &self.sets[b as usize], &mut out)?;
@@ -121,6 +124,8 @@ impl Contribs {
         let w = self.words;
         out.keys.clear();
         out.bits.clear();
+        out.keys.reserve(a.keys.len() + b.keys.len());
+        out.bits.reserve((a.keys.len() + b.keys.len()) * w);
         let (mut i, mut j) = (0, 0);
         while i < a.keys.len() || j < b.keys.len() {
             let next = match (a.keys.get(i), b.keys.get(j)) {
