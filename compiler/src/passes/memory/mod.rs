@@ -207,8 +207,21 @@ fn first_access(p: &Program) -> Vec<usize> {
 
 /// `p` cut down to the ops of `stage`'s streams (in issue order, their events renumbered),
 /// with every stream and buffer kept, so buffer ids stay; without its communicators, which
-/// memory planning never reads (a 1,024-rank program's would be copied once per stage).
+/// memory planning never reads (a 1,024-rank program's would be copied once per stage), and
+/// without the names of other stages' buffers (no op of the stage touches them; naming them
+/// cost one string copy per buffer and stage).
 pub fn stage_program(p: &Program, stage: u32) -> Program {
+    let buffers = p
+        .buffers
+        .values()
+        .map(|b| match b.stage == stage {
+            true => b.clone(),
+            false => Buffer {
+                name: String::new(),
+                ..*b
+            },
+        })
+        .collect();
     let mut q = Program {
         schedule: p.schedule.clone(),
         layout: p.layout,
@@ -216,7 +229,7 @@ pub fn stage_program(p: &Program, stage: u32) -> Program {
         layers: p.layers.clone(),
         streams: p.streams.clone(),
         comms: Default::default(),
-        buffers: p.buffers.clone(),
+        buffers,
         events: Default::default(),
         ops: Default::default(),
         arena_bytes: p.arena_bytes,
