@@ -1,23 +1,26 @@
 //! Gradient contribution sets for the value proof ([`super::values`]): which (term, micro-step,
 //! rank) backward passes a gradient range sums, interned so that contents compare by id.
 //!
-//! A set is kept as its (term, micro-step) keys, sorted, each with a bitset of the ranks that
-//! contributed. The value proof runs only the ranks of tensor index 0 (`Run::stage_ranks`), so a
-//! rank's bit is its **slot** `rank / t`: one bit per rank the proof runs, `ranks / t` in all,
-//! instead of one per rank of the cluster (64 words a key at 4,096 ranks and t = 8; 8 with
-//! slots). Slots are a bijection on the ranks of tensor index 0, and [`Contribs::single`] refuses
-//! any other rank, so a set means exactly what the per-rank bitset meant, and every error names
-//! the same rank. The bitsets of a set lie in one flat list (no allocation per key), and unions
-//! merge two sorted sets in one pass.
+//! The value proof runs only the ranks of tensor index 0 (`Run::stage_ranks`): rank
+//! `(stage·d + dp)·t`, one per (pipeline stage, data-parallel index). A set is kept as its
+//! (term, micro-step, stage) keys, sorted, each with a bitset of the data-parallel indices that
+//! contributed: d bits a key (one word for d ≤ 64), where a bitset over every rank of the cluster
+//! took 64 words at 4,096 ranks. (stage, dp) is a bijection on the ranks of tensor index 0, and
+//! [`Contribs::single`] refuses any other rank, so a set means exactly what the per-rank bitset
+//! meant; the keys of one (term, micro-step) are adjacent and ordered by stage, so the lowest
+//! key-then-bit is the lowest rank, and every error names the same rank as before. The bitsets
+//! of a set lie in one flat list (no allocation per key), and unions merge two sorted sets in
+//! one pass.
 
 use sched_ir::hash::FxHashMap;
+use sched_ir::ir::Layout;
 use std::rc::Rc;
 
-/// One contribution set: `keys[i]` = (term, micro-step), sorted; its rank bitset is
-/// `bits[i·w .. (i + 1)·w]` for the run's `w` words a key.
+/// One contribution set: `keys[i]` = (term, micro-step, stage), sorted; its bitset of
+/// data-parallel indices is `bits[i·w .. (i + 1)·w]` for the run's `w` words a key.
 #[derive(Clone, Default, PartialEq, Eq, Hash)]
 struct Set {
-    keys: Vec<(u32, u32)>,
+    keys: Vec<(u32, u32, u32)>,
     bits: Vec<u64>,
 }
 
@@ -29,8 +32,10 @@ pub type Twice = (u32, u32, u32);
 /// interned by (term, micro-step, rank) alone, cheaply, and only union results by their whole
 /// set.
 pub struct Contribs {
-    /// t: a rank's slot is `rank / t`.
+    /// t: rank `(stage·d + dp)·t` runs.
     t: u32,
+    /// d, the data-parallel ranks of a stage and tensor index.
+    d: u32,
     /// Words of one key's bitset.
     words: usize,
     /// Each set once, shared with `index` (a set is read far more often than made).
@@ -42,12 +47,13 @@ pub struct Contribs {
 }
 
 impl Contribs {
-    /// Sets over `ranks` ranks with `t` tensor indices, of which only index 0 contributes.
-    pub fn new(ranks: u32, t: u32) -> Self {
-        let t = t.max(1);
+    /// Sets over the ranks of `layout`, of which only tensor index 0 contributes.
+    pub fn new(layout: &Layout) -> Self {
+        let (t, d) = (layout.tensor.max(1), layout.dp_size().max(1));
         Contribs {
             t,
-            words: (ranks.div_ceil(t) as usize).div_ceil(64).max(1),
+            d,
+            words: (d as usize).div_ceil(64),
             sets: vec![],
             index: FxHashMap::default(),
             singles: FxHashMap::default(),
@@ -76,12 +82,13 @@ impl Contribs {
         if let Some(&i) = self.singles.get(&(term, m, rank)) {
             return i;
         }
-        let slot = (rank / self.t) as usize;
+        let slot = rank / self.t;
+        let (stage, dp) = ((slot / self.d), (slot % self.d) as usize);
         let mut bits = vec![0u64; self.words];
-        bits[slot / 64] |= 1 << (slot % 64);
+        bits[dp / 64] |= 1 << (dp % 64);
         let i = self.sets.len() as u32;
         self.sets.push(Rc::new(Set {
-            keys: vec![(term, m)],
+            keys: vec![(term, m, stage)],
             bits,
         }));
         self.singles.insert((term, m, rank), i);
@@ -148,9 +155,9 @@ impl Contribs {
                     let (x, y) = (&a.bits[i * w..][..w], &b.bits[j * w..][..w]);
                     for (k, (p, q)) in x.iter().zip(y).enumerate() {
                         if p & q != 0 {
-                            let slot = (k * 64) as u32 + (p & q).trailing_zeros();
-                            let (term, m) = b.keys[j];
-                            return Err((term, m, slot * self.t));
+                            let dp = (k * 64) as u32 + (p & q).trailing_zeros();
+                            let (term, m, stage) = b.keys[j];
+                            return Err((term, m, self.rank(stage, dp)));
                         }
                     }
                     out.keys.push(a.keys[i]);
@@ -170,21 +177,30 @@ impl Contribs {
         terms
     }
 
+    /// The rank of tensor index 0 at (`stage`, `dp`).
+    fn rank(&self, stage: u32, dp: u32) -> u32 {
+        (stage * self.d + dp) * self.t
+    }
+
     /// The ranks of set `c` that contributed (term, m), if any did.
     pub fn ranks(&self, c: u32, term: u32, m: u32) -> Option<Ranks<'_>> {
         let set = &self.sets[c as usize];
-        let i = set.keys.binary_search(&(term, m)).ok()?;
-        Some(Ranks {
-            bits: &set.bits[i * self.words..][..self.words],
-            t: self.t,
+        let lo = set.keys.partition_point(|k| (k.0, k.1) < (term, m));
+        let hi = lo + set.keys[lo..].partition_point(|k| (k.0, k.1) == (term, m));
+        (lo < hi).then(|| Ranks {
+            of: self,
+            stages: &set.keys[lo..hi],
+            bits: &set.bits[lo * self.words..hi * self.words],
         })
     }
 }
 
-/// The ranks of one key of a set.
+/// The ranks of one (term, micro-step) of a set: a bitset of data-parallel indices per stage.
 pub struct Ranks<'a> {
+    of: &'a Contribs,
+    /// The keys, one per stage, in stage order.
+    stages: &'a [(u32, u32, u32)],
     bits: &'a [u64],
-    t: u32,
 }
 
 impl Ranks<'_> {
@@ -194,20 +210,31 @@ impl Ranks<'_> {
 
     /// The lowest rank (rank 0 when there is none).
     pub fn first(&self) -> u32 {
-        self.bits
+        let w = self.of.words;
+        self.stages
             .iter()
             .enumerate()
-            .find(|(_, w)| **w != 0)
-            .map_or(0, |(k, w)| ((k * 64) as u32 + w.trailing_zeros()) * self.t)
+            .find_map(|(i, key)| {
+                let bits = &self.bits[i * w..][..w];
+                let (k, word) = bits.iter().enumerate().find(|(_, x)| **x != 0)?;
+                Some(self.of.rank(key.2, (k * 64) as u32 + word.trailing_zeros()))
+            })
+            .unwrap_or(0)
     }
 
     pub fn contains(&self, rank: u32) -> bool {
-        if rank % self.t != 0 {
+        let Contribs { t, d, words, .. } = *self.of;
+        if !rank.is_multiple_of(t) {
             return false;
         }
-        let slot = (rank / self.t) as usize;
-        self.bits
-            .get(slot / 64)
-            .is_some_and(|w| w & (1 << (slot % 64)) != 0)
+        let (stage, dp) = (rank / t / d, (rank / t % d) as usize);
+        self.stages
+            .iter()
+            .position(|key| key.2 == stage)
+            .is_some_and(|i| self.bits[i * words + dp / 64] & (1 << (dp % 64)) != 0)
     }
 }
+
+#[cfg(test)]
+#[path = "../tests/unit/contribs.rs"]
+mod tests;

@@ -114,7 +114,7 @@ pub fn check(p: &Program, threads: usize) -> Vec<VerifyError> {
             mixed: &mixed,
             layer,
             coverage: vec![],
-            contribs: Contribs::new(p.ranks(), layout.tensor),
+            contribs: Contribs::new(&layout),
             state: State::new(p.ranks(), layout.tensor),
             scratch: vec![],
             errs: vec![],
