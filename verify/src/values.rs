@@ -29,7 +29,7 @@ use sched_ir::hash::FxHashMap;
 use sched_ir::ir::layout::Layout;
 use sched_ir::ir::*;
 use sched_ir::job::Collective;
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Val {
@@ -494,7 +494,8 @@ impl Run<'_> {
                 }
             }
         }
-        // The end state is the start state one version later.
+        // The end state is the start state one version later (checked in buffer, then rank, order:
+        // the mismatch named is the same on every run).
         for ((b, r), segs) in start {
             let want: Contents = segs
                 .iter()
@@ -531,8 +532,9 @@ impl Run<'_> {
 
     /// Param shards at the start of the step: this rank's slice of the parameters, at version 0;
     /// with a deferred refresh the rank's own optimizer slice already holds version 1.
-    fn initial(&self, deferred: bool) -> HashMap<(BufferId, u32), Contents> {
-        let mut out = HashMap::new();
+    /// Ordered by buffer, then rank.
+    fn initial(&self, deferred: bool) -> BTreeMap<(BufferId, u32), Contents> {
+        let mut out = BTreeMap::new();
         for (b, buf) in self.p.buffers.iter() {
             if buf.kind != BufferKind::ParamShard || !self.mine(b) {
                 continue;
