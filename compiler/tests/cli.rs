@@ -89,15 +89,15 @@ fn a_deadlocking_custom_order_exits_1_with_its_cycle() {
     assert!(!dir.join("crossed.plan.json").exists());
 }
 
-/// Sequence parallelism checks but is not lowered yet: `check` (and `check --resolved`) accept a
-/// schedule with `tensor { size = 2;  sequence = true }`, while `compile`, `simulate` and `plan` refuse it at
-/// `size` with exit 1 and write nothing; the compiler's own guard says the same to a caller
-/// holding only the job.
+/// A split backward with tensor parallelism checks but is not lowered yet: `check` (and `check
+/// --resolved`) accept a schedule with `tensor { size = 2;  sequence = true }` and `zb_h1`, while
+/// `compile`, `simulate` and `plan` refuse it at `size` with exit 1 and write nothing; the
+/// compiler's own guard says the same to a caller holding only the job.
 #[test]
-fn sequence_parallelism_checks_but_is_not_compiled_yet() {
+fn split_backwards_with_tensor_parallelism_check_but_are_not_compiled_yet() {
     let dir = scratch("tensor");
     let src = format!(
-        "{CLUSTER}\n{MODEL}\nschedule tp {{\n    model = m;  cluster = c\n    tensor {{ size = 2;  sequence = true }}\n}}\n"
+        "{CLUSTER}\n{MODEL}\nschedule tp {{\n    model = m;  cluster = c\n    tensor {{ size = 2;  sequence = true }}\n    micro_steps = 2;  pipeline {{ stages = 2;  schedule = zb_h1 }}\n}}\n"
     );
     std::fs::write(dir.join("tp.sched"), src).unwrap();
     let out = schedc(&["check", "--resolved", "tp.sched"], &dir);
@@ -105,7 +105,7 @@ fn sequence_parallelism_checks_but_is_not_compiled_yet() {
     let stdout = text(&out.stdout);
     assert!(
         stdout.contains(
-            "tensor                 t = 2, sequence parallel, data-parallel mesh 2 x 2 (d = 4)"
+            "tensor                 t = 2, sequence parallel, data-parallel mesh 2 x 1 (d = 2)"
         ),
         "{stdout}"
     );
@@ -126,7 +126,7 @@ fn sequence_parallelism_checks_but_is_not_compiled_yet() {
         let stderr = text(&out.stderr);
         assert!(
             stderr.contains(
-                "error: tensor parallelism (t = 2) with sequence parallelism is not lowered yet"
+                "error: tensor parallelism (t = 2) with a split backward (`I`/`W` actions) is not lowered yet"
             ) && stderr.contains("tp.sched:20:21"),
             "{args:?}: {stderr}"
         );
@@ -141,7 +141,7 @@ fn sequence_parallelism_checks_but_is_not_compiled_yet() {
         schedc::compile(job),
         Err(schedc::CompileError::TensorNotLowered(
             2,
-            "sequence parallelism"
+            "a split backward (`I`/`W` actions)"
         ))
     ));
 }

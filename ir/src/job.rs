@@ -818,9 +818,8 @@ impl Job {
         Some((h, e))
     }
 
-    /// What tensor parallelism cannot lower yet in this job, when t > 1: sequence parallelism,
-    /// gradient clipping (whose norm must count each slice once and each replicated tensor
-    /// once) or a split backward (`I`/`W` actions) of tensor-parallel layers.
+    /// What tensor parallelism cannot lower yet in this job, when t > 1: a split backward
+    /// (`I`/`W` actions) of tensor-parallel layers.
     /// `None` when it lowers.
     pub fn tensor_not_lowered(&self) -> Option<&'static str> {
         if !self.schedule.tensor.is_parallel() {
@@ -833,15 +832,7 @@ impl Job {
             .iter()
             .flatten()
             .any(|a| matches!(a.kind, ActionKind::I | ActionKind::W));
-        if self.schedule.tensor.sequence {
-            Some("sequence parallelism")
-        } else if self.schedule.train.clip.is_some() {
-            Some("gradient clipping (`train.clip`)")
-        } else if split {
-            Some("a split backward (`I`/`W` actions)")
-        } else {
-            None
-        }
+        split.then_some("a split backward (`I`/`W` actions)")
     }
 
     /// The tied head and its embedding when the head keeps a replica of the embedding's state

@@ -54,6 +54,9 @@ pub struct PlanFile {
     /// The tensor-parallel degree t (absent: one).
     #[serde(default = "one", skip_serializing_if = "is_one")]
     pub tensor: u32,
+    /// Sequence parallelism over the tensor groups (absent: none).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub sequence: bool,
     pub layers: Vec<LayerFile>,
     pub communicators: Vec<CommFile>,
     pub buffers: Vec<BufferFile>,
@@ -264,6 +267,7 @@ pub fn emit_plan(p: &Program, job: &Job) -> PlanFile {
         secondary,
         stages: p.layout.stages,
         tensor: p.layout.tensor,
+        sequence: p.layout.sequence,
         layers: p
             .layers
             .values()
@@ -529,6 +533,7 @@ fn from_file(f: PlanFile) -> Result<ReadPlan, ReadError> {
             secondary: f.secondary,
             stages: f.stages,
             tensor: f.tensor,
+            sequence: f.sequence,
         },
         micro_steps: f.micro_steps,
         arena_bytes: f.arena_bytes,
@@ -703,6 +708,11 @@ fn check_job(f: &PlanFile, shard: Shard) -> Result<(), ReadError> {
         Some(format!("{} micro-steps", job.schedule.micro_steps))
     } else if layout.tensor != f.tensor {
         Some(format!("tensor groups of {} ranks", layout.tensor))
+    } else if layout.sequence != f.sequence {
+        Some(format!(
+            "sequence parallelism {}",
+            if layout.sequence { "on" } else { "off" }
+        ))
     } else if layout.shard != shard || layout.secondary != f.secondary {
         Some("other shard meshes".to_string())
     } else if layers != f.layers.iter().map(|l| l.name.as_str()).collect::<Vec<_>>() {

@@ -639,6 +639,14 @@ fn decode_op(
 /// Sizes every region of a layer action against the layer math.
 fn check_sizes(p: &Program, maths: &[LayerMath], a: &Action) -> Result<(), OpMismatch> {
     let elems = |r: &Region| r.bytes / p.buffers[r.buffer].dtype.bytes();
+    // With sequence parallelism a rank holds its t-th of the rows of each hidden state but the
+    // logits.
+    let t = if p.layout.sequence {
+        p.layout.tensor.max(1) as usize
+    } else {
+        1
+    };
+    let rows = |layer: usize, n: usize| if layer < maths.len() { n / t } else { n };
     let at_least = |r: &Option<Region>, n: usize, what: &'static str| match r {
         Some(r) if (elems(r) as usize) < n => Err(OpMismatch::TooSmall {
             what,
@@ -669,7 +677,7 @@ fn check_sizes(p: &Program, maths: &[LayerMath], a: &Action) -> Result<(), OpMis
             let m = &maths[*layer];
             at_least(params, m.params(), "parameter")?;
             exactly(input, m.input_elements(), "input")?;
-            exactly(output, m.output_elements(), "output")?;
+            exactly(output, rows(layer + 1, m.output_elements()), "output")?;
         }
         Action::Backward {
             layer,
@@ -682,7 +690,11 @@ fn check_sizes(p: &Program, maths: &[LayerMath], a: &Action) -> Result<(), OpMis
             let m = &maths[*layer];
             at_least(params, m.params(), "parameter")?;
             exactly(input, m.input_elements(), "input")?;
-            exactly(grad_input, m.input_elements(), "input gradient")?;
+            exactly(
+                grad_input,
+                rows(*layer, m.input_elements()),
+                "input gradient",
+            )?;
             exactly(&Some(*grad_output), m.output_elements(), "output gradient")?;
         }
         Action::BackwardInput {

@@ -11,7 +11,7 @@ use crate::math::{decay_ranges, LayerMath};
 use cranelift_entity::SecondaryMap;
 use sched_ir::ir::{BufferId, BufferKind, CommId, LayerId, OpId, Region, ShardIndex, StreamId};
 use sched_ir::job::Job;
-use sched_ir::tensor::{SliceLayout, TensorRank};
+use sched_ir::tensor::{SliceLayout, Split, TensorRank};
 use sched_verify::Verified;
 use std::path::Path;
 
@@ -109,6 +109,10 @@ pub struct Plan {
     pub maths: Vec<LayerMath>,
     /// Per layer, the flat-vector ranges weight decay applies to.
     pub decay: Vec<Vec<std::ops::Range<usize>>>,
+    /// Per layer with t > 1, the ranges of a rank's flat vector every rank of its tensor group
+    /// holds alike (a replicated tensor of a slice; all of a layer that runs whole): gradient
+    /// clipping's norm counts them on tensor index 0 alone.
+    pub replicated: Vec<Vec<std::ops::Range<usize>>>,
     /// Each stream's ops, in issue order.
     pub stream_ops: SecondaryMap<StreamId, Vec<OpId>>,
     /// For every op, each of its collectives' call number on its communicator within a step,
@@ -158,28 +162,46 @@ impl Plan {
             .collect();
         // A tensor-parallel layer's ranges are its slice's (every slice has the same layout).
         let t = job.schedule.tensor.size;
-        let decay = job
+        let slices: Vec<Option<SliceLayout>> = job
             .model
             .layers
             .iter()
-            .map(|l| match sched_ir::tensor::split_layers(&l.kind, t) {
-                true => SliceLayout::new(
-                    l,
-                    TensorRank {
-                        size: t as usize,
-                        index: 0,
-                    },
-                )
-                .map(|s| decay_ranges(&s.narrow(l)))
-                .map_err(|e| {
-                    LoadError::from(crate::math::MathError::Shape {
-                        layer: l.name.clone(),
-                        problem: e.to_string(),
+            .map(|l| {
+                let rank = TensorRank {
+                    size: t as usize,
+                    index: 0,
+                };
+                sched_ir::tensor::split_layers(&l.kind, t)
+                    .then(|| SliceLayout::shapes(l, rank))
+                    .transpose()
+                    .map_err(|e| {
+                        LoadError::from(crate::math::MathError::Shape {
+                            layer: l.name.clone(),
+                            problem: e.to_string(),
+                        })
                     })
-                }),
-                false => Ok(decay_ranges(l)),
             })
             .collect::<Result<_, _>>()?;
+        let layers = job.model.layers.iter().zip(&slices);
+        let decay = layers
+            .clone()
+            .map(|(l, s)| match s {
+                Some(s) => decay_ranges(&s.narrow(l)),
+                None => decay_ranges(l),
+            })
+            .collect();
+        let replicated = layers
+            .map(|(l, s)| match (t > 1, s) {
+                (false, _) => vec![],
+                (true, Some(s)) => s
+                    .tensors()
+                    .iter()
+                    .filter(|x| x.split == Split::Replicated)
+                    .map(|x| x.range.clone())
+                    .collect(),
+                (true, None) => std::iter::once(0..l.params as usize).collect(),
+            })
+            .collect();
         let mut members: SecondaryMap<CommId, Vec<(usize, usize)>> = SecondaryMap::new();
         for (c, comm) in program.comms.iter() {
             // (usize::MAX, usize::MAX): not a member (a pipeline transfer pairs two stages only).
@@ -198,6 +220,7 @@ impl Plan {
             actions,
             maths,
             decay,
+            replicated,
             stream_ops,
             call_numbers,
             indices,

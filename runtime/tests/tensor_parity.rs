@@ -150,3 +150,79 @@ fn recomputed_tensor_parallel_layers_match_the_reference() {
         jittered(&job, 13);
     }
 }
+
+/// `job` with sequence parallelism: the hidden states and streams split by rows over the
+/// tensor group, gathered before each open and reduce-scattered after it, the norms' gradients
+/// summed over the group.
+fn sequence(mut job: Job, micro_steps: Option<u32>) -> Job {
+    job.schedule.tensor.sequence = true;
+    job.schedule.name.push_str("_sp");
+    if let Some(m) = micro_steps {
+        job.schedule.micro_steps = m;
+        job.schedule.name.push_str(&format!("_m{m}"));
+    }
+    job
+}
+
+#[test]
+fn sequence_parallel_tensor_groups_match_the_reference() {
+    for job in [
+        sequence(job("tiny_gpt", 2, 2, [1, 1, 1], 1), None),
+        sequence(job("tiny_gpt", 4, 4, [1, 1, 1], 1), None),
+        sequence(job("tiny_llama", 4, 2, [1, 1, 1], 1), Some(2)),
+        sequence(job("tiny_gpt", 4, 4, [1, 1, 1], 1), Some(3)),
+    ] {
+        check(&job, RunOptions::default(), STEPS, "plain");
+        jittered(&job, 17);
+    }
+}
+
+#[test]
+fn sequence_parallel_slices_sharded_by_zero_match_the_reference() {
+    for job in [
+        sequence(job("tiny_gpt", 4, 2, [1, 1, 2], 1), Some(2)),
+        sequence(job("tiny_gpt", 4, 2, [1, 2, 2], 1), Some(2)),
+        sequence(job("tiny_llama", 4, 2, [2, 2, 2], 1), None),
+        sequence(job("tiny_gpt", 8, 4, [2, 2, 2], 1), None),
+    ] {
+        check(&job, RunOptions::default(), STEPS, "plain");
+        jittered(&job, 19);
+    }
+}
+
+#[test]
+fn sequence_parallel_pipelines_and_recompute_match_the_reference() {
+    let mut recomputed = sequence(job("tiny_gpt", 4, 2, [2, 2, 2], 1), None);
+    recomputed.schedule.recompute = Recompute::Full;
+    recomputed.schedule.name.push_str("_recompute");
+    let mut staged_recomputed = sequence(job("tiny_llama", 4, 2, [1, 1, 1], 2), None);
+    staged_recomputed.schedule.recompute = Recompute::Full;
+    staged_recomputed.schedule.name.push_str("_recompute");
+    for job in [
+        sequence(job("tiny_llama", 4, 2, [1, 1, 1], 2), None),
+        sequence(job("tiny_gpt", 8, 2, [2, 2, 2], 2), None),
+        recomputed,
+        staged_recomputed,
+    ] {
+        check(&job, RunOptions::default(), STEPS, "plain");
+        jittered(&job, 23);
+    }
+}
+
+/// Gradient clipping with tensor parallelism: each tensor index's norm counts its slices and
+/// tensor index 0 also the tensors the group holds alike, summed over every stage and tensor
+/// index, so the clipped step is the reference's (a small `clip`, so it clips every step).
+#[test]
+fn clipped_tensor_parallel_jobs_match_the_reference() {
+    for mut job in [
+        job("tiny_gpt", 4, 2, [1, 1, 2], 1),
+        job("tiny_gpt", 4, 4, [1, 1, 1], 1),
+        sequence(job("tiny_gpt", 8, 2, [2, 2, 2], 2), None),
+        sequence(job("tiny_llama", 4, 2, [1, 1, 1], 1), Some(2)),
+    ] {
+        job.schedule.train.clip = Some(0.05);
+        job.schedule.name.push_str("_clip");
+        check(&job, RunOptions::default(), STEPS, "plain");
+        jittered(&job, 29);
+    }
+}

@@ -184,6 +184,12 @@ fn placement(p: &Program, l: &Layout, c: &CollectiveOp, norm: bool) -> Vec<Strin
                             format!("hierarchical stage 1: member {j} (rank {r}) holds param shard {}", idx(ShardIndex::Param)),
                         );
                     }
+                    // Sequence parallelism: member j's rows land as chunk j (the flow proof
+                    // checks the group is the tensor group and what the rows hold).
+                    (BufferKind::Hidden, BufferKind::Hidden) => require(
+                        l.tp_index(r) == j as u32,
+                        format!("all_gather of rows: member {j} (rank {r}) holds the rows of tensor index {}", l.tp_index(r)),
+                    ),
                     (i, o) => require(false, format!("all_gather from {i:?} into {o:?} has no known meaning")),
                 },
                 Collective::ReduceScatter => match (ink, outk) {
@@ -198,6 +204,10 @@ fn placement(p: &Program, l: &Layout, c: &CollectiveOp, norm: bool) -> Vec<Strin
                             idx(ShardIndex::OptimizerInGrad),
                             idx(ShardIndex::Grad)
                         ),
+                    ),
+                    (BufferKind::Partial, BufferKind::Partial) => require(
+                        l.tp_index(r) == j as u32,
+                        format!("reduce_scatter of partial sums: member {j} (rank {r}) keeps the rows of tensor index {}", l.tp_index(r)),
                     ),
                     (i, o) => require(false, format!("reduce_scatter from {i:?} into {o:?} has no known meaning")),
                 },

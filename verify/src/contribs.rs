@@ -170,6 +170,39 @@ impl Contribs {
         Ok(())
     }
 
+    /// Set `c` with `flag` cleared from every term, when every term carries it (sequence
+    /// parallelism's rows' parts, summed over the tensor group); `None` for the empty set or when
+    /// some term does not carry it. A singleton comes back interned as one.
+    pub fn cleared(&mut self, c: u32, flag: u32) -> Option<u32> {
+        let set = &self.sets[c as usize];
+        if set.keys.is_empty() || set.keys.iter().any(|k| k.0 & flag == 0) {
+            return None;
+        }
+        let w = self.words;
+        let keys: Vec<(u32, u32, u32)> = set.keys.iter().map(|k| (k.0 & !flag, k.1, k.2)).collect();
+        let mut order: Vec<usize> = (0..keys.len()).collect();
+        order.sort_by_key(|&i| keys[i]);
+        let mut out = Set::default();
+        for i in order {
+            out.keys.push(keys[i]);
+            out.bits.extend_from_slice(&set.bits[i * w..][..w]);
+        }
+        if let [(term, m, stage)] = *out.keys.as_slice() {
+            if out.bits.iter().map(|x| x.count_ones()).sum::<u32>() == 1 {
+                let (k, word) = out
+                    .bits
+                    .iter()
+                    .enumerate()
+                    .find(|(_, x)| **x != 0)
+                    .expect("one bit");
+                let rank = self.rank(stage, (k * 64) as u32 + word.trailing_zeros());
+                // A singleton is interned by (term, micro-step, rank) alone.
+                return Some(self.single(term, m, rank));
+            }
+        }
+        Some(self.intern(out))
+    }
+
     /// The terms of set `c`, in order, each once.
     pub fn terms(&self, c: u32) -> Vec<u32> {
         let mut terms: Vec<u32> = self.sets[c as usize].keys.iter().map(|k| k.0).collect();

@@ -52,8 +52,18 @@ enum Value {
         sublayer: u8,
         grad: bool,
     },
+    /// With sequence parallelism, the tensor group's gather of a hidden state (`sublayer`
+    /// `None`: the input of `layer`, or its gradient) or of a residual stream between
+    /// sublayers (as [`Value::Stream`]): every rank's rows of it, whole.
+    Whole {
+        layer: u32,
+        micro: u32,
+        sublayer: Option<u8>,
+        grad: bool,
+    },
     /// One rank's partial sum of sublayer `sublayer` of a tensor-parallel layer (its output, or
-    /// with `grad` its norm output's gradient), `reduced` once all-reduced over its tensor group.
+    /// with `grad` its norm output's gradient), `reduced` once summed over its tensor group
+    /// (all-reduced, or with sequence parallelism reduce-scattered: the rank's rows of the sum).
     Partial {
         layer: u32,
         micro: u32,
@@ -64,6 +74,40 @@ enum Value {
 }
 
 impl Value {
+    /// What the tensor group's gather of this value holds: a hidden state's or a stream's
+    /// rows, assembled.
+    fn gathered(self) -> Option<Value> {
+        match self {
+            Value::Hidden { layer, micro, grad } => Some(Value::Whole {
+                layer,
+                micro,
+                sublayer: None,
+                grad,
+            }),
+            Value::Stream {
+                layer,
+                micro,
+                sublayer,
+                grad,
+            } => Some(Value::Whole {
+                layer,
+                micro,
+                sublayer: Some(sublayer),
+                grad,
+            }),
+            _ => None,
+        }
+    }
+
+    /// With sequence parallelism (`sequence`), what a phase or a whole layer reads of this
+    /// hidden state or stream: the tensor group's gather of it; else itself.
+    fn seen(self, sequence: bool) -> Value {
+        match sequence {
+            true => self.gathered().unwrap_or(self),
+            false => self,
+        }
+    }
+
     fn describe(self, p: &Program) -> String {
         let name = |l: u32| {
             p.layers.get(LayerId::from_u32(l)).map_or_else(
@@ -109,6 +153,23 @@ impl Value {
                 },
                 layer_name(p, layer)
             ),
+            Value::Whole {
+                layer,
+                micro,
+                sublayer,
+                grad,
+            } => {
+                let part = match sublayer {
+                    None => Value::Hidden { layer, micro, grad },
+                    Some(sublayer) => Value::Stream {
+                        layer,
+                        micro,
+                        sublayer,
+                        grad,
+                    },
+                };
+                format!("the tensor group's gather of {}", part.describe(p))
+            }
             Value::Partial {
                 layer,
                 micro,
@@ -148,7 +209,7 @@ fn tracked(b: &Buffer) -> bool {
 
 /// Whether communicator `c`'s groups are the tensor groups: each the t ranks of one stage and
 /// data-parallel index, in tensor-index order (so a sum over it adds every part once).
-fn is_tensor_comm(p: &Program, c: CommId) -> bool {
+pub(crate) fn is_tensor_comm(p: &Program, c: CommId) -> bool {
     let l = p.layout;
     let t = l.tensor.max(1);
     p.comms[c].groups.iter().all(|g| {
@@ -299,6 +360,14 @@ impl Run<'_> {
                 {
                     self.sum_partials(id, c);
                 }
+                sched_ir::job::Collective::ReduceScatter
+                    if p.buffers[c.input.buffer].kind == BufferKind::Partial =>
+                {
+                    self.sum_partials(id, c);
+                }
+                sched_ir::job::Collective::AllGather if tracked(&p.buffers[c.output.buffer]) => {
+                    self.gather_rows(id, c);
+                }
                 _ => {
                     for r in c.writes() {
                         self.held.remove(&r.buffer);
@@ -309,14 +378,43 @@ impl Run<'_> {
         true
     }
 
-    /// An all-reduce of a partial-sum buffer: it must sum one rank's parts over the tensor
-    /// group, once, in place.
+    /// The sum of a partial-sum buffer over the tensor group: it must sum one rank's parts
+    /// once, whole; an all-reduce in place without sequence parallelism, a reduce-scatter into
+    /// the rank's rows (another buffer, whole) with it.
     fn sum_partials(&mut self, id: OpId, c: &CollectiveOp) {
         let p = self.p;
-        let b = c.output.buffer;
-        let held = self.held.remove(&b);
+        let (b, out) = (c.input.buffer, c.output.buffer);
+        let scatter = c.kind == sched_ir::job::Collective::ReduceScatter;
         let name = &p.buffers[b].name;
-        let whole = c.input == c.output && c.output.bytes == p.buffers[b].bytes;
+        let kind = c.kind.name();
+        if scatter != p.layout.sequence {
+            let how = match p.layout.sequence {
+                true => "with sequence parallelism the partials are reduce-scattered into each rank's rows",
+                false => "without sequence parallelism the partials are all-reduced in place",
+            };
+            let what = self
+                .held
+                .get(&b)
+                .map_or_else(|| "nothing yet".into(), |v| v.describe(p));
+            self.held.remove(&out);
+            self.error(id, format!("{kind} of {name} ({what}): {how}"));
+            return;
+        }
+        let whole = match scatter {
+            true => {
+                c.input.bytes == p.buffers[b].bytes
+                    && c.output.bytes == p.buffers[out].bytes
+                    && p.buffers[out].kind == BufferKind::Partial
+                    && out != b
+            }
+            false => c.input == c.output && c.output.bytes == p.buffers[b].bytes,
+        };
+        let held = match scatter {
+            true => self.held.get(&b).copied(),
+            false => self.held.remove(&b),
+        };
+        self.held.remove(&out);
+        let b = out;
         match held {
             Some(Value::Partial {
                 layer,
@@ -337,7 +435,7 @@ impl Run<'_> {
             Some(v @ Value::Partial { reduced: false, .. }) if whole => self.error(
                 id,
                 format!(
-                    "all_reduce of {name} ({}) runs over {} ({}), not the tensor groups: \
+                    "{kind} of {name} ({}) runs over {} ({}), not the tensor groups: \
                      the sum does not cover each of the t parts once",
                     v.describe(p),
                     c.comm,
@@ -347,18 +445,62 @@ impl Run<'_> {
             Some(v) if whole => self.error(
                 id,
                 format!(
-                    "all_reduce of {name} sums {} again: the tensor group's parts would count t times",
+                    "{kind} of {name} sums {} again: the tensor group's parts would count t times",
                     v.describe(p)
                 ),
             ),
             Some(v) => self.error(
                 id,
-                format!("all_reduce of {name} ({}) covers part of it, not in place", v.describe(p)),
+                format!(
+                    "{kind} of {name} ({}) covers part of it, or not in place",
+                    v.describe(p)
+                ),
             ),
             None => self.error(
                 id,
-                format!("all_reduce of {name} sums a partial buffer nothing wrote"),
+                format!("{kind} of {name} sums a partial buffer nothing wrote"),
             ),
+        }
+    }
+
+    /// Sequence parallelism's all-gather of a hidden state or stream over the tensor group:
+    /// each rank's rows of one value, whole, into another buffer holding them all.
+    fn gather_rows(&mut self, id: OpId, c: &CollectiveOp) {
+        let p = self.p;
+        let (b, out) = (c.input.buffer, c.output.buffer);
+        let held = self.held.get(&b).copied();
+        self.held.remove(&out);
+        let name = &p.buffers[b].name;
+        let gathered = held.and_then(Value::gathered);
+        let whole = c.input.bytes == p.buffers[b].bytes
+            && c.output.bytes == p.buffers[out].bytes
+            && p.buffers[out].kind == BufferKind::Hidden
+            && out != b;
+        let what = held.map_or_else(|| "nothing yet".to_string(), |v| v.describe(p));
+        match gathered {
+            _ if !p.layout.sequence => self.error(
+                id,
+                format!("all_gather of {name} ({what}): only sequence parallelism gathers hidden states"),
+            ),
+            None => self.error(
+                id,
+                format!("all_gather of {name} gathers {what}, not one rank's rows of a hidden state or stream"),
+            ),
+            Some(_) if !whole => self.error(
+                id,
+                format!("all_gather of {name} ({what}) covers part of it, or gathers in place"),
+            ),
+            Some(_) if !self.tensor_comm(c.comm) => self.error(
+                id,
+                format!(
+                    "all_gather of {name} ({what}) runs over {} ({}), not the tensor groups: \
+                     the rows gathered are not the t parts of one sequence",
+                    c.comm, p.comms[c.comm].name
+                ),
+            ),
+            Some(v) => {
+                self.held.insert(out, v);
+            }
         }
     }
 
@@ -370,11 +512,15 @@ impl Run<'_> {
             return;
         };
         let n = p.layers.len() as u32;
+        let sp = p.layout.sequence;
         let hidden = |layer, grad| Value::Hidden {
             layer,
             micro: m,
             grad,
         };
+        // What a whole layer or a phase reads of a stream between layers (all but the logits):
+        // with sequence parallelism, the tensor group's gather of it.
+        let seen = |layer: u32, grad| hidden(layer, grad).seen(sp && layer < n);
         let stream = |layer, sublayer, grad| Value::Stream {
             layer,
             micro: m,
@@ -396,17 +542,17 @@ impl Run<'_> {
         // (what it must read, what it writes)
         let (reads, writes): (Vec<Value>, Vec<Value>) = match (kind, layer) {
             (ComputeKind::Forward, Some(l)) => (
-                (l > 0).then(|| hidden(l, false)).into_iter().collect(),
+                (l > 0).then(|| seen(l, false)).into_iter().collect(),
                 vec![hidden(l + 1, false), Value::Saved { layer: l, micro: m }],
             ),
             (ComputeKind::Recompute, Some(l)) => (
-                (l > 0).then(|| hidden(l, false)).into_iter().collect(),
+                (l > 0).then(|| seen(l, false)).into_iter().collect(),
                 vec![Value::Saved { layer: l, micro: m }],
             ),
             (ComputeKind::Backward, Some(l)) => {
-                let mut reads = vec![hidden(l + 1, true), Value::Saved { layer: l, micro: m }];
+                let mut reads = vec![seen(l + 1, true), Value::Saved { layer: l, micro: m }];
                 if l > 0 {
-                    reads.push(hidden(l, false));
+                    reads.push(seen(l, false));
                 }
                 (
                     reads,
@@ -438,9 +584,9 @@ impl Run<'_> {
                 let sublayers = self.sublayers(l);
                 let mut reads = vec![];
                 if j == 0 {
-                    reads.push(hidden(l, false));
+                    reads.push(hidden(l, false).seen(sp));
                 } else {
-                    reads.push(stream(l, j - 1, false));
+                    reads.push(stream(l, j - 1, false).seen(sp));
                     reads.push(saved_up_to(l, j - 1));
                 }
                 let saved = match j + 1 == sublayers {
@@ -461,7 +607,7 @@ impl Run<'_> {
                     true => hidden(l + 1, true),
                     false => stream(l, j + 1, true),
                 };
-                let reads = vec![Value::Saved { layer: l, micro: m }, dy];
+                let reads = vec![Value::Saved { layer: l, micro: m }, dy.seen(sp)];
                 (reads, vec![partial(l, j, true, false)])
             }
             (ComputeKind::BackwardClose(j), Some(l)) => {
@@ -518,7 +664,10 @@ impl Run<'_> {
         for (i, v) in reads.iter().enumerate() {
             let needed = matches!(
                 v,
-                Value::Hidden { .. } | Value::Stream { .. } | Value::Partial { .. }
+                Value::Hidden { .. }
+                    | Value::Stream { .. }
+                    | Value::Whole { .. }
+                    | Value::Partial { .. }
             );
             if !seen[i] && needed {
                 self.error(

@@ -64,6 +64,11 @@ struct Seg {
 /// The contents of one buffer on one rank: sorted, disjoint segments.
 type Contents = Vec<Seg>;
 
+/// A term flag (sequence parallelism): the contribution holds only the rows of the tokens its
+/// rank's backward close handled, a t-th of the norm's gradient; the tensor group's all-reduce
+/// of it clears the flag ([`Run::rows_summed`], `Contribs::cleared`).
+const ROWS: u32 = 1 << 31;
+
 /// Proof 7 for every layer with parameters, its runs spread over at most `threads` threads.
 pub fn check(p: &Program, threads: usize) -> Vec<VerifyError> {
     let layout = p.layout;
@@ -575,7 +580,12 @@ impl Run<'_> {
         let op = &self.p.ops[o];
         let (reads, writes) = (op.reads.clone(), op.writes.clone());
         let m = op.micro_step.unwrap_or(0);
-        let term = op.layer.map_or(0, |l| l.as_u32());
+        let mut term = op.layer.map_or(0, |l| l.as_u32());
+        // With sequence parallelism a backward close computes the norms' gradients of its
+        // rank's rows only.
+        if self.p.layout.sequence && matches!(kind, ComputeKind::BackwardClose(_)) {
+            term |= ROWS;
+        }
         let padded = self.p.layers[self.layer].padded;
         match kind {
             ComputeKind::Forward
@@ -855,6 +865,13 @@ impl Run<'_> {
     /// micro-step).
     fn incomplete(&self, c: u32, micro_steps: u32, elems: (u64, u64)) -> Option<String> {
         let terms = self.contribs.terms(c);
+        if terms.iter().any(|t| t & ROWS != 0) {
+            return Some(
+                "elements hold only this rank's rows' part of a norm's gradient (sequence \
+                 parallelism): the tensor group's all-reduce of it never ran"
+                    .into(),
+            );
+        }
         if !terms.contains(&self.layer.as_u32()) {
             return Some("the layer's own gradient never arrives".into());
         }
@@ -1016,8 +1033,12 @@ impl Run<'_> {
         // Point-to-point transfers move hidden states, never a layer's parameters or gradients
         // (the pipeline proofs follow them); a tensor group's sums of partial activations are
         // the flow proof's.
-        let partial =
-            |c: &CollectiveOp| self.p.buffers[c.output.buffer].kind == BufferKind::Partial;
+        let partial = |c: &CollectiveOp| {
+            matches!(
+                self.p.buffers[c.output.buffer].kind,
+                BufferKind::Partial | BufferKind::Hidden
+            )
+        };
         if c.kind.is_point_to_point()
             || members.iter().all(|(_, c)| partial(c))
             || !members
@@ -1029,6 +1050,9 @@ impl Run<'_> {
         let p = self.p;
         let layout = self.layout;
         let comm = &p.comms[c.comm];
+        if self.mixed[c.comm.index()] && self.rows_summed(o, &c) {
+            return;
+        }
         if self.mixed[c.comm.index()] {
             self.error(
                 o,
@@ -1173,6 +1197,52 @@ impl Run<'_> {
 }
 
 impl Run<'_> {
+    /// Sequence parallelism's all-reduce of norm gradients over the tensor groups: in place,
+    /// over gradient elements holding only rows' parts ([`ROWS`]), which it completes. False
+    /// (nothing done) when `c` is not such an all-reduce; an error when it sums anything else.
+    fn rows_summed(&mut self, o: OpId, c: &CollectiveOp) -> bool {
+        let p = self.p;
+        let sums = c.kind == Collective::AllReduce
+            && p.layout.sequence
+            && c.input == c.output
+            && is_grad(p.buffers[c.output.buffer].kind)
+            && crate::flow::is_tensor_comm(p, c.comm);
+        if !sums {
+            return false;
+        }
+        let d = self.elem_bytes(c.output.buffer);
+        // Each tensor group's lead stands for its group (see `Run::stage_ranks`).
+        for rank in self.op_ranks(o) {
+            let (a, z) = range(&c.output, self.layout, rank);
+            let mut segs = self.read(c.output.buffer, rank, a, z);
+            for s in &mut segs {
+                let summed = match s.val {
+                    Val::Grad { elem, contrib } => self
+                        .contribs
+                        .cleared(contrib, ROWS)
+                        .map(|contrib| Val::Grad { elem, contrib }),
+                    Val::Param { .. } => None,
+                };
+                let Some(v) = summed else {
+                    let held = describe(std::slice::from_ref(s), d);
+                    self.error(
+                        o,
+                        format!(
+                            "all_reduce over the tensor group ({}) of {}'s gradient holds {held}: \
+                             only a norm's rows' parts (sequence parallelism) are summed over \
+                             the tensor group, once; every rank holds its own slices of the rest",
+                            p.comms[c.comm].name, p.layers[self.layer].name
+                        ),
+                    );
+                    return true;
+                };
+                s.val = v;
+            }
+            self.write(c.output.buffer, rank, a, z - a, &segs);
+        }
+        true
+    }
+
     /// The sum over members of bytes `[a, z)` of their inputs. When every member holds one gradient
     /// range there with the same elements, only the contribution sets are combined, and a fold
     /// seen before (the same sets in the same order) is reused.
@@ -1428,7 +1498,11 @@ pub fn check_norm(p: &Program) -> Vec<VerifyError> {
         }
     }
     let s_os = p.layout.shard.optimizer.size();
-    let slots = s_os * u64::from(stages);
+    // A slot per (stage, tensor index, optimizer shard): with t > 1 each tensor index's norm
+    // holds its slices' squares (the replicated tensors' on tensor index 0 alone: `grad_norm`'s
+    // convention, IR module doc).
+    let t = u64::from(layout.tensor.max(1));
+    let slots = s_os * u64::from(stages) * t;
     let words = (slots as usize).div_ceil(64);
     let meetings = super::joint::Meetings::of(p);
     let ops: Vec<OpId> = p.ops.keys().collect();
@@ -1516,7 +1590,8 @@ pub fn check_norm(p: &Program) -> Vec<VerifyError> {
                 }
                 for rank in ranks {
                     let mut bits = vec![0u64; words];
-                    let k = (u64::from(stage) * s_os + layout.index(ShardIndex::Optimizer, rank))
+                    let k = ((u64::from(stage) * t + u64::from(layout.tp_index(rank))) * s_os
+                        + layout.index(ShardIndex::Optimizer, rank))
                         as usize;
                     bits[k / 64] |= 1 << (k % 64);
                     held.insert((w.buffer, rank), bits);
@@ -1582,9 +1657,12 @@ pub fn check_norm(p: &Program) -> Vec<VerifyError> {
                         .get(&(r.buffer, rank))
                         .map_or(0, |bits| bits.iter().map(|w| w.count_ones()).sum::<u32>());
                     if u64::from(have) != slots {
-                        let over = match stages {
-                            1 => format!("the {s_os} optimizer shards"),
-                            _ => format!("the {slots} optimizer shards of {stages} stages"),
+                        let over = match (stages, t) {
+                            (1, 1) => format!("the {s_os} optimizer shards"),
+                            (_, 1) => format!("the {slots} optimizer shards of {stages} stages"),
+                            _ => format!(
+                                "the {slots} optimizer shards of {stages} stages and {t} tensor indices"
+                            ),
                         };
                         err(id, format!("update on rank {rank} reads a gradient norm summed over {have} of {over}"));
                         break;

@@ -48,8 +48,9 @@ pub(super) enum CommKind {
     /// (`last`),
     /// which all-reduce the two copies' gradients.
     EmbeddingGroup { first: u32, last: u32 },
-    /// Gradient clipping's norm across pipeline stages: the s_os groups of every stage at the
-    /// same data-parallel position, joined stage after stage.
+    /// Gradient clipping's norm across pipeline stages and tensor indices: the s_os groups of
+    /// every stage and tensor index at the same data-parallel position, joined stage after
+    /// stage, tensor index after tensor index within a stage.
     NormAcrossStages,
     /// A tensor group: the t consecutive ranks of one stage and data-parallel index, by tensor
     /// index (a tensor-parallel layer's all-reduces of partial sums).
@@ -169,16 +170,22 @@ impl Builder<'_> {
             CommKind::NormAcrossStages => {
                 let (group, optimizer) = (key(sh.optimizer), index(ShardIndex::Optimizer));
                 let in_stage = l.groups_by(|r| group[r as usize], |r| optimizer[r as usize]);
+                let t = l.tensor.max(1);
+                let name = match (l.stages > 1, t > 1) {
+                    (true, true) => "of every stage and tensor index",
+                    (false, true) => "of every tensor index",
+                    _ => "of every stage",
+                };
                 (
-                    format!("optimizer {} of every stage", sh.optimizer),
+                    format!("optimizer {} {name}", sh.optimizer),
                     in_stage
                         .iter()
-                        .filter(|g| l.stage(g[0]) == 0)
+                        .filter(|g| l.stage(g[0]) == 0 && l.tp_index(g[0]) == 0)
                         .map(|g| {
                             (0..l.stages)
-                                .flat_map(|s| {
-                                    g.iter()
-                                        .map(move |&r| l.rank_of(s, l.dp_index(r), l.tp_index(r)))
+                                .flat_map(|s| (0..t).map(move |tp| (s, tp)))
+                                .flat_map(|(s, tp)| {
+                                    g.iter().map(move |&r| l.rank_of(s, l.dp_index(r), tp))
                                 })
                                 .collect()
                         })

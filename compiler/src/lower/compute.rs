@@ -35,6 +35,12 @@ impl Builder<'_> {
                     .map(|x| activations::output_bytes(&x.kind, &self.job.model))
             })
             .unwrap_or(0);
+        // With sequence parallelism each rank holds its rows of all but the logits.
+        let rows = match self.sequence() && l < layers.len() {
+            true => u64::from(self.layout.tensor.max(1)),
+            false => 1,
+        };
+        let bytes = bytes / rows;
         let mut name = format!("{}.{}.m{m}", if grad { "grad_hidden" } else { "hidden" }, l);
         if self.job.schedule.pipeline.is_pipelined() {
             name.push_str(&format!(".s{stage}"));
@@ -98,9 +104,11 @@ impl Builder<'_> {
         if let Some(e) = self.tied_embedding(l) {
             reads.extend(self.params_region(e, full));
         }
+        let mut ops = vec![];
         if l > 0 {
             let h = self.hidden_buf(false, m, l);
-            reads.push(Region::whole(h, self.p.buffers[h].bytes));
+            let h = self.stream_seen(l, m, h, "input", &mut ops);
+            reads.push(self.whole(h));
         }
         let out = self.hidden_buf(false, m, l + 1);
         let mut writes = vec![Region::whole(out, self.p.buffers[out].bytes)];
@@ -109,7 +117,8 @@ impl Builder<'_> {
                 writes.push(Region::whole(a, self.p.buffers[a].bytes));
             }
         }
-        vec![self.compute(ComputeKind::Forward, Some(id), Some(m), reads, writes)]
+        ops.push(self.compute(ComputeKind::Forward, Some(id), Some(m), reads, writes));
+        ops
     }
 
     /// hpZ keeps this rank's slice of the gathered parameters of layer `l` for backward.
@@ -155,7 +164,7 @@ impl Builder<'_> {
         }
         let id = self.state(l).id;
         let mut ops = self.recompute(l, m, bwd_full);
-        let (mut reads, mut writes) = self.backward_operands(l, m, bwd_full, None, true);
+        let (mut reads, mut writes) = self.backward_operands(l, m, bwd_full, None, true, &mut ops);
         self.parameter_gradients(l, m, fwd_full, full_grads, (&mut reads, &mut writes));
         ops.push(self.compute(ComputeKind::Backward, Some(id), Some(m), reads, writes));
         ops
@@ -165,6 +174,8 @@ impl Builder<'_> {
     /// parameters, saved activations, `stash` (a weight half's), the gradient of its output and,
     /// past the first layer, its input; and, with `input_gradient`, writes the gradient of its
     /// input.
+    /// With sequence parallelism the gradient of the output (but the logits') and the input are
+    /// the tensor group's gathers, their ops pushed onto `ops`.
     fn backward_operands(
         &mut self,
         l: usize,
@@ -172,6 +183,7 @@ impl Builder<'_> {
         bwd_full: &FxHashMap<usize, BufferId>,
         stash: Option<BufferId>,
         input_gradient: bool,
+        ops: &mut Vec<OpId>,
     ) -> (Vec<Region>, Vec<Region>) {
         let whole = |p: &Program, b: BufferId| Region::whole(b, p.buffers[b].bytes);
         let mut reads: Vec<Region> = self.params_region(l, bwd_full).into_iter().collect();
@@ -179,11 +191,15 @@ impl Builder<'_> {
             reads.push(whole(&self.p, a));
         }
         reads.extend(stash.map(|s| whole(&self.p, s)));
-        let g_out = self.hidden_buf(true, m, l + 1);
+        let mut g_out = self.hidden_buf(true, m, l + 1);
+        if l + 1 < self.job.model.layers.len() {
+            g_out = self.stream_seen(l, m, g_out, "grad_output", ops);
+        }
         reads.push(whole(&self.p, g_out));
         let mut writes = vec![];
         if l > 0 {
             let h = self.hidden_buf(false, m, l);
+            let h = self.stream_seen(l, m, h, "backward_input", ops);
             reads.push(whole(&self.p, h));
             if input_gradient {
                 let g_in = self.hidden_buf(true, m, l);
@@ -241,13 +257,16 @@ impl Builder<'_> {
         }
         let Some(a) = act else { return vec![] };
         let mut reads: Vec<Region> = self.params_region(l, bwd_full).into_iter().collect();
+        let mut ops = vec![];
         if l > 0 {
             let h = self.hidden_buf(false, m, l);
+            let h = self.stream_seen(l, m, h, "recompute_input", &mut ops);
             reads.push(Region::whole(h, self.p.buffers[h].bytes));
         }
         let w = vec![Region::whole(a, self.p.buffers[a].bytes)];
         let id = self.state(l).id;
-        vec![self.compute(ComputeKind::Recompute, Some(id), Some(m), reads, w)]
+        ops.push(self.compute(ComputeKind::Recompute, Some(id), Some(m), reads, w));
+        ops
     }
 
     /// Layer `l`'s stash in micro-step `m`: what its `I` leaves for its `W` (created on first
@@ -286,7 +305,7 @@ impl Builder<'_> {
         }
         let id = self.state(l).id;
         let mut ops = self.recompute(l, m, bwd_full);
-        let (mut reads, mut writes) = self.backward_operands(l, m, bwd_full, None, true);
+        let (mut reads, mut writes) = self.backward_operands(l, m, bwd_full, None, true, &mut ops);
         if let Some(e) = self.tied_embedding(l) {
             reads.extend(self.params_region(e, fwd_full));
         }
@@ -311,14 +330,12 @@ impl Builder<'_> {
     ) -> Vec<OpId> {
         let id = self.state(l).id;
         let stash = self.stash_buf(l, m);
-        let (mut reads, mut writes) = self.backward_operands(l, m, bwd_full, stash, false);
+        let mut ops = vec![];
+        let (mut reads, mut writes) =
+            self.backward_operands(l, m, bwd_full, stash, false, &mut ops);
         self.parameter_gradients(l, m, fwd_full, full_grads, (&mut reads, &mut writes));
-        vec![self.compute(
-            ComputeKind::BackwardWeight,
-            Some(id),
-            Some(m),
-            reads,
-            writes,
-        )]
+        let w = ComputeKind::BackwardWeight;
+        ops.push(self.compute(w, Some(id), Some(m), reads, writes));
+        ops
     }
 }

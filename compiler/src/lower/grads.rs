@@ -228,8 +228,10 @@ impl Builder<'_> {
         let norm = self.compute(ComputeKind::GradNorm, None, None, reads, vec![whole]);
         self.p.ops[norm].role = OpRole::Sync;
         let mut ops = vec![norm];
-        // Summed over the optimizer shards of the stage, and over the stages of a pipeline.
-        let over = match self.layout.stages > 1 {
+        // Summed over the optimizer shards of the stage, and over the stages of a pipeline and
+        // the tensor indices (each counting its slices; the replicated tensors count on tensor
+        // index 0 alone: `grad_norm`'s convention, see the IR module doc).
+        let over = match self.layout.stages > 1 || self.layout.tensor > 1 {
             true => Some(CommKind::NormAcrossStages),
             false => (self.shard().optimizer.size() > 1).then_some(CommKind::Optimizer),
         };

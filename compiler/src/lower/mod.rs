@@ -69,6 +69,7 @@ pub fn draft(job: &Job) -> Draft {
         secondaries: FxHashMap::default(),
         optimizer_shards: vec![],
         grads_written: Default::default(),
+        backwards_done: Default::default(),
         replica: None,
         deferred: vec![],
         held: None,
@@ -131,6 +132,9 @@ struct Builder<'a> {
     optimizer_shards: Vec<BufferId>,
     /// Bytes of each gradient buffer already written in a micro-step (from its start).
     grads_written: FxHashMap<(BufferId, u32), u64>,
+    /// With sequence parallelism, how many micro-steps' backwards of each tensor-parallel
+    /// layer are lowered (the last one's norm gradients are summed over the tensor group).
+    backwards_done: FxHashMap<usize, u32>,
     /// A tied head keeping a replica of its embedding's state ([`Job::tied_replica`]):
     /// (head, embedding). The replica is layer index [`Builder::replica_index`].
     replica: Option<(usize, usize)>,

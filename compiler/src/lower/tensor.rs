@@ -28,6 +28,20 @@
 //! included), saving; the stream between sublayers goes to a fresh buffer and the last
 //! sublayer's partial is not summed. Split backwards (`I`/`W`) of tensor-parallel layers are not
 //! lowered: the analysis refuses them before lowering.
+//!
+//! **Sequence parallelism** (`tensor { sequence = true }`, Megatron-LM's): every hidden state
+//! between layers and the residual stream between sublayers hold the rank's t-th of the tokens
+//! (rows `tp·T/t …`). Before each open an `all_gather` over the tensor group assembles the
+//! stream (forward) or its gradient (backward) whole, and the partials are `reduce_scatter`ed
+//! instead of all-reduced, so each close works on the rank's rows: the forward close stores its
+//! part of the stream, the backward close takes its rows through the norm. The norms' parameter
+//! gradients then hold the rank's rows' part only: after the layer's last micro-step's backward
+//! (every micro-step's, when backward writes a fresh buffer each), an `all_reduce` over the
+//! tensor group sums each norm's range of the gradient. The layers that run whole (embedding,
+//! head) gather their input and their output's gradient, write their rows of their output and
+//! of their input's gradient; the logits stay whole. The gathers move what the all-reduces
+//! moved, in the other direction; the saved activations keep the whole tokens (the gathered
+//! stream), so activation memory shrinks by the hidden states and streams only.
 
 use super::comms::CommKind;
 use super::Builder;
@@ -67,8 +81,87 @@ impl Builder<'_> {
             .expect("one collective")
     }
 
-    fn whole(&self, b: BufferId) -> Region {
+    pub(super) fn whole(&self, b: BufferId) -> Region {
         Region::whole(b, self.p.buffers[b].bytes)
+    }
+
+    /// Whether the residual stream is split by sequence over the tensor group.
+    pub(super) fn sequence(&self) -> bool {
+        self.layout.sequence
+    }
+
+    /// Sequence parallelism: a fresh buffer `{layer}.{what}.m{m}` assembling the tensor
+    /// group's parts of `part` (each rank's rows, in tensor-index order), and the all-gather
+    /// filling it.
+    pub(super) fn gather_sequence(
+        &mut self,
+        l: usize,
+        m: u32,
+        part: BufferId,
+        what: &str,
+    ) -> (BufferId, OpId) {
+        let id = self.state(l).id;
+        let t = u64::from(self.layout.tensor.max(1));
+        let (dtype, bytes) = (self.p.buffers[part].dtype, self.p.buffers[part].bytes);
+        let name = format!("{}.{what}.m{m}", self.p.layers[id].name);
+        let whole = self.buffer(
+            name,
+            BufferKind::Hidden,
+            dtype,
+            bytes * t / dtype.bytes(),
+            Some(id),
+        );
+        let (from, to) = (self.whole(part), self.whole(whole));
+        let c = self.collective(Collective::AllGather, CommKind::Tensor, dtype, from, to);
+        let op = self.issue(vec![c], OpRole::Tensor, Some(id), Some(m));
+        (whole, op.expect("one collective"))
+    }
+
+    /// Sequence parallelism: the tensor group's reduce-scatter of partial buffer `b` into a
+    /// fresh buffer of the rank's rows of the sum.
+    fn scatter_partial(&mut self, l: usize, m: u32, b: BufferId) -> (BufferId, OpId) {
+        let id = self.state(l).id;
+        let t = u64::from(self.layout.tensor.max(1));
+        let name = format!("{}.rows", self.p.buffers[b].name);
+        let elems = self.p.buffers[b].bytes / Dtype::Fp32.bytes() / t;
+        let rows = self.buffer(name, BufferKind::Partial, Dtype::Fp32, elems, Some(id));
+        let (from, to) = (self.whole(b), self.whole(rows));
+        let c = self.collective(
+            Collective::ReduceScatter,
+            CommKind::Tensor,
+            Dtype::Fp32,
+            from,
+            to,
+        );
+        let op = self.issue(vec![c], OpRole::Tensor, Some(id), Some(m));
+        (rows, op.expect("one collective"))
+    }
+
+    /// The sum over the tensor group of partial `b`: all-reduced in place, or with sequence
+    /// parallelism reduce-scattered into the rank's rows; the ops and the buffer to read.
+    fn sum_partial(&mut self, l: usize, m: u32, b: BufferId) -> (BufferId, OpId) {
+        match self.sequence() {
+            true => self.scatter_partial(l, m, b),
+            false => (b, self.tensor_all_reduce(l, m, b)),
+        }
+    }
+
+    /// What a phase reads of the stream (or its gradient) in `b`: the buffer itself, or with
+    /// sequence parallelism the tensor group's gather of it (its op pushed onto `ops`).
+    pub(super) fn stream_seen(
+        &mut self,
+        l: usize,
+        m: u32,
+        b: BufferId,
+        what: &str,
+        ops: &mut Vec<OpId>,
+    ) -> BufferId {
+        if !self.sequence() {
+            return b;
+        }
+        let (g, op) = self.gather_sequence(l, m, b, what);
+        ops.push(op);
+        g
     }
 
     /// Layer `l`'s forward in micro-step `m` as its `n` sublayers' phases.
@@ -106,6 +199,8 @@ impl Builder<'_> {
         let mut ops = vec![];
         for j in 0..n {
             let stream = if j == 0 { input } else { out };
+            let what = format!("{}stream{j}", if sum_last { "" } else { "re" });
+            let stream = self.stream_seen(l, m, stream, &what, &mut ops);
             let mut reads: Vec<Region> = params.into_iter().collect();
             reads.push(self.whole(stream));
             if j > 0 {
@@ -119,8 +214,9 @@ impl Builder<'_> {
             if j + 1 == n && !sum_last {
                 break;
             }
-            ops.push(self.tensor_all_reduce(l, m, partial));
-            let (r, w) = (vec![self.whole(partial)], vec![self.whole(out)]);
+            let (sum, op) = self.sum_partial(l, m, partial);
+            ops.push(op);
+            let (r, w) = (vec![self.whole(sum)], vec![self.whole(out)]);
             ops.push(self.compute(ComputeKind::ForwardClose(j), Some(id), Some(m), r, w));
         }
         ops
@@ -143,7 +239,12 @@ impl Builder<'_> {
         }
         let input = self.hidden_buf(false, m, l);
         let id = self.state(l).id;
-        let elems = abi::input_elements(&self.job.model.layers[l].kind, &self.job.model);
+        let rows = u64::from(if self.sequence() {
+            self.layout.tensor.max(1)
+        } else {
+            1
+        });
+        let elems = abi::input_elements(&self.job.model.layers[l].kind, &self.job.model) / rows;
         let name = format!("{}.restream.m{m}", self.p.layers[id].name);
         let stream = self.buffer(name, BufferKind::Hidden, self.dtype, elems, Some(id));
         let n = self.sublayers(l);
@@ -176,17 +277,19 @@ impl Builder<'_> {
                 r
             };
             // Open: the products' parameter gradients and the norm output's partial gradient.
+            let seen = self.stream_seen(l, m, stream_grad, &format!("grad_stream{j}"), &mut ops);
             let mut reads = front(self);
-            reads.push(self.whole(stream_grad));
+            reads.push(self.whole(seen));
             let partial = self.partial_buf(l, m, j, true);
             let mut writes = vec![self.whole(partial)];
             self.phase_grad_write(m, target, &ranges.open[j as usize], &mut reads, &mut writes);
             let open = ComputeKind::BackwardOpen(j);
             ops.push(self.compute(open, Some(id), Some(m), reads, writes));
-            ops.push(self.tensor_all_reduce(l, m, partial));
+            let (sum, op) = self.sum_partial(l, m, partial);
+            ops.push(op);
             // Close: through the norm into the input gradient, the norm's parameter gradient.
             let mut reads = front(self);
-            reads.push(self.whole(partial));
+            reads.push(self.whole(sum));
             reads.push(self.whole(stream_grad));
             if j == 0 {
                 reads.push(self.whole(input));
@@ -202,7 +305,47 @@ impl Builder<'_> {
             let close = ComputeKind::BackwardClose(j);
             ops.push(self.compute(close, Some(id), Some(m), reads, writes));
         }
+        ops.extend(self.sum_norm_gradients(l, m, target, &ranges.close));
         ops
+    }
+
+    /// Sequence parallelism: each close left the norms' parameter gradients of its rank's rows
+    /// only; once the gradient target holds what is to be summed (after every micro-step's
+    /// backward when each writes a fresh buffer, after the last when backward accumulates
+    /// directly), an all-reduce over the tensor group of each norm's range (one coalesced group)
+    /// completes them.
+    fn sum_norm_gradients(
+        &mut self,
+        l: usize,
+        m: u32,
+        target: Region,
+        norms: &[std::ops::Range<u64>],
+    ) -> Vec<OpId> {
+        if !self.sequence() {
+            return vec![];
+        }
+        let done = self.backwards_done.entry(l).or_insert(0);
+        *done += 1;
+        let done = *done;
+        if self.direct_accumulation() && done < self.job.schedule.micro_steps {
+            return vec![];
+        }
+        let id = self.state(l).id;
+        let d = self.grad_dtype.bytes();
+        let gd = self.grad_dtype;
+        // One coalesced call for the layer's norms (two disjoint ranges of a transformer's).
+        let mut cs = vec![];
+        for r in norms.iter().filter(|r| r.end > r.start) {
+            let g = Region {
+                offset: Offset::Fixed(r.start * d),
+                bytes: (r.end - r.start) * d,
+                ..target
+            };
+            cs.push(self.collective(Collective::AllReduce, CommKind::Tensor, gd, g, g));
+        }
+        self.issue(cs, OpRole::Tensor, Some(id), Some(m))
+            .into_iter()
+            .collect()
     }
 
     /// The element ranges of layer `l`'s flat slice gradient each backward phase writes: the

@@ -38,6 +38,10 @@ pub struct Layout {
     /// t, the ranks of a tensor group (1 without tensor parallelism): the fastest-varying part
     /// of a rank.
     pub tensor: u32,
+    /// Sequence parallelism (`tensor { sequence = true }`): between a tensor-parallel layer's
+    /// sublayers and between layers, each rank of a tensor group holds its own t-th of the
+    /// tokens of the residual stream.
+    pub sequence: bool,
 }
 
 impl Default for Layout {
@@ -55,6 +59,7 @@ impl Default for Layout {
             secondary: None,
             stages: 1,
             tensor: 1,
+            sequence: false,
         }
     }
 }
@@ -74,6 +79,7 @@ impl Layout {
             },
             stages: s.pipeline.stages,
             tensor: s.tensor.size,
+            sequence: s.tensor.is_parallel() && s.tensor.sequence,
         }
     }
 

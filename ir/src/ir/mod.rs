@@ -64,7 +64,11 @@
 //! `all_reduce` over the optimizer-shard (s_os) groups then sums it over every optimizer shard
 //! (each element of the model once; skipped when s_os = 1), and every update reads the whole of
 //! `clip.sumsq` as its third read: norm = sqrt(sumsq)/(dp·M), factor min(1, clip/(norm+1e-6)).
-//! So no update runs before every boundary synchronisation has completed.
+//! So no update runs before every boundary synchronisation has completed. With pipeline stages
+//! or tensor parallelism the all-reduce spans the s_os groups of every stage and tensor index.
+//! With t > 1 each rank's layer gradient is its slice: the tensors every rank of a tensor group
+//! holds alike (norms, row-parallel biases, learned positions, and every tensor of a layer that
+//! runs whole) count on tensor index 0 only, so the sum holds each element of the model once.
 //!
 //! # Shard layout
 //!

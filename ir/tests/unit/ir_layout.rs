@@ -15,6 +15,7 @@ fn layout(g: u32, n: u32, p: (u32, u32), gr: (u32, u32), o: (u32, u32)) -> Layou
         secondary: None,
         stages: 1,
         tensor: 1,
+        sequence: false,
     }
 }
 

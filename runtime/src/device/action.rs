@@ -46,6 +46,55 @@ impl<D: Device> Rank<'_, D> {
         self.plan.at(self.rank, r)
     }
 
+    /// What gradient clipping's norm counts of optimizer-shard gradient `g`: all of it, or with
+    /// t > 1 on a tensor index but 0, the parts outside the tensors every rank of the tensor
+    /// group holds alike ([`Plan::replicated`]), which tensor index 0 counts. `g` holds the
+    /// rank's optimizer shard of its layer's flat vector (the value proof checks it).
+    fn counted(&self, g: &Region) -> Vec<ArenaSpan> {
+        let whole = self.span(g);
+        let p = self.plan;
+        let layer = p.program.buffers[g.buffer].layer.map(|l| l.index());
+        let same = layer.map_or(&[][..], |l| &p.replicated[l][..]);
+        if p.program.layout.tp_index(self.rank) == 0 || same.is_empty() {
+            return vec![whole];
+        }
+        let n = whole.elements;
+        let first = p.program.layout.index(ShardIndex::Optimizer, self.rank) as usize * n;
+        let bytes = whole.dtype.bytes();
+        let mut out = vec![];
+        let mut at = first;
+        for r in same.iter().chain(std::iter::once(&(first + n..first + n))) {
+            let (a, z) = (
+                r.start.clamp(first, first + n),
+                r.end.clamp(first, first + n),
+            );
+            if a > at {
+                out.push(ArenaSpan {
+                    at: whole.at + ((at - first) as u64) * bytes,
+                    dtype: whole.dtype,
+                    elements: a - at,
+                });
+            }
+            at = at.max(z);
+        }
+        out
+    }
+
+    /// The rows of `n` values (a hidden state, tokens × hidden) this rank holds between layers:
+    /// (first value, count): all of them, or with sequence parallelism the t-th of its tensor
+    /// index.
+    fn rows(&self, n: usize) -> (usize, usize) {
+        let layout = &self.plan.program.layout;
+        match layout.sequence {
+            true => {
+                let t = layout.tensor.max(1) as usize;
+                let k = layout.tp_index(self.rank) as usize;
+                (k * n / t, n / t)
+            }
+            false => (0, n),
+        }
+    }
+
     fn span(&self, r: &Region) -> ArenaSpan {
         ArenaSpan {
             at: self.at(r),
@@ -398,7 +447,16 @@ impl<D: Device> Rank<'_, D> {
                 let pp = self.read_opt(params, math.params())?;
                 let t = self.tied(*layer, tied)?;
                 let x = self.layer_input(*layer, hidden, m)?;
-                let out = self.output(output.as_ref(), math.output_elements(), &op)?;
+                // A hidden state (not the logits) is the rank's rows of the whole output.
+                let n = math.output_elements();
+                let (first, rows) = match *layer + 1 < p.maths.len() {
+                    true => self.rows(n),
+                    false => (0, n),
+                };
+                let out = match rows == n {
+                    true => self.output(output.as_ref(), n, &op)?,
+                    false => d.alloc(n)?,
+                };
                 let keep = match saved.as_ref().filter(|s| self.alone(s, &op)) {
                     Some(s) => self.saved_view(*layer, s)?,
                     None => None,
@@ -406,7 +464,7 @@ impl<D: Device> Rank<'_, D> {
                 let keep = keep.map_or_else(|| d.alloc(math.saved_elements()), Ok)?;
                 layers::forward(d, math, pp, t, x, out, keep)?;
                 if let Some(o) = output {
-                    self.write(o, out, math.output_elements(), false)?;
+                    self.write(o, out.at(&(first..first + rows)), rows, false)?;
                 }
                 if let Some(s) = saved {
                     self.write_saved(*layer, s, keep)?;
@@ -439,9 +497,15 @@ impl<D: Device> Rank<'_, D> {
                     x,
                     dy,
                 } = self.backward_reads(&reads, m)?;
+                // The input's gradient is the rank's rows of the whole one.
+                let n = math.input_elements();
+                let (first, rows) = self.rows(n);
                 let dx = grad_input
                     .as_ref()
-                    .map(|r| self.output(Some(r), math.input_elements(), &op))
+                    .map(|r| match rows == n {
+                        true => self.output(Some(r), n, &op),
+                        false => d.alloc(n),
+                    })
                     .transpose()?;
                 let GradOutputs { dp, dt, stored } =
                     self.grads_outputs(*layer, grads, tied_grads, &op)?;
@@ -453,7 +517,7 @@ impl<D: Device> Rank<'_, D> {
                 };
                 layers::backward(d, math, weights, keep, x, layer_grads, !stored)?;
                 if let (Some(r), Some(dx)) = (grad_input, dx) {
-                    self.write(r, dx, math.input_elements(), false)?;
+                    self.write(r, dx.at(&(first..first + rows)), rows, false)?;
                 }
                 self.write_layer_grads(*layer, (grads, dp), (tied_grads, dt))?;
             }
@@ -528,7 +592,8 @@ impl<D: Device> Rank<'_, D> {
                 grads,
             } => {
                 let math = &p.maths[*layer];
-                let n = math.input_elements();
+                let hidden_width = math.input_elements() / math.dims().t;
+                let (first, n) = self.rows(math.input_elements());
                 let pp = self.read_opt(params, math.params())?;
                 let keep = self.read_saved_opt(*layer, saved)?;
                 let sum = self.read(partial, n)?;
@@ -537,7 +602,9 @@ impl<D: Device> Rank<'_, D> {
                 let gi = d.alloc(n)?;
                 let gp = d.alloc(math.params())?;
                 d.fill(gp, math.params(), 0.0)?;
-                super::tensor::backward_close(d, math, *sublayer, pp, keep, x, sum, (gi, b), gp)?;
+                let rows = (first / hidden_width, n / hidden_width);
+                let close = super::tensor::backward_close;
+                close(d, math, *sublayer, pp, keep, x, sum, (gi, b), gp, rows)?;
                 self.write(grad_input, gi, n, false)?;
                 d.round(math.precisions().1, gp, math.params())?;
                 self.write_grads(grads, gp, math.params())?;
@@ -695,7 +762,7 @@ impl<D: Device> Rank<'_, D> {
                         self.poison(g)?;
                     }
                 }
-                let spans: Vec<ArenaSpan> = grads.iter().map(|g| self.span(g)).collect();
+                let spans: Vec<ArenaSpan> = grads.iter().flat_map(|g| self.counted(g)).collect();
                 d.grad_norm(&spans, self.span(sumsq))?;
             }
             Action::Accumulate { from, acc } => {

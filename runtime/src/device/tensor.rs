@@ -17,6 +17,11 @@
 //! parameters' gradients (norms, row-parallel biases) from the same values, so they need no
 //! reduction over the group.
 //!
+//! With sequence parallelism the open phases read the tensor group's gather of the stream (or
+//! its gradient), so they are unchanged; the partials are reduce-scattered, and each close works
+//! on the rank's rows of the tokens: the backward close's norm gradients are then its rows'
+//! part, which the plan sums over the tensor group afterwards.
+//!
 //! The math is the whole layer's ([`super::layers`]) on the narrower operands of
 //! [`LayerMath::sliced`]; the saved tensors are the slice's, in the whole layer's order
 //! (sublayer 0's first). Parameter gradients accumulate into `gp`, the layer's flat slice
@@ -165,11 +170,15 @@ pub(crate) fn backward_open<D: Device>(
     }
 }
 
-/// After the all-reduce of sublayer `j`'s partials (`sum`, the gradient of its norm's output):
+/// After the sum of sublayer `j`'s partials (`sum`, the gradient of its norm's output):
 /// `gi` ← `base` + the norm's input gradient (`base` is the residual stream's gradient at the
 /// sublayer's output, and may be `gi` itself), the norm's parameter gradients accumulated into
 /// `gp`. `x` is the layer's input, which sublayer 0's norm reads. After sublayer 0, `gi` is the
 /// layer's input gradient, rounded to the gradient dtype.
+///
+/// `rows` are the token rows `sum`, `x`, `base` and `gi` hold (first, count): all of them, or
+/// with sequence parallelism the rank's part, whose norm gradients are then this part's alone
+/// (the saved tensors hold every row: the rank's are read at their offset).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn backward_close<D: Device>(
     d: &D,
@@ -181,33 +190,38 @@ pub(crate) fn backward_close<D: Device>(
     sum: D::Ptr,
     (gi, base): (D::Ptr, D::Ptr),
     gp: D::Ptr,
+    (first, rows): (usize, usize),
 ) -> Result<(), DeviceError> {
     let (t, s) = (lm.dims().t, lm.dims().s);
     let input =
         || x.ok_or_else(|| plan_error(format!("{}: sublayer 0 needs its input", lm.name())));
+    // The saved norm statistics are two floats a row.
+    let stats_of = |st: D::Ptr| st.at(&(2 * first..2 * (first + rows)));
     let (np, x, stats, h) = match (lm.kind(), j) {
         (Kind::Transformer(bp), 0) => {
             let BlockSaved { st1, .. } = BlockSaved::carve(bp, t, s, saved);
-            (&bp.ln1, input()?, st1, bp.hidden)
+            (&bp.ln1, input()?, stats_of(st1), bp.hidden)
         }
         (Kind::Transformer(bp), 1) => {
             let BlockSaved { resid, st2, .. } = BlockSaved::carve(bp, t, s, saved);
-            (&bp.ln2, resid, st2, bp.hidden)
+            let h = bp.hidden;
+            let resid = resid.at(&(first * h..(first + rows) * h));
+            (&bp.ln2, resid, stats_of(st2), h)
         }
         (Kind::Mlp { hidden: h, ln, .. }, 0) => {
             let NormedSaved { st, .. } = NormedSaved::carve(t, *h, saved);
-            (ln, input()?, st, *h)
+            (ln, input()?, stats_of(st), *h)
         }
         _ => return Err(not_split(lm, j)),
     };
     d.norm_backward(
-        &norm_operands(np, p, t, x, stats),
+        &norm_operands(np, p, rows, x, stats),
         sum,
         Some((gi, base)),
         gp,
     )?;
     if j == 0 {
-        d.round(lm.precisions().1, gi, t * h)?;
+        d.round(lm.precisions().1, gi, rows * h)?;
     }
     Ok(())
 }

@@ -1739,7 +1739,10 @@ fn training_on_the_emulated_device_matches_the_cpu_backend() {
 
 /// Tensor-parallel plans (issue 30) on the emulated device: the phases of sliced blocks and
 /// the tensor group's all-reduces through the CUDA backend's device code match the CPU
-/// backend, fp32 and bf16, alone, under ZeRO-3 and in pipeline stages.
+/// backend, fp32 and bf16, alone, under ZeRO-3 and in pipeline stages; with sequence
+/// parallelism (the gathers of rows, the reduce-scatters, the closes on rows and the norms'
+/// gradient sums) under ZeRO-2 with micro-steps, in bf16 under ZeRO-1, and in pipeline stages with
+/// clipping (the norm over every stage and tensor index).
 #[test]
 fn tensor_parallel_training_on_the_emulated_device_matches_the_cpu_backend() {
     let text = format!(
@@ -1747,7 +1750,10 @@ fn tensor_parallel_training_on_the_emulated_device_matches_the_cpu_backend() {
          schedule tp_a {{ model = llama_gqa  cluster = four  preset = zero3  tensor {{ size = 2 }}  train {{ lr = 1e-3  seed = 21 }} }}\n\
          schedule tp_b {{ model = gpt_naive  cluster = four  preset = ddp  micro_steps = 2  tensor {{ size = 4 }}  train {{ lr = 1e-3  seed = 22 }} }}\n\
          schedule tp_c {{ model = gpt_bf16  cluster = four  preset = zero1  tensor {{ size = 2 }}  train {{ lr = 1e-3  seed = 23 }} }}\n\
-         schedule tp_d {{ model = llama_bf16  cluster = four  preset = ddp  micro_steps = 4  tensor {{ size = 2 }}  pipeline {{ stages = 2  layers = [3, 2] }}  train {{ lr = 1e-3  seed = 24 }} }}\n",
+         schedule tp_d {{ model = llama_bf16  cluster = four  preset = ddp  micro_steps = 4  tensor {{ size = 2 }}  pipeline {{ stages = 2  layers = [3, 2] }}  train {{ lr = 1e-3  seed = 24 }} }}\n\
+         schedule sp_a {{ model = llama_gqa  cluster = four  preset = zero2  micro_steps = 2  tensor {{ size = 2  sequence = true }}  train {{ lr = 1e-3  seed = 25 }} }}\n\
+         schedule sp_b {{ model = gpt_bf16  cluster = four  preset = zero1  tensor {{ size = 2  sequence = true }}  train {{ lr = 1e-3  seed = 26 }} }}\n\
+         schedule sp_c {{ model = gpt_naive  cluster = four  preset = ddp  micro_steps = 4  tensor {{ size = 2  sequence = true }}  pipeline {{ stages = 2  layers = [2, 2] }}  train {{ lr = 1e-3  seed = 27  clip = 0.05 }} }}\n",
         CLUSTERS
     );
     emulated_matches_cpu(&text);
