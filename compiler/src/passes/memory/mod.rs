@@ -10,8 +10,8 @@
 //! finish. A buffer no op touches gets no space.
 //!
 //! With pipeline stages, each stage's buffers live on other ranks than every other stage's, so
-//! each stage is planned on its own (over the program cut down to its ops) from offset 0, on as
-//! many threads as there are cores, and the arena is the largest stage's.
+//! each stage is planned on its own (over the program cut down to its ops) from offset 0 (for a
+//! large program on as many threads as there are cores), and the arena is the largest stage's.
 //!
 //! - `place`: one greedy placement of units (single buffers, or slots of equal-size buffers
 //!   used in turn) in a given order and fit;
@@ -152,16 +152,23 @@ pub fn plan(p: &Program) -> Placement {
     all
 }
 
+/// Ops from which a pipeline's stages are planned on threads of their own (the 4,096-rank 3-D
+/// benchmark program has 63,156; the examples and most of the planner's candidates, already
+/// compiled several at once, far fewer).
+const PARALLEL_OPS: usize = 20_000;
+
 /// [`plan_stage`] of every stage, in stage order. The stages share nothing (each is planned on
-/// its own program from offset 0), so on a machine with more than one core they are planned on
-/// as many threads, each taking the next stage not yet taken; the result does not depend on
-/// which thread planned which stage.
+/// its own program from offset 0), so for a large program on a machine with more than one core
+/// they are planned on as many threads, each taking the next stage not yet taken; the result
+/// does not depend on which thread planned which stage.
 fn plan_stages(p: &Program) -> Vec<Placement> {
     let stages = p.layout.stages as usize;
     let one = |stage: usize| plan_stage(&stage_program(p, stage as u32), stage as u32);
-    let threads = std::thread::available_parallelism()
-        .map_or(1, |n| n.get())
-        .min(stages);
+    let threads = match p.ops.len() >= PARALLEL_OPS {
+        true => std::thread::available_parallelism().map_or(1, |n| n.get()),
+        false => 1,
+    }
+    .min(stages);
     if threads <= 1 {
         return (0..stages).map(one).collect();
     }
