@@ -79,6 +79,14 @@ impl PassTimes {
         out
     }
 
+    /// Each proof of `verified`'s final verification, as `  structure`, `  flow`, … (indented
+    /// under the `verify` line, whose time they make up).
+    fn proofs(&mut self, verified: &Verified) {
+        for &(name, spent) in &verified.proof_times().0 {
+            self.0.push((proof_label(name), spent));
+        }
+    }
+
     /// Runs `f` as part of `name`, adding its time to that entry (one line however often it runs).
     pub fn accumulate<T>(&mut self, name: &'static str, f: impl FnOnce() -> T) -> T {
         let start = std::time::Instant::now();
@@ -89,6 +97,23 @@ impl PassTimes {
             None => self.0.push((name, spent)),
         }
         out
+    }
+}
+
+/// `name` indented, as `--time-passes` prints a proof under `verify`.
+fn proof_label(name: &'static str) -> &'static str {
+    match name {
+        "structure" => "· structure",
+        "issue" => "· issue",
+        "stages" => "· stages",
+        "flow" => "· flow",
+        "clocks" => "· clocks",
+        "collectives" => "· collectives",
+        "memory" => "· memory",
+        "nccl" => "· nccl",
+        "values" => "· values",
+        "values (fingerprint)" => "· values (reused)",
+        other => other,
     }
 }
 
@@ -130,9 +155,11 @@ pub fn compile_with(
         times,
     }
     .placed(true)?;
-    times
+    let verified = times
         .time("verify", || verify::verify_with(program, values))
-        .map_err(CompileError::Verify)
+        .map_err(CompileError::Verify)?;
+    times.proofs(&verified);
+    Ok(verified)
 }
 
 /// [`compile_timed`], also making `emit(&program)` from the placed program on a second thread
@@ -159,6 +186,7 @@ pub fn compile_emitting<T: Send>(
             verify::verify_beside(program, values, timed_emit)
         })
         .map_err(CompileError::Verify)?;
+    times.proofs(&verified);
     times.0.push(("emit", spent));
     Ok((verified, made))
 }

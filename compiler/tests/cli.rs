@@ -384,6 +384,13 @@ fn time_passes_names_every_pass() {
         "memory",
         "events (final)",
         "verify",
+        // Each proof of the final verification, under `verify`.
+        "· structure",
+        "· stages",
+        "· flow",
+        "· collectives",
+        "· memory",
+        "· values",
     ] {
         assert!(
             err.lines()

@@ -57,6 +57,7 @@
 
 mod clocks;
 mod collectives;
+mod contribs;
 mod flow;
 mod issue;
 mod joint;
@@ -96,6 +97,23 @@ pub struct PlanInfo {
 pub struct Verified {
     program: Program,
     info: PlanInfo,
+    times: ProofTimes,
+}
+
+/// How long each proof of the final verification took, by name, in the order they ran
+/// (`schedc compile --time-passes` prints them under `verify`). A value proof taken from a
+/// [`ValuesProof`] run earlier costs nothing here; its time is the caller's to report.
+#[derive(Clone, Debug, Default)]
+pub struct ProofTimes(pub Vec<(&'static str, std::time::Duration)>);
+
+impl ProofTimes {
+    /// Runs `f` as the proof `name`, recording its time.
+    fn time<T>(&mut self, name: &'static str, f: impl FnOnce() -> T) -> T {
+        let start = std::time::Instant::now();
+        let out = f();
+        self.0.push((name, start.elapsed()));
+        out
+    }
 }
 
 impl Verified {
@@ -105,6 +123,11 @@ impl Verified {
 
     pub fn info(&self) -> &PlanInfo {
         &self.info
+    }
+
+    /// How long each proof took ([`ProofTimes`]).
+    pub fn proof_times(&self) -> &ProofTimes {
+        &self.times
     }
 
     /// The program, no longer vouched for (to change it and verify it again).
@@ -119,6 +142,7 @@ impl Verified {
         Verified {
             program,
             info: PlanInfo { live_bound: 0 },
+            times: ProofTimes::default(),
         }
     }
 }
@@ -195,9 +219,11 @@ pub struct ValuesProof {
 }
 
 /// Runs proof 7 (with clipping's norm) on `p` now; see [`ValuesProof`]. Meant to run beside other
-/// work, it leaves that work one core: its runs spread over the others, if any.
+/// work (memory planning, itself spread over the cores stage by stage), its runs spread over
+/// every core too: the system shares the cores while both run, and whichever finishes first
+/// leaves the other all of them.
 pub fn prove_values(p: &Program) -> ValuesProof {
-    prove_values_on(p, cores().saturating_sub(1).max(1))
+    prove_values_on(p, cores())
 }
 
 /// Proof 7 with its runs spread over at most `threads` threads.
@@ -256,9 +282,16 @@ pub fn verify_with(p: Program, values: Option<ValuesProof>) -> Result<Verified, 
 }
 
 /// `p` as proved, or rejected with its errors: the one place a [`Verified`] is made.
-fn verdict(p: Program, checked: Result<PlanInfo, Vec<VerifyError>>) -> Result<Verified, Rejected> {
+fn verdict(
+    p: Program,
+    checked: Result<(PlanInfo, ProofTimes), Vec<VerifyError>>,
+) -> Result<Verified, Rejected> {
     match checked {
-        Ok(info) => Ok(Verified { program: p, info }),
+        Ok((info, times)) => Ok(Verified {
+            program: p,
+            info,
+            times,
+        }),
         Err(errors) => Err(Rejected {
             program: Box::new(p),
             errors,
@@ -297,30 +330,37 @@ pub fn errors(p: &Program) -> Vec<VerifyError> {
     check(p, None).err().unwrap_or_default()
 }
 
-fn check(p: &Program, values: Option<ValuesProof>) -> Result<PlanInfo, Vec<VerifyError>> {
-    let mut errors = structure::check(p, Stage::Placed);
-    errors.extend(issue::check(p));
+fn check(
+    p: &Program,
+    values: Option<ValuesProof>,
+) -> Result<(PlanInfo, ProofTimes), Vec<VerifyError>> {
+    let mut t = ProofTimes::default();
+    let mut errors = t.time("structure", || structure::check(p, Stage::Placed));
+    errors.extend(t.time("issue", || issue::check(p)));
     if !errors.is_empty() {
         return Err(errors);
     }
-    errors.extend(stages::check(p));
+    errors.extend(t.time("stages", || stages::check(p)));
     if !errors.is_empty() {
         return Err(errors);
     }
-    errors.extend(flow::check(p));
-    let clocks = Clocks::new(p);
-    errors.extend(collectives::check(p, &clocks));
-    let (mem_errors, live_bound) = memory::check(p, &clocks);
+    errors.extend(t.time("flow", || flow::check(p)));
+    let clocks = t.time("clocks", || Clocks::new(p));
+    errors.extend(t.time("collectives", || collectives::check(p, &clocks)));
+    let (mem_errors, live_bound) = t.time("memory", || memory::check(p, &clocks));
     errors.extend(mem_errors);
-    errors.extend(nccl::check(p));
+    errors.extend(t.time("nccl", || nccl::check(p)));
     if errors.is_empty() {
-        match values.filter(|v| v.fingerprint == values_fingerprint(p)) {
+        let earlier = t.time("values (fingerprint)", || {
+            values.filter(|v| v.fingerprint == values_fingerprint(p))
+        });
+        match earlier {
             Some(v) => errors.extend(v.errors),
-            None => errors.extend(prove_values_on(p, cores()).errors),
+            None => errors.extend(t.time("values", || prove_values_on(p, cores()).errors)),
         }
     }
     if errors.is_empty() {
-        Ok(PlanInfo { live_bound })
+        Ok((PlanInfo { live_bound }, t))
     } else {
         Err(errors)
     }

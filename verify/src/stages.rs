@@ -95,6 +95,11 @@ fn structure(p: &Program) -> Vec<VerifyError> {
             }
         }
     }
+    // What the groups of a communicator say depends only on the communicator, the issuing stage
+    // and (for a transfer) its kind: computed once for each, not once per op (every rank of the
+    // communicator is read, and the tensor all-reduces of every layer and micro-step share one).
+    let mut inside_of: FxHashMap<(CommId, u32), bool> = FxHashMap::default();
+    let mut pair_of: FxHashMap<(CommId, u32, bool), Option<String>> = FxHashMap::default();
     for (id, op) in p.ops.iter() {
         let stage = stage_of(p, op);
         for r in op.reads.iter().chain(&op.writes) {
@@ -122,17 +127,29 @@ fn structure(p: &Program) -> Vec<VerifyError> {
         for c in op.collectives() {
             let comm = &p.comms[c.comm];
             if c.kind.is_point_to_point() {
-                errs.extend(pair_shape(p, c, stage).map(|m| err(Some(id), m)));
+                let found = match c.input != c.output {
+                    true => Some(format!(
+                        "a {}'s input and output must be the one region it moves",
+                        c.kind.name()
+                    )),
+                    false => pair_of
+                        .entry((c.comm, stage, c.kind == Collective::Send))
+                        .or_insert_with(|| pair_shape(p, c, stage))
+                        .clone(),
+                };
+                errs.extend(found.map(|m| err(Some(id), m)));
                 continue;
             }
             // A group either lies inside the stage, or spans stages that all issue on it
             // (an embedding group, clipping's norm across stages; `matching` pairs their calls).
-            let issuing = &issuers[&c.comm];
-            let inside = comm.groups.iter().all(|g| {
-                let here = g.iter().filter(|&&r| layout.stage(r) == stage).count();
-                here == 0
-                    || here == g.len()
-                    || g.iter().all(|&r| issuing.contains(&layout.stage(r)))
+            let inside = *inside_of.entry((c.comm, stage)).or_insert_with(|| {
+                let issuing = &issuers[&c.comm];
+                comm.groups.iter().all(|g| {
+                    let here = g.iter().filter(|&&r| layout.stage(r) == stage).count();
+                    here == 0
+                        || here == g.len()
+                        || g.iter().all(|&r| issuing.contains(&layout.stage(r)))
+                })
             });
             if !inside {
                 errs.push(err(
@@ -150,7 +167,8 @@ fn structure(p: &Program) -> Vec<VerifyError> {
     errs
 }
 
-/// What is wrong with a send's or receive's communicator, issued on `stage`, if anything.
+/// What is wrong with a send's or receive's communicator, issued on `stage`, if anything (its
+/// groups only: the caller checks that input and output are one region).
 fn pair_shape(p: &Program, c: &CollectiveOp, stage: u32) -> Option<String> {
     let layout = p.layout;
     let comm = &p.comms[c.comm];
@@ -158,12 +176,6 @@ fn pair_shape(p: &Program, c: &CollectiveOp, stage: u32) -> Option<String> {
         Collective::Send => (0, 1),
         _ => (1, 0),
     };
-    if c.input != c.output {
-        return Some(format!(
-            "a {}'s input and output must be the one region it moves",
-            c.kind.name()
-        ));
-    }
     if comm.groups.iter().any(|g| g.len() != 2) {
         return Some(format!(
             "{} over {}: a transfer's groups are pairs",

@@ -21,6 +21,7 @@
 //! whose op sequences are alike (the same shapes, communicators and regions) are checked once.
 //! Workspaces hold scratch, never a value, and are no layer's: no check reads them.
 
+use super::contribs::Contribs;
 use super::joint::Item;
 use super::{range, VerifyError};
 use cranelift_entity::{EntityRef, SecondaryMap};
@@ -28,7 +29,7 @@ use sched_ir::hash::FxHashMap;
 use sched_ir::ir::layout::Layout;
 use sched_ir::ir::*;
 use sched_ir::job::Collective;
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Val {
@@ -63,124 +64,10 @@ struct Seg {
 /// The contents of one buffer on one rank: sorted, disjoint segments.
 type Contents = Vec<Seg>;
 
-/// One contribution set: per (term, micro-step), sorted by them, a bitset of ranks.
-type ContribSet = Vec<(u32, u32, Vec<u64>)>;
-
-/// Interned contribution sets, so contents compare by id. Sets are only ever built by
-/// [`Contribs::single`] and by unions of disjoint sets, so a union (two members or more) never
-/// equals a singleton: singletons are interned by (term, micro-step, rank) alone, cheaply, and
-/// only union results by their whole set.
-#[derive(Default)]
-struct Contribs {
-    sets: Vec<ContribSet>,
-    index: FxHashMap<ContribSet, u32>,
-    singles: FxHashMap<(u32, u32, u32), u32>,
-    /// Unions already taken, by the ids of their two sides.
-    unions: FxHashMap<(u32, u32), u32>,
-}
-
 /// A term flag (sequence parallelism): the contribution holds only the rows of the tokens its
 /// rank's backward close handled, a t-th of the norm's gradient; the tensor group's all-reduce
-/// of it clears the flag ([`Contribs::rows_summed`]).
+/// of it clears the flag ([`Run::rows_summed`], `Contribs::cleared`).
 const ROWS: u32 = 1 << 31;
-
-impl Contribs {
-    /// Set `c` summed over the tensor group's rows: every term flagged [`ROWS`], the same set
-    /// with the flag cleared (the other tensor indices hold the same contributions for their
-    /// rows); `None` when some term is not a rows' part.
-    fn rows_summed(&mut self, c: u32) -> Option<u32> {
-        let set = &self.sets[c as usize];
-        if set.is_empty() || set.iter().any(|(t, _, _)| t & ROWS == 0) {
-            return None;
-        }
-        let mut out: ContribSet = set
-            .iter()
-            .map(|(t, m, b)| (t & !ROWS, *m, b.clone()))
-            .collect();
-        out.sort_by_key(|(t, m, _)| (*t, *m));
-        if let [(t, m, bits)] = out.as_slice() {
-            let ones: u32 = bits.iter().map(|w| w.count_ones()).sum();
-            if ones == 1 {
-                let rank = (0..bits.len() as u32 * 64)
-                    .find(|r| bits[*r as usize / 64] & (1 << (r % 64)) != 0)
-                    .expect("one bit");
-                // A singleton is interned by (term, micro-step, rank) alone.
-                let (t, m, ranks) = (*t, *m, bits.len() as u32 * 64);
-                return Some(self.single(t, m, rank, ranks));
-            }
-        }
-        Some(self.intern(out))
-    }
-
-    fn intern(&mut self, set: ContribSet) -> u32 {
-        if let Some(&i) = self.index.get(&set) {
-            return i;
-        }
-        let i = self.sets.len() as u32;
-        self.sets.push(set.clone());
-        self.index.insert(set, i);
-        i
-    }
-
-    fn single(&mut self, term: u32, m: u32, rank: u32, ranks: u32) -> u32 {
-        if let Some(&i) = self.singles.get(&(term, m, rank)) {
-            return i;
-        }
-        let mut bits = vec![0u64; (ranks as usize).div_ceil(64)];
-        bits[rank as usize / 64] |= 1 << (rank % 64);
-        let i = self.sets.len() as u32;
-        self.sets.push(vec![(term, m, bits)]);
-        self.singles.insert((term, m, rank), i);
-        i
-    }
-
-    /// Adds set `b` into `out`, or the (term, micro-step, rank) counted twice.
-    fn add_into(&self, out: &mut ContribSet, b: u32) -> Result<(), (u32, u32, u32)> {
-        for (t, m, bits) in &self.sets[b as usize] {
-            match out.iter_mut().find(|(t2, m2, _)| (*t2, *m2) == (*t, *m)) {
-                Some((_, _, have)) => {
-                    for (w, (h, n)) in have.iter_mut().zip(bits).enumerate() {
-                        if *h & n != 0 {
-                            let bit = (*h & n).trailing_zeros();
-                            return Err((*t, *m, (w * 64) as u32 + bit));
-                        }
-                        *h |= n;
-                    }
-                }
-                None => out.push((*t, *m, bits.clone())),
-            }
-        }
-        Ok(())
-    }
-
-    /// The union of two sets, or the (term, micro-step, rank) counted twice. Sets never change
-    /// once interned, so a union is remembered by its sides' ids.
-    fn union(&mut self, a: u32, b: u32) -> Result<u32, (u32, u32, u32)> {
-        if let Some(&u) = self.unions.get(&(a, b)) {
-            return Ok(u);
-        }
-        let u = self.union_all(&[a, b])?;
-        self.unions.insert((a, b), u);
-        Ok(u)
-    }
-
-    /// The union of `ids` taken in order (each added to the union of those before it), or the
-    /// first (term, micro-step, rank) counted twice; only the result is interned.
-    fn union_all(&mut self, ids: &[u32]) -> Result<u32, (u32, u32, u32)> {
-        let Some((&first, rest)) = ids.split_first() else {
-            return Ok(self.intern(vec![]));
-        };
-        if rest.is_empty() {
-            return Ok(first);
-        }
-        let mut out = self.sets[first as usize].clone();
-        for &b in rest {
-            self.add_into(&mut out, b)?;
-        }
-        out.sort_by_key(|(t, m, _)| (*t, *m));
-        Ok(self.intern(out))
-    }
-}
 
 /// Proof 7 for every layer with parameters, its runs spread over at most `threads` threads.
 pub fn check(p: &Program, threads: usize) -> Vec<VerifyError> {
@@ -232,8 +119,8 @@ pub fn check(p: &Program, threads: usize) -> Vec<VerifyError> {
             mixed: &mixed,
             layer,
             coverage: vec![],
-            contribs: Contribs::default(),
-            state: State::new(p.ranks()),
+            contribs: Contribs::new(&layout),
+            state: State::new(p.ranks(), layout.tensor),
             scratch: vec![],
             errs: vec![],
         };
@@ -351,34 +238,52 @@ struct Run<'a> {
     errs: Vec<VerifyError>,
 }
 
-/// The contents of every buffer on every rank, indexed directly (no hashing on the hot path).
+/// The contents of every buffer on every rank the proof runs, indexed directly (no hashing on
+/// the hot path). The proof runs only ranks of tensor index 0 ([`Run::stage_ranks`]), so a rank's
+/// contents sit at its slot `rank / t` (a bijection on those ranks; any other rank is refused).
 struct State {
-    ranks: usize,
-    /// Per buffer, per rank; an empty list until the buffer is first written.
+    /// t.
+    t: u32,
+    /// Slots: ranks / t.
+    slots: usize,
+    /// Per buffer, per slot; an empty list until the buffer is first written.
     of: SecondaryMap<BufferId, Vec<Held>>,
 }
 
 impl State {
-    fn new(ranks: u32) -> Self {
+    fn new(ranks: u32, t: u32) -> Self {
+        let t = t.max(1);
         State {
-            ranks: ranks as usize,
+            t,
+            slots: ranks.div_ceil(t) as usize,
             of: SecondaryMap::new(),
         }
     }
 
+    fn slot(&self, rank: u32) -> usize {
+        assert_eq!(
+            rank % self.t,
+            0,
+            "the value proof runs only ranks of tensor index 0"
+        );
+        (rank / self.t) as usize
+    }
+
     fn get(&self, b: BufferId, rank: u32) -> &[Seg] {
+        let slot = self.slot(rank);
         self.of
             .get(b)
-            .and_then(|per| per.get(rank as usize))
+            .and_then(|per| per.get(slot))
             .map_or(&[], Held::as_slice)
     }
 
     fn get_mut(&mut self, b: BufferId, rank: u32) -> &mut Held {
+        let slot = self.slot(rank);
         let per = &mut self.of[b];
         if per.is_empty() {
-            per.resize(self.ranks, Held::NOTHING);
+            per.resize(self.slots, Held::NOTHING);
         }
-        &mut per[rank as usize]
+        &mut per[slot]
     }
 }
 
@@ -594,7 +499,8 @@ impl Run<'_> {
                 }
             }
         }
-        // The end state is the start state one version later.
+        // The end state is the start state one version later (checked in buffer, then rank, order:
+        // the mismatch named is the same on every run).
         for ((b, r), segs) in start {
             let want: Contents = segs
                 .iter()
@@ -631,8 +537,9 @@ impl Run<'_> {
 
     /// Param shards at the start of the step: this rank's slice of the parameters, at version 0;
     /// with a deferred refresh the rank's own optimizer slice already holds version 1.
-    fn initial(&self, deferred: bool) -> HashMap<(BufferId, u32), Contents> {
-        let mut out = HashMap::new();
+    /// Ordered by buffer, then rank.
+    fn initial(&self, deferred: bool) -> BTreeMap<(BufferId, u32), Contents> {
+        let mut out = BTreeMap::new();
         for (b, buf) in self.p.buffers.iter() {
             if buf.kind != BufferKind::ParamShard || !self.mine(b) {
                 continue;
@@ -731,7 +638,7 @@ impl Run<'_> {
                         let acc = reads.contains(w);
                         for rank in self.op_ranks(o) {
                             let (a, z) = range(w, self.layout, rank);
-                            let c = self.contribs.single(term, m, rank, self.p.ranks());
+                            let c = self.contribs.single(term, m, rank);
                             let elem = a / self.elem_bytes(w.buffer);
                             let new = [Seg {
                                 start: 0,
@@ -957,16 +864,14 @@ impl Run<'_> {
     /// other term that writes these elements present, each with every rank in every
     /// micro-step).
     fn incomplete(&self, c: u32, micro_steps: u32, elems: (u64, u64)) -> Option<String> {
-        let set = &self.contribs.sets[c as usize];
-        if set.iter().any(|(t, _, _)| t & ROWS != 0) {
+        let terms = self.contribs.terms(c);
+        if terms.iter().any(|t| t & ROWS != 0) {
             return Some(
                 "elements hold only this rank's rows' part of a norm's gradient (sequence \
                  parallelism): the tensor group's all-reduce of it never ran"
                     .into(),
             );
         }
-        let mut terms: Vec<u32> = set.iter().map(|(t, _, _)| *t).collect();
-        terms.dedup();
         if !terms.contains(&self.layer.as_u32()) {
             return Some("the layer's own gradient never arrives".into());
         }
@@ -986,22 +891,20 @@ impl Run<'_> {
         }
         for t in terms {
             for m in 0..micro_steps {
-                let Some((_, _, bits)) = set.iter().find(|(t2, m2, _)| (*t2, *m2) == (t, m)) else {
+                let Some(ranks) = self.contribs.ranks(c, t, m) else {
                     return Some(format!(
                         "no contribution of micro-step {m} (from layer{t}'s backward) arrives"
                     ));
                 };
                 // Each term's backward runs on the d ranks of its stage holding one tensor
                 // slice (every rank of the stage with t = 1).
-                let have: u32 = bits.iter().map(|w| w.count_ones()).sum();
+                let have = ranks.count();
                 let d = self.layout.dp_size();
-                let first = (0..bits.len() as u32 * 64)
-                    .find(|r| bits[*r as usize / 64] & (1 << (r % 64)) != 0)
-                    .unwrap_or(0);
+                let first = ranks.first();
                 let (stage, tp) = (self.layout.stage(first), self.layout.tp_index(first));
                 let missing = (0..d)
                     .map(|dp| self.layout.rank_of(stage, dp, tp))
-                    .find(|r| bits[*r as usize / 64] & (1 << (r % 64)) == 0);
+                    .find(|&r| !ranks.contains(r));
                 if have != d || missing.is_some() {
                     let missing =
                         missing.map_or(String::new(), |r| format!(" (rank {r}'s is missing)"));
@@ -1316,7 +1219,7 @@ impl Run<'_> {
                 let summed = match s.val {
                     Val::Grad { elem, contrib } => self
                         .contribs
-                        .rows_summed(contrib)
+                        .cleared(contrib, ROWS)
                         .map(|contrib| Val::Grad { elem, contrib }),
                     Val::Param { .. } => None,
                 };

@@ -10,8 +10,8 @@
 //! finish. A buffer no op touches gets no space.
 //!
 //! With pipeline stages, each stage's buffers live on other ranks than every other stage's, so
-//! each stage is planned on its own (over the program cut down to its ops) from offset 0, and
-//! the arena is the largest stage's.
+//! each stage is planned on its own (over the program cut down to its ops) from offset 0 (for a
+//! large program on as many threads as there are cores), and the arena is the largest stage's.
 //!
 //! - `place`: one greedy placement of units (single buffers, or slots of equal-size buffers
 //!   used in turn) in a given order and fit;
@@ -137,9 +137,7 @@ pub fn plan(p: &Program) -> Placement {
         transient: vec![],
         arena_bytes: 0,
     };
-    for stage in 0..p.layout.stages {
-        let q = stage_program(p, stage);
-        let part = plan_stage(&q, stage);
+    for (stage, part) in (0..p.layout.stages).zip(plan_stages(p)) {
         for (id, b) in p.buffers.iter() {
             if b.stage == stage {
                 all.offsets[id.index()] = part.offsets[id.index()];
@@ -152,6 +150,54 @@ pub fn plan(p: &Program) -> Placement {
     let first = first_access(p);
     all.transient.sort_by_key(|&b| (first[b.index()], b));
     all
+}
+
+/// Ops from which a pipeline's stages are planned on threads of their own (the 4,096-rank 3-D
+/// benchmark program has 63,156; the examples and most of the planner's candidates, already
+/// compiled several at once, far fewer).
+const PARALLEL_OPS: usize = 20_000;
+
+/// [`plan_stage`] of every stage, in stage order. The stages share nothing (each is planned on
+/// its own program from offset 0), so for a large program on a machine with more than one core
+/// they are planned on as many threads, each taking the next stage not yet taken; the result
+/// does not depend on which thread planned which stage.
+fn plan_stages(p: &Program) -> Vec<Placement> {
+    let stages = p.layout.stages as usize;
+    let one = |stage: usize| plan_stage(&stage_program(p, stage as u32), stage as u32);
+    let threads = match p.ops.len() >= PARALLEL_OPS {
+        true => std::thread::available_parallelism().map_or(1, |n| n.get()),
+        false => 1,
+    }
+    .min(stages);
+    if threads <= 1 {
+        return (0..stages).map(one).collect();
+    }
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let mut done: Vec<(usize, Placement)> = std::thread::scope(|s| {
+        let workers: Vec<_> = (0..threads)
+            .map(|_| {
+                s.spawn(|| {
+                    let mut out = vec![];
+                    loop {
+                        let k = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        if k >= stages {
+                            break out;
+                        }
+                        out.push((k, one(k)));
+                    }
+                })
+            })
+            .collect();
+        workers
+            .into_iter()
+            .flat_map(|w| {
+                w.join()
+                    .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+            })
+            .collect()
+    });
+    done.sort_by_key(|(k, _)| *k);
+    done.into_iter().map(|(_, part)| part).collect()
 }
 
 /// The first op touching each buffer, by buffer index (`usize::MAX`: none).
@@ -168,8 +214,21 @@ fn first_access(p: &Program) -> Vec<usize> {
 
 /// `p` cut down to the ops of `stage`'s streams (in issue order, their events renumbered),
 /// with every stream and buffer kept, so buffer ids stay; without its communicators, which
-/// memory planning never reads (a 1,024-rank program's would be copied once per stage).
+/// memory planning never reads (a 1,024-rank program's would be copied once per stage), and
+/// without the names of other stages' buffers (no op of the stage touches them; naming them
+/// cost one string copy per buffer and stage).
 pub fn stage_program(p: &Program, stage: u32) -> Program {
+    let buffers = p
+        .buffers
+        .values()
+        .map(|b| match b.stage == stage {
+            true => b.clone(),
+            false => Buffer {
+                name: String::new(),
+                ..*b
+            },
+        })
+        .collect();
     let mut q = Program {
         schedule: p.schedule.clone(),
         layout: p.layout,
@@ -177,7 +236,7 @@ pub fn stage_program(p: &Program, stage: u32) -> Program {
         layers: p.layers.clone(),
         streams: p.streams.clone(),
         comms: Default::default(),
-        buffers: p.buffers.clone(),
+        buffers,
         events: Default::default(),
         ops: Default::default(),
         arena_bytes: p.arena_bytes,
