@@ -239,9 +239,9 @@ fn the_norm_gradient_sum_is_needed_once() {
         let before = q
             .ops
             .iter()
-            .filter(|&(o, op)| o < s && op.stream == q.ops[s].stream)
+            .rev()
+            .find(|&(o, op)| o < s && op.stream == q.ops[s].stream)
             .map(|(o, _)| o)
-            .last()
             .expect("a close before the sum");
         assert!(q.ops[before].record.is_none(), "{name}: the close records");
         q.ops[before].record = q.ops[s].record.take();
