@@ -119,6 +119,26 @@ pub fn saved_bytes(kind: &LayerKind, model: &Model) -> u64 {
     }
 }
 
+/// Bytes one rank's tensor-parallel slice of layer `kind` over `t` ranks keeps for backward in
+/// one micro-step (what the device layer's sliced math saves): the norms' outputs and
+/// statistics and the residual stream between sublayers whole, the products', the attention's
+/// and the MLP's a t-th (Megatron splits them by heads and `ffn`). A layer the lowering runs
+/// whole (or t = 1) keeps [`saved_bytes`].
+pub fn slice_saved_bytes(kind: &LayerKind, model: &Model, t: u32) -> u64 {
+    let whole = saved_elements(kind, model);
+    let tokens = tokens(model);
+    let (t, d) = (u64::from(t.max(1)), model.dtype.bytes());
+    // The replicated parts, in the model dtype and fp32.
+    let (model_part, fp32_part) = match *kind {
+        _ if !crate::tensor::split_layers(kind, t as u32) => return saved_bytes(kind, model),
+        LayerKind::Transformer(tr) => (3 * tokens * tr.hidden, 4 * tokens),
+        LayerKind::Mlp(m) => (tokens * m.hidden, 2 * tokens),
+        _ => return saved_bytes(kind, model),
+    };
+    (model_part + (whole.model - model_part) / t) * d
+        + (fp32_part + (whole.fp32 - fp32_part) / t) * 4
+}
+
 /// Elements a zoo layer keeps for backward in one micro-step: those stored in the model dtype
 /// and the fp32 statistics (norms' per-token pairs, flash attention's log-sum-exps). Zero for
 /// `dense` layers, which declare bytes only.

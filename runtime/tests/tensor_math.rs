@@ -863,3 +863,44 @@ fn vocabulary_parallel_embedding_head_and_loss() {
         vocab_parity("tiny_gpt", t);
     }
 }
+
+/// What the lowering plans for a slice's saved activations (`abi::slice_saved_bytes`) is what
+/// the device layer's sliced math saves, byte for byte: naive attention (probabilities) and
+/// flash (log-sum-exps), GQA, SwiGLU, fp32 and bf16, t = 1, 2 and 4.
+#[test]
+fn planned_slice_activations_are_what_the_sliced_math_saves() {
+    use schedrun::math::Stored;
+    let mut checked = 0;
+    for name in ["gpt_259", "llama_259", "tiny_gpt", "tiny_llama"] {
+        for dtype in [sched_ir::job::Dtype::Fp32, sched_ir::job::Dtype::Bf16] {
+            let mut m = model(name);
+            m.dtype = dtype;
+            for t in [1u32, 2, 4] {
+                for l in m
+                    .layers
+                    .iter()
+                    .filter(|l| !matches!(l.kind, LayerKind::Dense { .. }))
+                {
+                    let Ok(math) = LayerMath::sliced(l, &m, t) else {
+                        continue; // kv heads that t does not divide
+                    };
+                    let saved: u64 = math
+                        .saved_segments()
+                        .iter()
+                        .map(|s| {
+                            s.elements as u64
+                                * match s.stored {
+                                    Stored::Model => dtype.bytes(),
+                                    Stored::F32 => 4,
+                                }
+                        })
+                        .sum();
+                    let planned = sched_ir::abi::slice_saved_bytes(&l.kind, &m, t);
+                    assert_eq!(planned, saved, "{name} {dtype:?} t = {t}: {}", l.name);
+                    checked += 1;
+                }
+            }
+        }
+    }
+    assert!(checked > 40, "only {checked} layers checked");
+}

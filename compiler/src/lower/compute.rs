@@ -66,7 +66,10 @@ impl Builder<'_> {
         if let Some(&b) = self.acts.get(&(l, m)) {
             return Some(b);
         }
-        let bytes = activations::saved_bytes(&self.job.model.layers[l].kind, &self.job.model);
+        // A tensor-parallel layer keeps its slice's.
+        let t = self.job.schedule.tensor.size;
+        let bytes =
+            activations::slice_saved_bytes(&self.job.model.layers[l].kind, &self.job.model, t);
         (bytes > 0).then(|| {
             let id = self.state(l).id;
             let name = format!("{}.act.m{m}", self.p.layers[id].name);

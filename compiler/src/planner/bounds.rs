@@ -44,7 +44,7 @@
 use crate::lower::workspace;
 use crate::sim::cost::{COLLECTIVE_START_S, LINK_EFFICIENCY};
 use cranelift_entity::EntityRef;
-use sched_ir::abi::saved_bytes;
+use sched_ir::abi::slice_saved_bytes;
 use sched_ir::ir::{ComputeKind, Program};
 use sched_ir::job::{
     Collective, GradSync, Job, Layer, LayerKind, Mesh, Recompute, Refresh, ReshardAfterForward,
@@ -66,24 +66,11 @@ fn sublayers(job: &Job, layer: &Layer) -> u8 {
     }
 }
 
-/// A floor of the bytes `layer` saves for backward in one micro-step on one rank: the whole
-/// layer's, or for a tensor slice the norms' inputs (with their fp32 statistics) and the
-/// residual stream between sublayers whole, and 1/t of the rest (the products' and the
-/// attention's, which Megatron splits by heads and `ffn`).
+/// The bytes `layer` saves for backward in one micro-step on one rank: the whole layer's, or a
+/// tensor slice's (`abi::slice_saved_bytes`: the norms' outputs and statistics and the residual
+/// stream between sublayers whole, a t-th of the rest), as the lowering plans them.
 fn saved_floor(job: &Job, layer: &Layer) -> u64 {
-    let m = &job.model;
-    let whole = saved_bytes(&layer.kind, m);
-    let t = u64::from(job.schedule.tensor.size);
-    let tokens = m.micro_batch * m.seq_len;
-    let norm = |h: u64| tokens * h * m.dtype.bytes() + 2 * tokens * 4;
-    let replicated = match layer.kind {
-        _ if sublayers(job, layer) == 0 => return whole,
-        LayerKind::Transformer(tr) => 2 * norm(tr.hidden) + tokens * tr.hidden * m.dtype.bytes(),
-        LayerKind::Mlp(x) => norm(x.hidden),
-        _ => return whole,
-    }
-    .min(whole);
-    replicated + (whole - replicated) / t
+    slice_saved_bytes(&layer.kind, &job.model, job.schedule.tensor.size)
 }
 
 /// Seconds of `layer`'s compute of `kind` in one micro-step on one rank, from `compute` (the cost
