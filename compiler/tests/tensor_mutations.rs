@@ -49,6 +49,19 @@ fn tensor_sums(p: &Program) -> Vec<OpId> {
     tensor_ops(p, kind, BufferKind::Partial)
 }
 
+/// Another communicator of pairs inside a stage whose groups are not the tensor groups (a
+/// data-parallel one), if the program has one.
+fn other_pairs(p: &Program) -> Option<CommId> {
+    p.comms
+        .iter()
+        .find(|&(id, c)| {
+            c.groups.iter().all(|g| g.len() == 2)
+                && !c.name.starts_with("tensor")
+                && p.stages_spanned(id).is_none()
+        })
+        .map(|(id, _)| id)
+}
+
 /// The examples with sequence parallelism.
 fn sequence_programs() -> Vec<(String, Program)> {
     let sp: Vec<_> = programs()
@@ -113,18 +126,9 @@ fn the_examples_prove_and_every_tensor_sum_is_needed() {
 fn a_sum_over_other_ranks_is_refused() {
     let mut tried = 0;
     for (name, p) in programs() {
-        // Another communicator of pairs inside a stage whose groups are not the tensor groups
-        // (a data-parallel one).
-        let other = p
-            .comms
-            .iter()
-            .find(|&(id, c)| {
-                c.groups.iter().all(|g| g.len() == 2)
-                    && !c.name.starts_with("tensor")
-                    && p.stages_spanned(id).is_none()
-            })
-            .map(|(id, _)| id);
-        let Some(other) = other else { continue };
+        let Some(other) = other_pairs(&p) else {
+            continue;
+        };
         tried += 1;
         let mut q = p.clone();
         let s = tensor_sums(&q)[0];
@@ -203,16 +207,7 @@ fn rows_gathered_twice_or_over_other_ranks_are_refused() {
             "{name}: rows gathered twice not refused: {m:#?}"
         );
         // A gather over a data-parallel communicator.
-        let other = p
-            .comms
-            .iter()
-            .find(|&(id, c)| {
-                c.groups.iter().all(|g| g.len() == 2)
-                    && !c.name.starts_with("tensor")
-                    && p.stages_spanned(id).is_none()
-            })
-            .map(|(id, _)| id);
-        if let Some(other) = other {
+        if let Some(other) = other_pairs(&p) {
             let mut q = p.clone();
             if let OpKind::Collective(c) = &mut q.ops[gathers[0]].kind {
                 c.comm = other;
