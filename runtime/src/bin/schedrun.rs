@@ -495,33 +495,13 @@ fn check_outputs(cli: &Cli, saving: &Saving) -> Result<(), Failure> {
     ];
     for (flag, f) in files {
         let Some(f) = f else { continue };
-        let dir = f
-            .parent()
-            .filter(|d| !d.as_os_str().is_empty())
-            .unwrap_or(Path::new("."));
-        let why = if f.is_dir() {
-            Err("it is a folder".to_string())
-        } else {
-            writable_folder(dir)
-        };
-        why.map_err(|why| Failure::fault(format!("cannot write {} ({flag}): {why}", f.display())))?;
+        check_file(f, flag, |dir| dir)?;
     }
     if let Some(f) = &cli.save_hf {
         // The weights and their config.json; a folder named by `--save-hf` is made at the end.
         let (weights, config) = schedrun::hf::save_paths(f);
         for f in [&weights, &config] {
-            let dir = f
-                .parent()
-                .filter(|d| !d.as_os_str().is_empty())
-                .unwrap_or(Path::new("."));
-            let why = if f.is_dir() {
-                Err("it is a folder".to_string())
-            } else {
-                writable_folder(nearest_existing(dir))
-            };
-            why.map_err(|why| {
-                Failure::fault(format!("cannot write {} (--save-hf): {why}", f.display()))
-            })?;
+            check_file(f, "--save-hf", nearest_existing)?;
         }
     }
     if let Some(d) = &saving.dir {
@@ -539,6 +519,20 @@ fn check_outputs(cli: &Cli, saving: &Saving) -> Result<(), Failure> {
 }
 
 /// `d` or its nearest ancestor that exists (`.` for a relative path none of whose ancestors do).
+/// File `f` (`flag`'s) can be written: it is no folder, and `folder` of its parent folder (the
+/// parent itself, or the nearest existing ancestor where the run makes the rest) is writable.
+fn check_file(f: &Path, flag: &str, folder: fn(&Path) -> &Path) -> Result<(), Failure> {
+    let dir = f
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let why = match f.is_dir() {
+        true => Err("it is a folder".to_string()),
+        false => writable_folder(folder(dir)),
+    };
+    why.map_err(|why| Failure::fault(format!("cannot write {} ({flag}): {why}", f.display())))
+}
+
 fn nearest_existing(d: &Path) -> &Path {
     let mut at = d;
     while !at.exists() {
