@@ -24,6 +24,7 @@ pub mod ir;
 pub mod job;
 pub mod listing;
 pub mod orders;
+pub mod par;
 pub mod plan_file;
 pub mod tensor;
 pub mod timeline;

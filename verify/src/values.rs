@@ -130,30 +130,11 @@ pub fn check(p: &Program, threads: usize) -> Vec<VerifyError> {
     // The runs share nothing: large programs spread them over threads; errors keep layer order.
     let work: usize = runs.iter().map(|(_, ops)| ops.len()).sum::<usize>() * p.ranks() as usize;
     let threads = threads.min(runs.len());
-    if threads <= 1 || work < PARALLEL_WORK {
-        return runs.iter().flat_map(run).collect();
-    }
-    let next = std::sync::atomic::AtomicUsize::new(0);
-    let mut done: Vec<(usize, Vec<VerifyError>)> = std::thread::scope(|s| {
-        let workers: Vec<_> = (0..threads)
-            .map(|_| {
-                s.spawn(|| {
-                    let mut out = vec![];
-                    loop {
-                        let k = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                        let Some(r) = runs.get(k) else { break out };
-                        out.push((k, run(r)));
-                    }
-                })
-            })
-            .collect();
-        workers
-            .into_iter()
-            .flat_map(|w| w.join().expect("a value-proof run panicked"))
-            .collect()
-    });
-    done.sort_by_key(|(k, _)| *k);
-    done.into_iter().flat_map(|(_, e)| e).collect()
+    let threads = if work < PARALLEL_WORK { 1 } else { threads };
+    sched_ir::par::map(&runs, threads, run)
+        .into_iter()
+        .flatten()
+        .collect()
 }
 
 /// Ops × ranks of the distinct layer runs above which they are spread over threads (the

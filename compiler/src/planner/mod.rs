@@ -45,8 +45,6 @@ use crate::{pipeline, CompileError};
 use sched_ir::ir::Program;
 use sched_ir::job::Job;
 use space::{Knobs, Structure};
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Mutex;
 
 /// How the search runs.
 #[derive(Clone, Debug)]
@@ -174,7 +172,7 @@ pub fn plan(
     // The floors of every structure, in chunks on the worker threads (in order: the sort below
     // is stable, so ties keep enumeration order).
     let chunks: Vec<&[Structure]> = structures.chunks(FLOOR_CHUNK).collect();
-    let floors = parallel_map(&chunks, threads, |chunk| {
+    let floors = sched_ir::par::map(&chunks, threads, |chunk| {
         chunk
             .iter()
             .map(|structure| {
@@ -220,7 +218,7 @@ pub fn plan(
                 .map(|f| space::apply(base, &f.structure, &knobs))
                 .collect();
             next += batch.len();
-            let outcomes = parallel_map(&batch, threads, screen);
+            let outcomes = sched_ir::par::map(&batch, threads, screen);
             for (job, outcome) in batch.into_iter().zip(outcomes) {
                 if let Some(screened_s) = tally(outcome, &mut stats) {
                     let at = screened.partition_point(|c| c.screened_s <= screened_s);
@@ -236,7 +234,7 @@ pub fn plan(
         // Compile the best screened candidates; one whose placed arena does not fit leaves the
         // list, which may lower the bar's rank and reopen the search.
         let finalists: Vec<&Candidate> = screened.iter().take(top).collect();
-        let outcomes = parallel_map(&finalists, threads, |c| finalize(&c.job));
+        let outcomes = sched_ir::par::map(&finalists, threads, |c| finalize(&c.job));
         let mut misfits = vec![];
         for (c, outcome) in finalists.into_iter().zip(outcomes) {
             match tally_final(outcome, &mut stats) {
@@ -263,7 +261,7 @@ pub fn plan(
         ranked.into_iter().map(|(r, _)| r).collect()
     };
     ranked.sort_by(|a, b| a.report.step_time_s.total_cmp(&b.report.step_time_s));
-    let proofs = parallel_map(&ranked, threads, |r| {
+    let proofs = sched_ir::par::map(&ranked, threads, |r| {
         Some(sched_verify::errors(&r.program)).filter(|e| !e.is_empty())
     });
     if let Some((r, errors)) = ranked
@@ -345,32 +343,4 @@ fn tally_final(outcome: Finalized, stats: &mut SearchStats) -> Option<Ranked> {
         }
     }
     None
-}
-
-/// `f` over `items` on up to `threads` scoped threads, results in order.
-fn parallel_map<T: Sync, R: Send>(
-    items: &[T],
-    threads: usize,
-    f: impl Fn(&T) -> R + Sync,
-) -> Vec<R> {
-    if threads <= 1 || items.len() <= 1 {
-        return items.iter().map(f).collect();
-    }
-    let next = AtomicUsize::new(0);
-    let out: Mutex<Vec<Option<R>>> = Mutex::new((0..items.len()).map(|_| None).collect());
-    std::thread::scope(|s| {
-        for _ in 0..threads.min(items.len()) {
-            s.spawn(|| loop {
-                let i = next.fetch_add(1, Ordering::Relaxed);
-                let Some(item) = items.get(i) else { break };
-                let r = f(item);
-                out.lock().unwrap_or_else(|e| e.into_inner())[i] = Some(r);
-            });
-        }
-    });
-    out.into_inner()
-        .unwrap_or_else(|e| e.into_inner())
-        .into_iter()
-        .map(|r| r.expect("every item was mapped"))
-        .collect()
 }

@@ -13,7 +13,7 @@
 //! neither changes any outcome, only how often the same program is lowered.
 
 use super::space::{self, Knobs, Structure};
-use super::{finalize, parallel_map, screen, tally, tally_final, Ranked, SearchStats};
+use super::{finalize, screen, tally, tally_final, Ranked, SearchStats};
 use sched_ir::hash::FxHashMap;
 use sched_ir::job::Job;
 
@@ -67,7 +67,7 @@ pub(super) fn tune_all(
         if trials.is_empty() {
             break;
         }
-        let outcomes = parallel_map(&fresh, threads, |(_, _, job)| screen(job));
+        let outcomes = sched_ir::par::map(&fresh, threads, |(_, _, job)| screen(job));
         for ((d, k, _), outcome) in fresh.iter().zip(outcomes) {
             descents[*d].seen.insert(*k, tally(outcome, stats));
         }
@@ -98,7 +98,7 @@ pub(super) fn tune_all(
         .filter(|d| d.current.schedule != d.start.job.schedule)
         .map(|d| d.current.clone())
         .collect();
-    let mut compiled = parallel_map(&moved, threads, finalize).into_iter();
+    let mut compiled = sched_ir::par::map(&moved, threads, finalize).into_iter();
     descents
         .into_iter()
         .map(|d| {

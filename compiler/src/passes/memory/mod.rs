@@ -169,35 +169,8 @@ fn plan_stages(p: &Program) -> Vec<Placement> {
         false => 1,
     }
     .min(stages);
-    if threads <= 1 {
-        return (0..stages).map(one).collect();
-    }
-    let next = std::sync::atomic::AtomicUsize::new(0);
-    let mut done: Vec<(usize, Placement)> = std::thread::scope(|s| {
-        let workers: Vec<_> = (0..threads)
-            .map(|_| {
-                s.spawn(|| {
-                    let mut out = vec![];
-                    loop {
-                        let k = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                        if k >= stages {
-                            break out;
-                        }
-                        out.push((k, one(k)));
-                    }
-                })
-            })
-            .collect();
-        workers
-            .into_iter()
-            .flat_map(|w| {
-                w.join()
-                    .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
-            })
-            .collect()
-    });
-    done.sort_by_key(|(k, _)| *k);
-    done.into_iter().map(|(_, part)| part).collect()
+    let stages: Vec<usize> = (0..stages).collect();
+    sched_ir::par::map(&stages, threads, |&k| one(k))
 }
 
 /// The first op touching each buffer, by buffer index (`usize::MAX`: none).
