@@ -209,6 +209,16 @@ fn tracked(b: &Buffer) -> bool {
 
 /// Whether communicator `c`'s groups are the tensor groups: each the t ranks of one stage and
 /// data-parallel index, in tensor-index order (so a sum over it adds every part once).
+/// Whether collective `c` reads the whole of its input buffer into the whole of another buffer
+/// of kind `kind` (a gather of rows, a reduce-scatter of partials).
+fn whole_into(p: &Program, c: &CollectiveOp, kind: BufferKind) -> bool {
+    let (b, out) = (c.input.buffer, c.output.buffer);
+    c.input.bytes == p.buffers[b].bytes
+        && c.output.bytes == p.buffers[out].bytes
+        && p.buffers[out].kind == kind
+        && out != b
+}
+
 pub(crate) fn is_tensor_comm(p: &Program, c: CommId) -> bool {
     let l = p.layout;
     let t = l.tensor.max(1);
@@ -401,20 +411,12 @@ impl Run<'_> {
             return;
         }
         let whole = match scatter {
-            true => {
-                c.input.bytes == p.buffers[b].bytes
-                    && c.output.bytes == p.buffers[out].bytes
-                    && p.buffers[out].kind == BufferKind::Partial
-                    && out != b
-            }
+            true => whole_into(p, c, BufferKind::Partial),
             false => c.input == c.output && c.output.bytes == p.buffers[b].bytes,
         };
-        let held = match scatter {
-            true => self.held.get(&b).copied(),
-            false => self.held.remove(&b),
-        };
+        // In place, the input's value goes with the output's.
+        let held = self.held.get(&b).copied();
         self.held.remove(&out);
-        let b = out;
         match held {
             Some(Value::Partial {
                 layer,
@@ -430,7 +432,7 @@ impl Run<'_> {
                     grad,
                     reduced: true,
                 };
-                self.held.insert(b, v);
+                self.held.insert(out, v);
             }
             Some(v @ Value::Partial { reduced: false, .. }) if whole => self.error(
                 id,
@@ -472,10 +474,7 @@ impl Run<'_> {
         self.held.remove(&out);
         let name = &p.buffers[b].name;
         let gathered = held.and_then(Value::gathered);
-        let whole = c.input.bytes == p.buffers[b].bytes
-            && c.output.bytes == p.buffers[out].bytes
-            && p.buffers[out].kind == BufferKind::Hidden
-            && out != b;
+        let whole = whole_into(p, c, BufferKind::Hidden);
         let what = held.map_or_else(|| "nothing yet".to_string(), |v| v.describe(p));
         match gathered {
             _ if !p.layout.sequence => self.error(
